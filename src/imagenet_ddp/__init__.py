@@ -1,0 +1,3 @@
+from importlib.metadata import version as _v
+
+__version__ = _v("imagenet-ddp")

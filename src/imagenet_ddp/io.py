@@ -1,0 +1,55 @@
+"""Atomic file writing: nothing half-written ever carries a final name."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+@contextlib.contextmanager
+def atomic_path(final: str | os.PathLike[str], *, is_dir: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling path; rename it onto ``final`` only if the block succeeds.
+
+    The temporary lives in the same directory so the rename is atomic on POSIX file systems.
+    On error the temporary is removed and ``final`` is left untouched.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{final.name}.tmp-"
+    tmp = Path(
+        tempfile.mkdtemp(prefix=prefix, dir=final.parent)
+        if is_dir
+        else tempfile.mkstemp(prefix=prefix, dir=final.parent)[1]
+    )
+    try:
+        yield tmp
+        if is_dir and final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def write_csv_atomic(path: str | os.PathLike[str], frame: Any) -> None:
+    """Write a pandas DataFrame as CSV (deterministic: no index, '\\n' line endings)."""
+    with atomic_path(path) as tmp:
+        frame.to_csv(tmp, index=False, lineterminator="\n")
