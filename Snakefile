@@ -1,0 +1,19 @@
+# ImageNet (ILSVRC2012) classifiers trained with multi-node PyTorch DDP, measured and reported.
+#   snakemake --profile profiles/local      # one machine
+#   snakemake --profile profiles/slurm      # a SLURM cluster
+# Review first: add -n (dry-run) to see every job and its resources.
+
+
+configfile: "config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/data.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/report.smk"
+
+
+rule all:
+    input:
+        "results/aggregate/runs.csv",
+        "results/aggregate/runs.md",

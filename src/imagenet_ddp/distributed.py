@@ -1,0 +1,115 @@
+"""Process-group setup shared by training and evaluation.
+
+Ranks come from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK) or, when launched by
+``srun``, from SLURM's per-task variables (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID). The
+launcher sets MASTER_ADDR/MASTER_PORT; see :mod:`imagenet_ddp.launch`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    host: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(*names: str, default: int) -> int:
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            return int(value)
+    return default
+
+
+def dist_info_from_env() -> DistInfo:
+    return DistInfo(
+        rank=_env_int("RANK", "SLURM_PROCID", default=0),
+        world_size=_env_int("WORLD_SIZE", "SLURM_NTASKS", default=1),
+        local_rank=_env_int("LOCAL_RANK", "SLURM_LOCALID", default=0),
+        local_world_size=_env_int(
+            "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", default=1
+        ),
+        host=socket.gethostname(),
+    )
+
+
+def select_device(requested: str, local_rank: int) -> torch.device:
+    """``auto`` picks this rank's GPU when CUDA is available, else the CPU.
+
+    With ``--gres-flags=allow-task-sharing`` off, SLURM shows each task only its own GPU, so the
+    visible device count can be 1 while local_rank is larger: index modulo the visible count.
+    """
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' requested but torch.cuda.is_available() is False")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def init_process_group(
+    info: DistInfo, device: torch.device, backend: str, timeout_minutes: float
+) -> None:
+    """Join the job's process group (a no-op for a single process)."""
+    if info.world_size == 1:
+        return
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend=backend,
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=datetime.timedelta(minutes=timeout_minutes),
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def all_gather_objects(obj: object) -> list[object]:
+    if not is_distributed():
+        return [obj]
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()

@@ -1,0 +1,218 @@
+"""Run one training job: stage data on every node, start one worker per device, clean up.
+
+Two launchers share this code path:
+- ``local``: one node; staging in this process, workers started by torchrun.
+- ``srun``: inside a SLURM allocation (a Snakemake rule with the ``mpi`` resource); staging is
+  one ``srun`` task per node, the workers are ``nodes x tasks_per_node`` srun tasks, each reading
+  its rank from SLURM_PROCID/SLURM_LOCALID and deriving MASTER_ADDR/MASTER_PORT from the job.
+
+Each node writes ``<run_dir>/staging/<host>.json``; workers read the copy their host staged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from imagenet_ddp.io import write_json_atomic
+from imagenet_ddp.stage import cleanup_staged, scratch_root_from_env, stage_dataset
+
+# Below Linux's default ephemeral range (32768-60999), so it cannot collide with client ports.
+MASTER_PORT_BASE, MASTER_PORT_SPAN = 15000, 15000
+
+
+@dataclass(frozen=True)
+class Geometry:
+    nodes: int
+    tasks_per_node: int
+    cpus_per_task: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+def master_port(job_id: int) -> int:
+    """A port derived from the job id: concurrent jobs sharing a node rarely collide."""
+    return MASTER_PORT_BASE + job_id % MASTER_PORT_SPAN
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM hostlist expression -> host names, via ``scontrol show hostnames``."""
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+    ).stdout
+    return out.split()
+
+
+def rendezvous_from_slurm_env() -> None:
+    """Set MASTER_ADDR/MASTER_PORT in an srun task from the variables srun gives every task."""
+    if "MASTER_ADDR" not in os.environ:
+        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ["SLURM_JOB_NODELIST"]
+        os.environ["MASTER_ADDR"] = expand_nodelist(nodelist)[0]
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(master_port(int(os.environ["SLURM_JOB_ID"])))
+
+
+def staging_report_path(run_dir: Path, host: str) -> Path:
+    return run_dir / "staging" / f"{host}.json"
+
+
+def stage_this_node(src: Path, scratch_dir: Path, run_dir: Path, verify: str) -> dict:
+    report = stage_dataset(src, scratch_root_from_env(scratch_dir), verify=verify)
+    write_json_atomic(staging_report_path(run_dir, report["host"]), report)
+    return report
+
+
+def unstage_this_node(run_dir: Path) -> None:
+    path = staging_report_path(run_dir, socket.gethostname())
+    report = json.loads(path.read_text())
+    cleanup_staged(Path(report["dest"]))
+    report["cleaned"] = not Path(report["dest"]).exists()
+    write_json_atomic(path, report)
+
+
+def staged_copy_for_this_host(run_dir: Path) -> Path:
+    return Path(json.loads(staging_report_path(run_dir, socket.gethostname()).read_text())["dest"])
+
+
+def worker_env(geometry: Geometry) -> dict[str, str]:
+    # Ranks started by srun/torchrun otherwise run with all cores' threads each (3-5x slower).
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(geometry.cpus_per_task)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def srun_argv(geometry: Geometry, *, per_node: bool, extra: list[str]) -> list[str]:
+    tasks_per_node = 1 if per_node else geometry.tasks_per_node
+    return [
+        "srun",
+        f"--nodes={geometry.nodes}",
+        f"--ntasks={geometry.nodes * tasks_per_node}",
+        f"--ntasks-per-node={tasks_per_node}",
+        f"--cpus-per-task={geometry.cpus_per_task if not per_node else 1}",
+        "--kill-on-bad-exit=1",
+        "--export=ALL",
+        *extra,
+    ]
+
+
+def run_job(
+    *,
+    launcher: str,
+    geometry: Geometry,
+    prepared_train: Path,
+    scratch_dir: Path,
+    run_dir: Path,
+    stage_verify: str,
+    cleanup: bool,
+    worker_args: list[str],
+    srun_extra: list[str] | None = None,
+) -> int:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    me = [sys.executable, "-m", "imagenet_ddp.launch"]
+    node_args = ["--run-dir", str(run_dir)]
+    if launcher == "local":
+        if geometry.nodes != 1:
+            raise ValueError("launcher 'local' runs on one node; use launcher 'srun' for nodes > 1")
+        stage_this_node(prepared_train, scratch_dir, run_dir, stage_verify)
+        worker = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nnodes=1",
+            f"--nproc-per-node={geometry.tasks_per_node}",
+            "-m",
+            "imagenet_ddp.launch",
+            "worker",
+            *node_args,
+            "--",
+            *worker_args,
+        ]
+        try:
+            code = _run(worker, geometry)
+        finally:
+            if cleanup:
+                unstage_this_node(run_dir)
+        return code
+
+    extra = list(srun_extra or [])
+    stage = [
+        *srun_argv(geometry, per_node=True, extra=extra),
+        *me,
+        "stage-node",
+        *node_args,
+        "--src",
+        str(prepared_train),
+        "--scratch-dir",
+        str(scratch_dir),
+        "--verify",
+        stage_verify,
+    ]
+    code = _run(stage, geometry)
+    if code != 0:
+        return code
+    try:
+        worker = [
+            *srun_argv(geometry, per_node=False, extra=extra),
+            *me,
+            "worker",
+            *node_args,
+            "--",
+            *worker_args,
+        ]
+        code = _run(worker, geometry)
+    finally:
+        if cleanup:
+            _run(
+                [*srun_argv(geometry, per_node=True, extra=extra), *me, "unstage-node", *node_args],
+                geometry,
+            )
+    return code
+
+
+def _run(argv: list[str], geometry: Geometry) -> int:
+    print("+ " + shlex.join(argv), flush=True)
+    return subprocess.run(argv, env=worker_env(geometry)).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Per-node entry points used by the launcher (not meant to be called by hand)."""
+    import argparse
+
+    from imagenet_ddp import train
+
+    parser = argparse.ArgumentParser(prog="python -m imagenet_ddp.launch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    stage = sub.add_parser("stage-node")
+    unstage = sub.add_parser("unstage-node")
+    worker = sub.add_parser("worker")
+    for p in (stage, unstage, worker):
+        p.add_argument("--run-dir", type=Path, required=True)
+    stage.add_argument("--src", type=Path, required=True)
+    stage.add_argument("--scratch-dir", type=Path, required=True)
+    stage.add_argument("--verify", default="size")
+    worker.add_argument("rest", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.command == "stage-node":
+        stage_this_node(args.src, args.scratch_dir, args.run_dir, args.verify)
+        return 0
+    if args.command == "unstage-node":
+        unstage_this_node(args.run_dir)
+        return 0
+    if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
+        rendezvous_from_slurm_env()
+    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    return train.main([*rest, "--train-data", str(staged_copy_for_this_host(args.run_dir))])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

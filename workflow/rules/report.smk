@@ -1,0 +1,15 @@
+rule aggregate:
+    input:
+        metrics=expand("results/runs/{run}/train_metrics.json", run=RUNS),
+        evaluations=expand("results/runs/{run}/eval.json", run=RUNS),
+        jobs=expand("results/runs/{run}/job.json", run=RUNS),
+    output:
+        csv="results/aggregate/runs.csv",
+        markdown="results/aggregate/runs.md",
+    params:
+        run_dirs=run_dirs(),
+    log:
+        "logs/aggregate.log",
+    shell:
+        "{IMAGENET_DDP} aggregate --run-dirs {params.run_dirs:q} --csv {output.csv:q}"
+        " --markdown {output.markdown:q} > {log:q} 2>&1"
