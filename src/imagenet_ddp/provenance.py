@@ -1,4 +1,4 @@
-"""Provenance written beside every artifact: config subset, code version, library versions, seeds."""
+"""Provenance beside every artifact: config subset, code version, library versions, seeds."""
 
 from __future__ import annotations
 
