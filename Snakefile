@@ -15,5 +15,4 @@ include: "workflow/rules/report.smk"
 
 rule all:
     input:
-        "results/aggregate/runs.csv",
-        "results/aggregate/runs.md",
+        REPORT_TARGETS,

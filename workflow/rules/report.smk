@@ -1,3 +1,9 @@
+REPORT_TARGETS = [
+    "results/aggregate/runs.csv",
+    "results/aggregate/runs.md",
+]
+
+
 rule aggregate:
     input:
         metrics=expand("results/runs/{run}/train_metrics.json", run=RUNS),

@@ -1,0 +1,128 @@
+"""End to end: the real `snakemake --profile profiles/local` on the demo data.
+
+One full run (module fixture), then assertions on every artifact and on Snakemake's rerun
+decisions: a no-op rerun, a changed lr, a changed split seed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import pandas as pd
+import pytest
+
+from tests.workflow_helpers import planned_jobs, read_config, snakemake, write_config
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    from tests.workflow_helpers import copy_workflow
+
+    workdir = copy_workflow(tmp_path_factory.mktemp("local-e2e"))
+    snakemake(workdir, "--profile", "profiles/local")
+    return workdir
+
+
+def test_every_stage_artifact_exists_with_provenance(local_run):
+    w = local_run
+    for path in [
+        "resources/demo/ILSVRC2012/ILSVRC2012_img_train.tar",
+        "results/verify/report.json",
+        "results/verify/report.json.provenance.json",
+        "results/index/classes.csv",
+        "results/index/train.csv",
+        "results/index/val.csv",
+        "results/index/provenance.json",
+        "results/split/train.csv",
+        "results/split/holdout.csv",
+        "results/split/provenance.json",
+        "results/prepared/train/prepared.json",
+        "results/prepared/val/prepared.json",
+        "results/aggregate/runs.csv",
+        "results/aggregate/runs.md",
+    ]:
+        assert (w / path).is_file(), path
+    provenance = json.loads((w / "results/split/provenance.json").read_text())
+    assert provenance["seeds"] == {"split": 0}
+    assert provenance["libraries"]["torch"].startswith("2.")
+    assert "git_commit" in provenance["code"]
+    for run in ("resnet18-1x2", "resnet18-1x1"):
+        for name in ("model.pt", "train_metrics.json", "history.csv", "job.json", "eval.json",
+                     "per_class.csv", "eval.json.provenance.json"):
+            assert (w / "results/runs" / run / name).is_file(), (run, name)
+
+
+def test_accuracy_well_above_chance_on_holdout_and_test(local_run):
+    table = pd.read_csv(local_run / "results/aggregate/runs.csv")
+    chance = 1 / 6
+    assert len(table) == 2
+    assert (table["holdout_top1"] > 2.5 * chance).all(), table
+    assert (table["test_top1"] > 2.5 * chance).all(), table
+    evaluation = json.loads((local_run / "results/runs/resnet18-1x2/eval.json").read_text())
+    assert evaluation["test"]["samples"] == 6 * 10  # every val image exactly once
+    holdout = pd.read_csv(local_run / "results/split/holdout.csv")
+    assert evaluation["holdout"]["samples"] == len(holdout)
+
+
+def test_training_used_the_configured_ranks_and_recorded_throughput(local_run):
+    metrics = json.loads((local_run / "results/runs/resnet18-1x2/train_metrics.json").read_text())
+    assert metrics["world_size"] == 2
+    assert sorted(r["rank"] for r in metrics["ranks"]) == [0, 1]
+    assert len(metrics["epochs"]) == 3
+    for epoch in metrics["epochs"]:
+        assert epoch["images_per_s"] > 0
+        assert len(epoch["images_per_s_per_rank"]) == 2
+    staging = list((local_run / "results/runs/resnet18-1x2/staging").glob("*.json"))
+    assert len(staging) == 1
+    report = json.loads(staging[0].read_text())
+    assert report["bytes"] > 0 and report["cleaned"] is True
+    assert not any((local_run / "scratch").rglob("*.bin")), "staged copy was not cleaned up"
+
+
+def test_split_is_stratified(local_run):
+    counts = pd.read_csv(local_run / "results/split/class_counts.csv")
+    totals = counts["train"] + counts["holdout"]
+    expected = totals * 0.1
+    assert ((counts["holdout"] - expected).abs() <= 1).all(), counts
+
+
+def test_nothing_to_do_on_rerun(local_run):
+    assert planned_jobs(local_run, "--profile", "profiles/local") == {}
+
+
+def test_changing_one_runs_lr_reruns_only_that_run(local_run):
+    config = read_config(local_run)
+    original = copy.deepcopy(config)
+    config["runs"][1]["lr"] = 0.02
+    write_config(local_run, config)
+    try:
+        plan = planned_jobs(local_run, "--profile", "profiles/local")
+    finally:
+        write_config(local_run, original)
+    assert plan == {"train": 1, "evaluate": 1, "aggregate": 1, "all": 1}, plan
+
+
+def test_changing_split_seed_reruns_split_and_downstream_only(local_run):
+    config = read_config(local_run)
+    original = copy.deepcopy(config)
+    config["split"]["seed"] = 1
+    write_config(local_run, config)
+    try:
+        plan = planned_jobs(local_run, "--profile", "profiles/local")
+    finally:
+        write_config(local_run, original)
+    assert plan == {"split": 1, "train": 2, "evaluate": 2, "aggregate": 1, "all": 1}, plan
+
+
+def test_split_is_identical_when_rerun(local_run, tmp_path):
+    before = (local_run / "results/split/holdout.csv").read_bytes()
+    shutil.copytree(local_run / "results/split", tmp_path / "split-before")
+    snakemake(local_run, "--profile", "profiles/local", "--forcerun", "split", "--until", "split")
+    assert (local_run / "results/split/holdout.csv").read_bytes() == before
+    assert (local_run / "results/split/train.csv").read_bytes() == (
+        tmp_path / "split-before/train.csv"
+    ).read_bytes()
