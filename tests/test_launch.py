@@ -1,0 +1,26 @@
+"""Launcher pieces that do not need a cluster (the real srun path runs in the SLURM tests)."""
+
+from __future__ import annotations
+
+from imagenet_ddp.launch import Geometry, master_port, srun_argv, worker_env
+
+
+def test_master_port_is_below_the_ephemeral_range_and_follows_the_job():
+    ports = {master_port(job) for job in range(0, 100_000, 7)}
+    assert min(ports) >= 1024 and max(ports) < 32768
+    assert master_port(12345) == master_port(12345)
+    assert master_port(12345) != master_port(12346)
+
+
+def test_srun_launches_one_task_per_rank_or_one_per_node():
+    g = Geometry(nodes=2, tasks_per_node=4, cpus_per_task=8)
+    ranks = srun_argv(g, per_node=False, extra=["--gres-flags=allow-task-sharing"])
+    assert "--ntasks=8" in ranks and "--ntasks-per-node=4" in ranks
+    assert "--cpus-per-task=8" in ranks and ranks[-1] == "--gres-flags=allow-task-sharing"
+    per_node = srun_argv(g, per_node=True, extra=[])
+    assert "--ntasks=2" in per_node and "--ntasks-per-node=1" in per_node
+
+
+def test_workers_get_their_thread_count():
+    env = worker_env(Geometry(1, 2, 3))
+    assert env["OMP_NUM_THREADS"] == "3"
