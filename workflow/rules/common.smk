@@ -1,17 +1,28 @@
 import json
-import shlex
+import os
 import sys
 
 from snakemake.utils import validate
 
 
+envvars:
+    "PATH",
+
+
 validate(config, "../schemas/config.schema.yaml")
 
-# The rules call the package through the interpreter that runs Snakemake, so a job finds the
-# same environment locally and inside a SLURM job without relying on PATH.
-IMAGENET_DDP = f"{shlex.quote(sys.executable)} -m imagenet_ddp.cli"
+# Jobs call the `imagenet-ddp` command of the environment that runs Snakemake (also inside a
+# SLURM job, where the jobstep re-reads this file), even when that environment is not activated.
+os.environ["PATH"] = os.pathsep.join(
+    [os.path.dirname(sys.executable), os.environ["PATH"]]
+)
 
-RUN_KEYS_NOT_FOR_TRAINING = {"nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node"}
+RUN_KEYS_NOT_FOR_TRAINING = {
+    "nodes",
+    "tasks_per_node",
+    "cpus_per_task",
+    "gpus_per_node",
+}
 
 
 def _runs():
@@ -54,7 +65,9 @@ def run_settings(wildcards):
 def run_training_json(wildcards):
     """The run's training settings (everything but its geometry), as the worker's JSON."""
     settings = {
-        k: v for k, v in RUNS[wildcards.run].items() if k not in RUN_KEYS_NOT_FOR_TRAINING
+        k: v
+        for k, v in RUNS[wildcards.run].items()
+        if k not in RUN_KEYS_NOT_FOR_TRAINING
     }
     settings["run"] = settings.pop("name")
     return json.dumps(settings, sort_keys=True)
@@ -68,20 +81,18 @@ def run_dirs():
     return [f"results/runs/{name}" for name in RUNS]
 
 
-def _execution_args():
-    """Where and how training runs. Not params: moving a run to another scratch dir or
-    launcher does not change what it computes, so it must not trigger a retrain."""
-    execution = config.get("execution", {})
-    stage = config.get("stage", {})
-    args = [
-        "--launcher", execution.get("launcher", "local"),
-        "--scratch-dir", stage.get("scratch_dir", "scratch"),
-        "--stage-verify", stage.get("verify", "size"),
-        "--cleanup" if stage.get("cleanup", True) else "--no-cleanup",
-        "--srun-extra", execution.get("srun_extra", ""),
-    ]
-    return shlex.join(args)
+def execution_setting(section, key, default):
+    """Where/how a job runs. Passed as a resource, not a param: it does not change results,
+    so it must not trigger a rerun, and a profile may override it with set-resources."""
+    return config.get(section, {}).get(key, default)
 
 
-TRAIN_EXECUTION_ARGS = _execution_args()
-CHECKPOINT_DIR = config.get("execution", {}).get("checkpoint_dir", "results/checkpoints")
+CHECKPOINT_DIR = execution_setting("execution", "checkpoint_dir", "results/checkpoints")
+
+
+def md5sums_input(wildcards):
+    """md5sums is optional for real data; the demo set always writes one."""
+    path = f"{data_dir()}/md5sums"
+    if config.get("demo", {}).get("enabled", False) or os.path.exists(path):
+        return [path]
+    return []

@@ -12,10 +12,12 @@ rule aggregate:
     output:
         csv="results/aggregate/runs.csv",
         markdown="results/aggregate/runs.md",
-    params:
-        run_dirs=run_dirs(),
     log:
         "logs/aggregate.log",
+    conda:
+        "../envs/imagenet-ddp.yaml"
+    params:
+        run_dirs=run_dirs(),
     shell:
-        "{IMAGENET_DDP} aggregate --run-dirs {params.run_dirs:q} --csv {output.csv:q}"
+        "imagenet-ddp aggregate --run-dirs {params.run_dirs:q} --csv {output.csv:q}"
         " --markdown {output.markdown:q} > {log:q} 2>&1"

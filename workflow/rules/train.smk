@@ -8,15 +8,13 @@ rule train:
         metrics="results/runs/{run}/train_metrics.json",
         history="results/runs/{run}/history.csv",
         job="results/runs/{run}/job.json",
-    params:
-        run_config=run_training_json,
-        nodes=run_geometry("nodes"),
-        tasks_per_node=run_geometry("tasks_per_node"),
-        cpus_per_task=run_geometry("cpus_per_task"),
-        run_dir="results/runs/{run}",
-        checkpoint_root=f"{CHECKPOINT_DIR}/{{run}}",
+    log:
+        "logs/train/{run}.log",
+    conda:
+        "../envs/imagenet-ddp.yaml"
     # Cores this job takes on a local machine (ignored by the SLURM executor's sizing).
-    threads: lambda wildcards: RUNS[wildcards.run]["tasks_per_node"]
+    threads:
+        lambda wildcards: RUNS[wildcards.run]["tasks_per_node"]
         * RUNS[wildcards.run]["cpus_per_task"]
     resources:
         # One SLURM task per GPU (rank) on every node; the rule launches them itself with srun,
@@ -28,12 +26,30 @@ rule train:
         cpus_per_task=run_geometry("cpus_per_task"),
         gpus_per_node=run_geometry("gpus_per_node"),
         mpi="srun",
-    log:
-        "logs/train/{run}.log",
+        # Where and how it runs (not results, so not params): a profile may override these.
+        launcher=execution_setting("execution", "launcher", "local"),
+        srun_extra=execution_setting("execution", "srun_extra", ""),
+        scratch_dir=execution_setting("stage", "scratch_dir", "scratch"),
+        stage_verify=execution_setting("stage", "verify", "size"),
+        stage_cleanup=(
+            "cleanup" if execution_setting("stage", "cleanup", True) else "no-cleanup"
+        ),
+        checkpoint_root=lambda wildcards: f"{CHECKPOINT_DIR}/{wildcards.run}",
+    params:
+        run_config=run_training_json,
+        nodes=run_geometry("nodes"),
+        tasks_per_node=run_geometry("tasks_per_node"),
+        cpus_per_task=run_geometry("cpus_per_task"),
+        run_dir=lambda wildcards, output: os.path.dirname(output.model),
+        split_dir=lambda wildcards, input: os.path.dirname(input.split_train),
     shell:
-        "{IMAGENET_DDP} train {TRAIN_EXECUTION_ARGS} --run-config-json {params.run_config:q}"
-        " --prepared-train {input.prepared:q} --split-dir results/split"
-        " --run-dir {params.run_dir:q} --checkpoint-root {params.checkpoint_root:q}"
+        "imagenet-ddp train --launcher {resources.launcher}"
+        " --srun-extra={resources.srun_extra:q} --scratch-dir {resources.scratch_dir:q}"
+        " --stage-verify {resources.stage_verify} --{resources.stage_cleanup}"
+        " --checkpoint-root {resources.checkpoint_root:q}"
+        " --run-config-json {params.run_config:q}"
+        " --prepared-train {input.prepared:q} --split-dir {params.split_dir:q}"
+        " --run-dir {params.run_dir:q}"
         " --nodes {params.nodes} --tasks-per-node {params.tasks_per_node}"
         " --cpus-per-task {params.cpus_per_task} > {log:q} 2>&1"
 
@@ -48,14 +64,19 @@ rule evaluate:
     output:
         metrics="results/runs/{run}/eval.json",
         per_class="results/runs/{run}/per_class.csv",
-    params:
-        batch_size=config.get("evaluate", {}).get("batch_size", 128),
-    threads: 1
     log:
         "logs/evaluate/{run}.log",
+    conda:
+        "../envs/imagenet-ddp.yaml"
+    threads: 1
+    resources:
+        eval_workers=config.get("evaluate", {}).get("workers", 0),
+    params:
+        batch_size=config.get("evaluate", {}).get("batch_size", 128),
+        split_dir=lambda wildcards, input: os.path.dirname(input.holdout),
     shell:
-        "{IMAGENET_DDP} evaluate --model {input.model:q}"
+        "imagenet-ddp evaluate --model {input.model:q}"
         " --prepared-train {input.prepared_train:q} --prepared-val {input.prepared_val:q}"
-        " --split-dir results/split --classes {input.classes:q} --out {output.metrics:q}"
+        " --split-dir {params.split_dir:q} --classes {input.classes:q} --out {output.metrics:q}"
         " --per-class {output.per_class:q} --batch-size {params.batch_size}"
         " --workers {resources.eval_workers} > {log:q} 2>&1"
