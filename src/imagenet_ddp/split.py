@@ -1,0 +1,84 @@
+"""Stratified train/holdout split of the ILSVRC2012 train set.
+
+Selects exactly what the common recipe selects over torchvision's sample order (= sample_id)::
+
+    n = len(targets); n_valid = int(round(n * holdout_fraction)); n_train = n - n_valid
+    train_idx, valid_idx = train_test_split(
+        np.arange(n), train_size=n_train, test_size=n_valid,
+        random_state=np.random.RandomState(seed), shuffle=True, stratify=targets)
+
+so a holdout made here can be compared with one made by any script using that recipe.
+Vectorised: 1.28M rows / 1000 classes take about a second.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+from sklearn.model_selection import train_test_split
+
+from imagenet_ddp.errors import InputError
+
+
+def stratified_split(
+    train: pd.DataFrame, holdout_fraction: float, seed: int
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(train_part, holdout_part): row subsets of ``train`` (all columns), sorted by sample_id."""
+    if not 0.0 < float(holdout_fraction) < 1.0:
+        raise InputError(
+            f"split.holdout_fraction is {holdout_fraction}; it must be strictly between 0 and 1"
+        )
+    missing = {"sample_id", "class_index"} - set(train.columns)
+    if missing:
+        raise InputError(
+            f"the train index lacks columns {sorted(missing)}; rebuild it with `imagenet-ddp index`"
+        )
+    ordered = train.sort_values("sample_id", kind="stable").reset_index(drop=True)
+    if ordered["sample_id"].duplicated().any():
+        raise InputError("the train index repeats sample_ids; rebuild it with `imagenet-ddp index`")
+    targets = ordered["class_index"].to_numpy()
+    n = len(targets)
+    n_valid = int(round(n * holdout_fraction))
+    n_train = n - n_valid
+    counts = pd.Series(targets).value_counts()
+
+    def describe(classes) -> str:
+        if "wnid" in ordered.columns:
+            names = ordered.groupby("class_index")["wnid"].first()
+            shown = [f"{names[c]} (class {c})" for c in sorted(classes)[:10]]
+        else:
+            shown = [f"class {c}" for c in sorted(classes)[:10]]
+        more = f" and {len(classes) - 10} more" if len(classes) > 10 else ""
+        return ", ".join(shown) + more
+
+    too_small = counts.index[counts < 2].tolist()
+    if too_small:
+        raise InputError(
+            f"classes {describe(too_small)} have fewer than 2 training images, too few for a "
+            "stratified split; check the train archive (re-download it) or its index"
+        )
+    if n_valid < len(counts) or n_train < len(counts):
+        raise InputError(
+            f"split.holdout_fraction {holdout_fraction} of {n} images gives {n_valid} holdout "
+            f"and {n_train} train images, but a stratified split needs at least one per class "
+            f"({len(counts)} classes) on each side; choose a fraction between "
+            f"{len(counts) / n:.4g} and {1 - len(counts) / n:.4g}"
+        )
+    try:
+        train_idx, valid_idx = train_test_split(
+            np.arange(n),
+            train_size=n_train,
+            test_size=n_valid,
+            random_state=np.random.RandomState(seed),
+            shuffle=True,
+            stratify=targets,
+        )
+    except ValueError as exc:  # anything the checks above did not anticipate
+        raise InputError(
+            f"stratified split with holdout_fraction {holdout_fraction} failed: {exc}; "
+            f"smallest classes: {describe(counts.nsmallest(5).index.tolist())}"
+        ) from None
+    return (
+        ordered.iloc[np.sort(train_idx)].reset_index(drop=True),
+        ordered.iloc[np.sort(valid_idx)].reset_index(drop=True),
+    )

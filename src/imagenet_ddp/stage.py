@@ -1,0 +1,195 @@
+"""Copy a prepared directory to node-local scratch, once per node, and remove it afterwards.
+
+Destination: ``<scratch_root>/imagenet_ddp/<fingerprint>/<src.name>``, where the fingerprint is
+the first 16 hex digits of the sha256 of ``src/prepared.json`` (which holds every shard's
+sha256, so equal fingerprints mean equal content). A copy is complete only once its marker
+``.staged.json`` exists (written last, after verification); a complete copy is reused. Copies go
+to a temporary sibling directory renamed into place, under an exclusive lock, so concurrent
+stagers on one node (e.g. two jobs sharing a scratch dir) never see or make a partial copy.
+Works for any prepared directory (train or val).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from imagenet_ddp.errors import InputError
+from imagenet_ddp.io import atomic_path, write_json_atomic
+
+STAGE_DIR = "imagenet_ddp"
+MARKER = ".staged.json"
+_VERIFY = ("size", "sha256")
+_HASH_CHUNK = 8 << 20
+
+
+def scratch_root_from_env(default: Path) -> Path:
+    """$SLURM_TMPDIR (the job's node-local scratch) when set, else ``default``."""
+    value = os.environ.get("SLURM_TMPDIR")
+    return Path(value) if value else Path(default)
+
+
+def fingerprint(src: Path) -> str:
+    path = Path(src) / "prepared.json"
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    except FileNotFoundError:
+        raise InputError(
+            f"{path} not found: {src} is not a prepared directory; run `imagenet-ddp prepare`"
+        ) from None
+
+
+def staged_path(src: Path, scratch_root: Path) -> Path:
+    return Path(scratch_root) / STAGE_DIR / fingerprint(src) / Path(src).name
+
+
+def _files(src: Path) -> list[tuple[str, int]]:
+    """(relative path, size) of every regular file under src, sorted."""
+    out = []
+    for root, dirs, names in os.walk(src):
+        dirs.sort()
+        for name in sorted(names):
+            path = Path(root) / name
+            if path.is_file():
+                out.append((path.relative_to(src).as_posix(), path.stat().st_size))
+    return sorted(out)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_HASH_CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def _verify(src: Path, dest: Path, files: list[tuple[str, int]], verify: str) -> None:
+    for rel, size in files:
+        actual = (dest / rel).stat().st_size if (dest / rel).is_file() else None
+        if actual != size:
+            raise InputError(
+                f"staged copy {dest / rel} has {actual} bytes, {src / rel} has {size}; the "
+                "scratch disk may be full or failing: free it or set stage.scratch_dir"
+            )
+    if verify == "sha256":
+        info = json.loads((dest / "prepared.json").read_text())
+        for shard in info["shards"]:
+            path = dest / "shards" / shard["name"]
+            if _sha256(path) != shard["sha256"]:
+                raise InputError(
+                    f"staged copy {path} does not match the sha256 in {src / 'prepared.json'}; "
+                    "the source or the scratch disk is damaged: rerun prepare or change "
+                    "stage.scratch_dir"
+                )
+
+
+def _is_complete(dest: Path, fp: str, files: list[tuple[str, int]]) -> bool:
+    try:
+        marker = json.loads((dest / MARKER).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+    if marker.get("fingerprint") != fp or marker.get("files") != [list(f) for f in files]:
+        return False
+    return all(
+        (dest / rel).is_file() and (dest / rel).stat().st_size == size for rel, size in files
+    )
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _lock_path(dest: Path) -> Path:
+    return dest.parent / f".{dest.name}.lock"
+
+
+def stage_dataset(src: Path, scratch_root: Path, *, verify: str = "size") -> dict:
+    """Copy ``src`` (a prepared dir) under ``scratch_root`` unless a verified copy is there."""
+    if verify not in _VERIFY:
+        raise InputError(f"stage.verify is {verify!r}; use one of {_VERIFY}")
+    src, scratch_root = Path(src), Path(scratch_root)
+    fp = fingerprint(src)
+    dest = scratch_root / STAGE_DIR / fp / src.name
+    files = _files(src)
+    total = sum(size for _, size in files)
+    started = time.perf_counter()
+    report = {
+        "host": socket.gethostname(),
+        "src": str(src),
+        "dest": str(dest),
+        "bytes": total,
+        "files": len(files),
+        "verify": verify,
+        "fingerprint": fp,
+    }
+    with _locked(_lock_path(dest)):
+        if _is_complete(dest, fp, files):
+            seconds = time.perf_counter() - started
+            return {**report, "seconds": seconds, "bytes_per_s": 0.0, "reused": True}
+        free = shutil.disk_usage(dest.parent).free
+        if dest.exists():  # an incomplete copy: its space is about to be freed
+            free += sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
+        if free < total:
+            raise InputError(
+                f"scratch {dest.parent} has {_human(free)} free, needs {_human(total)}; set "
+                "stage.scratch_dir / ask for more $SLURM_TMPDIR"
+            )
+        with atomic_path(dest, is_dir=True) as tmp:
+            for rel, _ in files:
+                target = tmp / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src / rel, target)  # copy_file_range/sendfile fast path
+            _verify(src, tmp, files, verify)
+            write_json_atomic(
+                tmp / MARKER,
+                {"fingerprint": fp, "src": str(src), "files": [list(f) for f in files]},
+            )
+    seconds = time.perf_counter() - started
+    return {
+        **report,
+        "seconds": seconds,
+        "bytes_per_s": total / seconds if seconds > 0 else 0.0,
+        "reused": False,
+    }
+
+
+def cleanup_staged(dest: Path) -> None:
+    """Remove a staged copy, then its fingerprint dir and ``imagenet_ddp/`` if left empty."""
+    dest = Path(dest)
+    if dest.parent.parent.name != STAGE_DIR:
+        raise ValueError(f"{dest} is not a staged copy (<scratch>/{STAGE_DIR}/<fp>/<name>)")
+    lock = _lock_path(dest)
+    if dest.exists() or lock.exists():
+        with _locked(lock):
+            shutil.rmtree(dest, ignore_errors=True)
+        lock.unlink(missing_ok=True)
+    for parent in (dest.parent, dest.parent.parent):
+        try:
+            parent.rmdir()
+        except OSError:  # not empty (another copy or a stager still there) or already gone
+            break

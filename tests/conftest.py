@@ -1,0 +1,59 @@
+"""Shared fixtures: one small demo ILSVRC2012 (built once per session) and its derived data.
+
+Tests must treat these directories as read-only; use ``writable_archives`` to damage a copy.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+DEMO_KWARGS = {
+    "num_classes": 4,
+    "train_per_class": 12,
+    "val_per_class": 2,
+    "image_size": 32,
+    "seed": 0,
+}
+
+
+@pytest.fixture(scope="session")
+def demo_archives(tmp_path_factory) -> Path:
+    """Directory with the demo's three ILSVRC2012 archives and md5sums (4 classes, 32 px)."""
+    from imagenet_ddp.demo import make_demo_dataset
+
+    out = tmp_path_factory.mktemp("demo") / "ILSVRC2012"
+    make_demo_dataset(out, **DEMO_KWARGS)
+    return out
+
+
+@pytest.fixture(scope="session")
+def demo_index(demo_archives):
+    """(classes, train, val) DataFrames of the demo archives."""
+    from imagenet_ddp.archives import build_index
+
+    return build_index(demo_archives)
+
+
+@pytest.fixture(scope="session")
+def prepared_demo(demo_archives, demo_index, tmp_path_factory) -> dict[str, Path]:
+    """{"train": dir, "val": dir}: the demo prepared at short_side 24 (small shards)."""
+    from imagenet_ddp.prepared import prepare_split
+
+    root = tmp_path_factory.mktemp("prepared")
+    _, train, val = demo_index
+    out = {}
+    for which, index in (("train", train), ("val", val)):
+        out[which] = root / which
+        prepare_split(
+            demo_archives, index, out[which], which=which, short_side=24, shard_bytes=16 << 10
+        )
+    return out
+
+
+@pytest.fixture
+def writable_archives(demo_archives, tmp_path) -> Path:
+    """A private copy of the demo archives, for tests that damage them."""
+    return Path(shutil.copytree(demo_archives, tmp_path / "ILSVRC2012"))

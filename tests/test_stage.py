@@ -1,0 +1,109 @@
+"""Staging prepared data to node-local scratch: copy once, verify, reuse, clean up."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from imagenet_ddp import stage
+from imagenet_ddp.errors import InputError
+from imagenet_ddp.stage import cleanup_staged, scratch_root_from_env, stage_dataset
+
+
+def _tree(root):
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in root.rglob("*")
+        if p.is_file() and p.name != stage.MARKER
+    }
+
+
+@pytest.mark.parametrize("verify", ["size", "sha256"])
+def test_stage_copies_then_reuses_then_cleans_up(prepared_demo, tmp_path, verify):
+    src = prepared_demo["train"]
+    scratch = tmp_path / "scratch"
+    report = stage_dataset(src, scratch, verify=verify)
+    dest = scratch / "imagenet_ddp" / stage.fingerprint(src) / "train"
+    assert report["dest"] == str(dest) and report["src"] == str(src)
+    assert report["host"] == socket.gethostname() and report["verify"] == verify
+    assert report["reused"] is False and report["bytes_per_s"] > 0
+    assert report["files"] == len(_tree(src)) and report["bytes"] == sum(
+        len(b) for b in _tree(src).values()
+    )
+    assert _tree(dest) == _tree(src)
+    assert json.loads((dest / stage.MARKER).read_text())["fingerprint"] == stage.fingerprint(src)
+    again = stage_dataset(src, scratch, verify=verify)
+    assert again["reused"] is True and again["dest"] == report["dest"]
+    cleanup_staged(dest)
+    assert list(scratch.iterdir()) == []
+    cleanup_staged(dest)  # idempotent
+
+
+def test_train_and_val_stage_side_by_side(prepared_demo, tmp_path):
+    reports = {w: stage_dataset(prepared_demo[w], tmp_path) for w in ("train", "val")}
+    assert reports["train"]["dest"] != reports["val"]["dest"]
+    cleanup_staged(tmp_path / "imagenet_ddp" / stage.fingerprint(prepared_demo["train"]) / "train")
+    assert (tmp_path / "imagenet_ddp").is_dir()  # val is still there
+    cleanup_staged(stage.staged_path(prepared_demo["val"], tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_incomplete_copy_is_replaced(prepared_demo, tmp_path):
+    src = prepared_demo["val"]
+    report = stage_dataset(src, tmp_path)
+    dest = stage.staged_path(src, tmp_path)
+    (dest / stage.MARKER).unlink()  # e.g. a node died before the marker was written
+    (dest / "samples.csv").write_text("garbage")
+    again = stage_dataset(src, tmp_path)
+    assert again["reused"] is False and again["dest"] == report["dest"]
+    assert _tree(dest) == _tree(src)
+
+
+def test_scratch_too_small(prepared_demo, tmp_path, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(stage.shutil, "disk_usage", lambda path: usage(10**9, 10**9, 1000))
+    with pytest.raises(InputError) as info:
+        stage_dataset(prepared_demo["train"], tmp_path / "scratch")
+    message = str(info.value)
+    assert "has 1000.0 B free, needs" in message
+    assert "set stage.scratch_dir / ask for more $SLURM_TMPDIR" in message
+    assert not list((tmp_path / "scratch").rglob("*.bin"))
+
+
+@pytest.mark.parametrize("verify", ["size", "sha256"])
+def test_bad_copy_is_detected_and_not_kept(prepared_demo, tmp_path, monkeypatch, verify):
+    real_copy = shutil.copyfile
+
+    def damaging_copy(src, dst):
+        real_copy(src, dst)
+        if str(dst).endswith("shard-00001.bin"):
+            data = bytearray(Path(dst).read_bytes())
+            if verify == "size":
+                data = data[:-1]
+            else:
+                data[0] ^= 0xFF
+            Path(dst).write_bytes(bytes(data))
+
+    monkeypatch.setattr(stage.shutil, "copyfile", damaging_copy)
+    with pytest.raises(InputError, match="shard-00001.bin"):
+        stage_dataset(prepared_demo["train"], tmp_path, verify=verify)
+    assert not stage.staged_path(prepared_demo["train"], tmp_path).exists()
+
+
+def test_not_a_prepared_dir_and_bad_verify(tmp_path):
+    with pytest.raises(InputError, match="not a prepared directory"):
+        stage_dataset(tmp_path, tmp_path / "scratch")
+    with pytest.raises(InputError, match="stage.verify"):
+        stage_dataset(tmp_path, tmp_path / "scratch", verify="md5")
+
+
+def test_scratch_root_from_env(monkeypatch, tmp_path):
+    monkeypatch.delenv("SLURM_TMPDIR", raising=False)
+    assert scratch_root_from_env(tmp_path / "default") == tmp_path / "default"
+    monkeypatch.setenv("SLURM_TMPDIR", str(tmp_path / "job"))
+    assert scratch_root_from_env(tmp_path / "default") == tmp_path / "job"
