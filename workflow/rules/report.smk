@@ -1,6 +1,17 @@
+report: "../report/workflow.rst"
+
+
+PLOT_FILES = {
+    "throughput": "results/plots/throughput.png",
+    "efficiency": "results/plots/scaling_efficiency.png",
+    "curves": "results/plots/training_curves.png",
+    "per_class": "results/plots/per_class_test_top1.png",
+}
+
 REPORT_TARGETS = [
     "results/aggregate/runs.csv",
     "results/aggregate/runs.md",
+    *PLOT_FILES.values(),
 ]
 
 
@@ -10,7 +21,12 @@ rule aggregate:
         evaluations=expand("results/runs/{run}/eval.json", run=RUNS),
         jobs=expand("results/runs/{run}/job.json", run=RUNS),
     output:
-        csv="results/aggregate/runs.csv",
+        csv=report(
+            "results/aggregate/runs.csv",
+            caption="../report/runs_table.rst",
+            category="Tables",
+            labels={"table": "all runs"},
+        ),
         markdown="results/aggregate/runs.md",
     log:
         "logs/aggregate.log",
@@ -21,3 +37,47 @@ rule aggregate:
     shell:
         "imagenet-ddp aggregate --run-dirs {params.run_dirs:q} --csv {output.csv:q}"
         " --markdown {output.markdown:q} > {log:q} 2>&1"
+
+
+rule plots:
+    input:
+        runs="results/aggregate/runs.csv",
+        histories=expand("results/runs/{run}/history.csv", run=RUNS),
+        per_class=expand("results/runs/{run}/per_class.csv", run=RUNS),
+    output:
+        throughput=report(
+            PLOT_FILES["throughput"],
+            caption="../report/throughput.rst",
+            category="Throughput",
+            labels={"figure": "throughput vs workers"},
+        ),
+        efficiency=report(
+            PLOT_FILES["efficiency"],
+            caption="../report/scaling_efficiency.rst",
+            category="Throughput",
+            labels={"figure": "scaling efficiency"},
+        ),
+        curves=report(
+            PLOT_FILES["curves"],
+            caption="../report/training_curves.rst",
+            category="Training curves",
+            labels={"figure": "loss and accuracy per epoch"},
+        ),
+        per_class=report(
+            PLOT_FILES["per_class"],
+            caption="../report/per_class.rst",
+            category="Accuracy",
+            labels={"figure": "per-class test top-1"},
+        ),
+    log:
+        "logs/plots.log",
+    conda:
+        "../envs/imagenet-ddp.yaml"
+    params:
+        run_dirs=run_dirs(),
+    # `python` is the interpreter of the environment that runs Snakemake (common.smk puts its
+    # bin directory first on PATH) or of the rule's conda env; plots.py has its own entry point.
+    shell:
+        "python -m imagenet_ddp.plots --runs-csv {input.runs:q} --run-dirs {params.run_dirs:q}"
+        " --throughput {output.throughput:q} --efficiency {output.efficiency:q}"
+        " --curves {output.curves:q} --per-class {output.per_class:q} > {log:q} 2>&1"

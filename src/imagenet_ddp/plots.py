@@ -1,0 +1,451 @@
+"""Figures for the report: scaling (throughput, efficiency), training curves, per-class accuracy.
+
+Inputs are the aggregate table (``results/aggregate/runs.csv``) and each run's ``history.csv``
+and ``per_class.csv``. Every figure is written atomically; the format follows the output's
+suffix (``.png`` or ``.svg``), and reruns on the same inputs write byte-identical files.
+
+    python -m imagenet_ddp.plots --runs-csv results/aggregate/runs.csv \\
+        --run-dirs results/runs/a results/runs/b \\
+        --throughput t.png --efficiency e.png --curves c.png --per-class p.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.ticker import (  # noqa: E402
+    FixedLocator,
+    FuncFormatter,
+    LogLocator,
+    MaxNLocator,
+    NullLocator,
+    ScalarFormatter,
+)
+
+from imagenet_ddp.errors import InputError  # noqa: E402
+from imagenet_ddp.io import atomic_path  # noqa: E402
+
+RUNS_COLUMNS = ["run", "model", "workers", "images_per_s", "images_per_s_per_worker"]
+HISTORY_COLUMNS = ["epoch", "train_loss", "holdout_loss", "train_top1", "holdout_top1"]
+PER_CLASS_COLUMNS = ["class_index", "test_top1", "test_total"]
+
+# Fixed style so the figures do not depend on a user's matplotlibrc.
+STYLE = {
+    "figure.dpi": 100,
+    "savefig.dpi": 130,
+    "font.size": 10,
+    "axes.titlesize": 11,
+    "axes.labelsize": 10,
+    "legend.fontsize": 8.5,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "svg.hashsalt": "imagenet-ddp",
+    "svg.fonttype": "path",
+}
+# No dates, no version strings: identical inputs give identical bytes.
+METADATA = {
+    ".png": {"Software": None},
+    ".svg": {"Date": None, "Creator": None},
+}
+SUPPORTED_SUFFIXES = tuple(METADATA)
+
+
+# --------------------------------------------------------------------------------- inputs
+def _read_csv(path: Path, required: Sequence[str], what: str) -> pd.DataFrame:
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: {what} not found; run the rule that writes it first")
+    try:
+        frame = pd.read_csv(path, keep_default_na=False, na_values=["", "nan", "NaN"])
+    except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: cannot read {what} as CSV ({exc})") from exc
+    missing = [c for c in required if c not in frame.columns]
+    if missing:
+        raise InputError(
+            f"{path}: {what} lacks column(s) {', '.join(missing)} "
+            f"(has: {', '.join(map(str, frame.columns)) or 'none'})"
+        )
+    if frame.empty:
+        raise InputError(f"{path}: {what} has no rows")
+    for column in required:
+        if column in ("run", "model", "class_index"):
+            continue
+        values = pd.to_numeric(frame[column], errors="coerce")
+        bad = values.isna() & frame[column].notna()
+        if bad.any():
+            raise InputError(
+                f"{path}: column {column!r} has non-numeric value "
+                f"{frame[column][bad].iloc[0]!r} in row {int(bad.idxmax()) + 2}"
+            )
+        frame[column] = values
+    return frame
+
+
+def read_runs(path: Path) -> pd.DataFrame:
+    """The aggregate table; adds ``scaling_efficiency`` if an older table lacks it."""
+    table = _read_csv(path, RUNS_COLUMNS, "aggregate runs table")
+    table["run"] = table["run"].astype(str)
+    table["model"] = table["model"].astype(str)
+    if table["run"].duplicated().any():
+        raise InputError(f"{path}: run {table['run'][table['run'].duplicated()].iloc[0]!r} twice")
+    if (table["workers"] < 1).any():
+        raise InputError(f"{path}: 'workers' must be >= 1 in every row")
+    baseline = _baselines(table)
+    if "scaling_efficiency" not in table.columns or table["scaling_efficiency"].isna().all():
+        table["scaling_efficiency"] = table["images_per_s_per_worker"] / table["model"].map(
+            baseline["images_per_s_per_worker"]
+        )
+    return table
+
+
+def read_run_dir(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    run_dir = Path(run_dir)
+    history = _read_csv(run_dir / "history.csv", HISTORY_COLUMNS, "training history")
+    per_class = _read_csv(run_dir / "per_class.csv", PER_CLASS_COLUMNS, "per-class accuracy")
+    return history.sort_values("epoch"), per_class
+
+
+def _baselines(table: pd.DataFrame) -> pd.DataFrame:
+    """Per model, the run with the fewest workers (ties: run name), as aggregate.py does."""
+    return table.sort_values(["model", "workers", "run"]).groupby("model").first()
+
+
+# -------------------------------------------------------------------------------- helpers
+def _save(fig: Figure, path: Path) -> None:
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in METADATA:
+        raise InputError(f"{path}: unsupported figure format; use one of {SUPPORTED_SUFFIXES}")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format=suffix[1:], metadata=METADATA[suffix], bbox_inches="tight")
+    plt.close(fig)
+
+
+def _colors(keys: Sequence[str]) -> dict[str, tuple]:
+    cmap = plt.get_cmap("tab10" if len(keys) <= 10 else "tab20")
+    return {key: cmap(i % cmap.N) for i, key in enumerate(keys)}
+
+
+def _worker_axis(ax, workers: Sequence[int]) -> bool:
+    """Log2 axis with the actual worker counts as ticks when they span 4x or more."""
+    workers = sorted({int(w) for w in workers})
+    log = workers[-1] / workers[0] >= 4
+    if log:
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_locator(FixedLocator(workers))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.set_xlabel("Workers (DDP ranks)")
+    if not log:
+        pad = max(0.5, 0.08 * (workers[-1] - workers[0]))
+        ax.set_xlim(workers[0] - pad, workers[-1] + pad)
+    return log
+
+
+def _label_points(ax, table: pd.DataFrame, y: str) -> None:
+    """Name each run next to its point: below right, or above right near the bottom axis."""
+    if len(table) > 12:  # labels would pile up; the table in the report names the runs
+        return
+    to_axes = ax.transData + ax.transAxes.inverted()
+    for row in table.itertuples():
+        point = (row.workers, getattr(row, y))
+        near_bottom = to_axes.transform(point)[1] < 0.1
+        ax.annotate(
+            row.run,
+            point,
+            xytext=(6, 5 if near_bottom else -12),
+            textcoords="offset points",
+            fontsize=7.5,
+            color="0.3",
+        )
+
+
+# -------------------------------------------------------------------------------- figures
+def plot_throughput(table: pd.DataFrame, out: Path) -> None:
+    """Measured training throughput vs workers per model, and ideal linear scaling."""
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        models = sorted(table["model"].unique())
+        colors = _colors(models)
+        log = _worker_axis(ax, table["workers"])
+        baselines = _baselines(table)
+        for model in models:
+            rows = table[table["model"] == model].sort_values(["workers", "run"])
+            base = baselines.loc[model]
+            ax.plot(
+                rows["workers"],
+                rows["images_per_s"],
+                marker="o",
+                color=colors[model],
+                label=f"{model} (measured)",
+            )
+            ideal_x = np.array([float(base["workers"]), float(rows["workers"].max())])
+            ax.plot(
+                ideal_x,
+                base["images_per_s_per_worker"] * ideal_x,
+                linestyle="--",
+                color=colors[model],
+                alpha=0.7,
+                label=f"{model} (ideal linear, from {base['run']})",
+            )
+        if log:  # straight ideal lines; ticks at 1-2-5 steps, not powers of two
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_minor_locator(NullLocator())
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.6g}"))
+            low = float(table["images_per_s"].min())
+            high = max(ax.get_ylim()[1], float(table["images_per_s"].max()))
+            ax.set_ylim(low / 1.6, high * 1.3)  # room for the point labels
+        else:
+            ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.1)
+        for model in models:  # after the limits: placement depends on them
+            _label_points(ax, table[table["model"] == model], "images_per_s")
+        ax.set_ylabel("Training throughput (images/s, all workers)")
+        ax.set_title("Training throughput vs workers")
+        ax.legend(loc="upper left", frameon=False)
+        _save(fig, out)
+
+
+def plot_efficiency(table: pd.DataFrame, out: Path) -> None:
+    """Scaling efficiency: per-worker throughput relative to the model's smallest run."""
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        models = sorted(table["model"].unique())
+        colors = _colors(models)
+        _worker_axis(ax, table["workers"])
+        ax.axhline(100, color="0.4", linestyle="--", linewidth=1, label="ideal (100 %)")
+        for model in models:
+            rows = table[table["model"] == model].sort_values(["workers", "run"])
+            ax.plot(
+                rows["workers"],
+                rows["scaling_efficiency"] * 100,
+                marker="o",
+                color=colors[model],
+                label=model,
+            )
+        top = max(110.0, float(np.nanmax(table["scaling_efficiency"])) * 100 * 1.1)
+        ax.set_ylim(0, top)
+        ax.set_ylabel("Scaling efficiency (%)")
+        ax.set_title("Scaling efficiency vs workers\n(per-worker throughput / smallest run's)")
+        ax.legend(loc="lower left", frameon=False)
+        _save(fig, out)
+
+
+def plot_curves(histories: dict[str, pd.DataFrame], out: Path) -> None:
+    """Loss (train, holdout) and top-1 accuracy (train, holdout) per epoch, one color per run."""
+    max_epoch = max(int(h["epoch"].max()) + 1 for h in histories.values())
+    # Markers show where the measurements are; past a few dozen epochs they only add noise.
+    size = 3.5 if max_epoch <= 20 else 0
+    train = {"linestyle": "-", "marker": "o", "markersize": size}
+    holdout = {"linestyle": "--", "marker": "s", "markersize": size}
+    train_acc = {"linestyle": ":", "alpha": 0.8}
+    holdout_acc = {"linestyle": "-", "marker": "s", "markersize": size}
+    with plt.rc_context(STYLE):
+        fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.4))
+        colors = _colors(list(histories))
+        for run, history in histories.items():
+            x = history["epoch"] + 1  # history counts from 0; plot epochs completed
+            color = colors[run]
+            ax_loss.plot(x, history["train_loss"], color=color, **train)
+            ax_loss.plot(x, history["holdout_loss"], color=color, **holdout)
+            ax_acc.plot(x, history["holdout_top1"] * 100, color=color, **holdout_acc)
+            ax_acc.plot(x, history["train_top1"] * 100, color=color, **train_acc)
+        for ax in (ax_loss, ax_acc):
+            ax.set_xlabel("Epochs completed")
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True, min_n_ticks=1))
+            ax.set_xlim(0.7 if max_epoch <= 20 else 0, max_epoch + (0.3 if max_epoch <= 20 else 0))
+        ax_loss.set_ylabel("Cross-entropy loss")
+        losses = pd.concat([h[["train_loss", "holdout_loss"]] for h in histories.values()])
+        losses = losses.to_numpy().ravel()
+        losses = losses[np.isfinite(losses) & (losses > 0)]
+        if len(losses) and losses.max() / losses.min() > 20:
+            # An early spike (e.g. unsettled batch norm on the holdout) would flatten the rest.
+            ax_loss.set_yscale("log")
+            ax_loss.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.6g}"))
+            ax_loss.set_ylabel("Cross-entropy loss (log scale)")
+        else:
+            ax_loss.set_ylim(bottom=0)
+        ax_loss.set_title("Loss per epoch")
+        ax_acc.set_ylabel("Top-1 accuracy (%)")
+        ax_acc.set_ylim(0, 100)
+        ax_acc.set_title("Top-1 accuracy per epoch")
+        gray = {"color": "0.3"}
+        ax_loss.legend(
+            handles=[
+                Line2D([], [], **gray, **train, label="train (mean over epoch)"),
+                Line2D([], [], **gray, **holdout, label="holdout (end of epoch)"),
+            ],
+            loc="upper right",
+            frameon=False,
+        )
+        ax_acc.legend(
+            handles=[
+                Line2D([], [], **gray, **holdout_acc, label="holdout (end of epoch)"),
+                Line2D([], [], **gray, **train_acc, label="train (mean over epoch)"),
+            ],
+            loc="upper left",
+            frameon=False,
+        )
+        run_handles = [Line2D([], [], color=colors[r], linewidth=2, label=r) for r in histories]
+        ncol = min(len(run_handles), 5)
+        fig.legend(
+            handles=run_handles,
+            loc="lower center",
+            ncol=ncol,
+            frameon=False,
+            title="Run",
+            bbox_to_anchor=(0.5, -0.02),
+        )
+        fig.suptitle("Training curves")
+        rows = -(-len(run_handles) // ncol)
+        fig.tight_layout(rect=(0, 0.035 + 0.045 * rows, 1, 1))
+        _save(fig, out)
+
+
+def plot_per_class(per_class: dict[str, pd.DataFrame], out: Path) -> None:
+    """Spread of per-class test top-1 across classes: a box per run plus every class as a dot."""
+    runs = list(per_class)
+    values = []
+    for run in runs:
+        frame = per_class[run]
+        values.append((frame.loc[frame["test_total"] > 0, "test_top1"].dropna() * 100).to_numpy())
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(runs) + 2.5), 4.6))
+        colors = _colors(runs)
+        positions = np.arange(1, len(runs) + 1)
+        ax.boxplot(
+            values,
+            positions=positions,
+            widths=0.55,
+            showfliers=False,
+            medianprops={"color": "black"},
+            boxprops={"color": "0.35"},
+            whiskerprops={"color": "0.35"},
+            capprops={"color": "0.35"},
+        )
+        rng = np.random.default_rng(0)  # fixed jitter: deterministic output
+        for pos, run, vals in zip(positions, runs, values, strict=True):
+            jitter = rng.uniform(-0.18, 0.18, size=len(vals))
+            alpha = 0.8 if len(vals) <= 100 else max(0.15, 60 / len(vals))
+            ax.scatter(
+                pos + jitter, vals, s=12, color=colors[run], alpha=alpha, zorder=3, linewidths=0
+            )
+            if len(vals):
+                ax.scatter(
+                    pos, vals.mean(), marker="D", s=30, color="white", edgecolors="black", zorder=4
+                )
+        n_classes = max(len(f) for f in per_class.values())
+        chance = 100 / n_classes
+        ax.axhline(chance, color="firebrick", linestyle=":", linewidth=1)
+        handles = [
+            Line2D([], [], color="black", label="median (box: quartiles)"),
+            Line2D(
+                [],
+                [],
+                marker="D",
+                linestyle="",
+                markerfacecolor="white",
+                markeredgecolor="black",
+                label="mean over classes",
+            ),
+            Line2D([], [], marker="o", linestyle="", color="0.4", label="one class"),
+            Line2D([], [], color="firebrick", linestyle=":", label=f"chance ({chance:.3g} %)"),
+        ]
+        ax.legend(
+            handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False
+        )
+        ax.set_xticks(positions)
+        ax.set_xticklabels(
+            runs, rotation=20 if len(runs) > 3 else 0, ha="right" if len(runs) > 3 else "center"
+        )
+        ax.set_xlim(0.4, len(runs) + 0.6)
+        ax.set_ylim(-3, 103)
+        ax.set_xlabel("Run")
+        ax.set_ylabel("Per-class test top-1 accuracy (%)")
+        ax.set_title(f"Per-class test top-1 accuracy ({n_classes} classes)")
+        _save(fig, out)
+
+
+# ------------------------------------------------------------------------------------ CLI
+def make_plots(
+    runs_csv: Path,
+    run_dirs: Sequence[Path],
+    *,
+    throughput: Path,
+    efficiency: Path,
+    curves: Path,
+    per_class: Path,
+) -> None:
+    for path in (throughput, efficiency, curves, per_class):
+        if Path(path).suffix.lower() not in METADATA:
+            raise InputError(f"{path}: unsupported figure format; use one of {SUPPORTED_SUFFIXES}")
+    if not run_dirs:
+        raise InputError("no run directories given (--run-dirs)")
+    table = read_runs(runs_csv)
+    histories, per_class_tables = {}, {}
+    for run_dir in run_dirs:
+        name = Path(run_dir).name
+        if name in histories:
+            raise InputError(f"{run_dir}: run {name!r} given twice in --run-dirs")
+        histories[name], per_class_tables[name] = read_run_dir(run_dir)
+    plot_throughput(table, throughput)
+    plot_efficiency(table, efficiency)
+    plot_curves(histories, curves)
+    plot_per_class(per_class_tables, per_class)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m imagenet_ddp.plots", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--runs-csv", type=Path, required=True, help="aggregate runs.csv")
+    parser.add_argument(
+        "--run-dirs",
+        type=Path,
+        nargs="+",
+        required=True,
+        help="run directories holding history.csv and per_class.csv",
+    )
+    for name, text in (
+        ("throughput", "throughput vs workers"),
+        ("efficiency", "scaling efficiency vs workers"),
+        ("curves", "loss and accuracy per epoch"),
+        ("per-class", "per-class test top-1 spread"),
+    ):
+        parser.add_argument(f"--{name}", type=Path, required=True, help=f"{text} (.png or .svg)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        make_plots(
+            args.runs_csv,
+            args.run_dirs,
+            throughput=args.throughput,
+            efficiency=args.efficiency,
+            curves=args.curves,
+            per_class=args.per_class,
+        )
+    except InputError as exc:
+        print(f"imagenet-ddp plots: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

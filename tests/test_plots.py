@@ -1,0 +1,289 @@
+"""The report's figures: written from fake run outputs, valid images, clear errors on bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from imagenet_ddp import plots
+from imagenet_ddp.aggregate import COLUMNS
+from imagenet_ddp.errors import InputError
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# (run, model, nodes, workers, images/s per worker): a realistic multi-node sweep.
+FAKE_RUNS = [
+    ("resnet18-1x1", "resnet18", 1, 1, 2900.0),
+    ("resnet18-1x4", "resnet18", 1, 4, 2800.0),
+    ("resnet18-2x4", "resnet18", 2, 8, 2550.0),
+    ("resnet18-4x4", "resnet18", 4, 16, 2300.0),
+    ("resnet50-1x4", "resnet50", 1, 4, 1150.0),
+    ("resnet50-2x4", "resnet50", 2, 8, 1100.0),
+    ("resnet50-4x4", "resnet50", 4, 16, 1010.0),
+]
+
+
+def make_fake_results(
+    root: Path, runs=FAKE_RUNS, *, epochs: int = 8, num_classes: int = 100
+) -> tuple[Path, list[Path]]:
+    """Write results/aggregate/runs.csv and results/runs/<run>/{history,per_class}.csv."""
+    rng = np.random.default_rng(1)
+    rows = []
+    run_dirs = []
+    # Scaling baseline as aggregate.py defines it: the model's run with the fewest workers.
+    baseline = {m: pw for _, m, _, _, pw in sorted(runs, key=lambda r: (r[1], -r[3]))}
+    for run, model, nodes, workers, per_worker in runs:
+        final = 0.55 + 0.1 * (model == "resnet50") + rng.normal(0, 0.01)
+        run_dir = root / "results/runs" / run
+        run_dir.mkdir(parents=True)
+        epoch = np.arange(epochs)
+        progress = 1 - np.exp(-(epoch + 1) / (epochs / 3))
+        history = pd.DataFrame(
+            {
+                "epoch": epoch,
+                "train_loss": 6.9 - (6.9 - 1.6) * progress + rng.normal(0, 0.03, epochs),
+                "train_top1": final * 1.08 * progress,
+                "images": 1_153_000,
+                "epoch_seconds": 1_153_000 / (per_worker * workers),
+                "images_per_s": per_worker * workers,
+                "lr_end": 0.1 * (1 - progress),
+                "holdout_top1": final * progress + rng.normal(0, 0.005, epochs),
+                "holdout_top5": np.minimum(1, final * 1.4 * progress),
+                "holdout_loss": 6.9 - (6.9 - 1.9) * progress + rng.normal(0, 0.03, epochs),
+            }
+        )
+        history.to_csv(run_dir / "history.csv", index=False)
+        test_top1 = np.clip(rng.normal(final - 0.03, 0.15, num_classes), 0, 1)
+        pd.DataFrame(
+            {
+                "class_index": np.arange(num_classes),
+                "wnid": [f"n{i:08d}" for i in range(num_classes)],
+                "words": [f"class {i}, thing" for i in range(num_classes)],
+                "holdout_top1": np.clip(test_top1 + rng.normal(0, 0.03, num_classes), 0, 1),
+                "holdout_total": 13,
+                "test_top1": test_top1,
+                "test_total": 50,
+            }
+        ).to_csv(run_dir / "per_class.csv", index=False)
+        run_dirs.append(run_dir)
+        rows.append(
+            {
+                "run": run,
+                "model": model,
+                "nodes": nodes,
+                "workers": workers,
+                "gpus": workers,
+                "global_batch": 256 * workers,
+                "precision": "bf16",
+                "epochs": epochs,
+                "staging_seconds": 120.0,
+                "staging_gb_per_s": 1.2,
+                "mean_epoch_seconds": 1_153_000 / (per_worker * workers),
+                "images_per_s": per_worker * workers,
+                "images_per_s_per_worker": per_worker,
+                "scaling_efficiency": per_worker / baseline[model],
+                "holdout_top1": final,
+                "holdout_top5": final * 1.4,
+                "test_top1": final - 0.03,
+                "test_top5": final * 1.35,
+                "wall_seconds": 3600.0,
+                "git_commit": "abc1234",
+            }
+        )
+    csv = root / "results/aggregate/runs.csv"
+    csv.parent.mkdir(parents=True)
+    pd.DataFrame(rows, columns=COLUMNS).to_csv(csv, index=False)
+    return csv, run_dirs
+
+
+def _outputs(out: Path, suffix: str = ".png") -> dict[str, Path]:
+    return {
+        name: out / f"{name}{suffix}"
+        for name in ("throughput", "efficiency", "curves", "per_class")
+    }
+
+
+def _assert_images(paths: dict[str, Path], suffix: str) -> None:
+    for path in paths.values():
+        data = path.read_bytes()
+        assert len(data) > 5000, path
+        if suffix == ".png":
+            assert data.startswith(PNG_MAGIC), path
+        else:
+            assert b"<svg" in data[:2000] and data.rstrip().endswith(b"</svg>"), path
+    # No temporaries left behind by the atomic writes.
+    assert not [p for p in next(iter(paths.values())).parent.iterdir() if ".tmp-" in p.name]
+
+
+@pytest.mark.parametrize("suffix", [".png", ".svg"])
+def test_every_figure_is_written_and_valid(tmp_path, suffix):
+    csv, run_dirs = make_fake_results(tmp_path)
+    outputs = _outputs(tmp_path / "plots", suffix)
+    plots.make_plots(csv, run_dirs, **outputs)
+    _assert_images(outputs, suffix)
+
+
+@pytest.mark.parametrize("suffix", [".png", ".svg"])
+def test_rerun_gives_identical_bytes(tmp_path, suffix):
+    csv, run_dirs = make_fake_results(tmp_path)
+    first, second = _outputs(tmp_path / "a", suffix), _outputs(tmp_path / "b", suffix)
+    plots.make_plots(csv, run_dirs, **first)
+    plots.make_plots(csv, run_dirs, **second)
+    for name in first:
+        assert first[name].read_bytes() == second[name].read_bytes(), name
+
+
+def test_single_run_and_linear_axes(tmp_path):
+    """The demo pipeline's shape: one model, 1 and 2 workers, few classes and epochs."""
+    runs = [("resnet18-1x2", "resnet18", 1, 2, 40.0), ("resnet18-1x1", "resnet18", 1, 1, 55.0)]
+    csv, run_dirs = make_fake_results(tmp_path, runs, epochs=3, num_classes=6)
+    outputs = _outputs(tmp_path / "plots")
+    plots.make_plots(csv, run_dirs, **outputs)
+    _assert_images(outputs, ".png")
+    one = _outputs(tmp_path / "one")
+    plots.make_plots(csv, run_dirs[:1], **one)
+    _assert_images(one, ".png")
+
+
+def test_missing_scaling_efficiency_is_computed(tmp_path):
+    csv, _ = make_fake_results(tmp_path)
+    table = pd.read_csv(csv).drop(columns="scaling_efficiency")
+    table.to_csv(csv, index=False)
+    runs = plots.read_runs(csv)
+    resnet18 = runs[runs["model"] == "resnet18"].set_index("run")["scaling_efficiency"]
+    assert resnet18["resnet18-1x1"] == pytest.approx(1.0)
+    assert resnet18["resnet18-4x4"] == pytest.approx(2300 / 2900)
+
+
+def test_main_cli_writes_figures(tmp_path):
+    csv, run_dirs = make_fake_results(tmp_path)
+    outputs = _outputs(tmp_path / "plots")
+    argv = ["--runs-csv", str(csv), "--run-dirs", *map(str, run_dirs)]
+    for name, path in outputs.items():
+        argv += [f"--{name.replace('_', '-')}", str(path)]
+    assert plots.main(argv) == 0
+    _assert_images(outputs, ".png")
+
+
+def _run_module(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "imagenet_ddp.plots", *args], capture_output=True, text=True
+    )
+
+
+def _argv(csv: Path, run_dirs: list[Path], out: Path) -> list[str]:
+    argv = ["--runs-csv", str(csv), "--run-dirs", *map(str, run_dirs)]
+    for name, path in _outputs(out).items():
+        argv += [f"--{name.replace('_', '-')}", str(path)]
+    return argv
+
+
+def test_missing_runs_csv_is_one_clear_line(tmp_path):
+    csv, run_dirs = make_fake_results(tmp_path)
+    csv.unlink()
+    result = _run_module(*_argv(csv, run_dirs, tmp_path / "plots"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"imagenet-ddp plots: error: {csv}: aggregate runs table not found; "
+        "run the rule that writes it first"
+    )
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "plots").exists() or not any((tmp_path / "plots").iterdir())
+
+
+def test_missing_history_names_the_file(tmp_path):
+    csv, run_dirs = make_fake_results(tmp_path)
+    (run_dirs[2] / "history.csv").unlink()
+    with pytest.raises(InputError, match=r"resnet18-2x4/history\.csv: training history not found"):
+        plots.make_plots(csv, run_dirs, **_outputs(tmp_path / "plots"))
+
+
+def test_missing_column_is_named(tmp_path):
+    csv, run_dirs = make_fake_results(tmp_path)
+    pd.read_csv(csv).drop(columns="images_per_s").to_csv(csv, index=False)
+    with pytest.raises(
+        InputError,
+        match=r"runs\.csv: aggregate runs table lacks column\(s\) "
+        r"images_per_s \(has: ",
+    ):
+        plots.make_plots(csv, run_dirs, **_outputs(tmp_path / "plots"))
+
+
+def test_missing_per_class_column_is_named(tmp_path):
+    csv, run_dirs = make_fake_results(tmp_path)
+    path = run_dirs[0] / "per_class.csv"
+    pd.read_csv(path).drop(columns="test_top1").to_csv(path, index=False)
+    with pytest.raises(
+        InputError,
+        match=r"per_class\.csv: per-class accuracy lacks column\(s\) "
+        r"test_top1",
+    ):
+        plots.make_plots(csv, run_dirs, **_outputs(tmp_path / "plots"))
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", "cannot read aggregate runs table as CSV"),
+        (",".join(COLUMNS) + "\n", "aggregate runs table has no rows"),
+    ],
+)
+def test_empty_runs_csv(tmp_path, content, message):
+    csv, run_dirs = make_fake_results(tmp_path)
+    csv.write_text(content)
+    with pytest.raises(InputError, match=message):
+        plots.make_plots(csv, run_dirs, **_outputs(tmp_path / "plots"))
+
+
+def test_non_numeric_value_names_column_and_row(tmp_path):
+    csv, run_dirs = make_fake_results(tmp_path)
+    table = pd.read_csv(csv)
+    table["images_per_s"] = table["images_per_s"].astype(object)
+    table.loc[1, "images_per_s"] = "fast"
+    table.to_csv(csv, index=False)
+    with pytest.raises(
+        InputError,
+        match=r"column 'images_per_s' has non-numeric value 'fast' "
+        r"in row 3",
+    ):
+        plots.make_plots(csv, run_dirs, **_outputs(tmp_path / "plots"))
+
+
+def test_unsupported_format_is_refused_before_any_work(tmp_path):
+    csv, run_dirs = make_fake_results(tmp_path)
+    outputs = _outputs(tmp_path / "plots")
+    outputs["curves"] = tmp_path / "plots/curves.jpeg"
+    with pytest.raises(InputError, match=r"curves\.jpeg: unsupported figure format"):
+        plots.make_plots(csv, run_dirs, **outputs)
+    assert not (tmp_path / "plots").exists()
+
+
+def test_failed_figure_leaves_no_partial_file(tmp_path, monkeypatch):
+    csv, run_dirs = make_fake_results(tmp_path)
+    outputs = _outputs(tmp_path / "plots")
+
+    def broken_savefig(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr("matplotlib.figure.Figure.savefig", broken_savefig)
+    with pytest.raises(RuntimeError, match="disk full"):
+        plots.make_plots(csv, run_dirs, **outputs)
+    assert not [p for p in (tmp_path / "plots").iterdir()]
+
+
+def test_loss_spike_and_collapsed_scaling_still_plot(tmp_path):
+    """What the 2-core demo really produces: a 1000x holdout-loss spike in epoch 1 and a
+    2-rank run slower than the 1-rank one (log loss axis, efficiency far below 100 %)."""
+    runs = [("resnet18-1x1", "resnet18", 1, 1, 115.0), ("resnet18-1x2", "resnet18", 1, 2, 6.1)]
+    csv, run_dirs = make_fake_results(tmp_path, runs, epochs=3, num_classes=6)
+    history = pd.read_csv(run_dirs[1] / "history.csv")
+    history.loc[0, "holdout_loss"] = 3729.0
+    history.to_csv(run_dirs[1] / "history.csv", index=False)
+    outputs = _outputs(tmp_path / "plots")
+    plots.make_plots(csv, run_dirs, **outputs)
+    _assert_images(outputs, ".png")

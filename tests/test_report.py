@@ -1,0 +1,73 @@
+"""End to end: the real pipeline on the demo data, then `snakemake --report` with the figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.workflow_helpers import REPO, copy_workflow, planned_jobs, snakemake
+
+pytestmark = pytest.mark.e2e
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+FIGURES = [
+    "results/plots/throughput.png",
+    "results/plots/scaling_efficiency.png",
+    "results/plots/training_curves.png",
+    "results/plots/per_class_test_top1.png",
+]
+
+
+@pytest.fixture(scope="module")
+def reported_run(tmp_path_factory):
+    workdir = copy_workflow(tmp_path_factory.mktemp("report-e2e"))
+    snakemake(workdir, "--profile", "profiles/local")
+    snakemake(workdir, "--report", "report.html")
+    return workdir
+
+
+def test_figures_are_written(reported_run):
+    for path in FIGURES:
+        data = (reported_run / path).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 5000, path
+    assert (reported_run / "logs/plots.log").is_file()
+
+
+def test_report_holds_figures_table_captions_and_description(reported_run):
+    html = (reported_run / "report.html").read_text()
+    for category in ("Throughput", "Accuracy", "Training curves", "Tables"):
+        assert category in html, category
+    for name in (
+        "throughput.png",
+        "scaling_efficiency.png",
+        "training_curves.png",
+        "per_class_test_top1.png",
+        "runs.csv",
+    ):
+        assert name in html, name
+    # One distinctive phrase from each caption and from the workflow description.
+    for phrase in (
+        "ideal linear scaling",
+        "perfect linear scaling",
+        "holdout loss measured at the end of the epoch",
+        "Spread of top-1 accuracy over classes",
+        "All runs in one table",
+        "DistributedDataParallel",
+    ):
+        assert phrase in html, phrase
+
+
+def test_every_caption_file_is_used():
+    rules = (REPO / "workflow/rules/report.smk").read_text()
+    captions = sorted(p.name for p in (REPO / "workflow/report").glob("*.rst"))
+    for name in captions:
+        assert f"../report/{name}" in rules, name
+
+
+def test_figures_are_identical_when_redrawn(reported_run):
+    before = {path: (reported_run / path).read_bytes() for path in FIGURES}
+    snakemake(
+        reported_run, "--profile", "profiles/local", "--forcerun", "plots", "--until", "plots"
+    )
+    for path in FIGURES:
+        assert (reported_run / path).read_bytes() == before[path], path
+    assert planned_jobs(reported_run, "--profile", "profiles/local") == {}
