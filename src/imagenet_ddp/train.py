@@ -359,7 +359,7 @@ def _train(
             torch.randint(0, num_classes, (cfg.batch_size,), generator=g).to(device),
         )
 
-    def checkpoint_state(epoch: int, step: int, partial_epoch: dict | None) -> dict[str, Any]:
+    def checkpoint_state(epoch: int, step: int, partial_epoch: list | None) -> dict[str, Any]:
         return {
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
@@ -384,7 +384,7 @@ def _train(
         sampler.set_epoch(epoch, skip_samples=skip_steps * cfg.batch_size)
         acc = {"loss_sum": 0.0, "correct": 0.0, "samples": 0.0, "seconds": 0.0}
         if partial and epoch == start_epoch:
-            acc.update(partial)
+            acc.update(_partial_for_rank(partial, info))
         progress = Progress(info.is_main, steps_per_epoch, epoch, cfg.log_interval)
         ddp_model.train()
         t_epoch = time.perf_counter()
@@ -425,10 +425,12 @@ def _train(
             if interrupted and step < steps_per_epoch:
                 progress.close()
                 acc["seconds"] += time.perf_counter() - t_epoch
-                D.barrier()
+                partials = D.all_gather_objects(acc)  # each rank's share of the epoch so far
                 if info.is_main:
                     path = save_checkpoint(
-                        checkpoint_dir, checkpoint_state(epoch, step, acc), cfg.keep_checkpoints
+                        checkpoint_dir,
+                        checkpoint_state(epoch, step, partials),
+                        cfg.keep_checkpoints,
                     )
                     print(
                         f"interrupted at epoch {epoch} step {step}: wrote {path}; rerun to resume",
@@ -473,6 +475,16 @@ def _train(
         )
     D.barrier()
     return 0
+
+
+def _partial_for_rank(partials: list[dict], info: D.DistInfo) -> dict:
+    """This rank's accumulators of an interrupted epoch (all of them on rank 0 if the world
+    size changed, so the epoch's totals stay right)."""
+    if len(partials) == info.world_size:
+        return partials[info.rank]
+    if not info.is_main:
+        return {"loss_sum": 0.0, "correct": 0.0, "samples": 0.0, "seconds": 0.0}
+    return {key: sum(p[key] for p in partials) for key in partials[0]}
 
 
 def _epoch_record(

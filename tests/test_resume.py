@@ -1,0 +1,223 @@
+"""Preemption safety: training interrupted mid-epoch resumes to bitwise-identical weights.
+
+Two gloo ranks under torchrun, deterministic mode on CPU. The interruption uses the worker's
+``--stop-after-steps`` (the same code path as SIGTERM/SIGUSR1: all ranks agree to stop, rank 0
+writes a checkpoint, exit 75); one test also sends a real SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from imagenet_ddp.io import write_csv_atomic
+from imagenet_ddp.split import stratified_split
+from imagenet_ddp.train import EXIT_REQUEUE
+
+CONFIG = {
+    "run": "resume",
+    "model": "resnet18",
+    "epochs": 2,
+    "batch_size": 4,
+    "lr": 0.05,
+    "crop_size": 16,
+    "eval_resize": 20,
+    "workers": 0,
+    "seed": 3,
+    "deterministic": True,
+    "log_interval": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def split_dir(demo_index, tmp_path_factory) -> Path:
+    _, train, _ = demo_index
+    train_part, holdout = stratified_split(train, 0.25, seed=0)
+    out = tmp_path_factory.mktemp("split")
+    write_csv_atomic(out / "train.csv", train_part)
+    write_csv_atomic(out / "holdout.csv", holdout)
+    return out
+
+
+def torchrun(
+    prepared: Path,
+    split: Path,
+    out: Path,
+    ckpt: Path,
+    *extra: str,
+    config: dict | None = None,
+    popen: bool = False,
+):
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "imagenet_ddp.train",
+        "--config-json",
+        json.dumps(config or CONFIG),
+        "--train-data",
+        str(prepared),
+        "--split-dir",
+        str(split),
+        "--out-dir",
+        str(out),
+        "--checkpoint-root",
+        str(ckpt),
+        *extra,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if popen:
+        return subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "model.pt", map_location="cpu", weights_only=False)["model"]
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(prepared_demo, split_dir, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("uninterrupted")
+    result = torchrun(prepared_demo["train"], split_dir, root / "out", root / "ckpt")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return root / "out"
+
+
+def test_resume_after_two_interruptions_is_bitwise_identical(
+    prepared_demo, split_dir, uninterrupted, tmp_path
+):
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    first = torchrun(prepared_demo["train"], split_dir, out, ckpt, "--stop-after-steps", "2")
+    assert first.returncode != 0, "an interrupted run must not look successful"
+    assert "interrupted at epoch 0 step 2" in first.stdout + first.stderr
+    assert not (out / "model.pt").exists()
+    # Second attempt resumes mid-epoch 0 and is interrupted again in epoch 1.
+    second = torchrun(prepared_demo["train"], split_dir, out, ckpt, "--stop-after-steps", "4")
+    assert "resuming from" in second.stdout + second.stderr
+    assert "interrupted at epoch 1" in second.stdout + second.stderr
+    third = torchrun(prepared_demo["train"], split_dir, out, ckpt)
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert_bitwise_equal(weights(out), weights(uninterrupted))
+    resumed = json.loads((out / "train_metrics.json").read_text())
+    reference = json.loads((uninterrupted / "train_metrics.json").read_text())
+    for a, b in zip(resumed["epochs"], reference["epochs"], strict=True):
+        assert a["train_loss"] == b["train_loss"]
+        assert a["holdout_top1"] == b["holdout_top1"]
+    assert resumed["resumed_from"]
+
+
+def test_a_torn_newest_checkpoint_is_ignored(prepared_demo, split_dir, uninterrupted, tmp_path):
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    torchrun(prepared_demo["train"], split_dir, out, ckpt, "--stop-after-steps", "3")
+    (fingerprint_dir,) = ckpt.iterdir()
+    (fingerprint_dir / "checkpoint-e0009-s0000000.pt").write_bytes(b"\0" * 100)  # torn write
+    result = torchrun(prepared_demo["train"], split_dir, out, ckpt)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ignoring unreadable checkpoint" in result.stdout + result.stderr
+    assert_bitwise_equal(weights(out), weights(uninterrupted))
+
+
+def test_sigterm_writes_a_checkpoint_and_exits_for_requeue(prepared_demo, split_dir, tmp_path):
+    config = {**CONFIG, "epochs": 200}  # long enough to be signalled mid-training
+    proc = torchrun(
+        prepared_demo["train"],
+        split_dir,
+        tmp_path / "out",
+        tmp_path / "ckpt",
+        config=config,
+        popen=True,
+    )
+    lines = []
+    for line in proc.stdout:  # wait until training really runs
+        lines.append(line)
+        if "epoch 1 step" in line:
+            break
+    workers = subprocess.run(
+        ["pgrep", "-f", "-P", str(proc.pid), "imagenet_ddp.train"], capture_output=True, text=True
+    ).stdout.split()
+    assert len(workers) == 2, lines
+    for pid in workers:  # what SLURM does before preemption: signal every task
+        os.kill(int(pid), signal.SIGTERM)
+    output = "".join(lines) + proc.stdout.read()
+    proc.wait(timeout=120)
+    assert "interrupted at epoch" in output, output
+    checkpoints = list((tmp_path / "ckpt").rglob("checkpoint-*.pt"))
+    assert checkpoints
+    assert f"exitcode  : {EXIT_REQUEUE}" in output or proc.returncode != 0
+
+
+def test_evaluation_is_identical_with_one_or_two_ranks(
+    prepared_demo, split_dir, uninterrupted, demo_archives, tmp_path
+):
+    classes = tmp_path / "classes.csv"
+    from imagenet_ddp.archives import build_index
+
+    write_csv_atomic(classes, build_index(demo_archives)[0])
+    common = [
+        "-m",
+        "imagenet_ddp.cli",
+        "evaluate",
+        "--model",
+        str(uninterrupted / "model.pt"),
+        "--prepared-train",
+        str(prepared_demo["train"]),
+        "--prepared-val",
+        str(prepared_demo["val"]),
+        "--split-dir",
+        str(split_dir),
+        "--classes",
+        str(classes),
+        "--batch-size",
+        "3",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = [
+        sys.executable,
+        *common,
+        "--out",
+        str(tmp_path / "one.json"),
+        "--per-class",
+        str(tmp_path / "one.csv"),
+    ]
+    two = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        *common,
+        "--out",
+        str(tmp_path / "two.json"),
+        "--per-class",
+        str(tmp_path / "two.csv"),
+    ]
+    for argv in (one, two):
+        result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+    a = json.loads((tmp_path / "one.json").read_text())
+    b = json.loads((tmp_path / "two.json").read_text())
+    assert b["eval_world_size"] == 2 and a["eval_world_size"] == 1
+    for split in ("holdout", "test"):
+        assert a[split]["samples"] == b[split]["samples"]
+        assert a[split]["top1"] == b[split]["top1"] and a[split]["top5"] == b[split]["top5"]
+        # Counts are exact; the mean loss is a float32 sum whose order follows the batches.
+        assert a[split]["loss"] == pytest.approx(b[split]["loss"], rel=1e-6)
+    assert (tmp_path / "one.csv").read_bytes() == (tmp_path / "two.csv").read_bytes()
