@@ -163,6 +163,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> None:
     import pandas as pd
 
+    from imagenet_ddp.distributed import dist_info_from_env
     from imagenet_ddp.evaluate import evaluate_run
 
     result = evaluate_run(
@@ -174,6 +175,8 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         workers=args.workers,
         device=args.device,
     )
+    if dist_info_from_env().rank != 0:  # started by torchrun/srun: rank 0 writes
+        return
     classes = pd.read_csv(args.classes, keep_default_na=False)
     per_class = classes[["class_index", "wnid", "words"]].copy()
     for name in ("holdout", "test"):
