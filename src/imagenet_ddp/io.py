@@ -27,6 +27,10 @@ def atomic_path(final: str | os.PathLike[str], *, is_dir: bool = False) -> Itera
         if is_dir
         else tempfile.mkstemp(prefix=prefix, dir=final.parent)[1]
     )
+    # mkstemp/mkdtemp create private (0600/0700) entries; shared datasets need the umask's mode.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, (0o777 if is_dir else 0o666) & ~umask)
     try:
         yield tmp
         if is_dir and final.exists():
