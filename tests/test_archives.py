@@ -242,21 +242,17 @@ def test_general_tar_parser_fallback_agrees(tmp_path):
         assert all(data[o : o + s] == payloads[n] for n, s, o in entries)
 
 
-def test_fast_tar_scan_is_fast(tmp_path):
-    """~20k headers: the in-place scan must be well under tarfile's ~15 us per header."""
-    import time
-
+def test_in_place_scan_lists_many_headers(tmp_path):
+    """~20k headers through the in-place scan (its speed is measured by
+    benchmarks/bench_index_split.py, not here)."""
     path = tmp_path / "many.tar"
     with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
         for i in range(20_000):
             info = tarfile.TarInfo(f"n00000001_{i}.JPEG")
             info.size = 10
             tar.addfile(info, io.BytesIO(b"0123456789"))
-    started = time.perf_counter()
     entries = archives._list_flat_tar(path)
-    elapsed = time.perf_counter() - started
     assert len(entries) == 20_000 and entries[5][1] == 10
-    assert elapsed < 0.15, f"{elapsed:.3f} s for 20k headers"
     fd = os.open(path, os.O_RDONLY)
     try:
         assert archives._scan_plain_tar(fd, 0, path.stat().st_size, path) is not None

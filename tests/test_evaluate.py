@@ -44,11 +44,14 @@ def test_two_rank_shards_cover_every_sample_once():
     whole = evaluate_dataset(model, ds, num_classes=7, device=torch.device("cpu"), batch_size=5)
     # Without a process group the reduction is local, so sum the two shards by hand.
     shards = [
-        evaluate_dataset(model, ds, num_classes=7, device=torch.device("cpu"), batch_size=5,
-                         rank=r, world_size=2)
+        evaluate_dataset(
+            model, ds, num_classes=7, device=torch.device("cpu"), batch_size=5, rank=r, world_size=2
+        )
         for r in (0, 1)
     ]
     assert shards[0]["samples"] + shards[1]["samples"] == 23  # 12 + 11: no padding
-    correct = [a + b for a, b in zip(shards[0]["per_class_correct"],
-                                     shards[1]["per_class_correct"], strict=True)]
+    correct = [
+        a + b
+        for a, b in zip(shards[0]["per_class_correct"], shards[1]["per_class_correct"], strict=True)
+    ]
     assert correct == whole["per_class_correct"]

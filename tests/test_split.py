@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pandas as pd
 import pytest
@@ -106,14 +104,14 @@ def test_holdout_smaller_than_number_of_classes():
         stratified_split(synthetic([10] * 5), 0.05, 0)  # 2 holdout images for 5 classes
 
 
-def test_full_imagenet_scale_is_fast():
+def test_full_imagenet_scale_is_stratified():
+    """Correctness at full scale; speed and memory are measured by bench_index_split.py."""
     rng = np.random.default_rng(0)
     counts = rng.integers(732, 1301, size=1000)
     counts = (counts * 1_281_167 / counts.sum()).astype(int)
     class_index = np.repeat(np.arange(1000), counts)
     frame = pd.DataFrame({"sample_id": np.arange(len(class_index)), "class_index": class_index})
-    started = time.perf_counter()
     train_part, holdout = stratified_split(frame, 0.01, 0)
-    elapsed = time.perf_counter() - started
     assert len(train_part) + len(holdout) == len(frame) > 1_270_000
-    assert elapsed < 10, f"{elapsed:.1f} s"
+    per_class = holdout.groupby("class_index").size().reindex(range(1000), fill_value=0)
+    assert (np.abs(per_class.to_numpy() - counts * 0.01) <= 1).all()

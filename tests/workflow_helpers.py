@@ -15,11 +15,24 @@ SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 
 # Small enough for 2 CPU cores, large enough that a ResNet-18 learns well above chance.
 TINY_CONFIG_OVERRIDES = {
-    "demo": {"enabled": True, "num_classes": 6, "train_per_class": 60, "val_per_class": 10,
-             "image_size": 48, "seed": 0},
+    "demo": {
+        "enabled": True,
+        "num_classes": 6,
+        "train_per_class": 60,
+        "val_per_class": 10,
+        "image_size": 48,
+        "seed": 0,
+    },
     "prepare": {"short_side": 40, "jpeg_quality": 90, "on_corrupt": "fail", "workers": 2},
-    "train_defaults_update": {"epochs": 3, "batch_size": 16, "lr": 0.05, "crop_size": 32,
-                              "eval_resize": 36, "workers": 0, "log_interval": 5},
+    "train_defaults_update": {
+        "epochs": 3,
+        "batch_size": 16,
+        "lr": 0.05,
+        "crop_size": 32,
+        "eval_resize": 36,
+        "workers": 0,
+        "log_interval": 5,
+    },
 }
 
 
@@ -47,8 +60,9 @@ def write_config(workdir: Path, config: dict) -> None:
     (workdir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
 
-def snakemake(workdir: Path, *args: str, check: bool = True,
-              timeout: float = 900) -> subprocess.CompletedProcess:
+def snakemake(
+    workdir: Path, *args: str, check: bool = True, timeout: float = 900
+) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [*SNAKEMAKE, *args], cwd=workdir, capture_output=True, text=True, timeout=timeout
     )

@@ -1,0 +1,236 @@
+"""The README's bad-input table, row by row, through the command a rule runs.
+
+Each row: a clear one-line error naming the file (or key) and what to do, exit code 2, and no
+artifact under its final name. Function-level details live in test_archives/test_prepared/
+test_split/test_stage; this file proves the user-facing behaviour of the CLI and the workflow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import tarfile
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from imagenet_ddp.archives import TRAIN_ARCHIVE, VAL_ARCHIVE
+from imagenet_ddp.cli import main
+from tests.workflow_helpers import copy_workflow, read_config, snakemake, write_config
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def test_missing_archive(writable_archives, tmp_path, capsys):
+    (writable_archives / VAL_ARCHIVE).unlink()
+    report = tmp_path / "report.json"
+    code, err = run_cli(
+        capsys, "verify", "--data-dir", str(writable_archives), "--report", str(report)
+    )
+    assert code == 2 and VAL_ARCHIVE in err and "download" in err
+    assert not report.exists()
+
+
+def test_truncated_archive(writable_archives, tmp_path, capsys):
+    path = writable_archives / TRAIN_ARCHIVE
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    report = tmp_path / "report.json"
+    code, err = run_cli(
+        capsys, "verify", "--data-dir", str(writable_archives), "--report", str(report)
+    )
+    assert code == 2 and TRAIN_ARCHIVE in err and "download" in err.lower()
+    assert not report.exists()
+
+
+def test_md5_mismatch(writable_archives, tmp_path, capsys):
+    sums = writable_archives / "md5sums"
+    sums.write_text(
+        "\n".join(
+            f"{'0' * 32}  {line.split()[1]}" if VAL_ARCHIVE in line else line
+            for line in sums.read_text().splitlines()
+        )
+        + "\n"
+    )
+    code, err = run_cli(
+        capsys, "verify", "--data-dir", str(writable_archives), "--report", str(tmp_path / "r.json")
+    )
+    assert code == 2 and VAL_ARCHIVE in err and "0" * 32 in err
+
+
+def test_devkit_without_val_ground_truth(writable_archives, tmp_path, capsys):
+    devkit = writable_archives / "ILSVRC2012_devkit_t12.tar.gz"
+    with tarfile.open(devkit) as tar:
+        members = [(m, tar.extractfile(m).read() if m.isfile() else None) for m in tar]
+    with tarfile.open(devkit, "w:gz") as tar:
+        for member, data in members:
+            if not member.name.endswith("ILSVRC2012_validation_ground_truth.txt"):
+                tar.addfile(member, io.BytesIO(data) if data is not None else None)
+    code, err = run_cli(
+        capsys,
+        "verify",
+        "--data-dir",
+        str(writable_archives),
+        "--check-md5",
+        "--report",
+        str(tmp_path / "r.json"),
+    )
+    code_no_md5, err_no_md5 = run_cli(
+        capsys,
+        "verify",
+        "--data-dir",
+        str(writable_archives),
+        "--no-check-md5",
+        "--report",
+        str(tmp_path / "r.json"),
+    )
+    assert code == 2 and code_no_md5 == 2
+    assert "ground_truth" in err_no_md5 and "devkit" in err_no_md5.lower()
+
+
+def _corrupt_one_train_image(data_dir: Path) -> str:
+    """Replace one JPEG inside the first class tar by garbage; return its member name."""
+    outer_path = data_dir / TRAIN_ARCHIVE
+    with tarfile.open(outer_path) as outer:
+        inner_members = [(m, outer.extractfile(m).read()) for m in outer]
+    first, data = inner_members[0]
+    with tarfile.open(fileobj=io.BytesIO(data)) as inner:
+        images = [(m, inner.extractfile(m).read()) for m in inner]
+    victim = images[1][0].name
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as inner:
+        for member, payload in images:
+            if member.name == victim:
+                payload = b"\xff\xd8 not really a jpeg"
+                member.size = len(payload)
+            inner.addfile(member, io.BytesIO(payload))
+    inner_members[0] = (first, buffer.getvalue())
+    with tarfile.open(outer_path, "w") as outer:
+        for member, payload in inner_members:
+            member.size = len(payload)
+            outer.addfile(member, io.BytesIO(payload))
+    return victim
+
+
+@pytest.mark.parametrize("mode", ["fail", "skip"])
+def test_corrupt_jpeg_in_a_class_tar(writable_archives, tmp_path, capsys, mode):
+    victim = _corrupt_one_train_image(writable_archives)
+    index_dir = tmp_path / "index"
+    assert main(["index", "--data-dir", str(writable_archives), "--out-dir", str(index_dir)]) == 0
+    out = tmp_path / "prepared"
+    code, err = run_cli(
+        capsys,
+        "prepare",
+        "--data-dir",
+        str(writable_archives),
+        "--index-dir",
+        str(index_dir),
+        "--which",
+        "train",
+        "--out",
+        str(out),
+        "--short-side",
+        "24",
+        "--on-corrupt",
+        mode,
+    )
+    if mode == "fail":
+        assert code == 2 and victim in err and "on_corrupt" in err
+        assert not out.exists()
+    else:
+        assert code == 0
+        assert victim in (out / "prepared.json").read_text()
+
+
+def test_class_with_too_few_images_for_a_stratified_split(tmp_path, capsys):
+    index_dir = tmp_path / "index"
+    index_dir.mkdir()
+    rows = [(i, 0, "n00000001") for i in range(10)] + [(10, 1, "n00000002")]
+    pd.DataFrame(rows, columns=["sample_id", "class_index", "wnid"]).assign(
+        member="", name="x.JPEG", size=1
+    ).to_csv(index_dir / "train.csv", index=False)
+    out = tmp_path / "split"
+    code, err = run_cli(
+        capsys,
+        "split",
+        "--index-dir",
+        str(index_dir),
+        "--holdout-fraction",
+        "0.2",
+        "--seed",
+        "0",
+        "--out-dir",
+        str(out),
+    )
+    assert code == 2 and "n00000002" in err
+    assert not (out / "train.csv").exists()
+
+
+def test_scratch_too_small(prepared_demo, tmp_path, monkeypatch):
+    import shutil
+
+    from imagenet_ddp import stage
+    from imagenet_ddp.errors import InputError
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(stage.shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    with pytest.raises(InputError, match="scratch_dir|SLURM_TMPDIR"):
+        stage.stage_dataset(prepared_demo["train"], tmp_path / "scratch")
+    assert not list((tmp_path / "scratch").rglob("*.bin"))
+
+
+def test_odd_real_imagenet_images_load_as_rgb(prepared_demo):
+    from imagenet_ddp.prepared import PreparedImageDataset
+
+    dataset = PreparedImageDataset(prepared_demo["train"])
+    for i in range(len(dataset)):
+        image, _ = dataset[i]
+        assert image.shape[0] == 3
+
+
+# ---------------------------------------------------------------- through snakemake
+
+
+@pytest.fixture
+def workflow_copy(tmp_path):
+    return copy_workflow(tmp_path / "wf")
+
+
+def test_config_that_fails_the_schema_names_the_key(workflow_copy):
+    config = read_config(workflow_copy)
+    config["split"]["holdout_fraction"] = 1.5
+    write_config(workflow_copy, config)
+    result = snakemake(workflow_copy, "-n", check=False)
+    assert result.returncode != 0
+    assert "holdout_fraction" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", ["my run", "a;touch pwned", "$(touch pwned)", "../escape"])
+def test_run_names_with_spaces_or_shell_metacharacters_are_rejected(workflow_copy, name):
+    config = read_config(workflow_copy)
+    config["runs"][0]["name"] = name
+    write_config(workflow_copy, config)
+    result = snakemake(workflow_copy, "-n", check=False)
+    assert result.returncode != 0 and "name" in result.stdout + result.stderr
+    assert not (workflow_copy / "pwned").exists()
+
+
+def test_data_dir_with_spaces_and_metacharacters_is_quoted_not_executed(
+    workflow_copy, demo_archives
+):
+    import shutil
+
+    hostile = workflow_copy / "my data; touch pwned $(touch pwned2)"
+    shutil.copytree(demo_archives, hostile)
+    config = read_config(workflow_copy)
+    config["demo"]["enabled"] = False
+    config["data"]["dir"] = str(hostile)
+    write_config(workflow_copy, config)
+    snakemake(workflow_copy, "--profile", "profiles/local", "--until", "index")
+    assert not (workflow_copy / "pwned").exists() and not (workflow_copy / "pwned2").exists()
+    assert (workflow_copy / "results/index/train.csv").is_file()
+    report = (workflow_copy / "results/verify/report.json").read_text()
+    assert hashlib.md5((hostile / VAL_ARCHIVE).read_bytes()).hexdigest() in report
