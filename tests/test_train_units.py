@@ -74,3 +74,16 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
     names = sorted(p.name for p in tmp_path.glob("checkpoint-*.pt"))
     assert names == ["checkpoint-e0003-s0000000.pt", "checkpoint-e0004-s0000000.pt"]
     assert not list(tmp_path.glob(".*tmp*")), "temporary files left behind"
+
+
+def test_auto_loader_workers_follow_the_tasks_cpus(monkeypatch):
+    from imagenet_ddp.train import loader_workers
+
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    assert loader_workers("auto") == 7
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "4")
+    assert loader_workers("auto") == 3
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")
+    assert loader_workers("auto") == 0
+    assert loader_workers(2) == 2

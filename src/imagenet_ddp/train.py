@@ -57,7 +57,7 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast)
     crop_size: int = 224
     eval_resize: int = 256
-    workers: int = 2  # DataLoader workers per rank
+    workers: int | str = "auto"  # DataLoader workers per rank; auto = CPUs per task - 1
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     backend: str = "auto"  # auto | gloo | nccl
@@ -135,6 +135,18 @@ class EpochSampler(Sampler):
 
     def __len__(self) -> int:
         return len(self.inner) - self.skip
+
+
+def loader_workers(setting: int | str) -> int:
+    """``auto``: one DataLoader worker per CPU of this task but one (the training loop's).
+
+    The launcher exports the task's CPU count as OMP_NUM_THREADS (SLURM_CPUS_PER_TASK inside
+    srun), so this follows the job's ``cpus_per_task`` without another knob.
+    """
+    if setting != "auto":
+        return int(setting)
+    cpus = os.environ.get("SLURM_CPUS_PER_TASK") or os.environ.get("OMP_NUM_THREADS") or "1"
+    return max(0, int(cpus) - 1)
 
 
 def read_ids(path: Path) -> list[int]:
@@ -300,10 +312,10 @@ def _train(
         dataset,
         batch_size=cfg.batch_size,
         sampler=sampler,
-        num_workers=cfg.workers,
+        num_workers=loader_workers(cfg.workers),
         pin_memory=device.type == "cuda",
-        persistent_workers=cfg.workers > 0,
-        prefetch_factor=4 if cfg.workers > 0 else None,
+        persistent_workers=loader_workers(cfg.workers) > 0,
+        prefetch_factor=4 if loader_workers(cfg.workers) > 0 else None,
         drop_last=True,
     )
     steps_per_epoch = len(sampler) // cfg.batch_size
