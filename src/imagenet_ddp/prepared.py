@@ -379,17 +379,22 @@ class PreparedImageDataset(torch.utils.data.Dataset):
         return image, int(self.targets[i])
 
 
-def train_transform(crop_size: int):
+def train_transform(crop_size: int, *, normalize: bool = True):
+    """Random crop + flip. ``normalize=False`` keeps uint8 crops (4x fewer bytes through the
+    loader and pinned memory); the training loop then normalizes on the device per batch."""
     from torchvision.transforms import v2
 
-    return v2.Compose(
-        [
-            v2.RandomResizedCrop(crop_size, antialias=True),
-            v2.RandomHorizontalFlip(),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-        ]
-    )
+    steps = [v2.RandomResizedCrop(crop_size, antialias=True), v2.RandomHorizontalFlip()]
+    if normalize:
+        steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    return v2.Compose(steps)
+
+
+def normalize_batch(images: torch.Tensor) -> torch.Tensor:
+    """uint8 NCHW batch -> float, scaled and normalized like ``train_transform(normalize=True)``."""
+    mean = torch.tensor(IMAGENET_MEAN, device=images.device).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=images.device).view(1, 3, 1, 1)
+    return (images.float().div_(255) - mean).div_(std)
 
 
 def eval_transform(resize: int, crop_size: int):

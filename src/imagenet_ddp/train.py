@@ -36,9 +36,15 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from imagenet_ddp import distributed as D
 from imagenet_ddp.evaluate import autocast, evaluate_dataset
 from imagenet_ddp.io import atomic_path, write_csv_atomic, write_json_atomic
-from imagenet_ddp.prepared import PreparedImageDataset, eval_transform, train_transform
+from imagenet_ddp.prepared import (
+    PreparedImageDataset,
+    eval_transform,
+    normalize_batch,
+    train_transform,
+)
 
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: interrupted after writing a checkpoint; rerun to resume
+SIGNAL_CHECK_STEPS = 10  # how often ranks agree on a pending SIGTERM/SIGUSR1 (one all-reduce)
 
 
 @dataclass
@@ -105,7 +111,9 @@ class SeededAugmentation(Dataset):
         epoch, index = key
         image, label = self.base[index]
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_sample_seed(self.seed, epoch, index))
+            # Not torch.manual_seed: on CUDA builds it also queues lazy seeding of every device
+            # type and costs ~10x more per call; only the CPU generator drives these transforms.
+            torch.default_generator.manual_seed(_sample_seed(self.seed, epoch, index))
             image = self.transform(image)
         return image, label
 
@@ -306,7 +314,7 @@ def _train(
         transform=eval_transform(cfg.eval_resize, cfg.crop_size),
     )
     num_classes = int(json.loads((train_data / "prepared.json").read_text())["num_classes"])
-    dataset = SeededAugmentation(base, train_transform(cfg.crop_size), cfg.seed)
+    dataset = SeededAugmentation(base, train_transform(cfg.crop_size, normalize=False), cfg.seed)
     sampler = EpochSampler(len(dataset), info.world_size, info.rank, cfg.seed)
     loader = DataLoader(
         dataset,
@@ -405,8 +413,9 @@ def _train(
         for images, targets in loader:
             if synthetic_batch is not None:
                 images, targets = synthetic_batch
-            images = images.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
+            else:  # the loader ships uint8 crops; scale and normalize on the device
+                images = normalize_batch(images.to(device, non_blocking=True))
+                targets = targets.to(device, non_blocking=True)
             if cfg.channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
             with autocast(device, cfg.precision):
@@ -431,9 +440,10 @@ def _train(
             else:
                 rate = float("nan")
             progress.update(step, loss.item(), rate)
-            interrupted = stop.agreed(device) or (
+            # Every rank checks at the same steps, so the agreement's collective stays aligned.
+            interrupted = (
                 stop_after_steps is not None and steps_done_total >= stop_after_steps
-            )
+            ) or (step % SIGNAL_CHECK_STEPS == 0 and stop.agreed(device))
             if interrupted and step < steps_per_epoch:
                 progress.close()
                 acc["seconds"] += time.perf_counter() - t_epoch
@@ -469,7 +479,12 @@ def _train(
                 checkpoint_dir, checkpoint_state(epoch + 1, 0, None), cfg.keep_checkpoints
             )
         D.barrier()
-        if stop.agreed(device):
+        if stop.agreed(device):  # signalled during the epoch: its checkpoint is written
+            if info.is_main:
+                print(
+                    f"interrupted after epoch {epoch}: checkpoint written; rerun to resume",
+                    flush=True,
+                )
             return EXIT_REQUEUE
 
     ranks = D.all_gather_objects(
