@@ -1,0 +1,222 @@
+"""Per-GPU ResNet-50 throughput, model and loader measured separately (NVIDIA-reference style).
+
+    .venv/bin/python benchmarks/bench_gpu.py                  # on a GPU node: ResNet-50, 224
+    .venv/bin/python benchmarks/bench_gpu.py --compile        # + torch.compile
+    .venv/bin/python benchmarks/bench_gpu.py --prepared results/prepared/train   # real data
+    .venv/bin/python benchmarks/bench_gpu.py --quick          # CPU smoke: tiny model/batch
+
+Two modes, as NVIDIA's DeepLearningExamples report them:
+
+* **synthetic (model only)**: one fixed random batch already on the device; forward, loss,
+  backward, SGD step, with bf16 autocast on GPU (fp32 on CPU) and channels_last (``--precision``,
+  ``--no-channels-last``) and optionally ``torch.compile`` (``--compile``). Upper bound of
+  training speed on this GPU.
+* **loader only**: ``PreparedImageDataset`` + ``train_transform`` in a DataLoader with
+  ``num_workers`` = CPUs (``--workers``), pinned memory, ``.to(device, non_blocking=True)``;
+  no model. The loader must deliver at least what the model consumes (ratio >= 1.0).
+
+Anchor printed beside: NVIDIA DeepLearningExamples ResNet-50 v1.5, 2,470 img/s per A100 80GB
+with AMP (training, batch 256, DALI), the published number our synthetic mode should approach
+on an A100 (more on H100). On a CPU-only machine the script still runs (``--quick``: ResNet-18,
+crop 32, batch 4) so the code path is exercised; the anchor comparison is then meaningless.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+ANCHOR_IMG_S = 2470.0  # NVIDIA DLE ResNet-50 v1.5, A100 80GB, AMP, per GPU
+
+
+def synthetic(args, device) -> list[float]:
+    import torch
+    import torchvision
+
+    from imagenet_ddp.evaluate import autocast
+
+    model = torchvision.models.get_model(args.model, weights=None, num_classes=1000).to(device)
+    memory = torch.channels_last if args.channels_last else torch.contiguous_format
+    model = model.to(memory_format=memory)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    criterion = torch.nn.CrossEntropyLoss()
+    step_model = torch.compile(model) if args.compile else model
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(args.batch, 3, args.crop, args.crop, generator=g).to(device)
+    images = images.contiguous(memory_format=memory)
+    targets = torch.randint(0, 1000, (args.batch,), generator=g).to(device)
+
+    def step() -> None:
+        with autocast(device, args.precision):
+            loss = criterion(step_model(images), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(args.warmup):
+        step()
+    sync()
+    rates = []
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        sync()
+        rates.append(args.batch * args.steps / (time.perf_counter() - started))
+    return rates
+
+
+def loader_only(args, device, prepared: Path) -> list[float]:
+    import torch
+    from torch.utils.data import DataLoader, RandomSampler
+
+    from imagenet_ddp.prepared import PreparedImageDataset, train_transform
+
+    dataset = PreparedImageDataset(prepared, transform=train_transform(args.crop))
+    batches = args.steps
+    sampler = RandomSampler(dataset, replacement=True, num_samples=10**9)
+    loader = DataLoader(
+        dataset,
+        batch_size=args.batch,
+        sampler=sampler,
+        num_workers=args.workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=args.workers > 0,
+        prefetch_factor=4 if args.workers > 0 else None,
+        drop_last=True,
+    )
+    it = iter(loader)
+    for _ in range(max(2, args.warmup)):  # workers started, first batches through
+        images, _ = next(it)
+    rates = []
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        for _ in range(batches):
+            images, targets = next(it)
+            images = images.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        rates.append(args.batch * batches / (time.perf_counter() - started))
+    del it
+    return rates
+
+
+def make_prepared(root: Path, count: int, side: int) -> Path:
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(os.cpu_count()) as pool:
+        images = pool.map(_one_image, [(i, side) for i in range(count)], chunksize=16)
+    return C.write_prepared(
+        root / "prepared",
+        images,
+        [i % 1000 for i in range(count)],
+        num_classes=1000,
+        short_side=side,
+    )
+
+
+def _one_image(item: tuple[int, int]) -> bytes:
+    import numpy as np
+
+    from imagenet_ddp.prepared import convert_image
+
+    i, side = item
+    rng = np.random.default_rng(i)
+    return convert_image(C.realistic_jpeg(rng, *C.realistic_size(rng)), side, 90)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = C.quick_flag()
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--crop", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"])
+    parser.add_argument(
+        "--channels-last", action=__import__("argparse").BooleanOptionalAction, default=True
+    )
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--workers", type=int, default=os.cpu_count())
+    parser.add_argument("--prepared", type=Path, default=None, help="a real prepared dir")
+    parser.add_argument("--images", type=int, default=None, help="synthetic prepared images")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    small = args.quick or not cuda
+    args.model = args.model or ("resnet18" if small else "resnet50")
+    args.batch = args.batch or (4 if small else 256)
+    args.crop = args.crop or (32 if small else 224)
+    args.steps = args.steps or (3 if small else 30)
+    args.warmup = args.warmup or (1 if small else 10)
+    args.repeats = args.repeats or (2 if small else 5)
+    args.precision = args.precision or ("bf16" if cuda else "fp32")  # CPU bf16: emulated, slow
+    if args.quick:
+        args.workers = min(args.workers, 1)
+    if cuda:
+        torch.backends.cudnn.benchmark = True
+
+    model_rates = synthetic(args, device)
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
+        prepared = args.prepared or make_prepared(
+            Path(tmp), args.images or (16 if args.quick else 2048), 36 if small else 256
+        )
+        loader_rates = loader_only(args, device, prepared)
+
+    model_img_s, loader_img_s = C.median(model_rates), C.median(loader_rates)
+    name = torch.cuda.get_device_name(device) if cuda else f"CPU ({C.cpu_model()})"
+    on_gpu = cuda and args.model == "resnet50" and args.crop == 224
+    rows = [
+        {
+            "metric": f"{args.model} synthetic, img/s/GPU",
+            "ours": model_img_s,
+            "baseline": ANCHOR_IMG_S,
+            "unit": "img/s",
+            "ratio": model_img_s / ANCHOR_IMG_S,
+            "target": ">= 1.0x A100 anchor" if on_gpu else "n/a on CPU (smoke)",
+            "met": model_img_s >= ANCHOR_IMG_S if on_gpu else None,
+        },
+        {
+            "metric": f"loader only ({args.workers} workers), img/s",
+            "ours": loader_img_s,
+            "baseline": model_img_s,
+            "unit": "img/s",
+            "ratio": loader_img_s / model_img_s,
+            "target": ">= 1.0x model (keeps up)",
+            "met": loader_img_s >= model_img_s if cuda else None,
+        },
+    ]
+    C.report(
+        f"bench_gpu: {name}",
+        rows,
+        notes=[
+            f"{args.model}, batch {args.batch}, crop {args.crop}, {args.precision} autocast, "
+            f"channels_last {args.channels_last}, compile {args.compile}; "
+            f"median of {args.repeats} x {args.steps} steps after {args.warmup} warm-up",
+            "baseline column: row 1 = NVIDIA DLE ResNet-50 v1.5 AMP, 2,470 img/s per A100 80GB;"
+            " row 2 = our synthetic model img/s (loader must keep up)",
+            "loader data: "
+            + (str(args.prepared) if args.prepared else "synthetic ImageNet-size JPEGs prepared")
+            + f", transform train_transform({args.crop}), pin_memory {cuda}",
+        ],
+        json_out=args.json,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

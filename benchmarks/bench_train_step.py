@@ -1,0 +1,222 @@
+"""DDP training throughput: our worker (imagenet_ddp.train) vs a minimal common-recipe loop.
+
+    .venv/bin/python benchmarks/bench_train_step.py [--quick] [--repeats 3] [--ablations]
+
+Both run 2 gloo ranks on this machine with ``torch.distributed.run --standalone
+--nproc-per-node 2`` and ``OMP_NUM_THREADS=1`` (one core per rank), the same model (ResNet-18),
+the same prepared data and transform (PreparedImageDataset + train_transform, crop 64 from
+short_side 72 by default: ImageNet-size crops are too slow on 2 CPU cores to repeat), the same
+per-rank batch (16), ``num_workers=0`` (no spare cores for loader workers).
+
+* **ours**: the real worker, ``python -m imagenet_ddp.train`` (SeededAugmentation, EpochSampler,
+  DDP, LambdaLR, GradScaler, the per-step ``StopFlag.agreed`` all-reduce, progress), its
+  throughput read from ``train_metrics.json`` (epoch time excludes holdout evaluation and
+  checkpointing).
+* **baseline**: ``benchmarks/_ddp_baseline.py``: DistributedSampler + plain loop.
+
+Images/s = images of all ranks / slowest rank's epoch time; the first epoch (warm-up) is
+dropped, the median over the remaining epochs and repetitions is reported.
+``--ablations`` also runs the baseline with our per-sample ``fork_rng`` and with our per-step
+all-reduce added, to attribute a gap. Target: ours >= 1.0x baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def make_data(root: Path, count: int, holdout: int, side: int) -> tuple[Path, Path]:
+    import numpy as np
+    import pandas as pd
+
+    from imagenet_ddp.prepared import convert_image
+
+    rng = np.random.default_rng(0)
+    classes = 10
+    images = [
+        convert_image(C.realistic_jpeg(rng, 2 * side + 8, int(1.5 * side)), side, 90)
+        for _ in range(count + holdout)
+    ]
+    labels = [i % classes for i in range(count + holdout)]
+    prepared = C.write_prepared(
+        root / "prepared", images, labels, num_classes=classes, short_side=side
+    )
+    split = root / "split"
+    split.mkdir()
+    pd.DataFrame({"sample_id": range(count)}).to_csv(split / "train.csv", index=False)
+    pd.DataFrame({"sample_id": range(count, count + holdout)}).to_csv(
+        split / "holdout.csv", index=False
+    )
+    return prepared, split
+
+
+def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(C.REPO / "src"), env.get("PYTHONPATH", "")])
+    env.pop("SLURM_PROCID", None)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nnodes=1",
+            "--nproc-per-node=2",
+            *args,
+        ],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(
+            f"torchrun {args[:2]} failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+        )
+    return out
+
+
+def run_ours(tmp: Path, prepared: Path, split: Path, cfg: dict, tag: str) -> list[float]:
+    out_dir = tmp / f"ours-{tag}"
+    torchrun(
+        [
+            "-m",
+            "imagenet_ddp.train",
+            "--config-json",
+            json.dumps(cfg),
+            "--train-data",
+            str(prepared),
+            "--split-dir",
+            str(split),
+            "--out-dir",
+            str(out_dir),
+            "--checkpoint-root",
+            str(tmp / f"ckpt-{tag}"),  # fresh: never resume
+        ],
+        tmp,
+    )
+    metrics = json.loads((out_dir / "train_metrics.json").read_text())
+    return [e["images_per_s"] for e in metrics["epochs"]]
+
+
+def run_baseline(
+    tmp: Path, prepared: Path, split: Path, cfg: dict, extra: list[str] = ()
+) -> list[float]:
+    out = torchrun(
+        [
+            str(HERE / "_ddp_baseline.py"),
+            "--train-data",
+            str(prepared),
+            "--split-dir",
+            str(split),
+            "--model",
+            cfg["model"],
+            "--epochs",
+            str(cfg["epochs"]),
+            "--batch-size",
+            str(cfg["batch_size"]),
+            "--crop-size",
+            str(cfg["crop_size"]),
+            "--workers",
+            str(cfg["workers"]),
+            *extra,
+        ],
+        tmp,
+    )
+    line = [x for x in out.stdout.splitlines() if x.startswith("{")][-1]
+    return json.loads(line)["images_per_s"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = C.quick_flag()
+    parser.add_argument("--ablations", action="store_true")
+    parser.add_argument("--crop", type=int, default=None)
+    parser.add_argument("--images", type=int, default=None)
+    args = parser.parse_args(argv)
+    crop = args.crop or (32 if args.quick else 64)
+    side = crop + crop // 8
+    count = args.images or (128 if args.quick else 640)
+    repeats = args.repeats or (1 if args.quick else 3)
+    epochs = 2 if args.quick else 3
+    cfg = {
+        "run": "bench",
+        "model": "resnet18",
+        "epochs": epochs,
+        "batch_size": 16,
+        "lr": 0.05,
+        "crop_size": crop,
+        "eval_resize": side,
+        "workers": 0,
+        "device": "cpu",
+        "backend": "gloo",
+        "log_interval": 1000,
+        "seed": 0,
+    }
+    variants = {"ours": [], "baseline": []}
+    if args.ablations:
+        variants.update({"baseline+fork_rng": [], "baseline+agreed": []})
+    extra = {"baseline+fork_rng": ["--fork-rng"], "baseline+agreed": ["--agreed"]}
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+        tmp = Path(tmp)
+        prepared, split = make_data(tmp, count, 32, side)
+        names = list(variants)
+        for rep in range(repeats):
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                if name == "ours":
+                    rates = run_ours(tmp, prepared, split, cfg, str(rep))
+                else:
+                    rates = run_baseline(tmp, prepared, split, cfg, extra.get(name, []))
+                variants[name].extend(rates[1:])  # drop the warm-up epoch
+    rate = {k: C.median(v) for k, v in variants.items()}
+    rows = [
+        {
+            "metric": f"DDP 2x1 ResNet-18 crop{crop}, img/s",
+            "ours": rate["ours"],
+            "baseline": rate["baseline"],
+            "unit": "img/s",
+            "ratio": rate["ours"] / rate["baseline"],
+            "target": ">= 1.0x plain DDP loop",
+            "met": rate["ours"] / rate["baseline"] >= 1.0,
+        }
+    ]
+    for name in variants:
+        if name.startswith("baseline+"):
+            rows.append(
+                {
+                    "metric": f"  {name}, img/s",
+                    "ours": rate[name],
+                    "baseline": rate["baseline"],
+                    "unit": "img/s",
+                    "ratio": rate[name] / rate["baseline"],
+                    "target": "(ablation)",
+                    "met": None,
+                }
+            )
+    C.report(
+        "bench_train_step: DDP training throughput (2 gloo ranks, 1 thread each)",
+        rows,
+        notes=[
+            f"{count} train images, per-rank batch 16, {epochs} epochs per run (first dropped), "
+            f"{repeats} runs each; median over epochs x runs",
+            "samples per variant: "
+            + ", ".join(f"{k} {[round(x, 1) for x in v]}" for k, v in variants.items()),
+        ],
+        json_out=args.json,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
