@@ -234,3 +234,56 @@ def test_data_dir_with_spaces_and_metacharacters_is_quoted_not_executed(
     assert (workflow_copy / "results/index/train.csv").is_file()
     report = (workflow_copy / "results/verify/report.json").read_text()
     assert hashlib.md5((hostile / VAL_ARCHIVE).read_bytes()).hexdigest() in report
+
+
+def test_concurrent_writers_of_one_prepared_dataset_are_excluded(demo_archives, tmp_path):
+    """Two workflows preparing into one shared directory at once: one builds, one reuses."""
+    import subprocess
+    import sys
+
+    index_dir = tmp_path / "index"
+    assert main(["index", "--data-dir", str(demo_archives), "--out-dir", str(index_dir)]) == 0
+    shared = tmp_path / "shared" / "train"
+    argv = [
+        sys.executable,
+        "-m",
+        "imagenet_ddp.cli",
+        "prepare",
+        "--data-dir",
+        str(demo_archives),
+        "--index-dir",
+        str(index_dir),
+        "--which",
+        "train",
+        "--out",
+        str(shared),
+        "--short-side",
+        "24",
+    ]
+    writers = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [w.communicate(timeout=120)[0] for w in writers]
+    assert [w.returncode for w in writers] == [0, 0]
+    assert sum("reusing" in out for out in outputs) == 1, outputs
+    reference = tmp_path / "reference"
+    assert (
+        main(
+            [
+                "prepare",
+                "--data-dir",
+                str(demo_archives),
+                "--index-dir",
+                str(index_dir),
+                "--which",
+                "train",
+                "--out",
+                str(reference),
+                "--short-side",
+                "24",
+            ]
+        )
+        == 0
+    )
+    for path in sorted(reference.rglob("*")):
+        if path.is_file():
+            assert (shared / path.relative_to(reference)).read_bytes() == path.read_bytes()
+    assert not [p for p in shared.parent.iterdir() if ".tmp-" in p.name]

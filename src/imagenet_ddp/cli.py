@@ -89,32 +89,45 @@ def cmd_split(args: argparse.Namespace) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
+    """Build the training-ready copy, once, even when several workflows share its directory.
+
+    Writers are excluded by a lock beside the output; the copy appears by an atomic rename, so
+    readers never see a partial one. A complete copy made from the same index with the same
+    settings is reused instead of rebuilt.
+    """
+    import hashlib
+
     import pandas as pd
 
+    from imagenet_ddp.io import exclusive_lock, lock_path_for
     from imagenet_ddp.prepared import prepare_split
 
-    index = pd.read_csv(args.index_dir / f"{args.which}.csv", keep_default_na=False)
-    summary = prepare_split(
-        args.data_dir,
-        index,
-        args.out,
-        which=args.which,
-        short_side=args.short_side,
-        quality=args.quality,
-        workers=args.workers,
-        on_corrupt=args.on_corrupt,
-    )
-    write_provenance(
-        Path(str(args.out) + ".provenance.json"),
-        "prepare",
-        {
-            "which": args.which,
-            "short_side": args.short_side,
-            "quality": args.quality,
-            "on_corrupt": args.on_corrupt,
-        },
-        extra={"summary": summary},
-    )
+    index_csv = args.index_dir / f"{args.which}.csv"
+    identity = {
+        "which": args.which,
+        "short_side": args.short_side,
+        "quality": args.quality,
+        "on_corrupt": args.on_corrupt,
+        "index_sha256": hashlib.sha256(index_csv.read_bytes()).hexdigest(),
+    }
+    provenance = Path(str(args.out) + ".provenance.json")
+    with exclusive_lock(lock_path_for(args.out)):
+        done = (args.out / "prepared.json").is_file() and provenance.is_file()
+        if done and json.loads(provenance.read_text()).get("config") == identity:
+            print(f"{args.out} is already prepared from the same index and settings; reusing")
+            return
+        index = pd.read_csv(index_csv, keep_default_na=False)
+        summary = prepare_split(
+            args.data_dir,
+            index,
+            args.out,
+            which=args.which,
+            short_side=args.short_side,
+            quality=args.quality,
+            workers=args.workers,
+            on_corrupt=args.on_corrupt,
+        )
+        write_provenance(provenance, "prepare", identity, extra={"summary": summary})
 
 
 def cmd_train(args: argparse.Namespace) -> int:

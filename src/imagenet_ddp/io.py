@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -57,3 +58,26 @@ def write_csv_atomic(path: str | os.PathLike[str], frame: Any) -> None:
     """Write a pandas DataFrame as CSV (deterministic: no index, '\\n' line endings)."""
     with atomic_path(path) as tmp:
         frame.to_csv(tmp, index=False, lineterminator="\n")
+
+
+def lock_path_for(path: str | os.PathLike[str]) -> Path:
+    """The lock file guarding ``path``: a hidden sibling, so it never looks like the artifact."""
+    path = Path(path)
+    return path.parent / f".{path.name}.lock"
+
+
+@contextlib.contextmanager
+def exclusive_lock(lock_file: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold an exclusive flock on ``lock_file`` (created if needed), released on exit.
+
+    flock works across processes and, on most shared file systems (NFS v4, Lustre, GPFS),
+    across nodes; it is released by the kernel if the holder dies.
+    """
+    lock_file = Path(lock_file)
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

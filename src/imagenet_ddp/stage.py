@@ -11,19 +11,16 @@ Works for any prepared directory (train or val).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import shutil
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.io import atomic_path, write_json_atomic
+from imagenet_ddp.io import atomic_path, exclusive_lock, lock_path_for, write_json_atomic
 
 STAGE_DIR = "imagenet_ddp"
 MARKER = ".staged.json"
@@ -113,21 +110,6 @@ def _is_complete(dest: Path, fp: str, files: list[tuple[str, int]]) -> bool:
     )
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _lock_path(dest: Path) -> Path:
-    return dest.parent / f".{dest.name}.lock"
-
-
 def stage_dataset(src: Path, scratch_root: Path, *, verify: str = "size") -> dict:
     """Copy ``src`` (a prepared dir) under ``scratch_root`` unless a verified copy is there."""
     if verify not in _VERIFY:
@@ -147,7 +129,7 @@ def stage_dataset(src: Path, scratch_root: Path, *, verify: str = "size") -> dic
         "verify": verify,
         "fingerprint": fp,
     }
-    with _locked(_lock_path(dest)):
+    with exclusive_lock(lock_path_for(dest)):
         if _is_complete(dest, fp, files):
             seconds = time.perf_counter() - started
             return {**report, "seconds": seconds, "bytes_per_s": 0.0, "reused": True}
@@ -183,9 +165,9 @@ def cleanup_staged(dest: Path) -> None:
     dest = Path(dest)
     if dest.parent.parent.name != STAGE_DIR:
         raise ValueError(f"{dest} is not a staged copy (<scratch>/{STAGE_DIR}/<fp>/<name>)")
-    lock = _lock_path(dest)
+    lock = lock_path_for(dest)
     if dest.exists() or lock.exists():
-        with _locked(lock):
+        with exclusive_lock(lock):
             shutil.rmtree(dest, ignore_errors=True)
         lock.unlink(missing_ok=True)
     for parent in (dest.parent, dest.parent.parent):

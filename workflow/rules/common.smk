@@ -87,6 +87,9 @@ def execution_setting(section, key, default):
     return config.get(section, {}).get(key, default)
 
 
+# The training-ready copy; point several workflows (or users) at one shared directory to
+# prepare ImageNet once: writers are excluded by a lock, readers only see complete copies.
+PREPARED_DIR = config.get("prepare", {}).get("dir", "results/prepared")
 CHECKPOINT_DIR = execution_setting("execution", "checkpoint_dir", "results/checkpoints")
 
 

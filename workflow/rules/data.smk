@@ -96,7 +96,7 @@ rule prepare:
         **archive_paths(),
         index="results/index/{which}.csv",
     output:
-        directory("results/prepared/{which}"),
+        directory(f"{PREPARED_DIR}/{{which}}"),
     log:
         "logs/prepare_{which}.log",
     benchmark:

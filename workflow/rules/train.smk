@@ -1,6 +1,6 @@
 rule train:
     input:
-        prepared="results/prepared/train",
+        prepared=f"{PREPARED_DIR}/train",
         split_train="results/split/train.csv",
         split_holdout="results/split/holdout.csv",
     output:
@@ -57,8 +57,8 @@ rule train:
 rule evaluate:
     input:
         model="results/runs/{run}/model.pt",
-        prepared_train="results/prepared/train",
-        prepared_val="results/prepared/val",
+        prepared_train=f"{PREPARED_DIR}/train",
+        prepared_val=f"{PREPARED_DIR}/val",
         holdout="results/split/holdout.csv",
         classes="results/index/classes.csv",
     output:
