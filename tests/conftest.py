@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.slurm_cluster.fixture import slurm_cluster  # noqa: F401  (session: local SLURM)
+
 DEMO_KWARGS = {
     "num_classes": 4,
     "train_per_class": 12,
@@ -50,6 +52,19 @@ def prepared_demo(demo_archives, demo_index, tmp_path_factory) -> dict[str, Path
         prepare_split(
             demo_archives, index, out[which], which=which, short_side=24, shard_bytes=16 << 10
         )
+    return out
+
+
+@pytest.fixture(scope="session")
+def demo_split(demo_index, tmp_path_factory) -> Path:
+    """A split dir (train.csv, holdout.csv) of the demo: 25 % stratified holdout, seed 0."""
+    from imagenet_ddp.io import write_csv_atomic
+    from imagenet_ddp.split import stratified_split
+
+    train_part, holdout = stratified_split(demo_index[1], 0.25, seed=0)
+    out = tmp_path_factory.mktemp("split")
+    write_csv_atomic(out / "train.csv", train_part)
+    write_csv_atomic(out / "holdout.csv", holdout)
     return out
 
 

@@ -91,7 +91,15 @@ def worker_env(geometry: Geometry) -> dict[str, str]:
 
 
 def srun_argv(geometry: Geometry, *, per_node: bool, extra: list[str]) -> list[str]:
+    """srun for a step in the job's allocation (found through the kept SLURM_JOB_ID).
+
+    The SLURM executor strips the allocation's SLURM_* defaults from the rule's environment,
+    so the geometry is always explicit. A rule without the ``mpi`` resource (world size 1)
+    already runs inside the executor's ``srun -n1`` step, which holds the job's CPUs/GPUs: a
+    new step would wait for them forever, so it shares them (``--overlap``).
+    """
     tasks_per_node = 1 if per_node else geometry.tasks_per_node
+    inside_step = "SLURM_STEP_ID" in os.environ
     return [
         "srun",
         f"--nodes={geometry.nodes}",
@@ -100,6 +108,7 @@ def srun_argv(geometry: Geometry, *, per_node: bool, extra: list[str]) -> list[s
         f"--cpus-per-task={geometry.cpus_per_task if not per_node else 1}",
         "--kill-on-bad-exit=1",
         "--export=ALL",
+        *(["--overlap"] if inside_step else []),
         *extra,
     ]
 

@@ -77,6 +77,29 @@ def run_geometry(key):
     return lambda wildcards: RUNS[wildcards.run][key]
 
 
+def slurm_resource(key):
+    """Per-run SLURM shape of `train` (docs/slurm-notes.md); None drops the resource."""
+
+    def value(wildcards):
+        run = RUNS[wildcards.run]
+        nodes, per_node, gpus = (
+            run["nodes"],
+            run["tasks_per_node"],
+            run["gpus_per_node"],
+        )
+        world = nodes * per_node
+        return {
+            # With `mpi` the plugin takes exactly one of tasks/tasks_per_node, and it must be > 1.
+            "tasks_per_node": per_node if world > 1 and per_node > 1 else None,
+            "tasks": world if world > 1 and per_node == 1 else None,
+            "gres": f"gpu:{gpus}" if gpus > 0 else None,  # per node
+            # One rank runs inside the plugin's own `srun -n1` step (the launcher adds --overlap).
+            "mpi": "srun" if world > 1 else None,
+        }[key]
+
+    return value
+
+
 def run_dirs():
     return [f"results/runs/{name}" for name in RUNS]
 

@@ -20,12 +20,12 @@ rule train:
         # One SLURM task per GPU (rank) on every node; the rule launches them itself with srun,
         # which the SLURM executor requires to be declared with the `mpi` resource.
         nodes=run_geometry("nodes"),
-        tasks=lambda wildcards: RUNS[wildcards.run]["nodes"]
-        * RUNS[wildcards.run]["tasks_per_node"],
-        tasks_per_node=run_geometry("tasks_per_node"),
+        tasks_per_node=slurm_resource("tasks_per_node"),
+        tasks=slurm_resource("tasks"),
         cpus_per_task=run_geometry("cpus_per_task"),
-        gpus_per_node=run_geometry("gpus_per_node"),
-        mpi="srun",
+        gres=slurm_resource("gres"),
+        tasks_per_gpu=0,  # else the plugin adds --ntasks-per-gpu=<all tasks> to GPU jobs
+        mpi=slurm_resource("mpi"),
         # Where and how it runs (not results, so not params): a profile may override these.
         launcher=execution_setting("execution", "launcher", "local"),
         srun_extra=execution_setting("execution", "srun_extra", ""),
