@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from imagenet_ddp.io import write_csv_atomic
-from imagenet_ddp.split import stratified_split
 from imagenet_ddp.train import EXIT_REQUEUE
 
 CONFIG = {
@@ -37,13 +36,8 @@ CONFIG = {
 
 
 @pytest.fixture(scope="module")
-def split_dir(demo_index, tmp_path_factory) -> Path:
-    _, train, _ = demo_index
-    train_part, holdout = stratified_split(train, 0.25, seed=0)
-    out = tmp_path_factory.mktemp("split")
-    write_csv_atomic(out / "train.csv", train_part)
-    write_csv_atomic(out / "holdout.csv", holdout)
-    return out
+def split_dir(demo_split) -> Path:
+    return demo_split
 
 
 def torchrun(
