@@ -244,45 +244,18 @@ def test_concurrent_writers_of_one_prepared_dataset_are_excluded(demo_archives, 
     index_dir = tmp_path / "index"
     assert main(["index", "--data-dir", str(demo_archives), "--out-dir", str(index_dir)]) == 0
     shared = tmp_path / "shared" / "train"
-    argv = [
-        sys.executable,
-        "-m",
-        "imagenet_ddp.cli",
-        "prepare",
-        "--data-dir",
-        str(demo_archives),
-        "--index-dir",
-        str(index_dir),
-        "--which",
-        "train",
-        "--out",
-        str(shared),
-        "--short-side",
-        "24",
-    ]
+
+    def prepare_args(out: Path) -> list[str]:
+        return ["prepare", "--data-dir", str(demo_archives), "--index-dir", str(index_dir),
+                "--which", "train", "--out", str(out), "--short-side", "24"]  # fmt: skip
+
+    argv = [sys.executable, "-m", "imagenet_ddp.cli", *prepare_args(shared)]
     writers = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outputs = [w.communicate(timeout=120)[0] for w in writers]
     assert [w.returncode for w in writers] == [0, 0]
     assert sum("reusing" in out for out in outputs) == 1, outputs
     reference = tmp_path / "reference"
-    assert (
-        main(
-            [
-                "prepare",
-                "--data-dir",
-                str(demo_archives),
-                "--index-dir",
-                str(index_dir),
-                "--which",
-                "train",
-                "--out",
-                str(reference),
-                "--short-side",
-                "24",
-            ]
-        )
-        == 0
-    )
+    assert main(prepare_args(reference)) == 0
     for path in sorted(reference.rglob("*")):
         if path.is_file():
             assert (shared / path.relative_to(reference)).read_bytes() == path.read_bytes()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import hashlib
 import io
 import os
 import re
@@ -35,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 from imagenet_ddp.errors import InputError
+from imagenet_ddp.io import file_digest
 
 TRAIN_ARCHIVE = "ILSVRC2012_img_train.tar"
 VAL_ARCHIVE = "ILSVRC2012_img_val.tar"
@@ -56,7 +56,6 @@ _VAL_IMAGE = re.compile(r"ILSVRC2012_val_\d{8}\.JPEG")
 _IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 _BLOCK = 512
 _ZERO_BLOCK = bytes(_BLOCK)
-_MD5_CHUNK = 8 << 20
 _TAR_ERRORS = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, ValueError)
 
 # An archive member: (file name, size in bytes, absolute offset of its data in the archive file).
@@ -403,17 +402,21 @@ def read_md5sums(path: Path) -> dict[str, str]:
     return sums
 
 
-def md5_file(path: Path, chunk: int = _MD5_CHUNK) -> str:
-    digest = hashlib.md5(usedforsecurity=False)
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(chunk)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            digest.update(view[:n])
-    return digest.hexdigest()
+def md5_file(path: Path) -> str:
+    return file_digest(path, "md5")
 
 
 # ----------------------------------------------------------------------------- public API
+
+
+def _read_consistent_archives(data_dir: Path) -> tuple[Devkit, TrainListing, list[Entry]]:
+    """The devkit and both listings, after checking they describe the same classes/images."""
+    require_archives(data_dir)
+    devkit = read_devkit(data_dir)
+    val = list_val_archive(data_dir)
+    train = list_train_archive(data_dir)
+    _check_consistent(data_dir, devkit, train, val)
+    return devkit, train, val
 
 
 def verify_archives(data_dir: Path, *, check_md5: bool = True) -> dict:
@@ -423,11 +426,7 @@ def verify_archives(data_dir: Path, *, check_md5: bool = True) -> dict:
     first problem; returns a JSON-able report.
     """
     data_dir = Path(data_dir)
-    require_archives(data_dir)
-    devkit = read_devkit(data_dir)
-    val = list_val_archive(data_dir)
-    train = list_train_archive(data_dir)
-    _check_consistent(data_dir, devkit, train, val)
+    devkit, train, val = _read_consistent_archives(data_dir)
 
     md5sums_path = data_dir / MD5SUMS
     expected = read_md5sums(md5sums_path) if md5sums_path.is_file() else None
@@ -471,11 +470,7 @@ def build_index(data_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFram
     size, in torchvision's ImageNet order (class index, then file name); val's member is "".
     """
     data_dir = Path(data_dir)
-    require_archives(data_dir)
-    devkit = read_devkit(data_dir)
-    val_entries = list_val_archive(data_dir)
-    train_listing = list_train_archive(data_dir)
-    _check_consistent(data_dir, devkit, train_listing, val_entries)
+    devkit, train_listing, val_entries = _read_consistent_archives(data_dir)
 
     wnids = devkit.wnids
     classes = pd.DataFrame(

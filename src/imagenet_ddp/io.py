@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -81,3 +82,10 @@ def exclusive_lock(lock_file: str | os.PathLike[str]) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def file_digest(path: str | os.PathLike[str], algorithm: str) -> str:
+    """Hex digest of a file, streamed (hashlib.file_digest); md5 is for integrity, not security."""
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, lambda: hashlib.new(algorithm, usedforsecurity=False))
+    return digest.hexdigest()

@@ -20,12 +20,17 @@ import time
 from pathlib import Path
 
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.io import atomic_path, exclusive_lock, lock_path_for, write_json_atomic
+from imagenet_ddp.io import (
+    atomic_path,
+    exclusive_lock,
+    file_digest,
+    lock_path_for,
+    write_json_atomic,
+)
 
 STAGE_DIR = "imagenet_ddp"
 MARKER = ".staged.json"
 _VERIFY = ("size", "sha256")
-_HASH_CHUNK = 8 << 20
 
 
 def scratch_root_from_env(default: Path) -> Path:
@@ -68,16 +73,6 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_HASH_CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            digest.update(view[:n])
-    return digest.hexdigest()
-
-
 def _verify(src: Path, dest: Path, files: list[tuple[str, int]], verify: str) -> None:
     for rel, size in files:
         actual = (dest / rel).stat().st_size if (dest / rel).is_file() else None
@@ -90,7 +85,7 @@ def _verify(src: Path, dest: Path, files: list[tuple[str, int]], verify: str) ->
         info = json.loads((dest / "prepared.json").read_text())
         for shard in info["shards"]:
             path = dest / "shards" / shard["name"]
-            if _sha256(path) != shard["sha256"]:
+            if file_digest(path, "sha256") != shard["sha256"]:
                 raise InputError(
                     f"staged copy {path} does not match the sha256 in {src / 'prepared.json'}; "
                     "the source or the scratch disk is damaged: rerun prepare or change "
