@@ -44,6 +44,7 @@ def test_every_stage_artifact_exists_with_provenance(local_run):
         "results/prepared/val/prepared.json",
         "results/aggregate/runs.csv",
         "results/aggregate/runs.md",
+        "results/aggregate/runs.csv.provenance.json",
     ]:
         assert (w / path).is_file(), path
     provenance = json.loads((w / "results/split/provenance.json").read_text())

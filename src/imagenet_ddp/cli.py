@@ -211,6 +211,11 @@ def cmd_aggregate(args: argparse.Namespace) -> None:
     table = aggregate_runs(args.run_dirs)
     write_csv_atomic(args.csv, table)
     write_text_atomic(args.markdown, to_markdown(table))
+    write_provenance(
+        Path(str(args.csv) + ".provenance.json"),
+        "aggregate",
+        {"run_dirs": [str(d) for d in args.run_dirs]},
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
