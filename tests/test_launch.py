@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from imagenet_ddp.launch import Geometry, master_port, srun_argv, worker_env
+from imagenet_ddp.launch import (
+    THREAD_COUNT_VARIABLES,
+    Geometry,
+    master_port,
+    srun_argv,
+    worker_env,
+)
 
 
 def test_master_port_is_below_the_ephemeral_range_and_follows_the_job():
@@ -21,6 +27,10 @@ def test_srun_launches_one_task_per_rank_or_one_per_node():
     assert "--ntasks=2" in per_node and "--ntasks-per-node=1" in per_node
 
 
-def test_workers_get_their_thread_count():
+def test_ranks_get_their_tasks_thread_count_not_snakemakes(monkeypatch):
+    # Snakemake exports the whole job's thread count in these; ranks must not inherit it.
+    for name in THREAD_COUNT_VARIABLES:
+        monkeypatch.setenv(name, "16")
     env = worker_env(Geometry(1, 2, 3))
-    assert env["OMP_NUM_THREADS"] == "3"
+    assert {env[name] for name in THREAD_COUNT_VARIABLES} == {"3"}
+    assert "MKL_NUM_THREADS" in THREAD_COUNT_VARIABLES
