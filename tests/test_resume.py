@@ -215,3 +215,14 @@ def test_evaluation_is_identical_with_one_or_two_ranks(
         # Counts are exact; the mean loss is a float32 sum whose order follows the batches.
         assert a[split]["loss"] == pytest.approx(b[split]["loss"], rel=1e-6)
     assert (tmp_path / "one.csv").read_bytes() == (tmp_path / "two.csv").read_bytes()
+
+
+def test_synthetic_mode_trains_on_a_fixed_batch(prepared_demo, split_dir, tmp_path):
+    """The model-only throughput mode (the GPU path's benchmark mode) runs end to end on CPU."""
+    config = {**CONFIG, "epochs": 1, "synthetic": True}
+    result = torchrun(
+        prepared_demo["train"], split_dir, tmp_path / "out", tmp_path / "ckpt", config=config
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    metrics = json.loads((tmp_path / "out" / "train_metrics.json").read_text())
+    assert metrics["config"]["synthetic"] is True and metrics["epochs"][0]["images_per_s"] > 0

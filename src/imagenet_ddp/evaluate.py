@@ -75,10 +75,7 @@ def evaluate_dataset(
         correct5 += hitk.sum().double()
     # One reduction for all counters keeps the collectives in lock-step across ranks.
     packed = torch.cat([correct1, per_class_total, correct5[None], loss_sum[None]])
-    if device.type == "cuda" and torch.distributed.is_initialized():
-        packed = all_reduce_sum(packed.to(device)).cpu()
-    else:
-        packed = all_reduce_sum(packed)
+    packed = all_reduce_sum(packed.to(device)).cpu()  # NCCL reduces CUDA tensors only
     correct1, per_class_total = packed[:num_classes], packed[num_classes : 2 * num_classes]
     correct5, loss_sum = packed[-2], packed[-1]
     total = per_class_total.sum().item()

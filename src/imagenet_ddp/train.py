@@ -23,6 +23,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -313,17 +314,18 @@ def _train(
         sample_ids=read_ids(split_dir / "holdout.csv"),
         transform=eval_transform(cfg.eval_resize, cfg.crop_size),
     )
-    num_classes = int(json.loads((train_data / "prepared.json").read_text())["num_classes"])
+    num_classes = base.num_classes
     dataset = SeededAugmentation(base, train_transform(cfg.crop_size, normalize=False), cfg.seed)
     sampler = EpochSampler(len(dataset), info.world_size, info.rank, cfg.seed)
+    workers = loader_workers(cfg.workers)
     loader = DataLoader(
         dataset,
         batch_size=cfg.batch_size,
         sampler=sampler,
-        num_workers=loader_workers(cfg.workers),
+        num_workers=workers,
         pin_memory=device.type == "cuda",
-        persistent_workers=loader_workers(cfg.workers) > 0,
-        prefetch_factor=4 if loader_workers(cfg.workers) > 0 else None,
+        persistent_workers=workers > 0,
+        prefetch_factor=4 if workers > 0 else None,
         drop_last=True,
     )
     steps_per_epoch = len(sampler) // cfg.batch_size
@@ -410,10 +412,10 @@ def _train(
         t_epoch = time.perf_counter()
         t_interval, images_interval = t_epoch, 0
         step = skip_steps
-        for images, targets in loader:
-            if synthetic_batch is not None:
-                images, targets = synthetic_batch
-            else:  # the loader ships uint8 crops; scale and normalize on the device
+        # Synthetic mode measures the model alone: the loader is not touched at all.
+        batches = loader if synthetic_batch is None else repeat(synthetic_batch, len(loader))
+        for images, targets in batches:
+            if synthetic_batch is None:  # the loader ships uint8 crops; normalize on the device
                 images = normalize_batch(images.to(device, non_blocking=True))
                 targets = targets.to(device, non_blocking=True)
             if cfg.channels_last:
@@ -520,18 +522,12 @@ def _epoch_record(
     # Sum over ranks: loss, correct, samples; the slowest rank's time sets the epoch time.
     sums = D.all_reduce_sum(
         torch.tensor(
-            [acc["loss_sum"], acc["correct"], acc["samples"]],
-            dtype=torch.float64,
-            device=device if device.type == "cuda" else "cpu",
+            [acc["loss_sum"], acc["correct"], acc["samples"]], dtype=torch.float64, device=device
         )
     ).cpu()
     per_rank = D.all_gather_objects(acc["samples"] / max(seconds, 1e-9))
     epoch_seconds = float(
-        D.all_reduce_max(
-            torch.tensor(
-                [seconds], dtype=torch.float64, device=device if device.type == "cuda" else "cpu"
-            )
-        ).item()
+        D.all_reduce_max(torch.tensor([seconds], dtype=torch.float64, device=device)).item()
     )
     module = ddp_model.module if isinstance(ddp_model, DistributedDataParallel) else ddp_model
     result = evaluate_dataset(
