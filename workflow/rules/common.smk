@@ -4,6 +4,8 @@ import sys
 
 from snakemake.utils import validate
 
+from imagenet_ddp.archives import DEVKIT_ARCHIVE, TRAIN_ARCHIVE, VAL_ARCHIVE
+
 
 envvars:
     "PATH",
@@ -47,19 +49,11 @@ def data_dir():
     return config["data"]["dir"]
 
 
-ARCHIVES = {
-    "train": "ILSVRC2012_img_train.tar",
-    "val": "ILSVRC2012_img_val.tar",
-    "devkit": "ILSVRC2012_devkit_t12.tar.gz",
-}
+ARCHIVES = {"train": TRAIN_ARCHIVE, "val": VAL_ARCHIVE, "devkit": DEVKIT_ARCHIVE}
 
 
 def archive_paths():
     return {key: f"{data_dir()}/{name}" for key, name in ARCHIVES.items()}
-
-
-def run_settings(wildcards):
-    return RUNS[wildcards.run]
 
 
 def run_training_json(wildcards):
