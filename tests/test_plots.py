@@ -11,36 +11,48 @@ import pandas as pd
 import pytest
 
 from imagenet_ddp import plots
-from imagenet_ddp.aggregate import COLUMNS
+from imagenet_ddp.aggregate import COLUMNS, aggregate_runs
 from imagenet_ddp.errors import InputError
+from imagenet_ddp.io import write_csv_atomic
+from tests.fake_runs import write_run_dir
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-# (run, model, nodes, workers, images/s per worker): a realistic multi-node sweep.
+# (run, model, nodes, tasks per node, steady img/s per worker, other settings): a realistic
+# multi-node sweep with three scaling groups, one of them a lone fp32 run.
 FAKE_RUNS = [
-    ("resnet18-1x1", "resnet18", 1, 1, 2900.0),
-    ("resnet18-1x4", "resnet18", 1, 4, 2800.0),
-    ("resnet18-2x4", "resnet18", 2, 8, 2550.0),
-    ("resnet18-4x4", "resnet18", 4, 16, 2300.0),
-    ("resnet50-1x4", "resnet50", 1, 4, 1150.0),
-    ("resnet50-2x4", "resnet50", 2, 8, 1100.0),
-    ("resnet50-4x4", "resnet50", 4, 16, 1010.0),
+    ("resnet18-1x1", "resnet18", 1, 1, 2900.0, {}),
+    ("resnet18-1x4", "resnet18", 1, 4, 2800.0, {}),
+    ("resnet18-2x4", "resnet18", 2, 4, 2550.0, {}),
+    ("resnet18-4x4", "resnet18", 4, 4, 2300.0, {}),
+    ("resnet50-1x4", "resnet50", 1, 4, 1150.0, {}),
+    ("resnet50-2x4", "resnet50", 2, 4, 1100.0, {}),
+    ("resnet50-4x4", "resnet50", 4, 4, 1010.0, {}),
+    ("resnet50-fp32-1x1", "resnet50", 1, 1, 420.0, {"precision": "fp32"}),
 ]
+GROUPS = ["resnet18", "resnet50 (precision=bf16)", "resnet50 (precision=fp32)"]
 
 
 def make_fake_results(
     root: Path, runs=FAKE_RUNS, *, epochs: int = 8, num_classes: int = 100
 ) -> tuple[Path, list[Path]]:
-    """Write results/aggregate/runs.csv and results/runs/<run>/{history,per_class}.csv."""
+    """Fake run directories, results/aggregate/runs.csv as aggregate.py writes it from them,
+    and results/runs/<run>/{history,per_class}.csv."""
     rng = np.random.default_rng(1)
-    rows = []
     run_dirs = []
-    # Scaling baseline as aggregate.py defines it: the model's run with the fewest workers.
-    baseline = {m: pw for _, m, _, _, pw in sorted(runs, key=lambda r: (r[1], -r[3]))}
-    for run, model, nodes, workers, per_worker in runs:
+    for run, model, nodes, tasks, per_worker, settings in runs:
+        workers = nodes * tasks
         final = 0.55 + 0.1 * (model == "resnet50") + rng.normal(0, 0.01)
-        run_dir = root / "results/runs" / run
-        run_dir.mkdir(parents=True)
+        run_dir = write_run_dir(
+            root,
+            run,
+            nodes=nodes,
+            tasks_per_node=tasks,
+            steady_per_worker=per_worker,
+            model=model,
+            epochs=epochs,
+            **settings,
+        )
         epoch = np.arange(epochs)
         progress = 1 - np.exp(-(epoch + 1) / (epochs / 3))
         history = pd.DataFrame(
@@ -71,33 +83,8 @@ def make_fake_results(
             }
         ).to_csv(run_dir / "per_class.csv", index=False)
         run_dirs.append(run_dir)
-        rows.append(
-            {
-                "run": run,
-                "model": model,
-                "nodes": nodes,
-                "workers": workers,
-                "gpus": workers,
-                "global_batch": 256 * workers,
-                "precision": "bf16",
-                "epochs": epochs,
-                "staging_seconds": 120.0,
-                "staging_gb_per_s": 1.2,
-                "mean_epoch_seconds": 1_153_000 / (per_worker * workers),
-                "images_per_s": per_worker * workers,
-                "images_per_s_per_worker": per_worker,
-                "scaling_efficiency": per_worker / baseline[model],
-                "holdout_top1": final,
-                "holdout_top5": final * 1.4,
-                "test_top1": final - 0.03,
-                "test_top5": final * 1.35,
-                "wall_seconds": 3600.0,
-                "git_commit": "abc1234",
-            }
-        )
     csv = root / "results/aggregate/runs.csv"
-    csv.parent.mkdir(parents=True)
-    pd.DataFrame(rows, columns=COLUMNS).to_csv(csv, index=False)
+    write_csv_atomic(csv, aggregate_runs(run_dirs))
     return csv, run_dirs
 
 
@@ -140,7 +127,10 @@ def test_rerun_gives_identical_bytes(tmp_path, suffix):
 
 def test_single_run_and_linear_axes(tmp_path):
     """The demo pipeline's shape: one model, 1 and 2 workers, few classes and epochs."""
-    runs = [("resnet18-1x2", "resnet18", 1, 2, 40.0), ("resnet18-1x1", "resnet18", 1, 1, 55.0)]
+    runs = [
+        ("resnet18-1x2", "resnet18", 1, 2, 40.0, {}),
+        ("resnet18-1x1", "resnet18", 1, 1, 55.0, {}),
+    ]
     csv, run_dirs = make_fake_results(tmp_path, runs, epochs=3, num_classes=6)
     outputs = _outputs(tmp_path / "plots")
     plots.make_plots(csv, run_dirs, **outputs)
@@ -150,14 +140,98 @@ def test_single_run_and_linear_axes(tmp_path):
     _assert_images(one, ".png")
 
 
-def test_missing_scaling_efficiency_is_computed(tmp_path):
-    csv, _ = make_fake_results(tmp_path)
-    table = pd.read_csv(csv).drop(columns="scaling_efficiency")
+def _figures(monkeypatch, csv: Path, run_dirs: list[Path], tmp_path: Path) -> dict:
+    """The figures make_plots draws, by output name, instead of writing them."""
+    drawn = {}
+    monkeypatch.setattr(plots, "_save", lambda fig, path: drawn.setdefault(Path(path).stem, fig))
+    plots.make_plots(csv, run_dirs, **_outputs(tmp_path / "plots"))
+    return drawn
+
+
+def _solid_lines(ax) -> list:
+    return [line for line in ax.get_lines() if line.get_linestyle() == "-"]
+
+
+def _legend_texts(legend) -> list[str]:
+    return [text.get_text() for text in legend.get_texts()]
+
+
+def test_throughput_draws_one_line_per_group(tmp_path, monkeypatch):
+    csv, run_dirs = make_fake_results(tmp_path)
+    ax = _figures(monkeypatch, csv, run_dirs, tmp_path)["throughput"].axes[0]
+    assert _legend_texts(ax.get_legend()) == GROUPS
+    steady = _solid_lines(ax)
+    assert len(steady) == len(GROUPS)
+    resnet18 = steady[0]
+    assert list(resnet18.get_xdata()) == [1, 4, 8, 16]
+    assert list(resnet18.get_ydata()) == pytest.approx([2900, 4 * 2800, 8 * 2550, 16 * 2300])
+    # Ideal lines from each group's smallest run; none for the lone fp32 run.
+    ideal = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+    assert [list(line.get_ydata()) for line in ideal] == [
+        pytest.approx([2900, 16 * 2900]),
+        pytest.approx([4 * 1150, 16 * 1150]),
+    ]
+    # End-to-end (dotted) beside the steady-state line, per group.
+    assert len([line for line in ax.get_lines() if line.get_linestyle() == ":"]) == len(GROUPS)
+    labels = [t.get_text() for t in ax.texts]
+    assert sorted(labels) == sorted(run for run, *_ in FAKE_RUNS)
+
+
+def test_efficiency_draws_groups_with_a_baseline_and_names_lone_runs(tmp_path, monkeypatch):
+    csv, run_dirs = make_fake_results(tmp_path)
+    ax = _figures(monkeypatch, csv, run_dirs, tmp_path)["efficiency"].axes[0]
+    assert _legend_texts(ax.get_legend()) == [
+        "resnet18",
+        "resnet50 (precision=bf16)",
+        "resnet50 (precision=fp32): only one run",
+    ]
+    lines = _solid_lines(ax)
+    assert len(lines) == 2
+    assert list(lines[0].get_xdata()) == [1, 4, 8, 16]
+    assert list(lines[0].get_ydata()) == pytest.approx([100, 2800 / 29, 2550 / 29, 2300 / 29])
+    assert list(lines[1].get_ydata()) == pytest.approx([100, 1100 / 11.5, 1010 / 11.5])
+    # Nowhere does the fp32 run meet the bf16 ones (it used to: 1150/420 = 274 %).
+    assert max(max(line.get_ydata()) for line in lines) == pytest.approx(100)
+
+
+def test_runs_without_steady_figure_still_plot(tmp_path, monkeypatch):
+    """runs.csv aggregated from train_metrics.json files older than the steady-state window."""
+    csv, run_dirs = make_fake_results(tmp_path, FAKE_RUNS[:3])
+    table = pd.read_csv(csv)
+    table[["steady_images_per_s", "steady_images_per_s_per_worker", "scaling_efficiency"]] = None
     table.to_csv(csv, index=False)
-    runs = plots.read_runs(csv)
-    resnet18 = runs[runs["model"] == "resnet18"].set_index("run")["scaling_efficiency"]
-    assert resnet18["resnet18-1x1"] == pytest.approx(1.0)
-    assert resnet18["resnet18-4x4"] == pytest.approx(2300 / 2900)
+    figures = _figures(monkeypatch, csv, run_dirs, tmp_path)
+    efficiency = figures["efficiency"].axes[0]
+    assert _legend_texts(efficiency.get_legend()) == ["resnet18: no steady-state figure"]
+    assert not _solid_lines(efficiency)
+    throughput = figures["throughput"].axes[0]
+    dotted = [line for line in throughput.get_lines() if line.get_linestyle() == ":"]
+    assert list(dotted[0].get_ydata()) == pytest.approx(
+        [0.9 * 2900, 0.9 * 4 * 2800, 0.9 * 8 * 2550]
+    )
+
+
+def test_table_without_scaling_groups_is_refused(tmp_path):
+    """A runs.csv from before scaling groups: grouping by model would compare fp32 with bf16."""
+    csv, run_dirs = make_fake_results(tmp_path)
+    pd.read_csv(csv).drop(columns=["scaling_group", "scaling_baseline"]).to_csv(csv, index=False)
+    result = _run_module(*_argv(csv, run_dirs, tmp_path / "plots"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"imagenet-ddp plots: error: {csv}: aggregate runs table lacks column(s) "
+        "scaling_group, scaling_baseline: it predates scaling groups; rewrite it with "
+        "`snakemake --forcerun aggregate`"
+    )
+    assert not (tmp_path / "plots").exists()
+
+
+def test_baseline_outside_its_group_is_refused(tmp_path):
+    csv, run_dirs = make_fake_results(tmp_path)
+    table = pd.read_csv(csv)
+    table.loc[table["run"] == "resnet18-4x4", "scaling_baseline"] = "resnet50-1x4"
+    table.to_csv(csv, index=False)
+    with pytest.raises(InputError, match=r"run 'resnet18-4x4' names baseline 'resnet50-1x4'"):
+        plots.make_plots(csv, run_dirs, **_outputs(tmp_path / "plots"))
 
 
 def test_main_cli_writes_figures(tmp_path):
@@ -279,7 +353,10 @@ def test_failed_figure_leaves_no_partial_file(tmp_path, monkeypatch):
 def test_loss_spike_and_collapsed_scaling_still_plot(tmp_path):
     """What the 2-core demo really produces: a 1000x holdout-loss spike in epoch 1 and a
     2-rank run slower than the 1-rank one (log loss axis, efficiency far below 100 %)."""
-    runs = [("resnet18-1x1", "resnet18", 1, 1, 115.0), ("resnet18-1x2", "resnet18", 1, 2, 6.1)]
+    runs = [
+        ("resnet18-1x1", "resnet18", 1, 1, 115.0, {}),
+        ("resnet18-1x2", "resnet18", 1, 2, 6.1, {}),
+    ]
     csv, run_dirs = make_fake_results(tmp_path, runs, epochs=3, num_classes=6)
     history = pd.read_csv(run_dirs[1] / "history.csv")
     history.loc[0, "holdout_loss"] = 3729.0

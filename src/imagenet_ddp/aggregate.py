@@ -1,8 +1,14 @@
-"""One table across all runs: throughput, scaling, staging, accuracy, provenance."""
+"""One table across all runs: throughput, scaling, staging, accuracy, provenance.
+
+Scaling efficiency compares only like with like: runs are grouped by their settings minus the
+geometry (:func:`scaling_key`), and within a group each run's steady-state per-worker
+throughput is divided by that of the group's smallest run.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +28,13 @@ COLUMNS = [
     "mean_epoch_seconds",
     "images_per_s",
     "images_per_s_per_worker",
+    "throughput_warmup_steps",
+    "steady_images_per_s",
+    "steady_images_per_s_per_worker",
     "scaling_efficiency",
+    "scaling_baseline",
+    "scaling_note",
+    "scaling_group",
     "holdout_top1",
     "holdout_top5",
     "test_top1",
@@ -30,6 +42,71 @@ COLUMNS = [
     "wall_seconds",
     "git_commit",
 ]
+
+# What may differ inside a scaling group: the geometry being scaled, and bookkeeping that can
+# change neither results nor speed. Everything else in a run's config must be identical.
+GEOMETRY_KEYS = ("nodes", "tasks_per_node")
+BOOKKEEPING_KEYS = ("run", "log_interval", "timeout_minutes", "keep_checkpoints", "extra")
+
+BASELINE_NOTE = "baseline: smallest run of its group"
+ALONE_NOTE = "only run of its group"
+
+
+def _canonical(value: Any) -> Any:
+    """Equal settings compare equal whatever the YAML spelled: 0 and 0.0, nested dicts."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_canonical(v) for v in value]
+    return value
+
+
+def scaling_key(config: dict[str, Any]) -> str:
+    """The scaling group of a run's config: runs with equal keys differ only in geometry.
+
+    GPUs enter as GPUs per rank, not per node: 1 rank on 1 GPU and 8 ranks on 8 GPUs of a node
+    are the same per-rank setup at two scales (one GPU each), which is what scaling compares.
+    """
+    ignore = {*GEOMETRY_KEYS, *BOOKKEEPING_KEYS}
+    settings = {k: _canonical(v) for k, v in config.items() if k not in ignore}
+    if "gpus_per_node" in settings:
+        gpus, tasks = settings.pop("gpus_per_node"), config.get("tasks_per_node") or 1
+        settings["gpus_per_rank"] = _canonical(gpus / tasks) if gpus is not None else None
+    return json.dumps(settings, sort_keys=True, default=str)
+
+
+def _setting(settings: dict[str, Any], name: str) -> str:
+    """One setting as a label shows it; files from older versions may not record it."""
+    if name not in settings:
+        return "(unset)"
+    value = settings[name]
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+def group_labels(keys: list[str]) -> dict[str, str]:
+    """A short readable label per group key: the model, plus the settings that differ between
+    that model's groups (``resnet18 (precision=bf16)``)."""
+    settings = {key: json.loads(key) for key in set(keys)}
+    labels: dict[str, str] = {}
+    for model in sorted({str(s.get("model")) for s in settings.values()}):
+        same_model = {k: s for k, s in settings.items() if str(s.get("model")) == model}
+        names = sorted({name for s in same_model.values() for name in s})
+        differing = [n for n in names if len({_setting(s, n) for s in same_model.values()}) > 1]
+        for key, s in same_model.items():
+            parts = [f"{n}={_setting(s, n)}" for n in differing]
+            labels[key] = f"{model} ({', '.join(parts)})" if parts else model
+    # Distinct settings can render alike (the string "1" and the number 1): number them.
+    counts = pd.Series(labels).value_counts()
+    for index, key in enumerate(sorted(labels)):
+        if counts[labels[key]] > 1:
+            labels[key] = f"{labels[key]} #{index + 1}"
+    return labels
+
+
+def _float(value: Any) -> float:
+    return float("nan") if value is None else float(value)
 
 
 def run_row(run_dir: Path) -> dict[str, Any]:
@@ -56,6 +133,11 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         "mean_epoch_seconds": train["mean_epoch_seconds"],
         "images_per_s": train["images_per_s"],
         "images_per_s_per_worker": train["images_per_s_per_worker"],
+        # Files written before the steady-state window existed lack these: NaN, never guessed.
+        "throughput_warmup_steps": train.get("throughput_warmup_steps"),
+        "steady_images_per_s": _float(train.get("steady_images_per_s")),
+        "steady_images_per_s_per_worker": _float(train.get("steady_images_per_s_per_worker")),
+        "scaling_key": scaling_key(cfg),
         "holdout_top1": evaluation["holdout"]["top1"],
         "holdout_top5": evaluation["holdout"]["top5"],
         "test_top1": evaluation["test"]["top1"],
@@ -65,17 +147,46 @@ def run_row(run_dir: Path) -> dict[str, Any]:
     }
 
 
+def add_scaling(table: pd.DataFrame) -> pd.DataFrame:
+    """Group, baseline, efficiency and note per run (``table`` needs ``scaling_key``)."""
+    table = table.copy()
+    labels = group_labels(list(table["scaling_key"]))
+    table["scaling_group"] = table["scaling_key"].map(labels)
+    ordered = table.sort_values(["workers", "run"])
+    baseline = ordered.groupby("scaling_key")["run"].first()
+    size = table.groupby("scaling_key")["run"].size()
+    per_worker = table.set_index("run")["steady_images_per_s_per_worker"]
+    table["scaling_baseline"] = table["scaling_key"].map(baseline)
+    efficiency, notes = [], []
+    for row in table.itertuples():
+        base = row.scaling_baseline
+        if size[row.scaling_key] == 1:
+            efficiency.append(math.nan)
+            notes.append(ALONE_NOTE)
+        elif row.run == base:
+            efficiency.append(math.nan)
+            notes.append(BASELINE_NOTE)
+        else:
+            value = row.steady_images_per_s_per_worker / per_worker[base]
+            efficiency.append(value)
+            missing = [r for r in (row.run, base) if not math.isfinite(per_worker[r])]
+            notes.append(
+                f"relative to {base}"
+                if not missing
+                else f"relative to {base}; no steady-state throughput in {', '.join(missing)}"
+            )
+    table["scaling_efficiency"] = efficiency
+    table["scaling_note"] = notes
+    return table
+
+
 def aggregate_runs(run_dirs: list[Path]) -> pd.DataFrame:
-    table = pd.DataFrame([run_row(d) for d in run_dirs])
-    # Scaling efficiency: per-worker throughput relative to the smallest run of the same model.
-    baseline = (
-        table.sort_values(["model", "workers", "run"])
-        .groupby("model")["images_per_s_per_worker"]
-        .first()
-    )
-    table["scaling_efficiency"] = table["images_per_s_per_worker"] / table["model"].map(baseline)
-    return table[COLUMNS].sort_values(["model", "workers", "run"]).reset_index(drop=True)
+    table = add_scaling(pd.DataFrame([run_row(d) for d in run_dirs]))
+    table["throughput_warmup_steps"] = table["throughput_warmup_steps"].astype("Int64")
+    return table[COLUMNS].sort_values(["scaling_group", "workers", "run"]).reset_index(drop=True)
 
 
 def to_markdown(table: pd.DataFrame) -> str:
-    return table.to_markdown(index=False, floatfmt=".4g") + "\n"
+    # Empty cells, not "nan": a baseline has no efficiency, an old run no steady figure.
+    cells = table.astype(object).where(table.notna(), None)
+    return cells.to_markdown(index=False, floatfmt=".4g", missingval="") + "\n"

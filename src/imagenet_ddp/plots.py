@@ -38,6 +38,15 @@ from imagenet_ddp.errors import InputError  # noqa: E402
 from imagenet_ddp.io import atomic_path  # noqa: E402
 
 RUNS_COLUMNS = ["run", "model", "workers", "images_per_s", "images_per_s_per_worker"]
+# Written by aggregate.py since scaling compares only runs of identical settings.
+SCALING_COLUMNS = [
+    "steady_images_per_s",
+    "steady_images_per_s_per_worker",
+    "scaling_efficiency",
+    "scaling_group",
+    "scaling_baseline",
+]
+TEXT_COLUMNS = ("run", "model", "class_index", "scaling_group", "scaling_baseline")
 HISTORY_COLUMNS = ["epoch", "train_loss", "holdout_loss", "train_top1", "holdout_top1"]
 PER_CLASS_COLUMNS = ["class_index", "test_top1", "test_total"]
 
@@ -81,35 +90,57 @@ def _read_csv(path: Path, required: Sequence[str], what: str) -> pd.DataFrame:
         )
     if frame.empty:
         raise InputError(f"{path}: {what} has no rows")
-    for column in required:
-        if column in ("run", "model", "class_index"):
-            continue
+    _numeric(frame, [c for c in required if c not in TEXT_COLUMNS], path)
+    return frame
+
+
+def _numeric(frame: pd.DataFrame, columns: Sequence[str], path: Path) -> None:
+    for column in columns:
         values = pd.to_numeric(frame[column], errors="coerce")
         bad = values.isna() & frame[column].notna()
         if bad.any():
             raise InputError(
                 f"{path}: column {column!r} has non-numeric value "
-                f"{frame[column][bad].iloc[0]!r} in row {int(bad.idxmax()) + 2}"
+                f"{frame[column][bad].iloc[0]!r} in row {_first(bad)}"
             )
         frame[column] = values
-    return frame
 
 
 def read_runs(path: Path) -> pd.DataFrame:
-    """The aggregate table; adds ``scaling_efficiency`` if an older table lacks it."""
+    """The aggregate table, with the scaling groups and baselines aggregate.py assigned."""
     table = _read_csv(path, RUNS_COLUMNS, "aggregate runs table")
-    table["run"] = table["run"].astype(str)
-    table["model"] = table["model"].astype(str)
+    missing = [c for c in SCALING_COLUMNS if c not in table.columns]
+    if missing:
+        # Refuse rather than guess: grouping by model alone compared fp32 with bf16 runs.
+        raise InputError(
+            f"{path}: aggregate runs table lacks column(s) {', '.join(missing)}: it predates "
+            "scaling groups; rewrite it with `snakemake --forcerun aggregate`"
+        )
+    _numeric(table, [c for c in SCALING_COLUMNS if c not in TEXT_COLUMNS], path)
+    for column in ("run", "model", "scaling_group", "scaling_baseline"):
+        if table[column].isna().any():
+            raise InputError(
+                f"{path}: column {column!r} is empty in row {_first(table[column].isna())}"
+            )
+        table[column] = table[column].astype(str)
     if table["run"].duplicated().any():
         raise InputError(f"{path}: run {table['run'][table['run'].duplicated()].iloc[0]!r} twice")
     if (table["workers"] < 1).any():
         raise InputError(f"{path}: 'workers' must be >= 1 in every row")
-    baseline = _baselines(table)
-    if "scaling_efficiency" not in table.columns or table["scaling_efficiency"].isna().all():
-        table["scaling_efficiency"] = table["images_per_s_per_worker"] / table["model"].map(
-            baseline["images_per_s_per_worker"]
+    group_of = table.set_index("run")["scaling_group"]
+    orphan = ~table["scaling_baseline"].map(group_of).eq(table["scaling_group"])
+    if orphan.any():
+        row = table[orphan].iloc[0]
+        raise InputError(
+            f"{path}: run {row['run']!r} names baseline {row['scaling_baseline']!r}, which is not "
+            f"a run of its group {row['scaling_group']!r}; rerun the aggregate rule"
         )
     return table
+
+
+def _first(mask: pd.Series) -> int:
+    """The CSV line number (header is line 1) of the first true row."""
+    return int(mask.idxmax()) + 2
 
 
 def read_run_dir(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -119,9 +150,14 @@ def read_run_dir(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     return history.sort_values("epoch"), per_class
 
 
-def _baselines(table: pd.DataFrame) -> pd.DataFrame:
-    """Per model, the run with the fewest workers (ties: run name), as aggregate.py does."""
-    return table.sort_values(["model", "workers", "run"]).groupby("model").first()
+def _groups(table: pd.DataFrame) -> list[tuple[str, pd.DataFrame, pd.Series]]:
+    """(label, runs by workers, baseline row) per scaling group, in label order."""
+    groups = []
+    for label, rows in table.groupby("scaling_group", sort=True):
+        rows = rows.sort_values(["workers", "run"])
+        base = rows[rows["run"] == rows["scaling_baseline"].iloc[0]].iloc[0]
+        groups.append((str(label), rows, base))
+    return groups
 
 
 # -------------------------------------------------------------------------------- helpers
@@ -175,73 +211,119 @@ def _label_points(ax, table: pd.DataFrame, y: str) -> None:
 
 
 # -------------------------------------------------------------------------------- figures
+# Line styles shared by the figures and their style legends.
+STEADY = {"linestyle": "-", "marker": "o"}
+END_TO_END = {"linestyle": ":", "marker": "o", "markerfacecolor": "none", "alpha": 0.8}
+IDEAL = {"linestyle": "--", "alpha": 0.7}
+
+
+def _group_legend(ax, handles: list, title: str) -> None:
+    """One entry per group, below the axes: group labels can be long."""
+    ax.legend(
+        handles=handles,
+        title=title,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.16),
+        ncol=1 if len(handles) > 3 or max(len(h.get_label()) for h in handles) > 40 else 2,
+        frameon=False,
+    )
+
+
 def plot_throughput(table: pd.DataFrame, out: Path) -> None:
-    """Measured training throughput vs workers per model, and ideal linear scaling."""
+    """Steady-state and end-to-end throughput vs workers per scaling group, with the ideal
+    linear scaling from each group's smallest run."""
     with plt.rc_context(STYLE):
         fig, ax = plt.subplots(figsize=(6.4, 4.4))
-        models = sorted(table["model"].unique())
-        colors = _colors(models)
+        groups = _groups(table)
+        colors = _colors([label for label, _, _ in groups])
         log = _worker_axis(ax, table["workers"])
-        baselines = _baselines(table)
-        for model in models:
-            rows = table[table["model"] == model].sort_values(["workers", "run"])
-            base = baselines.loc[model]
-            ax.plot(
-                rows["workers"],
-                rows["images_per_s"],
-                marker="o",
-                color=colors[model],
-                label=f"{model} (measured)",
-            )
-            ideal_x = np.array([float(base["workers"]), float(rows["workers"].max())])
-            ax.plot(
-                ideal_x,
-                base["images_per_s_per_worker"] * ideal_x,
-                linestyle="--",
-                color=colors[model],
-                alpha=0.7,
-                label=f"{model} (ideal linear, from {base['run']})",
-            )
-        if log:  # straight ideal lines; ticks at 1-2-5 steps, not powers of two
+        handles, plotted = [], [table["images_per_s"], table["steady_images_per_s"]]
+        for label, rows, base in groups:
+            color = colors[label]
+            ax.plot(rows["workers"], rows["steady_images_per_s"], color=color, **STEADY)
+            ax.plot(rows["workers"], rows["images_per_s"], color=color, **END_TO_END)
+            handles.append(Line2D([], [], color=color, linewidth=2, label=label))
+            top = float(rows["workers"].max())
+            if top > base["workers"] and np.isfinite(base["steady_images_per_s_per_worker"]):
+                ideal_x = np.array([float(base["workers"]), top])
+                ideal_y = base["steady_images_per_s_per_worker"] * ideal_x
+                ax.plot(ideal_x, ideal_y, color=color, **IDEAL)
+                plotted.append(pd.Series(ideal_y))
+        values = pd.concat(plotted).to_numpy(dtype=float)
+        values = values[np.isfinite(values) & (values > 0)]
+        if log and len(values):  # straight ideal lines; ticks at 1-2-5 steps, not powers of two
             ax.set_yscale("log")
             ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
             ax.yaxis.set_minor_locator(NullLocator())
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.6g}"))
-            low = float(table["images_per_s"].min())
-            high = max(ax.get_ylim()[1], float(table["images_per_s"].max()))
-            ax.set_ylim(low / 1.6, high * 1.3)  # room for the point labels
+            ax.set_ylim(values.min() / 1.6, values.max() * 1.3)  # room for the point labels
         else:
-            ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.1)
-        for model in models:  # after the limits: placement depends on them
-            _label_points(ax, table[table["model"] == model], "images_per_s")
+            ax.set_ylim(bottom=0, top=(values.max() if len(values) else 1.0) * 1.15)
+        # After the limits (placement depends on them); at the steady point where there is one.
+        labelled = table.assign(label_y=table["steady_images_per_s"].fillna(table["images_per_s"]))
+        _label_points(ax, labelled, "label_y")
         ax.set_ylabel("Training throughput (images/s, all workers)")
         ax.set_title("Training throughput vs workers")
-        ax.legend(loc="upper left", frameon=False)
+        gray = {"color": "0.3"}
+        ax.add_artist(
+            ax.legend(
+                handles=[
+                    Line2D([], [], **gray, **STEADY, label="steady state (warm-up steps left out)"),
+                    Line2D([], [], **gray, **END_TO_END, label="end to end (whole epoch)"),
+                    Line2D(
+                        [], [], **gray, **IDEAL, label="ideal linear, from group's smallest run"
+                    ),
+                ],
+                loc="upper left",
+                frameon=False,
+            )
+        )
+        _group_legend(ax, handles, "Scaling group (same settings, geometry varies)")
         _save(fig, out)
 
 
 def plot_efficiency(table: pd.DataFrame, out: Path) -> None:
-    """Scaling efficiency: per-worker throughput relative to the model's smallest run."""
+    """Scaling efficiency per group: steady-state per-worker throughput relative to the
+    group's smallest run (drawn at 100 % with an open marker)."""
     with plt.rc_context(STYLE):
         fig, ax = plt.subplots(figsize=(6.4, 4.4))
-        models = sorted(table["model"].unique())
-        colors = _colors(models)
+        groups = _groups(table)
+        colors = _colors([label for label, _, _ in groups])
         _worker_axis(ax, table["workers"])
-        ax.axhline(100, color="0.4", linestyle="--", linewidth=1, label="ideal (100 %)")
-        for model in models:
-            rows = table[table["model"] == model].sort_values(["workers", "run"])
-            ax.plot(
-                rows["workers"],
-                rows["scaling_efficiency"] * 100,
-                marker="o",
-                color=colors[model],
-                label=model,
-            )
-        top = max(110.0, float(np.nanmax(table["scaling_efficiency"])) * 100 * 1.1)
+        ax.axhline(100, color="0.4", linestyle="--", linewidth=1)
+        handles, top = [], 110.0
+        for label, rows, base in groups:
+            others = rows[(rows["run"] != base["run"]) & rows["scaling_efficiency"].notna()]
+            if others.empty:  # one run, or no steady-state figure: nothing to compare
+                reason = "only one run" if len(rows) == 1 else "no steady-state figure"
+                handles.append(Line2D([], [], linestyle="none", label=f"{label}: {reason}"))
+                continue
+            color = colors[label]
+            x = [base["workers"], *others["workers"]]
+            y = [100.0, *(others["scaling_efficiency"] * 100)]
+            ax.plot(x, y, color=color, **STEADY)
+            ax.plot(x[:1], y[:1], color=color, marker="o", mfc="white", linestyle="none", zorder=3)
+            handles.append(Line2D([], [], color=color, linewidth=2, label=label))
+            top = max(top, max(y) * 1.1)
         ax.set_ylim(0, top)
         ax.set_ylabel("Scaling efficiency (%)")
-        ax.set_title("Scaling efficiency vs workers\n(per-worker throughput / smallest run's)")
-        ax.legend(loc="lower left", frameon=False)
+        ax.set_title(
+            "Scaling efficiency vs workers\n"
+            "(steady-state per-worker throughput / group's smallest run's)"
+        )
+        ax.legend(
+            handles=[
+                Line2D([], [], color="0.4", linestyle="--", linewidth=1, label="ideal (100 %)"),
+                Line2D(
+                    [], [], color="0.3", marker="o", markerfacecolor="white", linestyle="none",
+                    label="group's smallest run (baseline)",
+                ),
+            ],
+            loc="lower left",
+            frameon=False,
+        )  # fmt: skip
+        ax.add_artist(ax.get_legend())
+        _group_legend(ax, handles, "Scaling group (same settings, geometry varies)")
         _save(fig, out)
 
 

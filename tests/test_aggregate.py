@@ -1,0 +1,214 @@
+"""The runs table: scaling efficiency only within groups of identical settings, on the
+steady-state figure; baselines and lone runs say so instead of claiming 100 %."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pandas as pd
+import pytest
+
+from imagenet_ddp.aggregate import (
+    ALONE_NOTE,
+    BASELINE_NOTE,
+    COLUMNS,
+    aggregate_runs,
+    group_labels,
+    scaling_key,
+    to_markdown,
+)
+from tests.fake_runs import BASE_CONFIG, write_run_dir
+
+
+def _table(tmp_path, runs: list[dict]) -> pd.DataFrame:
+    dirs = [write_run_dir(tmp_path, **run) for run in runs]
+    return aggregate_runs(dirs).set_index("run")
+
+
+def test_different_precision_and_size_are_not_compared(tmp_path):
+    """The issue's case: fp32 on 1 GPU against bf16 on 8 used to report > 100 %."""
+    table = _table(
+        tmp_path,
+        [
+            {"run": "r50-fp32-1x1", "nodes": 1, "tasks_per_node": 1, "steady_per_worker": 400.0,
+             "model": "resnet50", "precision": "fp32"},
+            {"run": "r50-bf16-1x8", "nodes": 1, "tasks_per_node": 8, "steady_per_worker": 1100.0,
+             "model": "resnet50", "precision": "bf16"},
+        ],
+    )  # fmt: skip
+    fp32, bf16 = table.loc["r50-fp32-1x1"], table.loc["r50-bf16-1x8"]
+    assert fp32["scaling_group"] != bf16["scaling_group"]
+    assert fp32["scaling_group"] == "resnet50 (precision=fp32)"
+    assert bf16["scaling_group"] == "resnet50 (precision=bf16)"
+    for row in (fp32, bf16):
+        assert math.isnan(row["scaling_efficiency"])
+        assert row["scaling_note"] == ALONE_NOTE
+        assert row["scaling_baseline"] == row.name
+
+
+def test_group_efficiency_is_relative_to_smallest_run_on_steady_figure(tmp_path):
+    # End-to-end figures deliberately tell another story (loader start-up in a short epoch).
+    table = _table(
+        tmp_path,
+        [
+            {"run": "r18-2x2", "nodes": 2, "tasks_per_node": 2, "steady_per_worker": 800.0,
+             "per_worker": 300.0},
+            {"run": "r18-1x1", "nodes": 1, "tasks_per_node": 1, "steady_per_worker": 1000.0,
+             "per_worker": 600.0},
+            {"run": "r18-1x2", "nodes": 1, "tasks_per_node": 2, "steady_per_worker": 950.0,
+             "per_worker": 500.0},
+        ],
+    )  # fmt: skip
+    assert table["scaling_group"].nunique() == 1
+    assert table.loc["r18-1x1", "scaling_group"] == "resnet18"
+    assert (table["scaling_baseline"] == "r18-1x1").all()
+    assert math.isnan(table.loc["r18-1x1", "scaling_efficiency"])
+    assert table.loc["r18-1x1", "scaling_note"] == BASELINE_NOTE
+    assert table.loc["r18-1x2", "scaling_efficiency"] == pytest.approx(0.95)
+    assert table.loc["r18-2x2", "scaling_efficiency"] == pytest.approx(0.8)
+    assert table.loc["r18-2x2", "scaling_note"] == "relative to r18-1x1"
+    # Both figures are in the table, each under its own name.
+    assert table.loc["r18-2x2", "steady_images_per_s"] == pytest.approx(3200.0)
+    assert table.loc["r18-2x2", "images_per_s_per_worker"] == pytest.approx(300.0)
+    assert table.loc["r18-2x2", "throughput_warmup_steps"] == 20
+
+
+def test_table_columns_and_order(tmp_path):
+    dirs = [
+        write_run_dir(tmp_path, "b-1x2", nodes=1, tasks_per_node=2, steady_per_worker=90.0),
+        write_run_dir(tmp_path, "a-1x1", nodes=1, tasks_per_node=1, steady_per_worker=100.0),
+        write_run_dir(tmp_path, "c-1x1", nodes=1, tasks_per_node=1, steady_per_worker=50.0, lr=0.2),
+    ]
+    table = aggregate_runs(dirs)
+    assert list(table.columns) == COLUMNS
+    assert list(table["run"]) == ["a-1x1", "b-1x2", "c-1x1"]  # by group, then workers
+    assert list(table["scaling_group"]) == ["resnet18 (lr=0.1)"] * 2 + ["resnet18 (lr=0.2)"]
+
+
+def test_equal_workers_tie_breaks_by_run_name(tmp_path):
+    table = _table(
+        tmp_path,
+        [
+            {"run": "r18-2x1", "nodes": 2, "tasks_per_node": 1, "steady_per_worker": 700.0},
+            {"run": "r18-1x2", "nodes": 1, "tasks_per_node": 2, "steady_per_worker": 1000.0},
+        ],
+    )
+    assert (table["scaling_baseline"] == "r18-1x2").all()
+    assert table.loc["r18-1x2", "scaling_note"] == BASELINE_NOTE
+    assert table.loc["r18-2x1", "scaling_efficiency"] == pytest.approx(0.7)
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "same_group"),
+    [
+        ("log_interval", 100, True),
+        ("timeout_minutes", 5.0, True),
+        ("keep_checkpoints", 1, True),
+        ("extra", {"note": "rerun"}, True),
+        ("warmup_epochs", 0, True),  # 0 and 0.0 are the same setting
+        ("lr", 0.2, False),
+        ("seed", 1, False),
+        ("epochs", 9, False),
+        ("batch_size", 128, False),
+        ("workers", 3, False),
+        ("cpus_per_task", 4, False),
+        ("gpus_per_node", 8, False),  # 2 GPUs per rank instead of 1
+        ("synthetic", True, False),
+        ("channels_last", False, False),
+        ("compile", True, False),
+        ("crop_size", 160, False),
+        ("throughput_warmup_steps", 50, False),
+    ],
+)
+def test_which_settings_split_groups(tmp_path, setting, value, same_group):
+    table = _table(
+        tmp_path,
+        [
+            {"run": "small", "nodes": 1, "tasks_per_node": 1, "steady_per_worker": 100.0},
+            {"run": "large", "nodes": 2, "tasks_per_node": 4, "steady_per_worker": 90.0,
+             setting: value},
+        ],
+    )  # fmt: skip
+    assert (table.loc["small", "scaling_group"] == table.loc["large", "scaling_group"]) is (
+        same_group
+    )
+    if same_group:
+        assert table.loc["large", "scaling_efficiency"] == pytest.approx(0.9)
+    else:  # the label names what differs; GPUs are counted per rank
+        label = table.loc["large", "scaling_group"]
+        assert setting.replace("gpus_per_node", "gpus_per_rank") in label
+        assert table["scaling_efficiency"].isna().all()
+        assert (table["scaling_note"] == ALONE_NOTE).all()
+
+
+def test_older_metrics_without_steady_figure_read_as_nan(tmp_path):
+    table = _table(
+        tmp_path,
+        [
+            {"run": "old-1x1", "nodes": 1, "tasks_per_node": 1, "steady_per_worker": 100.0,
+             "legacy": True},
+            {"run": "old-1x2", "nodes": 1, "tasks_per_node": 2, "steady_per_worker": 90.0,
+             "legacy": True},
+            {"run": "new-1x1", "nodes": 1, "tasks_per_node": 1, "steady_per_worker": 100.0},
+        ],
+    )  # fmt: skip
+    old = table.loc["old-1x2"]
+    assert math.isnan(old["steady_images_per_s"]) and pd.isna(old["throughput_warmup_steps"])
+    assert old["images_per_s_per_worker"] == pytest.approx(81.0)
+    # Never silently replaced by the end-to-end figure.
+    assert math.isnan(old["scaling_efficiency"])
+    assert (
+        old["scaling_note"] == "relative to old-1x1; no steady-state throughput in old-1x2, old-1x1"
+    )
+    assert old["scaling_group"] == table.loc["old-1x1", "scaling_group"]
+    # Settings recorded differently (no geometry, no warm-up steps): not the same group.
+    assert table.loc["new-1x1", "scaling_group"] != old["scaling_group"]
+    assert table.loc["new-1x1", "scaling_note"] == ALONE_NOTE
+
+
+def test_group_labels_are_unique_and_name_what_differs():
+    keys = [
+        scaling_key({**BASE_CONFIG, "precision": "fp32"}),
+        scaling_key({**BASE_CONFIG, "precision": "bf16", "batch_size": 128}),
+        scaling_key({**BASE_CONFIG, "model": "resnet50"}),
+        scaling_key({**BASE_CONFIG, "seed": "1"}),
+        scaling_key({**BASE_CONFIG, "seed": 1}),
+    ]
+    labels = group_labels(keys)
+    assert len(set(labels.values())) == len(keys)
+    assert labels[keys[0]] == "resnet18 (batch_size=256, precision=fp32, seed=0)"
+    assert labels[keys[2]] == "resnet50"  # the only resnet50 group needs no qualifier
+    assert labels[keys[3]].startswith("resnet18 (batch_size=256, precision=bf16, seed=1) #")
+
+
+def test_geometry_and_bookkeeping_do_not_enter_the_key():
+    key = json.loads(
+        scaling_key(
+            {**BASE_CONFIG, "run": "x", "nodes": 2, "tasks_per_node": 8, "gpus_per_node": 8}
+        )
+    )
+    for name in ("run", "nodes", "tasks_per_node", "log_interval", "timeout_minutes", "extra"):
+        assert name not in key
+    assert key["cpus_per_task"] == 8 and key["gpus_per_rank"] == 1 and key["workers"] == 7
+    assert "gpus_per_node" not in key
+
+
+def test_one_gpu_and_one_full_node_of_gpus_are_one_group():
+    one = scaling_key({**BASE_CONFIG, "nodes": 1, "tasks_per_node": 1, "gpus_per_node": 1})
+    node = scaling_key({**BASE_CONFIG, "nodes": 1, "tasks_per_node": 8, "gpus_per_node": 8})
+    two = scaling_key({**BASE_CONFIG, "nodes": 2, "tasks_per_node": 8, "gpus_per_node": 8})
+    shared = scaling_key({**BASE_CONFIG, "nodes": 1, "tasks_per_node": 8, "gpus_per_node": 4})
+    assert one == node == two != shared
+
+
+def test_markdown_leaves_missing_figures_empty(tmp_path):
+    dirs = [
+        write_run_dir(tmp_path, "a-1x1", nodes=1, tasks_per_node=1, steady_per_worker=100.0),
+        write_run_dir(tmp_path, "a-1x2", nodes=1, tasks_per_node=2, steady_per_worker=95.0),
+    ]
+    text = to_markdown(aggregate_runs(dirs))
+    assert "nan" not in text.lower()
+    assert BASELINE_NOTE in text and "relative to a-1x1" in text
+    assert re.search(r"\|\s+0\.95 \|", text)
