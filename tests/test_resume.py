@@ -48,13 +48,15 @@ def torchrun(
     *extra: str,
     config: dict | None = None,
     popen: bool = False,
+    nproc: int = 2,
+    threads: int = 1,
 ):
     argv = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        "--nproc-per-node=2",
+        f"--nproc-per-node={nproc}",
         "-m",
         "imagenet_ddp.train",
         "--config-json",
@@ -69,7 +71,7 @@ def torchrun(
         str(ckpt),
         *extra,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     if popen:
         return subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -226,3 +228,91 @@ def test_synthetic_mode_trains_on_a_fixed_batch(prepared_demo, split_dir, tmp_pa
     assert result.returncode == 0, result.stdout + result.stderr
     metrics = json.loads((tmp_path / "out" / "train_metrics.json").read_text())
     assert metrics["config"]["synthetic"] is True and metrics["epochs"][0]["images_per_s"] > 0
+
+
+def launch(prepared: Path, split: Path, work: Path, config: dict, *, tasks: int, cpus: int):
+    """The real launcher (`imagenet-ddp train --launcher local`), in its own process group."""
+    argv = [
+        sys.executable, "-m", "imagenet_ddp.cli", "train", "--launcher", "local",
+        "--nodes", "1", "--tasks-per-node", str(tasks), "--cpus-per-task", str(cpus),
+        "--run-config-json", json.dumps(config), "--prepared-train", str(prepared),
+        "--split-dir", str(split), "--run-dir", str(work / "run"),
+        "--checkpoint-root", str(work / "ckpt"), "--scratch-dir", str(work / "scratch"),
+    ]  # fmt: skip
+    return subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+@pytest.fixture(scope="module")
+def eight_epochs(prepared_demo, split_dir, tmp_path_factory) -> tuple[dict, Path]:
+    config = {**CONFIG, "epochs": 8}
+    root = tmp_path_factory.mktemp("eight-epochs")
+    result = torchrun(prepared_demo["train"], split_dir, root / "out", root / "ckpt", config=config)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return config, root / "out"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_to_every_process_checkpoints_exits_75_and_resumes_bitwise(
+    prepared_demo, split_dir, eight_epochs, tmp_path, sig
+):
+    """What SLURM does at the time limit, on scancel and on preemption (SIGTERM), and a terminal
+    on Ctrl-C (SIGINT): the signal reaches the launcher, both ranks and their loader workers."""
+    config, reference = eight_epochs
+    # One loader worker per rank; one thread per rank, as in the reference (the thread count
+    # changes the order of float sums, so it must match for bitwise equality).
+    config = {**config, "workers": 1}
+    proc = launch(prepared_demo["train"], split_dir, tmp_path, config, tasks=2, cpus=1)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "epoch 1 step 1/" in line:
+            break
+    children = subprocess.run(
+        ["pgrep", "-g", str(proc.pid)], capture_output=True, text=True
+    ).stdout.split()
+    assert len(children) >= 1 + 2 + 2, lines  # launcher, 2 ranks, 2 loader workers (at least)
+    os.killpg(proc.pid, sig)
+    output = "".join(lines) + proc.stdout.read()
+    assert proc.wait(timeout=120) == EXIT_REQUEUE, output[-3000:]
+    assert "interrupted" in output and "killed by signal" not in output, output[-3000:]
+    assert not (tmp_path / "run" / "model.pt").exists()
+
+    again = launch(prepared_demo["train"], split_dir, tmp_path, config, tasks=2, cpus=1)
+    output = again.stdout.read()
+    assert again.wait(timeout=300) == 0, output[-3000:]
+    assert "resuming from" in output
+    assert_bitwise_equal(weights(tmp_path / "run"), weights(reference))
+    metrics = json.loads((tmp_path / "run" / "train_metrics.json").read_text())
+    assert metrics["geometry"]["workers"] == 1 and metrics["world_size"] == 2
+
+
+def test_a_finished_run_under_a_new_geometry_trains_afresh(
+    prepared_demo, split_dir, uninterrupted, tmp_path
+):
+    """1 rank finished; the same settings on 2 ranks must not re-emit the 1-rank history."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    one = torchrun(prepared_demo["train"], split_dir, out, ckpt, nproc=1)
+    assert one.returncode == 0, one.stdout + one.stderr
+    two = torchrun(prepared_demo["train"], split_dir, out, ckpt)
+    output = two.stdout + two.stderr
+    assert two.returncode == 0, output
+    assert "resuming from" not in output
+    assert "not resuming" in output and "another geometry (n1x1" in output
+    metrics = json.loads((out / "train_metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["geometry"]["tag"].startswith("n1x2")
+    assert_bitwise_equal(weights(out), weights(uninterrupted))  # a true 2-rank run
+
+
+def test_an_interrupted_run_is_not_resumed_across_world_sizes(prepared_demo, split_dir, tmp_path):
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    first = torchrun(prepared_demo["train"], split_dir, out, ckpt, "--stop-after-steps", "3")
+    assert first.returncode != 0 and "interrupted at epoch 0 step 3" in first.stdout + first.stderr
+    single = torchrun(prepared_demo["train"], split_dir, out, ckpt, nproc=1)
+    output = single.stdout + single.stderr
+    assert single.returncode == 0, output
+    assert "resuming from" not in output and "not resuming" in output
+    metrics = json.loads((out / "train_metrics.json").read_text())
+    assert metrics["world_size"] == 1 and [e["epoch"] for e in metrics["epochs"]] == [0, 1]
+    assert all(e["segments"] == 1 for e in metrics["epochs"])

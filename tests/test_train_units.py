@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from imagenet_ddp.train import (
-    EpochSampler,
-    SeededAugmentation,
-    TrainConfig,
-    load_latest_checkpoint,
-    lr_lambda,
-    save_checkpoint,
-)
+from imagenet_ddp.checkpoint import load_latest_checkpoint, save_checkpoint
+from imagenet_ddp.train import EpochSampler, SeededAugmentation, TrainConfig, lr_lambda
 
 
 def test_epoch_sampler_skips_exactly_the_steps_already_done():
@@ -77,13 +72,83 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
 
 
 def test_auto_loader_workers_follow_the_tasks_cpus(monkeypatch):
-    from imagenet_ddp.train import loader_workers
+    from imagenet_ddp.distributed import DistInfo
+    from imagenet_ddp.train import resolve_geometry
 
+    info, cpu = DistInfo(0, 1, 0, 1, "h"), torch.device("cpu")
     monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "8")
-    assert loader_workers("auto") == 7
+    assert resolve_geometry(TrainConfig(), info, cpu).workers == 7
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "4")
-    assert loader_workers("auto") == 3
-    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")
-    assert loader_workers("auto") == 0
-    assert loader_workers(2) == 2
+    assert resolve_geometry(TrainConfig(), info, cpu).workers == 3
+    assert resolve_geometry(TrainConfig(cpus_per_task=1), info, cpu).workers == 0
+    assert resolve_geometry(TrainConfig(workers=2), info, cpu).workers == 2
+
+
+def test_geometry_is_checked_against_the_ranks_that_started():
+    from imagenet_ddp.distributed import DistInfo
+    from imagenet_ddp.train import resolve_geometry
+
+    cfg = TrainConfig(nodes=2, tasks_per_node=4, cpus_per_task=8, gpus_per_node=4)
+    geometry = resolve_geometry(cfg, DistInfo(0, 8, 0, 4, "h"), torch.device("cpu"))
+    assert geometry.world_size == 8 and geometry.tag == "n2x4-c8-g4-w7"
+    with pytest.raises(RuntimeError, match="2 node.* x 4 task.*but 4 ranks started"):
+        resolve_geometry(cfg, DistInfo(0, 4, 0, 4, "h"), torch.device("cpu"))
+
+
+def test_checkpoints_are_keyed_by_settings_and_geometry(tmp_path):
+    from imagenet_ddp.checkpoint import checkpoint_dir, other_geometries
+
+    fingerprint = TrainConfig(lr=0.1).fingerprint()
+    # Geometry and bookkeeping do not change the settings' hash; a weight-changing key does.
+    assert TrainConfig(lr=0.1, nodes=4, workers=3, log_interval=1).fingerprint() == fingerprint
+    assert TrainConfig(lr=0.2).fingerprint() != fingerprint
+    one = checkpoint_dir(tmp_path, fingerprint, "n1x1-c2-g0-w1")
+    two = checkpoint_dir(tmp_path, fingerprint, "n1x2-c2-g0-w1")
+    assert one != two
+    save_checkpoint(one, {"epoch": 3, "step_in_epoch": 0}, keep=2)
+    assert other_geometries(tmp_path, fingerprint, "n1x2-c2-g0-w1") == [one]
+    assert other_geometries(tmp_path, fingerprint, "n1x1-c2-g0-w1") == []
+    assert other_geometries(tmp_path, TrainConfig(lr=0.2).fingerprint(), "n1x1-c2-g0-w1") == []
+
+
+def test_steady_state_window_leaves_out_the_warmup_steps():
+    from imagenet_ddp.epoch_metrics import EpochMeter
+
+    meter = EpochMeter(torch.device("cpu"), warmup_steps=3)
+    for _ in range(10):
+        logits = torch.tensor([[2.0, 0.0]] * 4)
+        meter.update(torch.tensor(0.5), logits, torch.tensor([0, 0, 1, 1]))
+    record = meter.reduce()
+    assert record["images"] == 40 and record["steady_images"] == 28  # steps 4..10
+    assert record["train_loss"] == 0.5 and record["train_top1"] == 0.5
+    assert record["steady_images_per_s"] > 0 and record["steady_seconds"] > 0
+    short = EpochMeter(torch.device("cpu"), warmup_steps=3)
+    for _ in range(3):
+        short.update(torch.tensor(0.5), torch.tensor([[2.0, 0.0]]), torch.tensor([0]))
+    assert short.reduce()["steady_images_per_s"] is None  # no step after the warm-up
+
+
+def test_a_resumed_epochs_counters_continue_exactly():
+    from imagenet_ddp.epoch_metrics import EpochMeter
+
+    meter = EpochMeter(torch.device("cpu"), warmup_steps=0)
+    meter.update(torch.tensor(0.3), torch.tensor([[1.0, 0.0]]), torch.tensor([0]))
+    resumed = EpochMeter(torch.device("cpu"), warmup_steps=0, partial=meter.partial())
+    resumed.update(torch.tensor(0.7), torch.tensor([[1.0, 0.0]]), torch.tensor([1]))
+    record = resumed.reduce()
+    assert record["images"] == 2 and record["segments"] == 2
+    assert record["train_loss"] == pytest.approx(0.5)
+    assert record["train_top1"] == 0.5
+
+
+def test_gpus_asked_but_cuda_unusable_is_an_error_naming_the_host(monkeypatch):
+    import socket
+
+    from imagenet_ddp.distributed import select_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=f"host {socket.gethostname()}: gpus_per_node is 4"):
+        select_device("auto", 0, gpus_per_node=4)
+    assert select_device("auto", 0, gpus_per_node=0).type == "cpu"
+    assert select_device("cpu", 0, gpus_per_node=4).type == "cpu"

@@ -135,9 +135,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     run_config = json.loads(args.run_config_json)
     geometry = Geometry(args.nodes, args.tasks_per_node, args.cpus_per_task)
+    # The worker checks the ranks that started against this geometry and keys checkpoints by it.
+    worker_config = {
+        **run_config,
+        "nodes": args.nodes,
+        "tasks_per_node": args.tasks_per_node,
+        "cpus_per_task": args.cpus_per_task,
+    }
     worker_args = [
         "--config-json",
-        args.run_config_json,
+        json.dumps(worker_config, sort_keys=True),
         "--split-dir",
         str(args.split_dir),
         "--out-dir",

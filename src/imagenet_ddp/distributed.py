@@ -49,16 +49,28 @@ def dist_info_from_env() -> DistInfo:
     )
 
 
-def select_device(requested: str, local_rank: int) -> torch.device:
+def select_device(
+    requested: str, local_rank: int, gpus_per_node: int | None = None
+) -> torch.device:
     """``auto`` picks this rank's GPU when CUDA is available, else the CPU.
 
+    A job that asked SLURM for GPUs (``gpus_per_node > 0``) never falls back to the CPU: on a
+    node where CUDA is unusable (driver, ``CUDA_VISIBLE_DEVICES``, a CPU build of torch) that
+    would burn the GPU allocation at CPU speed and report CPU figures as the run's.
     With ``--gres-flags=allow-task-sharing`` off, SLURM shows each task only its own GPU, so the
     visible device count can be 1 while local_rank is larger: index modulo the visible count.
     """
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+    wants_gpu = requested == "cuda" or (requested == "auto" and (gpus_per_node or 0) > 0)
+    if requested == "cpu" or (not wants_gpu and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' requested but torch.cuda.is_available() is False")
+        why = f"gpus_per_node is {gpus_per_node}" if gpus_per_node else "device is 'cuda'"
+        raise RuntimeError(
+            f"host {socket.gethostname()}: {why} but CUDA is unusable here "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda}, "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
+            "check the node's driver and the job's GPU request, or set gpus_per_node: 0"
+        )
     index = local_rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
@@ -88,6 +100,21 @@ def destroy_process_group() -> None:
 
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def broadcast_buffers(module: torch.nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running statistics).
+
+    DDP broadcasts them at the start of each forward pass, so after the last training step each
+    rank holds the statistics of its own last batch; rank 0's are the ones saved.
+    """
+    if is_distributed():
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=0)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

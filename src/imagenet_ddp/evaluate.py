@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from imagenet_ddp.distributed import all_reduce_sum
+from imagenet_ddp.signals import ignore_stop_signals, stop_signals_blocked
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -50,6 +51,7 @@ def evaluate_dataset(
         shuffle=False,
         num_workers=workers,
         pin_memory=device.type == "cuda",
+        worker_init_fn=ignore_stop_signals,  # a stop signal is the rank's to handle
     )
     correct1 = torch.zeros(num_classes, dtype=torch.float64)
     correct5 = torch.zeros((), dtype=torch.float64)
@@ -57,7 +59,9 @@ def evaluate_dataset(
     loss_sum = torch.zeros((), dtype=torch.float64)
     criterion = torch.nn.CrossEntropyLoss(reduction="sum")
     k = min(5, num_classes)
-    for images, targets in loader:
+    with stop_signals_blocked():  # workers are forked here; see imagenet_ddp.signals
+        batches = iter(loader)
+    for images, targets in batches:
         images = images.to(device, non_blocking=True)
         if channels_last:
             images = images.contiguous(memory_format=torch.channels_last)

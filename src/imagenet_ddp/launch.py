@@ -1,7 +1,8 @@
 """Run one training job: stage data on every node, start one worker per device, clean up.
 
 Two launchers share this code path:
-- ``local``: one node; staging in this process, workers started by torchrun.
+- ``local``: one node; staging in this process, one worker process per rank started here
+  (:func:`spawn_local_ranks`), with the variables torchrun would set.
 - ``srun``: inside a SLURM allocation (a Snakemake rule with the ``mpi`` resource); staging is
   one ``srun`` task per node, the workers are ``nodes x tasks_per_node`` srun tasks, each reading
   its rank from SLURM_PROCID/SLURM_LOCALID and deriving MASTER_ADDR/MASTER_PORT from the job.
@@ -14,13 +15,16 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from imagenet_ddp.io import write_json_atomic
+from imagenet_ddp.signals import EXIT_REQUEUE, ForwardStopSignals
 from imagenet_ddp.stage import cleanup_staged, scratch_root_from_env, stage_dataset
 
 # Below Linux's default ephemeral range (32768-60999), so it cannot collide with client ports.
@@ -145,22 +149,9 @@ def run_job(
         if geometry.nodes != 1:
             raise ValueError("launcher 'local' runs on one node; use launcher 'srun' for nodes > 1")
         stage_this_node(prepared_train, scratch_dir, run_dir, stage_verify)
-        worker = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nnodes=1",
-            f"--nproc-per-node={geometry.tasks_per_node}",
-            "-m",
-            "imagenet_ddp.launch",
-            "worker",
-            *node_args,
-            "--",
-            *worker_args,
-        ]
+        worker = [*me, "worker", *node_args, "--", *worker_args]
         try:
-            code = _run(worker, geometry)
+            code = spawn_local_ranks(worker, geometry)
         finally:
             if cleanup:
                 unstage_this_node(run_dir)
@@ -179,7 +170,7 @@ def run_job(
         "--verify",
         stage_verify,
     ]
-    code = _run(stage, geometry)
+    code, signalled = _run_step(stage, geometry)
     if code != 0:
         return code
     try:
@@ -191,9 +182,13 @@ def run_job(
             "--",
             *worker_args,
         ]
-        code = _run(worker, geometry)
+        code, signalled = _run_step(worker, geometry)
     finally:
-        if cleanup:
+        if cleanup and signalled:
+            # The job is ending (time limit, scancel, preemption): SLURM creates no new step
+            # now; its epilog removes $SLURM_TMPDIR.
+            print("stop signal received: node-local copies are left to the job's epilog")
+        elif cleanup:
             _run(
                 [*srun_argv(geometry, per_node=True, extra=extra), *me, "unstage-node", *node_args],
                 geometry,
@@ -202,8 +197,80 @@ def run_job(
 
 
 def _run(argv: list[str], geometry: Geometry) -> int:
+    return _run_step(argv, geometry)[0]
+
+
+def _run_step(argv: list[str], geometry: Geometry) -> tuple[int, bool]:
+    """Run an srun step to its end, surviving stop signals: (exit code, signalled).
+
+    srun gets the signal from SLURM too and passes it to its tasks; it then exits with their
+    code (EXIT_REQUEUE after a checkpoint). Killing it early would lose the checkpoint.
+    """
     print("+ " + shlex.join(argv), flush=True)
-    return subprocess.run(argv, env=worker_env(geometry)).returncode
+    with ForwardStopSignals() as forward:
+        proc = subprocess.Popen(argv, env=worker_env(geometry))
+        forward.children.append(proc)
+        code = proc.wait()
+    return code, bool(forward.received)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn_local_ranks(argv: list[str], geometry: Geometry, grace_seconds: float = 30) -> int:
+    """Start one process per rank on this node, the way srun starts them on a cluster.
+
+    Not torchrun: on a stop signal torchrun exits with its own code 1 (losing the ranks'
+    EXIT_REQUEUE) and kills the ranks 30 s later whether their checkpoint is written or not.
+    Here a stop signal is passed on to the ranks and their exit code is returned. If a rank
+    fails, the others are stopped (SIGTERM, SIGKILL after ``grace_seconds``), as torchrun does.
+    """
+    env = worker_env(geometry)
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(geometry.tasks_per_node),
+        LOCAL_WORLD_SIZE=str(geometry.tasks_per_node),
+    )
+    print("+ " + shlex.join(argv) + f"  (x {geometry.tasks_per_node} ranks)", flush=True)
+    with ForwardStopSignals() as forward:
+        for rank in range(geometry.tasks_per_node):
+            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            forward.children.append(subprocess.Popen(argv, env=rank_env))
+        return _wait_for_ranks(forward.children, grace_seconds)
+
+
+def _exit_code(proc: subprocess.Popen) -> int:
+    code = proc.returncode
+    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says
+
+
+def _wait_for_ranks(procs: list[subprocess.Popen], grace_seconds: float) -> int:
+    failed = None
+    while [p.poll() for p in procs].count(None):  # polls every rank (any() would stop early)
+        failed = next((p for p in procs if p.returncode not in (None, 0, EXIT_REQUEUE)), None)
+        if failed is not None:
+            break
+        time.sleep(0.2)
+    if failed is not None:
+        code = _exit_code(failed)
+        print(f"rank (pid {failed.pid}) failed with exit code {code}; stopping the others")
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_seconds
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        return code
+    codes = [_exit_code(p) for p in procs]
+    return next((c for c in codes if c not in (0, EXIT_REQUEUE)), max(codes))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,13 +1,15 @@
-"""DDP training worker: one process per device, launched by torchrun (local) or srun (SLURM).
+"""DDP training worker: one process per device, launched by the launcher (local or srun).
 
 Design choices that matter for users:
 - Augmentation is seeded per (seed, epoch, sample), not per worker process, so results do not
   depend on DataLoader worker count and a run resumed mid-epoch replays exactly the same batches.
-- Checkpoints live in a directory keyed by a hash of the run's configuration, outside the rule's
-  declared outputs: Snakemake's cleanup of a failed attempt does not delete them, a retry or a
-  SLURM requeue resumes, and a changed configuration never resumes from a stale run.
-- SIGTERM/SIGUSR1 (SLURM sends them before preemption or the time limit) make every rank stop at
-  the same step; rank 0 writes a checkpoint and the job exits with EXIT_REQUEUE.
+- Checkpoints are keyed by the run's settings and its geometry (:mod:`imagenet_ddp.checkpoint`):
+  a retry or a SLURM requeue resumes; a changed setting or geometry starts fresh.
+- A stop signal (SIGTERM, SIGUSR1, SIGINT: time limit, scancel, preemption, Ctrl-C) makes every
+  rank stop at the same step; rank 0 writes a checkpoint and the job exits with EXIT_REQUEUE
+  (:mod:`imagenet_ddp.signals`).
+- Throughput is measured end to end and in a steady-state window per epoch
+  (:mod:`imagenet_ddp.epoch_metrics`), without a host sync per step.
 """
 
 from __future__ import annotations
@@ -19,9 +21,7 @@ import json
 import math
 import os
 import random
-import signal
 import sys
-import time
 from dataclasses import dataclass, field
 from itertools import repeat
 from pathlib import Path
@@ -35,6 +35,15 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from imagenet_ddp import distributed as D
+from imagenet_ddp.checkpoint import (
+    checkpoint_dir,
+    load_latest_checkpoint,
+    other_geometries,
+    restore_rng_state,
+    rng_state,
+    save_checkpoint,
+)
+from imagenet_ddp.epoch_metrics import EpochMeter, Progress
 from imagenet_ddp.evaluate import autocast, evaluate_dataset
 from imagenet_ddp.io import atomic_path, write_csv_atomic, write_json_atomic
 from imagenet_ddp.prepared import (
@@ -43,9 +52,17 @@ from imagenet_ddp.prepared import (
     normalize_batch,
     train_transform,
 )
+from imagenet_ddp.signals import (
+    EXIT_REQUEUE,
+    StopFlag,
+    ignore_stop_signals,
+    stop_signals_blocked,
+)
 
-EXIT_REQUEUE = 75  # EX_TEMPFAIL: interrupted after writing a checkpoint; rerun to resume
-SIGNAL_CHECK_STEPS = 10  # how often ranks agree on a pending SIGTERM/SIGUSR1 (one all-reduce)
+__all__ = ["EXIT_REQUEUE", "TrainConfig", "train", "main"]
+
+SIGNAL_CHECK_STEPS = 2  # ranks agree on a pending stop signal every this many steps
+GEOMETRY_KEYS = ("nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node")
 
 
 @dataclass
@@ -75,6 +92,12 @@ class TrainConfig:
     timeout_minutes: float = 60.0  # process-group timeout; must exceed staging time
     synthetic: bool = False  # measure the model alone on a fixed random batch
     keep_checkpoints: int = 2
+    throughput_warmup_steps: int = 20  # steps per epoch left out of the steady-state img/s
+    # The job's geometry as the workflow asked SLURM for it; None: read from the environment.
+    nodes: int | None = None
+    tasks_per_node: int | None = None
+    cpus_per_task: int | None = None
+    gpus_per_node: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -86,10 +109,59 @@ class TrainConfig:
         return cfg
 
     def fingerprint(self) -> str:
-        """Hash of everything that changes the trained weights (not logging or worker count)."""
-        ignore = {"log_interval", "workers", "timeout_minutes", "keep_checkpoints", "extra"}
+        """Hash of everything that changes the trained weights (not logging or geometry: the
+        geometry is the checkpoint key's second part)."""
+        ignore = {
+            "log_interval",
+            "workers",
+            "timeout_minutes",
+            "keep_checkpoints",
+            "throughput_warmup_steps",
+            "extra",
+            *GEOMETRY_KEYS,
+        }
         data = {k: v for k, v in dataclasses.asdict(self).items() if k not in ignore}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class JobGeometry:
+    """Where a run's figures were measured: every row of the results states this."""
+
+    nodes: int
+    tasks_per_node: int
+    cpus_per_task: int
+    gpus_per_node: int
+    workers: int  # DataLoader workers per rank
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+    @property
+    def tag(self) -> str:
+        return (
+            f"n{self.nodes}x{self.tasks_per_node}-c{self.cpus_per_task}"
+            f"-g{self.gpus_per_node}-w{self.workers}"
+        )
+
+
+def resolve_geometry(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> JobGeometry:
+    """The configured geometry, checked against the ranks that actually started."""
+    tasks = cfg.tasks_per_node or info.local_world_size
+    nodes = cfg.nodes or max(1, info.world_size // tasks)
+    if nodes * tasks != info.world_size:
+        raise RuntimeError(
+            f"run {cfg.run!r}: configured {nodes} node(s) x {tasks} task(s) per node, but "
+            f"{info.world_size} ranks started; check the launcher's geometry"
+        )
+    cpus = cfg.cpus_per_task or int(
+        os.environ.get("SLURM_CPUS_PER_TASK") or os.environ.get("OMP_NUM_THREADS") or 1
+    )
+    gpus = cfg.gpus_per_node
+    if gpus is None:
+        gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    return JobGeometry(nodes, tasks, cpus, gpus, loader_workers(cfg.workers, cpus))
 
 
 # --------------------------------------------------------------------------- data
@@ -146,16 +218,11 @@ class EpochSampler(Sampler):
         return len(self.inner) - self.skip
 
 
-def loader_workers(setting: int | str) -> int:
-    """``auto``: one DataLoader worker per CPU of this task but one (the training loop's).
-
-    The launcher exports the task's CPU count as OMP_NUM_THREADS (SLURM_CPUS_PER_TASK inside
-    srun), so this follows the job's ``cpus_per_task`` without another knob.
-    """
+def loader_workers(setting: int | str, cpus_per_task: int) -> int:
+    """``auto``: one DataLoader worker per CPU of this task but one (the training loop's)."""
     if setting != "auto":
         return int(setting)
-    cpus = os.environ.get("SLURM_CPUS_PER_TASK") or os.environ.get("OMP_NUM_THREADS") or "1"
-    return max(0, int(cpus) - 1)
+    return max(0, cpus_per_task - 1)
 
 
 def read_ids(path: Path) -> list[int]:
@@ -183,88 +250,56 @@ def lr_lambda(steps_per_epoch: int, cfg: TrainConfig):
     return factor
 
 
-# --------------------------------------------------------------------------- checkpoints
-
-
-def checkpoint_name(epoch: int, step: int) -> str:
-    return f"checkpoint-e{epoch:04d}-s{step:07d}.pt"
-
-
-def save_checkpoint(directory: Path, state: dict[str, Any], keep: int) -> Path:
-    path = directory / checkpoint_name(state["epoch"], state["step_in_epoch"])
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
-    for old in sorted(directory.glob("checkpoint-*.pt"))[:-keep]:
-        old.unlink(missing_ok=True)
-    return path
-
-
-def load_latest_checkpoint(directory: Path) -> dict[str, Any] | None:
-    """Newest checkpoint that loads; a torn or corrupt file is reported and skipped."""
-    for path in sorted(directory.glob("checkpoint-*.pt"), reverse=True):
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-            state["path"] = str(path)
-            return state
-        except Exception as exc:  # noqa: BLE001 - any unreadable file is skipped, not fatal
-            print(f"warning: ignoring unreadable checkpoint {path}: {exc}", file=sys.stderr)
-    return None
-
-
-class StopFlag:
-    """Set by SIGTERM/SIGUSR1; checked at step boundaries, agreed on by all ranks."""
-
-    def __init__(self) -> None:
-        self.signalled = 0
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handler)
-
-    def _handler(self, signum, frame) -> None:
-        self.signalled = signum
-
-    def agreed(self, device: torch.device) -> bool:
-        flag = torch.tensor([1.0 if self.signalled else 0.0], device=device)
-        return bool(D.all_reduce_max(flag).item())
-
-
 # --------------------------------------------------------------------------- training
-
-
-class Progress:
-    """tqdm bar for an interactive rank 0; one plain line per interval in batch logs."""
-
-    def __init__(self, enabled: bool, total: int, epoch: int, interval: int):
-        self.enabled, self.interval, self.epoch, self.total = enabled, interval, epoch, total
-        self.bar = None
-        if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc=f"epoch {epoch}", unit="step", leave=False)
-
-    def update(self, step: int, loss: float, images_per_s: float) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.3f}", img_s=f"{images_per_s:.0f}")
-        elif step % self.interval == 0 or step == self.total:
-            print(
-                f"epoch {self.epoch} step {step}/{self.total} loss {loss:.4f} "
-                f"{images_per_s:.1f} img/s (global)",
-                flush=True,
-            )
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+@dataclass
+class Job:
+    """One rank's view of the run: settings, placement and what it trains."""
+
+    cfg: TrainConfig
+    info: D.DistInfo
+    device: torch.device
+    geometry: JobGeometry
+    model: torch.nn.Module
+    step_model: torch.nn.Module  # DDP (and compiled) wrapper that runs the training step
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    criterion: torch.nn.Module
+    checkpoint_dir: Path
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    def checkpoint_state(self, epoch: int, step: int, partial: list | None) -> dict[str, Any]:
+        """Collective (every rank's RNG state is gathered); rank 0 saves the result."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "epoch": epoch,
+            "step_in_epoch": step,
+            "partial_epoch": partial,
+            "history": self.history,
+            "config": dataclasses.asdict(self.cfg),
+            "geometry": dataclasses.asdict(self.geometry),
+            "world_size": self.info.world_size,
+            "rng": D.all_gather_objects(rng_state(self.device)),
+        }
+
+    def save(self, epoch: int, step: int, partial: list | None = None) -> Path | None:
+        state = self.checkpoint_state(epoch, step, partial)
+        path = None
+        if self.info.is_main:
+            path = save_checkpoint(self.checkpoint_dir, state, self.cfg.keep_checkpoints)
+        D.barrier()
+        return path
 
 
 def train(
@@ -277,24 +312,20 @@ def train(
     stop_after_steps: int | None = None,
 ) -> int:
     """Run training in this process (one rank). Returns the process exit code."""
+    if cfg.deterministic:  # cuBLAS reads it when its first handle is created
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     info = D.dist_info_from_env()
-    device = D.select_device(cfg.device, info.local_rank)
+    device = D.select_device(cfg.device, info.local_rank, cfg.gpus_per_node)
     D.init_process_group(info, device, cfg.backend, cfg.timeout_minutes)
-    stop = StopFlag()
+    stop = StopFlag(SIGNAL_CHECK_STEPS)
     stop.install()
     try:
         return _train(
-            cfg,
-            info,
-            device,
-            train_data,
-            split_dir,
-            out_dir,
-            checkpoint_root,
-            stop,
+            cfg, info, device, train_data, split_dir, out_dir, checkpoint_root, stop,
             stop_after_steps,
-        )
+        )  # fmt: skip
     finally:
+        stop.settle()
         D.destroy_process_group()
 
 
@@ -307,26 +338,25 @@ def _train(
     elif device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     seed_everything(cfg.seed)
-
+    geometry = resolve_geometry(cfg, info, device)
     base = PreparedImageDataset(train_data, sample_ids=read_ids(split_dir / "train.csv"))
     holdout = PreparedImageDataset(
         train_data,
         sample_ids=read_ids(split_dir / "holdout.csv"),
         transform=eval_transform(cfg.eval_resize, cfg.crop_size),
     )
-    num_classes = base.num_classes
     dataset = SeededAugmentation(base, train_transform(cfg.crop_size, normalize=False), cfg.seed)
     sampler = EpochSampler(len(dataset), info.world_size, info.rank, cfg.seed)
-    workers = loader_workers(cfg.workers)
     loader = DataLoader(
         dataset,
         batch_size=cfg.batch_size,
         sampler=sampler,
-        num_workers=workers,
+        num_workers=geometry.workers,
         pin_memory=device.type == "cuda",
-        persistent_workers=workers > 0,
-        prefetch_factor=4 if workers > 0 else None,
+        persistent_workers=geometry.workers > 0,
+        prefetch_factor=4 if geometry.workers > 0 else None,
         drop_last=True,
+        worker_init_fn=ignore_stop_signals,
     )
     steps_per_epoch = len(sampler) // cfg.batch_size
     if steps_per_epoch == 0:
@@ -334,159 +364,44 @@ def _train(
             f"run {cfg.run!r}: batch_size {cfg.batch_size} x {info.world_size} ranks exceeds the "
             f"{len(dataset)} training samples; lower batch_size"
         )
-
-    model = build_model(cfg.model, num_classes).to(device)
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    optimizer = torch.optim.SGD(
-        model.parameters(),
-        lr=cfg.lr,
-        momentum=cfg.momentum,
-        weight_decay=cfg.weight_decay,
-        nesterov=cfg.momentum > 0,
+    job = _build_job(
+        cfg, info, device, geometry, base.num_classes, steps_per_epoch, checkpoint_root
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(steps_per_epoch, cfg))
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
-    criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    start_epoch, start_step, partial, resumed_from = _resume(job)
 
-    checkpoint_dir = checkpoint_root / cfg.fingerprint()
-    start_epoch, start_step, history, resumed_from = 0, 0, [], None
-    state = load_latest_checkpoint(checkpoint_dir) if checkpoint_dir.exists() else None
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        start_epoch, start_step = state["epoch"], state["step_in_epoch"]
-        history, resumed_from = state["history"], state["path"]
-        partial = state.get("partial_epoch")
-        if info.is_main:
-            print(
-                f"resuming from {resumed_from} (epoch {start_epoch}, step {start_step})", flush=True
-            )
-    else:
-        partial = None
-
-    ddp_model = (
-        DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-        if D.is_distributed()
-        else model
-    )
-    step_model = torch.compile(ddp_model) if cfg.compile else ddp_model
-    synthetic_batch = None
-    if cfg.synthetic:
-        g = torch.Generator().manual_seed(cfg.seed)
-        synthetic_batch = (
-            torch.randn(cfg.batch_size, 3, cfg.crop_size, cfg.crop_size, generator=g).to(device),
-            torch.randint(0, num_classes, (cfg.batch_size,), generator=g).to(device),
-        )
-
-    def checkpoint_state(epoch: int, step: int, partial_epoch: list | None) -> dict[str, Any]:
-        return {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(),
-            "epoch": epoch,
-            "step_in_epoch": step,
-            "partial_epoch": partial_epoch,
-            "history": history,
-            "config": dataclasses.asdict(cfg),
-            "world_size": info.world_size,
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "numpy": np.random.get_state(),
-                "python": random.getstate(),
-            },
-        }
-
-    steps_done_total = 0
+    steps_done = 0
     for epoch in range(start_epoch, cfg.epochs):
-        skip_steps = start_step if epoch == start_epoch else 0
-        sampler.set_epoch(epoch, skip_samples=skip_steps * cfg.batch_size)
-        acc = {"loss_sum": 0.0, "correct": 0.0, "samples": 0.0, "seconds": 0.0}
-        if partial and epoch == start_epoch:
-            acc.update(_partial_for_rank(partial, info))
-        progress = Progress(info.is_main, steps_per_epoch, epoch, cfg.log_interval)
-        ddp_model.train()
-        t_epoch = time.perf_counter()
-        t_interval, images_interval = t_epoch, 0
-        step = skip_steps
-        # Synthetic mode measures the model alone: the loader is not touched at all.
-        batches = loader if synthetic_batch is None else repeat(synthetic_batch, len(loader))
-        for images, targets in batches:
-            if synthetic_batch is None:  # the loader ships uint8 crops; normalize on the device
-                images = normalize_batch(images.to(device, non_blocking=True))
-                targets = targets.to(device, non_blocking=True)
-            if cfg.channels_last:
-                images = images.contiguous(memory_format=torch.channels_last)
-            with autocast(device, cfg.precision):
-                logits = step_model(images)
-                loss = criterion(logits, targets)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            scheduler.step()
+        first = epoch == start_epoch
+        skip = start_step if first else 0
+        sampler.set_epoch(epoch, skip_samples=skip * cfg.batch_size)
+        meter = EpochMeter(
+            device, cfg.throughput_warmup_steps, partial[info.rank] if first and partial else None
+        )
+        progress = Progress(info.is_main, epoch, steps_per_epoch, cfg.log_interval, meter)
+        job.step_model.train()
+        step = skip
+        for images, targets in _batches(job, loader, base.num_classes):
+            loss, logits = _train_step(job, images, targets)
+            meter.update(loss, logits, targets)
             step += 1
-            steps_done_total += 1
-            n = targets.shape[0]
-            acc["loss_sum"] += loss.item() * n
-            acc["correct"] += (logits.argmax(1) == targets).sum().item()
-            acc["samples"] += n
-            images_interval += n
-            if info.is_main and (step % cfg.log_interval == 0 or step == steps_per_epoch):
-                now = time.perf_counter()
-                rate = images_interval * info.world_size / max(now - t_interval, 1e-9)
-                t_interval, images_interval = now, 0
-            else:
-                rate = float("nan")
-            progress.update(step, loss.item(), rate)
-            # Every rank checks at the same steps, so the agreement's collective stays aligned.
-            interrupted = (
-                stop_after_steps is not None and steps_done_total >= stop_after_steps
-            ) or (step % SIGNAL_CHECK_STEPS == 0 and stop.agreed(device))
-            if interrupted and step < steps_per_epoch:
+            steps_done += 1
+            progress.update(step, meter)
+            # Every rank polls at the same steps, so the agreement's collectives stay aligned.
+            test_stop = stop_after_steps is not None and steps_done >= stop_after_steps
+            if (test_stop or stop.poll(steps_done)) and step < steps_per_epoch:
                 progress.close()
-                acc["seconds"] += time.perf_counter() - t_epoch
-                partials = D.all_gather_objects(acc)  # each rank's share of the epoch so far
+                path = job.save(epoch, step, D.all_gather_objects(meter.partial()))
                 if info.is_main:
-                    path = save_checkpoint(
-                        checkpoint_dir,
-                        checkpoint_state(epoch, step, partials),
-                        cfg.keep_checkpoints,
-                    )
                     print(
                         f"interrupted at epoch {epoch} step {step}: wrote {path}; rerun to resume",
                         flush=True,
                     )
-                D.barrier()
                 return EXIT_REQUEUE
         progress.close()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds = acc["seconds"] + time.perf_counter() - t_epoch
-        record = _epoch_record(
-            cfg, info, device, epoch, acc, seconds, scheduler, ddp_model, holdout, num_classes
-        )
-        history.append(record)
-        if info.is_main:
-            print(
-                f"epoch {epoch} done: loss {record['train_loss']:.4f} "
-                f"train top1 {record['train_top1']:.3f} holdout top1 {record['holdout_top1']:.3f} "
-                f"{record['images_per_s']:.1f} img/s ({record['epoch_seconds']:.1f} s)",
-                flush=True,
-            )
-            save_checkpoint(
-                checkpoint_dir, checkpoint_state(epoch + 1, 0, None), cfg.keep_checkpoints
-            )
-        D.barrier()
-        if stop.agreed(device):  # signalled during the epoch: its checkpoint is written
+        _end_epoch(job, epoch, meter, holdout, base.num_classes)
+        if stop.agreed():  # signalled during the epoch: its checkpoint is written
             if info.is_main:
-                print(
-                    f"interrupted after epoch {epoch}: checkpoint written; rerun to resume",
-                    flush=True,
-                )
+                print(f"interrupted after epoch {epoch}: checkpoint written; rerun to resume")
             return EXIT_REQUEUE
 
     ranks = D.all_gather_objects(
@@ -499,103 +414,191 @@ def _train(
         }
     )
     if info.is_main:
-        _write_outputs(
-            cfg, info, out_dir, model, num_classes, history, ranks, resumed_from, checkpoint_dir
-        )
+        _write_outputs(job, out_dir, base.num_classes, ranks, resumed_from)
     D.barrier()
     return 0
 
 
-def _partial_for_rank(partials: list[dict], info: D.DistInfo) -> dict:
-    """This rank's accumulators of an interrupted epoch (all of them on rank 0 if the world
-    size changed, so the epoch's totals stay right)."""
-    if len(partials) == info.world_size:
-        return partials[info.rank]
-    if not info.is_main:
-        return {"loss_sum": 0.0, "correct": 0.0, "samples": 0.0, "seconds": 0.0}
-    return {key: sum(p[key] for p in partials) for key in partials[0]}
-
-
-def _epoch_record(
-    cfg, info, device, epoch, acc, seconds, scheduler, ddp_model, holdout, num_classes
-) -> dict[str, Any]:
-    # Sum over ranks: loss, correct, samples; the slowest rank's time sets the epoch time.
-    sums = D.all_reduce_sum(
-        torch.tensor(
-            [acc["loss_sum"], acc["correct"], acc["samples"]], dtype=torch.float64, device=device
-        )
-    ).cpu()
-    per_rank = D.all_gather_objects(acc["samples"] / max(seconds, 1e-9))
-    epoch_seconds = float(
-        D.all_reduce_max(torch.tensor([seconds], dtype=torch.float64, device=device)).item()
+def _build_job(cfg, info, device, geometry, num_classes, steps_per_epoch, checkpoint_root) -> Job:
+    model = build_model(cfg.model, num_classes).to(device)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(
+        model.parameters(),
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
+        nesterov=cfg.momentum > 0,
     )
-    module = ddp_model.module if isinstance(ddp_model, DistributedDataParallel) else ddp_model
+    ddp_model = (
+        DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if D.is_distributed()
+        else model
+    )
+    return Job(
+        cfg=cfg,
+        info=info,
+        device=device,
+        geometry=geometry,
+        model=model,
+        step_model=torch.compile(ddp_model) if cfg.compile else ddp_model,
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(steps_per_epoch, cfg)),
+        scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
+        criterion=torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
+        checkpoint_dir=checkpoint_dir(checkpoint_root, cfg.fingerprint(), geometry.tag),
+    )
+
+
+def _resume(job: Job) -> tuple[int, int, list | None, str | None]:
+    """Load the newest checkpoint of this run and geometry: (epoch, step, partial, path)."""
+    state = load_latest_checkpoint(job.checkpoint_dir)
+    if state is None:
+        root, tag = job.checkpoint_dir.parent, job.geometry.tag
+        others = other_geometries(root, job.cfg.fingerprint(), tag)
+        if others and job.info.is_main:
+            print(
+                f"not resuming {others[-1]}: written under another geometry "
+                f"({others[-1].name.split('-', 1)[1]}), this job is {job.geometry.tag}; the "
+                "batch order, LR schedule and measured figures would mix; starting fresh",
+                flush=True,
+            )
+        return 0, 0, None, None
+    job.model.load_state_dict(state["model"])
+    job.optimizer.load_state_dict(state["optimizer"])
+    job.scheduler.load_state_dict(state["scheduler"])
+    job.scaler.load_state_dict(state["scaler"])
+    job.history = state["history"]
+    restore_rng_state(state["rng"][job.info.rank], job.device)
+    if job.info.is_main:
+        print(
+            f"resuming from {state['path']} (epoch {state['epoch']}, step "
+            f"{state['step_in_epoch']})",
+            flush=True,
+        )
+    return state["epoch"], state["step_in_epoch"], state["partial_epoch"], state["path"]
+
+
+def _batches(job: Job, loader: DataLoader, num_classes: int):
+    """The epoch's batches on the device; synthetic mode measures the model alone (one fixed
+    random batch, the loader untouched)."""
+    cfg, device = job.cfg, job.device
+    if cfg.synthetic:
+        g = torch.Generator().manual_seed(cfg.seed)
+        batch = (
+            torch.randn(cfg.batch_size, 3, cfg.crop_size, cfg.crop_size, generator=g).to(device),
+            torch.randint(0, num_classes, (cfg.batch_size,), generator=g).to(device),
+        )
+        yield from repeat(batch, len(loader))
+        return
+    with stop_signals_blocked():  # workers are forked here; see imagenet_ddp.signals
+        batches = iter(loader)
+    for images, targets in batches:  # uint8 crops from the loader; normalized on the device
+        yield (
+            normalize_batch(images.to(device, non_blocking=True)),
+            targets.to(device, non_blocking=True),
+        )
+
+
+def _train_step(job: Job, images: torch.Tensor, targets: torch.Tensor):
+    if job.cfg.channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+    with autocast(job.device, job.cfg.precision):
+        logits = job.step_model(images)
+        loss = job.criterion(logits, targets)
+    job.optimizer.zero_grad(set_to_none=True)
+    job.scaler.scale(loss).backward()
+    job.scaler.step(job.optimizer)
+    job.scaler.update()
+    job.scheduler.step()
+    return loss, logits
+
+
+def _end_epoch(job: Job, epoch: int, meter: EpochMeter, holdout, num_classes: int) -> None:
+    """Combine the ranks' counters, evaluate the holdout, record and checkpoint the epoch."""
+    record = {"epoch": epoch, **meter.reduce(), "lr_end": job.scheduler.get_last_lr()[0]}
+    D.broadcast_buffers(job.model)  # every rank evaluates the model that is saved
     result = evaluate_dataset(
-        module,
+        job.model,
         holdout,
         num_classes=num_classes,
-        device=device,
-        batch_size=cfg.batch_size,
-        workers=0,
-        precision=cfg.precision,
-        channels_last=cfg.channels_last,
-        rank=info.rank,
-        world_size=info.world_size,
+        device=job.device,
+        batch_size=job.cfg.batch_size,
+        workers=job.geometry.workers,
+        precision=job.cfg.precision,
+        channels_last=job.cfg.channels_last,
+        rank=job.info.rank,
+        world_size=job.info.world_size,
     )
-    samples = float(sums[2])
-    return {
-        "epoch": epoch,
-        "train_loss": float(sums[0]) / samples,
-        "train_top1": float(sums[1]) / samples,
-        "images": int(samples),
-        "epoch_seconds": epoch_seconds,
-        "images_per_s": samples / epoch_seconds,
-        "images_per_s_per_rank": [float(x) for x in per_rank],
-        "lr_end": scheduler.get_last_lr()[0],
-        "holdout_top1": result["top1"],
-        "holdout_top5": result["top5"],
-        "holdout_loss": result["loss"],
-    }
+    record.update(
+        holdout_top1=result["top1"], holdout_top5=result["top5"], holdout_loss=result["loss"]
+    )
+    job.history.append(record)
+    if job.info.is_main:
+        steady = record["steady_images_per_s"]
+        print(
+            f"epoch {epoch} done: loss {record['train_loss']:.4f} "
+            f"train top1 {record['train_top1']:.3f} holdout top1 {record['holdout_top1']:.3f} "
+            f"{record['images_per_s']:.1f} img/s end to end, "
+            f"{'n/a' if steady is None else f'{steady:.1f}'} img/s steady "
+            f"({record['epoch_seconds']:.1f} s)",
+            flush=True,
+        )
+    job.save(epoch + 1, 0)
 
 
-def _write_outputs(
-    cfg, info, out_dir, model, num_classes, history, ranks, resumed_from, checkpoint_dir
-) -> None:
+THROUGHPUT_NOTE = (
+    "images_per_s: images of the epoch / slowest rank's epoch time, median over epochs; "
+    "includes loader start-up and warm-up, excludes holdout evaluation and checkpoints. "
+    "steady_images_per_s: the same without the first throughput_warmup_steps steps of each "
+    "epoch, device synchronized at the window's edges. Node-local staging is in staging/."
+)
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.median(values)) if values else None
+
+
+def _write_outputs(job: Job, out_dir: Path, num_classes: int, ranks, resumed_from) -> None:
+    cfg, history, world = job.cfg, job.history, job.info.world_size
     out_dir.mkdir(parents=True, exist_ok=True)
+    config = {**dataclasses.asdict(cfg), **dataclasses.asdict(job.geometry)}
     with atomic_path(out_dir / "model.pt") as tmp:
         torch.save(
-            {
-                "model": model.state_dict(),
-                "arch": cfg.model,
-                "num_classes": num_classes,
-                "config": dataclasses.asdict(cfg),
-            },
+            {"model": job.model.state_dict(), "arch": cfg.model, "num_classes": num_classes,
+             "config": config},
             tmp,
-        )
+        )  # fmt: skip
     write_csv_atomic(
         out_dir / "history.csv",
         pd.DataFrame([{k: v for k, v in h.items() if not isinstance(v, list)} for h in history]),
     )
     epoch_seconds = [h["epoch_seconds"] for h in history]
+    images_per_s = _median([h["images_per_s"] for h in history])
+    steady = _median([h.get("steady_images_per_s") for h in history])
     write_json_atomic(
         out_dir / "train_metrics.json",
         {
             "run": cfg.run,
-            "config": dataclasses.asdict(cfg),
+            "config": config,
+            "geometry": {**dataclasses.asdict(job.geometry), "tag": job.geometry.tag},
             "fingerprint": cfg.fingerprint(),
-            "world_size": info.world_size,
+            "world_size": world,
             "nodes": len({r["host"] for r in ranks}),
             "hosts": sorted({r["host"] for r in ranks}),
             "ranks": ranks,
-            "global_batch": cfg.batch_size * info.world_size,
+            "global_batch": cfg.batch_size * world,
             "epochs": history,
             "mean_epoch_seconds": float(np.mean(epoch_seconds)) if epoch_seconds else None,
-            "images_per_s": float(np.median([h["images_per_s"] for h in history])),
-            "images_per_s_per_worker": float(
-                np.median([h["images_per_s"] for h in history]) / info.world_size
-            ),
+            "images_per_s": images_per_s,
+            "images_per_s_per_worker": images_per_s / world,
+            "steady_images_per_s": steady,
+            "steady_images_per_s_per_worker": None if steady is None else steady / world,
+            "throughput_warmup_steps": cfg.throughput_warmup_steps,
+            "throughput_note": THROUGHPUT_NOTE,
             "resumed_from": resumed_from,
-            "checkpoint_dir": str(checkpoint_dir),
+            "checkpoint_dir": str(job.checkpoint_dir),
             "torch": torch.__version__,
             "cuda": torch.version.cuda if torch.cuda.is_available() else None,
         },

@@ -347,10 +347,19 @@ def _claim_subnet() -> tuple[str, str]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         links = _run(["ip", "-o", "link", "show"]).stdout
         # A bridge of ours whose owner process is gone is left over from a killed session.
-        for bridge in re.findall(rf"^\d+: ({BRIDGE_PREFIX}\d+)[:@]", links, re.M):
-            if not _owner_alive(CLAIMS_DIR / bridge):
-                _run(["ip", "link", "del", bridge], check=False)
-                (CLAIMS_DIR / bridge).unlink(missing_ok=True)
+        stale = [
+            bridge
+            for bridge in re.findall(rf"^\d+: ({BRIDGE_PREFIX}\d+)[:@]", links, re.M)
+            if not _owner_alive(CLAIMS_DIR / bridge)
+        ]
+        for bridge in stale:
+            _run(["ip", "link", "del", bridge], check=False)
+            (CLAIMS_DIR / bridge).unlink(missing_ok=True)
+        # Host ends of veth pairs whose bridge is gone (a killed session's nodes).
+        bridges = set(re.findall(rf"^\d+: ({BRIDGE_PREFIX}\d+)[:@]", links, re.M)) - set(stale)
+        for link, k in re.findall(r"^\d+: (stb(\d+)v\d+)[:@]", links, re.M):
+            if f"{BRIDGE_PREFIX}{k}" not in bridges:
+                _run(["ip", "link", "del", link], check=False)
         addrs = _run(["ip", "-o", "-4", "addr", "show"]).stdout
         for k in range(256):
             subnet, bridge = f"{SUBNET_PREFIX}.{k}", f"{BRIDGE_PREFIX}{k}"

@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import sys
 
 from snakemake.utils import validate
@@ -13,18 +14,17 @@ envvars:
 
 validate(config, "../schemas/config.schema.yaml")
 
+# Inside a SLURM job a warning signal (--signal=USR1@120) reaches every process of the step,
+# this Snakemake included when it runs a one-rank job in the executor's own step; by default
+# it would end Snakemake and with it the launcher. The ranks handle it (checkpoint, exit 75).
+if "SLURM_JOB_ID" in os.environ:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
 # Jobs call the `imagenet-ddp` command of the environment that runs Snakemake (also inside a
 # SLURM job, where the jobstep re-reads this file), even when that environment is not activated.
 os.environ["PATH"] = os.pathsep.join(
     [os.path.dirname(sys.executable), os.environ["PATH"]]
 )
-
-RUN_KEYS_NOT_FOR_TRAINING = {
-    "nodes",
-    "tasks_per_node",
-    "cpus_per_task",
-    "gpus_per_node",
-}
 
 
 def _runs():
@@ -57,12 +57,9 @@ def archive_paths():
 
 
 def run_training_json(wildcards):
-    """The run's training settings (everything but its geometry), as the worker's JSON."""
-    settings = {
-        k: v
-        for k, v in RUNS[wildcards.run].items()
-        if k not in RUN_KEYS_NOT_FOR_TRAINING
-    }
+    """The run's settings as the worker's JSON, geometry included: every figure of a run is
+    measured under its geometry, so a changed geometry retrains (and never resumes)."""
+    settings = dict(RUNS[wildcards.run])
     settings["run"] = settings.pop("name")
     return json.dumps(settings, sort_keys=True)
 

@@ -42,8 +42,10 @@ rule train:
         cpus_per_task=run_geometry("cpus_per_task"),
         run_dir=lambda wildcards, output: os.path.dirname(output.model),
         split_dir=lambda wildcards, input: os.path.dirname(input.split_train),
+    # exec: the launcher replaces the rule's shell, which a stop signal would kill (SLURM
+    # signals every process of the step) before the ranks have written their checkpoint.
     shell:
-        "imagenet-ddp train --launcher {resources.launcher}"
+        "exec imagenet-ddp train --launcher {resources.launcher}"
         " --srun-extra={resources.srun_extra:q} --scratch-dir {resources.scratch_dir:q}"
         " --stage-verify {resources.stage_verify} --{resources.stage_cleanup}"
         " --checkpoint-root {resources.checkpoint_root:q}"

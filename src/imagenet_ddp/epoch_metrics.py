@@ -1,0 +1,144 @@
+"""What one rank measures during a training epoch, and the progress it shows.
+
+Two throughput figures, both reported per epoch and per run:
+
+- **end to end** (``images_per_s``): all images of the epoch / the slowest rank's epoch time.
+  Includes loader start-up, a cold page cache, cuDNN autotuning and ``torch.compile``; excludes
+  the holdout evaluation and checkpoint writes.
+- **steady state** (``steady_images_per_s``): the same after the first ``warmup_steps`` steps
+  of the epoch (of this job's part of it, after a resume). The device is synchronized at both
+  edges of the window, so queued GPU work is neither missed nor counted twice.
+
+Loss and correct predictions are summed on the device and read once per log interval and at the
+epoch's end: a per-step ``.item()`` would make the CPU wait for the GPU at every step.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any
+
+import torch
+
+from imagenet_ddp import distributed as D
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class EpochMeter:
+    """One rank's counters for one epoch (or for this job's part of a resumed epoch)."""
+
+    def __init__(self, device: torch.device, warmup_steps: int, partial: dict | None = None):
+        self.device, self.warmup_steps = device, warmup_steps
+        partial = partial or {}
+        self.loss_sum = torch.tensor(partial.get("loss_sum", 0.0), dtype=torch.float64)
+        self.loss_sum = self.loss_sum.to(device)
+        self.correct = torch.tensor(partial.get("correct", 0.0), dtype=torch.float64).to(device)
+        self.samples = int(partial.get("samples", 0))
+        self.previous_seconds = float(partial.get("seconds", 0.0))  # earlier jobs' share
+        self.segments = int(partial.get("segments", 0)) + 1
+        self.steps = 0  # steps of this segment
+        self.window: tuple[float, int] | None = None  # (start time, samples at start)
+        self.started = time.perf_counter()
+
+    def update(self, loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        n = targets.shape[0]
+        self.loss_sum += loss.detach().double() * n
+        self.correct += (logits.detach().argmax(1) == targets).sum()
+        self.samples += n
+        self.steps += 1
+        if self.steps == self.warmup_steps:
+            synchronize(self.device)
+            self.window = (time.perf_counter(), self.samples)
+
+    def mean_loss(self) -> float:
+        """The epoch's mean training loss so far (reads the device: call once per interval)."""
+        return float(self.loss_sum.item()) / max(self.samples, 1)
+
+    def seconds(self) -> float:
+        return self.previous_seconds + time.perf_counter() - self.started
+
+    def partial(self) -> dict[str, Any]:
+        """This rank's counters, for a checkpoint written mid-epoch."""
+        return {
+            "loss_sum": float(self.loss_sum.item()),
+            "correct": float(self.correct.item()),
+            "samples": self.samples,
+            "seconds": self.seconds(),
+            "segments": self.segments,
+        }
+
+    def reduce(self) -> dict[str, Any]:
+        """Close the epoch: every rank's counters combined (collective; call on every rank)."""
+        synchronize(self.device)
+        end = time.perf_counter()
+        seconds = self.previous_seconds + end - self.started
+        if self.window is not None and self.samples > self.window[1]:
+            steady = (self.samples - self.window[1], end - self.window[0])
+        else:
+            steady = (0.0, math.nan)
+        steady_images = torch.tensor(float(steady[0]), dtype=torch.float64, device=self.device)
+        sums = D.all_reduce_sum(torch.stack([self.loss_sum, self.correct, steady_images])).cpu()
+        # The slowest rank sets the time; NaN (no steady window) wins over any number.
+        times = torch.tensor([seconds, steady[1]], dtype=torch.float64, device=self.device)
+        times = D.all_reduce_max(times).cpu()
+        samples = self.samples * D.world_size()
+        per_rank = D.all_gather_objects(self.samples / max(seconds, 1e-9))
+        steady_images, steady_seconds = float(sums[2]), float(times[1])
+        has_window = steady_images > 0 and math.isfinite(steady_seconds) and steady_seconds > 0
+        return {
+            "train_loss": float(sums[0]) / samples,
+            "train_top1": float(sums[1]) / samples,
+            "images": samples,
+            "epoch_seconds": float(times[0]),
+            "images_per_s": samples / float(times[0]),
+            "images_per_s_per_rank": [float(x) for x in per_rank],
+            "steady_images_per_s": steady_images / steady_seconds if has_window else None,
+            "steady_images": int(steady_images),
+            "steady_seconds": steady_seconds if has_window else None,
+            "segments": self.segments,
+        }
+
+
+class Progress:
+    """tqdm bar for an interactive rank 0; one plain line per interval in batch logs."""
+
+    def __init__(self, enabled: bool, epoch: int, total: int, interval: int, meter: EpochMeter):
+        self.enabled, self.interval, self.epoch, self.total = enabled, interval, epoch, total
+        self.world_size = D.world_size()
+        self.bar = None
+        self.mark = (time.perf_counter(), meter.samples)
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=f"epoch {epoch}", unit="step", leave=False)
+
+    def update(self, step: int, meter: EpochMeter) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(1)
+        if step % self.interval and step != self.total:
+            return
+        # Host time between intervals: the CPU runs ahead of the GPU by a bounded queue only.
+        now = time.perf_counter()
+        rate = (meter.samples - self.mark[1]) * self.world_size / max(now - self.mark[0], 1e-9)
+        self.mark = (now, meter.samples)
+        loss = meter.mean_loss()
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", img_s=f"{rate:.0f}")
+        else:
+            print(
+                f"epoch {self.epoch} step {step}/{self.total} loss {loss:.4f} "
+                f"{rate:.1f} img/s (global)",
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,147 @@
+"""Stop signals: how a job that SLURM (or a user) ends keeps its progress.
+
+SLURM sends SIGTERM to *every* process of every step at the time limit, on ``scancel`` and on
+preemption (and ``--signal=USR1@N`` sends SIGUSR1 the same way); a terminal's Ctrl-C sends SIGINT
+to the whole foreground process group. So the signal reaches each rank, each rank's DataLoader
+workers, the launcher and ``srun`` at once. The rules here:
+
+- A rank only records the signal (:class:`StopFlag`); all ranks agree on it at a step boundary,
+  rank 0 writes a checkpoint and every rank exits with :data:`EXIT_REQUEUE`.
+- DataLoader workers ignore the stop signals (:func:`ignore_stop_signals`, their
+  ``worker_init_fn``): a worker killed by SIGTERM makes its rank raise "DataLoader worker is
+  killed by signal" before any checkpoint. Workers are forked with the signals blocked
+  (:func:`stop_signals_blocked`), so none can arrive before the worker ignores them.
+- The launcher survives the signal, forwards it to the ranks it started, waits for them and
+  returns their exit code (:class:`ForwardStopSignals`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+EXIT_REQUEUE = 75  # EX_TEMPFAIL: interrupted after writing a checkpoint; rerun to resume
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+def ignore_stop_signals(_worker_id: int | None = None) -> None:
+    """DataLoader ``worker_init_fn``: the rank decides when to stop; its workers never die of
+    a stop signal (they exit when the rank shuts them down, or when it is gone)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Block the stop signals in this thread while DataLoader workers are forked.
+
+    A forked worker inherits the mask, so a signal sent between its fork and its
+    ``worker_init_fn`` stays pending until :func:`ignore_stop_signals` discards it. In this
+    process a signal that arrives meanwhile is delivered when the block ends.
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class StopFlag:
+    """Set by a stop signal; checked at step boundaries and agreed on by all ranks.
+
+    :meth:`poll` agrees without ever synchronizing the GPU: each rank's flag goes into an
+    asynchronous all-reduce (max) on a CPU (gloo) group, started at one check and read at the
+    next, ``interval`` steps later, when it has long finished. All ranks call :meth:`poll` at the
+    same steps and read the same reduced value, so they stop at the same step: at most two
+    intervals after the first rank was signalled.
+    """
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self.signalled = 0
+        self._group = None
+        self._pending: tuple[torch.Tensor, object] | None = None
+
+    def install(self) -> None:
+        """Catch the stop signals; call after the process group is up (all ranks: collective)."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handler)
+        if dist.is_available() and dist.is_initialized() and self._group is None:
+            # NCCL only reduces GPU tensors; a CPU group keeps the flag off the GPU's stream.
+            gloo = dist.get_backend() == "gloo"
+            self._group = dist.group.WORLD if gloo else dist.new_group(backend="gloo")
+
+    def _handler(self, signum, frame) -> None:
+        self.signalled = signum
+
+    def _local(self) -> torch.Tensor:
+        return torch.tensor([1.0 if self.signalled else 0.0])
+
+    def poll(self, step: int) -> bool:
+        """Call after every step with the count of steps this process ran (the same on all
+        ranks): True when all must stop now."""
+        if step % self.interval:
+            return False
+        if not (dist.is_available() and dist.is_initialized()):
+            return bool(self.signalled)
+        stop = False
+        if self._pending is not None:
+            flag, work = self._pending
+            work.wait()
+            stop = bool(flag.item())
+        flag = self._local()
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._pending = (flag, work)
+        return stop
+
+    def settle(self) -> None:
+        """Wait for a pending agreement (before the process group is destroyed)."""
+        if self._pending is not None:
+            self._pending[1].wait()
+            self._pending = None
+
+    def agreed(self) -> bool:
+        """Synchronous agreement (at epoch ends); also settles a pending :meth:`poll`."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return bool(self.signalled)
+        self.settle()
+        flag = self._local()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
+
+
+class ForwardStopSignals:
+    """While active, a stop signal to this process is recorded and passed on to ``children``.
+
+    The launcher must outlive the signal: it waits for the ranks to write their checkpoint and
+    returns their exit code. SIGINT is passed on as SIGTERM: two SIGINTs within a second make
+    ``srun`` kill its step at once, and a terminal's Ctrl-C already sent one.
+    """
+
+    def __init__(self, children: Sequence[subprocess.Popen] | None = None) -> None:
+        self.children = list(children or [])
+        self.received = 0
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> ForwardStopSignals:
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._forward)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _forward(self, signum, frame) -> None:
+        self.received = self.received or signum
+        forwarded = signal.SIGTERM if signum == signal.SIGINT else signum
+        for child in self.children:
+            if child.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.send_signal(forwarded)
