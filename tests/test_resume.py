@@ -19,6 +19,7 @@ import torch
 
 from imagenet_ddp.io import write_csv_atomic
 from imagenet_ddp.train import EXIT_REQUEUE
+from tests.workflow_helpers import output_within
 
 CONFIG = {
     "run": "resume",
@@ -74,7 +75,12 @@ def torchrun(
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     if popen:
         return subprocess.Popen(
-            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # output_within can signal the whole group on a hang
         )
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
 
@@ -152,8 +158,7 @@ def test_sigterm_writes_a_checkpoint_and_exits_for_requeue(prepared_demo, split_
     assert len(workers) == 2, lines
     for pid in workers:  # what SLURM does before preemption: signal every task
         os.kill(int(pid), signal.SIGTERM)
-    output = "".join(lines) + proc.stdout.read()
-    proc.wait(timeout=120)
+    output = output_within(proc, 180, head="".join(lines))
     assert "interrupted" in output and "checkpoint" in output, output
     checkpoints = list((tmp_path / "ckpt").rglob("checkpoint-*.pt"))
     assert checkpoints
@@ -274,14 +279,14 @@ def test_a_stop_signal_to_every_process_checkpoints_exits_75_and_resumes_bitwise
     ).stdout.split()
     assert len(children) >= 1 + 2 + 2, lines  # launcher, 2 ranks, 2 loader workers (at least)
     os.killpg(proc.pid, sig)
-    output = "".join(lines) + proc.stdout.read()
-    assert proc.wait(timeout=120) == EXIT_REQUEUE, output[-3000:]
+    output = output_within(proc, 180, head="".join(lines))
+    assert proc.returncode == EXIT_REQUEUE, output[-3000:]
     assert "interrupted" in output and "killed by signal" not in output, output[-3000:]
     assert not (tmp_path / "run" / "model.pt").exists()
 
     again = launch(prepared_demo["train"], split_dir, tmp_path, config, tasks=2, cpus=1)
-    output = again.stdout.read()
-    assert again.wait(timeout=300) == 0, output[-3000:]
+    output = output_within(again, 300)
+    assert again.returncode == 0, output[-3000:]
     assert "resuming from" in output
     assert_bitwise_equal(weights(tmp_path / "run"), weights(reference))
     metrics = json.loads((tmp_path / "run" / "train_metrics.json").read_text())

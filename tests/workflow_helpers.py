@@ -89,3 +89,35 @@ def planned_jobs(workdir: Path, *args: str) -> dict[str, int]:
         if match.group(1) != "total":
             counts[match.group(1)] = int(match.group(2))
     return counts
+
+
+def output_within(proc: subprocess.Popen, timeout: float, *, head: str = "") -> str:
+    """The rest of a process's output, failing (not hanging the suite) if it does not end.
+
+    On a hang every process of the process group gets SIGUSR2 first (ranks dump their Python
+    tracebacks on it, see imagenet_ddp.train.main), then the group is killed; the failure
+    shows the process list and the output.
+    """
+    import os
+    import signal
+    import time
+
+    try:
+        return head + proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        listing = subprocess.run(
+            ["ps", "-o", "pid,ppid,stat,wchan:24,etime,args", "-g", str(proc.pid)],
+            capture_output=True,
+            text=True,
+        ).stdout
+        for sig in (signal.SIGUSR2, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(3)
+        rest = proc.communicate()[0]
+        raise AssertionError(
+            f"process group {proc.pid} still running after {timeout} s:\n{listing}\n"
+            f"--- output (tracebacks after SIGUSR2 at the end) ---\n{(head + rest)[-12000:]}"
+        ) from None

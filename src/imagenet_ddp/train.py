@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import hashlib
 import json
 import math
 import os
 import random
+import signal
 import sys
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -367,20 +369,46 @@ def _train(
     job = _build_job(
         cfg, info, device, geometry, base.num_classes, steps_per_epoch, checkpoint_root
     )
-    start_epoch, start_step, partial, resumed_from = _resume(job)
+    resume = _resume(job)
+    try:
+        code = _run_epochs(job, loader, sampler, holdout, resume, stop, stop_after_steps)
+    finally:
+        # Loader workers ignore stop signals (imagenet_ddp.signals), so the terminate() that
+        # multiprocessing sends its daemons at exit cannot end persistent ones: stop them here.
+        _shutdown_loader_workers(loader)
+    if code != 0:
+        return code
+    ranks = D.all_gather_objects(
+        {
+            "rank": info.rank,
+            "local_rank": info.local_rank,
+            "host": info.host,
+            "device": str(device),
+            "pid": os.getpid(),
+        }
+    )
+    if info.is_main:
+        _write_outputs(job, out_dir, base.num_classes, ranks, resumed_from=resume[3])
+    D.barrier()
+    return 0
 
+
+def _run_epochs(job: Job, loader, sampler, holdout, resume, stop, stop_after_steps) -> int:
+    """Train from the resume point to the last epoch: 0, or EXIT_REQUEUE when stopped."""
+    cfg, info = job.cfg, job.info
+    steps_per_epoch = len(sampler) // cfg.batch_size
+    start_epoch, start_step, partial, _ = resume
     steps_done = 0
     for epoch in range(start_epoch, cfg.epochs):
         first = epoch == start_epoch
         skip = start_step if first else 0
         sampler.set_epoch(epoch, skip_samples=skip * cfg.batch_size)
-        meter = EpochMeter(
-            device, cfg.throughput_warmup_steps, partial[info.rank] if first and partial else None
-        )
+        carried = partial[info.rank] if first and partial else None  # a resumed epoch's counts
+        meter = EpochMeter(job.device, cfg.throughput_warmup_steps, carried)
         progress = Progress(info.is_main, epoch, steps_per_epoch, cfg.log_interval, meter)
         job.step_model.train()
         step = skip
-        for images, targets in _batches(job, loader, base.num_classes):
+        for images, targets in _batches(job, loader, holdout.num_classes):
             loss, logits = _train_step(job, images, targets)
             meter.update(loss, logits, targets)
             step += 1
@@ -398,25 +426,19 @@ def _train(
                     )
                 return EXIT_REQUEUE
         progress.close()
-        _end_epoch(job, epoch, meter, holdout, base.num_classes)
+        _end_epoch(job, epoch, meter, holdout, holdout.num_classes)
         if stop.agreed():  # signalled during the epoch: its checkpoint is written
             if info.is_main:
                 print(f"interrupted after epoch {epoch}: checkpoint written; rerun to resume")
             return EXIT_REQUEUE
-
-    ranks = D.all_gather_objects(
-        {
-            "rank": info.rank,
-            "local_rank": info.local_rank,
-            "host": info.host,
-            "device": str(device),
-            "pid": os.getpid(),
-        }
-    )
-    if info.is_main:
-        _write_outputs(job, out_dir, base.num_classes, ranks, resumed_from)
-    D.barrier()
     return 0
+
+
+def _shutdown_loader_workers(loader: DataLoader) -> None:
+    iterator = getattr(loader, "_iterator", None)  # persistent workers live in it
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+        loader._iterator = None
 
 
 def _build_job(cfg, info, device, geometry, num_classes, steps_per_epoch, checkpoint_root) -> Job:
@@ -619,6 +641,9 @@ def main(argv: list[str] | None = None) -> int:
         help="testing: behave as if signalled after this many steps",
     )
     args = parser.parse_args(argv)
+    # `kill -USR2 <pid>` (or `scancel --signal=USR2 <job>`) prints every thread's traceback:
+    # where a rank of a job that seems stuck is waiting, without stopping it.
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     cfg = TrainConfig.from_dict(json.loads(args.config_json))
     return train(
         cfg,
