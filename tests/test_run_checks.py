@@ -45,6 +45,15 @@ def test_the_repo_config_passes(models, tmp_path):
     assert problems(config, models, tmp_path) == []
 
 
+def test_unset_keys_are_judged_by_the_defaults_training_uses():
+    from imagenet_ddp.train import TrainConfig
+
+    defaults = TrainConfig()
+    geometry = {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 0}  # None there: from SLURM
+    for key, value in run_checks.RUN_DEFAULTS.items():
+        assert value == geometry.get(key, getattr(defaults, key, None)), key
+
+
 # ---------------------------------------------------------------- model
 
 

@@ -26,6 +26,19 @@ from pathlib import Path
 # Images in the ILSVRC2012 train archive (what `index` lists from the real archive).
 ILSVRC2012_TRAIN_IMAGES = 1_281_167
 
+# What training uses for a key neither the run nor train_defaults sets: train.TrainConfig's
+# defaults (not imported: that imports torch); the geometry keys the rules need anyway.
+RUN_DEFAULTS = {
+    "model": "resnet18",
+    "batch_size": 64,
+    "crop_size": 224,
+    "eval_resize": 256,
+    "device": "auto",
+    "nodes": 1,
+    "tasks_per_node": 1,
+    "gpus_per_node": 0,
+}
+
 
 def check_runs(
     runs: Mapping[str, Mapping],
@@ -43,7 +56,8 @@ def check_runs(
     short_side = config.get("prepare", {}).get("short_side", 160)
     sizes = split_sizes(config, workdir)
     problems = []
-    for name, run in runs.items():
+    for name, settings in runs.items():
+        run = {**RUN_DEFAULTS, **settings}
         found = [
             _model_problem(run, models),
             *_image_size_problems(run, short_side),
