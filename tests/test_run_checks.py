@@ -1,6 +1,7 @@
 """Runs that could only fail (or train on upsampled/padded images) are refused at the dry-run.
 
-Unit tests of imagenet_ddp.run_checks per check.
+Unit tests of imagenet_ddp.run_checks per check, then one real `snakemake -n` per category:
+non-zero exit and the one line naming the run and the key.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import yaml
 from imagenet_ddp import run_checks
 from imagenet_ddp.run_checks import ILSVRC2012_TRAIN_IMAGES, check_runs, split_sizes
 from imagenet_ddp.split import stratified_split
-from tests.workflow_helpers import REPO
+from tests.workflow_helpers import REPO, copy_workflow, read_config, snakemake, write_config
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +209,30 @@ def test_expected_split_sizes_are_exact(fraction):
     n = len(targets)
     assert (len(train), len(holdout)) == (n - run_checks._holdout_count(n, fraction),
                                           run_checks._holdout_count(n, fraction))  # fmt: skip
+
+
+# ---------------------------------------------------------------- through snakemake -n
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ({"model": "resnet9000"}, "model 'resnet9000' is not a torchvision classification model"),
+        ({"crop_size": 48}, "crop_size 48 is larger than prepare.short_side 40"),
+        ({"gpus_per_node": 2, "device": "cpu"}, "gpus_per_node 2 with device 'cpu'"),
+        ({"batch_size": 400}, "global batch 800 is larger than the 324 training images"),
+    ],
+    ids=["model", "image-size", "device", "global-batch"],
+)
+def test_dry_run_refuses_with_one_line(tmp_path, override, expected):
+    workdir = copy_workflow(tmp_path / "wf")  # 6 classes x 60 images, holdout 0.1: 324 train
+    config = read_config(workdir)
+    config["runs"] = [{"name": "ok", "tasks_per_node": 1}, {"name": "bad", **override}]
+    write_config(workdir, config)
+    result = snakemake(workdir, "-n", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    lines = [line for line in output.splitlines() if line.startswith("config.yaml: ")]
+    assert lines and all(line.startswith("config.yaml: run 'bad': ") for line in lines)
+    assert any(expected in line for line in lines)
+    assert "Traceback" not in output and "Job stats" not in output
