@@ -1,7 +1,7 @@
 """Runs that could only fail (or train on upsampled/padded images) are refused at the dry-run.
 
 Unit tests of imagenet_ddp.run_checks per check, then one real `snakemake -n` per category:
-non-zero exit and the one line naming the run and the key.
+non-zero exit and one line per problem naming the run and the key.
 """
 
 from __future__ import annotations
