@@ -79,17 +79,29 @@ def test_classification_models_are_torchvisions(models):
 
 
 def test_model_names_are_cached_per_torchvision(tmp_path, models):
-    cache = tmp_path / "models.json"
-    assert run_checks.classification_models(cache) == models
+    assert run_checks.classification_models(tmp_path) == models
+    [cache] = tmp_path.glob("torchvision-models-*.json")
     stored = json.loads(cache.read_text())
     stored["models"] = ["only_this"]
     cache.write_text(json.dumps(stored))
-    assert run_checks.classification_models(cache) == {"only_this"}  # read, not recomputed
+    assert run_checks.classification_models(tmp_path) == {"only_this"}  # read, not recomputed
     stored["key"] = "another torchvision"
     cache.write_text(json.dumps(stored))
-    assert run_checks.classification_models(cache) == models  # stale: rebuilt
+    assert run_checks.classification_models(tmp_path) == models  # stale: rebuilt
     cache.write_text("not json")
-    assert run_checks.classification_models(cache) == models
+    assert run_checks.classification_models(tmp_path) == models
+    assert json.loads(cache.read_text())["models"] == sorted(models)
+    assert [p.name for p in tmp_path.iterdir()] == [cache.name]  # no temporaries left
+
+
+def test_an_unwritable_cache_is_skipped(tmp_path, models):
+    (tmp_path / "file").write_text("")
+    assert run_checks.classification_models(tmp_path / "file" / "cache") == models
+
+
+def test_the_cache_is_per_user(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert run_checks.user_cache_dir() == tmp_path / "imagenet-ddp"
 
 
 # ---------------------------------------------------------------- image sizes

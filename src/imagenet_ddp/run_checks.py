@@ -20,6 +20,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -46,13 +47,13 @@ def check_runs(
     *,
     workdir: str | os.PathLike[str] = ".",
     models: frozenset[str] | None = None,
-    cache: str | os.PathLike[str] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> list[str]:
     """The problems of the resolved runs (``train_defaults`` merged with each run), one line
     each, in run order; empty when every run can train. ``models``: the valid model names
-    (default: torchvision's classification models, cached in ``cache`` if given)."""
+    (default: torchvision's classification models, cached in ``cache_dir`` if given)."""
     if models is None:
-        models = classification_models(cache)
+        models = classification_models(cache_dir)
     short_side = config.get("prepare", {}).get("short_side", 160)
     sizes = split_sizes(config, workdir)
     problems = []
@@ -183,18 +184,28 @@ def _csv_rows(path: Path) -> int:
 # --------------------------------------------------------------------------- model names
 
 
-def classification_models(cache: str | os.PathLike[str] | None = None) -> frozenset[str]:
+def user_cache_dir() -> Path:
+    """Where the model names are cached: ``$XDG_CACHE_HOME/imagenet-ddp`` (``~/.cache/...``),
+    so every working directory of a user shares them, as matplotlib's font cache does."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "imagenet-ddp"
+
+
+def classification_models(cache_dir: str | os.PathLike[str] | None = None) -> frozenset[str]:
     """torchvision's classification models (``list_models(module=torchvision.models)``:
     no detection, segmentation, video or quantized ones, which ``train`` cannot build).
 
-    Importing torchvision takes a second or two, so the names are kept in ``cache`` (if given)
-    keyed by the installed torchvision (its location and version file); unreadable or stale
-    caches are rebuilt, and a cache that cannot be written is skipped.
+    Importing torchvision (and torch) takes seconds, so the names are kept in ``cache_dir`` (if
+    given), one file per installed torchvision (its location and version file); unreadable or
+    stale files are rebuilt, and a cache that cannot be written is skipped.
     """
     key = _torchvision_key()
-    if cache is not None and key is not None:
+    path = None
+    if cache_dir is not None and key is not None:
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        path = Path(cache_dir) / f"torchvision-models-{digest}.json"
         try:
-            stored = json.loads(Path(cache).read_text())
+            stored = json.loads(path.read_text())
             if stored.get("key") == key:
                 return frozenset(stored["models"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -202,8 +213,8 @@ def classification_models(cache: str | os.PathLike[str] | None = None) -> frozen
     import torchvision
 
     models = frozenset(torchvision.models.list_models(module=torchvision.models))
-    if cache is not None and key is not None:
-        _write_cache(Path(cache), {"key": key, "models": sorted(models)})
+    if path is not None:
+        _write_cache(path, {"key": key, "models": sorted(models)})
     return models
 
 
@@ -222,12 +233,18 @@ def _torchvision_key() -> str | None:
 
 
 def _write_cache(path: Path, data: dict) -> None:
-    """Best effort and atomic (temporary name, then rename): concurrent dry-runs may race."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Best effort and atomic (unique temporary name, then rename): dry-runs may race."""
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data) + "\n")
+        with tempfile.NamedTemporaryFile(
+            "w", dir=path.parent, prefix=f".{path.name}.tmp-", delete=False
+        ) as f:
+            tmp = Path(f.name)
+            f.write(json.dumps(data) + "\n")
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
