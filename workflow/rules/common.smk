@@ -3,9 +3,11 @@ import os
 import signal
 import sys
 
+from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 from imagenet_ddp.archives import DEVKIT_ARCHIVE, TRAIN_ARCHIVE, VAL_ARCHIVE
+from imagenet_ddp.run_checks import check_runs, user_cache_dir
 
 
 envvars:
@@ -40,6 +42,14 @@ def _runs():
 
 
 RUNS = _runs()
+
+# What the schema cannot see (model names; crop, resize and prepared sizes; GPUs vs device;
+# global batch vs train set) is refused here, at the dry-run, not on the GPU node: one line
+# per problem. Raised here, not in the module, so Snakemake shows no traceback beyond this line.
+# torchvision's model names are cached per user (importing torch takes seconds).
+_problems = check_runs(RUNS, config, cache_dir=user_cache_dir())
+if _problems:
+    raise WorkflowError("\n".join(_problems))
 
 
 def data_dir():

@@ -1,0 +1,250 @@
+"""Check the resolved runs before any job: what the schema cannot see, at the dry-run.
+
+The schema checks each key on its own; these checks combine keys (and torchvision's model
+registry) so that a run that could only fail, or silently train on upsampled or padded images,
+is refused by ``snakemake -n`` instead of on the GPU node. Each problem is one line::
+
+    config.yaml: run '<name>': <key> <value> ...; <what to do>
+
+Not checked, because it does not fail: a global batch larger than the holdout set. The holdout
+is evaluated without ``drop_last`` (``evaluate.evaluate_dataset``), rank r taking samples
+r, r + W, ...: a batch larger than a rank's share is just one partial batch, and a rank with no
+sample adds zeros to the summed counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import hashlib
+import importlib.util
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+# Images in the ILSVRC2012 train archive (what `index` lists from the real archive).
+ILSVRC2012_TRAIN_IMAGES = 1_281_167
+
+# What training uses for a key neither the run nor train_defaults sets: train.TrainConfig's
+# defaults (not imported: that imports torch); the geometry keys the rules need anyway.
+RUN_DEFAULTS = {
+    "model": "resnet18",
+    "batch_size": 64,
+    "crop_size": 224,
+    "eval_resize": 256,
+    "device": "auto",
+    "nodes": 1,
+    "tasks_per_node": 1,
+    "gpus_per_node": 0,
+}
+
+
+def check_runs(
+    runs: Mapping[str, Mapping],
+    config: Mapping,
+    *,
+    workdir: str | os.PathLike[str] = ".",
+    models: frozenset[str] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> list[str]:
+    """The problems of the resolved runs (``train_defaults`` merged with each run), one line
+    each, in run order; empty when every run can train. ``models``: the valid model names
+    (default: torchvision's classification models, cached in ``cache_dir`` if given)."""
+    if models is None:
+        models = classification_models(cache_dir)
+    short_side = config.get("prepare", {}).get("short_side", 160)
+    sizes = split_sizes(config, workdir)
+    problems = []
+    for name, settings in runs.items():
+        run = {**RUN_DEFAULTS, **settings}
+        found = [
+            _model_problem(run, models),
+            *_image_size_problems(run, short_side),
+            _device_problem(run),
+            _batch_problem(run, sizes),
+        ]
+        problems += [f"config.yaml: run {name!r}: {p}" for p in found if p]
+    return problems
+
+
+# --------------------------------------------------------------------------- the checks
+
+
+def _model_problem(run: Mapping, models: frozenset[str]) -> str | None:
+    model = run["model"]
+    if model in models:
+        return None
+    close = difflib.get_close_matches(model, sorted(models), n=3, cutoff=0.6)
+    hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
+    return (
+        f"model {model!r} is not a torchvision classification model; {hint}"
+        "pick one of torchvision.models.list_models(module=torchvision.models)"
+    )
+
+
+def _image_size_problems(run: Mapping, short_side: int) -> list[str]:
+    crop, resize = run["crop_size"], run["eval_resize"]
+    problems = []
+    if crop > short_side:
+        problems.append(
+            f"crop_size {crop} is larger than prepare.short_side {short_side}: every training "
+            "crop would be upsampled from the prepared images; lower crop_size or raise "
+            "prepare.short_side (which re-prepares the data)"
+        )
+    if resize > short_side:
+        problems.append(
+            f"eval_resize {resize} is larger than prepare.short_side {short_side}: evaluation "
+            "would upsample the prepared images; lower eval_resize or raise "
+            "prepare.short_side (which re-prepares the data)"
+        )
+    if crop > resize:
+        # eval_transform resizes the shorter side to eval_resize, then center-crops crop_size:
+        # a crop larger than the resized image is padded with black borders.
+        problems.append(
+            f"crop_size {crop} is larger than eval_resize {resize}: evaluation's center crop "
+            "would pad the resized images with black borders; set eval_resize >= crop_size "
+            "(ImageNet: 256 for 224)"
+        )
+    return problems
+
+
+def _device_problem(run: Mapping) -> str | None:
+    gpus = run["gpus_per_node"]
+    if gpus > 0 and run["device"] == "cpu":
+        return (
+            f"gpus_per_node {gpus} with device 'cpu': the job would hold {gpus} GPU(s) per node "
+            "and train on the CPU; set device: auto (or cuda), or gpus_per_node: 0"
+        )
+    return None
+
+
+def _batch_problem(run: Mapping, sizes: tuple[int, int, str]) -> str | None:
+    """Training drops the last partial batch twice (DistributedSampler and DataLoader, both
+    ``drop_last=True``): each rank gets floor(train / world) samples and floor(that / batch)
+    steps, which is zero exactly when batch_size x world > train."""
+    train, _holdout, source = sizes
+    world = run["nodes"] * run["tasks_per_node"]
+    global_batch = run["batch_size"] * world
+    if global_batch <= train:
+        return None
+    return (
+        f"batch_size {run['batch_size']} x nodes {run['nodes']} x tasks_per_node "
+        f"{run['tasks_per_node']} = global batch {global_batch} is larger than the {train} "
+        f"training images ({source}): with the last partial batch dropped an epoch has no "
+        "step; lower batch_size or the number of ranks"
+    )
+
+
+# --------------------------------------------------------------------------- set sizes
+
+
+def split_sizes(config: Mapping, workdir: str | os.PathLike[str] = ".") -> tuple[int, int, str]:
+    """(train images, holdout images, where the figures come from) of the split training uses.
+
+    The split on disk when results/split/{train,holdout}.csv exist and agree with the config
+    (else `split` reruns and they are stale); otherwise the figures the config gives. Those are
+    exact, not bounds: `split` passes integer sizes to train_test_split, holdout =
+    round(n x holdout_fraction) and train = n - holdout whatever the per-class rounding, and n
+    is the demo's classes x train_per_class, or the 1,281,167 images of the real archive.
+    """
+    fraction = config["split"]["holdout_fraction"]
+    demo = config.get("demo", {})
+    if demo.get("enabled", False):
+        classes, per_class = demo.get("num_classes", 10), demo.get("train_per_class", 100)
+        n = classes * per_class
+        where = f"demo.num_classes {classes} x demo.train_per_class {per_class}"
+    else:
+        n, where = ILSVRC2012_TRAIN_IMAGES, f"the {ILSVRC2012_TRAIN_IMAGES} images of ILSVRC2012"
+    split_dir = Path(workdir) / "results" / "split"
+    paths = [split_dir / "train.csv", split_dir / "holdout.csv"]
+    if all(path.is_file() for path in paths):
+        train, holdout = (_csv_rows(path) for path in paths)
+        total = train + holdout
+        same_data = total == n or not demo.get("enabled", False)
+        if same_data and holdout == _holdout_count(total, fraction):
+            return train, holdout, "results/split/train.csv"
+    holdout = _holdout_count(n, fraction)
+    return n - holdout, holdout, f"{where} less split.holdout_fraction {fraction}"
+
+
+def _holdout_count(n: int, fraction: float) -> int:
+    return int(round(n * fraction))  # exactly as imagenet_ddp.split.stratified_split
+
+
+def _csv_rows(path: Path) -> int:
+    """Data rows of a CSV with a header line, no embedded newlines and a final newline (as
+    pandas writes it); counts bytes, so 1.2M rows take a few tens of milliseconds."""
+    with open(path, "rb") as f:
+        lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    return max(0, lines - 1)
+
+
+# --------------------------------------------------------------------------- model names
+
+
+def user_cache_dir() -> Path:
+    """Where the model names are cached: ``$XDG_CACHE_HOME/imagenet-ddp`` (``~/.cache/...``),
+    so every working directory of a user shares them, as matplotlib's font cache does."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "imagenet-ddp"
+
+
+def classification_models(cache_dir: str | os.PathLike[str] | None = None) -> frozenset[str]:
+    """torchvision's classification models (``list_models(module=torchvision.models)``:
+    no detection, segmentation, video or quantized ones, which ``train`` cannot build).
+
+    Importing torchvision (and torch) takes seconds, so the names are kept in ``cache_dir`` (if
+    given), one file per installed torchvision (its location and version file); unreadable or
+    stale files are rebuilt, and a cache that cannot be written is skipped.
+    """
+    key = _torchvision_key()
+    path = None
+    if cache_dir is not None and key is not None:
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        path = Path(cache_dir) / f"torchvision-models-{digest}.json"
+        try:
+            stored = json.loads(path.read_text())
+            if stored.get("key") == key:
+                return frozenset(stored["models"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+    import torchvision
+
+    models = frozenset(torchvision.models.list_models(module=torchvision.models))
+    if path is not None:
+        _write_cache(path, {"key": key, "models": sorted(models)})
+    return models
+
+
+def _torchvision_key() -> str | None:
+    """Identifies the torchvision that an import would load, without importing it."""
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(list(spec.submodule_search_locations)[0])
+    try:
+        stamp = hashlib.sha256((root / "version.py").read_bytes())
+        stamp.update(str((root / "models" / "__init__.py").stat().st_mtime_ns).encode())
+    except OSError:
+        return None
+    return f"{root} {stamp.hexdigest()}"
+
+
+def _write_cache(path: Path, data: dict) -> None:
+    """Best effort and atomic (unique temporary name, then rename): dry-runs may race."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(
+            "w", dir=path.parent, prefix=f".{path.name}.tmp-", delete=False
+        ) as f:
+            tmp = Path(f.name)
+            f.write(json.dumps(data) + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)

@@ -1,0 +1,250 @@
+"""Runs that could only fail (or train on upsampled/padded images) are refused at the dry-run.
+
+Unit tests of imagenet_ddp.run_checks per check, then one real `snakemake -n` per category:
+non-zero exit and one line per problem naming the run and the key.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from imagenet_ddp import run_checks
+from imagenet_ddp.run_checks import ILSVRC2012_TRAIN_IMAGES, check_runs, split_sizes
+from imagenet_ddp.split import stratified_split
+from tests.workflow_helpers import REPO, copy_workflow, read_config, snakemake, write_config
+
+
+@pytest.fixture(scope="module")
+def models():
+    return run_checks.classification_models()
+
+
+def resolved(config: dict) -> dict[str, dict]:
+    """The runs as workflow/rules/common.smk's _runs() resolves them."""
+    return {e["name"]: {**config["train_defaults"], **e} for e in config["runs"]}
+
+
+def demo_config(**run) -> dict:
+    """The repo's demo config (10 classes x 100 images, holdout 0.1: 900 train, 100 holdout)
+    with one run 'r' overriding ``run``."""
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    config["runs"] = [{"name": "r", **run}]
+    return config
+
+
+def problems(config: dict, models, tmp_path) -> list[str]:
+    return check_runs(resolved(config), config, workdir=tmp_path, models=models)
+
+
+def test_the_repo_config_passes(models, tmp_path):
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    assert problems(config, models, tmp_path) == []
+
+
+def test_unset_keys_are_judged_by_the_defaults_training_uses():
+    from imagenet_ddp.train import TrainConfig
+
+    defaults = TrainConfig()
+    geometry = {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 0}  # None there: from SLURM
+    for key, value in run_checks.RUN_DEFAULTS.items():
+        assert value == geometry.get(key, getattr(defaults, key, None)), key
+
+
+# ---------------------------------------------------------------- model
+
+
+def test_unknown_model_names_run_and_key_and_suggests_close_names(models, tmp_path):
+    [line] = problems(demo_config(model="resnet9000"), models, tmp_path)
+    assert line.startswith("config.yaml: run 'r': model 'resnet9000' ")
+    assert "'resnet50'" in line and "list_models" in line
+
+
+@pytest.mark.parametrize("model", ["fasterrcnn_resnet50_fpn", "quantized_resnet18", "r3d_18"])
+def test_models_that_are_not_classifiers_are_refused(models, tmp_path, model):
+    """Registered in torchvision, but not image classifiers `train` can build and feed."""
+    [line] = problems(demo_config(model=model), models, tmp_path)
+    assert f"model {model!r}" in line
+
+
+def test_classification_models_are_torchvisions(models):
+    import torchvision
+
+    assert models == set(torchvision.models.list_models(module=torchvision.models))
+    assert {"resnet18", "vit_b_16", "convnext_tiny"} <= models
+
+
+def test_model_names_are_cached_per_torchvision(tmp_path, models):
+    assert run_checks.classification_models(tmp_path) == models
+    [cache] = tmp_path.glob("torchvision-models-*.json")
+    stored = json.loads(cache.read_text())
+    stored["models"] = ["only_this"]
+    cache.write_text(json.dumps(stored))
+    assert run_checks.classification_models(tmp_path) == {"only_this"}  # read, not recomputed
+    stored["key"] = "another torchvision"
+    cache.write_text(json.dumps(stored))
+    assert run_checks.classification_models(tmp_path) == models  # stale: rebuilt
+    cache.write_text("not json")
+    assert run_checks.classification_models(tmp_path) == models
+    assert json.loads(cache.read_text())["models"] == sorted(models)
+    assert [p.name for p in tmp_path.iterdir()] == [cache.name]  # no temporaries left
+
+
+def test_an_unwritable_cache_is_skipped(tmp_path, models):
+    (tmp_path / "file").write_text("")
+    assert run_checks.classification_models(tmp_path / "file" / "cache") == models
+
+
+def test_the_cache_is_per_user(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert run_checks.user_cache_dir() == tmp_path / "imagenet-ddp"
+
+
+# ---------------------------------------------------------------- image sizes
+
+
+@pytest.mark.parametrize(
+    "run, expected",
+    [
+        # A crop above short_side is above eval_resize too, or eval_resize is above short_side.
+        (
+            {"crop_size": 48, "eval_resize": 40},
+            ["crop_size 48 is larger than prepare.short_side 40: every training crop would be",
+             "crop_size 48 is larger than eval_resize 40: evaluation's center crop would pad"],
+        ),
+        (
+            {"crop_size": 32, "eval_resize": 44},
+            ["eval_resize 44 is larger than prepare.short_side 40: evaluation would upsample"],
+        ),
+        (
+            {"crop_size": 36, "eval_resize": 34},
+            ["crop_size 36 is larger than eval_resize 34: evaluation's center crop would pad"],
+        ),
+    ],
+)  # fmt: skip
+def test_crop_or_resize_larger_than_what_they_are_taken_from(models, tmp_path, run, expected):
+    lines = problems(demo_config(**run), models, tmp_path)
+    assert len(lines) == len(expected)
+    for line, start in zip(lines, expected, strict=True):
+        assert line.startswith(f"config.yaml: run 'r': {start}")
+
+
+def test_each_problem_is_its_own_line(models, tmp_path):
+    config = demo_config(crop_size=48, eval_resize=44, model="resnet9000", batch_size=1000)
+    lines = problems(config, models, tmp_path)
+    # model; crop > short_side; eval_resize > short_side; crop > eval_resize; batch > train
+    assert len(lines) == 5
+    assert all(line.startswith("config.yaml: run 'r': ") and "\n" not in line for line in lines)
+
+
+def test_sizes_equal_to_what_they_are_taken_from_pass(models, tmp_path):
+    assert problems(demo_config(crop_size=40, eval_resize=40), models, tmp_path) == []
+
+
+# ---------------------------------------------------------------- device
+
+
+def test_gpus_with_device_cpu(models, tmp_path):
+    [line] = problems(demo_config(gpus_per_node=4, device="cpu"), models, tmp_path)
+    assert line.startswith("config.yaml: run 'r': gpus_per_node 4 with device 'cpu'")
+    assert "gpus_per_node: 0" in line
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda"])
+def test_gpus_with_a_gpu_device_pass(models, tmp_path, device):
+    assert problems(demo_config(gpus_per_node=4, device=device), models, tmp_path) == []
+
+
+# ---------------------------------------------------------------- global batch
+
+
+def test_global_batch_larger_than_the_train_set(models, tmp_path):
+    """900 training images: 450 x 2 ranks is one step per epoch, 451 x 2 none (drop_last)."""
+    assert problems(demo_config(batch_size=450, tasks_per_node=2), models, tmp_path) == []
+    [line] = problems(demo_config(batch_size=451, tasks_per_node=2), models, tmp_path)
+    assert line.startswith(
+        "config.yaml: run 'r': batch_size 451 x nodes 1 x tasks_per_node 2 = global batch 902 "
+        "is larger than the 900 training images (demo.num_classes 10 x demo.train_per_class 100 "
+        "less split.holdout_fraction 0.1): "
+    )
+
+
+def test_global_batch_larger_than_the_holdout_only_passes(models, tmp_path):
+    """The holdout (100 images) is evaluated without drop_last: a global batch of 200 is one
+    partial batch of 50 per rank, not a failure."""
+    assert problems(demo_config(batch_size=100, tasks_per_node=2), models, tmp_path) == []
+
+
+def test_split_sizes_from_the_config():
+    config = demo_config()
+    assert split_sizes(config)[:2] == (900, 100)
+    config["demo"]["enabled"] = False
+    holdout = round(ILSVRC2012_TRAIN_IMAGES * 0.1)
+    assert split_sizes(config)[:2] == (ILSVRC2012_TRAIN_IMAGES - holdout, holdout)
+
+
+def _write_split(tmp_path, train: int, holdout: int) -> None:
+    split = tmp_path / "results" / "split"
+    split.mkdir(parents=True, exist_ok=True)
+    for name, n in (("train", train), ("holdout", holdout)):
+        pd.DataFrame({"sample_id": range(n), "class_index": 0}).to_csv(
+            split / f"{name}.csv", index=False
+        )
+
+
+def test_split_sizes_from_the_split_on_disk(tmp_path):
+    config = demo_config()
+    config["demo"]["enabled"] = False
+    _write_split(tmp_path, 1800, 200)
+    assert split_sizes(config, tmp_path) == (1800, 200, "results/split/train.csv")
+
+
+def test_a_split_made_with_other_settings_is_not_used(tmp_path):
+    config = demo_config()
+    _write_split(tmp_path, 500, 500)  # holdout_fraction 0.5: `split` reruns with 0.1
+    assert split_sizes(config, tmp_path)[:2] == (900, 100)
+    _write_split(tmp_path, 1800, 200)  # 0.1, but of another demo size: reruns too
+    assert split_sizes(config, tmp_path)[:2] == (900, 100)
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.15, 0.333, 0.5])
+def test_expected_split_sizes_are_exact(fraction):
+    """What the config predicts is what `split` makes, whatever the per-class rounding."""
+    rng = np.random.default_rng(0)
+    targets = np.repeat(np.arange(7), rng.integers(3, 40, size=7))
+    index = pd.DataFrame({"sample_id": np.arange(len(targets)), "class_index": targets})
+    train, holdout = stratified_split(index, fraction, seed=0)
+    n = len(targets)
+    assert (len(train), len(holdout)) == (n - run_checks._holdout_count(n, fraction),
+                                          run_checks._holdout_count(n, fraction))  # fmt: skip
+
+
+# ---------------------------------------------------------------- through snakemake -n
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ({"model": "resnet9000"}, "model 'resnet9000' is not a torchvision classification model"),
+        ({"crop_size": 48}, "crop_size 48 is larger than prepare.short_side 40"),
+        ({"gpus_per_node": 2, "device": "cpu"}, "gpus_per_node 2 with device 'cpu'"),
+        ({"batch_size": 400}, "global batch 800 is larger than the 324 training images"),
+    ],
+    ids=["model", "image-size", "device", "global-batch"],
+)
+def test_dry_run_refuses_with_one_line(tmp_path, override, expected):
+    workdir = copy_workflow(tmp_path / "wf")  # 6 classes x 60 images, holdout 0.1: 324 train
+    config = read_config(workdir)
+    config["runs"] = [{"name": "ok", "tasks_per_node": 1}, {"name": "bad", **override}]
+    write_config(workdir, config)
+    result = snakemake(workdir, "-n", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    lines = [line for line in output.splitlines() if line.startswith("config.yaml: ")]
+    assert lines and all(line.startswith("config.yaml: run 'bad': ") for line in lines)
+    assert any(expected in line for line in lines)
+    assert "Traceback" not in output and "Job stats" not in output
