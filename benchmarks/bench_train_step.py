@@ -9,15 +9,15 @@ short_side 72 by default: ImageNet-size crops are too slow on 2 CPU cores to rep
 per-rank batch (16), ``num_workers=0`` (no spare cores for loader workers).
 
 * **ours**: the real worker, ``python -m imagenet_ddp.train`` (SeededAugmentation, EpochSampler,
-  DDP, LambdaLR, GradScaler, the per-step ``StopFlag.agreed`` all-reduce, progress), its
-  throughput read from ``train_metrics.json`` (epoch time excludes holdout evaluation and
-  checkpointing).
+  DDP, LambdaLR, GradScaler, the asynchronous ``StopFlag.poll`` every 2 steps, on-device step
+  metrics, progress), its end-to-end epoch throughput read from ``train_metrics.json`` (epoch
+  time excludes holdout evaluation and checkpointing).
 * **baseline**: ``benchmarks/_ddp_baseline.py``: DistributedSampler + plain loop.
 
 Images/s = images of all ranks / slowest rank's epoch time; the first epoch (warm-up) is
 dropped, the median over the remaining epochs and repetitions is reported.
-``--ablations`` also runs the baseline with our per-sample ``fork_rng`` and with our per-step
-all-reduce added, to attribute a gap. Target: ours >= 1.0x baseline.
+``--ablations`` also runs the baseline with our per-sample ``fork_rng`` and with a synchronous
+per-step all-reduce (the stop check before ``StopFlag.poll``) added, to attribute a gap. Target: ours >= 1.0x baseline.
 """
 
 from __future__ import annotations
