@@ -3,6 +3,9 @@
 Unlike ``DistributedSampler`` (which pads the last shard with duplicates), rank r evaluates
 indices ``r, r + W, r + 2W, ...`` and the counts are summed, so results do not depend on the
 number of ranks.
+
+A run's evaluation (:func:`main`, one process per rank) is started by ``imagenet-ddp
+evaluate`` through :func:`imagenet_ddp.launch.launch_ranks`, like the training workers.
 """
 
 from __future__ import annotations
