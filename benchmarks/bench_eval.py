@@ -11,6 +11,10 @@
 * **baseline**: the bare model forward pass (``torch.no_grad``, a fixed random batch of the
   same size, same threads) in this process: the floor the evaluation can reach.
 
+On a GPU node (``--device auto`` finds CUDA) the ranks run on GPUs (one per rank, at most
+2) with bf16 autocast and channels_last, as a GPU run trains, with all cores shared by the
+ranks as loader workers; batch 256, 4,096 images.
+
 Models: ResNet-50 and the model config.yaml trains (``train_defaults`` + first run), crop 224
 (``--quick``: ResNet-18 at crop 64, a smoke test). The projection multiplies the measured
 per-rank cost of the first model by holdout (1,281,167 x ``split.holdout_fraction``) + test
@@ -74,19 +78,25 @@ def make_data(root: Path, count: int, side: int, small: bool = False) -> dict[st
     return paths
 
 
-def save_model(root: Path, arch: str, crop: int, resize: int) -> Path:
+def save_model(root: Path, arch: str, args) -> Path:
     import torch
 
     from imagenet_ddp.train import build_model
 
     path = root / f"{arch}.pt"
-    config = {"run": "bench", "crop_size": crop, "eval_resize": resize, "precision": "fp32"}
+    config = {
+        "run": "bench",
+        "crop_size": args.crop,
+        "eval_resize": args.resize,
+        "precision": args.precision,
+        "channels_last": args.device == "cuda",
+    }
     state = build_model(arch, 1000).state_dict()
     torch.save({"model": state, "arch": arch, "num_classes": 1000, "config": config}, path)
     return path
 
 
-def run_ours(data: dict, model: Path, out: Path, ranks: int, threads: int, batch: int) -> dict:
+def run_ours(data: dict, model: Path, out: Path, ranks: int, threads: int, args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(C.REPO / "src"), env.get("PYTHONPATH", "")])
@@ -95,8 +105,9 @@ def run_ours(data: dict, model: Path, out: Path, ranks: int, threads: int, batch
         "--model", str(model), "--prepared-train", str(data["train"]),
         "--prepared-val", str(data["val"]), "--split-dir", str(data["split"]),
         "--classes", str(data["classes"]), "--out", str(out / "eval.json"),
-        "--per-class", str(out / "per_class.csv"), "--batch-size", str(batch),
-        "--device", "cpu", "--tasks-per-node", str(ranks), "--cpus-per-task", str(threads),
+        "--per-class", str(out / "per_class.csv"), "--batch-size", str(args.batch),
+        "--device", args.device, "--tasks-per-node", str(ranks), "--cpus-per-task", str(threads),
+        "--gpus-per-node", str(ranks if args.device == "cuda" else 0),
     ]  # fmt: skip
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1200)
     if result.returncode != 0:
@@ -104,32 +115,41 @@ def run_ours(data: dict, model: Path, out: Path, ranks: int, threads: int, batch
     return json.loads((out / "eval.json").read_text())["evaluation"]
 
 
-def bare_forward_ms(arch: str, crop: int, batch: int, threads: int, repeats: int) -> float:
+def bare_forward_ms(arch: str, args, threads: int) -> float:
     import torch
 
+    from imagenet_ddp.evaluate import autocast
     from imagenet_ddp.train import build_model
 
     torch.set_num_threads(threads)
-    model = build_model(arch, 1000).eval()
-    images = torch.randn(batch, 3, crop, crop, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        model(images)  # warm-up
-        times = [C.timed(lambda: model(images)) for _ in range(repeats)]
-    return 1000 * C.median(times) / batch
+    device = torch.device(args.device)
+    memory = torch.channels_last if device.type == "cuda" else torch.contiguous_format
+    model = build_model(arch, 1000).eval().to(device, memory_format=memory)
+    shape = (args.batch, 3, args.crop, args.crop)
+    images = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device)
+    images = images.contiguous(memory_format=memory)
+
+    def forward() -> None:
+        with torch.no_grad(), autocast(device, args.precision):
+            model(images).float().cpu()  # the evaluation also brings its results to the host
+
+    forward()  # warm-up
+    times = [C.timed(forward) for _ in range(max(args.repeats, 3 if device.type == "cuda" else 1))]
+    return 1000 * C.median(times) / args.batch
 
 
 def measure(args, data: dict, root: Path, arch: str, threads: int) -> dict:
     """Median per-rank ms/img of ours (per rank count) and of the bare forward pass."""
-    model = save_model(root, arch, args.crop, args.resize)
+    model = save_model(root, arch, args)
     ours = {}
     for ranks in args.ranks:
         per_image = []
         for rep in range(args.repeats):
             out = root / f"{arch}-{ranks}-{rep}"
-            evaluation = run_ours(data, model, out, ranks, threads, args.batch)
+            evaluation = run_ours(data, model, out, ranks, threads, args)
             per_image.append(1000 * ranks / evaluation["images_per_s"])
         ours[ranks] = C.median(per_image)
-    bare = bare_forward_ms(arch, args.crop, args.batch, threads, args.repeats)
+    bare = bare_forward_ms(arch, args, threads)
     return {"ours": ours, "bare": bare}
 
 
@@ -150,7 +170,7 @@ def rows_for(arch: str, crop: int, result: dict) -> list[dict]:
     return rows
 
 
-def projection(ms_per_image: float, settings: dict, fraction: float) -> tuple[float, str]:
+def projection(ms_per_image: float, settings: dict, fraction: float, device: str):
     holdout = round(IMAGENET_TRAIN * fraction)
     images = holdout + IMAGENET_TEST
     ranks = settings["nodes"] * settings["tasks_per_node"]
@@ -163,8 +183,10 @@ def projection(ms_per_image: float, settings: dict, fraction: float) -> tuple[fl
         f"{hours:.2f} h; assumes this machine's per-core speed, ranks that do not slow each "
         "other (a node with a core per thread) and the measured crop/model"
     )
-    if settings["gpus_per_node"] > 0:
+    if settings["gpus_per_node"] > 0 and device != "cuda":
         note += "; NOT a GPU figure: the default geometry has GPUs, measure there"
+    elif device == "cuda" and settings["gpus_per_node"] == 0:
+        note += "; measured on a GPU, but the default geometry has none"
     return hours, note
 
 
@@ -174,15 +196,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, nargs="*", default=None, help="default: 1 2")
     parser.add_argument("--images", type=int, default=None, help="holdout + test images")
     parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     args = parser.parse_args(argv)
+    import torch
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.precision = "bf16" if args.device == "cuda" else "fp32"  # as a GPU run would train
     settings, fraction, config_model = default_geometry()
     args.crop, args.resize = (64, 72) if args.quick else (224, 256)
     args.repeats = args.repeats or (1 if args.quick else 3)
-    args.batch = args.batch or (4 if args.quick else 16)
-    count = args.images or (8 if args.quick else 48)
-    args.ranks = args.ranks or ([2] if args.quick else [1, 2])  # quick: one launch, 2 ranks
+    args.batch = args.batch or (4 if args.quick else 16 if args.device == "cpu" else 256)
+    count = args.images or (8 if args.quick else 48 if args.device == "cpu" else 4096)
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 2
+    args.ranks = args.ranks or ([2] if args.quick else [1, 2][: max(1, gpus)])  # quick: 1 launch
     models = args.models or (["resnet18"] if args.quick else ["resnet50", config_model])
-    threads = max(1, min(settings["cpus_per_task"], (os.cpu_count() or 1) // max(args.ranks)))
+    cores_per_rank = (os.cpu_count() or 1) // max(args.ranks)
+    # CPU: the config's threads per rank; GPU: all cores (loader workers) shared by the ranks.
+    threads = max(
+        1,
+        cores_per_rank if args.device == "cuda" else min(settings["cpus_per_task"], cores_per_rank),
+    )
     rows, results = [], {}
     with tempfile.TemporaryDirectory(prefix="bench-eval-") as tmp:
         root = Path(tmp)
@@ -191,13 +225,15 @@ def main(argv: list[str] | None = None) -> int:
             results[arch] = measure(args, data, root, arch, threads)
             rows += rows_for(arch, args.crop, results[arch])
     first = models[0]
-    hours, note = projection(results[first]["ours"][min(args.ranks)], settings, fraction)
+    ms = results[first]["ours"][min(args.ranks)]
+    hours, note = projection(ms, settings, fraction, args.device)
     rows.append(
         {"metric": f"projected holdout+test, {first}, h", "ours": hours, "unit": "h", "met": None}
     )
     notes = [
         f"{count} images per evaluation (holdout + test), batch {args.batch} per rank, "
-        f"{threads} thread(s) per rank, fp32, loader workers auto, median of {args.repeats}",
+        f"{threads} thread(s) per rank, device {args.device}, {args.precision}, loader workers "
+        f"auto, median of {args.repeats}",
         "ms/img/rank = ranks / images_per_s of eval.json (loader start-up, decode, forward, "
         "reduction; no process start-up or model loading)",
         note,
