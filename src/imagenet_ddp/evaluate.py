@@ -186,7 +186,7 @@ def evaluate_run(
 
 def _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv) -> dict[str, Dataset]:
     # Read from the shared prepared copy directly (no node-local staging): evaluation reads
-    # every image once, sequentially by shard, so a copy would cost as much as it saves.
+    # every image exactly once, so staging a copy first would only double the reads.
     import pandas as pd
 
     from imagenet_ddp.prepared import PreparedImageDataset, eval_transform
