@@ -233,6 +233,27 @@ def cmd_aggregate(args: argparse.Namespace) -> None:
     )
 
 
+def _add_evaluate_parser(sub) -> None:
+    p = sub.add_parser("evaluate", help="top-1/top-5 and per-class accuracy")
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--prepared-train", type=Path, required=True)
+    p.add_argument("--prepared-val", type=Path, required=True)
+    p.add_argument("--split-dir", type=Path, required=True)
+    p.add_argument("--classes", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--per-class", type=Path, required=True)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--workers", default="auto", help="loader workers per rank; auto = cpus - 1")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--launcher", choices=["local", "srun"], default="local")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--tasks-per-node", type=int, default=1)
+    p.add_argument("--cpus-per-task", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=0)
+    p.add_argument("--srun-extra", default="", help="extra srun flags, space separated")
+    p.set_defaults(func=cmd_evaluate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="imagenet-ddp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -291,24 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--srun-extra", default="", help="extra srun flags, space separated")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("evaluate", help="top-1/top-5 and per-class accuracy")
-    p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--prepared-train", type=Path, required=True)
-    p.add_argument("--prepared-val", type=Path, required=True)
-    p.add_argument("--split-dir", type=Path, required=True)
-    p.add_argument("--classes", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--per-class", type=Path, required=True)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--workers", default="auto", help="loader workers per rank; auto = cpus - 1")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--launcher", choices=["local", "srun"], default="local")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--tasks-per-node", type=int, default=1)
-    p.add_argument("--cpus-per-task", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=0)
-    p.add_argument("--srun-extra", default="", help="extra srun flags, space separated")
-    p.set_defaults(func=cmd_evaluate)
+    _add_evaluate_parser(sub)
 
     p = sub.add_parser("aggregate", help="one table of all runs")
     p.add_argument("--run-dirs", type=Path, nargs="+", required=True)

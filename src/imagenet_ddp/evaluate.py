@@ -83,13 +83,19 @@ def evaluate_dataset(
         correct1 += torch.bincount(t[hit1], minlength=num_classes).double()
         per_class_total += torch.bincount(t, minlength=num_classes).double()
         correct5 += hitk.sum().double()
+    model.train(was_training)
+    return _summarize(correct1, per_class_total, correct5, loss_sum, device)
+
+
+def _summarize(correct1, per_class_total, correct5, loss_sum, device) -> dict[str, Any]:
+    """Sum the counters over all ranks; accuracies of the whole set."""
+    num_classes = len(correct1)
     # One reduction for all counters keeps the collectives in lock-step across ranks.
     packed = torch.cat([correct1, per_class_total, correct5[None], loss_sum[None]])
     packed = all_reduce_sum(packed.to(device)).cpu()  # NCCL reduces CUDA tensors only
     correct1, per_class_total = packed[:num_classes], packed[num_classes : 2 * num_classes]
     correct5, loss_sum = packed[-2], packed[-1]
     total = per_class_total.sum().item()
-    model.train(was_training)
     with np.errstate(invalid="ignore", divide="ignore"):
         per_class = (correct1 / per_class_total).numpy()
     return {
