@@ -208,6 +208,27 @@ def test_config_that_fails_the_schema_names_the_key(workflow_copy):
     assert "holdout_fraction" in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize(
+    ("where", "key", "value", "expected"),
+    [
+        ("evaluate", "tasks_per_node", 0, "['tasks_per_node']"),
+        ("evaluate", "workers", "many", "['workers']"),
+        ("evaluate", "gpus", 1, "'gpus' was unexpected"),
+        ("run", "cpus_per_task", 0, "['cpus_per_task']"),
+    ],
+)
+def test_bad_evaluation_geometry_is_rejected_naming_the_key(
+    workflow_copy, where, key, value, expected
+):
+    config = read_config(workflow_copy)
+    block = config["runs"][0].setdefault("evaluate", {}) if where == "run" else config["evaluate"]
+    block[key] = value
+    write_config(workflow_copy, config)
+    result = snakemake(workflow_copy, "-n", check=False)
+    assert result.returncode != 0
+    assert expected in result.stdout + result.stderr and "evaluate" in result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("name", ["my run", "a;touch pwned", "$(touch pwned)", "../escape"])
 def test_run_names_with_spaces_or_shell_metacharacters_are_rejected(workflow_copy, name):
     config = read_config(workflow_copy)

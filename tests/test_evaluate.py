@@ -1,11 +1,19 @@
-"""Evaluation counts every sample exactly once, whatever the number of ranks."""
+"""Evaluation counts every sample exactly once, whatever the number of ranks (also through
+the real launcher: 2 local gloo ranks give the same result as 1)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from imagenet_ddp.evaluate import evaluate_dataset
+from imagenet_ddp.eval_settings import eval_settings
+from imagenet_ddp.evaluate import evaluate_dataset, evaluate_run
 
 
 class Lookup(torch.nn.Module):
@@ -55,3 +63,93 @@ def test_two_rank_shards_cover_every_sample_once():
         for a, b in zip(shards[0]["per_class_correct"], shards[1]["per_class_correct"], strict=True)
     ]
     assert correct == whole["per_class_correct"]
+
+
+# ------------------------------------------------------------------ through the real launcher
+
+
+@pytest.fixture(scope="module")
+def eval_inputs(demo_archives, demo_index, tmp_path_factory) -> dict[str, Path]:
+    """A ResNet-18 checkpoint in train.py's model.pt format (random weights, eval-ready BN
+    statistics from a few forward passes) and the demo's class table."""
+    from imagenet_ddp.io import write_csv_atomic
+    from imagenet_ddp.train import build_model
+
+    root = tmp_path_factory.mktemp("eval-inputs")
+    torch.manual_seed(0)
+    model = build_model("resnet18", 4)
+    with torch.no_grad():  # non-trivial running statistics, so logits differ per image
+        for _ in range(3):
+            model(torch.rand(8, 3, 16, 16))
+    config = {"run": "eval-test", "crop_size": 16, "eval_resize": 20, "precision": "fp32"}
+    torch.save(
+        {"model": model.state_dict(), "arch": "resnet18", "num_classes": 4, "config": config},
+        root / "model.pt",
+    )
+    write_csv_atomic(root / "classes.csv", demo_index[0])
+    return {"model": root / "model.pt", "classes": root / "classes.csv"}
+
+
+def evaluate_cli(inputs, prepared, split_dir, out: Path, *flags: str):
+    argv = [
+        sys.executable, "-m", "imagenet_ddp.cli", "evaluate",
+        "--model", str(inputs["model"]), "--classes", str(inputs["classes"]),
+        "--prepared-train", str(prepared["train"]), "--prepared-val", str(prepared["val"]),
+        "--split-dir", str(split_dir), "--batch-size", "3", "--device", "cpu",
+        "--out", str(out / "eval.json"), "--per-class", str(out / "per_class.csv"), *flags,
+    ]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads((out / "eval.json").read_text())
+
+
+def test_two_local_ranks_give_the_same_result_as_one(
+    eval_inputs, prepared_demo, demo_split, tmp_path
+):
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    a = evaluate_cli(eval_inputs, prepared_demo, demo_split, tmp_path / "one")
+    b = evaluate_cli(
+        eval_inputs, prepared_demo, demo_split, tmp_path / "two",
+        "--launcher", "local", "--tasks-per-node", "2", "--workers", "1",
+    )  # fmt: skip
+    ea, eb = a["evaluation"], b["evaluation"]
+    assert (ea["world_size"], ea["backend"], ea["loader_workers"]) == (1, "none", 0)
+    assert (eb["world_size"], eb["tasks_per_node"], eb["backend"]) == (2, 2, "gloo")
+    assert eb["loader_workers"] == 1 and eb["device"] == "cpu" and eb["precision"] == "fp32"
+    for split in ("holdout", "test"):
+        assert a[split]["samples"] == b[split]["samples"] > 0
+        assert a[split]["top1"] == b[split]["top1"] and a[split]["top5"] == b[split]["top5"]
+        # Counts are exact; the mean loss is a float sum whose order follows the batches.
+        assert a[split]["loss"] == pytest.approx(b[split]["loss"], rel=1e-6)
+    assert eb["images"] == a["holdout"]["samples"] + a["test"]["samples"]
+    assert eb["images_per_s"] > 0 and eb["job_wall_seconds"] >= eb["wall_seconds"] > 0
+    one, two = (tmp_path / d / "per_class.csv" for d in ("one", "two"))
+    assert one.read_bytes() == two.read_bytes()
+
+
+def test_a_rank_count_that_disagrees_with_the_geometry_is_refused(
+    eval_inputs, prepared_demo, demo_split, monkeypatch
+):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(RuntimeError, match="2 task\\(s\\) per node, but 1 ranks started"):
+        evaluate_run(
+            model_path=eval_inputs["model"],
+            prepared_train=prepared_demo["train"],
+            prepared_val=prepared_demo["val"],
+            holdout_ids_csv=demo_split / "holdout.csv",
+            geometry={"nodes": 1, "tasks_per_node": 2, "cpus_per_task": 1, "gpus_per_node": 0},
+        )
+
+
+def test_eval_geometry_follows_the_run_unless_set():
+    gpu_run = {"gpus_per_node": 8, "cpus_per_task": 12, "nodes": 4, "tasks_per_node": 8}
+    assert eval_settings({"batch_size": 64}, gpu_run) == {
+        "nodes": 1, "tasks_per_node": 8, "cpus_per_task": 12, "gpus_per_node": 8,
+        "batch_size": 64, "workers": "auto",
+    }  # fmt: skip
+    cpu_run = {"gpus_per_node": 0, "cpus_per_task": 2, "tasks_per_node": 2}
+    assert eval_settings(None, cpu_run)["tasks_per_node"] == 1
+    override = {**gpu_run, "evaluate": {"gpus_per_node": 2, "workers": 3}}
+    settings = eval_settings({"nodes": 2, "workers": 0}, override)
+    assert (settings["nodes"], settings["tasks_per_node"], settings["workers"]) == (2, 2, 3)

@@ -34,3 +34,23 @@ def test_ranks_get_their_tasks_thread_count_not_snakemakes(monkeypatch):
     env = worker_env(Geometry(1, 2, 3))
     assert {env[name] for name in THREAD_COUNT_VARIABLES} == {"3"}
     assert "MKL_NUM_THREADS" in THREAD_COUNT_VARIABLES
+
+
+def test_evaluation_and_training_ranks_start_as_one_srun_step(monkeypatch):
+    from imagenet_ddp import launch
+
+    steps = []
+    monkeypatch.setattr(launch, "_run_step", lambda argv, geometry: steps.append(argv) or (0, 0))
+    launch.launch_ranks("srun", Geometry(2, 4, 8), ["python", "-m", "x"], ["--foo"])
+    (argv,) = steps
+    assert argv[0] == "srun" and "--ntasks=8" in argv and "--cpus-per-task=8" in argv
+    assert "--foo" in argv and argv[-3:] == ["python", "-m", "x"]
+
+
+def test_local_launcher_refuses_several_nodes():
+    import pytest
+
+    from imagenet_ddp.launch import launch_ranks
+
+    with pytest.raises(ValueError, match="one node"):
+        launch_ranks("local", Geometry(2, 1, 1), ["true"])

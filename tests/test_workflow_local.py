@@ -75,6 +75,9 @@ def test_accuracy_well_above_chance_on_holdout_and_test(local_run):
     assert evaluation["test"]["samples"] == 6 * 10  # every val image exactly once
     holdout = pd.read_csv(local_run / "results/split/holdout.csv")
     assert evaluation["holdout"]["samples"] == len(holdout)
+    geometry = evaluation["evaluation"]  # default: one node, one CPU rank (gpus_per_node 0)
+    assert (geometry["nodes"], geometry["world_size"], geometry["device"]) == (1, 1, "cpu")
+    assert geometry["images"] == 60 + len(holdout) and geometry["images_per_s"] > 0
 
 
 def test_training_used_the_configured_ranks_and_recorded_throughput(local_run):

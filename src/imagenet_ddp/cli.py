@@ -180,36 +180,44 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_evaluate(args: argparse.Namespace) -> None:
-    import pandas as pd
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    """Start the evaluation's ranks through the training launcher; rank 0 writes the outputs."""
+    from imagenet_ddp.launch import Geometry, launch_ranks
 
-    from imagenet_ddp.distributed import dist_info_from_env
-    from imagenet_ddp.evaluate import evaluate_run
-
-    result = evaluate_run(
-        model_path=args.model,
-        prepared_train=args.prepared_train,
-        prepared_val=args.prepared_val,
-        holdout_ids_csv=args.split_dir / "holdout.csv",
-        batch_size=args.batch_size,
-        workers=args.workers,
-        device=args.device,
+    geometry = {
+        "nodes": args.nodes,
+        "tasks_per_node": args.tasks_per_node,
+        "cpus_per_task": args.cpus_per_task,
+        "gpus_per_node": args.gpus_per_node,
+    }
+    rank = [sys.executable, "-m", "imagenet_ddp.launch", "evaluate-worker", "--"]
+    for flag in ("model", "prepared_train", "prepared_val", "split_dir", "classes", "out"):
+        rank += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    rank += [
+        "--per-class",
+        str(args.per_class),
+        "--geometry-json",
+        json.dumps(geometry),
+        "--batch-size",
+        str(args.batch_size),
+        "--workers",
+        str(args.workers),
+        "--device",
+        args.device,
+    ]
+    started = time.time()
+    code, _ = launch_ranks(
+        args.launcher,
+        Geometry(args.nodes, args.tasks_per_node, args.cpus_per_task),
+        rank,
+        args.srun_extra.split() if args.srun_extra else None,
     )
-    if dist_info_from_env().rank != 0:  # started by torchrun/srun: rank 0 writes
-        return
-    classes = pd.read_csv(args.classes, keep_default_na=False)
-    per_class = classes[["class_index", "wnid", "words"]].copy()
-    for name in ("holdout", "test"):
-        per_class[f"{name}_top1"] = result[name].pop("per_class_top1")
-        per_class[f"{name}_total"] = result[name].pop("per_class_total")
-        result[name].pop("per_class_correct")
-    write_csv_atomic(args.per_class, per_class)
+    if code != 0:
+        return code
+    result = json.loads(args.out.read_text())
+    result["evaluation"]["job_wall_seconds"] = time.time() - started
     write_json_atomic(args.out, result)
-    write_provenance(
-        Path(str(args.out) + ".provenance.json"),
-        "evaluate",
-        {"model": str(args.model), "batch_size": args.batch_size},
-    )
+    return 0
 
 
 def cmd_aggregate(args: argparse.Namespace) -> None:
@@ -223,6 +231,27 @@ def cmd_aggregate(args: argparse.Namespace) -> None:
         "aggregate",
         {"run_dirs": [str(d) for d in args.run_dirs]},
     )
+
+
+def _add_evaluate_parser(sub) -> None:
+    p = sub.add_parser("evaluate", help="top-1/top-5 and per-class accuracy")
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--prepared-train", type=Path, required=True)
+    p.add_argument("--prepared-val", type=Path, required=True)
+    p.add_argument("--split-dir", type=Path, required=True)
+    p.add_argument("--classes", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--per-class", type=Path, required=True)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--workers", default="auto", help="loader workers per rank; auto = cpus - 1")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--launcher", choices=["local", "srun"], default="local")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--tasks-per-node", type=int, default=1)
+    p.add_argument("--cpus-per-task", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=0)
+    p.add_argument("--srun-extra", default="", help="extra srun flags, space separated")
+    p.set_defaults(func=cmd_evaluate)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -283,18 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--srun-extra", default="", help="extra srun flags, space separated")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("evaluate", help="top-1/top-5 and per-class accuracy")
-    p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--prepared-train", type=Path, required=True)
-    p.add_argument("--prepared-val", type=Path, required=True)
-    p.add_argument("--split-dir", type=Path, required=True)
-    p.add_argument("--classes", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--per-class", type=Path, required=True)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--workers", type=int, default=0)
-    p.add_argument("--device", default="auto")
-    p.set_defaults(func=cmd_evaluate)
+    _add_evaluate_parser(sub)
 
     p = sub.add_parser("aggregate", help="one table of all runs")
     p.add_argument("--run-dirs", type=Path, nargs="+", required=True)

@@ -3,11 +3,16 @@
 Unlike ``DistributedSampler`` (which pads the last shard with duplicates), rank r evaluates
 indices ``r, r + W, r + 2W, ...`` and the counts are summed, so results do not depend on the
 number of ranks.
+
+A run's evaluation (:func:`main`, one process per rank) is started by ``imagenet-ddp
+evaluate`` through :func:`imagenet_ddp.launch.launch_ranks`, like the training workers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,6 +56,7 @@ def evaluate_dataset(
         shuffle=False,
         num_workers=workers,
         pin_memory=device.type == "cuda",
+        prefetch_factor=4 if workers > 0 else None,
         worker_init_fn=ignore_stop_signals,  # a stop signal is the rank's to handle
     )
     correct1 = torch.zeros(num_classes, dtype=torch.float64)
@@ -77,13 +83,19 @@ def evaluate_dataset(
         correct1 += torch.bincount(t[hit1], minlength=num_classes).double()
         per_class_total += torch.bincount(t, minlength=num_classes).double()
         correct5 += hitk.sum().double()
+    model.train(was_training)
+    return _summarize(correct1, per_class_total, correct5, loss_sum, device)
+
+
+def _summarize(correct1, per_class_total, correct5, loss_sum, device) -> dict[str, Any]:
+    """Sum the counters over all ranks; accuracies of the whole set."""
+    num_classes = len(correct1)
     # One reduction for all counters keeps the collectives in lock-step across ranks.
     packed = torch.cat([correct1, per_class_total, correct5[None], loss_sum[None]])
     packed = all_reduce_sum(packed.to(device)).cpu()  # NCCL reduces CUDA tensors only
     correct1, per_class_total = packed[:num_classes], packed[num_classes : 2 * num_classes]
     correct5, loss_sum = packed[-2], packed[-1]
     total = per_class_total.sum().item()
-    model.train(was_training)
     with np.errstate(invalid="ignore", divide="ignore"):
         per_class = (correct1 / per_class_total).numpy()
     return {
@@ -97,60 +109,182 @@ def evaluate_dataset(
     }
 
 
+TIMING_NOTE = (
+    "wall_seconds: rank 0's time from all ranks ready (model loaded, process group up) to the "
+    "end of the last set's reduction: loader start-up, reading and decoding, forward passes and "
+    "reductions of holdout and test; process start-up, imports and model loading excluded "
+    "(job_wall_seconds, written by the launcher, includes them)"
+)
+
+
+def _check_world(geometry: dict[str, int], world_size: int) -> None:
+    expected = geometry["nodes"] * geometry["tasks_per_node"]
+    if expected != world_size:
+        raise RuntimeError(
+            f"evaluation configured for {geometry['nodes']} node(s) x "
+            f"{geometry['tasks_per_node']} task(s) per node, but {world_size} ranks started; "
+            "check the launcher's geometry"
+        )
+
+
+def _load_model(model_path, device: torch.device):
+    from imagenet_ddp.train import build_model
+
+    checkpoint = torch.load(model_path, map_location="cpu", weights_only=False)
+    model = build_model(checkpoint["arch"], checkpoint["num_classes"])
+    model.load_state_dict(checkpoint["model"])
+    model.to(device)
+    if checkpoint["config"].get("channels_last"):
+        model = model.to(memory_format=torch.channels_last)
+    return model, checkpoint["config"], checkpoint["num_classes"]
+
+
 def evaluate_run(
     *,
     model_path,
     prepared_train,
     prepared_val,
     holdout_ids_csv,
+    geometry: dict[str, int],
     batch_size: int = 128,
-    workers: int = 0,
+    workers: int | str = "auto",
     device: str = "auto",
 ) -> dict[str, Any]:
     """Evaluate a trained model on the holdout split and on the test set (official val).
 
-    Runs as one process, or as several when started by torchrun/srun (counts are summed).
+    One rank of ``geometry`` (nodes, tasks_per_node, cpus_per_task, gpus_per_node), started by
+    :mod:`imagenet_ddp.launch`; every rank returns the summed counts. Precision and
+    channels_last are the run's (from the checkpoint's config).
     """
-    from pathlib import Path
-
-    import pandas as pd
-
     from imagenet_ddp import distributed as D
-    from imagenet_ddp.prepared import PreparedImageDataset, eval_transform
-    from imagenet_ddp.train import build_model
+    from imagenet_ddp.train import loader_workers
 
     info = D.dist_info_from_env()
-    dev = D.select_device(device, info.local_rank)
+    _check_world(geometry, info.world_size)
+    dev = D.select_device(device, info.local_rank, geometry["gpus_per_node"])
     D.init_process_group(info, dev, "auto", timeout_minutes=30)
     try:
-        checkpoint = torch.load(model_path, map_location="cpu", weights_only=False)
-        cfg = checkpoint["config"]
-        model = build_model(checkpoint["arch"], checkpoint["num_classes"])
-        model.load_state_dict(checkpoint["model"])
-        model.to(dev)
-        if cfg.get("channels_last"):
-            model = model.to(memory_format=torch.channels_last)
-        transform = eval_transform(cfg["eval_resize"], cfg["crop_size"])
-        holdout_ids = pd.read_csv(holdout_ids_csv, usecols=["sample_id"])["sample_id"].tolist()
-        sets = {
-            "holdout": PreparedImageDataset(Path(prepared_train), holdout_ids, transform),
-            "test": PreparedImageDataset(Path(prepared_val), None, transform),
+        if dev.type == "cuda":
+            torch.backends.cudnn.benchmark = True  # one input shape throughout
+        model, cfg, num_classes = _load_model(model_path, dev)
+        settings = {
+            "num_classes": num_classes,
+            "device": dev,
+            "batch_size": batch_size,
+            "workers": loader_workers(workers, geometry["cpus_per_task"]),
+            "precision": cfg.get("precision", "fp32"),
+            "channels_last": bool(cfg.get("channels_last")),
+            "rank": info.rank,
+            "world_size": info.world_size,
         }
-        results = {
-            name: evaluate_dataset(
-                model,
-                ds,
-                num_classes=checkpoint["num_classes"],
-                device=dev,
-                batch_size=batch_size,
-                workers=workers,
-                precision=cfg.get("precision", "fp32"),
-                channels_last=bool(cfg.get("channels_last")),
-                rank=info.rank,
-                world_size=info.world_size,
-            )
-            for name, ds in sets.items()
-        }
-        return {"run": cfg.get("run"), "eval_world_size": info.world_size, **results}
+        sets = _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv)
+        D.barrier()
+        started = time.perf_counter()
+        results = {name: evaluate_dataset(model, ds, **settings) for name, ds in sets.items()}
+        seconds = time.perf_counter() - started
+        backend = torch.distributed.get_backend() if D.is_distributed() else "none"
+        hosts = sorted(set(D.all_gather_objects(info.host)))
     finally:
         D.destroy_process_group()
+    evaluation = _evaluation_block(geometry, settings, backend, hosts, results, seconds)
+    return {"run": cfg.get("run"), "evaluation": evaluation, **results}
+
+
+def _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv) -> dict[str, Dataset]:
+    # Read from the shared prepared copy directly (no node-local staging): evaluation reads
+    # every image exactly once, so staging a copy first would only double the reads.
+    import pandas as pd
+
+    from imagenet_ddp.prepared import PreparedImageDataset, eval_transform
+
+    transform = eval_transform(cfg["eval_resize"], cfg["crop_size"])
+    holdout_ids = pd.read_csv(holdout_ids_csv, usecols=["sample_id"])["sample_id"].tolist()
+    return {
+        "holdout": PreparedImageDataset(Path(prepared_train), holdout_ids, transform),
+        "test": PreparedImageDataset(Path(prepared_val), None, transform),
+    }
+
+
+def _evaluation_block(geometry, settings, backend, hosts, results, seconds) -> dict[str, Any]:
+    images = sum(r["samples"] for r in results.values())
+    world = settings["world_size"]
+    return {
+        "nodes": geometry["nodes"],
+        "tasks_per_node": geometry["tasks_per_node"],
+        "world_size": world,
+        "cpus_per_task": geometry["cpus_per_task"],
+        "gpus_per_node": geometry["gpus_per_node"],
+        "loader_workers": settings["workers"],
+        "device": settings["device"].type,
+        "backend": backend,
+        "precision": settings["precision"],
+        "channels_last": settings["channels_last"],
+        "batch_size": settings["batch_size"],
+        "hosts": hosts,
+        "images": images,
+        "wall_seconds": seconds,
+        "images_per_s": images / seconds if seconds > 0 else None,
+        "images_per_s_per_rank": images / seconds / world if seconds > 0 else None,
+        "timing_note": TIMING_NOTE,
+    }
+
+
+def write_outputs(result: dict[str, Any], *, classes, out, per_class_csv, provenance) -> None:
+    """eval.json, per_class.csv and the provenance beside eval.json (rank 0 calls this)."""
+    import pandas as pd
+
+    from imagenet_ddp.io import write_csv_atomic, write_json_atomic
+    from imagenet_ddp.provenance import write_provenance
+
+    table = pd.read_csv(classes, keep_default_na=False)
+    per_class = table[["class_index", "wnid", "words"]].copy()
+    for name in ("holdout", "test"):
+        per_class[f"{name}_top1"] = result[name].pop("per_class_top1")
+        per_class[f"{name}_total"] = result[name].pop("per_class_total")
+        result[name].pop("per_class_correct")
+    write_csv_atomic(per_class_csv, per_class)
+    write_json_atomic(out, result)
+    write_provenance(Path(str(out) + ".provenance.json"), "evaluate", provenance)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One evaluation rank (started by ``imagenet-ddp evaluate`` through the launcher)."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="evaluation rank (one per device)")
+    for name in ("model", "prepared-train", "prepared-val", "split-dir", "classes", "out"):
+        parser.add_argument(f"--{name}", type=Path, required=True)
+    parser.add_argument("--per-class", type=Path, required=True)
+    parser.add_argument("--geometry-json", required=True, help="nodes, tasks_per_node, ...")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--workers", default="auto", help="loader workers per rank, or auto")
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args(argv)
+    result = evaluate_run(
+        model_path=args.model,
+        prepared_train=args.prepared_train,
+        prepared_val=args.prepared_val,
+        holdout_ids_csv=args.split_dir / "holdout.csv",
+        geometry=json.loads(args.geometry_json),
+        batch_size=args.batch_size,
+        workers=args.workers if args.workers == "auto" else int(args.workers),
+        device=args.device,
+    )
+    from imagenet_ddp.distributed import dist_info_from_env
+
+    if dist_info_from_env().rank == 0:
+        write_outputs(
+            result,
+            classes=args.classes,
+            out=args.out,
+            per_class_csv=args.per_class,
+            provenance={"model": str(args.model), "batch_size": args.batch_size},
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

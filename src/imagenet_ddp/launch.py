@@ -1,5 +1,6 @@
 """Run one training job: stage data on every node, start one worker per device, clean up.
 
+Evaluation starts its ranks through the same :func:`launch_ranks` (without staging).
 Two launchers share this code path:
 - ``local``: one node; staging in this process, one worker process per rank started here
   (:func:`spawn_local_ranks`), with the variables torchrun would set.
@@ -146,12 +147,11 @@ def run_job(
     me = [sys.executable, "-m", "imagenet_ddp.launch"]
     node_args = ["--run-dir", str(run_dir)]
     if launcher == "local":
-        if geometry.nodes != 1:
-            raise ValueError("launcher 'local' runs on one node; use launcher 'srun' for nodes > 1")
+        _check_local(geometry)
         stage_this_node(prepared_train, scratch_dir, run_dir, stage_verify)
         worker = [*me, "worker", *node_args, "--", *worker_args]
         try:
-            code = spawn_local_ranks(worker, geometry)
+            code, _ = launch_ranks(launcher, geometry, worker)
         finally:
             if cleanup:
                 unstage_this_node(run_dir)
@@ -174,15 +174,8 @@ def run_job(
     if code != 0:
         return code
     try:
-        worker = [
-            *srun_argv(geometry, per_node=False, extra=extra),
-            *me,
-            "worker",
-            *node_args,
-            "--",
-            *worker_args,
-        ]
-        code, signalled = _run_step(worker, geometry)
+        worker = [*me, "worker", *node_args, "--", *worker_args]
+        code, signalled = launch_ranks(launcher, geometry, worker, extra)
     finally:
         if cleanup and signalled:
             # The job is ending (time limit, scancel, preemption): SLURM creates no new step
@@ -194,6 +187,29 @@ def run_job(
                 geometry,
             )
     return code
+
+
+def _check_local(geometry: Geometry) -> None:
+    if geometry.nodes != 1:
+        raise ValueError("launcher 'local' runs on one node; use launcher 'srun' for nodes > 1")
+
+
+def launch_ranks(
+    launcher: str, geometry: Geometry, argv: list[str], srun_extra: list[str] | None = None
+) -> tuple[int, bool]:
+    """Run ``argv`` as ``nodes x tasks_per_node`` ranks: training workers and evaluation alike.
+
+    ``local``: one process per rank here (:func:`spawn_local_ranks`); ``srun``: one srun step
+    of one task per rank. Both give each rank ``cpus_per_task`` threads (:func:`worker_env`)
+    and pass stop signals on. Returns (exit code, whether a stop signal arrived during an
+    srun step).
+    """
+    if launcher == "local":
+        _check_local(geometry)
+        return spawn_local_ranks(argv, geometry), False
+    return _run_step(
+        [*srun_argv(geometry, per_node=False, extra=srun_extra or []), *argv], geometry
+    )
 
 
 def _run(argv: list[str], geometry: Geometry) -> int:
@@ -290,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     stage.add_argument("--scratch-dir", type=Path, required=True)
     stage.add_argument("--verify", default="size")
     worker.add_argument("rest", nargs=argparse.REMAINDER)
+    evaluate = sub.add_parser("evaluate-worker")
+    evaluate.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "stage-node":
         stage_this_node(args.src, args.scratch_dir, args.run_dir, args.verify)
@@ -300,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
         rendezvous_from_slurm_env()
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    if args.command == "evaluate-worker":  # reads the shared prepared copy: nothing staged
+        from imagenet_ddp import evaluate as evaluation
+
+        return evaluation.main(rest)
     return train.main([*rest, "--train-data", str(staged_copy_for_this_host(args.run_dir))])
 
 

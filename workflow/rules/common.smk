@@ -7,6 +7,7 @@ from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 from imagenet_ddp.archives import DEVKIT_ARCHIVE, TRAIN_ARCHIVE, VAL_ARCHIVE
+from imagenet_ddp.eval_settings import eval_settings
 from imagenet_ddp.run_checks import check_runs, user_cache_dir
 
 
@@ -71,6 +72,9 @@ def run_training_json(wildcards):
     measured under its geometry, so a changed geometry retrains (and never resumes)."""
     settings = dict(RUNS[wildcards.run])
     settings["run"] = settings.pop("name")
+    settings.pop(
+        "evaluate", None
+    )  # where the run is evaluated does not change its weights
     return json.dumps(settings, sort_keys=True)
 
 
@@ -78,15 +82,38 @@ def run_geometry(key):
     return lambda wildcards: RUNS[wildcards.run][key]
 
 
-def slurm_resource(key):
-    """Per-run SLURM shape of `train` (docs/slurm-notes.md); None drops the resource."""
+def run_eval(key):
+    """One of the run's evaluation settings (imagenet_ddp.eval_settings: geometry, loader)."""
+    return lambda wildcards: eval_settings(config.get("evaluate"), RUNS[wildcards.run])[
+        key
+    ]
+
+
+def eval_threads(wildcards):
+    """Cores of a local evaluation: all its ranks' threads."""
+    settings = eval_shape(wildcards.run)
+    return settings["tasks_per_node"] * settings["cpus_per_task"]
+
+
+def train_shape(run_name):
+    return RUNS[run_name]
+
+
+def eval_shape(run_name):
+    return eval_settings(config.get("evaluate"), RUNS[run_name])
+
+
+def slurm_resource(key, shape=train_shape):
+    """Per-run SLURM shape of `train` (or, with eval_shape, of `evaluate`) from the geometry
+    keys nodes, tasks_per_node, gpus_per_node (docs/slurm-notes.md); None drops the resource.
+    """
 
     def value(wildcards):
-        run = RUNS[wildcards.run]
+        geometry = shape(wildcards.run)
         nodes, per_node, gpus = (
-            run["nodes"],
-            run["tasks_per_node"],
-            run["gpus_per_node"],
+            geometry["nodes"],
+            geometry["tasks_per_node"],
+            geometry["gpus_per_node"],
         )
         world = nodes * per_node
         return {

@@ -56,9 +56,14 @@ rule train:
         " --cpus-per-task {params.cpus_per_task} > {log:q} 2>&1"
 
 
+# Evaluation runs like training: DDP ranks on the GPUs of `evaluate` geometry (config.yaml
+# `evaluate`, per run `runs[].evaluate`; default one node with the run's GPUs per node), each
+# sample counted once. Its geometry is a resource, not a param: where the evaluation runs does
+# not change the accuracy, so it triggers no rerun; eval.json records the geometry it ran on.
 rule evaluate:
     input:
         model="results/runs/{run}/model.pt",
+        # The shared prepared copy, read directly: no node-local staging (one sequential pass).
         prepared_train=f"{PREPARED_DIR}/train",
         prepared_val=f"{PREPARED_DIR}/val",
         holdout="results/split/holdout.csv",
@@ -70,15 +75,32 @@ rule evaluate:
         "logs/evaluate/{run}.log",
     conda:
         "../envs/imagenet-ddp.yaml"
-    threads: 1
+    # Cores this job takes on a local machine (ignored by the SLURM executor's sizing).
+    threads: eval_threads
     resources:
-        eval_workers=config.get("evaluate", {}).get("workers", 0),
+        nodes=run_eval("nodes"),
+        tasks_per_node=slurm_resource("tasks_per_node", eval_shape),
+        tasks=slurm_resource("tasks", eval_shape),
+        cpus_per_task=run_eval("cpus_per_task"),
+        gres=slurm_resource("gres", eval_shape),
+        tasks_per_gpu=0,  # else the plugin adds --ntasks-per-gpu=<all tasks> to GPU jobs
+        mpi=slurm_resource("mpi", eval_shape),
+        launcher=execution_setting("execution", "launcher", "local"),
+        srun_extra=execution_setting("execution", "srun_extra", ""),
+        eval_tasks_per_node=run_eval("tasks_per_node"),
+        eval_gpus_per_node=run_eval("gpus_per_node"),
+        eval_workers=run_eval("workers"),
     params:
-        batch_size=config.get("evaluate", {}).get("batch_size", 128),
+        batch_size=run_eval("batch_size"),
         split_dir=lambda wildcards, input: os.path.dirname(input.holdout),
+    # exec: the launcher replaces the rule's shell (see rule train).
     shell:
-        "imagenet-ddp evaluate --model {input.model:q}"
+        "exec imagenet-ddp evaluate --launcher {resources.launcher}"
+        " --srun-extra={resources.srun_extra:q} --model {input.model:q}"
         " --prepared-train {input.prepared_train:q} --prepared-val {input.prepared_val:q}"
         " --split-dir {params.split_dir:q} --classes {input.classes:q} --out {output.metrics:q}"
         " --per-class {output.per_class:q} --batch-size {params.batch_size}"
-        " --workers {resources.eval_workers} > {log:q} 2>&1"
+        " --workers {resources.eval_workers} --nodes {resources.nodes}"
+        " --tasks-per-node {resources.eval_tasks_per_node}"
+        " --cpus-per-task {resources.cpus_per_task}"
+        " --gpus-per-node {resources.eval_gpus_per_node} > {log:q} 2>&1"
