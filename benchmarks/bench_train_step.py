@@ -17,7 +17,8 @@ per-rank batch (16), ``num_workers=0`` (no spare cores for loader workers).
 Images/s = images of all ranks / slowest rank's epoch time; the first epoch (warm-up) is
 dropped, the median over the remaining epochs and repetitions is reported.
 ``--ablations`` also runs the baseline with our per-sample ``fork_rng`` and with a synchronous
-per-step all-reduce (the stop check before ``StopFlag.poll``) added, to attribute a gap. Target: ours >= 1.0x baseline.
+per-step all-reduce (the stop check before ``StopFlag.poll``) added, to attribute
+a gap. Target: ours >= 1.0x baseline.
 """
 
 from __future__ import annotations
