@@ -23,9 +23,12 @@ from tests.test_resume import CONFIG, assert_bitwise_equal, torchrun, weights
 pytestmark = pytest.mark.slurm
 
 CPUS = 1  # per task: one thread per rank (2 nodes share this machine's 2 cores)
-# One loader worker per rank. Long enough that the first job still trains when its 1-minute
-# limit is enforced (slurmctld checks limits every 30 s); batch 3: 6 steps per epoch.
-LONG = {**CONFIG, "epochs": 100, "batch_size": 3, "workers": 1}
+# One loader worker per rank. Batch 2, crop 24: 9 steps of ~0.25 s per epoch, so a scancel sent
+# at an epoch's first step lands mid-epoch; 60 epochs outlast the first job's 1-minute limit
+# (slurmctld enforces it within 30 s).
+LONG = {
+    **CONFIG, "epochs": 60, "batch_size": 2, "crop_size": 24, "eval_resize": 24, "workers": 1,
+}  # fmt: skip
 
 
 def submit(cluster, work: Path, prepared: Path, split: Path, *sbatch: str) -> int:
@@ -51,7 +54,7 @@ def wait_for(path: Path, text: str, timeout: float) -> str:
         content = path.read_text(errors="replace") if path.exists() else ""
         if text in content:
             return content
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise AssertionError(f"{text!r} not in {path} after {timeout}s:\n{content[-3000:]}")
 
 
@@ -87,6 +90,8 @@ def test_time_limit_then_plain_scancel_then_resume_gives_bitwise_identical_weigh
     state = slurm_cluster.wait_job(second, timeout=120)
     assert state.startswith("CANCELLED"), (state, log.read_text(errors="replace")[-3000:])
     assert_checkpointed_and_not_complete(log, work)
+    stopped = log.read_text(errors="replace")
+    assert f"interrupted at epoch {resumed_epoch + 1} step" in stopped, stopped[-3000:]  # mid-epoch
 
     # 3. Resubmitted again: finishes.
     third = submit(slurm_cluster, work, *data, "--time=10")
@@ -106,4 +111,4 @@ def test_time_limit_then_plain_scancel_then_resume_gives_bitwise_identical_weigh
     )  # the same threads per rank: float sums keep their order
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert_bitwise_equal(weights(work / "run"), weights(reference / "out"))
-    assert torch.load(work / "run" / "model.pt", weights_only=False)["config"]["epochs"] == 100
+    assert torch.load(work / "run" / "model.pt", weights_only=False)["config"]["epochs"] == 60
