@@ -24,10 +24,10 @@ pytestmark = pytest.mark.slurm
 
 CPUS = 1  # per task: one thread per rank (2 nodes share this machine's 2 cores)
 # One loader worker per rank. Batch 2, crop 24: 9 steps of ~0.25 s per epoch, so a scancel sent
-# at an epoch's first step lands mid-epoch; 60 epochs outlast the first job's 1-minute limit
-# (slurmctld enforces it within 30 s).
+# at an epoch's first step lands mid-epoch; 75 epochs outlast the first job's 1-minute limit
+# (slurmctld enforces it within 30 s; the first job reached epoch 44 here).
 LONG = {
-    **CONFIG, "epochs": 60, "batch_size": 2, "crop_size": 24, "eval_resize": 24, "workers": 1,
+    **CONFIG, "epochs": 75, "batch_size": 2, "crop_size": 24, "eval_resize": 24, "workers": 1,
 }  # fmt: skip
 
 
@@ -111,4 +111,4 @@ def test_time_limit_then_plain_scancel_then_resume_gives_bitwise_identical_weigh
     )  # the same threads per rank: float sums keep their order
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert_bitwise_equal(weights(work / "run"), weights(reference / "out"))
-    assert torch.load(work / "run" / "model.pt", weights_only=False)["config"]["epochs"] == 60
+    assert torch.load(work / "run" / "model.pt", weights_only=False)["config"]["epochs"] == 75
