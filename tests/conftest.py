@@ -5,12 +5,26 @@ Tests must treat these directories as read-only; use ``writable_archives`` to da
 
 from __future__ import annotations
 
+import faulthandler
 import shutil
 from pathlib import Path
 
 import pytest
 
 from tests.slurm_cluster.fixture import slurm_cluster  # noqa: F401  (session: local SLURM)
+
+HANG_SECONDS = 1200  # the slowest test takes ~6 min on 2 cores
+
+
+@pytest.fixture(autouse=True)
+def _hang_guard():
+    """A hung test ends the run after HANG_SECONDS with every thread's traceback, instead of
+    holding CI until its time limit (faulthandler exits the process; subprocesses of tests
+    have their own deadlines)."""
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
 
 DEMO_KWARGS = {
     "num_classes": 4,
