@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from imagenet_ddp import distributed as D
 from imagenet_ddp.checkpoint import load_latest_checkpoint, save_checkpoint
 from imagenet_ddp.train import EpochSampler, SeededAugmentation, TrainConfig, lr_lambda
 
@@ -152,3 +153,26 @@ def test_gpus_asked_but_cuda_unusable_is_an_error_naming_the_host(monkeypatch):
         select_device("auto", 0, gpus_per_node=4)
     assert select_device("auto", 0, gpus_per_node=0).type == "cpu"
     assert select_device("cpu", 0, gpus_per_node=4).type == "cpu"
+
+
+def _buffers_after_broadcast(rank: int, init_file: str, results) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4))
+        model[1].running_mean.fill_(rank + 1.0)  # each rank's own last-batch statistics
+        model[1].num_batches_tracked.fill_(10 * (rank + 1))
+        D.broadcast_buffers(model)
+        results[rank] = (model[1].running_mean.tolist(), model[1].num_batches_tracked.item())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_evaluates_rank_0s_batchnorm_statistics(tmp_path):
+    """In-training evaluation is sharded over ranks: each must use the buffers that are saved."""
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.spawn(_buffers_after_broadcast, args=(str(tmp_path / "init"), results), nprocs=2)
+    assert results[0] == results[1] == ([1.0] * 4, 10)
