@@ -23,7 +23,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
 TEST_PROFILE = Path(__file__).parent / "slurm_cluster" / "profile"
 RUNS = [
-    {"name": "resnet18-2x1", "nodes": 2, "tasks_per_node": 1},
+    # Evaluated like it trained: 2 nodes x 1 rank (an `mpi` srun step); the others use the
+    # default evaluation geometry (one node, one rank without GPUs).
+    {"name": "resnet18-2x1", "nodes": 2, "tasks_per_node": 1, "evaluate": {"nodes": 2}},
     {"name": "resnet18-1x2", "nodes": 1, "tasks_per_node": 2},
     {"name": "resnet18-1x1", "nodes": 1, "tasks_per_node": 1},
 ]
@@ -73,6 +75,19 @@ def test_multi_node_training_had_ranks_on_both_nodes(slurm_run):
         (slurm_run.dir / "results/runs/resnet18-1x2/train_metrics.json").read_text()
     )
     assert one_node["world_size"] == 2 and one_node["nodes"] == 1
+
+
+def test_evaluation_ran_as_ranks_on_both_nodes_and_counted_every_sample_once(slurm_run):
+    job = slurm_run.jobs["rule_evaluate_wildcards_resnet18-2x1"]
+    assert job["nnodes"] == 2
+    runs = slurm_run.dir / "results/runs"
+    two = json.loads((runs / "resnet18-2x1/eval.json").read_text())
+    one = json.loads((runs / "resnet18-1x1/eval.json").read_text())
+    assert two["evaluation"]["world_size"] == 2 and two["evaluation"]["backend"] == "gloo"
+    assert two["evaluation"]["hosts"] == ["node1", "node2"]
+    assert one["evaluation"]["world_size"] == 1
+    for split in ("holdout", "test"):
+        assert two[split]["samples"] == one[split]["samples"] > 0
 
 
 def test_training_used_srun_in_the_allocation(slurm_run):

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from imagenet_ddp.distributed import all_reduce_sum
-from imagenet_ddp.signals import ignore_stop_signals, stop_signals_blocked
+from imagenet_ddp.signals import ignore_stop_signals, loader_context, stop_signals_blocked
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -58,6 +58,7 @@ def evaluate_dataset(
         pin_memory=device.type == "cuda",
         prefetch_factor=4 if workers > 0 else None,
         worker_init_fn=ignore_stop_signals,  # a stop signal is the rank's to handle
+        multiprocessing_context=loader_context() if workers > 0 else None,
     )
     correct1 = torch.zeros(num_classes, dtype=torch.float64)
     correct5 = torch.zeros((), dtype=torch.float64)

@@ -9,8 +9,12 @@ workers, the launcher and ``srun`` at once. The rules here:
   rank 0 writes a checkpoint and every rank exits with :data:`EXIT_REQUEUE`.
 - DataLoader workers ignore the stop signals (:func:`ignore_stop_signals`, their
   ``worker_init_fn``): a worker killed by SIGTERM makes its rank raise "DataLoader worker is
-  killed by signal" before any checkpoint. Workers are forked with the signals blocked
-  (:func:`stop_signals_blocked`), so none can arrive before the worker ignores them.
+  killed by signal" before any checkpoint. They are started by a fork server
+  (:func:`loader_context`), not forked from the rank: a rank has gloo's and the loaders'
+  threads, and a child forked while one of them held a lock can hang for ever (seen: an
+  evaluation worker stuck at start, its rank waiting for its first batch). The server ignores
+  the stop signals from its start (:mod:`imagenet_ddp.loader_server`), and workers are started
+  with the signals blocked (:func:`stop_signals_blocked`).
 - The launcher survives the signal, forwards it to the ranks it started, waits for them and
   returns their exit code (:class:`ForwardStopSignals`).
 """
@@ -18,6 +22,7 @@ workers, the launcher and ``srun`` at once. The rules here:
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import signal
 import subprocess
 from collections.abc import Iterator, Sequence
@@ -35,6 +40,13 @@ def ignore_stop_signals(_worker_id: int | None = None) -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def loader_context() -> multiprocessing.context.BaseContext:
+    """The ``multiprocessing_context`` of every DataLoader with workers (see the module doc)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["imagenet_ddp.loader_server"])
+    return context
 
 
 @contextlib.contextmanager

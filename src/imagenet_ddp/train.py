@@ -58,6 +58,7 @@ from imagenet_ddp.signals import (
     EXIT_REQUEUE,
     StopFlag,
     ignore_stop_signals,
+    loader_context,
     stop_signals_blocked,
 )
 
@@ -359,6 +360,7 @@ def _train(
         prefetch_factor=4 if geometry.workers > 0 else None,
         drop_last=True,
         worker_init_fn=ignore_stop_signals,
+        multiprocessing_context=loader_context() if geometry.workers > 0 else None,
     )
     steps_per_epoch = len(sampler) // cfg.batch_size
     if steps_per_epoch == 0:
