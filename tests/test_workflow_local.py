@@ -118,6 +118,31 @@ def test_changing_one_runs_lr_reruns_only_that_run(local_run):
     assert plan == {"train": 1, "evaluate": 1, "aggregate": 1, "plots": 1, "all": 1}, plan
 
 
+def test_sweep_of_the_same_runs_is_up_to_date_and_one_axis_value_reruns_only_its_run(local_run):
+    """A sweep that expands to the trained runs' names and settings plans nothing; changing
+    one zip value plans exactly that run (train, evaluate) and the tables after it."""
+    config = read_config(local_run)
+    original = copy.deepcopy(config)
+    lr = config["train_defaults"]["lr"]
+    config["runs"] = [original["runs"][0]]  # resnet18-1x2 stays hand-written
+    sweep = {"name": "resnet18-1x{tasks_per_node}", "zip": {"tasks_per_node": [1], "lr": [lr]}}
+    config["sweep"] = [sweep]
+    write_config(local_run, config)
+    try:
+        unchanged = planned_jobs(local_run, "--profile", "profiles/local")
+        sweep["zip"] = {"tasks_per_node": [2, 1], "lr": [lr, lr / 2]}
+        del config["runs"]  # now both runs come from the sweep
+        write_config(local_run, config)
+        result = snakemake(local_run, "-n", "--profile", "profiles/local")
+        changed = planned_jobs(local_run, "--profile", "profiles/local")
+    finally:
+        write_config(local_run, original)
+    assert unchanged == {}, unchanged
+    assert changed == {"train": 1, "evaluate": 1, "aggregate": 1, "plots": 1, "all": 1}, changed
+    assert "wildcards: run=resnet18-1x1" in result.stdout
+    assert "wildcards: run=resnet18-1x2" not in result.stdout
+
+
 def test_changing_split_seed_reruns_split_and_downstream_only(local_run):
     config = read_config(local_run)
     original = copy.deepcopy(config)

@@ -3,12 +3,15 @@ import os
 import signal
 import sys
 
+import yaml
+
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 from imagenet_ddp.archives import DEVKIT_ARCHIVE, TRAIN_ARCHIVE, VAL_ARCHIVE
 from imagenet_ddp.eval_settings import eval_settings
 from imagenet_ddp.run_checks import check_runs, user_cache_dir
+from imagenet_ddp.sweeps import SweepError, expand_runs, run_schema
 
 
 envvars:
@@ -31,13 +34,19 @@ os.environ["PATH"] = os.pathsep.join(
 
 
 def _runs():
+    """Hand-written runs and every sweep's expanded runs (imagenet_ddp.sweeps), each with
+    train_defaults merged in; an expanded run is held to the schema of a hand-written one.
+    """
+    with open(
+        os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml")
+    ) as f:
+        schema = run_schema(yaml.safe_load(f))
     runs = {}
-    for entry in config["runs"]:
-        if entry["name"] in runs:
-            raise ValueError(
-                f"config.yaml: run name {entry['name']!r} appears twice under 'runs'; "
-                "give every run a unique name"
-            )
+    try:
+        entries = expand_runs(config, schema)
+    except SweepError as error:
+        raise WorkflowError(str(error)) from None
+    for entry in entries:
         runs[entry["name"]] = {**config["train_defaults"], **entry}
     return runs
 

@@ -1,0 +1,187 @@
+"""Sweep expansion (imagenet_ddp.sweeps): grid and zip, names, collisions, schema, and the
+workflow's dry-run of an expanded sweep (its rerun behaviour: tests/test_workflow_local.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from imagenet_ddp.sweeps import SweepError, expand_runs, run_schema
+
+SCHEMA = run_schema(
+    yaml.safe_load((Path(__file__).parents[1] / "workflow/schemas/config.schema.yaml").read_text())
+)
+DEFAULTS = {"model": "resnet50", "nodes": 1, "precision": "fp32", "lr": 0.1}
+
+
+def names(config):
+    return [run["name"] for run in expand_runs(config, SCHEMA)]
+
+
+def test_grid_is_the_product_in_written_order():
+    config = {
+        "train_defaults": DEFAULTS,
+        "sweep": [
+            {
+                "name": "{model}-n{nodes}-{precision}",
+                "grid": {"nodes": [1, 2, 4, 8], "precision": ["fp32", "bf16"]},
+            }
+        ],
+    }
+    runs = expand_runs(config, SCHEMA)
+    assert [r["name"] for r in runs] == [
+        f"resnet50-n{n}-{p}" for n in (1, 2, 4, 8) for p in ("fp32", "bf16")
+    ]
+    assert runs[5] == {"name": "resnet50-n4-bf16", "nodes": 4, "precision": "bf16"}
+
+
+def test_zip_walks_lists_together_and_combines_with_grid_and_settings():
+    config = {
+        "train_defaults": DEFAULTS,
+        "sweep": [
+            {
+                "name": "lr{lr}-b{batch_size}-{precision}",
+                "settings": {"epochs": 90, "model": "resnet18"},
+                "zip": {"lr": [0.1, 0.2, 0.4], "batch_size": [256, 512, 1024]},
+                "grid": {"precision": ["bf16"]},
+            }
+        ],
+    }
+    runs = expand_runs(config, SCHEMA)
+    assert [r["name"] for r in runs] == ["lr0.1-b256-bf16", "lr0.2-b512-bf16", "lr0.4-b1024-bf16"]
+    assert runs[2] == {
+        "name": "lr0.4-b1024-bf16",
+        "epochs": 90,
+        "model": "resnet18",
+        "precision": "bf16",
+        "lr": 0.4,
+        "batch_size": 1024,
+    }
+
+
+def test_names_are_stable_when_an_axis_grows_or_is_reordered():
+    base = {"name": "{model}-n{nodes}", "grid": {"nodes": [1, 2]}}
+    grown = {"name": "{model}-n{nodes}", "grid": {"nodes": [8, 2, 1, 4]}}
+    before = names({"train_defaults": DEFAULTS, "sweep": [base]})
+    after = names({"train_defaults": DEFAULTS, "sweep": [grown]})
+    assert set(before) <= set(after)
+    assert expand_runs({"train_defaults": DEFAULTS, "sweep": [base]}, SCHEMA)[1] == next(
+        r
+        for r in expand_runs({"train_defaults": DEFAULTS, "sweep": [grown]}, SCHEMA)
+        if r["name"] == "resnet50-n2"
+    )
+
+
+def test_values_are_spelled_as_in_yaml():
+    config = {
+        "train_defaults": DEFAULTS,
+        "sweep": [{"name": "cl-{channels_last}-wd{weight_decay}", "grid": {
+            "channels_last": [True, False], "weight_decay": [1.0, 5.0e-5]}}],
+    }  # fmt: skip
+    assert names(config) == ["cl-true-wd1", "cl-true-wd5e-05", "cl-false-wd1", "cl-false-wd5e-05"]
+
+
+def test_sweeps_mix_with_hand_written_runs():
+    config = {
+        "train_defaults": DEFAULTS,
+        "runs": [{"name": "baseline", "lr": 0.05}],
+        "sweep": [{"name": "r50-n{nodes}", "grid": {"nodes": [1, 2]}}],
+    }
+    assert names(config) == ["baseline", "r50-n1", "r50-n2"]
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (  # an axis missing from the template
+            {"sweep": [{"name": "{model}", "grid": {"precision": ["fp32", "bf16"]}}]},
+            "run name 'resnet50' is produced twice: by sweep[0] (precision=fp32) and by "
+            "sweep[0] (precision=bf16)",
+        ),
+        (  # a sweep and a hand-written run
+            {
+                "runs": [{"name": "resnet50-n2"}],
+                "sweep": [{"name": "{model}-n{nodes}", "grid": {"nodes": [1, 2]}}],
+            },
+            "run name 'resnet50-n2' is produced twice: by runs (hand-written) and by "
+            "sweep[0] (nodes=2)",
+        ),
+        (  # two sweeps
+            {
+                "sweep": [
+                    {"name": "a-n{nodes}", "grid": {"nodes": [1]}},
+                    {"name": "a-n{nodes}", "zip": {"nodes": [1]}},
+                ]
+            },
+            "'a-n1' is produced twice: by sweep[0] (nodes=1) and by sweep[1] (nodes=1)",
+        ),
+    ],
+)
+def test_collisions_are_a_clear_error(config, message):
+    with pytest.raises(SweepError, match="every run needs a unique name") as error:
+        expand_runs({"train_defaults": DEFAULTS, **config}, SCHEMA)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("sweep", "message"),
+    [
+        (
+            {"name": "x {nodes}", "grid": {"nodes": [1]}},
+            "sweep[0] (name 'x {nodes}'): run 'x 1' (nodes=1): name: 'x 1' does not match",
+        ),
+        (
+            {"name": "r-{lrr}", "grid": {"lr": [0.1]}},
+            "name template uses {lrr}, which is not a setting of the run",
+        ),
+        (
+            {"name": "r-{lr}", "grid": {"lrr": [0.1]}},
+            "run 'r-0.1' (lrr=0.1): run: Additional properties are not allowed",
+        ),
+        (
+            {"name": "r-{nodes}", "grid": {"nodes": [0]}},
+            "run 'r-0' (nodes=0): nodes: 0 is less than the minimum of 1",
+        ),
+        (
+            {"name": "r-{lr}-{seed}", "zip": {"lr": [0.1, 0.2], "seed": [0]}},
+            "zip lists must have equal lengths, got lr=2, seed=1",
+        ),
+        (
+            {"name": "r-{lr}", "grid": {"lr": [0.1]}, "zip": {"lr": [0.2]}},
+            "lr under both grid and zip",
+        ),
+    ],
+)
+def test_expanded_runs_are_validated_like_hand_written_ones(sweep, message):
+    with pytest.raises(SweepError) as error:
+        expand_runs({"train_defaults": DEFAULTS, "sweep": [sweep]}, SCHEMA)
+    assert str(error.value).startswith("config.yaml: ")
+    assert message in str(error.value)
+
+
+def test_dry_run_lists_every_expanded_run_with_its_resources(tmp_path):
+    from tests.workflow_helpers import copy_workflow, read_config, snakemake, write_config
+
+    workdir = copy_workflow(tmp_path / "w")
+    config = read_config(workdir)
+    config["runs"] = [{"name": "hand", "tasks_per_node": 1}]
+    config["sweep"] = [
+        {"name": "{model}-n{nodes}x{tasks_per_node}", "grid": {"nodes": [1, 2],
+         "tasks_per_node": [1, 2]}}
+    ]  # fmt: skip
+    write_config(workdir, config)
+    text = snakemake(workdir, "-n", "--profile", "profiles/local").stdout
+    for name, nodes, per_node in [("resnet18-n1x1", 1, 1), ("resnet18-n2x2", 2, 2), ("hand", 1, 1)]:
+        block = text.split(f"wildcards: run={name}\n", 1)[1].split("\n\n", 1)[0]
+        assert f"nodes={nodes}" in block and "cpus_per_task=1" in block, block
+        if nodes * per_node > 1:
+            assert "mpi=srun" in block, block
+    assert text.count("rule train:") == 5
+
+    config["sweep"][0]["name"] = "{model}-n{nodes}"  # tasks_per_node missing: collision
+    write_config(workdir, config)
+    result = snakemake(workdir, "-n", "--profile", "profiles/local", check=False)
+    assert result.returncode != 0
+    assert "run name 'resnet18-n1' is produced twice" in result.stdout + result.stderr
