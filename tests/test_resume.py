@@ -123,6 +123,34 @@ def test_resume_after_two_interruptions_is_bitwise_identical(
         assert a["train_loss"] == b["train_loss"]
         assert a["holdout_top1"] == b["holdout_top1"]
     assert resumed["resumed_from"]
+    # TensorBoard: the three jobs' event files hold each step once, with the same running loss
+    # as the uninterrupted run (rank 0 only: one writer).
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 3
+    assert scalars(out, "train/loss") == scalars(uninterrupted, "train/loss")
+    assert scalars(out, "epoch/holdout_top1") == scalars(uninterrupted, "epoch/holdout_top1")
+
+
+def scalars(out: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+def test_tensorboard_events_and_cost_block_of_a_cpu_run(uninterrupted):
+    steps = [step for step, _ in scalars(uninterrupted, "train/loss")]
+    assert steps == sorted(set(steps)) and len(steps) == 2 * 4  # every step of 2 epochs x 4
+    assert [s for s, _ in scalars(uninterrupted, "epoch/images_per_s")] == [4, 8]
+    metrics = json.loads((uninterrupted / "train_metrics.json").read_text())
+    cost = metrics["cost"]
+    assert cost["gpus"] == 0 and cost["gpu_hours"] == 0 and cost["cores"] == 2
+    assert 0 < cost["wall_seconds"] < 300
+    assert cost["core_hours"] == pytest.approx(2 * cost["wall_seconds"] / 3600)
+    assert cost["gpu_telemetry"] == {
+        "available": False,
+        "reason": "no GPUs in this run (gpus_per_node is 0)",
+    }
 
 
 def test_a_torn_newest_checkpoint_is_ignored(prepared_demo, split_dir, uninterrupted, tmp_path):

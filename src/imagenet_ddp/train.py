@@ -48,6 +48,7 @@ from imagenet_ddp.checkpoint import (
 from imagenet_ddp.epoch_metrics import EpochMeter, Progress
 from imagenet_ddp.evaluate import autocast, evaluate_dataset
 from imagenet_ddp.io import atomic_path, write_csv_atomic, write_json_atomic
+from imagenet_ddp.monitor import RunMonitor  # [study hook] TensorBoard, NVML, cost
 from imagenet_ddp.prepared import (
     PreparedImageDataset,
     eval_transform,
@@ -372,9 +373,12 @@ def _train(
         cfg, info, device, geometry, base.num_classes, steps_per_epoch, checkpoint_root
     )
     resume = _resume(job)
+    # [study hook] rank 0: TensorBoard events, NVML sampler thread, wall clock for the cost.
+    monitor = RunMonitor.for_job(job, out_dir, steps_per_epoch, resumed=resume[3] is not None)
     try:
-        code = _run_epochs(job, loader, sampler, holdout, resume, stop, stop_after_steps)
+        code = _run_epochs(job, loader, sampler, holdout, resume, stop, stop_after_steps, monitor)
     finally:
+        monitor.close()  # [study hook] idempotent; finish() below already closed it on success
         # Loader workers ignore stop signals (imagenet_ddp.signals), so the terminate() that
         # multiprocessing sends its daemons at exit cannot end persistent ones: stop them here.
         _shutdown_loader_workers(loader)
@@ -390,12 +394,15 @@ def _train(
         }
     )
     if info.is_main:
-        _write_outputs(job, out_dir, base.num_classes, ranks, resumed_from=resume[3])
+        cost = monitor.finish(job.history)  # [study hook] the cost block of train_metrics.json
+        _write_outputs(job, out_dir, base.num_classes, ranks, resumed_from=resume[3], cost=cost)
     D.barrier()
     return 0
 
 
-def _run_epochs(job: Job, loader, sampler, holdout, resume, stop, stop_after_steps) -> int:
+def _run_epochs(
+    job: Job, loader, sampler, holdout, resume, stop, stop_after_steps, monitor=None
+) -> int:
     """Train from the resume point to the last epoch: 0, or EXIT_REQUEUE when stopped."""
     cfg, info = job.cfg, job.info
     steps_per_epoch = len(sampler) // cfg.batch_size
@@ -416,6 +423,8 @@ def _run_epochs(job: Job, loader, sampler, holdout, resume, stop, stop_after_ste
             step += 1
             steps_done += 1
             progress.update(step, meter)
+            if monitor is not None:  # [study hook] TensorBoard every log_interval steps
+                monitor.step(epoch, step, meter, job.scheduler.get_last_lr()[0])
             # Every rank polls at the same steps, so the agreement's collectives stay aligned.
             test_stop = stop_after_steps is not None and steps_done >= stop_after_steps
             if (test_stop or stop.poll(steps_done)) and step < steps_per_epoch:
@@ -429,6 +438,8 @@ def _run_epochs(job: Job, loader, sampler, holdout, resume, stop, stop_after_ste
                 return EXIT_REQUEUE
         progress.close()
         _end_epoch(job, epoch, meter, holdout, holdout.num_classes)
+        if monitor is not None:  # [study hook] TensorBoard epoch scalars
+            monitor.epoch(epoch, job.history[-1])
         if stop.agreed():  # signalled during the epoch: its checkpoint is written
             if info.is_main:
                 print(f"interrupted after epoch {epoch}: checkpoint written; rerun to resume")
@@ -584,7 +595,9 @@ def _median(values: list) -> float | None:
     return float(np.median(values)) if values else None
 
 
-def _write_outputs(job: Job, out_dir: Path, num_classes: int, ranks, resumed_from) -> None:
+def _write_outputs(
+    job: Job, out_dir: Path, num_classes: int, ranks, resumed_from, cost=None
+) -> None:
     cfg, history, world = job.cfg, job.history, job.info.world_size
     out_dir.mkdir(parents=True, exist_ok=True)
     config = {**dataclasses.asdict(cfg), **dataclasses.asdict(job.geometry)}
@@ -622,6 +635,7 @@ def _write_outputs(job: Job, out_dir: Path, num_classes: int, ranks, resumed_fro
             "throughput_warmup_steps": cfg.throughput_warmup_steps,
             "throughput_note": THROUGHPUT_NOTE,
             "resumed_from": resumed_from,
+            "cost": cost,  # [study hook] imagenet_ddp.cost: wall, GPU-/core-hours, NVML
             "checkpoint_dir": str(job.checkpoint_dir),
             "torch": torch.__version__,
             "cuda": torch.version.cuda if torch.cuda.is_available() else None,

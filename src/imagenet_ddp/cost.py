@@ -1,0 +1,78 @@
+"""What a run cost: the ``cost`` block of ``train_metrics.json`` (pure functions, no torch).
+
+- ``wall_seconds``: rank 0's time in this job from the process group being up to the outputs
+  being written (node-local staging, process start-up and imports excluded: those are in the
+  launcher's ``job.json`` ``wall_seconds``);
+- ``gpu_hours`` / ``core_hours``: what the job held for that time, nodes x gpus_per_node GPUs
+  and nodes x tasks_per_node x cpus_per_task cores (allocated, not used: SLURM bills these);
+- ``gpu_hours_per_epoch``: GPUs x the mean epoch time (slowest rank; holdout evaluation and
+  checkpoints excluded), comparable across runs whatever their epoch count or resumes;
+- ``gpu_telemetry``: rank 0's node sampled with NVML (:mod:`imagenet_ddp.telemetry`), or why
+  not; energy for all nodes and per 1,000 training images derived from it, each labelled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+SCOPE = (
+    "wall_seconds: rank 0, this job, process group up to outputs written (staging excluded); "
+    "gpu_hours and core_hours: allocated GPUs and cores x wall_seconds; gpu_hours_per_epoch: "
+    "allocated GPUs x mean epoch time (holdout evaluation and checkpoints excluded)"
+)
+ENERGY_NOTE = (
+    "measured on rank 0's node over this job's training loop (holdout evaluation and "
+    "checkpoints included); energy_kwh_all_nodes multiplies it by the node count (estimate)"
+)
+
+
+def cost_block(
+    geometry: Mapping[str, int],
+    wall_seconds: float,
+    epochs: Sequence[Mapping[str, Any]],
+    telemetry: Mapping[str, Any],
+    *,
+    resumed: bool,
+    slurm_job_id: str | None,
+) -> dict[str, Any]:
+    """The cost block from the job's geometry, rank 0's wall time, the epoch records (all
+    jobs' epochs: the history) and the NVML summary of this job."""
+    nodes = geometry["nodes"]
+    gpus = nodes * geometry["gpus_per_node"]
+    cores = nodes * geometry["tasks_per_node"] * geometry["cpus_per_task"]
+    epoch_seconds = [e["epoch_seconds"] for e in epochs]
+    mean_epoch = sum(epoch_seconds) / len(epoch_seconds) if epoch_seconds else None
+    return {
+        "scope": SCOPE,
+        "slurm_job_id": slurm_job_id,
+        "wall_seconds": wall_seconds,
+        "gpus": gpus,
+        "cores": cores,
+        "gpu_hours": gpus * wall_seconds / 3600,
+        "core_hours": cores * wall_seconds / 3600,
+        "gpu_hours_per_epoch": None if mean_epoch is None else gpus * mean_epoch / 3600,
+        "gpu_telemetry": energy_figures(telemetry, nodes, epochs, resumed),
+    }
+
+
+def energy_figures(
+    telemetry: Mapping[str, Any], nodes: int, epochs: Sequence[Mapping[str, Any]], resumed: bool
+) -> dict[str, Any]:
+    """The NVML summary plus energy for all nodes and per 1,000 training images; absent
+    (None, with the reason) where they cannot be known, never zero."""
+    out = dict(telemetry)
+    if not telemetry.get("available"):
+        return out
+    out["note"] = ENERGY_NOTE
+    out["energy_kwh_all_nodes"] = telemetry["energy_kwh"] * nodes
+    if resumed:
+        # This job's sampler saw only its own part; earlier jobs' energy was not kept.
+        out["energy_wh_per_1k_images"] = None
+        out["energy_per_image_reason"] = "resumed run: earlier jobs' energy not measured"
+    else:
+        images = sum(e["images"] for e in epochs)
+        out["energy_wh_per_1k_images"] = (
+            out["energy_kwh_all_nodes"] * 1000 / images * 1000 if images else None
+        )
+    return out

@@ -1,0 +1,133 @@
+"""Rank 0's watch over a training job: TensorBoard, NVML telemetry and the cost block.
+
+The training loop calls four methods (:meth:`RunMonitor.step` at every step, :meth:`epoch`
+after each epoch, :meth:`finish` for ``train_metrics.json``, :meth:`close` in a ``finally``);
+on every rank but 0 they do nothing, so the loop needs no rank test and no collective runs
+here. Failures to write TensorBoard files never end a training: they are printed once and
+that part is switched off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from imagenet_ddp.cost import cost_block
+from imagenet_ddp.telemetry import GpuSampler, unavailable
+
+__all__ = ["RunMonitor"]
+
+
+class RunMonitor:
+    def __init__(
+        self,
+        *,
+        active: bool,
+        run_dir: Path,
+        geometry: dict[str, int],
+        steps_per_epoch: int,
+        log_interval: int,
+        world_size: int,
+        batch_size: int,
+        resumed: bool,
+        sampler: GpuSampler | None = None,
+        tensorboard: bool = True,
+    ):
+        self.active, self.geometry, self.resumed = active, geometry, resumed
+        self.steps_per_epoch, self.interval, self.world_size = (
+            steps_per_epoch,
+            log_interval,
+            world_size,
+        )
+        self.batch_size = batch_size
+        self.started = time.monotonic()
+        self.mark: tuple[float, int] | None = None  # (perf_counter, meter.steps) of last line
+        self.sampler = self.board = None
+        if not active:
+            return
+        self.sampler = (sampler or GpuSampler(geometry["gpus_per_node"])).start()
+        if tensorboard:
+            try:
+                from imagenet_ddp.tensorboard_log import TensorBoardLog
+
+                self.board = TensorBoardLog(run_dir / "tensorboard", fresh=not resumed)
+            except Exception as error:  # e.g. tensorboard not installed: train without it
+                print(f"TensorBoard off: {type(error).__name__}: {error}", flush=True)
+
+    @classmethod
+    def for_job(cls, job, run_dir: Path, steps_per_epoch: int, *, resumed: bool) -> RunMonitor:
+        """The monitor of a training job (imagenet_ddp.train.Job); active on rank 0 only."""
+        return cls(
+            active=job.info.is_main,
+            run_dir=run_dir,
+            geometry=dataclasses.asdict(job.geometry),
+            steps_per_epoch=steps_per_epoch,
+            log_interval=job.cfg.log_interval,
+            world_size=job.info.world_size,
+            batch_size=job.cfg.batch_size,
+            resumed=resumed,
+        )
+
+    def _global_step(self, epoch: int, step: int) -> int:
+        return epoch * self.steps_per_epoch + step
+
+    def _write(self, what, *args) -> None:
+        if self.board is None:
+            return
+        try:
+            what(*args)
+        except Exception as error:  # a full disk must not end hours of training
+            print(f"TensorBoard off: {type(error).__name__}: {error}", flush=True)
+            self.board = None
+
+    def step(self, epoch: int, step: int, meter, lr: float) -> None:
+        """Every step; logs every ``log_interval`` steps (reads the loss from the device)."""
+        if self.board is None or (step % self.interval and step != self.steps_per_epoch):
+            return
+        # Images since the last line (or since this job's start of the epoch): host time, as
+        # the progress line measures it; the loss read below waits for the device anyway.
+        now = time.perf_counter()
+        if self.mark is None or self.mark[1] > meter.steps:
+            self.mark = (meter.started, 0)
+        images = (meter.steps - self.mark[1]) * self.batch_size * self.world_size
+        rate = images / max(now - self.mark[0], 1e-9)
+        self.mark = (now, meter.steps)
+        values = {"loss": meter.mean_loss(), "images_per_s": rate, "lr": lr}
+        global_step = self._global_step(epoch, step)
+        self._write(self.board.scalars, "train", values, global_step)
+        self._gpu(global_step)
+
+    def epoch(self, epoch: int, record: dict[str, Any]) -> None:
+        global_step = self._global_step(epoch + 1, 0)
+        if self.board is not None:
+            self._write(self.board.epoch, record, global_step)
+        self._gpu(global_step)
+        self.mark = None
+
+    def _gpu(self, global_step: int) -> None:
+        latest = self.sampler.latest() if self.sampler else None
+        if latest and self.board is not None:
+            self._write(self.board.scalars, "gpu", latest, global_step)
+
+    def finish(self, epochs: list[dict[str, Any]]) -> dict[str, Any]:
+        """The cost block (rank 0); stops sampling and closes the event file."""
+        telemetry = self.sampler.stop() if self.sampler else unavailable("not rank 0")
+        self.close()
+        return cost_block(
+            self.geometry,
+            time.monotonic() - self.started,
+            epochs,
+            telemetry,
+            resumed=self.resumed,
+            slurm_job_id=os.environ.get("SLURM_JOB_ID"),
+        )
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
+        if self.board is not None:
+            self.board.close()
+            self.board = None

@@ -1,0 +1,184 @@
+"""NVML sampler (driven by a fake NVML module: no GPU here), the cost block, the monitor."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from imagenet_ddp.cost import cost_block
+from imagenet_ddp.monitor import RunMonitor
+from imagenet_ddp.telemetry import GpuSampler
+
+
+class FakeNvml:
+    """What pynvml offers, for ``gpus`` devices; each read advances the device's counters."""
+
+    class NVMLError_LibraryNotFound(Exception):  # noqa: N801 (pynvml's own naming)
+        pass
+
+    def __init__(self, gpus=2, *, energy=True, fail_init=False, watts=(300.0, 200.0)):
+        self.count, self.energy, self.fail_init, self.watts = gpus, energy, fail_init, watts
+        self.reads = 0
+        self.shut = False
+        self.energy_mj = [1_000_000] * gpus
+
+    def nvmlInit(self):  # noqa: N802
+        if self.fail_init:
+            raise self.NVMLError_LibraryNotFound("NVML Shared Library Not Found")
+
+    def nvmlShutdown(self):  # noqa: N802
+        self.shut = True
+
+    def nvmlDeviceGetCount(self):  # noqa: N802
+        return self.count
+
+    def nvmlDeviceGetHandleByIndex(self, i):  # noqa: N802
+        return i
+
+    def nvmlDeviceGetUtilizationRates(self, h):  # noqa: N802
+        self.reads += 1
+        return SimpleNamespace(gpu=90 if h == 0 else 70, memory=50)
+
+    def nvmlDeviceGetMemoryInfo(self, h):  # noqa: N802
+        return SimpleNamespace(used=(h + 1) * 10**9 + self.reads, total=80 * 10**9)
+
+    def nvmlDeviceGetPowerUsage(self, h):  # noqa: N802
+        return int(self.watts[h] * 1000)  # mW
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):  # noqa: N802
+        if not self.energy:
+            raise RuntimeError("not supported")
+        self.energy_mj[h] += 3_600_000  # 1 Wh per read
+        return self.energy_mj[h]
+
+
+def test_sampler_summarizes_utilization_memory_power_and_energy_counter():
+    nvml = FakeNvml(gpus=2)
+    sampler = GpuSampler(gpus=8, interval=0.01, nvml=nvml).start()
+    time.sleep(0.1)
+    latest = sampler.latest()
+    summary = sampler.stop()
+    assert nvml.shut
+    assert summary["available"] and summary["reason"] is None
+    assert summary["gpus"] == 2  # NVML lists 2: fewer than gpus_per_node
+    assert summary["samples"] >= 3
+    assert summary["mean_utilization_percent"] == pytest.approx(80.0)
+    assert summary["mean_power_watts"] == pytest.approx(500.0)
+    peak = summary["peak_memory_gb_per_gpu"]
+    assert 1.0 < peak[0] < 1.01 and 2.0 < peak[1] < 2.01
+    # Counter read once at start and once at stop on each of 2 GPUs: 1 Wh each.
+    assert summary["energy_kwh"] == pytest.approx(2 * 3.6e6 / 1000 / 3.6e6)
+    assert summary["energy_source"] == "nvml_energy_counter"
+    assert latest == {
+        "utilization_percent": 80.0,
+        "memory_used_gb": pytest.approx(3.0, abs=0.01),
+        "power_watts": 500.0,
+    }
+    assert sampler.stop() == summary  # idempotent
+
+
+def test_without_energy_counter_power_is_integrated_over_time():
+    sampler = GpuSampler(gpus=1, interval=0.02, nvml=FakeNvml(gpus=1, energy=False)).start()
+    time.sleep(0.1)
+    summary = sampler.stop()
+    assert summary["energy_source"] == "power_samples_integrated"
+    # 300 W over the sampled span.
+    assert summary["energy_kwh"] == pytest.approx(300 * summary["seconds"] / 3.6e6)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "nvml", "reason"),
+    [
+        (0, FakeNvml(), "no GPUs in this run (gpus_per_node is 0)"),
+        (1, FakeNvml(fail_init=True), "NVML unavailable: NVMLError_LibraryNotFound: NVML Shared"),
+        (1, FakeNvml(gpus=0), "NVML lists no GPU on this node"),
+    ],
+)
+def test_no_gpu_gives_a_reason_and_no_figures(gpus, nvml, reason):
+    summary = GpuSampler(gpus=gpus, nvml=nvml).start().stop()
+    assert summary["available"] is False
+    assert summary["reason"].startswith(reason)
+    assert set(summary) == {"available", "reason"}  # absent, not zero
+
+
+def test_real_pynvml_without_a_driver_records_why():
+    pytest.importorskip("pynvml")
+    summary = GpuSampler(gpus=1).start().stop()
+    if summary["available"]:
+        pytest.skip("this machine has an NVIDIA driver")
+    assert "NVML" in summary["reason"]
+
+
+GEOMETRY = {"nodes": 2, "tasks_per_node": 4, "cpus_per_task": 8, "gpus_per_node": 4}
+EPOCHS = [{"epoch_seconds": 100.0, "images": 10_000}, {"epoch_seconds": 80.0, "images": 10_000}]
+
+
+def test_cost_block_gpu_and_core_hours_and_energy_per_1k_images():
+    telemetry = {"available": True, "energy_kwh": 0.5, "gpus": 4}
+    cost = cost_block(GEOMETRY, 3600.0, EPOCHS, telemetry, resumed=False, slurm_job_id="42")
+    assert (cost["gpus"], cost["cores"]) == (8, 64)
+    assert cost["gpu_hours"] == 8.0 and cost["core_hours"] == 64.0
+    assert cost["gpu_hours_per_epoch"] == pytest.approx(8 * 90 / 3600)
+    energy = cost["gpu_telemetry"]
+    assert energy["energy_kwh_all_nodes"] == 1.0  # rank 0's node x 2 nodes (labelled estimate)
+    assert energy["energy_wh_per_1k_images"] == pytest.approx(1000 / 20_000 * 1000)
+    assert "estimate" in energy["note"] and cost["slurm_job_id"] == "42"
+
+
+def test_cost_block_without_gpus_or_after_a_resume_has_no_made_up_figures():
+    cpu = {**GEOMETRY, "gpus_per_node": 0}
+    cost = cost_block(cpu, 36.0, EPOCHS, {"available": False, "reason": "x"}, resumed=False,
+                      slurm_job_id=None)  # fmt: skip
+    assert cost["gpu_hours"] == 0 and cost["core_hours"] == pytest.approx(0.64)
+    assert cost["gpu_telemetry"] == {"available": False, "reason": "x"}
+    resumed = cost_block(GEOMETRY, 1.0, EPOCHS, {"available": True, "energy_kwh": 0.1},
+                         resumed=True, slurm_job_id=None)  # fmt: skip
+    assert resumed["gpu_telemetry"]["energy_wh_per_1k_images"] is None
+    assert "resumed" in resumed["gpu_telemetry"]["energy_per_image_reason"]
+
+
+class FakeMeter:
+    def __init__(self):
+        self.steps, self.started = 0, time.perf_counter()
+
+    def mean_loss(self):
+        return 2.5
+
+
+def test_monitor_logs_every_interval_and_each_epoch_to_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sampler = GpuSampler(gpus=1, interval=0.01, nvml=FakeNvml(gpus=1))
+    monitor = RunMonitor(
+        active=True, run_dir=tmp_path, geometry={**GEOMETRY, "nodes": 1}, steps_per_epoch=4,
+        log_interval=2, world_size=2, batch_size=8, resumed=False, sampler=sampler,
+    )  # fmt: skip
+    meter = FakeMeter()
+    for step in range(1, 5):
+        meter.steps = step
+        monitor.step(0, step, meter, lr=0.1)
+    monitor.epoch(0, {"train_loss": 2.4, "steady_images_per_s": None, "lr_end": 0.05})
+    cost = monitor.finish(EPOCHS)
+    assert cost["gpu_telemetry"]["available"] and cost["wall_seconds"] > 0
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/images_per_s", "train/lr", "epoch/train_loss", "epoch/lr"} <= tags
+    assert {"gpu/utilization_percent", "gpu/power_watts", "gpu/memory_used_gb"} <= tags
+    assert "epoch/steady_images_per_s" not in tags  # absent, not zero
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4]
+    assert [e.step for e in events.Scalars("epoch/train_loss")] == [4]
+
+
+def test_monitor_on_other_ranks_does_nothing(tmp_path):
+    monitor = RunMonitor(
+        active=False, run_dir=tmp_path, geometry=GEOMETRY, steps_per_epoch=4, log_interval=1,
+        world_size=2, batch_size=8, resumed=False,
+    )  # fmt: skip
+    monitor.step(0, 1, FakeMeter(), lr=0.1)
+    monitor.epoch(0, {})
+    monitor.close()
+    assert not (tmp_path / "tensorboard").exists()
