@@ -91,7 +91,7 @@ def make_fake_results(
 def _outputs(out: Path, suffix: str = ".png") -> dict[str, Path]:
     return {
         name: out / f"{name}{suffix}"
-        for name in ("throughput", "efficiency", "curves", "per_class")
+        for name in ("throughput", "efficiency", "curves", "per_class", "cost")
     }
 
 
@@ -242,6 +242,29 @@ def test_main_cli_writes_figures(tmp_path):
         argv += [f"--{name.replace('_', '-')}", str(path)]
     assert plots.main(argv) == 0
     _assert_images(outputs, ".png")
+
+
+def test_cost_figure_draws_measured_runs_only(tmp_path, monkeypatch):
+    csv, _ = make_fake_results(tmp_path)
+    table = plots.read_runs(csv)
+    table["gpu_hours_per_epoch"] = [0.5] + [float("nan")] * (len(table) - 1)
+    table["energy_wh_per_1k_images"] = [2.0] + [float("nan")] * (len(table) - 1)
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig))
+    plots.plot_cost(table, tmp_path / "cost.png")
+    left, right = figures[0].axes
+    assert left.collections[0].get_offsets().tolist() == [[0.5, table["images_per_s"].iloc[0]]]
+    assert right.collections[0].get_offsets().tolist() == [[2.0, table["images_per_s"].iloc[0]]]
+    assert "GPU-hours per epoch" in left.get_xlabel()
+    # No GPU run and no energy: core-hours, and the right panel says why it is empty.
+    table["gpu_hours_per_epoch"] = 0.0
+    table["core_hours_per_epoch"] = 0.25
+    table["energy_wh_per_1k_images"] = float("nan")
+    plots.plot_cost(table, tmp_path / "cost.png")
+    left, right = figures[1].axes
+    assert len(left.collections[0].get_offsets()) == len(table)
+    assert "Core-hours" in left.get_xlabel() and not right.collections
+    assert "no run had NVML GPU telemetry" in right.texts[0].get_text()
 
 
 def _run_module(*args: str) -> subprocess.CompletedProcess:

@@ -60,8 +60,18 @@ def test_every_stage_artifact_exists_with_provenance(local_run):
             "eval.json",
             "per_class.csv",
             "eval.json.provenance.json",
+            "accounting.json",
         ):
             assert (w / "results/runs" / run / name).is_file(), (run, name)
+        # Cost and TensorBoard (rank 0 only; CPU run: no NVML, no SLURM, each says why).
+        events = list((w / "results/runs" / run / "tensorboard").glob("events.out.tfevents.*"))
+        assert len(events) == 1, events
+        accounting = json.loads((w / "results/runs" / run / "accounting.json").read_text())
+        assert accounting == {"available": False, "reason": "not trained in a SLURM job"}
+    assert (w / "results/plots/cost.png").is_file()
+    table = pd.read_csv(w / "results/aggregate/runs.csv").set_index("run")
+    assert (table["gpu_hours"] == 0).all() and (table["core_hours"] > 0).all(), table
+    assert table[["energy_kwh", "slurm_state", "gpu_utilization_percent"]].isna().all().all()
 
 
 def test_accuracy_well_above_chance_on_holdout_and_test(local_run):
@@ -115,7 +125,9 @@ def test_changing_one_runs_lr_reruns_only_that_run(local_run):
         plan = planned_jobs(local_run, "--profile", "profiles/local")
     finally:
         write_config(local_run, original)
-    assert plan == {"train": 1, "evaluate": 1, "aggregate": 1, "plots": 1, "all": 1}, plan
+    assert plan == {
+        "train": 1, "evaluate": 1, "accounting": 1, "aggregate": 1, "plots": 1, "all": 1
+    }, plan  # fmt: skip
 
 
 def test_sweep_of_the_same_runs_is_up_to_date_and_one_axis_value_reruns_only_its_run(local_run):
@@ -138,7 +150,9 @@ def test_sweep_of_the_same_runs_is_up_to_date_and_one_axis_value_reruns_only_its
     finally:
         write_config(local_run, original)
     assert unchanged == {}, unchanged
-    assert changed == {"train": 1, "evaluate": 1, "aggregate": 1, "plots": 1, "all": 1}, changed
+    assert changed == {
+        "train": 1, "evaluate": 1, "accounting": 1, "aggregate": 1, "plots": 1, "all": 1
+    }, changed  # fmt: skip
     assert "wildcards: run=resnet18-1x1" in result.stdout
     assert "wildcards: run=resnet18-1x2" not in result.stdout
 
@@ -152,9 +166,10 @@ def test_changing_split_seed_reruns_split_and_downstream_only(local_run):
         plan = planned_jobs(local_run, "--profile", "profiles/local")
     finally:
         write_config(local_run, original)
-    assert plan == {"split": 1, "train": 2, "evaluate": 2, "aggregate": 1, "plots": 1, "all": 1}, (
-        plan
-    )
+    assert plan == {
+        "split": 1, "train": 2, "evaluate": 2, "accounting": 1, "aggregate": 1, "plots": 1,
+        "all": 1,
+    }, plan  # fmt: skip
 
 
 def test_split_is_identical_when_rerun(local_run, tmp_path):

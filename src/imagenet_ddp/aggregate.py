@@ -14,6 +14,27 @@ from typing import Any
 
 import pandas as pd
 
+# What a run cost (imagenet_ddp.cost, imagenet_ddp.telemetry, imagenet_ddp.accounting); empty
+# where not measured (no GPU, no SLURM, files from before), never zero. README "Cost and
+# efficiency" says what each includes.
+COST_COLUMNS = [
+    "gpu_hours",
+    "core_hours",
+    "gpu_hours_per_epoch",
+    "core_hours_per_epoch",
+    "gpu_utilization_percent",
+    "gpu_peak_memory_gb",
+    "gpu_power_watts",
+    "energy_kwh",
+    "energy_wh_per_1k_images",
+    "slurm_job_id",
+    "slurm_state",
+    "slurm_elapsed_seconds",
+    "slurm_gpu_hours",
+    "slurm_core_hours",
+    "slurm_max_rss_gb",
+]
+
 COLUMNS = [
     "run",
     "model",
@@ -40,6 +61,7 @@ COLUMNS = [
     "test_top1",
     "test_top5",
     "wall_seconds",
+    *COST_COLUMNS,
     "git_commit",
 ]
 
@@ -143,7 +165,40 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         "test_top1": evaluation["test"]["top1"],
         "test_top5": evaluation["test"]["top5"],
         "wall_seconds": job["wall_seconds"],
+        **cost_row(train.get("cost"), _read_optional(run_dir / "accounting.json")),
         "git_commit": job["provenance"]["code"].get("git_commit", "unknown"),
+    }
+
+
+def _read_optional(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def cost_row(cost: dict[str, Any] | None, accounting: dict[str, Any] | None) -> dict[str, Any]:
+    """The cost columns of one run: from the cost block of train_metrics.json and the run's
+    accounting.json; NaN/None where a figure was not measured."""
+    cost = cost or {}
+    gpu = cost.get("gpu_telemetry") or {}
+    gpu = gpu if gpu.get("available") else {}
+    slurm = accounting if accounting and accounting.get("available") else {}
+    peak = gpu.get("peak_memory_gb_per_gpu")
+    rss = slurm.get("max_rss_bytes")
+    return {
+        "gpu_hours": _float(cost.get("gpu_hours")),
+        "core_hours": _float(cost.get("core_hours")),
+        "gpu_hours_per_epoch": _float(cost.get("gpu_hours_per_epoch")),
+        "core_hours_per_epoch": _float(cost.get("core_hours_per_epoch")),
+        "gpu_utilization_percent": _float(gpu.get("mean_utilization_percent")),
+        "gpu_peak_memory_gb": _float(max(peak) if peak else None),
+        "gpu_power_watts": _float(gpu.get("mean_power_watts")),
+        "energy_kwh": _float(gpu.get("energy_kwh_all_nodes")),
+        "energy_wh_per_1k_images": _float(gpu.get("energy_wh_per_1k_images")),
+        "slurm_job_id": cost.get("slurm_job_id"),
+        "slurm_state": slurm.get("state"),
+        "slurm_elapsed_seconds": _float(slurm.get("elapsed_seconds")),
+        "slurm_gpu_hours": _float(slurm.get("gpu_hours")),
+        "slurm_core_hours": _float(slurm.get("core_hours")),
+        "slurm_max_rss_gb": _float(None if rss is None else rss / 1e9),
     }
 
 

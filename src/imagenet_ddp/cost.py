@@ -1,12 +1,13 @@
 """What a run cost: the ``cost`` block of ``train_metrics.json`` (pure functions, no torch).
 
-- ``wall_seconds``: rank 0's time in this job from the process group being up to the outputs
-  being written (node-local staging, process start-up and imports excluded: those are in the
-  launcher's ``job.json`` ``wall_seconds``);
+- ``wall_seconds``: rank 0's time in this job from the start of training (model built,
+  checkpoint loaded) to the outputs being written; node-local staging, process start-up and
+  imports are not in it (the launcher's ``job.json`` ``wall_seconds`` has them);
 - ``gpu_hours`` / ``core_hours``: what the job held for that time, nodes x gpus_per_node GPUs
   and nodes x tasks_per_node x cpus_per_task cores (allocated, not used: SLURM bills these);
-- ``gpu_hours_per_epoch``: GPUs x the mean epoch time (slowest rank; holdout evaluation and
-  checkpoints excluded), comparable across runs whatever their epoch count or resumes;
+- ``gpu_hours_per_epoch`` / ``core_hours_per_epoch``: GPUs (cores) x the mean epoch time
+  (slowest rank; holdout evaluation and checkpoints excluded), comparable across runs
+  whatever their epoch count or resumes;
 - ``gpu_telemetry``: rank 0's node sampled with NVML (:mod:`imagenet_ddp.telemetry`), or why
   not; energy for all nodes and per 1,000 training images derived from it, each labelled.
 """
@@ -17,9 +18,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 SCOPE = (
-    "wall_seconds: rank 0, this job, process group up to outputs written (staging excluded); "
-    "gpu_hours and core_hours: allocated GPUs and cores x wall_seconds; gpu_hours_per_epoch: "
-    "allocated GPUs x mean epoch time (holdout evaluation and checkpoints excluded)"
+    "wall_seconds: rank 0, this job, start of training to outputs written (staging excluded); "
+    "gpu_hours and core_hours: allocated GPUs and cores x wall_seconds; gpu_hours_per_epoch "
+    "and core_hours_per_epoch: allocated GPUs or cores x mean epoch time (holdout evaluation "
+    "and checkpoints excluded)"
 )
 ENERGY_NOTE = (
     "measured on rank 0's node over this job's training loop (holdout evaluation and "
@@ -52,6 +54,7 @@ def cost_block(
         "gpu_hours": gpus * wall_seconds / 3600,
         "core_hours": cores * wall_seconds / 3600,
         "gpu_hours_per_epoch": None if mean_epoch is None else gpus * mean_epoch / 3600,
+        "core_hours_per_epoch": None if mean_epoch is None else cores * mean_epoch / 3600,
         "gpu_telemetry": energy_figures(telemetry, nodes, epochs, resumed),
     }
 

@@ -48,6 +48,8 @@ SCALING_COLUMNS = [
 ]
 TEXT_COLUMNS = ("run", "model", "class_index", "scaling_group", "scaling_baseline")
 HISTORY_COLUMNS = ["epoch", "train_loss", "holdout_loss", "train_top1", "holdout_top1"]
+# Written by aggregate.py since cost is measured; absent in older tables (plotted as missing).
+COST_PLOT_COLUMNS = ["gpu_hours_per_epoch", "core_hours_per_epoch", "energy_wh_per_1k_images"]
 PER_CLASS_COLUMNS = ["class_index", "test_top1", "test_total"]
 
 # Fixed style so the figures do not depend on a user's matplotlibrc.
@@ -462,6 +464,46 @@ def plot_per_class(per_class: dict[str, pd.DataFrame], out: Path) -> None:
         _save(fig, out)
 
 
+def _cost_panel(ax, table: pd.DataFrame, x: str, xlabel: str, empty: str) -> None:
+    points = table[np.isfinite(table[x].astype(float)) & (table[x].astype(float) > 0)]
+    ax.set_ylabel("Images/s, end to end (all workers)")
+    ax.set_xlabel(xlabel)
+    if points.empty:
+        ax.text(0.5, 0.5, empty, ha="center", va="center", wrap=True, transform=ax.transAxes)
+        ax.set_xticks([])
+        return
+    ax.scatter(points[x], points["images_per_s"], color="C0", zorder=3)
+    for row in points.itertuples() if len(points) <= 12 else ():
+        ax.annotate(row.run, (getattr(row, x), row.images_per_s), xytext=(5, 4),
+                    textcoords="offset points", fontsize=7.5, color="0.3")  # fmt: skip
+    ax.set_ylim(bottom=0)
+    ax.set_xlim(left=0)
+
+
+def plot_cost(table: pd.DataFrame, out: Path) -> None:
+    """Throughput against what an epoch costs (GPU-hours; core-hours when no run has GPUs)
+    and against the energy per 1,000 training images (NVML, GPU runs only)."""
+    table = table.copy()
+    for column in COST_PLOT_COLUMNS:  # tables from before cost was measured: not measured
+        table[column] = pd.to_numeric(table.get(column, np.nan), errors="coerce")
+    with plt.rc_context(STYLE):
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10.4, 4.4))
+        if (table["gpu_hours_per_epoch"] > 0).any():
+            xlabel = "GPU-hours per epoch (allocated GPUs x mean epoch time)"
+            _cost_panel(left, table, "gpu_hours_per_epoch", xlabel, "")
+            left.set_title("Throughput vs GPU-hours per epoch (runs with GPUs)")
+        else:
+            xlabel = "Core-hours per epoch (allocated cores x mean epoch time)"
+            _cost_panel(left, table, "core_hours_per_epoch", xlabel, "no cost recorded")
+            left.set_title("Throughput vs core-hours per epoch (no run had GPUs)")
+        xlabel = "Energy per 1,000 training images (Wh; NVML, all nodes estimated)"
+        empty = "energy not measured:\nno run had NVML GPU telemetry"
+        _cost_panel(right, table, "energy_wh_per_1k_images", xlabel, empty)
+        right.set_title("Throughput vs energy per 1k images")
+        fig.tight_layout()
+        _save(fig, out)
+
+
 # ------------------------------------------------------------------------------------ CLI
 def make_plots(
     runs_csv: Path,
@@ -471,8 +513,9 @@ def make_plots(
     efficiency: Path,
     curves: Path,
     per_class: Path,
+    cost: Path | None = None,
 ) -> None:
-    for path in (throughput, efficiency, curves, per_class):
+    for path in (throughput, efficiency, curves, per_class, cost or per_class):
         if Path(path).suffix.lower() not in METADATA:
             raise InputError(f"{path}: unsupported figure format; use one of {SUPPORTED_SUFFIXES}")
     if not run_dirs:
@@ -488,6 +531,8 @@ def make_plots(
     plot_efficiency(table, efficiency)
     plot_curves(histories, curves)
     plot_per_class(per_class_tables, per_class)
+    if cost is not None:
+        plot_cost(table, cost)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -509,6 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("per-class", "per-class test top-1 spread"),
     ):
         parser.add_argument(f"--{name}", type=Path, required=True, help=f"{text} (.png or .svg)")
+    parser.add_argument("--cost", type=Path, help="throughput vs cost per epoch and energy")
     return parser
 
 
@@ -522,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
             efficiency=args.efficiency,
             curves=args.curves,
             per_class=args.per_class,
+            cost=args.cost,
         )
     except InputError as exc:
         print(f"imagenet-ddp plots: error: {exc}", file=sys.stderr)

@@ -6,6 +6,7 @@ import sys
 import yaml
 
 from snakemake.exceptions import WorkflowError
+from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
 from imagenet_ddp.archives import DEVKIT_ARCHIVE, TRAIN_ARCHIVE, VAL_ARCHIVE
@@ -145,6 +146,21 @@ def execution_setting(section, key, default):
     """Where/how a job runs. Passed as a resource, not a param: it does not change results,
     so it must not trigger a rerun, and a profile may override it with set-resources."""
     return config.get(section, {}).get(key, default)
+
+
+# The image every job runs in with `--sdm apptainer` (ignored otherwise): built from
+# workflow/envs/imagenet-ddp.def. A local image that is missing fails here, at the dry-run.
+CONTAINER = config.get("container", {}).get("image", "imagenet-ddp.sif")
+if (
+    DeploymentMethod.APPTAINER in workflow.deployment_settings.deployment_method
+    and "://" not in CONTAINER
+    and not os.path.exists(CONTAINER)
+):
+    raise WorkflowError(
+        f"config.yaml: container.image {CONTAINER!r} not found; build it with "
+        f"`apptainer build {CONTAINER} workflow/envs/imagenet-ddp.def` (README 'Containers')"
+        " or set container.image to an existing image or a docker:// / oras:// URI"
+    )
 
 
 # The training-ready copy; point several workflows (or users) at one shared directory to

@@ -8,6 +8,8 @@ rule demo_data:
         "logs/demo_data.log",
     conda:
         "../envs/imagenet-ddp.yaml"
+    container:
+        CONTAINER
     params:
         out=lambda wildcards, output: os.path.dirname(output.train),
         num_classes=config.get("demo", {}).get("num_classes", 10),
@@ -33,6 +35,8 @@ rule verify:
         "results/benchmarks/verify.tsv"
     conda:
         "../envs/imagenet-ddp.yaml"
+    container:
+        CONTAINER
     params:
         data_dir=lambda wildcards, input: os.path.dirname(input.train),
         check_md5=(
@@ -59,6 +63,8 @@ rule index:
         "results/benchmarks/index.tsv"
     conda:
         "../envs/imagenet-ddp.yaml"
+    container:
+        CONTAINER
     params:
         data_dir=lambda wildcards, input: os.path.dirname(input.train),
         out_dir=lambda wildcards, output: os.path.dirname(output.train),
@@ -80,6 +86,8 @@ rule split:
         "results/benchmarks/split.tsv"
     conda:
         "../envs/imagenet-ddp.yaml"
+    container:
+        CONTAINER
     params:
         holdout_fraction=config["split"]["holdout_fraction"],
         seed=config["split"]["seed"],
@@ -105,6 +113,8 @@ rule prepare:
         which="train|val",
     conda:
         "../envs/imagenet-ddp.yaml"
+    container:
+        CONTAINER
     threads: config.get("prepare", {}).get("workers", 1)
     params:
         data_dir=lambda wildcards, input: os.path.dirname(input.train),

@@ -6,6 +6,7 @@ PLOT_FILES = {
     "efficiency": "results/plots/scaling_efficiency.png",
     "curves": "results/plots/training_curves.png",
     "per_class": "results/plots/per_class_test_top1.png",
+    "cost": "results/plots/cost.png",
 }
 
 REPORT_TARGETS = [
@@ -15,11 +16,31 @@ REPORT_TARGETS = [
 ]
 
 
+# SLURM's accounting of every run's training job (sacct, once for all runs, with a timeout:
+# imagenet_ddp.accounting); runs not trained in a SLURM job get the reason instead.
+rule accounting:
+    input:
+        metrics=expand("results/runs/{run}/train_metrics.json", run=RUNS),
+    output:
+        expand("results/runs/{run}/accounting.json", run=RUNS),
+    log:
+        "logs/accounting.log",
+    conda:
+        "../envs/imagenet-ddp.yaml"
+    container:
+        CONTAINER
+    params:
+        run_dirs=run_dirs(),
+    shell:
+        "python -m imagenet_ddp.accounting --run-dirs {params.run_dirs:q} > {log:q} 2>&1"
+
+
 rule aggregate:
     input:
         metrics=expand("results/runs/{run}/train_metrics.json", run=RUNS),
         evaluations=expand("results/runs/{run}/eval.json", run=RUNS),
         jobs=expand("results/runs/{run}/job.json", run=RUNS),
+        accounting=expand("results/runs/{run}/accounting.json", run=RUNS),
     output:
         csv=report(
             "results/aggregate/runs.csv",
@@ -32,6 +53,8 @@ rule aggregate:
         "logs/aggregate.log",
     conda:
         "../envs/imagenet-ddp.yaml"
+    container:
+        CONTAINER
     params:
         run_dirs=run_dirs(),
     shell:
@@ -69,10 +92,18 @@ rule plots:
             category="Accuracy",
             labels={"figure": "per-class test top-1"},
         ),
+        cost=report(
+            PLOT_FILES["cost"],
+            caption="../report/cost.rst",
+            category="Cost",
+            labels={"figure": "throughput vs cost per epoch and energy"},
+        ),
     log:
         "logs/plots.log",
     conda:
         "../envs/imagenet-ddp.yaml"
+    container:
+        CONTAINER
     params:
         run_dirs=run_dirs(),
     # `python` is the interpreter of the environment that runs Snakemake (common.smk puts its
@@ -80,4 +111,5 @@ rule plots:
     shell:
         "python -m imagenet_ddp.plots --runs-csv {input.runs:q} --run-dirs {params.run_dirs:q}"
         " --throughput {output.throughput:q} --efficiency {output.efficiency:q}"
-        " --curves {output.curves:q} --per-class {output.per_class:q} > {log:q} 2>&1"
+        " --curves {output.curves:q} --per-class {output.per_class:q}"
+        " --cost {output.cost:q} > {log:q} 2>&1"

@@ -12,6 +12,8 @@ rule train:
         "logs/train/{run}.log",
     conda:
         "../envs/imagenet-ddp.yaml"
+    container:
+        CONTAINER
     # Cores this job takes on a local machine (ignored by the SLURM executor's sizing).
     threads:
         lambda wildcards: RUNS[wildcards.run]["tasks_per_node"]
@@ -75,6 +77,8 @@ rule evaluate:
         "logs/evaluate/{run}.log",
     conda:
         "../envs/imagenet-ddp.yaml"
+    container:
+        CONTAINER
     # Cores this job takes on a local machine (ignored by the SLURM executor's sizing).
     threads: eval_threads
     resources:

@@ -1,0 +1,131 @@
+"""The conda env, the Apptainer image and CI install the same pinned versions.
+
+Neither conda nor apptainer runs here, so these tests read the files: every environment must
+install through requirements/constraints.txt, pin nothing that disagrees with it, use the same
+Python, and every package the project depends on must be pinned there.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+ENVS = REPO / "workflow/envs"
+CONSTRAINTS = REPO / "requirements/constraints.txt"
+DEF_FILE = ENVS / "imagenet-ddp.def"
+
+
+def _name(requirement: str) -> str:
+    """PEP 503 normalized distribution name of a requirement string."""
+    name = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement).group(1)
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pins() -> dict[str, str]:
+    out = {}
+    for line in CONSTRAINTS.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, version = line.split("==")
+            out[_name(name)] = version.strip()
+    return out
+
+
+def python_minor_of_ci() -> str:
+    return re.search(r"Python (\d+\.\d+)", CONSTRAINTS.read_text()).group(1)
+
+
+def test_every_dependency_is_pinned():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = [*project["dependencies"], *project["optional-dependencies"]["test"]]
+    missing = sorted({_name(r) for r in wanted} - set(pins()))
+    assert not missing, f"pin these in requirements/constraints.txt: {missing}"
+
+
+@pytest.mark.parametrize("env_file", sorted(ENVS.glob("*.yaml")), ids=lambda p: p.name)
+def test_conda_env_installs_through_the_constraints(env_file):
+    env = yaml.safe_load(env_file.read_text())
+    conda = [d for d in env["dependencies"] if isinstance(d, str)]
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    python = next(d for d in conda if _name(d) == "python")
+    assert python.split("=", 1)[1] == python_minor_of_ci(), python
+    constraint = next(a.split(None, 1)[1] for a in pip if a.startswith("--constraint"))
+    assert (env_file.parent / constraint).resolve() == CONSTRAINTS
+    # Anything pinned explicitly must agree with the constraints file.
+    for spec in [*conda, *(a for a in pip if not a.startswith("-"))]:
+        match = re.fullmatch(r"([A-Za-z0-9._-]+)\s*==?\s*([^\s,;]+)", spec)
+        if match and _name(spec) not in ("python", "pip"):
+            assert pins().get(_name(spec)) == match.group(2), f"{env_file.name}: {spec}"
+
+
+def test_apptainer_image_installs_through_the_constraints_on_the_same_python():
+    text = DEF_FILE.read_text()
+    base = re.search(r"^From:\s*python:(\d+\.\d+)", text, re.M)
+    assert base and base.group(1) == python_minor_of_ci(), "base image's Python"
+    copied = re.search(r"^\s*requirements/constraints.txt\s+(\S+)", text, re.M).group(1)
+    assert re.search(rf"-c {re.escape(copied)}\b", text), "pip install must use -c <constraints>"
+    assert not re.search(r"==\d", text), "pin versions in requirements/constraints.txt only"
+
+
+def test_every_rule_with_a_shell_names_its_conda_env_and_container():
+    for smk in sorted((REPO / "workflow/rules").glob("*.smk")):
+        for rule in re.split(r"^rule ", smk.read_text(), flags=re.M)[1:]:
+            name = rule.split(":", 1)[0]
+            if "\n    shell:" in rule:
+                assert "\n    conda:" in rule and "\n    container:" in rule, f"{smk.name}: {name}"
+
+
+def test_this_environment_has_the_pinned_versions():
+    """What CI and the README install: catches a pin that was changed but not installed."""
+    wrong = {}
+    for name, version in pins().items():
+        try:
+            installed = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue  # e.g. nvidia-ml-py where optional
+        if installed != version:
+            wrong[name] = (version, installed)
+    assert not wrong, f"pinned vs installed: {wrong}"
+
+
+FAKE_APPTAINER = """#!/bin/sh
+# Test double (apptainer is not installed here): records the call, runs the command on the host.
+if [ "$1" = "--version" ]; then echo "apptainer version 1.3.4"; exit 0; fi
+echo "$*" >> "$FAKE_APPTAINER_LOG"
+for last; do :; done
+exec bash -c "$last"
+"""
+
+
+def test_with_sdm_apptainer_every_job_runs_in_the_configured_image(tmp_path, monkeypatch):
+    import os
+
+    from tests.workflow_helpers import copy_workflow, snakemake
+
+    workdir = copy_workflow(tmp_path / "w")
+    missing = snakemake(workdir, "-n", "--profile", "profiles/local", "--sdm", "apptainer",
+                        check=False)  # fmt: skip
+    assert missing.returncode != 0
+    assert "config.yaml: container.image 'imagenet-ddp.sif' not found; build it with " in (
+        missing.stdout + missing.stderr
+    )
+    (workdir / "imagenet-ddp.sif").write_bytes(b"")
+    fake = tmp_path / "bin/apptainer"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_APPTAINER)
+    fake.chmod(0o755)
+    log = tmp_path / "apptainer.log"
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_APPTAINER_LOG", str(log))
+    snakemake(workdir, "--profile", "profiles/local", "--sdm", "apptainer",
+              "--apptainer-args=--nv", "--until", "demo_data")  # fmt: skip
+    call = log.read_text()
+    assert call.startswith(f"exec --home {workdir} --nv ")
+    assert " imagenet-ddp.sif bash -c " in call and "imagenet-ddp demo-data" in call
+    assert (workdir / "resources/demo/ILSVRC2012/ILSVRC2012_img_train.tar").is_file()
