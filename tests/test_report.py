@@ -14,6 +14,7 @@ FIGURES = [
     "results/plots/scaling_efficiency.png",
     "results/plots/training_curves.png",
     "results/plots/per_class_test_top1.png",
+    "results/plots/cost.png",
 ]
 
 
@@ -34,13 +35,14 @@ def test_figures_are_written(reported_run):
 
 def test_report_holds_figures_table_captions_and_description(reported_run):
     html = (reported_run / "report.html").read_text()
-    for category in ("Throughput", "Accuracy", "Training curves", "Tables"):
+    for category in ("Throughput", "Accuracy", "Training curves", "Tables", "Cost"):
         assert category in html, category
     for name in (
         "throughput.png",
         "scaling_efficiency.png",
         "training_curves.png",
         "per_class_test_top1.png",
+        "cost.png",
         "runs.csv",
     ):
         assert name in html, name
@@ -51,6 +53,7 @@ def test_report_holds_figures_table_captions_and_description(reported_run):
         "holdout loss measured at the end of the epoch",
         "Spread of top-1 accuracy over classes",
         "All runs in one table",
+        "Up and to the left is better",
         "DistributedDataParallel",
     ):
         assert phrase in html, phrase

@@ -131,6 +131,21 @@ def test_results_are_as_good_as_a_local_run(slurm_run):
     assert (table["test_top1"] > 2 * chance).all(), table
 
 
+def test_accounting_of_each_training_job_comes_from_sacct(slurm_run):
+    table = pd.read_csv(slurm_run.dir / "results/aggregate/runs.csv").set_index("run")
+    for run in RUNS:
+        job = slurm_run.jobs[f"rule_train_wildcards_{run['name']}"]
+        record = json.loads(
+            (slurm_run.dir / f"results/runs/{run['name']}/accounting.json").read_text()
+        )
+        assert record["available"] is True, record
+        assert record["job_id"] == str(job["id"]) and record["state"] == "COMPLETED", record
+        assert record["nodes"] == run["nodes"] and record["elapsed_seconds"] > 0, record
+        assert int(record["alloc_tres"]["cpu"]) >= run["nodes"] * run["tasks_per_node"], record
+        assert table.loc[run["name"], "slurm_state"] == "COMPLETED"
+        assert table.loc[run["name"], "slurm_core_hours"] > 0
+
+
 def test_srun_overlaps_only_inside_an_existing_step(monkeypatch):
     geometry = Geometry(nodes=1, tasks_per_node=1, cpus_per_task=2)
     monkeypatch.delenv("SLURM_STEP_ID", raising=False)

@@ -88,6 +88,21 @@ def test_without_energy_counter_power_is_integrated_over_time():
     assert summary["energy_kwh"] == pytest.approx(300 * summary["seconds"] / 3.6e6)
 
 
+def test_a_gpu_that_stops_answering_ends_sampling_not_training():
+    nvml = FakeNvml(gpus=1)
+    sampler = GpuSampler(gpus=1, interval=0.01, nvml=nvml).start()
+
+    def lost(*args):
+        raise RuntimeError("GPU is lost")
+
+    nvml.nvmlDeviceGetUtilizationRates = lost
+    nvml.nvmlShutdown = lost
+    time.sleep(0.05)
+    summary = sampler.stop()
+    assert summary["available"] and summary["samples"] >= 1  # what was read before is kept
+    assert summary["reason"] == "NVML read failed: RuntimeError: GPU is lost"
+
+
 @pytest.mark.parametrize(
     ("gpus", "nvml", "reason"),
     [

@@ -76,7 +76,7 @@ def parse_sacct(text: str) -> dict[str, dict[str, Any]]:
         job_id, _, step = row["JobIDRaw"].partition(".")
         job = jobs.setdefault(job_id, {"job_id": job_id, "max_rss_bytes": None, "steps": []})
         rss = _bytes(row["MaxRSS"]) if row["MaxRSS"] else None
-        if rss is not None:
+        if rss:  # 0 or empty: not gathered for this step
             job["max_rss_bytes"] = max(rss, job["max_rss_bytes"] or 0)
         if step:
             job["steps"].append({"step": step, "name": row["JobName"], "state": row["State"]})

@@ -20,6 +20,7 @@ Python delivers signals to the main thread only, so stop signals behave as befor
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
 import time
@@ -89,7 +90,8 @@ class GpuSampler:
             self._thread = None
             self._sample()
             self._energy_end = self._energy()
-            self._nvml.nvmlShutdown()
+            with contextlib.suppress(Exception):  # the figures are taken; never fail here
+                self._nvml.nvmlShutdown()
         return self.summary()
 
     def _run(self) -> None:
