@@ -22,6 +22,8 @@ __all__ = ["RunMonitor"]
 
 
 class RunMonitor:
+    """Inactive (every method a no-op) unless ``active``; see the module docstring."""
+
     def __init__(
         self,
         *,
@@ -37,12 +39,8 @@ class RunMonitor:
         tensorboard: bool = True,
     ):
         self.active, self.geometry, self.resumed = active, geometry, resumed
-        self.steps_per_epoch, self.interval, self.world_size = (
-            steps_per_epoch,
-            log_interval,
-            world_size,
-        )
-        self.batch_size = batch_size
+        self.steps_per_epoch, self.interval = steps_per_epoch, log_interval
+        self.world_size, self.batch_size = world_size, batch_size
         self.started = time.monotonic()
         self.mark: tuple[float, int] | None = None  # (perf_counter, meter.steps) of last line
         self.sampler = self.board = None
