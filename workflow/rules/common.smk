@@ -6,7 +6,12 @@ import sys
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
-from imagenet_ddp.archives import DEVKIT_ARCHIVE, TRAIN_ARCHIVE, VAL_ARCHIVE
+from imagenet_ddp.archives import (
+    DEVKIT_ARCHIVE,
+    INDEX_FORMAT_VERSION,
+    TRAIN_ARCHIVE,
+    VAL_ARCHIVE,
+)
 from imagenet_ddp.eval_settings import eval_settings
 from imagenet_ddp.run_checks import check_runs, user_cache_dir
 

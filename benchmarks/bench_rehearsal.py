@@ -1,0 +1,367 @@
+"""Full-scale rehearsal of the data path: 1,000 classes in the real ILSVRC2012 layout.
+
+    .venv/bin/python benchmarks/bench_rehearsal.py                  # 20 train + 2 val per class
+    .venv/bin/python benchmarks/bench_rehearsal.py --per-class 4    # while developing
+    .venv/bin/python benchmarks/bench_rehearsal.py --quick          # smoke test (50 classes)
+
+Generates (seeded) the three archives + md5sums with 1,000 wnids, a devkit meta.mat and val
+ground truth, and ImageNet-like JPEGs (500x375 and the other common sizes, ~110 KB: a pool of
+distinct photo-like images reused across samples, so generation stays cheap; decoding cost
+depends on the size and entropy, not on which image it is). Then runs the real workflow
+(Snakefile, config.yaml with data.dir pointing at the archives) through Snakemake up to
+prepare, and stages the prepared train copy with the function the train job calls.
+
+Prints per stage: wall time (Snakemake's benchmark directive), images/s, peak RSS (the
+directive's max_rss: the job's process tree), bytes written, and the projection to ILSVRC2012's
+1,281,167 + 50,000 images on --cores cores: linear in images, and divided by cores only for
+the stages that use them (prepare; the others are one process each).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+from _common import REPO, machine_line, quick_flag, realistic_jpeg, realistic_size, report
+
+REAL_TRAIN, REAL_VAL = 1_281_167, 50_000
+STAGES = ("verify", "index", "split", "prepare_train", "prepare_val")
+
+
+def _generate(out: Path, *, classes: int, per_class: int, val_per_class: int, pool: int, seed):
+    """The archives in the real layout; returns (train images, val images, bytes written)."""
+    import numpy as np
+
+    from imagenet_ddp import demo
+    from imagenet_ddp.archives import (
+        DEVKIT_ARCHIVE,
+        META_MAT,
+        TRAIN_ARCHIVE,
+        VAL_ARCHIVE,
+        VAL_GROUND_TRUTH,
+    )
+
+    rng = np.random.default_rng(seed)
+    images = []
+    for _ in range(pool):
+        width, height = realistic_size(rng)
+        images.append(realistic_jpeg(rng, width, height))
+    wnids = demo._wnids(rng, classes, 1_440_764, 15_075_141)
+    ids = rng.permutation(classes) + 1
+    synsets = [
+        {
+            "id": int(ids[c]),
+            "wnid": wnids[c],
+            "words": f"class {c}",
+            "gloss": "rehearsal",
+            "children": [],
+            "height": 0,
+            "num_train_images": per_class,
+        }
+        for c in range(classes)
+    ]
+    synsets.sort(key=lambda s: s["id"])
+    out.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(out / TRAIN_ARCHIVE, mode="w", format=tarfile.GNU_FORMAT) as outer:
+        for wnid in wnids:
+            numbers = rng.choice(np.arange(1, 20_000), per_class, replace=False)
+            members = [(f"{wnid}_{int(n)}.JPEG", images[int(rng.integers(pool))]) for n in numbers]
+            demo._add(outer, f"{wnid}.tar", demo._tar_bytes(members))
+    val_classes = rng.permutation(np.repeat(np.arange(classes), val_per_class))
+    val = [
+        (f"ILSVRC2012_val_{j + 1:08d}.JPEG", images[int(rng.integers(pool))])
+        for j in range(len(val_classes))
+    ]
+    (out / VAL_ARCHIVE).write_bytes(demo._tar_bytes(val))
+    truth = "".join(f"{int(ids[c])}\n" for c in val_classes).encode()
+    with tarfile.open(out / DEVKIT_ARCHIVE, mode="w:gz", format=tarfile.GNU_FORMAT) as tar:
+        demo._add(tar, META_MAT, demo._meta_mat(synsets))
+        demo._add(tar, VAL_GROUND_TRUTH, truth)
+    names = (TRAIN_ARCHIVE, VAL_ARCHIVE, DEVKIT_ARCHIVE)
+    (out / "md5sums").write_text("".join(f"{demo._md5(out / n)}  {n}\n" for n in names))
+    average = sum(len(i) for i in images) / len(images)
+    return classes * per_class, len(val), sum((out / n).stat().st_size for n in names), average
+
+
+def _pool_kinds(jpegs: list[bytes], *, workers: int, short_side: int, repeats: int) -> list[dict]:
+    """prepare's process pool (the product) vs a thread pool over the same conversion."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from _common import median
+
+    from imagenet_ddp import prepared as P
+
+    items = [(i, data, short_side, 90) for i, data in enumerate(jpegs)]
+
+    def processes():
+        return sum(1 for _ in P._converted(iter(items), workers))
+
+    def threads():
+        with ThreadPoolExecutor(workers) as pool:
+            return sum(1 for _ in pool.map(P._convert_one, items, chunksize=16))
+
+    def one():
+        return sum(1 for _ in P._converted(iter(items), 1))
+
+    times = {"processes": [], "threads": [], "one": []}
+    for _ in range(repeats):
+        for name, fn in (("processes", processes), ("threads", threads), ("one", one)):
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    rate = {k: len(items) / median(v) for k, v in times.items()}
+    return [
+        {
+            "metric": f"prepare convert, {workers} processes img/s",
+            "ours": rate["processes"],
+            "baseline": rate["threads"],
+            "ratio": rate["processes"] / rate["threads"],
+            "target": "info (vs threads)",
+            "met": None,
+        },
+        {
+            "metric": "prepare convert, 1 process img/s",
+            "ours": rate["one"],
+            "met": None,
+            "target": "info",
+        },
+    ]
+
+
+def _workflow(workdir: Path, data_dir: Path, *, workers: int, short_side: int, jobs: int):
+    import yaml
+
+    shutil.copy(REPO / "Snakefile", workdir / "Snakefile")
+    for name in ("workflow", "profiles"):
+        shutil.copytree(REPO / name, workdir / name, ignore=shutil.ignore_patterns("__pycache__"))
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    config["demo"] = {**config.get("demo", {}), "enabled": False}
+    config["data"] = {**config.get("data", {}), "dir": str(data_dir)}
+    config["prepare"] = {
+        **config.get("prepare", {}),
+        "short_side": short_side,
+        "workers": workers,
+        "jobs": jobs,
+    }
+    (workdir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def _du(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _benchmark_tsv(path: Path) -> dict:
+    with open(path) as f:
+        row = next(csv.DictReader(f, delimiter="\t"))
+    return {"s": float(row["s"]), "max_rss": float(row["max_rss"])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = quick_flag()
+    parser.add_argument("--classes", type=int, default=1000)
+    parser.add_argument("--per-class", type=int, default=20, help="train images per class")
+    parser.add_argument("--val-per-class", type=int, default=2)
+    parser.add_argument("--pool", type=int, default=64, help="distinct JPEGs generated")
+    parser.add_argument("--short-side", type=int, default=256, help="prepare.short_side")
+    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="prepare.workers")
+    parser.add_argument("--jobs", type=int, default=1, help="prepare.jobs")
+    parser.add_argument("--cores", type=int, default=32, help="cores of the projection")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep everything here")
+    parser.add_argument(
+        "--compare-pools", action="store_true", help="also: prepare's processes vs threads"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.classes, args.per_class, args.val_per_class, args.pool = 50, 2, 1, 4
+    print(
+        f"== bench_rehearsal: {args.classes} classes x {args.per_class} train "
+        f"+ {args.val_per_class} val images =="
+    )
+    print(machine_line(), flush=True)
+    keep = args.workdir is not None
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="rehearsal-", dir=REPO / ".."))
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run(args, workdir)
+    finally:
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run(args, workdir: Path) -> int:
+    from imagenet_ddp.stage import stage_dataset
+
+    data_dir = workdir / "ILSVRC2012"
+    started = time.perf_counter()
+    train_n, val_n, archive_bytes, average = _generate(
+        data_dir,
+        classes=args.classes,
+        per_class=args.per_class,
+        val_per_class=args.val_per_class,
+        pool=args.pool,
+        seed=0,
+    )
+    print(
+        f"generated {train_n} + {val_n} images, {archive_bytes / 1e9:.2f} GB of archives, "
+        f"{average / 1e3:.0f} KB per JPEG, in {time.perf_counter() - started:.0f} s",
+        flush=True,
+    )
+    pool_rows = []
+    if args.compare_pools:
+        import random
+
+        from imagenet_ddp.archives import TRAIN_ARCHIVE, list_train_archive
+
+        listing = list_train_archive(data_dir)
+        entries = [e for class_entries in listing.entries[:20] for e in class_entries]
+        random.Random(0).shuffle(entries)
+        with open(data_dir / TRAIN_ARCHIVE, "rb") as f:
+            jpegs = [os.pread(f.fileno(), size, offset) for _, size, offset in entries[:240]]
+        pool_rows = _pool_kinds(
+            jpegs, workers=args.workers, short_side=args.short_side, repeats=args.repeats or 3
+        )
+    _workflow(workdir, data_dir, workers=args.workers, short_side=args.short_side, jobs=args.jobs)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
+    targets = ["results/split/train.csv", "results/prepared/train", "results/prepared/val"]
+    cores = max(args.workers, 1)
+    started = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--cores", str(cores), *targets],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    snakemake_wall = time.perf_counter() - started
+    if result.returncode != 0:
+        print(result.stdout[-5000:], result.stderr[-5000:])
+        return 1
+    bench = workdir / "results/benchmarks"
+    stage_dir = workdir / "scratch"
+    staged = stage_dataset(workdir / "results/prepared/train", stage_dir)
+
+    images = {
+        "verify": train_n + val_n,
+        "index": train_n + val_n,
+        "split": train_n,
+        "prepare_train": train_n,
+        "prepare_val": val_n,
+    }
+    real = {
+        "verify": REAL_TRAIN + REAL_VAL,
+        "index": REAL_TRAIN + REAL_VAL,
+        "split": REAL_TRAIN,
+        "prepare_train": REAL_TRAIN,
+        "prepare_val": REAL_VAL,
+    }
+    outputs = {
+        "verify": "results/verify",
+        "index": "results/index",
+        "split": "results/split",
+        "prepare_train": "results/prepared/train",
+        "prepare_val": "results/prepared/val",
+    }
+    rows, projected_total = pool_rows, 0.0
+    measured = {}
+    for stage in STAGES:
+        tsv = bench / f"{stage}.tsv"
+        if not tsv.exists():  # prepare.jobs > 1: the join's row; chunks summed below
+            continue
+        measured[stage] = _benchmark_tsv(tsv)
+    if args.jobs > 1:
+        for which in ("train", "val"):
+            chunk_rows = [_benchmark_tsv(p) for p in sorted(bench.glob(f"prepare_{which}_*.tsv"))]
+            join = measured.get(f"prepare_{which}", {"s": 0.0, "max_rss": 0.0})
+            measured[f"prepare_{which}"] = {
+                "s": sum(r["s"] for r in chunk_rows) + join["s"],
+                "max_rss": max([join["max_rss"], *(r["max_rss"] for r in chunk_rows)]),
+            }
+    measured["stage"] = {"s": staged["seconds"], "max_rss": float("nan")}
+    images["stage"], real["stage"] = train_n, REAL_TRAIN
+    outputs["stage"] = "scratch"
+    for stage, m in measured.items():
+        parallel = stage.startswith("prepare")
+        projected = m["s"] * real[stage] / images[stage] * (cores / args.cores if parallel else 1)
+        projected_total += projected
+        written = _du(workdir / outputs[stage])
+        rows.append(
+            {
+                "metric": f"{stage}: wall s",
+                "ours": m["s"],
+                "unit": "s",
+                "met": None,
+                "target": "info",
+            }
+        )
+        rows.append(
+            {
+                "metric": f"{stage}: images/s",
+                "ours": images[stage] / m["s"],
+                "met": None,
+                "target": "info",
+            }
+        )
+        rows.append(
+            {"metric": f"{stage}: peak RSS MB", "ours": m["max_rss"], "met": None, "target": "info"}
+        )
+        rows.append(
+            {"metric": f"{stage}: MB written", "ours": written / 1e6, "met": None, "target": "info"}
+        )
+        rows.append(
+            {
+                "metric": f"{stage}: projected h" + (f" ({args.cores} cores)" if parallel else ""),
+                "ours": projected / 3600,
+                "unit": "h",
+                "met": None,
+                "target": "info",
+            }
+        )
+    rows.append(
+        {
+            "metric": "snakemake wall s (all data rules)",
+            "ours": snakemake_wall,
+            "unit": "s",
+            "met": None,
+            "target": "info",
+        }
+    )
+    # The one ratio: the whole projected data path vs a plain budget of one day.
+    rows.append(
+        {
+            "metric": "projected data path h",
+            "ours": projected_total / 3600,
+            "baseline": 24.0,
+            "unit": "h",
+            "ratio": 24.0 / (projected_total / 3600),
+            "met": projected_total / 3600 <= 24.0,
+            "target": "<= 24 h",
+        }
+    )
+    report(
+        f"bench_rehearsal ({args.classes} classes, {train_n} + {val_n} images)",
+        rows,
+        notes=[
+            f"prepare ran with {cores} workers on this machine; projection assumes linear "
+            f"scaling to {args.cores} cores (prepare) and one process elsewhere",
+            "stage: stage_dataset (what each train job runs per node), page cache warm",
+        ],
+        json_out=args.json,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
