@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/bench_rehearsal.py                  # 20 train + 2 val per class
     .venv/bin/python benchmarks/bench_rehearsal.py --per-class 4    # while developing
-    .venv/bin/python benchmarks/bench_rehearsal.py --quick          # smoke test (50 classes)
+    .venv/bin/python benchmarks/bench_rehearsal.py --quick          # smoke (50 classes, ~1 min)
+    [--compare-pools] [--jobs K] [--workers N] [--cores 32] [--short-side 256] [--workdir DIR]
 
 Generates (seeded) the three archives + md5sums with 1,000 wnids, a devkit meta.mat and val
 ground truth, and ImageNet-like JPEGs (500x375 and the other common sizes, ~110 KB: a pool of
@@ -12,9 +13,11 @@ depends on the size and entropy, not on which image it is). Then runs the real w
 prepare, and stages the prepared train copy with the function the train job calls.
 
 Prints per stage: wall time (Snakemake's benchmark directive), images/s, peak RSS (the
-directive's max_rss: the job's process tree), bytes written, and the projection to ILSVRC2012's
-1,281,167 + 50,000 images on --cores cores: linear in images, and divided by cores only for
-the stages that use them (prepare; the others are one process each).
+directive's max_rss and max_uss over the job's processes), bytes written, and the projection
+to ILSVRC2012's 1,281,167 + 50,000 images on --cores cores. The workflow runs at two sizes (2
+and --per-class images per class) so that each stage's fixed cost (start-up, imports) and its
+cost per image are separated: projection = fixed + per image x real images, the per-image part
+divided by --cores / --workers only for prepare (the other stages are one process each).
 """
 
 from __future__ import annotations
@@ -135,7 +138,9 @@ def _pool_kinds(jpegs: list[bytes], *, workers: int, short_side: int, repeats: i
     ]
 
 
-def _workflow(workdir: Path, data_dir: Path, *, workers: int, short_side: int, jobs: int):
+def _workflow(
+    workdir: Path, data_dir: Path, *, workers: int, short_side: int, jobs: int, per_class: int
+):
     import yaml
 
     shutil.copy(REPO / "Snakefile", workdir / "Snakefile")
@@ -144,6 +149,10 @@ def _workflow(workdir: Path, data_dir: Path, *, workers: int, short_side: int, j
     config = yaml.safe_load((REPO / "config.yaml").read_text())
     config["demo"] = {**config.get("demo", {}), "enabled": False}
     config["data"] = {**config.get("data", {}), "dir": str(data_dir)}
+    # A stratified split needs a holdout image per class: at a few images per class the
+    # configured fraction may be too small (ImageNet itself has ~1,300 per class).
+    fraction = max(config["split"]["holdout_fraction"], 1 / per_class)
+    config["split"] = {**config["split"], "holdout_fraction": fraction}
     config["prepare"] = {
         **config.get("prepare", {}),
         "short_side": short_side,
@@ -162,7 +171,7 @@ def _du(path: Path) -> int:
 def _benchmark_tsv(path: Path) -> dict:
     with open(path) as f:
         row = next(csv.DictReader(f, delimiter="\t"))
-    return {"s": float(row["s"]), "max_rss": float(row["max_rss"])}
+    return {k: float(row[k]) for k in ("s", "max_rss", "max_uss")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,14 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.quick:
-        args.classes, args.per_class, args.val_per_class, args.pool = 50, 2, 1, 4
+        args.classes, args.per_class, args.val_per_class, args.pool = 50, 4, 2, 4
     print(
         f"== bench_rehearsal: {args.classes} classes x {args.per_class} train "
         f"+ {args.val_per_class} val images =="
     )
     print(machine_line(), flush=True)
     keep = args.workdir is not None
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="rehearsal-", dir=REPO / ".."))
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="rehearsal-"))
     workdir.mkdir(parents=True, exist_ok=True)
     try:
         return _run(args, workdir)
@@ -197,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _run(args, workdir: Path) -> int:
+def _rehearse(args, workdir: Path, per_class: int, val_per_class: int) -> dict:
+    """Generate the archives, run the workflow's data rules, stage; per-stage measurements."""
     from imagenet_ddp.stage import stage_dataset
 
     data_dir = workdir / "ILSVRC2012"
@@ -205,8 +215,8 @@ def _run(args, workdir: Path) -> int:
     train_n, val_n, archive_bytes, average = _generate(
         data_dir,
         classes=args.classes,
-        per_class=args.per_class,
-        val_per_class=args.val_per_class,
+        per_class=per_class,
+        val_per_class=val_per_class,
         pool=args.pool,
         seed=0,
     )
@@ -215,152 +225,146 @@ def _run(args, workdir: Path) -> int:
         f"{average / 1e3:.0f} KB per JPEG, in {time.perf_counter() - started:.0f} s",
         flush=True,
     )
-    pool_rows = []
-    if args.compare_pools:
-        import random
-
-        from imagenet_ddp.archives import TRAIN_ARCHIVE, list_train_archive
-
-        listing = list_train_archive(data_dir)
-        entries = [e for class_entries in listing.entries[:20] for e in class_entries]
-        random.Random(0).shuffle(entries)
-        with open(data_dir / TRAIN_ARCHIVE, "rb") as f:
-            jpegs = [os.pread(f.fileno(), size, offset) for _, size, offset in entries[:240]]
-        pool_rows = _pool_kinds(
-            jpegs, workers=args.workers, short_side=args.short_side, repeats=args.repeats or 3
-        )
-    _workflow(workdir, data_dir, workers=args.workers, short_side=args.short_side, jobs=args.jobs)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
-    }
+    _workflow(
+        workdir,
+        data_dir,
+        workers=args.workers,
+        short_side=args.short_side,
+        jobs=args.jobs,
+        per_class=per_class,
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
     targets = ["results/split/train.csv", "results/prepared/train", "results/prepared/val"]
-    cores = max(args.workers, 1)
-    started = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--cores", str(cores), *targets],
+        [sys.executable, "-m", "snakemake", "--cores", str(args.workers), *targets],
         cwd=workdir,
         env=env,
         capture_output=True,
         text=True,
     )
-    snakemake_wall = time.perf_counter() - started
     if result.returncode != 0:
-        print(result.stdout[-5000:], result.stderr[-5000:])
-        return 1
+        raise RuntimeError(f"snakemake failed:\n{result.stdout[-5000:]}\n{result.stderr[-5000:]}")
     bench = workdir / "results/benchmarks"
-    stage_dir = workdir / "scratch"
-    staged = stage_dataset(workdir / "results/prepared/train", stage_dir)
-
-    images = {
-        "verify": train_n + val_n,
-        "index": train_n + val_n,
-        "split": train_n,
-        "prepare_train": train_n,
-        "prepare_val": val_n,
+    staged = stage_dataset(workdir / "results/prepared/train", workdir / "scratch")
+    both = train_n + val_n
+    stages = {
+        "verify": (both, "results/verify"),
+        "index": (both, "results/index"),
+        "split": (train_n, "results/split"),
+        "prepare_train": (train_n, "results/prepared/train"),
+        "prepare_val": (val_n, "results/prepared/val"),
     }
+    measured = {}
+    for stage, (images, output) in stages.items():
+        tsvs = [bench / f"{stage}.tsv"]
+        if stage.startswith("prepare") and args.jobs > 1:  # the chunk jobs, then the join
+            tsvs += sorted(bench.glob(f"{stage}_*.tsv"))
+        rows = [_benchmark_tsv(t) for t in tsvs]
+        measured[stage] = {
+            "s": sum(r["s"] for r in rows),
+            "max_rss": max(r["max_rss"] for r in rows),
+            "max_uss": max(r["max_uss"] for r in rows),
+            "images": images,
+            "bytes": _du(workdir / output),
+        }
+    measured["stage"] = {
+        "s": staged["seconds"],
+        "max_rss": float("nan"),
+        "max_uss": float("nan"),
+        "images": train_n,
+        "bytes": staged["bytes"],
+    }
+    return measured
+
+
+def _projection(small: dict, big: dict, real: int, scale: float) -> tuple[float, float]:
+    """(per-image s, projected s) from two sizes: fixed cost + per-image cost x real images.
+    ``scale``: cores used here / cores of the projection, for stages that use all cores."""
+    per_image = max((big["s"] - small["s"]) / (big["images"] - small["images"]), 0.0)
+    fixed = max(big["s"] - per_image * big["images"], 0.0)
+    return per_image, fixed + per_image * real * scale
+
+
+def _run(args, workdir: Path) -> int:
     real = {
         "verify": REAL_TRAIN + REAL_VAL,
         "index": REAL_TRAIN + REAL_VAL,
         "split": REAL_TRAIN,
         "prepare_train": REAL_TRAIN,
         "prepare_val": REAL_VAL,
+        "stage": REAL_TRAIN,
     }
-    outputs = {
-        "verify": "results/verify",
-        "index": "results/index",
-        "split": "results/split",
-        "prepare_train": "results/prepared/train",
-        "prepare_val": "results/prepared/val",
-    }
-    rows, projected_total = pool_rows, 0.0
-    measured = {}
-    for stage in STAGES:
-        tsv = bench / f"{stage}.tsv"
-        if not tsv.exists():  # prepare.jobs > 1: the join's row; chunks summed below
-            continue
-        measured[stage] = _benchmark_tsv(tsv)
-    if args.jobs > 1:
-        for which in ("train", "val"):
-            chunk_rows = [_benchmark_tsv(p) for p in sorted(bench.glob(f"prepare_{which}_*.tsv"))]
-            join = measured.get(f"prepare_{which}", {"s": 0.0, "max_rss": 0.0})
-            measured[f"prepare_{which}"] = {
-                "s": sum(r["s"] for r in chunk_rows) + join["s"],
-                "max_rss": max([join["max_rss"], *(r["max_rss"] for r in chunk_rows)]),
-            }
-    measured["stage"] = {"s": staged["seconds"], "max_rss": float("nan")}
-    images["stage"], real["stage"] = train_n, REAL_TRAIN
-    outputs["stage"] = "scratch"
-    for stage, m in measured.items():
+    # Two sizes give each stage's fixed cost (start-up, imports) and its cost per image.
+    small = _rehearse(args, workdir / "small", 2, 1)
+    big = _rehearse(args, workdir / "big", args.per_class, args.val_per_class)
+    rows = _compare_pools(args, workdir / "big") if args.compare_pools else []
+    total = 0.0
+    for stage, m in big.items():
         parallel = stage.startswith("prepare")
-        projected = m["s"] * real[stage] / images[stage] * (cores / args.cores if parallel else 1)
-        projected_total += projected
-        written = _du(workdir / outputs[stage])
-        rows.append(
+        scale = args.workers / args.cores if parallel else 1.0
+        per_image, projected = _projection(small[stage], m, real[stage], scale)
+        total += projected
+        info = {"met": None, "target": "info"}
+        rows += [
+            {"metric": f"{stage}: wall s", "ours": m["s"], "unit": "s", **info},
+            {"metric": f"{stage}: images/s", "ours": m["images"] / m["s"], **info},
+            {"metric": f"{stage}: ms per image (2 sizes)", "ours": per_image * 1e3, **info},
+            {"metric": f"{stage}: peak RSS MB", "ours": m["max_rss"], **info},
+            {"metric": f"{stage}: peak USS MB", "ours": m["max_uss"], **info},
+            {"metric": f"{stage}: MB written", "ours": m["bytes"] / 1e6, **info},
             {
-                "metric": f"{stage}: wall s",
-                "ours": m["s"],
-                "unit": "s",
-                "met": None,
-                "target": "info",
-            }
-        )
-        rows.append(
-            {
-                "metric": f"{stage}: images/s",
-                "ours": images[stage] / m["s"],
-                "met": None,
-                "target": "info",
-            }
-        )
-        rows.append(
-            {"metric": f"{stage}: peak RSS MB", "ours": m["max_rss"], "met": None, "target": "info"}
-        )
-        rows.append(
-            {"metric": f"{stage}: MB written", "ours": written / 1e6, "met": None, "target": "info"}
-        )
-        rows.append(
-            {
-                "metric": f"{stage}: projected h" + (f" ({args.cores} cores)" if parallel else ""),
+                "metric": f"{stage}: projected h" + (f", {args.cores} cores" if parallel else ""),
                 "ours": projected / 3600,
                 "unit": "h",
-                "met": None,
-                "target": "info",
-            }
-        )
-    rows.append(
-        {
-            "metric": "snakemake wall s (all data rules)",
-            "ours": snakemake_wall,
-            "unit": "s",
-            "met": None,
-            "target": "info",
-        }
-    )
-    # The one ratio: the whole projected data path vs a plain budget of one day.
+                **info,
+            },
+        ]
+    # The one ratio: the projected data path against a budget of one day.
     rows.append(
         {
             "metric": "projected data path h",
-            "ours": projected_total / 3600,
+            "ours": total / 3600,
             "baseline": 24.0,
             "unit": "h",
-            "ratio": 24.0 / (projected_total / 3600),
-            "met": projected_total / 3600 <= 24.0,
+            "ratio": 24.0 / (total / 3600),
+            "met": total / 3600 <= 24.0,
             "target": "<= 24 h",
         }
     )
     report(
-        f"bench_rehearsal ({args.classes} classes, {train_n} + {val_n} images)",
+        f"bench_rehearsal ({args.classes} classes, {big['prepare_train']['images']} + "
+        f"{big['prepare_val']['images']} images)",
         rows,
         notes=[
-            f"prepare ran with {cores} workers on this machine; projection assumes linear "
-            f"scaling to {args.cores} cores (prepare) and one process elsewhere",
+            f"prepare ran with {args.workers} workers here; its projection assumes linear "
+            f"scaling to {args.cores} cores; the other stages are one process each",
+            "projection: fixed cost + per-image cost (from 2 and "
+            f"{args.per_class} images per class) x 1,281,167 train (+ 50,000 val)",
+            "peak RSS: Snakemake's benchmark max_rss, summed over the job's processes (shared "
+            "pages counted once per process); USS: memory unique to them",
             "stage: stage_dataset (what each train job runs per node), page cache warm",
         ],
         json_out=args.json,
     )
     return 0
+
+
+def _compare_pools(args, workdir: Path) -> list[dict]:
+    import random
+
+    from imagenet_ddp.archives import TRAIN_ARCHIVE, list_train_archive
+
+    data_dir = workdir / "ILSVRC2012"
+    listing = list_train_archive(data_dir)
+    entries = [e for class_entries in listing.entries[:100] for e in class_entries]
+    random.Random(0).shuffle(entries)
+    with open(data_dir / TRAIN_ARCHIVE, "rb") as f:
+        jpegs = [os.pread(f.fileno(), size, offset) for _, size, offset in entries[:240]]
+    return _pool_kinds(
+        jpegs, workers=args.workers, short_side=args.short_side, repeats=args.repeats or 3
+    )
 
 
 if __name__ == "__main__":
