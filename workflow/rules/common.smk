@@ -155,3 +155,18 @@ def md5sums_input(wildcards):
     if config.get("demo", {}).get("enabled", False) or os.path.exists(path):
         return [path]
     return []
+
+
+# prepare: one job, or prepare.jobs independent jobs over ranges of shards and a join that
+# places their whole shard files (byte for byte the one-job result; src/imagenet_ddp/prepare.py).
+PREPARE = config["prepare"]
+PREPARE_JOBS = PREPARE["jobs"]
+
+
+# What the copy is made with (a change reruns it); workers are {threads}: no rerun.
+def prepare_flags(wildcards):
+    return (
+        f"--which {wildcards.which} --short-side {PREPARE['short_side']}"
+        f" --quality {PREPARE['jpeg_quality']} --on-corrupt {PREPARE['on_corrupt']}"
+        f" --shard-samples {PREPARE['shard_samples']}"
+    )
