@@ -132,7 +132,8 @@ def _read_items(archive: Path, index: pd.DataFrame, short_side: int, quality: in
         for sample_id, member, name, size, member_offset, offset in zip(
             *(index[c].tolist() for c in INDEX_COLUMNS if c != "class_index"), strict=True
         ):
-            raw = os.pread(fd, block + size, member_offset + offset - block)
+            start = member_offset + offset - block
+            raw = os.pread(fd, block + size, start) if start >= 0 else b""
             if len(raw) != block + size or not header_matches(raw[:block], name, size):
                 raise InputError(
                     f"{archive}: {member + '/' if member else ''}{name} has another size or "
@@ -243,11 +244,14 @@ def check_settings(*, short_side: int, quality: int, on_corrupt: str, shard_samp
 
 
 def archive_of(data_dir: Path, which: str) -> Path:
-    from imagenet_ddp.archives import TRAIN_ARCHIVE, VAL_ARCHIVE
+    """The archive holding the ``which`` images; InputError naming it when it is missing."""
+    from imagenet_ddp.archives import TRAIN_ARCHIVE, VAL_ARCHIVE, require_archives
 
     if which not in ("train", "val"):
         raise ValueError(f"which must be 'train' or 'val', not {which!r}")
-    return Path(data_dir) / (TRAIN_ARCHIVE if which == "train" else VAL_ARCHIVE)
+    name = TRAIN_ARCHIVE if which == "train" else VAL_ARCHIVE
+    require_archives(data_dir, (name,))
+    return Path(data_dir) / name
 
 
 def write_shard_parts(
