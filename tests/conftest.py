@@ -55,16 +55,22 @@ def demo_index(demo_archives):
 
 @pytest.fixture(scope="session")
 def prepared_demo(demo_archives, demo_index, tmp_path_factory) -> dict[str, Path]:
-    """{"train": dir, "val": dir}: the demo prepared at short_side 24 (small shards)."""
+    """{"train": dir, "val": dir}: the demo prepared at short_side 24 (16-image shards)."""
     from imagenet_ddp.prepared import prepare_split
 
     root = tmp_path_factory.mktemp("prepared")
-    _, train, val = demo_index
+    classes, train, val = demo_index
     out = {}
     for which, index in (("train", train), ("val", val)):
         out[which] = root / which
         prepare_split(
-            demo_archives, index, out[which], which=which, short_side=24, shard_bytes=16 << 10
+            demo_archives,
+            index,
+            out[which],
+            which=which,
+            short_side=24,
+            num_classes=len(classes),
+            shard_samples=16,
         )
     return out
 

@@ -134,6 +134,8 @@ def test_corrupt_jpeg_in_a_class_tar(writable_archives, tmp_path, capsys, mode):
         str(out),
         "--short-side",
         "24",
+        "--shard-samples",
+        "16",
         "--on-corrupt",
         mode,
     )
@@ -268,7 +270,8 @@ def test_concurrent_writers_of_one_prepared_dataset_are_excluded(demo_archives, 
 
     def prepare_args(out: Path) -> list[str]:
         return ["prepare", "--data-dir", str(demo_archives), "--index-dir", str(index_dir),
-                "--which", "train", "--out", str(out), "--short-side", "24"]  # fmt: skip
+                "--which", "train", "--out", str(out), "--short-side", "24",
+                "--shard-samples", "16"]  # fmt: skip
 
     argv = [sys.executable, "-m", "imagenet_ddp.cli", *prepare_args(shared)]
     writers = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(2)]

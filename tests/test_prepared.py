@@ -28,6 +28,9 @@ from imagenet_ddp.prepared import (
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
 
 
+SMALL = {"num_classes": 4, "shard_samples": 8}  # the demo's classes; several shards
+
+
 def _tree(root):
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
@@ -74,7 +77,7 @@ def test_output_is_identical_for_any_worker_count(demo_archives, demo_index, tmp
             which="train",
             short_side=20,
             workers=workers,
-            shard_bytes=8 << 10,
+            **SMALL,
         )
     assert _tree(tmp_path / "w1") == _tree(tmp_path / "w2")
 
@@ -134,7 +137,9 @@ def test_corrupt_image_fails_by_default_and_leaves_nothing(writable_archives, tm
     out = tmp_path / "prepared-val"
     for workers in (1, 2):
         with pytest.raises(InputError) as info:
-            prepare_split(writable_archives, val, out, which="val", short_side=16, workers=workers)
+            prepare_split(
+                writable_archives, val, out, which="val", short_side=16, workers=workers, **SMALL
+            )
         assert name in str(info.value) and "prepare.on_corrupt: skip" in str(info.value)
         assert list(tmp_path.iterdir()) == [writable_archives]
 
@@ -144,7 +149,13 @@ def test_corrupt_image_can_be_skipped(writable_archives, tmp_path):
     _, _, val = build_index(writable_archives)
     bad_id = int(val.sample_id[val.name == name].iloc[0])
     summary = prepare_split(
-        writable_archives, val, tmp_path / "p", which="val", short_side=16, on_corrupt="skip"
+        writable_archives,
+        val,
+        tmp_path / "p",
+        which="val",
+        short_side=16,
+        on_corrupt="skip",
+        **SMALL,
     )
     assert summary["num_samples"] == 7 and summary["num_skipped"] == 1
     assert [(s["sample_id"], s["name"]) for s in summary["skipped"]] == [(bad_id, name)]
@@ -161,10 +172,16 @@ def test_stale_index_and_bad_options(demo_archives, demo_index, tmp_path):
     stale = train.copy()
     stale.loc[5, "size"] += 1
     with pytest.raises(InputError, match="has another size .*rebuild the index"):
-        prepare_split(demo_archives, stale, tmp_path / "p", which="train", short_side=16)
+        prepare_split(demo_archives, stale, tmp_path / "p", which="train", short_side=16, **SMALL)
     with pytest.raises(InputError, match="on_corrupt"):
         prepare_split(
-            demo_archives, train, tmp_path / "p", which="train", short_side=16, on_corrupt="x"
+            demo_archives,
+            train,
+            tmp_path / "p",
+            which="train",
+            short_side=16,
+            on_corrupt="x",
+            **SMALL,
         )
     assert not (tmp_path / "p").exists()
 

@@ -172,6 +172,25 @@ def test_changing_split_seed_reruns_split_and_downstream_only(local_run):
     }, plan  # fmt: skip
 
 
+def test_prepare_split_into_jobs_shows_them_in_the_dry_run(local_run):
+    """prepare.jobs: 3 plans 3 chunk jobs per prepared set and a join (tests/test_prepare_jobs.py
+    proves the join equals the one-job copy byte for byte)."""
+    config = read_config(local_run)
+    original = copy.deepcopy(config)
+    config["prepare"]["jobs"] = 3
+    write_config(local_run, config)
+    try:
+        result = snakemake(local_run, "-n", "--profile", "profiles/local", "--until", "prepare")
+    finally:
+        write_config(local_run, original)
+    text = result.stdout + result.stderr
+    for which in ("train", "val"):
+        for chunk in range(3):
+            assert f"results/prepare_chunks/{which}/{chunk}-of-3" in text, text[-3000:]
+    plan = planned_jobs(local_run, "--profile", "profiles/local", "--until", "prepare")
+    assert plan == {}, "a dry-run changes nothing: the one-job copy is still up to date"
+
+
 def test_split_is_identical_when_rerun(local_run, tmp_path):
     before = (local_run / "results/split/holdout.csv").read_bytes()
     shutil.copytree(local_run / "results/split", tmp_path / "split-before")

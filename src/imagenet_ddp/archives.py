@@ -47,7 +47,23 @@ META_MAT = f"{DEVKIT_ROOT}/data/meta.mat"
 VAL_GROUND_TRUTH = f"{DEVKIT_ROOT}/data/ILSVRC2012_validation_ground_truth.txt"
 
 CLASS_COLUMNS = ["class_index", "wnid", "words"]
-SAMPLE_COLUMNS = ["sample_id", "class_index", "wnid", "member", "name", "size"]
+# member_offset/member_size: where the per-class tar lies in the outer train tar (val: 0, 0);
+# offset: where the image's data starts inside that member (val: inside the val tar); size: its
+# bytes. prepare reads an image with one pread at member_offset + offset, nothing is re-listed.
+SAMPLE_COLUMNS = [
+    "sample_id",
+    "class_index",
+    "wnid",
+    "member",
+    "name",
+    "size",
+    "member_offset",
+    "member_size",
+    "offset",
+]
+# Bumped when SAMPLE_COLUMNS change; the index rule passes it as a param, so Snakemake rebuilds
+# an index written by an older version instead of handing it to prepare.
+INDEX_FORMAT_VERSION = 2
 
 _WNID = re.compile(r"n\d{8}")
 _INNER_TAR = re.compile(r"(n\d{8})\.tar")
@@ -181,7 +197,9 @@ class TrainListing:
     path: Path
     wnids: list[str]
     members: list[str]
-    entries: list[list[Entry]]
+    member_offsets: list[int]  # where each inner tar's data starts in the outer tar
+    member_sizes: list[int]
+    entries: list[list[Entry]]  # offsets absolute in the outer tar
 
     @property
     def num_images(self) -> int:
@@ -193,7 +211,7 @@ def list_train_archive(data_dir: Path) -> TrainListing:
     path = Path(data_dir) / TRAIN_ARCHIVE
     require_archives(data_dir, (TRAIN_ARCHIVE,))
     length = path.stat().st_size
-    per_wnid: dict[str, tuple[str, list[Entry]]] = {}
+    per_wnid: dict[str, tuple[str, int, int, list[Entry]]] = {}
     try:
         with open(path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as outer:
             inner_tars = []
@@ -228,7 +246,7 @@ def list_train_archive(data_dir: Path) -> TrainListing:
                 if wnid in per_wnid:
                     raise InputError(f"{path}: {member.name} occurs twice; {_redownload(path)}")
                 entries.sort()
-                per_wnid[wnid] = (member.name, entries)
+                per_wnid[wnid] = (member.name, member.offset_data, member.size, entries)
     except _TAR_ERRORS as exc:
         raise _corrupt(path, str(exc) or type(exc).__name__) from None
     wnids = sorted(per_wnid)
@@ -237,6 +255,8 @@ def list_train_archive(data_dir: Path) -> TrainListing:
         wnids,
         [per_wnid[w][0] for w in wnids],
         [per_wnid[w][1] for w in wnids],
+        [per_wnid[w][2] for w in wnids],
+        [per_wnid[w][3] for w in wnids],
     )
 
 
@@ -466,8 +486,8 @@ def verify_archives(data_dir: Path, *, check_md5: bool = True) -> dict:
 def build_index(data_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(classes, train, val) tables, read from the archives' headers (no image is extracted).
 
-    classes: class_index, wnid, words. train/val: sample_id, class_index, wnid, member, name,
-    size, in torchvision's ImageNet order (class index, then file name); val's member is "".
+    classes: class_index, wnid, words. train/val: SAMPLE_COLUMNS, in torchvision's ImageNet order
+    (class index, then file name); val's member is "" (member_offset, member_size 0).
     """
     data_dir = Path(data_dir)
     devkit, train_listing, val_entries = _read_consistent_archives(data_dir)
@@ -483,20 +503,26 @@ def build_index(data_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFram
 
     counts = np.array([len(e) for e in train_listing.entries], dtype=np.int64)
     class_of_sample = np.repeat(np.arange(len(wnids), dtype=np.int64), counts)
+    n = int(counts.sum())
     names = [name for entries in train_listing.entries for name, _, _ in entries]
     sizes = np.fromiter(
-        (size for entries in train_listing.entries for _, size, _ in entries),
-        dtype=np.int64,
-        count=len(names),
+        (size for entries in train_listing.entries for _, size, _ in entries), np.int64, n
     )
+    absolute = np.fromiter(
+        (offset for entries in train_listing.entries for _, _, offset in entries), np.int64, n
+    )
+    member_offsets = np.asarray(train_listing.member_offsets, dtype=np.int64)[class_of_sample]
     train = pd.DataFrame(
         {
-            "sample_id": np.arange(len(names), dtype=np.int64),
+            "sample_id": np.arange(n, dtype=np.int64),
             "class_index": class_of_sample,
             "wnid": np.asarray(wnids, dtype=object)[class_of_sample],
             "member": np.asarray(train_listing.members, dtype=object)[class_of_sample],
             "name": names,
             "size": sizes,
+            "member_offset": member_offsets,
+            "member_size": np.asarray(train_listing.member_sizes, dtype=np.int64)[class_of_sample],
+            "offset": absolute - member_offsets,
         }
     )
 
@@ -513,22 +539,29 @@ def build_index(data_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFram
             "member": "",
             "name": [val_entries[i][0] for i in order],
             "size": np.array([val_entries[i][1] for i in order], dtype=np.int64),
+            "member_offset": 0,
+            "member_size": 0,
+            "offset": np.array([val_entries[i][2] for i in order], dtype=np.int64),
         }
     )
     return classes, train[SAMPLE_COLUMNS], val[SAMPLE_COLUMNS]
 
 
-def locate_images(data_dir: Path, which: str) -> tuple[Path, dict[tuple[str, str], Entry]]:
-    """(archive path, {(member, name): entry}) for reading image bytes with ``os.pread``."""
-    data_dir = Path(data_dir)
-    if which == "train":
-        listing = list_train_archive(data_dir)
-        table = {
-            (member, name): (name, size, offset)
-            for member, entries in zip(listing.members, listing.entries, strict=True)
-            for name, size, offset in entries
-        }
-        return listing.path, table
-    if which == "val":
-        return data_dir / VAL_ARCHIVE, {("", e[0]): e for e in list_val_archive(data_dir)}
-    raise ValueError(f"which must be 'train' or 'val', not {which!r}")
+def header_matches(header: bytes, name: str, size: int) -> bool:
+    """Whether ``header`` (the 512 bytes before a member's data) describes ``name``, ``size``.
+
+    prepare reads each image's header and data in one pread and checks this, so an index that
+    no longer matches its archive (re-downloaded, replaced) fails instead of being misread.
+    A long (GNU/pax) name is stored cut to 100 bytes in this header; a prefix match suffices.
+    """
+    if len(header) != _BLOCK:
+        return False
+    size_field = header[124:136]
+    if not size_field[0] & 0x80:  # base-256 sizes (> 8 GiB) are not images: skip the check
+        try:
+            if int(size_field.split(b"\0", 1)[0].strip() or b"0", 8) != size:
+                return False
+        except ValueError:
+            return False
+    stored = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+    return bool(stored) and name.startswith(stored)

@@ -88,46 +88,69 @@ def cmd_split(args: argparse.Namespace) -> None:
     )
 
 
-def cmd_prepare(args: argparse.Namespace) -> None:
-    """Build the training-ready copy, once, even when several workflows share its directory.
-
-    Writers are excluded by a lock beside the output; the copy appears by an atomic rename, so
-    readers never see a partial one. A complete copy made from the same index with the same
-    settings is reused instead of rebuilt.
-    """
-    import hashlib
-
-    import pandas as pd
-
-    from imagenet_ddp.io import exclusive_lock, lock_path_for
-    from imagenet_ddp.prepared import prepare_split
-
-    index_csv = args.index_dir / f"{args.which}.csv"
-    identity = {
-        "which": args.which,
+def _prepare_settings(args: argparse.Namespace) -> dict:
+    return {
         "short_side": args.short_side,
         "quality": args.quality,
         "on_corrupt": args.on_corrupt,
-        "index_sha256": hashlib.sha256(index_csv.read_bytes()).hexdigest(),
+        "shard_samples": args.shard_samples,
+        "workers": args.workers,
     }
-    provenance = Path(str(args.out) + ".provenance.json")
-    with exclusive_lock(lock_path_for(args.out)):
-        done = (args.out / "prepared.json").is_file() and provenance.is_file()
-        if done and json.loads(provenance.read_text()).get("config") == identity:
-            print(f"{args.out} is already prepared from the same index and settings; reusing")
-            return
-        index = pd.read_csv(index_csv, keep_default_na=False)
-        summary = prepare_split(
-            args.data_dir,
-            index,
-            args.out,
-            which=args.which,
-            short_side=args.short_side,
-            quality=args.quality,
-            workers=args.workers,
-            on_corrupt=args.on_corrupt,
-        )
-        write_provenance(provenance, "prepare", identity, extra={"summary": summary})
+
+
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from imagenet_ddp.prepare import prepare
+
+    if prepare(args.data_dir, args.index_dir, args.which, args.out, **_prepare_settings(args)):
+        print(f"{args.out} is already prepared from the same index and settings; reusing")
+
+
+def cmd_prepare_chunk(args: argparse.Namespace) -> None:
+    from imagenet_ddp.prepare import prepare_chunk
+
+    prepare_chunk(
+        args.data_dir,
+        args.index_dir,
+        args.which,
+        args.chunk_dir,
+        chunk=args.chunk,
+        chunks=args.chunks,
+        **_prepare_settings(args),
+    )
+
+
+def cmd_prepare_join(args: argparse.Namespace) -> None:
+    from imagenet_ddp.prepare import join_chunks
+
+    if join_chunks(args.chunk_dirs, args.out):
+        print(f"{args.out} is already prepared from the same index and settings; reusing")
+
+
+def _add_prepare_parsers(sub) -> None:
+    for name, help_text, func in (
+        ("prepare", "decode once into training-ready shards", cmd_prepare),
+        ("prepare-chunk", "job k of K of prepare: one range of shards", cmd_prepare_chunk),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--data-dir", type=Path, required=True)
+        p.add_argument("--index-dir", type=Path, required=True)
+        p.add_argument("--which", choices=["train", "val"], required=True)
+        if func is cmd_prepare:
+            p.add_argument("--out", type=Path, required=True)
+        else:
+            p.add_argument("--chunk", type=int, required=True)
+            p.add_argument("--chunks", type=int, required=True)
+            p.add_argument("--chunk-dir", type=Path, required=True)
+        p.add_argument("--short-side", type=int, required=True)
+        p.add_argument("--quality", type=int, default=90)
+        p.add_argument("--workers", type=int, default=1)
+        p.add_argument("--on-corrupt", choices=["fail", "skip"], default="fail")
+        p.add_argument("--shard-samples", type=int, required=True)
+        p.set_defaults(func=func)
+    p = sub.add_parser("prepare-join", help="join the K prepare-chunk outputs into one copy")
+    p.add_argument("--chunk-dirs", type=Path, nargs="+", required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=cmd_prepare_join)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -285,16 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", type=Path, required=True)
     p.set_defaults(func=cmd_split)
 
-    p = sub.add_parser("prepare", help="decode once into training-ready shards")
-    p.add_argument("--data-dir", type=Path, required=True)
-    p.add_argument("--index-dir", type=Path, required=True)
-    p.add_argument("--which", choices=["train", "val"], required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--short-side", type=int, required=True)
-    p.add_argument("--quality", type=int, default=90)
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--on-corrupt", choices=["fail", "skip"], default="fail")
-    p.set_defaults(func=cmd_prepare)
+    _add_prepare_parsers(sub)
 
     p = sub.add_parser("train", help="stage data on every node and run DDP training")
     p.add_argument("--launcher", choices=["local", "srun"], required=True)

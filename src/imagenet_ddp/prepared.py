@@ -2,7 +2,7 @@
 
 Layout of a prepared directory::
 
-    shards/shard-00000.bin ...   concatenated baseline JPEGs (~256 MiB each)
+    shards/shard-00000.bin ...   concatenated baseline JPEGs (``shard_samples`` images each)
     samples.csv                  sample_id, class_index, shard, offset, length (sample_id order)
     prepared.json                format version, short_side, quality, counts, per-shard bytes
                                  and sha256, skipped images
@@ -22,11 +22,13 @@ ImageFolder):
 * **Fast decode.** Training decodes with ``torchvision.io.decode_jpeg`` (libjpeg-turbo) straight
   into a uint8 CHW tensor, no PIL round trip, and augments with ``transforms.v2`` on tensors.
 
-Preparation reads the image bytes straight out of the archives (``os.pread`` at the offsets
-found by :mod:`imagenet_ddp.archives`; nothing is extracted) in sample_id order, converts them in
-a process pool of ``workers`` (ordered, bounded in flight), and writes the shards in order, so
-the output is byte-identical for any ``workers``. It writes into a temporary directory renamed
-into place at the end: an interrupted run leaves nothing that looks complete.
+Preparation reads the image bytes straight out of the archives (one ``os.pread`` each at the
+offsets the index holds; nothing is extracted or listed again) in sample_id order, converts them
+in a process pool of ``workers`` (ordered, bounded in flight), and writes the shards in order.
+Which images go to which shard depends on the index alone (:func:`num_shards`), so the output
+is byte-identical for any ``workers`` and for any split into independent jobs joined by
+:mod:`imagenet_ddp.prepare`. It writes into a temporary directory renamed into place at the
+end: an interrupted run leaves nothing that looks complete.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import io
 import json
 import multiprocessing
 import os
+import shutil
+import sys
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
@@ -97,28 +101,46 @@ def _convert_chunk(items: list) -> list:
     return [_convert_one(item) for item in items]
 
 
-def _read_items(archive: Path, index: pd.DataFrame, located: dict, short_side: int, quality: int):
-    """Yield (sample_id, raw bytes, short_side, quality) in sample_id order."""
+INDEX_COLUMNS = ("sample_id", "class_index", "member", "name", "size", "member_offset", "offset")
+
+
+def check_index(index: pd.DataFrame, which: str) -> pd.DataFrame:
+    """The index sorted by sample_id; a clear error for one written without archive offsets."""
+    missing = sorted(set(INDEX_COLUMNS) - set(index.columns))
+    if missing:
+        raise InputError(
+            f"the {which} index lacks columns {missing} (it was written by an older version, "
+            "without archive offsets); rebuild it: `imagenet-ddp index` (Snakemake reruns the "
+            "index rule by itself)"
+        )
+    index = index.sort_values("sample_id", kind="stable").reset_index(drop=True)
+    index["member"] = index["member"].fillna("").astype(str)
+    return index
+
+
+def _read_items(archive: Path, index: pd.DataFrame, short_side: int, quality: int):
+    """Yield (sample_id, raw bytes, short_side, quality) in index order.
+
+    One pread per image at the index's offsets, header included: the header must name the
+    same file and size, so an archive changed since indexing fails here, never decodes wrong.
+    """
+    from imagenet_ddp.archives import header_matches
+
+    block = 512
     fd = os.open(archive, os.O_RDONLY)
     try:
-        for sample_id, member, name, size in zip(
-            index["sample_id"].tolist(),
-            index["member"].tolist(),
-            index["name"].tolist(),
-            index["size"].tolist(),
-            strict=True,
+        for sample_id, member, name, size, member_offset, offset in zip(
+            *(index[c].tolist() for c in INDEX_COLUMNS if c != "class_index"), strict=True
         ):
-            entry = located.get((member, name))
-            if entry is None or entry[1] != size:
+            start = member_offset + offset - block
+            raw = os.pread(fd, block + size, start) if start >= 0 else b""
+            if len(raw) != block + size or not header_matches(raw[:block], name, size):
                 raise InputError(
-                    f"{archive}: {member + '/' if member else ''}{name} "
-                    f"{'is missing' if entry is None else 'has another size'} in the archive "
-                    "the index was built from; rebuild the index (`imagenet-ddp index`)"
+                    f"{archive}: {member + '/' if member else ''}{name} has another size or "
+                    "place in the archive than the index says (the archive changed since the "
+                    "index was built); rebuild the index (`imagenet-ddp index`)"
                 )
-            data = os.pread(fd, size, entry[2])
-            if len(data) != size:
-                raise InputError(f"{archive}: truncated at {name}; re-download it")
-            yield sample_id, data, short_side, quality
+            yield sample_id, raw[block:], short_side, quality
     finally:
         os.close(fd)
 
@@ -196,6 +218,166 @@ class _ShardWriter:
         self._close()
 
 
+def num_shards(num_samples: int, shard_samples: int) -> int:
+    """Shard ``s`` holds index positions ``[s * shard_samples, (s + 1) * shard_samples)``.
+
+    Fixed by the index alone (not by converted sizes), so any range of shards can be written
+    by an independent job and the joined result equals the one-job result byte for byte.
+    """
+    return -(-num_samples // shard_samples)
+
+
+def chunk_shards(total_shards: int, chunk: int, chunks: int) -> range:
+    """The shards of job ``chunk`` of ``chunks``: contiguous, sizes differ by at most one."""
+    return range(total_shards * chunk // chunks, total_shards * (chunk + 1) // chunks)
+
+
+def check_settings(*, short_side: int, quality: int, on_corrupt: str, shard_samples: int) -> None:
+    if on_corrupt not in _ON_CORRUPT:
+        raise InputError(f"prepare.on_corrupt is {on_corrupt!r}; use one of {_ON_CORRUPT}")
+    if short_side < 8:
+        raise InputError(f"prepare.short_side is {short_side}; use at least 8 (e.g. 160)")
+    if not 1 <= quality <= 100:
+        raise InputError(f"prepare.jpeg_quality is {quality}; use 1..100 (e.g. 90)")
+    if shard_samples < 1:
+        raise InputError(f"prepare.shard_samples is {shard_samples}; use at least 1")
+
+
+def archive_of(data_dir: Path, which: str) -> Path:
+    """The archive holding the ``which`` images; InputError naming it when it is missing."""
+    from imagenet_ddp.archives import TRAIN_ARCHIVE, VAL_ARCHIVE, require_archives
+
+    if which not in ("train", "val"):
+        raise ValueError(f"which must be 'train' or 'val', not {which!r}")
+    name = TRAIN_ARCHIVE if which == "train" else VAL_ARCHIVE
+    require_archives(data_dir, (name,))
+    return Path(data_dir) / name
+
+
+def write_shard_parts(
+    data_dir: Path,
+    index: pd.DataFrame,
+    parts_dir: Path,
+    shards: range,
+    *,
+    which: str,
+    short_side: int,
+    quality: int,
+    shard_samples: int,
+    workers: int,
+    on_corrupt: str,
+) -> tuple[list[tuple[int, int, int, int, int]], list[dict], list[dict]]:
+    """Convert the images of ``shards`` (of a ``check_index``-ed index) into ``parts_dir``.
+
+    Each shard is written by its own ``_ShardWriter`` into ``parts_dir/<s>/`` (so the shard
+    format stays the writer's business). Returns rows (sample_id, class_index, shard s, offset,
+    length), one record per non-empty shard (the writer's, plus ``shard`` s and ``part``: its
+    file relative to parts_dir) and the skipped images.
+    """
+    archive = archive_of(data_dir, which)
+    start = shards.start * shard_samples
+    part = index.iloc[start : min(len(index), shards.stop * shard_samples)]
+    class_index = part["class_index"].tolist()
+    rows: list[tuple[int, int, int, int, int]] = []
+    skipped: list[dict] = []
+    writers: dict[int, _ShardWriter] = {}
+    converted = _converted(_read_items(archive, part, short_side, quality), workers)
+    try:
+        for position, (sample_id, data, error) in enumerate(converted):
+            if data is None:
+                member, name = part["member"].iat[position], part["name"].iat[position]
+                place = f"{archive}:{member + '/' if member else ''}{name}"
+                if on_corrupt == "fail":
+                    raise InputError(
+                        f"{place} (sample {sample_id}) cannot be decoded ({error}); "
+                        "re-download the archive, or set prepare.on_corrupt: skip to leave "
+                        "such images out"
+                    )
+                skipped.append(
+                    {"sample_id": sample_id, "member": member, "name": name, "error": error}
+                )
+                continue
+            shard = (start + position) // shard_samples
+            writer = writers.get(shard)
+            if writer is None:
+                for previous in writers.values():
+                    previous.close()
+                (parts_dir / f"{shard:05d}").mkdir(parents=True)
+                # One shard per writer: a size limit it never reaches.
+                writer = writers[shard] = _ShardWriter(parts_dir / f"{shard:05d}", sys.maxsize)
+            _, offset = writer.write(data)
+            rows.append((sample_id, class_index[position], shard, offset, len(data)))
+    finally:
+        converted.close()  # stops the pool now, also on error
+        for writer in writers.values():
+            writer.close()
+    records = [
+        {**w.shards[0], "shard": s, "part": f"{s:05d}/{w.shards[0]['name']}"}
+        for s, w in sorted(writers.items())
+    ]
+    return rows, records, skipped
+
+
+def _place_file(src: Path, dest: Path, *, move: bool) -> None:
+    """Move, hard-link (same file system) or copy ``src`` to ``dest``: whole files, any format."""
+    if move:
+        os.replace(src, dest)
+        return
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copyfile(src, dest)
+
+
+def finish_prepared(
+    tmp: Path,
+    parts: list[tuple[Path, dict]],
+    rows: list[tuple[int, int, int, int, int]],
+    skipped: list[dict],
+    settings: dict,
+    *,
+    move: bool,
+) -> dict:
+    """Place the shard files as ``shards/shard_name(i)`` (i: position among non-empty shards),
+    write samples.csv and prepared.json into ``tmp``; return prepared.json's content.
+
+    ``parts``: (parts_dir, record) per non-empty shard, in shard order; ``rows`` in sample_id
+    order with the planned shard number, renumbered here.
+    """
+    (tmp / SHARD_DIR).mkdir(exist_ok=True)
+    position = {}
+    shards = []
+    for i, (parts_dir, record) in enumerate(parts):
+        position[record["shard"]] = i
+        name = shard_name(i)
+        _place_file(parts_dir / record["part"], tmp / SHARD_DIR / name, move=move)
+        shards.append(
+            {**{k: v for k, v in record.items() if k not in ("shard", "part")}, "name": name}
+        )
+    samples = pd.DataFrame(
+        rows, columns=["sample_id", "class_index", "shard", "offset", "length"]
+    ).astype("int64")
+    samples["shard"] = samples["shard"].map(position).astype("int64")
+    write_csv_atomic(tmp / SAMPLES_CSV, samples)
+    info = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "which": settings["which"],
+        "short_side": settings["short_side"],
+        "quality": settings["quality"],
+        "num_classes": settings["num_classes"],
+        "num_samples": len(rows),
+        "num_skipped": len(skipped),
+        "skipped": skipped,
+        "total_bytes": sum(s["bytes"] for s in shards),
+        "shard_samples": settings["shard_samples"],
+        "shards": shards,
+        "samples_csv_sha256": hashlib.sha256((tmp / SAMPLES_CSV).read_bytes()).hexdigest(),
+    }
+    write_json_atomic(tmp / PREPARED_JSON, info)
+    return info
+
+
 def prepare_split(
     data_dir: Path,
     index: pd.DataFrame,
@@ -203,85 +385,49 @@ def prepare_split(
     *,
     which: str,
     short_side: int,
+    num_classes: int,
+    shard_samples: int,
     quality: int = 90,
     workers: int = 1,
     on_corrupt: str = "fail",
-    shard_bytes: int = 256 << 20,
 ) -> dict:
     """Write the prepared copy of ``index`` (a train/val table from ``build_index``) to out_dir.
 
-    Returns a summary: prepared.json's content plus ``out_dir``. With ``on_corrupt="skip"``
-    undecodable images are left out and listed under ``skipped``.
+    ``num_classes``: from classes.csv. Returns a summary: prepared.json's content plus
+    ``out_dir``. With ``on_corrupt="skip"`` undecodable images are left out and listed under
+    ``skipped``. No lock, no reuse: :func:`imagenet_ddp.prepare.prepare` adds those.
     """
-    from imagenet_ddp.archives import locate_images, read_devkit
-
-    if which not in ("train", "val"):
-        raise ValueError(f"which must be 'train' or 'val', not {which!r}")
-    if on_corrupt not in _ON_CORRUPT:
-        raise InputError(f"prepare.on_corrupt is {on_corrupt!r}; use one of {_ON_CORRUPT}")
-    if short_side < 8:
-        raise InputError(f"prepare.short_side is {short_side}; use at least 8 (e.g. 160)")
-    if not 1 <= quality <= 100:
-        raise InputError(f"prepare.jpeg_quality is {quality}; use 1..100 (e.g. 90)")
-    missing = {"sample_id", "class_index", "member", "name", "size"} - set(index.columns)
-    if missing:
-        raise InputError(
-            f"the {which} index lacks columns {sorted(missing)}; rebuild it (`imagenet-ddp index`)"
-        )
+    archive_of(data_dir, which)  # checks ``which``
+    check_settings(
+        short_side=short_side, quality=quality, on_corrupt=on_corrupt, shard_samples=shard_samples
+    )
+    index = check_index(index, which)
     data_dir, out_dir = Path(data_dir), Path(out_dir)
-    index = index.sort_values("sample_id", kind="stable").reset_index(drop=True)
-    index["member"] = index["member"].fillna("").astype(str)
-    num_classes = len(read_devkit(data_dir).wnids)
-    archive, located = locate_images(data_dir, which)
-
+    settings = {
+        "which": which,
+        "short_side": short_side,
+        "quality": quality,
+        "num_classes": num_classes,
+        "shard_samples": shard_samples,
+    }
     with atomic_path(out_dir, is_dir=True) as tmp:
-        (tmp / SHARD_DIR).mkdir()
-        writer = _ShardWriter(tmp / SHARD_DIR, shard_bytes)
-        class_index = index["class_index"].tolist()
-        rows: list[tuple[int, int, int, int, int]] = []
-        skipped: list[dict] = []
-        items = _read_items(archive, index, located, short_side, quality)
-        converted = _converted(items, workers)
-        try:
-            for position, (sample_id, data, error) in enumerate(converted):
-                if data is None:
-                    member, name = index.at[position, "member"], index.at[position, "name"]
-                    place = f"{archive}:{member + '/' if member else ''}{name}"
-                    if on_corrupt == "fail":
-                        raise InputError(
-                            f"{place} (sample {sample_id}) cannot be decoded ({error}); "
-                            "re-download the archive, or set prepare.on_corrupt: skip to leave "
-                            "such images out"
-                        )
-                    skipped.append(
-                        {"sample_id": sample_id, "member": member, "name": name, "error": error}
-                    )
-                    continue
-                shard, offset = writer.write(data)
-                rows.append((sample_id, class_index[position], shard, offset, len(data)))
-        finally:
-            converted.close()  # stops the pool now, also on error
-            writer.close()
-        samples = pd.DataFrame(
-            rows, columns=["sample_id", "class_index", "shard", "offset", "length"]
-        ).astype("int64")
-        write_csv_atomic(tmp / SAMPLES_CSV, samples)
-        info = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "which": which,
-            "short_side": short_side,
-            "quality": quality,
-            "num_classes": num_classes,
-            "num_samples": len(rows),
-            "num_skipped": len(skipped),
-            "skipped": skipped,
-            "total_bytes": sum(s["bytes"] for s in writer.shards),
-            "shard_bytes_target": shard_bytes,
-            "shards": writer.shards,
-            "samples_csv_sha256": hashlib.sha256((tmp / SAMPLES_CSV).read_bytes()).hexdigest(),
-        }
-        write_json_atomic(tmp / PREPARED_JSON, info)
+        parts_dir = tmp / ".parts"
+        rows, records, skipped = write_shard_parts(
+            data_dir,
+            index,
+            parts_dir,
+            range(num_shards(len(index), shard_samples)),
+            which=which,
+            short_side=short_side,
+            quality=quality,
+            shard_samples=shard_samples,
+            workers=workers,
+            on_corrupt=on_corrupt,
+        )
+        info = finish_prepared(
+            tmp, [(parts_dir, r) for r in records], rows, skipped, settings, move=True
+        )
+        shutil.rmtree(parts_dir, ignore_errors=True)
     return {**info, "out_dir": str(out_dir)}
 
 

@@ -39,8 +39,16 @@ def scratch_root_from_env(default: Path) -> Path:
     return Path(value) if value else Path(default)
 
 
+def _layout() -> tuple[str, str]:
+    """(PREPARED_JSON, SHARD_DIR): the names prepared.py defines. Imported when used, so that
+    importing this module (the launcher does) does not import torch."""
+    from imagenet_ddp.prepared import PREPARED_JSON, SHARD_DIR
+
+    return PREPARED_JSON, SHARD_DIR
+
+
 def fingerprint(src: Path) -> str:
-    path = Path(src) / "prepared.json"
+    path = Path(src) / _layout()[0]
     try:
         return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     except FileNotFoundError:
@@ -82,12 +90,13 @@ def _verify(src: Path, dest: Path, files: list[tuple[str, int]], verify: str) ->
                 "scratch disk may be full or failing: free it or set stage.scratch_dir"
             )
     if verify == "sha256":
-        info = json.loads((dest / "prepared.json").read_text())
+        prepared_json, shard_dir = _layout()
+        info = json.loads((dest / prepared_json).read_text())
         for shard in info["shards"]:
-            path = dest / "shards" / shard["name"]
+            path = dest / shard_dir / shard["name"]
             if file_digest(path, "sha256") != shard["sha256"]:
                 raise InputError(
-                    f"staged copy {path} does not match the sha256 in {src / 'prepared.json'}; "
+                    f"staged copy {path} does not match the sha256 in {src / prepared_json}; "
                     "the source or the scratch disk is damaged: rerun prepare or change "
                     "stage.scratch_dir"
                 )

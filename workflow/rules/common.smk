@@ -9,7 +9,12 @@ from snakemake.exceptions import WorkflowError
 from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
-from imagenet_ddp.archives import DEVKIT_ARCHIVE, TRAIN_ARCHIVE, VAL_ARCHIVE
+from imagenet_ddp.archives import (
+    DEVKIT_ARCHIVE,
+    INDEX_FORMAT_VERSION,
+    TRAIN_ARCHIVE,
+    VAL_ARCHIVE,
+)
 from imagenet_ddp.eval_settings import eval_settings
 from imagenet_ddp.run_checks import check_runs, user_cache_dir
 from imagenet_ddp.sweeps import SweepError, expand_runs, run_schema
@@ -175,3 +180,18 @@ def md5sums_input(wildcards):
     if config.get("demo", {}).get("enabled", False) or os.path.exists(path):
         return [path]
     return []
+
+
+# prepare: one job, or prepare.jobs independent jobs over ranges of shards and a join that
+# places their whole shard files (byte for byte the one-job result; src/imagenet_ddp/prepare.py).
+PREPARE = config["prepare"]
+PREPARE_JOBS = PREPARE["jobs"]
+
+
+# What the copy is made with (a change reruns it); workers are {threads}: no rerun.
+def prepare_flags(wildcards):
+    return (
+        f"--which {wildcards.which} --short-side {PREPARE['short_side']}"
+        f" --quality {PREPARE['jpeg_quality']} --on-corrupt {PREPARE['on_corrupt']}"
+        f" --shard-samples {PREPARE['shard_samples']}"
+    )

@@ -68,6 +68,8 @@ rule index:
     params:
         data_dir=lambda wildcards, input: os.path.dirname(input.train),
         out_dir=lambda wildcards, output: os.path.dirname(output.train),
+        # A new index format reruns this rule: prepare never reads an index of an older one.
+        index_format=INDEX_FORMAT_VERSION,
     shell:
         "imagenet-ddp index --data-dir {params.data_dir:q} --out-dir {params.out_dir:q}"
         " > {log:q} 2>&1"
@@ -99,31 +101,88 @@ rule split:
         " --out-dir {params.out_dir:q} > {log:q} 2>&1"
 
 
-rule prepare:
-    input:
-        **archive_paths(),
-        index="results/index/{which}.csv",
-    output:
-        directory(f"{PREPARED_DIR}/{{which}}"),
-    log:
-        "logs/prepare_{which}.log",
-    benchmark:
-        "results/benchmarks/prepare_{which}.tsv"
-    wildcard_constraints:
-        which="train|val",
-    conda:
-        "../envs/imagenet-ddp.yaml"
-    container:
-        CONTAINER
-    threads: config.get("prepare", {}).get("workers", 1)
-    params:
-        data_dir=lambda wildcards, input: os.path.dirname(input.train),
-        index_dir=lambda wildcards, input: os.path.dirname(input.index),
-        short_side=config.get("prepare", {}).get("short_side", 160),
-        quality=config.get("prepare", {}).get("jpeg_quality", 90),
-        on_corrupt=config.get("prepare", {}).get("on_corrupt", "fail"),
-    shell:
-        "imagenet-ddp prepare --data-dir {params.data_dir:q} --index-dir {params.index_dir:q}"
-        " --which {wildcards.which} --out {output:q} --short-side {params.short_side}"
-        " --quality {params.quality} --workers {threads} --on-corrupt {params.on_corrupt}"
-        " > {log:q} 2>&1"
+if PREPARE_JOBS == 1:
+
+    rule prepare:
+        input:
+            **archive_paths(),
+            index="results/index/{which}.csv",
+            classes="results/index/classes.csv",
+        output:
+            directory(f"{PREPARED_DIR}/{{which}}"),
+        log:
+            "logs/prepare_{which}.log",
+        benchmark:
+            "results/benchmarks/prepare_{which}.tsv"
+        wildcard_constraints:
+            which="train|val",
+        conda:
+            "../envs/imagenet-ddp.yaml"
+        container:
+            CONTAINER
+        threads: PREPARE["workers"]
+        params:
+            data_dir=lambda wildcards, input: os.path.dirname(input.train),
+            index_dir=lambda wildcards, input: os.path.dirname(input.index),
+            flags=prepare_flags,
+        shell:
+            "imagenet-ddp prepare --data-dir {params.data_dir:q} --index-dir {params.index_dir:q}"
+            " --out {output:q} {params.flags} --workers {threads} > {log:q} 2>&1"
+
+else:
+
+    rule prepare_chunk:
+        input:
+            **archive_paths(),
+            index="results/index/{which}.csv",
+            classes="results/index/classes.csv",
+        output:
+            temp(
+                directory(
+                    f"results/prepare_chunks/{{which}}/{{chunk}}-of-{PREPARE_JOBS}"
+                )
+            ),
+        log:
+            "logs/prepare_{which}_{chunk}.log",
+        benchmark:
+            "results/benchmarks/prepare_{which}_{chunk}.tsv"
+        wildcard_constraints:
+            which="train|val",
+            chunk=r"\d+",
+        conda:
+            "../envs/imagenet-ddp.yaml"
+        container:
+            CONTAINER
+        threads: PREPARE["workers"]
+        params:
+            data_dir=lambda wildcards, input: os.path.dirname(input.train),
+            index_dir=lambda wildcards, input: os.path.dirname(input.index),
+            flags=prepare_flags,
+        shell:
+            "imagenet-ddp prepare-chunk --data-dir {params.data_dir:q}"
+            " --index-dir {params.index_dir:q} --chunk {wildcards.chunk}"
+            f" --chunks {PREPARE_JOBS}"
+            " --chunk-dir {output:q} {params.flags} --workers {threads} > {log:q} 2>&1"
+
+    rule prepare:
+        input:
+            chunks=expand(
+                "results/prepare_chunks/{{which}}/{chunk}-of-{jobs}",
+                chunk=range(PREPARE_JOBS),
+                jobs=PREPARE_JOBS,
+            ),
+        output:
+            directory(f"{PREPARED_DIR}/{{which}}"),
+        log:
+            "logs/prepare_{which}.log",
+        benchmark:
+            "results/benchmarks/prepare_{which}.tsv"
+        wildcard_constraints:
+            which="train|val",
+        conda:
+            "../envs/imagenet-ddp.yaml"
+        container:
+            CONTAINER
+        shell:
+            "imagenet-ddp prepare-join --chunk-dirs {input.chunks:q} --out {output:q}"
+            " > {log:q} 2>&1"
