@@ -100,7 +100,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     import pandas as pd
 
     from imagenet_ddp.io import exclusive_lock, lock_path_for
-    from imagenet_ddp.prepared import prepare_split
+    from imagenet_ddp.prepared import FORMAT_VERSION, prepare_split
 
     index_csv = args.index_dir / f"{args.which}.csv"
     identity = {
@@ -109,6 +109,8 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         "quality": args.quality,
         "on_corrupt": args.on_corrupt,
         "index_sha256": hashlib.sha256(index_csv.read_bytes()).hexdigest(),
+        # a copy in an older format is rebuilt, not reused
+        "format_version": FORMAT_VERSION,
     }
     provenance = Path(str(args.out) + ".provenance.json")
     with exclusive_lock(lock_path_for(args.out)):
