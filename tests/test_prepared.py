@@ -75,6 +75,14 @@ def test_shards_are_tar_files_with_webdataset_names_and_the_index_points_into_th
         assert shard_file == f"shard-{row.shard:05d}.tar" and offset == row.offset
         assert len(jpg) == row.length and jpg[:2] == b"\xff\xd8"
         assert payloads[f"{key}.cls"][2] == str(row.class_index).encode()
+    # webdataset reads a prepared copy as it is: one sample per key, same bytes and labels
+    import webdataset as wds
+
+    urls = sorted(str(p) for p in (root / "shards").glob("shard-*.tar"))
+    read = list(wds.WebDataset(urls, shardshuffle=False))
+    assert [r["__key__"] for r in read] == keys
+    assert [int(r["cls"]) for r in read] == samples.class_index.tolist()
+    assert all(r["jpg"] == payloads[f"{k}.jpg"][2] for r, k in zip(read, keys, strict=True))
 
 
 def test_an_old_format_copy_is_rebuilt_not_misread(demo_archives, tmp_path, capsys):
