@@ -22,9 +22,10 @@ median over repetitions is reported; the candidates' order rotates every repetit
   ``ToTensor`` / ``Normalize`` (the PyTorch ImageNet example's training pipeline).
 
 Originals are synthetic but ImageNet-sized: 500x375, 375x500, 500x333, ... (ImageNet's average
-is ~400x350 / ~110 KB) and textured so the JPEGs are ~110 KB like real photos. Two settings:
+is ~400x350 / ~110 KB) and textured so the JPEGs are ~110 KB like real photos. Settings:
 crop 224 from short_side 256 (the standard recipe) and crop 160 from short_side 176 (fast
-low-resolution training, e.g. the first phase of FFCV / progressive resizing). Both sides read
+low-resolution training, e.g. the first phase of FFCV / progressive resizing), and, for
+information, crop 112 from short_side 256 (where the reduced DCT scale applies). Both sides read
 from the page cache (files read once before timing). Also reported: ours with the float
 conversion and normalization done in the loader on the CPU, as the baseline does.
 Target: ours >= 4x baseline at crop 224.
@@ -139,8 +140,8 @@ def loader_rows(crop: int, rate: dict) -> list[dict]:
             "baseline": base,
             "unit": "img/s",
             "ratio": rate["ours"] / base,
-            "target": ">= 4x ImageFolder+PIL",
-            "met": rate["ours"] / base >= 4.0,
+            "target": ">= 4x ImageFolder+PIL" if crop == 224 else "(info)",
+            "met": rate["ours"] / base >= 4.0 if crop == 224 else None,
         },
         {
             "metric": f"  vs before (torchvision decode) {crop}",
@@ -212,10 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         torchcodec_decode = None
 
     torch.set_num_threads(1)
-    settings = [(224, 256), (160, 176)]  # (crop, prepared short_side)
+    # (crop, prepared short_side); crop 112 from 256 (e.g. an early progressive-resizing phase)
+    # is where a box can be >= 2x the output and the reduced DCT scale applies
+    settings = [(224, 256), (160, 176), (112, 256)]
     rows, notes = [], []
     with tempfile.TemporaryDirectory(prefix="bench-loader-") as tmp:
-        data = make_data(Path(tmp), count, [side for _, side in settings])
+        data = make_data(Path(tmp), count, sorted({side for _, side in settings}))
         for crop, side in settings:
             root = data["prepared"][side]["dir"]
             candidates = {
