@@ -188,14 +188,8 @@ def loader_rows(crop: int, rate: dict) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = C.quick_flag()
-    parser.add_argument("--images", type=int, default=None)
-    args = parser.parse_args(argv)
-    count = args.images or (40 if args.quick else 240)
-    repeats = args.repeats or (3 if args.quick else 5)
-
-    import torch
+def candidates_for(data: dict, crop: int, side: int, torchcodec_decode) -> dict:
+    """name -> dataset indexed by int, for one (crop, short_side) setting."""
     from torchvision import datasets, transforms
     from torchvision.transforms import v2
 
@@ -206,6 +200,52 @@ def main(argv: list[str] | None = None) -> int:
         train_transform,
     )
     from imagenet_ddp.train import SeededAugmentation
+
+    root = data["prepared"][side]["dir"]
+    candidates = {
+        # The training path: encoded JPEG -> crop box drawn -> decode (simplejpeg, at a reduced
+        # DCT scale when the box allows) -> resized crop -> flip, uint8; scaling and
+        # normalization run per batch on the device (train.py).
+        "ours": keyed(
+            SeededAugmentation(
+                PreparedImageDataset(root, decode=False), train_transform(crop, normalize=False), 0
+            )
+        ),
+        # The path before: torchvision.io.decode_jpeg of the whole image, then
+        # v2.RandomResizedCrop + flip on the tensor, same seeding.
+        "current": keyed(
+            SeededAugmentation(TorchvisionDecoded(root), previous_transform(crop, v2), 0)
+        ),
+        "baseline": datasets.ImageFolder(
+            data["imagefolder"],
+            transform=transforms.Compose(
+                [
+                    transforms.RandomResizedCrop(crop),
+                    transforms.RandomHorizontalFlip(),
+                    transforms.ToTensor(),
+                    transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+                ]
+            ),
+        ),
+        "cpu_norm": PreparedImageDataset(root, transform=train_transform(crop), decode=False),
+    }
+    if torchcodec_decode is not None:
+        candidates["torchcodec"] = keyed(
+            SeededAugmentation(
+                TorchvisionDecoded(root, torchcodec_decode), previous_transform(crop, v2), 0
+            )
+        )
+    return candidates
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = C.quick_flag()
+    parser.add_argument("--images", type=int, default=None)
+    args = parser.parse_args(argv)
+    count = args.images or (40 if args.quick else 240)
+    repeats = args.repeats or (3 if args.quick else 5)
+
+    import torch
 
     try:
         from torchcodec.decoders import decode_jpeg as torchcodec_decode
@@ -220,46 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-loader-") as tmp:
         data = make_data(Path(tmp), count, sorted({side for _, side in settings}))
         for crop, side in settings:
-            root = data["prepared"][side]["dir"]
-            candidates = {
-                # The training path: encoded JPEG -> crop box drawn -> decode (simplejpeg, at a
-                # reduced DCT scale when the box allows) -> resized crop -> flip, uint8;
-                # scaling and normalization run per batch on the device (train.py).
-                "ours": keyed(
-                    SeededAugmentation(
-                        PreparedImageDataset(root, decode=False),
-                        train_transform(crop, normalize=False),
-                        0,
-                    )
-                ),
-                # The path before: torchvision.io.decode_jpeg of the whole image, then
-                # v2.RandomResizedCrop + flip on the tensor, same seeding.
-                "current": keyed(
-                    SeededAugmentation(TorchvisionDecoded(root), previous_transform(crop, v2), 0)
-                ),
-                "baseline": datasets.ImageFolder(
-                    data["imagefolder"],
-                    transform=transforms.Compose(
-                        [
-                            transforms.RandomResizedCrop(crop),
-                            transforms.RandomHorizontalFlip(),
-                            transforms.ToTensor(),
-                            transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-                        ]
-                    ),
-                ),
-                "cpu_norm": PreparedImageDataset(
-                    root, transform=train_transform(crop), decode=False
-                ),
-            }
-            if torchcodec_decode is not None:
-                candidates["torchcodec"] = keyed(
-                    SeededAugmentation(
-                        TorchvisionDecoded(root, torchcodec_decode),
-                        previous_transform(crop, v2),
-                        0,
-                    )
-                )
+            candidates = candidates_for(data, crop, side, torchcodec_decode)
             for ds in candidates.values():  # warm the page cache and lazy imports
                 for i in range(min(count, 8)):
                     ds[i]
