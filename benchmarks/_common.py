@@ -172,7 +172,7 @@ def write_prepared(
     writer = P._ShardWriter(out_dir / P.SHARD_DIR, shard_bytes)
     rows = []
     for sample_id, (data, label) in enumerate(zip(images, labels, strict=True)):
-        shard, offset = writer.write(data)
+        shard, offset = writer.write(data, key=P.sample_key(sample_id), label=int(label))
         rows.append((sample_id, int(label), shard, offset, len(data)))
     writer.close()
     samples = pd.DataFrame(rows, columns=["sample_id", "class_index", "shard", "offset", "length"])

@@ -181,7 +181,7 @@ def test_scratch_too_small(prepared_demo, tmp_path, monkeypatch):
     monkeypatch.setattr(stage.shutil, "disk_usage", lambda path: usage._replace(free=1000))
     with pytest.raises(InputError, match="scratch_dir|SLURM_TMPDIR"):
         stage.stage_dataset(prepared_demo["train"], tmp_path / "scratch")
-    assert not list((tmp_path / "scratch").rglob("*.bin"))
+    assert not list((tmp_path / "scratch").rglob("*.tar"))
 
 
 def test_odd_real_imagenet_images_load_as_rgb(prepared_demo):

@@ -24,10 +24,6 @@ from imagenet_ddp.prepared import (
     train_transform,
 )
 
-# torchvision 0.29 deprecates torchvision.io decoding in favour of TorchCodec (still works).
-pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
-
-
 SMALL = {"num_classes": 4, "shard_samples": 8}  # the demo's classes; several shards
 
 
@@ -39,7 +35,7 @@ def test_layout_and_metadata(prepared_demo, demo_index):
     _, train, _ = demo_index
     root = prepared_demo["train"]
     info = json.loads((root / "prepared.json").read_text())
-    assert info["format_version"] == 1 and info["which"] == "train"
+    assert info["format_version"] == 2 and info["which"] == "train"
     assert info["short_side"] == 24 and info["quality"] == 90
     assert info["num_classes"] == 4 and info["num_samples"] == 48 and info["skipped"] == []
     assert len(info["shards"]) > 1, "small shard_bytes must produce several shards"
@@ -53,6 +49,78 @@ def test_layout_and_metadata(prepared_demo, demo_index):
     assert samples.class_index.tolist() == train.class_index.tolist()
     assert sorted(p.name for p in root.iterdir()) == ["prepared.json", "samples.csv", "shards"]
     assert not list(root.parent.glob(".*tmp-*")), "no temporary directory is left behind"
+
+
+def test_shards_are_tar_files_with_webdataset_names_and_the_index_points_into_them(
+    prepared_demo,
+):
+    import subprocess
+
+    root = prepared_demo["train"]
+    samples = pd.read_csv(root / "samples.csv")
+    names, payloads = [], {}
+    for shard in json.loads((root / "prepared.json").read_text())["shards"]:
+        path = root / "shards" / shard["name"]
+        with tarfile.open(path) as tar:  # raises on anything that is not a valid tar
+            members = tar.getmembers()
+            assert all(m.isfile() and m.mode == 0o444 and m.mtime == 0 for m in members)
+            shard_names = [m.name for m in members]
+            payloads.update({m.name: (path.name, m.offset_data, tar.extractfile(m).read())
+                             for m in members})  # fmt: skip
+        listed = subprocess.run(["tar", "-tf", str(path)], capture_output=True, text=True)
+        assert listed.returncode == 0 and listed.stdout.split() == shard_names
+        names += shard_names
+    keys = [f"{i:010d}" for i in samples.sample_id]
+    assert names == [f"{k}.{ext}" for k in keys for ext in ("jpg", "cls")]
+    for row, key in zip(samples.itertuples(), keys, strict=True):
+        shard_file, offset, jpg = payloads[f"{key}.jpg"]
+        assert shard_file == f"shard-{row.shard:05d}.tar" and offset == row.offset
+        assert len(jpg) == row.length and jpg[:2] == b"\xff\xd8"
+        assert payloads[f"{key}.cls"][2] == str(row.class_index).encode()
+    # webdataset reads a prepared copy as it is: one sample per key, same bytes and labels
+    import webdataset as wds
+
+    urls = sorted(str(p) for p in (root / "shards").glob("shard-*.tar"))
+    read = list(wds.WebDataset(urls, shardshuffle=False))
+    assert [r["__key__"] for r in read] == keys
+    assert [int(r["cls"]) for r in read] == samples.class_index.tolist()
+    assert all(r["jpg"] == payloads[f"{k}.jpg"][2] for r, k in zip(read, keys, strict=True))
+
+
+def test_an_old_format_copy_is_rebuilt_not_misread(demo_archives, tmp_path, capsys):
+    from imagenet_ddp.cli import main
+
+    index_dir, out = tmp_path / "index", tmp_path / "prepared"
+    assert main(["index", "--data-dir", str(demo_archives), "--out-dir", str(index_dir)]) == 0
+    args = ["prepare", "--data-dir", str(demo_archives), "--index-dir", str(index_dir),
+            "--which", "val", "--out", str(out), "--short-side", "16",
+            "--shard-samples", "8"]  # fmt: skip
+    assert main(args) == 0
+    new = {p.name: p.read_bytes() for p in (out / "shards").iterdir()}
+    # Turn it into what format 1 wrote: bare concatenated JPEGs in .bin shards, no tar framing,
+    # and a provenance identity without the format version.
+    samples = pd.read_csv(out / "samples.csv")
+    dataset = PreparedImageDataset(out)
+    jpegs = [bytes(dataset.read_bytes(i)) for i in range(len(dataset))]
+    for path in (out / "shards").iterdir():
+        path.unlink()
+    (out / "shards" / "shard-00000.bin").write_bytes(b"".join(jpegs))
+    samples["shard"], samples["offset"] = 0, np.cumsum([0] + [len(j) for j in jpegs[:-1]])
+    samples.to_csv(out / "samples.csv", index=False)
+    info = json.loads((out / "prepared.json").read_text())
+    info.update(format_version=1, shards=[{"name": "shard-00000.bin"}])
+    (out / "prepared.json").write_text(json.dumps(info))
+    provenance = tmp_path / "prepared.provenance.json"
+    record = json.loads(provenance.read_text())
+    del record["config"]["format_version"]
+    provenance.write_text(json.dumps(record))
+    with pytest.raises(InputError, match=r"v1 is not .* v2 .*rerun `imagenet-ddp prepare`"):
+        PreparedImageDataset(out)
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "reusing" not in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in (out / "shards").iterdir()} == new
+    assert len(PreparedImageDataset(out)) == len(jpegs)
 
 
 def test_images_are_rgb_baseline_jpegs_with_the_short_side(prepared_demo):
@@ -118,6 +186,86 @@ def test_transforms(prepared_demo):
     normalized = eval_transform(30, 30)(gray)
     expected = (127 / 255 - IMAGENET_MEAN[0]) / 0.229
     assert normalized[0].mean().item() == pytest.approx(expected, abs=1e-4)
+
+
+def _jpeg(height: int, width: int) -> np.ndarray:
+    """Ramps (red along x, green along y) plus mild noise: where a region lies shows in its
+    mean colour, and the crop/scale arithmetic can be checked against it."""
+    y, x = np.mgrid[0:height, 0:width]
+    noise = np.random.default_rng(0).integers(0, 24, (height, width))
+    pixels = np.stack([x * 230 // width + noise, y * 230 // height + noise, noise], axis=-1)
+    out = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(out, "JPEG", quality=90)
+    return np.frombuffer(out.getvalue(), np.uint8).copy()
+
+
+def test_decoder_matches_pil_and_the_crop_first_path_matches_decode_then_crop():
+    from torchvision.transforms import v2
+
+    from imagenet_ddp.jpeg import RandomResizedCropDecode, decode_jpeg
+
+    data = _jpeg(64, 96)
+    image = decode_jpeg(data)
+    pil = np.array(Image.open(io.BytesIO(data.tobytes())).convert("RGB"))
+    assert torch.equal(image, torch.from_numpy(pil).permute(2, 0, 1))
+    # Output 40 from 64x96: no box is 2x the output, so the crop-first path decodes the whole
+    # image and must give exactly the decode-then-v2.RandomResizedCrop result, seed for seed.
+    for seed in range(6):
+        torch.manual_seed(seed)
+        ours = RandomResizedCropDecode(40, antialias=True)(data)
+        after = torch.rand(1)
+        torch.manual_seed(seed)
+        plain = v2.RandomResizedCrop(40, antialias=True)(image.contiguous())
+        assert torch.equal(ours, plain) and torch.equal(after, torch.rand(1))
+
+
+def test_crop_first_decode_uses_a_reduced_dct_scale_when_the_box_allows(monkeypatch):
+    from torchvision.transforms import v2
+
+    from imagenet_ddp import jpeg
+
+    data = _jpeg(256, 384)
+    decode = jpeg.decode_jpeg
+    full = decode(data).contiguous()
+    requested = []
+
+    def spy(data, min_size=None):
+        requested.append(min_size)
+        return decode(data, min_size)
+
+    monkeypatch.setattr(jpeg, "decode_jpeg", spy)
+    crop = jpeg.RandomResizedCropDecode(16, scale=(0.5, 1.0), antialias=True)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        ours = crop(data)
+        torch.manual_seed(seed)
+        plain = v2.RandomResizedCrop(16, scale=(0.5, 1.0), antialias=True)(full)
+        assert ours.shape == plain.shape == (3, 16, 16)
+        # another decode scale, same region: close, not equal
+        assert (ours.float() - plain.float()).abs().mean() < 4
+        torch.manual_seed(seed)
+        assert torch.equal(crop(data), ours), "seeded, so bitwise repeatable"
+    # boxes >= 181 px for a 16 px output: every decode is at 1/8 scale (32x48)
+    assert set(requested) == {(32, 48)}
+    assert decode(data, (32, 48)).shape == (3, 32, 48)
+
+
+def test_train_transform_takes_encoded_images_and_pickles(prepared_demo):
+    dataset = PreparedImageDataset(prepared_demo["train"], decode=False)
+    data, label = dataset[0]
+    assert (
+        isinstance(data, np.ndarray)
+        and data.dtype == np.uint8
+        and data[:2].tolist()
+        == [
+            0xFF,
+            0xD8,
+        ]
+    )
+    transform = pickle.loads(pickle.dumps(train_transform(16, normalize=False)))
+    out = transform(data)
+    assert out.shape == (3, 16, 16) and out.dtype == torch.uint8
+    assert train_transform(16)(data).dtype == torch.float32
 
 
 def _corrupt_val_member(data_dir, position=3):

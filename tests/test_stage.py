@@ -72,7 +72,7 @@ def test_scratch_too_small(prepared_demo, tmp_path, monkeypatch):
     message = str(info.value)
     assert "has 1000.0 B free, needs" in message
     assert "set stage.scratch_dir / ask for more $SLURM_TMPDIR" in message
-    assert not list((tmp_path / "scratch").rglob("*.bin"))
+    assert not list((tmp_path / "scratch").rglob("*.tar"))
 
 
 @pytest.mark.parametrize("verify", ["size", "sha256"])
@@ -81,7 +81,7 @@ def test_bad_copy_is_detected_and_not_kept(prepared_demo, tmp_path, monkeypatch,
 
     def damaging_copy(src, dst):
         real_copy(src, dst)
-        if str(dst).endswith("shard-00001.bin"):
+        if str(dst).endswith("shard-00001.tar"):
             data = bytearray(Path(dst).read_bytes())
             if verify == "size":
                 data = data[:-1]
@@ -90,7 +90,7 @@ def test_bad_copy_is_detected_and_not_kept(prepared_demo, tmp_path, monkeypatch,
             Path(dst).write_bytes(bytes(data))
 
     monkeypatch.setattr(stage.shutil, "copyfile", damaging_copy)
-    with pytest.raises(InputError, match="shard-00001.bin"):
+    with pytest.raises(InputError, match="shard-00001.tar"):
         stage_dataset(prepared_demo["train"], tmp_path, verify=verify)
     assert not stage.staged_path(prepared_demo["train"], tmp_path).exists()
 

@@ -102,7 +102,7 @@ def test_training_used_the_configured_ranks_and_recorded_throughput(local_run):
     assert len(staging) == 1
     report = json.loads(staging[0].read_text())
     assert report["bytes"] > 0 and report["cleaned"] is True
-    assert not any((local_run / "scratch").rglob("*.bin")), "staged copy was not cleaned up"
+    assert not any((local_run / "scratch").rglob("*.tar")), "staged copy was not cleaned up"
 
 
 def test_split_is_stratified(local_run):

@@ -28,6 +28,7 @@ from imagenet_ddp.io import (
     write_json_atomic,
 )
 from imagenet_ddp.prepared import (
+    FORMAT_VERSION,
     PREPARED_JSON,
     archive_of,
     check_index,
@@ -68,6 +69,7 @@ def identity(index_dir: Path, which: str, settings: dict) -> dict:
         **{k: settings[k] for k in ("short_side", "quality", "on_corrupt", "shard_samples")},
         "index_sha256": _sha256(index_dir / f"{which}.csv"),
         "classes_sha256": _sha256(index_dir / CLASSES_CSV),
+        "format_version": FORMAT_VERSION,  # a copy in an older format is rebuilt, not reused
     }
 
 

@@ -343,7 +343,10 @@ def _train(
         torch.backends.cudnn.benchmark = True
     seed_everything(cfg.seed)
     geometry = resolve_geometry(cfg, info, device)
-    base = PreparedImageDataset(train_data, sample_ids=read_ids(split_dir / "train.csv"))
+    # decode=False: train_transform decodes, after drawing its crop box (imagenet_ddp.jpeg)
+    base = PreparedImageDataset(
+        train_data, sample_ids=read_ids(split_dir / "train.csv"), decode=False
+    )
     holdout = PreparedImageDataset(
         train_data,
         sample_ids=read_ids(split_dir / "holdout.csv"),
