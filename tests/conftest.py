@@ -26,6 +26,9 @@ def _hang_guard():
     faulthandler.cancel_dump_traceback_later()
 
 
+# The prepare settings the fixtures and tests use where they do not test them.
+PREPARE_SETTINGS = {"quality": 90, "workers": 1, "on_corrupt": "fail"}
+
 DEMO_KWARGS = {
     "num_classes": 4,
     "train_per_class": 12,
@@ -64,8 +67,9 @@ def prepared_demo(demo_archives, demo_index, tmp_path_factory) -> dict[str, Path
     for which, index in (("train", train), ("val", val)):
         out[which] = root / which
         prepare_split(
-            demo_archives, index, out[which], which=which, short_side=24, shard_bytes=16 << 10
-        )
+            demo_archives, index, out[which], which=which, short_side=24, shard_bytes=16 << 10,
+            **PREPARE_SETTINGS,
+        )  # fmt: skip
     return out
 
 

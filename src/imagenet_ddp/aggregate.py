@@ -14,6 +14,8 @@ from typing import Any
 
 import pandas as pd
 
+from imagenet_ddp.provenance import provenance_path
+
 COLUMNS = [
     "run",
     "model",
@@ -114,6 +116,7 @@ def run_row(run_dir: Path) -> dict[str, Any]:
     train = json.loads((run_dir / "train_metrics.json").read_text())
     evaluation = json.loads((run_dir / "eval.json").read_text())
     job = json.loads((run_dir / "job.json").read_text())
+    provenance = json.loads(provenance_path(run_dir / "model.pt").read_text())
     staging = [json.loads(p.read_text()) for p in sorted((run_dir / "staging").glob("*.json"))]
     cfg = train["config"]
     gpus = sum(1 for r in train["ranks"] if r["device"].startswith("cuda"))
@@ -143,7 +146,7 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         "test_top1": evaluation["test"]["top1"],
         "test_top5": evaluation["test"]["top5"],
         "wall_seconds": job["wall_seconds"],
-        "git_commit": job["provenance"]["code"].get("git_commit", "unknown"),
+        "git_commit": provenance["code"].get("git_commit", "unknown"),
     }
 
 

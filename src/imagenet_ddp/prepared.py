@@ -56,7 +56,6 @@ SAMPLES_CSV = "samples.csv"
 PREPARED_JSON = "prepared.json"
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-_ON_CORRUPT = ("fail", "skip")
 _CHUNK = 16  # images per task sent to a worker
 
 
@@ -203,26 +202,22 @@ def prepare_split(
     *,
     which: str,
     short_side: int,
-    quality: int = 90,
-    workers: int = 1,
-    on_corrupt: str = "fail",
+    quality: int,
+    workers: int,
+    on_corrupt: str,
     shard_bytes: int = 256 << 20,
 ) -> dict:
     """Write the prepared copy of ``index`` (a train/val table from ``build_index``) to out_dir.
 
     Returns a summary: prepared.json's content plus ``out_dir``. With ``on_corrupt="skip"``
-    undecodable images are left out and listed under ``skipped``.
+    undecodable images are left out and listed under ``skipped``. ``short_side``, ``quality``,
+    ``workers`` and ``on_corrupt`` are the ``prepare`` settings: their defaults and allowed
+    values are the workflow schema's, checked there once.
     """
     from imagenet_ddp.archives import locate_images, read_devkit
 
     if which not in ("train", "val"):
         raise ValueError(f"which must be 'train' or 'val', not {which!r}")
-    if on_corrupt not in _ON_CORRUPT:
-        raise InputError(f"prepare.on_corrupt is {on_corrupt!r}; use one of {_ON_CORRUPT}")
-    if short_side < 8:
-        raise InputError(f"prepare.short_side is {short_side}; use at least 8 (e.g. 160)")
-    if not 1 <= quality <= 100:
-        raise InputError(f"prepare.jpeg_quality is {quality}; use 1..100 (e.g. 90)")
     missing = {"sample_id", "class_index", "member", "name", "size"} - set(index.columns)
     if missing:
         raise InputError(
