@@ -9,7 +9,7 @@ the interpreter and pandas/sklearn imports) is its own. Phases:
   1.28M-row DataFrame (sample_id, class_index, wnid, member, name, size) from the listing, sort
   it, write ``train.csv`` with ``io.write_csv_atomic`` (the listing itself is synthetic here;
   reading real tar headers is I/O bound and measured by the product's own tests).
-* **split step**: exactly ``imagenet-ddp split`` (``cli.cmd_split``): read the index CSV,
+* **split step**: exactly ``imagenet-ddp split`` (``split.split_index``): read the index CSV,
   ``split.stratified_split``, write train/holdout/class_counts CSVs and provenance.
 * **stratified_split** alone on the in-memory table.
 * **baseline**: the common recipe alone,
@@ -96,19 +96,10 @@ def child(phase: str, workdir: Path, num_classes: int, total: int) -> dict:
         write_csv_atomic(workdir / "index" / "train.csv", train)
         result["seconds"] = time.perf_counter() - started
     elif phase == "split":
-        import argparse
-
-        from imagenet_ddp.cli import cmd_split
+        from imagenet_ddp.split import split_index
 
         started = time.perf_counter()
-        cmd_split(
-            argparse.Namespace(
-                index_dir=workdir / "index",
-                holdout_fraction=0.1,
-                seed=0,
-                out_dir=workdir / "split",
-            )
-        )
+        split_index(workdir / "index", workdir / "split", holdout_fraction=0.1, seed=0)
         result["seconds"] = time.perf_counter() - started
     elif phase == "stratified_split":
         import pandas as pd
@@ -193,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     scale = "" if total == IMAGENET_TRAIN else f" (scaled: {total:,})"
     rows = [
         {
-            "metric": "split step (cmd_split), s",
+            "metric": "split step (split_index), s",
             "ours": sec["split"],
             "baseline": sec["baseline"],
             "unit": "s",

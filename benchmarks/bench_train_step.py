@@ -90,24 +90,16 @@ def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def run_ours(tmp: Path, prepared: Path, split: Path, cfg: dict, tag: str) -> list[float]:
+    from imagenet_ddp.job_spec import write_spec
+
     out_dir = tmp / f"ours-{tag}"
-    torchrun(
-        [
-            "-m",
-            "imagenet_ddp.train",
-            "--config-json",
-            json.dumps(cfg),
-            "--train-data",
-            str(prepared),
-            "--split-dir",
-            str(split),
-            "--out-dir",
-            str(out_dir),
-            "--checkpoint-root",
-            str(tmp / f"ckpt-{tag}"),  # fresh: never resume
-        ],
-        tmp,
-    )
+    paths = {
+        "split_dir": str(split),
+        "run_dir": str(out_dir),
+        "checkpoint_root": str(tmp / f"ckpt-{tag}"),  # fresh: never resume
+    }
+    spec = write_spec(tmp / f"spec-{tag}.json", {"kind": "train", "run": cfg, "paths": paths})
+    torchrun(["-m", "imagenet_ddp.train", "--spec", str(spec), "--train-data", str(prepared)], tmp)
     metrics = json.loads((out_dir / "train_metrics.json").read_text())
     return [e["images_per_s"] for e in metrics["epochs"]]
 

@@ -26,6 +26,9 @@ def _hang_guard():
     faulthandler.cancel_dump_traceback_later()
 
 
+# The prepare settings the fixtures and tests use where they do not test them.
+PREPARE_SETTINGS = {"quality": 90, "workers": 1, "on_corrupt": "fail"}
+
 DEMO_KWARGS = {
     "num_classes": 4,
     "train_per_class": 12,
@@ -71,6 +74,7 @@ def prepared_demo(demo_archives, demo_index, tmp_path_factory) -> dict[str, Path
             short_side=24,
             num_classes=len(classes),
             shard_samples=16,
+            **PREPARE_SETTINGS,
         )
     return out
 

@@ -90,8 +90,9 @@ def write_run_dir(
     (run_dir / "eval.json").write_text(
         json.dumps({"holdout": {"top1": 0.6, "top5": 0.8}, "test": {"top1": 0.58, "top5": 0.79}})
     )
-    (run_dir / "job.json").write_text(
-        json.dumps({"wall_seconds": 3600.0, "provenance": {"code": {"git_commit": "abc1234"}}})
+    (run_dir / "job.json").write_text(json.dumps({"wall_seconds": 3600.0}))
+    (run_dir / "model.pt.provenance.json").write_text(
+        json.dumps({"code": {"git_commit": "abc1234"}})
     )
     for node in range(nodes):
         (run_dir / "staging" / f"node{node}.json").write_text(

@@ -29,7 +29,13 @@ def test_missing_archive(writable_archives, tmp_path, capsys):
     (writable_archives / VAL_ARCHIVE).unlink()
     report = tmp_path / "report.json"
     code, err = run_cli(
-        capsys, "verify", "--data-dir", str(writable_archives), "--report", str(report)
+        capsys,
+        "verify",
+        "--data-dir",
+        str(writable_archives),
+        "--report",
+        str(report),
+        "--check-md5",
     )
     assert code == 2 and VAL_ARCHIVE in err and "download" in err
     assert not report.exists()
@@ -40,7 +46,13 @@ def test_truncated_archive(writable_archives, tmp_path, capsys):
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     report = tmp_path / "report.json"
     code, err = run_cli(
-        capsys, "verify", "--data-dir", str(writable_archives), "--report", str(report)
+        capsys,
+        "verify",
+        "--data-dir",
+        str(writable_archives),
+        "--report",
+        str(report),
+        "--check-md5",
     )
     assert code == 2 and TRAIN_ARCHIVE in err and "download" in err.lower()
     assert not report.exists()
@@ -56,7 +68,13 @@ def test_md5_mismatch(writable_archives, tmp_path, capsys):
         + "\n"
     )
     code, err = run_cli(
-        capsys, "verify", "--data-dir", str(writable_archives), "--report", str(tmp_path / "r.json")
+        capsys,
+        "verify",
+        "--data-dir",
+        str(writable_archives),
+        "--report",
+        str(tmp_path / "r.json"),
+        "--check-md5",
     )
     assert code == 2 and VAL_ARCHIVE in err and "0" * 32 in err
 
@@ -136,6 +154,10 @@ def test_corrupt_jpeg_in_a_class_tar(writable_archives, tmp_path, capsys, mode):
         "24",
         "--shard-samples",
         "16",
+        "--quality",
+        "90",
+        "--workers",
+        "1",
         "--on-corrupt",
         mode,
     )
@@ -180,7 +202,7 @@ def test_scratch_too_small(prepared_demo, tmp_path, monkeypatch):
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(stage.shutil, "disk_usage", lambda path: usage._replace(free=1000))
     with pytest.raises(InputError, match="scratch_dir|SLURM_TMPDIR"):
-        stage.stage_dataset(prepared_demo["train"], tmp_path / "scratch")
+        stage.stage_dataset(prepared_demo["train"], tmp_path / "scratch", verify="size")
     assert not list((tmp_path / "scratch").rglob("*.tar"))
 
 
@@ -270,8 +292,8 @@ def test_concurrent_writers_of_one_prepared_dataset_are_excluded(demo_archives, 
 
     def prepare_args(out: Path) -> list[str]:
         return ["prepare", "--data-dir", str(demo_archives), "--index-dir", str(index_dir),
-                "--which", "train", "--out", str(out), "--short-side", "24",
-                "--shard-samples", "16"]  # fmt: skip
+                "--which", "train", "--out", str(out), "--short-side", "24", "--quality", "90",
+                "--workers", "1", "--on-corrupt", "fail", "--shard-samples", "16"]  # fmt: skip
 
     argv = [sys.executable, "-m", "imagenet_ddp.cli", *prepare_args(shared)]
     writers = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(2)]

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from imagenet_ddp import plots
+from imagenet_ddp import cli, plots
 from imagenet_ddp.aggregate import COLUMNS, aggregate_runs
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import write_csv_atomic
@@ -240,7 +240,7 @@ def test_main_cli_writes_figures(tmp_path):
     argv = ["--runs-csv", str(csv), "--run-dirs", *map(str, run_dirs)]
     for name, path in outputs.items():
         argv += [f"--{name.replace('_', '-')}", str(path)]
-    assert plots.main(argv) == 0
+    assert cli.main(["plots", *argv]) == 0
     _assert_images(outputs, ".png")
 
 
@@ -269,7 +269,7 @@ def test_cost_figure_draws_measured_runs_only(tmp_path, monkeypatch):
 
 def _run_module(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "imagenet_ddp.plots", *args], capture_output=True, text=True
+        [sys.executable, "-m", "imagenet_ddp.cli", "plots", *args], capture_output=True, text=True
     )
 
 

@@ -11,6 +11,7 @@ from imagenet_ddp.cli import main
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.prepare import join_chunks
 from imagenet_ddp.prepared import prepare_split
+from tests.conftest import PREPARE_SETTINGS
 
 
 def _tree(root):
@@ -26,7 +27,8 @@ def index_dir(demo_archives, tmp_path):
 
 def _args(demo_archives, index_dir, which="train"):
     return ["--data-dir", str(demo_archives), "--index-dir", str(index_dir), "--which", which,
-            "--short-side", "24", "--shard-samples", "3", "--workers", "2"]  # fmt: skip
+            "--short-side", "24", "--shard-samples", "3", "--workers", "2", "--quality", "90",
+            "--on-corrupt", "fail"]  # fmt: skip
 
 
 @pytest.mark.parametrize("which", ["train", "val"])
@@ -80,6 +82,7 @@ def test_an_index_without_offsets_or_with_wrong_ones_is_never_misread(
     moved.loc[5, "offset"] += 512  # the next member's place: a real JPEG, the wrong one
     with pytest.raises(InputError, match="has another size or place .*rebuild the index"):
         prepare_split(
-            demo_archives, moved, out, which="train", short_side=16, num_classes=4, shard_samples=8
-        )
+            demo_archives, moved, out, which="train", short_side=16, num_classes=4, shard_samples=8,
+            **PREPARE_SETTINGS,
+        )  # fmt: skip
     assert not out.exists()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from imagenet_ddp.job_spec import write_spec
 from imagenet_ddp.train import EXIT_REQUEUE
 from tests.workflow_helpers import output_within
 
@@ -51,6 +52,12 @@ def torchrun(
     nproc: int = 2,
     threads: int = 1,
 ):
+    spec = {
+        "kind": "train",
+        "run": config or CONFIG,
+        "paths": {"split_dir": str(split), "run_dir": str(out), "checkpoint_root": str(ckpt)},
+    }
+    spec_path = write_spec(out.parent / f"{out.name}-job_spec.json", spec)
     argv = [
         sys.executable,
         "-m",
@@ -59,16 +66,10 @@ def torchrun(
         f"--nproc-per-node={nproc}",
         "-m",
         "imagenet_ddp.train",
-        "--config-json",
-        json.dumps(config or CONFIG),
+        "--spec",
+        str(spec_path),
         "--train-data",
         str(prepared),
-        "--split-dir",
-        str(split),
-        "--out-dir",
-        str(out),
-        "--checkpoint-root",
-        str(ckpt),
         *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -205,12 +206,13 @@ def test_synthetic_mode_trains_on_a_fixed_batch(prepared_demo, split_dir, tmp_pa
 
 def launch(prepared: Path, split: Path, work: Path, config: dict, *, tasks: int, cpus: int):
     """The real launcher (`imagenet-ddp train --launcher local`), in its own process group."""
+    geometry = {"nodes": 1, "tasks_per_node": tasks, "cpus_per_task": cpus}
     argv = [
         sys.executable, "-m", "imagenet_ddp.cli", "train", "--launcher", "local",
-        "--nodes", "1", "--tasks-per-node", str(tasks), "--cpus-per-task", str(cpus),
-        "--run-config-json", json.dumps(config), "--prepared-train", str(prepared),
-        "--split-dir", str(split), "--run-dir", str(work / "run"),
-        "--checkpoint-root", str(work / "ckpt"), "--scratch-dir", str(work / "scratch"),
+        "--run-config-json", json.dumps({**config, **geometry}),
+        "--prepared-train", str(prepared), "--split-dir", str(split),
+        "--run-dir", str(work / "run"), "--checkpoint-root", str(work / "ckpt"),
+        "--scratch-dir", str(work / "scratch"), "--stage-verify", "size", "--cleanup",
     ]  # fmt: skip
     return subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True

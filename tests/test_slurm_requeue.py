@@ -32,12 +32,13 @@ LONG = {
 
 
 def submit(cluster, work: Path, prepared: Path, split: Path, *sbatch: str) -> int:
+    geometry = {"nodes": 2, "tasks_per_node": 1, "cpus_per_task": CPUS}
     argv = [
         sys.executable, "-m", "imagenet_ddp.cli", "train", "--launcher", "srun",
-        "--nodes", "2", "--tasks-per-node", "1", "--cpus-per-task", str(CPUS),
-        "--run-config-json", json.dumps(LONG), "--prepared-train", str(prepared),
+        "--run-config-json", json.dumps({**LONG, **geometry}), "--prepared-train", str(prepared),
         "--split-dir", str(split), "--run-dir", str(work / "run"),
         "--checkpoint-root", str(work / "checkpoints"), "--scratch-dir", str(work / "scratch"),
+        "--stage-verify", "size", "--cleanup",
     ]  # fmt: skip
     script = work / "train.sh"
     script.write_text(f"#!/bin/bash\nexec {shlex.join(argv)}\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 import shutil
 import subprocess
@@ -12,6 +13,19 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
+
+
+def with_schema_defaults(config: dict) -> dict:
+    """A copy of ``config`` with the schema's defaults filled in, as workflow/rules/common.smk
+    validates it; ``runs`` stay as written (common.smk merges them over train_defaults)."""
+    from snakemake.utils import validate
+
+    filled = copy.deepcopy(config)
+    validate(filled, str(SCHEMA))
+    filled["runs"] = copy.deepcopy(config["runs"])
+    return filled
+
 
 # Small enough for 2 CPU cores, large enough that a ResNet-18 learns well above chance.
 TINY_CONFIG_OVERRIDES = {

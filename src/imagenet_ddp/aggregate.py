@@ -14,6 +14,8 @@ from typing import Any
 
 import pandas as pd
 
+from imagenet_ddp.provenance import provenance_path
+
 # What a run cost (imagenet_ddp.cost, imagenet_ddp.telemetry, imagenet_ddp.accounting); empty
 # where not measured (no GPU, no SLURM, files from before), never zero. README "Cost and
 # efficiency" says what each includes.
@@ -136,6 +138,7 @@ def run_row(run_dir: Path) -> dict[str, Any]:
     train = json.loads((run_dir / "train_metrics.json").read_text())
     evaluation = json.loads((run_dir / "eval.json").read_text())
     job = json.loads((run_dir / "job.json").read_text())
+    provenance = json.loads(provenance_path(run_dir / "model.pt").read_text())
     staging = [json.loads(p.read_text()) for p in sorted((run_dir / "staging").glob("*.json"))]
     cfg = train["config"]
     gpus = sum(1 for r in train["ranks"] if r["device"].startswith("cuda"))
@@ -166,7 +169,7 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         "test_top5": evaluation["test"]["top5"],
         "wall_seconds": job["wall_seconds"],
         **cost_row(train.get("cost"), _read_optional(run_dir / "accounting.json")),
-        "git_commit": job["provenance"]["code"].get("git_commit", "unknown"),
+        "git_commit": provenance["code"].get("git_commit", "unknown"),
     }
 
 

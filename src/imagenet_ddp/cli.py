@@ -1,6 +1,9 @@
 """``imagenet-ddp``: one subcommand per workflow stage. The Snakemake rules call these.
 
-Every stage writes its artifact atomically and a ``*.provenance.json`` beside it. A bad input
+Each subcommand parses its arguments and calls its stage's function (split.split_index,
+jobs.train_job, jobs.evaluate_job, plots.make_plots, ...); the small stages (demo-data, verify,
+index, aggregate) also write their artifact here. Every stage writes its artifact atomically
+and its provenance beside it (:func:`imagenet_ddp.provenance.provenance_path`). A bad input
 raises :class:`InputError`, printed as one line that names the file and what to do (exit 2).
 """
 
@@ -9,12 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 from imagenet_ddp.errors import InputError
+from imagenet_ddp.eval_settings import eval_settings
 from imagenet_ddp.io import atomic_path, write_csv_atomic, write_json_atomic, write_text_atomic
-from imagenet_ddp.provenance import provenance_record, write_provenance
+from imagenet_ddp.provenance import provenance_path, write_provenance
+
+# What an evaluation uses for a setting not given: one node, one CPU rank (eval_settings).
+EVAL_DEFAULTS = eval_settings(None, {})
 
 
 def cmd_demo_data(args: argparse.Namespace) -> None:
@@ -37,7 +43,7 @@ def cmd_verify(args: argparse.Namespace) -> None:
     report = verify_archives(args.data_dir, check_md5=args.check_md5)
     write_json_atomic(args.report, report)
     write_provenance(
-        Path(str(args.report) + ".provenance.json"),
+        provenance_path(args.report),
         "verify",
         {"data_dir": str(args.data_dir), "check_md5": args.check_md5},
     )
@@ -51,7 +57,7 @@ def cmd_index(args: argparse.Namespace) -> None:
     for name, frame in (("classes", classes), ("train", train), ("val", val)):
         write_csv_atomic(args.out_dir / f"{name}.csv", frame)
     write_provenance(
-        args.out_dir / "provenance.json",
+        provenance_path(args.out_dir),
         "index",
         {"data_dir": str(args.data_dir)},
         extra={"counts": {"classes": len(classes), "train": len(train), "val": len(val)}},
@@ -59,33 +65,9 @@ def cmd_index(args: argparse.Namespace) -> None:
 
 
 def cmd_split(args: argparse.Namespace) -> None:
-    import pandas as pd
+    from imagenet_ddp.split import split_index
 
-    from imagenet_ddp.split import stratified_split
-
-    train = pd.read_csv(args.index_dir / "train.csv", keep_default_na=False)
-    train_part, holdout = stratified_split(train, args.holdout_fraction, args.seed)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_csv_atomic(args.out_dir / "train.csv", train_part)
-    write_csv_atomic(args.out_dir / "holdout.csv", holdout)
-    counts = (
-        pd.DataFrame(
-            {
-                "train": train_part.groupby("class_index").size(),
-                "holdout": holdout.groupby("class_index").size(),
-            }
-        )
-        .fillna(0)
-        .astype(int)
-    )
-    write_csv_atomic(args.out_dir / "class_counts.csv", counts.reset_index())
-    write_provenance(
-        args.out_dir / "provenance.json",
-        "split",
-        {"holdout_fraction": args.holdout_fraction},
-        seeds={"split": args.seed},
-        extra={"counts": {"train": len(train_part), "holdout": len(holdout)}},
-    )
+    split_index(args.index_dir, args.out_dir, args.holdout_fraction, args.seed)
 
 
 def _prepare_settings(args: argparse.Namespace) -> dict:
@@ -142,9 +124,9 @@ def _add_prepare_parsers(sub) -> None:
             p.add_argument("--chunks", type=int, required=True)
             p.add_argument("--chunk-dir", type=Path, required=True)
         p.add_argument("--short-side", type=int, required=True)
-        p.add_argument("--quality", type=int, default=90)
-        p.add_argument("--workers", type=int, default=1)
-        p.add_argument("--on-corrupt", choices=["fail", "skip"], default="fail")
+        p.add_argument("--quality", type=int, required=True)
+        p.add_argument("--workers", type=int, required=True)
+        p.add_argument("--on-corrupt", choices=["fail", "skip"], required=True)
         p.add_argument("--shard-samples", type=int, required=True)
         p.set_defaults(func=func)
     p = sub.add_parser("prepare-join", help="join the K prepare-chunk outputs into one copy")
@@ -154,93 +136,31 @@ def _add_prepare_parsers(sub) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from imagenet_ddp.launch import Geometry, run_job
+    from imagenet_ddp.jobs import execution_settings, train_job
 
-    run_config = json.loads(args.run_config_json)
-    geometry = Geometry(args.nodes, args.tasks_per_node, args.cpus_per_task)
-    # The worker checks the ranks that started against this geometry and keys checkpoints by it.
-    worker_config = {
-        **run_config,
-        "nodes": args.nodes,
-        "tasks_per_node": args.tasks_per_node,
-        "cpus_per_task": args.cpus_per_task,
-    }
-    worker_args = [
-        "--config-json",
-        json.dumps(worker_config, sort_keys=True),
-        "--split-dir",
-        str(args.split_dir),
-        "--out-dir",
-        str(args.run_dir),
-        "--checkpoint-root",
-        str(args.checkpoint_root),
-    ]
-    started = time.time()
-    code = run_job(
-        launcher=args.launcher,
-        geometry=geometry,
+    return train_job(
+        args.run_config_json,
         prepared_train=args.prepared_train,
-        scratch_dir=args.scratch_dir,
+        split_dir=args.split_dir,
         run_dir=args.run_dir,
-        stage_verify=args.stage_verify,
-        cleanup=args.cleanup,
-        worker_args=worker_args,
-        srun_extra=args.srun_extra.split() if args.srun_extra else None,
-    )
-    if code != 0:
-        return code
-    job = {
-        "launcher": args.launcher,
-        "nodes": args.nodes,
-        "tasks_per_node": args.tasks_per_node,
-        "cpus_per_task": args.cpus_per_task,
-        "wall_seconds": time.time() - started,
-        "provenance": provenance_record(
-            "train", run_config, seeds={"train": run_config.get("seed", 0)}
+        checkpoint_root=args.checkpoint_root,
+        execution=execution_settings(
+            args.launcher, args.srun_extra, args.scratch_dir, args.stage_verify, args.cleanup
         ),
-    }
-    write_json_atomic(args.run_dir / "job.json", job)
-    return 0
+    )
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    """Start the evaluation's ranks through the training launcher; rank 0 writes the outputs."""
-    from imagenet_ddp.launch import Geometry, launch_ranks
+    from imagenet_ddp.jobs import evaluate_job, execution_settings
 
-    geometry = {
-        "nodes": args.nodes,
-        "tasks_per_node": args.tasks_per_node,
-        "cpus_per_task": args.cpus_per_task,
-        "gpus_per_node": args.gpus_per_node,
+    keys = {
+        "paths": ("model", "prepared_train", "prepared_val", "split_dir", "classes", "out"),
+        "geometry": ("nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node"),
+        "settings": ("batch_size", "workers", "device"),
     }
-    rank = [sys.executable, "-m", "imagenet_ddp.launch", "evaluate-worker", "--"]
-    for flag in ("model", "prepared_train", "prepared_val", "split_dir", "classes", "out"):
-        rank += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    rank += [
-        "--per-class",
-        str(args.per_class),
-        "--geometry-json",
-        json.dumps(geometry),
-        "--batch-size",
-        str(args.batch_size),
-        "--workers",
-        str(args.workers),
-        "--device",
-        args.device,
-    ]
-    started = time.time()
-    code, _ = launch_ranks(
-        args.launcher,
-        Geometry(args.nodes, args.tasks_per_node, args.cpus_per_task),
-        rank,
-        args.srun_extra.split() if args.srun_extra else None,
-    )
-    if code != 0:
-        return code
-    result = json.loads(args.out.read_text())
-    result["evaluation"]["job_wall_seconds"] = time.time() - started
-    write_json_atomic(args.out, result)
-    return 0
+    parts = {part: {key: getattr(args, key) for key in names} for part, names in keys.items()}
+    parts["paths"]["per_class"] = args.per_class
+    return evaluate_job(**parts, execution=execution_settings(args.launcher, args.srun_extra))
 
 
 def cmd_aggregate(args: argparse.Namespace) -> None:
@@ -250,10 +170,45 @@ def cmd_aggregate(args: argparse.Namespace) -> None:
     write_csv_atomic(args.csv, table)
     write_text_atomic(args.markdown, to_markdown(table))
     write_provenance(
-        Path(str(args.csv) + ".provenance.json"),
+        provenance_path(args.csv),
         "aggregate",
         {"run_dirs": [str(d) for d in args.run_dirs]},
     )
+
+
+def cmd_plots(args: argparse.Namespace) -> None:
+    from imagenet_ddp.plots import make_plots
+
+    make_plots(
+        args.runs_csv,
+        args.run_dirs,
+        throughput=args.throughput,
+        efficiency=args.efficiency,
+        curves=args.curves,
+        per_class=args.per_class,
+        cost=args.cost,
+    )
+
+
+def _add_plots_parser(sub) -> None:
+    p = sub.add_parser("plots", help="throughput, scaling, training curves, per-class figures")
+    p.add_argument("--runs-csv", type=Path, required=True, help="aggregate runs.csv")
+    p.add_argument(
+        "--run-dirs",
+        type=Path,
+        nargs="+",
+        required=True,
+        help="run directories holding history.csv and per_class.csv",
+    )
+    for name, text in (
+        ("throughput", "throughput vs workers"),
+        ("efficiency", "scaling efficiency vs workers"),
+        ("curves", "loss and accuracy per epoch"),
+        ("per-class", "per-class test top-1 spread"),
+    ):
+        p.add_argument(f"--{name}", type=Path, required=True, help=f"{text} (.png or .svg)")
+    p.add_argument("--cost", type=Path, help="throughput vs cost per epoch and energy")
+    p.set_defaults(func=cmd_plots)
 
 
 def _add_evaluate_parser(sub) -> None:
@@ -265,35 +220,43 @@ def _add_evaluate_parser(sub) -> None:
     p.add_argument("--classes", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--per-class", type=Path, required=True)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--workers", default="auto", help="loader workers per rank; auto = cpus - 1")
-    p.add_argument("--device", default="auto")
+    # Defaults for use by hand: eval_settings' (the workflow passes every one of them).
+    for name, kind, text in (
+        ("batch-size", int, "images per rank and batch"),
+        ("workers", _workers, "loader workers per rank; auto = cpus - 1"),
+        ("nodes", int, "nodes"),
+        ("tasks-per-node", int, "ranks per node"),
+        ("cpus-per-task", int, "CPUs (threads) per rank"),
+        ("gpus-per-node", int, "GPUs per node; 0 = CPU"),
+    ):
+        default = EVAL_DEFAULTS[name.replace("-", "_")]
+        p.add_argument(f"--{name}", type=kind, default=default, help=f"{text} (default {default})")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--launcher", choices=["local", "srun"], default="local")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--tasks-per-node", type=int, default=1)
-    p.add_argument("--cpus-per-task", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=0)
     p.add_argument("--srun-extra", default="", help="extra srun flags, space separated")
     p.set_defaults(func=cmd_evaluate)
+
+
+def _workers(value: str) -> int | str:
+    return value if value == "auto" else int(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="imagenet-ddp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
+    # Workflow settings have no defaults here: their one home is the workflow's schema, and the
+    # rules pass every one of them.
     p = sub.add_parser("demo-data", help="write a small synthetic ILSVRC2012 in the real layout")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--num-classes", type=int, default=10)
-    p.add_argument("--train-per-class", type=int, default=100)
-    p.add_argument("--val-per-class", type=int, default=10)
-    p.add_argument("--image-size", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    for name in ("num-classes", "train-per-class", "val-per-class", "image-size", "seed"):
+        p.add_argument(f"--{name}", type=int, required=True)
     p.set_defaults(func=cmd_demo_data)
 
     p = sub.add_parser("verify", help="check the archives' structure and md5")
     p.add_argument("--data-dir", type=Path, required=True)
     p.add_argument("--report", type=Path, required=True)
-    p.add_argument("--check-md5", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--check-md5", action=argparse.BooleanOptionalAction, required=True)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("index", help="list every train/val sample without extracting")
@@ -311,18 +274,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prepare_parsers(sub)
 
     p = sub.add_parser("train", help="stage data on every node and run DDP training")
-    p.add_argument("--launcher", choices=["local", "srun"], required=True)
-    p.add_argument("--run-config-json", required=True)
+    p.add_argument(
+        "--run-config-json",
+        type=json.loads,
+        required=True,
+        help="the run's settings, geometry (nodes, tasks_per_node, cpus_per_task, "
+        "gpus_per_node) included",
+    )
     p.add_argument("--prepared-train", type=Path, required=True)
     p.add_argument("--split-dir", type=Path, required=True)
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--checkpoint-root", type=Path, required=True)
+    p.add_argument("--launcher", choices=["local", "srun"], required=True)
     p.add_argument("--scratch-dir", type=Path, required=True)
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--tasks-per-node", type=int, default=1)
-    p.add_argument("--cpus-per-task", type=int, default=1)
-    p.add_argument("--stage-verify", choices=["size", "sha256"], default="size")
-    p.add_argument("--cleanup", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--stage-verify", choices=["size", "sha256"], required=True)
+    p.add_argument("--cleanup", action=argparse.BooleanOptionalAction, required=True)
     p.add_argument("--srun-extra", default="", help="extra srun flags, space separated")
     p.set_defaults(func=cmd_train)
 
@@ -333,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", type=Path, required=True)
     p.add_argument("--markdown", type=Path, required=True)
     p.set_defaults(func=cmd_aggregate)
+
+    _add_plots_parser(sub)
     return parser
 
 

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from imagenet_ddp.distributed import all_reduce_sum
+from imagenet_ddp.eval_settings import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS
 from imagenet_ddp.signals import ignore_stop_signals, loader_context, stop_signals_blocked
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -147,8 +148,8 @@ def evaluate_run(
     prepared_val,
     holdout_ids_csv,
     geometry: dict[str, int],
-    batch_size: int = 128,
-    workers: int | str = "auto",
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    workers: int | str = DEFAULT_WORKERS,
     device: str = "auto",
 ) -> dict[str, Any]:
     """Evaluate a trained model on the holdout split and on the test set (official val).
@@ -235,7 +236,7 @@ def write_outputs(result: dict[str, Any], *, classes, out, per_class_csv, proven
     import pandas as pd
 
     from imagenet_ddp.io import write_csv_atomic, write_json_atomic
-    from imagenet_ddp.provenance import write_provenance
+    from imagenet_ddp.provenance import provenance_path, write_provenance
 
     table = pd.read_csv(classes, keep_default_na=False)
     per_class = table[["class_index", "wnid", "words"]].copy()
@@ -245,42 +246,39 @@ def write_outputs(result: dict[str, Any], *, classes, out, per_class_csv, proven
         result[name].pop("per_class_correct")
     write_csv_atomic(per_class_csv, per_class)
     write_json_atomic(out, result)
-    write_provenance(Path(str(out) + ".provenance.json"), "evaluate", provenance)
+    write_provenance(provenance_path(out), "evaluate", provenance)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """One evaluation rank (started by ``imagenet-ddp evaluate`` through the launcher)."""
+    """One evaluation rank (started by ``imagenet-ddp evaluate`` through the launcher); all it
+    needs is in the job spec (:mod:`imagenet_ddp.job_spec`)."""
     import argparse
-    import json
+
+    from imagenet_ddp.distributed import dist_info_from_env
+    from imagenet_ddp.job_spec import read_spec
 
     parser = argparse.ArgumentParser(description="evaluation rank (one per device)")
-    for name in ("model", "prepared-train", "prepared-val", "split-dir", "classes", "out"):
-        parser.add_argument(f"--{name}", type=Path, required=True)
-    parser.add_argument("--per-class", type=Path, required=True)
-    parser.add_argument("--geometry-json", required=True, help="nodes, tasks_per_node, ...")
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--workers", default="auto", help="loader workers per rank, or auto")
-    parser.add_argument("--device", default="auto")
-    args = parser.parse_args(argv)
+    parser.add_argument("--spec", type=Path, required=True, help="the job spec file")
+    spec = read_spec(parser.parse_args(argv).spec, "evaluate")
+    paths, settings = spec["paths"], spec["settings"]
+    workers = settings["workers"]
     result = evaluate_run(
-        model_path=args.model,
-        prepared_train=args.prepared_train,
-        prepared_val=args.prepared_val,
-        holdout_ids_csv=args.split_dir / "holdout.csv",
-        geometry=json.loads(args.geometry_json),
-        batch_size=args.batch_size,
-        workers=args.workers if args.workers == "auto" else int(args.workers),
-        device=args.device,
+        model_path=paths["model"],
+        prepared_train=paths["prepared_train"],
+        prepared_val=paths["prepared_val"],
+        holdout_ids_csv=Path(paths["split_dir"]) / "holdout.csv",
+        geometry=spec["geometry"],
+        batch_size=settings["batch_size"],
+        workers=workers if workers == "auto" else int(workers),
+        device=settings["device"],
     )
-    from imagenet_ddp.distributed import dist_info_from_env
-
     if dist_info_from_env().rank == 0:
         write_outputs(
             result,
-            classes=args.classes,
-            out=args.out,
-            per_class_csv=args.per_class,
-            provenance={"model": str(args.model), "batch_size": args.batch_size},
+            classes=paths["classes"],
+            out=Path(paths["out"]),
+            per_class_csv=paths["per_class"],
+            provenance={"model": paths["model"], "batch_size": settings["batch_size"]},
         )
     return 0
 

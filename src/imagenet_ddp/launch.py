@@ -1,6 +1,7 @@
 """Run one training job: stage data on every node, start one worker per device, clean up.
 
-Evaluation starts its ranks through the same :func:`launch_ranks` (without staging).
+Evaluation starts its ranks through the same :func:`launch_ranks` (without staging). Every
+step and rank gets the path of the job's spec file (:mod:`imagenet_ddp.job_spec`), nothing else.
 Two launchers share this code path:
 - ``local``: one node; staging in this process, one worker process per rank started here
   (:func:`spawn_local_ranks`), with the variables torchrun would set.
@@ -8,7 +9,7 @@ Two launchers share this code path:
   one ``srun`` task per node, the workers are ``nodes x tasks_per_node`` srun tasks, each reading
   its rank from SLURM_PROCID/SLURM_LOCALID and deriving MASTER_ADDR/MASTER_PORT from the job.
 
-Each node writes ``<run_dir>/staging/<host>.json``; workers read the copy their host staged.
+Each node writes ``<run_dir>/staging/<host>.json``; each rank reads the copy its host staged.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from imagenet_ddp.io import write_json_atomic
+from imagenet_ddp.job_spec import geometry_of, read_spec, staging_report_path
 from imagenet_ddp.signals import EXIT_REQUEUE, ForwardStopSignals
 from imagenet_ddp.stage import cleanup_staged, scratch_root_from_env, stage_dataset
 
@@ -65,26 +67,23 @@ def rendezvous_from_slurm_env() -> None:
         os.environ["MASTER_PORT"] = str(master_port(int(os.environ["SLURM_JOB_ID"])))
 
 
-def staging_report_path(run_dir: Path, host: str) -> Path:
-    return run_dir / "staging" / f"{host}.json"
-
-
-def stage_this_node(src: Path, scratch_dir: Path, run_dir: Path, verify: str) -> dict:
-    report = stage_dataset(src, scratch_root_from_env(scratch_dir), verify=verify)
-    write_json_atomic(staging_report_path(run_dir, report["host"]), report)
+def stage_this_node(spec: dict) -> dict:
+    paths, execution = spec["paths"], spec["execution"]
+    report = stage_dataset(
+        Path(paths["prepared_train"]),
+        scratch_root_from_env(Path(execution["scratch_dir"])),
+        verify=execution["stage_verify"],
+    )
+    write_json_atomic(staging_report_path(paths["run_dir"], report["host"]), report)
     return report
 
 
-def unstage_this_node(run_dir: Path) -> None:
-    path = staging_report_path(run_dir, socket.gethostname())
+def unstage_this_node(spec: dict) -> None:
+    path = staging_report_path(spec["paths"]["run_dir"], socket.gethostname())
     report = json.loads(path.read_text())
     cleanup_staged(Path(report["dest"]))
     report["cleaned"] = not Path(report["dest"]).exists()
     write_json_atomic(path, report)
-
-
-def staged_copy_for_this_host(run_dir: Path) -> Path:
-    return Path(json.loads(staging_report_path(run_dir, socket.gethostname()).read_text())["dest"])
 
 
 # Snakemake exports its job's thread count (all ranks' cores together) in each of these; a rank
@@ -131,50 +130,42 @@ def srun_argv(geometry: Geometry, *, per_node: bool, extra: list[str]) -> list[s
     ]
 
 
-def run_job(
-    *,
-    launcher: str,
-    geometry: Geometry,
-    prepared_train: Path,
-    scratch_dir: Path,
-    run_dir: Path,
-    stage_verify: str,
-    cleanup: bool,
-    worker_args: list[str],
-    srun_extra: list[str] | None = None,
-) -> int:
-    run_dir.mkdir(parents=True, exist_ok=True)
+def geometry_of_spec(spec: dict) -> Geometry:
+    shape = geometry_of(spec)
+    return Geometry(shape["nodes"], shape["tasks_per_node"], shape["cpus_per_task"])
+
+
+def _srun_extra(spec: dict) -> list[str]:
+    return spec["execution"]["srun_extra"].split()
+
+
+def run_training(spec_path: Path) -> int:
+    """Stage on every node, run the ranks, clean up: the exit code of the job.
+
+    Every step gets only ``spec_path`` (:mod:`imagenet_ddp.job_spec`) and reads the rest.
+    """
+    spec = read_spec(spec_path, "train")
+    geometry, execution = geometry_of_spec(spec), spec["execution"]
+    launcher, cleanup = execution["launcher"], execution["cleanup"]
     me = [sys.executable, "-m", "imagenet_ddp.launch"]
-    node_args = ["--run-dir", str(run_dir)]
+    on_spec = ["--spec", str(spec_path)]
+    worker = [*me, "worker", *on_spec]
     if launcher == "local":
         _check_local(geometry)
-        stage_this_node(prepared_train, scratch_dir, run_dir, stage_verify)
-        worker = [*me, "worker", *node_args, "--", *worker_args]
+        stage_this_node(spec)
         try:
             code, _ = launch_ranks(launcher, geometry, worker)
         finally:
             if cleanup:
-                unstage_this_node(run_dir)
+                unstage_this_node(spec)
         return code
 
-    extra = list(srun_extra or [])
-    stage = [
-        *srun_argv(geometry, per_node=True, extra=extra),
-        *me,
-        "stage-node",
-        *node_args,
-        "--src",
-        str(prepared_train),
-        "--scratch-dir",
-        str(scratch_dir),
-        "--verify",
-        stage_verify,
-    ]
+    extra = _srun_extra(spec)
+    stage = [*srun_argv(geometry, per_node=True, extra=extra), *me, "stage-node", *on_spec]
     code, signalled = _run_step(stage, geometry)
     if code != 0:
         return code
     try:
-        worker = [*me, "worker", *node_args, "--", *worker_args]
         code, signalled = launch_ranks(launcher, geometry, worker, extra)
     finally:
         if cleanup and signalled:
@@ -183,9 +174,22 @@ def run_job(
             print("stop signal received: node-local copies are left to the job's epilog")
         elif cleanup:
             _run(
-                [*srun_argv(geometry, per_node=True, extra=extra), *me, "unstage-node", *node_args],
+                [*srun_argv(geometry, per_node=True, extra=extra), *me, "unstage-node", *on_spec],
                 geometry,
             )
+    return code
+
+
+def run_evaluation(spec_path: Path) -> int:
+    """The evaluation's ranks, through the same launcher (nothing staged): its exit code."""
+    spec = read_spec(spec_path, "evaluate")
+    worker = [sys.executable, "-m", "imagenet_ddp.launch", "evaluate-worker"]
+    code, _ = launch_ranks(
+        spec["execution"]["launcher"],
+        geometry_of_spec(spec),
+        [*worker, "--spec", str(spec_path)],
+        _srun_extra(spec),
+    )
     return code
 
 
@@ -290,39 +294,31 @@ def _wait_for_ranks(procs: list[subprocess.Popen], grace_seconds: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Per-node entry points used by the launcher (not meant to be called by hand)."""
+    """Per-node and per-rank entry points used by the launcher (not meant to be called by hand);
+    each reads the job spec whose path it is given."""
     import argparse
 
-    from imagenet_ddp import train
-
     parser = argparse.ArgumentParser(prog="python -m imagenet_ddp.launch")
-    sub = parser.add_subparsers(dest="command", required=True)
-    stage = sub.add_parser("stage-node")
-    unstage = sub.add_parser("unstage-node")
-    worker = sub.add_parser("worker")
-    for p in (stage, unstage, worker):
-        p.add_argument("--run-dir", type=Path, required=True)
-    stage.add_argument("--src", type=Path, required=True)
-    stage.add_argument("--scratch-dir", type=Path, required=True)
-    stage.add_argument("--verify", default="size")
-    worker.add_argument("rest", nargs=argparse.REMAINDER)
-    evaluate = sub.add_parser("evaluate-worker")
-    evaluate.add_argument("rest", nargs=argparse.REMAINDER)
+    parser.add_argument(
+        "command", choices=["stage-node", "unstage-node", "worker", "evaluate-worker"]
+    )
+    parser.add_argument("--spec", type=Path, required=True, help="the job spec file")
     args = parser.parse_args(argv)
     if args.command == "stage-node":
-        stage_this_node(args.src, args.scratch_dir, args.run_dir, args.verify)
+        stage_this_node(read_spec(args.spec, "train"))
         return 0
     if args.command == "unstage-node":
-        unstage_this_node(args.run_dir)
+        unstage_this_node(read_spec(args.spec, "train"))
         return 0
     if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
         rendezvous_from_slurm_env()
-    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
     if args.command == "evaluate-worker":  # reads the shared prepared copy: nothing staged
         from imagenet_ddp import evaluate as evaluation
 
-        return evaluation.main(rest)
-    return train.main([*rest, "--train-data", str(staged_copy_for_this_host(args.run_dir))])
+        return evaluation.main(["--spec", str(args.spec)])
+    from imagenet_ddp import train
+
+    return train.main(["--spec", str(args.spec)])  # it reads the copy its host staged
 
 
 if __name__ == "__main__":

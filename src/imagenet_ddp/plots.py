@@ -4,15 +4,13 @@ Inputs are the aggregate table (``results/aggregate/runs.csv``) and each run's `
 and ``per_class.csv``. Every figure is written atomically; the format follows the output's
 suffix (``.png`` or ``.svg``), and reruns on the same inputs write byte-identical files.
 
-    python -m imagenet_ddp.plots --runs-csv results/aggregate/runs.csv \\
+    imagenet-ddp plots --runs-csv results/aggregate/runs.csv \\
         --run-dirs results/runs/a results/runs/b \\
         --throughput t.png --efficiency e.png --curves c.png --per-class p.png
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -533,48 +531,3 @@ def make_plots(
     plot_per_class(per_class_tables, per_class)
     if cost is not None:
         plot_cost(table, cost)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m imagenet_ddp.plots", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--runs-csv", type=Path, required=True, help="aggregate runs.csv")
-    parser.add_argument(
-        "--run-dirs",
-        type=Path,
-        nargs="+",
-        required=True,
-        help="run directories holding history.csv and per_class.csv",
-    )
-    for name, text in (
-        ("throughput", "throughput vs workers"),
-        ("efficiency", "scaling efficiency vs workers"),
-        ("curves", "loss and accuracy per epoch"),
-        ("per-class", "per-class test top-1 spread"),
-    ):
-        parser.add_argument(f"--{name}", type=Path, required=True, help=f"{text} (.png or .svg)")
-    parser.add_argument("--cost", type=Path, help="throughput vs cost per epoch and energy")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        make_plots(
-            args.runs_csv,
-            args.run_dirs,
-            throughput=args.throughput,
-            efficiency=args.efficiency,
-            curves=args.curves,
-            per_class=args.per_class,
-            cost=args.cost,
-        )
-    except InputError as exc:
-        print(f"imagenet-ddp plots: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -32,7 +32,6 @@ from imagenet_ddp.prepared import (
     PREPARED_JSON,
     archive_of,
     check_index,
-    check_settings,
     chunk_shards,
     finish_prepared,
     num_shards,
@@ -96,7 +95,6 @@ def prepare(data_dir: Path, index_dir: Path, which: str, out: Path, **settings) 
 
     settings: short_side, quality, on_corrupt, shard_samples, workers.
     """
-    check_settings(**{k: v for k, v in settings.items() if k != "workers"})
     wanted = identity(index_dir, which, settings)
     with exclusive_lock(lock_path_for(out)):
         if is_prepared(out, wanted):
@@ -125,7 +123,6 @@ def prepare_chunk(
     """Job ``chunk`` of ``chunks``: convert its shard range into ``chunk_dir`` (atomically)."""
     if not 0 <= chunk < chunks:
         raise InputError(f"chunk {chunk} of {chunks}: use 0 <= chunk < chunks (prepare.jobs)")
-    check_settings(**settings)
     archive_of(data_dir, which)
     wanted = identity(index_dir, which, settings)
     index, num_classes = _read_inputs(index_dir, which)

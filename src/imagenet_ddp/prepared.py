@@ -70,7 +70,6 @@ SAMPLES_CSV = "samples.csv"
 PREPARED_JSON = "prepared.json"
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-_ON_CORRUPT = ("fail", "skip")
 _CHUNK = 16  # images per task sent to a worker
 
 
@@ -272,17 +271,6 @@ def chunk_shards(total_shards: int, chunk: int, chunks: int) -> range:
     return range(total_shards * chunk // chunks, total_shards * (chunk + 1) // chunks)
 
 
-def check_settings(*, short_side: int, quality: int, on_corrupt: str, shard_samples: int) -> None:
-    if on_corrupt not in _ON_CORRUPT:
-        raise InputError(f"prepare.on_corrupt is {on_corrupt!r}; use one of {_ON_CORRUPT}")
-    if short_side < 8:
-        raise InputError(f"prepare.short_side is {short_side}; use at least 8 (e.g. 160)")
-    if not 1 <= quality <= 100:
-        raise InputError(f"prepare.jpeg_quality is {quality}; use 1..100 (e.g. 90)")
-    if shard_samples < 1:
-        raise InputError(f"prepare.shard_samples is {shard_samples}; use at least 1")
-
-
 def archive_of(data_dir: Path, which: str) -> Path:
     """The archive holding the ``which`` images; InputError naming it when it is missing."""
     from imagenet_ddp.archives import TRAIN_ARCHIVE, VAL_ARCHIVE, require_archives
@@ -428,20 +416,18 @@ def prepare_split(
     short_side: int,
     num_classes: int,
     shard_samples: int,
-    quality: int = 90,
-    workers: int = 1,
-    on_corrupt: str = "fail",
+    quality: int,
+    workers: int,
+    on_corrupt: str,
 ) -> dict:
     """Write the prepared copy of ``index`` (a train/val table from ``build_index``) to out_dir.
 
     ``num_classes``: from classes.csv. Returns a summary: prepared.json's content plus
     ``out_dir``. With ``on_corrupt="skip"`` undecodable images are left out and listed under
-    ``skipped``. No lock, no reuse: :func:`imagenet_ddp.prepare.prepare` adds those.
+    ``skipped``. No lock, no reuse: :func:`imagenet_ddp.prepare.prepare` adds those. The
+    settings' defaults and allowed values are the workflow schema's, checked there once.
     """
     archive_of(data_dir, which)  # checks ``which``
-    check_settings(
-        short_side=short_side, quality=quality, on_corrupt=on_corrupt, shard_samples=shard_samples
-    )
     index = check_index(index, which)
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     settings = {

@@ -27,19 +27,6 @@ from pathlib import Path
 # Images in the ILSVRC2012 train archive (what `index` lists from the real archive).
 ILSVRC2012_TRAIN_IMAGES = 1_281_167
 
-# What training uses for a key neither the run nor train_defaults sets: train.TrainConfig's
-# defaults (not imported: that imports torch); the geometry keys the rules need anyway.
-RUN_DEFAULTS = {
-    "model": "resnet18",
-    "batch_size": 64,
-    "crop_size": 224,
-    "eval_resize": 256,
-    "device": "auto",
-    "nodes": 1,
-    "tasks_per_node": 1,
-    "gpus_per_node": 0,
-}
-
 
 def check_runs(
     runs: Mapping[str, Mapping],
@@ -50,15 +37,16 @@ def check_runs(
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> list[str]:
     """The problems of the resolved runs (``train_defaults`` merged with each run), one line
-    each, in run order; empty when every run can train. ``models``: the valid model names
-    (default: torchvision's classification models, cached in ``cache_dir`` if given)."""
+    each, in run order; empty when every run can train. ``config`` and ``runs`` have the
+    schema's defaults filled in (Snakemake's ``validate`` in common.smk), so a key no run sets
+    is judged by the default training uses. ``models``: the valid model names (default:
+    torchvision's classification models, cached in ``cache_dir`` if given)."""
     if models is None:
         models = classification_models(cache_dir)
-    short_side = config.get("prepare", {}).get("short_side", 160)
+    short_side = config["prepare"]["short_side"]
     sizes = split_sizes(config, workdir)
     problems = []
-    for name, settings in runs.items():
-        run = {**RUN_DEFAULTS, **settings}
+    for name, run in runs.items():
         found = [
             _model_problem(run, models),
             *_image_size_problems(run, short_side),
@@ -150,9 +138,9 @@ def split_sizes(config: Mapping, workdir: str | os.PathLike[str] = ".") -> tuple
     is the demo's classes x train_per_class, or the 1,281,167 images of the real archive.
     """
     fraction = config["split"]["holdout_fraction"]
-    demo = config.get("demo", {})
-    if demo.get("enabled", False):
-        classes, per_class = demo.get("num_classes", 10), demo.get("train_per_class", 100)
+    demo = config["demo"]
+    if demo["enabled"]:
+        classes, per_class = demo["num_classes"], demo["train_per_class"]
         n = classes * per_class
         where = f"demo.num_classes {classes} x demo.train_per_class {per_class}"
     else:
@@ -162,7 +150,7 @@ def split_sizes(config: Mapping, workdir: str | os.PathLike[str] = ".") -> tuple
     if all(path.is_file() for path in paths):
         train, holdout = (_csv_rows(path) for path in paths)
         total = train + holdout
-        same_data = total == n or not demo.get("enabled", False)
+        same_data = total == n or not demo["enabled"]
         if same_data and holdout == _holdout_count(total, fraction):
             return train, holdout, "results/split/train.csv"
     holdout = _holdout_count(n, fraction)

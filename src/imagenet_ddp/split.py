@@ -13,11 +13,15 @@ Vectorised: 1.28M rows / 1000 classes take about a second.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 from sklearn.model_selection import train_test_split
 
 from imagenet_ddp.errors import InputError
+from imagenet_ddp.io import write_csv_atomic
+from imagenet_ddp.provenance import provenance_path, write_provenance
 
 
 def stratified_split(
@@ -81,4 +85,33 @@ def stratified_split(
     return (
         ordered.iloc[np.sort(train_idx)].reset_index(drop=True),
         ordered.iloc[np.sort(valid_idx)].reset_index(drop=True),
+    )
+
+
+def split_index(index_dir: Path, out_dir: Path, holdout_fraction: float, seed: int) -> None:
+    """The ``split`` stage: train.csv, holdout.csv, class_counts.csv and provenance in
+    ``out_dir`` from ``index_dir/train.csv``."""
+    train = pd.read_csv(Path(index_dir) / "train.csv", keep_default_na=False)
+    train_part, holdout = stratified_split(train, holdout_fraction, seed)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_csv_atomic(out_dir / "train.csv", train_part)
+    write_csv_atomic(out_dir / "holdout.csv", holdout)
+    counts = (
+        pd.DataFrame(
+            {
+                "train": train_part.groupby("class_index").size(),
+                "holdout": holdout.groupby("class_index").size(),
+            }
+        )
+        .fillna(0)
+        .astype(int)
+    )
+    write_csv_atomic(out_dir / "class_counts.csv", counts.reset_index())
+    write_provenance(
+        provenance_path(out_dir),
+        "split",
+        {"holdout_fraction": holdout_fraction},
+        seeds={"split": seed},
+        extra={"counts": {"train": len(train_part), "holdout": len(holdout)}},
     )

@@ -30,7 +30,6 @@ from imagenet_ddp.io import (
 
 STAGE_DIR = "imagenet_ddp"
 MARKER = ".staged.json"
-_VERIFY = ("size", "sha256")
 
 
 def scratch_root_from_env(default: Path) -> Path:
@@ -114,10 +113,10 @@ def _is_complete(dest: Path, fp: str, files: list[tuple[str, int]]) -> bool:
     )
 
 
-def stage_dataset(src: Path, scratch_root: Path, *, verify: str = "size") -> dict:
-    """Copy ``src`` (a prepared dir) under ``scratch_root`` unless a verified copy is there."""
-    if verify not in _VERIFY:
-        raise InputError(f"stage.verify is {verify!r}; use one of {_VERIFY}")
+def stage_dataset(src: Path, scratch_root: Path, *, verify: str) -> dict:
+    """Copy ``src`` (a prepared dir) under ``scratch_root`` unless a verified copy is there.
+
+    ``verify``: ``size`` or ``sha256`` (stage.verify; the workflow's schema checks it)."""
     src, scratch_root = Path(src), Path(scratch_root)
     fp = fingerprint(src)
     dest = scratch_root / STAGE_DIR / fp / src.name

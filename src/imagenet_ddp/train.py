@@ -647,12 +647,17 @@ def _write_outputs(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """One rank of a training job: all it needs is in the job spec (imagenet_ddp.job_spec)."""
+    from imagenet_ddp.job_spec import read_spec, staged_copy
+
     parser = argparse.ArgumentParser(description="DDP training worker (one per device)")
-    parser.add_argument("--config-json", required=True, help="run configuration as JSON")
-    parser.add_argument("--train-data", type=Path, required=True, help="prepared train dir")
-    parser.add_argument("--split-dir", type=Path, required=True, help="train.csv/holdout.csv dir")
-    parser.add_argument("--out-dir", type=Path, required=True)
-    parser.add_argument("--checkpoint-root", type=Path, required=True)
+    parser.add_argument("--spec", type=Path, required=True, help="the job spec file")
+    parser.add_argument(
+        "--train-data",
+        type=Path,
+        default=None,
+        help="prepared train dir (default: the copy this host staged for the run)",
+    )
     parser.add_argument(
         "--stop-after-steps",
         type=int,
@@ -663,13 +668,14 @@ def main(argv: list[str] | None = None) -> int:
     # `kill -USR2 <pid>` (or `scancel --signal=USR2 <job>`) prints every thread's traceback:
     # where a rank of a job that seems stuck is waiting, without stopping it.
     faulthandler.register(signal.SIGUSR2, all_threads=True)
-    cfg = TrainConfig.from_dict(json.loads(args.config_json))
+    spec = read_spec(args.spec, "train")
+    paths = spec["paths"]
     return train(
-        cfg,
-        train_data=args.train_data,
-        split_dir=args.split_dir,
-        out_dir=args.out_dir,
-        checkpoint_root=args.checkpoint_root,
+        TrainConfig.from_dict(spec["run"]),
+        train_data=args.train_data or staged_copy(paths["run_dir"], D.dist_info_from_env().host),
+        split_dir=Path(paths["split_dir"]),
+        out_dir=Path(paths["run_dir"]),
+        checkpoint_root=Path(paths["checkpoint_root"]),
         stop_after_steps=args.stop_after_steps,
     )
 

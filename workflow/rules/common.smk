@@ -1,3 +1,4 @@
+import copy
 import json
 import os
 import signal
@@ -24,6 +25,11 @@ envvars:
     "PATH",
 
 
+# Validation fills in the schema's defaults, the one home of every setting's default: the rules
+# read config[...] directly. It fills each `runs` entry (and each sweep's `settings`) too, which
+# would then override train_defaults: runs are merged from their entries as written.
+RUN_ENTRIES = copy.deepcopy(config.get("runs") or [])
+SWEEP_ENTRIES = copy.deepcopy(config.get("sweep") or [])
 validate(config, "../schemas/config.schema.yaml")
 
 # Inside a SLURM job a warning signal (--signal=USR1@120) reaches every process of the step,
@@ -49,7 +55,9 @@ def _runs():
         schema = run_schema(yaml.safe_load(f))
     runs = {}
     try:
-        entries = expand_runs(config, schema)
+        entries = expand_runs(
+            {**config, "runs": RUN_ENTRIES, "sweep": SWEEP_ENTRIES}, schema
+        )
     except SweepError as error:
         raise WorkflowError(str(error)) from None
     for entry in entries:
@@ -70,7 +78,7 @@ if _problems:
 
 def data_dir():
     """The directory holding the ILSVRC2012 archives (the generated demo set if enabled)."""
-    if config.get("demo", {}).get("enabled", False):
+    if config["demo"]["enabled"]:
         return "resources/demo/ILSVRC2012"
     return config["data"]["dir"]
 
@@ -147,15 +155,15 @@ def run_dirs():
     return [f"results/runs/{name}" for name in RUNS]
 
 
-def execution_setting(section, key, default):
+def execution_setting(section, key):
     """Where/how a job runs. Passed as a resource, not a param: it does not change results,
     so it must not trigger a rerun, and a profile may override it with set-resources."""
-    return config.get(section, {}).get(key, default)
+    return config[section][key]
 
 
 # The image every job runs in with `--sdm apptainer` (ignored otherwise): built from
 # workflow/envs/imagenet-ddp.def. A local image that is missing fails here, at the dry-run.
-CONTAINER = config.get("container", {}).get("image", "imagenet-ddp.sif")
+CONTAINER = config["container"]["image"]
 if (
     DeploymentMethod.APPTAINER in workflow.deployment_settings.deployment_method
     and "://" not in CONTAINER
@@ -170,14 +178,14 @@ if (
 
 # The training-ready copy; point several workflows (or users) at one shared directory to
 # prepare ImageNet once: writers are excluded by a lock, readers only see complete copies.
-PREPARED_DIR = config.get("prepare", {}).get("dir", "results/prepared")
-CHECKPOINT_DIR = execution_setting("execution", "checkpoint_dir", "results/checkpoints")
+PREPARED_DIR = config["prepare"]["dir"]
+CHECKPOINT_DIR = execution_setting("execution", "checkpoint_dir")
 
 
 def md5sums_input(wildcards):
     """md5sums is optional for real data; the demo set always writes one."""
     path = f"{data_dir()}/md5sums"
-    if config.get("demo", {}).get("enabled", False) or os.path.exists(path):
+    if config["demo"]["enabled"] or os.path.exists(path):
         return [path]
     return []
 

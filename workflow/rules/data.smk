@@ -12,11 +12,11 @@ rule demo_data:
         CONTAINER
     params:
         out=lambda wildcards, output: os.path.dirname(output.train),
-        num_classes=config.get("demo", {}).get("num_classes", 10),
-        train_per_class=config.get("demo", {}).get("train_per_class", 100),
-        val_per_class=config.get("demo", {}).get("val_per_class", 10),
-        image_size=config.get("demo", {}).get("image_size", 64),
-        seed=config.get("demo", {}).get("seed", 0),
+        num_classes=config["demo"]["num_classes"],
+        train_per_class=config["demo"]["train_per_class"],
+        val_per_class=config["demo"]["val_per_class"],
+        image_size=config["demo"]["image_size"],
+        seed=config["demo"]["seed"],
     shell:
         "imagenet-ddp demo-data --out {params.out:q} --num-classes {params.num_classes}"
         " --train-per-class {params.train_per_class} --val-per-class {params.val_per_class}"
@@ -39,11 +39,7 @@ rule verify:
         CONTAINER
     params:
         data_dir=lambda wildcards, input: os.path.dirname(input.train),
-        check_md5=(
-            "--check-md5"
-            if config["data"].get("check_md5", True)
-            else "--no-check-md5"
-        ),
+        check_md5="--check-md5" if config["data"]["check_md5"] else "--no-check-md5",
     shell:
         "imagenet-ddp verify --data-dir {params.data_dir:q} --report {output.report:q}"
         " {params.check_md5} > {log:q} 2>&1"

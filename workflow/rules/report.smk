@@ -41,6 +41,7 @@ rule aggregate:
         evaluations=expand("results/runs/{run}/eval.json", run=RUNS),
         jobs=expand("results/runs/{run}/job.json", run=RUNS),
         accounting=expand("results/runs/{run}/accounting.json", run=RUNS),
+        provenances=expand("results/runs/{run}/model.pt.provenance.json", run=RUNS),
     output:
         csv=report(
             "results/aggregate/runs.csv",
@@ -106,10 +107,8 @@ rule plots:
         CONTAINER
     params:
         run_dirs=run_dirs(),
-    # `python` is the interpreter of the environment that runs Snakemake (common.smk puts its
-    # bin directory first on PATH) or of the rule's conda env; plots.py has its own entry point.
     shell:
-        "python -m imagenet_ddp.plots --runs-csv {input.runs:q} --run-dirs {params.run_dirs:q}"
+        "imagenet-ddp plots --runs-csv {input.runs:q} --run-dirs {params.run_dirs:q}"
         " --throughput {output.throughput:q} --efficiency {output.efficiency:q}"
         " --curves {output.curves:q} --per-class {output.per_class:q}"
         " --cost {output.cost:q} > {log:q} 2>&1"

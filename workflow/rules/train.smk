@@ -8,6 +8,7 @@ rule train:
         metrics="results/runs/{run}/train_metrics.json",
         history="results/runs/{run}/history.csv",
         job="results/runs/{run}/job.json",
+        provenance="results/runs/{run}/model.pt.provenance.json",
     log:
         "logs/train/{run}.log",
     conda:
@@ -20,7 +21,8 @@ rule train:
         * RUNS[wildcards.run]["cpus_per_task"]
     resources:
         # One SLURM task per GPU (rank) on every node; the rule launches them itself with srun,
-        # which the SLURM executor requires to be declared with the `mpi` resource.
+        # which the SLURM executor requires to be declared with the `mpi` resource. The
+        # geometry itself is a result (params.run_config), these only size the job.
         nodes=run_geometry("nodes"),
         tasks_per_node=slurm_resource("tasks_per_node"),
         tasks=slurm_resource("tasks"),
@@ -29,33 +31,30 @@ rule train:
         tasks_per_gpu=0,  # else the plugin adds --ntasks-per-gpu=<all tasks> to GPU jobs
         mpi=slurm_resource("mpi"),
         # Where and how it runs (not results, so not params): a profile may override these.
-        launcher=execution_setting("execution", "launcher", "local"),
-        srun_extra=execution_setting("execution", "srun_extra", ""),
-        scratch_dir=execution_setting("stage", "scratch_dir", "scratch"),
-        stage_verify=execution_setting("stage", "verify", "size"),
+        launcher=execution_setting("execution", "launcher"),
+        srun_extra=execution_setting("execution", "srun_extra"),
+        scratch_dir=execution_setting("stage", "scratch_dir"),
+        stage_verify=execution_setting("stage", "verify"),
         stage_cleanup=(
-            "cleanup" if execution_setting("stage", "cleanup", True) else "no-cleanup"
+            "cleanup" if execution_setting("stage", "cleanup") else "no-cleanup"
         ),
         checkpoint_root=lambda wildcards: f"{CHECKPOINT_DIR}/{wildcards.run}",
     params:
+        # The run's settings, geometry included; `imagenet-ddp train` writes them with the
+        # paths and the resources above into the job spec (<run dir>/job_spec.json), the one
+        # file every process of the job reads.
         run_config=run_training_json,
-        nodes=run_geometry("nodes"),
-        tasks_per_node=run_geometry("tasks_per_node"),
-        cpus_per_task=run_geometry("cpus_per_task"),
         run_dir=lambda wildcards, output: os.path.dirname(output.model),
         split_dir=lambda wildcards, input: os.path.dirname(input.split_train),
     # exec: the launcher replaces the rule's shell, which a stop signal would kill (SLURM
     # signals every process of the step) before the ranks have written their checkpoint.
     shell:
-        "exec imagenet-ddp train --launcher {resources.launcher}"
-        " --srun-extra={resources.srun_extra:q} --scratch-dir {resources.scratch_dir:q}"
-        " --stage-verify {resources.stage_verify} --{resources.stage_cleanup}"
-        " --checkpoint-root {resources.checkpoint_root:q}"
-        " --run-config-json {params.run_config:q}"
+        "exec imagenet-ddp train --run-config-json {params.run_config:q}"
         " --prepared-train {input.prepared:q} --split-dir {params.split_dir:q}"
-        " --run-dir {params.run_dir:q}"
-        " --nodes {params.nodes} --tasks-per-node {params.tasks_per_node}"
-        " --cpus-per-task {params.cpus_per_task} > {log:q} 2>&1"
+        " --run-dir {params.run_dir:q} --checkpoint-root {resources.checkpoint_root:q}"
+        " --launcher {resources.launcher} --srun-extra={resources.srun_extra:q}"
+        " --scratch-dir {resources.scratch_dir:q} --stage-verify {resources.stage_verify}"
+        " --{resources.stage_cleanup} > {log:q} 2>&1"
 
 
 # Evaluation runs like training: DDP ranks on the GPUs of `evaluate` geometry (config.yaml
@@ -89,8 +88,8 @@ rule evaluate:
         gres=slurm_resource("gres", eval_shape),
         tasks_per_gpu=0,  # else the plugin adds --ntasks-per-gpu=<all tasks> to GPU jobs
         mpi=slurm_resource("mpi", eval_shape),
-        launcher=execution_setting("execution", "launcher", "local"),
-        srun_extra=execution_setting("execution", "srun_extra", ""),
+        launcher=execution_setting("execution", "launcher"),
+        srun_extra=execution_setting("execution", "srun_extra"),
         eval_tasks_per_node=run_eval("tasks_per_node"),
         eval_gpus_per_node=run_eval("gpus_per_node"),
         eval_workers=run_eval("workers"),
