@@ -160,6 +160,9 @@ def _schema_keys() -> dict[str, object]:
     for section, spec in schema()["properties"].items():
         if section in ("train_defaults", "runs"):
             continue
+        if spec.get("type") == "array":  # sweep: a list, one README row (its keys: "Sweeps")
+            keys[section] = None
+            continue
         properties = spec.get("properties")
         if properties is None:  # evaluate: a $ref
             properties = schema()["definitions"]["eval_settings"]["properties"]
