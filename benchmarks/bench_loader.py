@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         PreparedImageDataset,
         train_transform,
     )
-    from imagenet_ddp.train import SeededAugmentation
+    from imagenet_ddp.training.data import SeededAugmentation
 
     torch.set_num_threads(1)
     settings = [(224, 256), (160, 176)]  # (crop, prepared short_side)
