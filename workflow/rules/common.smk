@@ -1,7 +1,10 @@
+import copy
 import json
 import os
 import signal
 import sys
+
+import yaml
 
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
@@ -9,12 +12,18 @@ from snakemake.utils import validate
 from imagenet_ddp.archives import DEVKIT_ARCHIVE, TRAIN_ARCHIVE, VAL_ARCHIVE
 from imagenet_ddp.eval_settings import eval_settings
 from imagenet_ddp.run_checks import check_runs, user_cache_dir
+from imagenet_ddp.training.presets import resolve_run, scaled_lr
 
 
 envvars:
     "PATH",
 
 
+# The runs as written, before validation fills in the schema's defaults: a preset (`recipe`)
+# must not be overridden by a default that nobody set (training/presets.py: who wins).
+_WRITTEN = copy.deepcopy(
+    {"train_defaults": config.get("train_defaults", {}), "runs": config.get("runs", [])}
+)
 validate(config, "../schemas/config.schema.yaml")
 
 # Inside a SLURM job a warning signal (--signal=USR1@120) reaches every process of the step,
@@ -30,15 +39,25 @@ os.environ["PATH"] = os.pathsep.join(
 )
 
 
+def _run_defaults():
+    """The schema's default of every run key that has one."""
+    with open(
+        os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml")
+    ) as f:
+        keys = yaml.safe_load(f)["definitions"]["run_settings"]["properties"]
+    return {k: v["default"] for k, v in keys.items() if "default" in v}
+
+
 def _runs():
     runs = {}
-    for entry in config["runs"]:
+    defaults = _run_defaults()
+    for entry in _WRITTEN["runs"]:
         if entry["name"] in runs:
             raise ValueError(
                 f"config.yaml: run name {entry['name']!r} appears twice under 'runs'; "
                 "give every run a unique name"
             )
-        runs[entry["name"]] = {**config["train_defaults"], **entry}
+        runs[entry["name"]] = resolve_run(defaults, _WRITTEN["train_defaults"], entry)
     return runs
 
 
@@ -76,6 +95,25 @@ def run_training_json(wildcards):
         "evaluate", None
     )  # where the run is evaluated does not change its weights
     return json.dumps(settings, sort_keys=True)
+
+
+# Not weights: how a run is executed or logged (the geometry is shown under resources).
+_NOT_HYPERPARAMETERS = {
+    "name", "evaluate", "workers", "device", "backend", "log_interval", "timeout_minutes",
+    "throughput_warmup_steps", "keep_checkpoints", "nodes", "tasks_per_node",
+    "cpus_per_task", "gpus_per_node",
+}  # fmt: skip
+
+
+def run_hyperparameters(wildcards):
+    """The run's resolved hyperparameters, one `key=value` each (shown by `snakemake -n -p`):
+    review a preset's values before spending GPU hours."""
+    run = RUNS[wildcards.run]
+    values = {k: v for k, v in sorted(run.items()) if k not in _NOT_HYPERPARAMETERS}
+    values["lr_used"] = round(scaled_lr(run), 8)  # after lr_scaling
+    return " ".join(
+        f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in values.items()
+    )
 
 
 def run_geometry(key):

@@ -36,6 +36,7 @@ rule train:
         ),
         checkpoint_root=lambda wildcards: f"{CHECKPOINT_DIR}/{wildcards.run}",
     params:
+        hyperparameters=run_hyperparameters,
         run_config=run_training_json,
         nodes=run_geometry("nodes"),
         tasks_per_node=run_geometry("tasks_per_node"),
@@ -44,7 +45,9 @@ rule train:
         split_dir=lambda wildcards, input: os.path.dirname(input.split_train),
     # exec: the launcher replaces the rule's shell, which a stop signal would kill (SLURM
     # signals every process of the step) before the ranks have written their checkpoint.
+    # The echo puts the resolved hyperparameters first in the log and in `snakemake -n -p`.
     shell:
+        "echo hyperparameters: {params.hyperparameters:q} > {log:q}; "
         "exec imagenet-ddp train --launcher {resources.launcher}"
         " --srun-extra={resources.srun_extra:q} --scratch-dir {resources.scratch_dir:q}"
         " --stage-verify {resources.stage_verify} --{resources.stage_cleanup}"
@@ -53,7 +56,7 @@ rule train:
         " --prepared-train {input.prepared:q} --split-dir {params.split_dir:q}"
         " --run-dir {params.run_dir:q}"
         " --nodes {params.nodes} --tasks-per-node {params.tasks_per_node}"
-        " --cpus-per-task {params.cpus_per_task} > {log:q} 2>&1"
+        " --cpus-per-task {params.cpus_per_task} >> {log:q} 2>&1"
 
 
 # Evaluation runs like training: DDP ranks on the GPUs of `evaluate` geometry (config.yaml
