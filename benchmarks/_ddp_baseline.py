@@ -1,9 +1,9 @@
 """The common-recipe DDP training loop (baseline of bench_train_step.py); run under torchrun.
 
 Same data (PreparedImageDataset + prepared.train_transform), model, optimizer and per-rank
-batch as ``imagenet_ddp.train``, but: ``DistributedSampler`` + plain loop, no per-sample RNG
-seeding, no per-step stop-flag all-reduce, no scheduler/scaler/progress. Optional flags add one
-of our extras back, to attribute a gap (``--fork-rng``, ``--agreed``).
+batch as ``imagenet_ddp.training.worker``, but: ``DistributedSampler`` + plain loop, no
+per-sample RNG seeding, no per-step stop-flag all-reduce, no scheduler/scaler/progress. Optional
+flags add one of our extras back, to attribute a gap (``--fork-rng``, ``--agreed``).
 
 Prints one JSON line from rank 0: per-epoch global images/s (slowest rank's epoch time).
 """

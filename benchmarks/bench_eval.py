@@ -79,9 +79,7 @@ def make_data(root: Path, count: int, side: int, small: bool = False) -> dict[st
 
 
 def save_model(root: Path, arch: str, args) -> Path:
-    import torch
-
-    from imagenet_ddp.train import build_model
+    from imagenet_ddp.training.model import build_model, save_model
 
     path = root / f"{arch}.pt"
     config = {
@@ -91,8 +89,7 @@ def save_model(root: Path, arch: str, args) -> Path:
         "precision": args.precision,
         "channels_last": args.device == "cuda",
     }
-    state = build_model(arch, 1000).state_dict()
-    torch.save({"model": state, "arch": arch, "num_classes": 1000, "config": config}, path)
+    save_model(path, build_model(arch, 1000), arch=arch, num_classes=1000, config=config)
     return path
 
 
@@ -118,8 +115,7 @@ def run_ours(data: dict, model: Path, out: Path, ranks: int, threads: int, args)
 def bare_forward_ms(arch: str, args, threads: int) -> float:
     import torch
 
-    from imagenet_ddp.evaluate import autocast
-    from imagenet_ddp.train import build_model
+    from imagenet_ddp.training.model import autocast, build_model
 
     torch.set_num_threads(threads)
     device = torch.device(args.device)

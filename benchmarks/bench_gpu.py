@@ -39,7 +39,7 @@ def synthetic(args, device) -> list[float]:
     import torch
     import torchvision
 
-    from imagenet_ddp.evaluate import autocast
+    from imagenet_ddp.training.model import autocast
 
     model = torchvision.models.get_model(args.model, weights=None, num_classes=1000).to(device)
     memory = torch.channels_last if args.channels_last else torch.contiguous_format

@@ -199,7 +199,7 @@ def candidates_for(data: dict, crop: int, side: int, torchcodec_decode) -> dict:
         PreparedImageDataset,
         train_transform,
     )
-    from imagenet_ddp.train import SeededAugmentation
+    from imagenet_ddp.training.data import SeededAugmentation
 
     root = data["prepared"][side]["dir"]
     candidates = {

@@ -56,9 +56,9 @@ def per_step_us(make, steps: int, torch) -> float:
 def bench_monitor(steps: int, interval: int, repeats: int, tmp: Path) -> tuple[float, float]:
     import torch
 
-    from imagenet_ddp.epoch_metrics import Progress
     from imagenet_ddp.monitor import RunMonitor
     from imagenet_ddp.telemetry import GpuSampler
+    from imagenet_ddp.training.metrics import Progress
     from tests.test_telemetry import FakeNvml
 
     geometry = {"nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1, "gpus_per_node": 1}

@@ -1,4 +1,4 @@
-"""DDP training throughput: our worker (imagenet_ddp.train) vs a minimal common-recipe loop.
+"""DDP training throughput: our worker (imagenet_ddp.training.worker) vs a minimal loop.
 
     .venv/bin/python benchmarks/bench_train_step.py [--quick] [--repeats 3] [--ablations]
 
@@ -8,10 +8,10 @@ the same prepared data and transform (PreparedImageDataset + train_transform, cr
 short_side 72 by default: ImageNet-size crops are too slow on 2 CPU cores to repeat), the same
 per-rank batch (16), ``num_workers=0`` (no spare cores for loader workers).
 
-* **ours**: the real worker, ``python -m imagenet_ddp.train`` (SeededAugmentation, EpochSampler,
-  DDP, LambdaLR, GradScaler, the asynchronous ``StopFlag.poll`` every 2 steps, on-device step
-  metrics, progress), its end-to-end epoch throughput read from ``train_metrics.json`` (epoch
-  time excludes holdout evaluation and checkpointing).
+* **ours**: the real worker, ``python -m imagenet_ddp.training.worker`` (SeededAugmentation,
+  EpochSampler, DDP, LambdaLR, GradScaler, the asynchronous ``StopFlag.poll`` every 2 steps,
+  on-device step metrics, progress), its end-to-end epoch throughput read from
+  ``train_metrics.json`` (epoch time excludes holdout evaluation and checkpointing).
 * **baseline**: ``benchmarks/_ddp_baseline.py``: DistributedSampler + plain loop.
 
 Images/s = images of all ranks / slowest rank's epoch time; the first epoch (warm-up) is
@@ -99,7 +99,8 @@ def run_ours(tmp: Path, prepared: Path, split: Path, cfg: dict, tag: str) -> lis
         "checkpoint_root": str(tmp / f"ckpt-{tag}"),  # fresh: never resume
     }
     spec = write_spec(tmp / f"spec-{tag}.json", {"kind": "train", "run": cfg, "paths": paths})
-    torchrun(["-m", "imagenet_ddp.train", "--spec", str(spec), "--train-data", str(prepared)], tmp)
+    worker = ["-m", "imagenet_ddp.training.worker", "--spec", str(spec)]
+    torchrun([*worker, "--train-data", str(prepared)], tmp)
     metrics = json.loads((out_dir / "train_metrics.json").read_text())
     return [e["images_per_s"] for e in metrics["epochs"]]
 

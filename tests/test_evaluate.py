@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from imagenet_ddp.accuracy import evaluate_dataset
 from imagenet_ddp.eval_settings import eval_settings
-from imagenet_ddp.evaluate import evaluate_dataset, evaluate_run
+from imagenet_ddp.evaluate import evaluate_run
 
 
 class Lookup(torch.nn.Module):
@@ -70,10 +71,10 @@ def test_two_rank_shards_cover_every_sample_once():
 
 @pytest.fixture(scope="module")
 def eval_inputs(demo_archives, demo_index, tmp_path_factory) -> dict[str, Path]:
-    """A ResNet-18 checkpoint in train.py's model.pt format (random weights, eval-ready BN
+    """A ResNet-18 model.pt written by training.model.save_model (random weights, eval-ready BN
     statistics from a few forward passes) and the demo's class table."""
     from imagenet_ddp.io import write_csv_atomic
-    from imagenet_ddp.train import build_model
+    from imagenet_ddp.training.model import build_model, save_model
 
     root = tmp_path_factory.mktemp("eval-inputs")
     torch.manual_seed(0)
@@ -82,10 +83,7 @@ def eval_inputs(demo_archives, demo_index, tmp_path_factory) -> dict[str, Path]:
         for _ in range(3):
             model(torch.rand(8, 3, 16, 16))
     config = {"run": "eval-test", "crop_size": 16, "eval_resize": 20, "precision": "fp32"}
-    torch.save(
-        {"model": model.state_dict(), "arch": "resnet18", "num_classes": 4, "config": config},
-        root / "model.pt",
-    )
+    save_model(root / "model.pt", model, arch="resnet18", num_classes=4, config=config)
     write_csv_atomic(root / "classes.csv", demo_index[0])
     return {"model": root / "model.pt", "classes": root / "classes.csv"}
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from imagenet_ddp.job_spec import write_spec
-from imagenet_ddp.train import EXIT_REQUEUE
+from imagenet_ddp.signals import EXIT_REQUEUE
+from imagenet_ddp.training.model import read_model_file
 from tests.workflow_helpers import output_within
 
 CONFIG = {
@@ -33,6 +34,23 @@ CONFIG = {
     "seed": 3,
     "deterministic": True,
     "log_interval": 1,
+    # Every recipe component that draws random numbers or keeps state is on (sync_bn needs
+    # GPUs): a resumed run must still be bitwise identical.
+    "auto_augment": "trivialaugment",
+    "random_erasing": 0.5,
+    "mixup_alpha": 0.2,
+    "cutmix_alpha": 1.0,
+    "label_smoothing": 0.1,
+    "ema_decay": 0.9,
+    "ema_steps": 2,
+    "warmup_epochs": 0.5,
+    "grad_clip_norm": 1.0,
+    "norm_weight_decay": 0.0,
+    "zero_init_residual": True,
+    "progressive_min_crop": 8,
+    "progressive_start_epoch": 0,
+    "progressive_end_epoch": 1,
+    "progressive_multiple": 8,
 }
 
 
@@ -65,7 +83,7 @@ def torchrun(
         "--standalone",
         f"--nproc-per-node={nproc}",
         "-m",
-        "imagenet_ddp.train",
+        "imagenet_ddp.training.worker",
         "--spec",
         str(spec_path),
         "--train-data",
@@ -86,7 +104,9 @@ def torchrun(
 
 
 def weights(out: Path) -> dict[str, torch.Tensor]:
-    return torch.load(out / "model.pt", map_location="cpu", weights_only=False)["model"]
+    """The trained weights and their EMA (keys prefixed ``ema.``)."""
+    state = read_model_file(out / "model.pt")
+    return {**state["model"], **{f"ema.{k}": v for k, v in state["ema"].items()}}
 
 
 def assert_bitwise_equal(a: dict, b: dict) -> None:
@@ -181,7 +201,9 @@ def test_sigterm_writes_a_checkpoint_and_exits_for_requeue(prepared_demo, split_
         if "epoch 1 step" in line:
             break
     workers = subprocess.run(
-        ["pgrep", "-f", "-P", str(proc.pid), "imagenet_ddp.train"], capture_output=True, text=True
+        ["pgrep", "-f", "-P", str(proc.pid), "imagenet_ddp.training.worker"],
+        capture_output=True,
+        text=True,
     ).stdout.split()
     assert len(workers) == 2, lines
     for pid in workers:  # what SLURM does before preemption: signal every task

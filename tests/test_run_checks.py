@@ -246,3 +246,21 @@ def test_dry_run_refuses_with_one_line(tmp_path, override, expected):
     assert lines and all(line.startswith("config.yaml: run 'bad': ") for line in lines)
     assert any(expected in line for line in lines)
     assert "Traceback" not in output and "Job stats" not in output
+
+
+# ---------------------------------------------------------------- recipe keys
+
+
+def test_recipe_keys_that_could_only_fail_are_refused(models, tmp_path):
+    config = demo_config(
+        eval_crop_size=40, sync_bn=True, zero_init_residual=True, model="mobilenet_v2",
+        progressive_min_crop=16, progressive_start_epoch=3, progressive_end_epoch=2,
+    )  # fmt: skip
+    found = problems(config, models, tmp_path)
+    assert len(found) == 4, found
+    assert "eval_crop_size 40 is larger than eval_resize 36" in found[0]
+    assert "progressive_min_crop 16 from epoch 3 to 2" in found[1]
+    assert "sync_bn true on the CPU" in found[2]
+    assert "zero_init_residual true with model 'mobilenet_v2'" in found[3]
+    fine = demo_config(zero_init_residual=True, progressive_min_crop=16, progressive_end_epoch=2)
+    assert problems(fine, models, tmp_path) == []

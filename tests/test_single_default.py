@@ -22,7 +22,7 @@ NOT_SETTINGS = {"run", "extra"}  # the run's name (schema: `name`), unknown keys
 
 def train_config_class():
     """The training worker's config dataclass (one place to repoint when it moves)."""
-    from imagenet_ddp.train import TrainConfig
+    from imagenet_ddp.training.config import TrainConfig
 
     return TrainConfig
 

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from imagenet_ddp import distributed as D
-from imagenet_ddp.checkpoint import load_latest_checkpoint, save_checkpoint
-from imagenet_ddp.train import EpochSampler, SeededAugmentation, TrainConfig, lr_lambda
+from imagenet_ddp.training.checkpoint import load_latest_checkpoint, save_checkpoint
+from imagenet_ddp.training.config import TrainConfig
+from imagenet_ddp.training.data import EpochSampler, SeededAugmentation
+from imagenet_ddp.training.recipe import lr_lambda
 
 
 def test_epoch_sampler_skips_exactly_the_steps_already_done():
@@ -74,7 +76,7 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
 
 def test_auto_loader_workers_follow_the_tasks_cpus(monkeypatch):
     from imagenet_ddp.distributed import DistInfo
-    from imagenet_ddp.train import resolve_geometry
+    from imagenet_ddp.training.config import resolve_geometry
 
     info, cpu = DistInfo(0, 1, 0, 1, "h"), torch.device("cpu")
     monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
@@ -88,7 +90,7 @@ def test_auto_loader_workers_follow_the_tasks_cpus(monkeypatch):
 
 def test_geometry_is_checked_against_the_ranks_that_started():
     from imagenet_ddp.distributed import DistInfo
-    from imagenet_ddp.train import resolve_geometry
+    from imagenet_ddp.training.config import resolve_geometry
 
     cfg = TrainConfig(nodes=2, tasks_per_node=4, cpus_per_task=8, gpus_per_node=4)
     geometry = resolve_geometry(cfg, DistInfo(0, 8, 0, 4, "h"), torch.device("cpu"))
@@ -98,7 +100,7 @@ def test_geometry_is_checked_against_the_ranks_that_started():
 
 
 def test_checkpoints_are_keyed_by_settings_and_geometry(tmp_path):
-    from imagenet_ddp.checkpoint import checkpoint_dir, other_geometries
+    from imagenet_ddp.training.checkpoint import checkpoint_dir, other_geometries
 
     fingerprint = TrainConfig(lr=0.1).fingerprint()
     # Geometry and bookkeeping do not change the settings' hash; a weight-changing key does.
@@ -114,7 +116,7 @@ def test_checkpoints_are_keyed_by_settings_and_geometry(tmp_path):
 
 
 def test_steady_state_window_leaves_out_the_warmup_steps():
-    from imagenet_ddp.epoch_metrics import EpochMeter
+    from imagenet_ddp.training.metrics import EpochMeter
 
     meter = EpochMeter(torch.device("cpu"), warmup_steps=3)
     for _ in range(10):
@@ -131,7 +133,7 @@ def test_steady_state_window_leaves_out_the_warmup_steps():
 
 
 def test_a_resumed_epochs_counters_continue_exactly():
-    from imagenet_ddp.epoch_metrics import EpochMeter
+    from imagenet_ddp.training.metrics import EpochMeter
 
     meter = EpochMeter(torch.device("cpu"), warmup_steps=0)
     meter.update(torch.tensor(0.3), torch.tensor([[1.0, 0.0]]), torch.tensor([0]))
@@ -176,3 +178,34 @@ def test_every_rank_evaluates_rank_0s_batchnorm_statistics(tmp_path):
     results = mp.Manager().dict()
     mp.spawn(_buffers_after_broadcast, args=(str(tmp_path / "init"), results), nprocs=2)
     assert results[0] == results[1] == ([1.0] * 4, 10)
+
+
+def test_model_file_round_trips_and_refuses_a_newer_format(tmp_path):
+    import torchvision
+
+    from imagenet_ddp.training.model import (
+        MODEL_FORMAT_VERSION,
+        build_model,
+        load_model,
+        read_model_file,
+        save_model,
+    )
+
+    torch.manual_seed(0)
+    model = build_model("resnet18", 3)
+    path = tmp_path / "model.pt"
+    save_model(path, model, arch="resnet18", num_classes=3, config={"channels_last": False})
+    loaded, state = load_model(path)
+    assert state["format_version"] == MODEL_FORMAT_VERSION
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(loaded.state_dict().values(), model.state_dict().values(), strict=True)
+    )
+    # What README "Loading a trained model" tells users to do, without this package.
+    plain = torchvision.models.get_model(state["arch"], num_classes=state["num_classes"])
+    plain.load_state_dict(torch.load(path, weights_only=False)["model"])
+    with pytest.raises(ValueError, match="no 'ema' weights"):
+        load_model(path, weights="ema")
+    torch.save({**state, "format_version": MODEL_FORMAT_VERSION + 1}, tmp_path / "new.pt")
+    with pytest.raises(ValueError, match="newer than this version"):
+        read_model_file(tmp_path / "new.pt")

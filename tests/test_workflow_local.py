@@ -199,3 +199,99 @@ def test_split_is_identical_when_rerun(local_run, tmp_path):
     assert (local_run / "results/split/train.csv").read_bytes() == (
         tmp_path / "split-before/train.csv"
     ).read_bytes()
+
+
+# Demo-sized overrides for the published recipes (their crops, batches and epochs are
+# ImageNet's); everything else comes from the preset.
+SHORT = {
+    "model": "resnet18",
+    "epochs": 1,
+    "batch_size": 32,
+    "tasks_per_node": 1,
+    "crop_size": 16,
+    "eval_resize": 20,
+    "eval_crop_size": 16,
+}
+RECIPE_RUNS = [
+    {"name": "recipe-tv-v1", "recipe": "torchvision-resnet50-v1", **SHORT},
+    {"name": "recipe-tv-v2", "recipe": "torchvision-resnet50-v2", **SHORT},
+    {
+        "name": "recipe-ffcv",
+        "recipe": "ffcv-resnet50",
+        **SHORT,
+        "progressive_min_crop": 8,
+        "progressive_start_epoch": 0,
+        "progressive_end_epoch": 1,
+        "progressive_multiple": 8,
+    },
+    {  # every component at once (sync_bn aside: torch syncs BatchNorm on GPUs only)
+        "name": "recipe-all",
+        **SHORT,
+        "epochs": 2,  # the crop rises
+        "optimizer": "adamw",
+        "lr": 0.002,
+        "lr_scaling": "linear",
+        "lr_schedule": "step",
+        "lr_step_epochs": [1],
+        "warmup_epochs": 0.5,
+        "warmup_start_factor": 0.1,
+        "norm_weight_decay": 0.0,
+        "bias_weight_decay": 0.0,
+        "grad_clip_norm": 2.0,
+        "label_smoothing": 0.1,
+        "auto_augment": "randaugment",
+        "random_erasing": 0.25,
+        "mixup_alpha": 0.2,
+        "cutmix_alpha": 1.0,
+        "ema_decay": 0.999,
+        "ema_steps": 4,
+        "zero_init_residual": True,
+        "progressive_min_crop": 8,
+        "progressive_start_epoch": 0,
+        "progressive_end_epoch": 1,
+        "progressive_multiple": 8,
+        "eval_resize": 24,
+        "eval_crop_size": 20,
+    },
+]
+
+
+def test_each_recipe_preset_and_all_components_train(local_run):
+    """One snakemake invocation trains a one-epoch run of every preset and a two-epoch run with
+    every recipe component on (each evaluated on the holdout at every epoch's end, at its
+    eval_resize/eval_crop_size); the dry-run first shows each run's resolved hyperparameters."""
+    config = read_config(local_run)
+    original = copy.deepcopy(config)
+    config["runs"] = RECIPE_RUNS
+    write_config(local_run, config)
+    targets = [f"results/runs/{run['name']}/model.pt" for run in RECIPE_RUNS]
+    try:
+        dry = snakemake(local_run, "--profile", "profiles/local", "-n", *targets)
+        shown = dry.stdout + dry.stderr
+        # One job at a time: concurrent train jobs on one host share the staged copy, and the
+        # first to finish removes it (stage.cleanup) while the other still reads it.
+        snakemake(local_run, "--profile", "profiles/local", "--cores", "1", *targets)
+    finally:
+        write_config(local_run, original)
+    # The v1 preset's step schedule and the linear scaling rule, before any job runs.
+    line = next(x for x in shown.splitlines() if "recipe=" in x and "torchvision-resnet50-v1" in x)
+    assert "lr_schedule=step" in line.replace('"', "") and "lr_step_epochs=[30,60]" in line
+    assert "lr_used=0.0125" in line  # 0.1 per 256 images x batch 32 x 1 rank / 256
+    runs = local_run / "results/runs"
+    for run in RECIPE_RUNS:
+        metrics = json.loads((runs / run["name"] / "train_metrics.json").read_text())
+        assert len(metrics["epochs"]) == run["epochs"], run["name"]
+        log = (local_run / "logs/train" / f"{run['name']}.log").read_text()
+        assert log.startswith("hyperparameters: "), log[:200]
+    v2 = json.loads((runs / "recipe-tv-v2/train_metrics.json").read_text())
+    assert v2["config"]["recipe"] == "torchvision-resnet50-v2"
+    assert (v2["config"]["mixup_alpha"], v2["config"]["auto_augment"]) == (0.2, "trivialaugment")
+    assert v2["lr_used"] == pytest.approx(0.125 * 32 / 256)
+    assert all("holdout_ema_top1" in epoch for epoch in v2["epochs"])
+    everything = json.loads((runs / "recipe-all/train_metrics.json").read_text())
+    assert [e["crop_size"] for e in everything["epochs"]] == [8, 16]
+    assert everything["epochs"][1]["lr_end"] == pytest.approx(0.002 * 32 / 256 * 0.1)
+    assert all(0 <= e["holdout_ema_top1"] <= 1 for e in everything["epochs"])
+    from imagenet_ddp.training.model import read_model_file
+
+    assert "ema" in read_model_file(runs / "recipe-all/model.pt")

@@ -109,7 +109,7 @@ def output_within(proc: subprocess.Popen, timeout: float, *, head: str = "") -> 
     """The rest of a process's output, failing (not hanging the suite) if it does not end.
 
     On a hang every process of the process group gets SIGUSR2 first (ranks dump their Python
-    tracebacks on it, see imagenet_ddp.train.main), then the group is killed; the failure
+    tracebacks on it, see imagenet_ddp.training.worker.main), then the group is killed; the failure
     shows the process list and the output.
     """
     import os

@@ -10,7 +10,7 @@ from typing import Any
 
 GEOMETRY_KEYS = ("nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node")
 DEFAULT_BATCH_SIZE = 128
-DEFAULT_WORKERS = "auto"  # cpus_per_task - 1, as in training (train.loader_workers)
+DEFAULT_WORKERS = "auto"  # cpus_per_task - 1, as in training (training.config.loader_workers)
 
 
 def eval_settings(evaluate: dict[str, Any] | None, run: dict[str, Any]) -> dict[str, Any]:

@@ -1,115 +1,23 @@
-"""Top-1/top-5 and per-class accuracy, each sample counted exactly once across ranks.
+"""The evaluation stage: a trained run's model on the holdout split and the test set.
 
-Unlike ``DistributedSampler`` (which pads the last shard with duplicates), rank r evaluates
-indices ``r, r + W, r + 2W, ...`` and the counts are summed, so results do not depend on the
-number of ranks.
-
-A run's evaluation (:func:`main`, one process per rank) is started by ``imagenet-ddp
-evaluate`` through :func:`imagenet_ddp.launch.launch_ranks`, like the training workers.
+One process per rank (:func:`main`), started by ``imagenet-ddp evaluate`` through
+:func:`imagenet_ddp.launch.launch_ranks`, like the training workers; the counting is
+:func:`imagenet_ddp.accuracy.evaluate_dataset`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import Dataset
 
-from imagenet_ddp.distributed import all_reduce_sum
+from imagenet_ddp.accuracy import evaluate_dataset
 from imagenet_ddp.eval_settings import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS
-from imagenet_ddp.signals import ignore_stop_signals, loader_context, stop_signals_blocked
-
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def autocast(device: torch.device, precision: str):
-    dtype = PRECISIONS[precision]
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-@torch.no_grad()
-def evaluate_dataset(
-    model: torch.nn.Module,
-    dataset: Dataset,
-    *,
-    num_classes: int,
-    device: torch.device,
-    batch_size: int,
-    workers: int = 0,
-    precision: str = "fp32",
-    channels_last: bool = False,
-    rank: int = 0,
-    world_size: int = 1,
-) -> dict[str, Any]:
-    """Evaluate ``dataset`` split across ranks; every rank returns the global result."""
-    was_training = model.training
-    model.eval()
-    shard = Subset(dataset, range(rank, len(dataset), world_size))
-    loader = DataLoader(
-        shard,
-        batch_size=batch_size,
-        shuffle=False,
-        num_workers=workers,
-        pin_memory=device.type == "cuda",
-        prefetch_factor=4 if workers > 0 else None,
-        worker_init_fn=ignore_stop_signals,  # a stop signal is the rank's to handle
-        multiprocessing_context=loader_context() if workers > 0 else None,
-    )
-    correct1 = torch.zeros(num_classes, dtype=torch.float64)
-    correct5 = torch.zeros((), dtype=torch.float64)
-    per_class_total = torch.zeros(num_classes, dtype=torch.float64)
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    criterion = torch.nn.CrossEntropyLoss(reduction="sum")
-    k = min(5, num_classes)
-    with stop_signals_blocked():  # workers are forked here; see imagenet_ddp.signals
-        batches = iter(loader)
-    for images, targets in batches:
-        images = images.to(device, non_blocking=True)
-        if channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
-        targets = targets.to(device, non_blocking=True)
-        with autocast(device, precision):
-            logits = model(images)
-        logits = logits.float()
-        loss_sum += criterion(logits, targets).double().cpu()
-        topk = logits.topk(k, dim=1).indices
-        hit1 = (topk[:, 0] == targets).cpu()
-        hitk = (topk == targets[:, None]).any(dim=1).cpu()
-        t = targets.cpu()
-        correct1 += torch.bincount(t[hit1], minlength=num_classes).double()
-        per_class_total += torch.bincount(t, minlength=num_classes).double()
-        correct5 += hitk.sum().double()
-    model.train(was_training)
-    return _summarize(correct1, per_class_total, correct5, loss_sum, device)
-
-
-def _summarize(correct1, per_class_total, correct5, loss_sum, device) -> dict[str, Any]:
-    """Sum the counters over all ranks; accuracies of the whole set."""
-    num_classes = len(correct1)
-    # One reduction for all counters keeps the collectives in lock-step across ranks.
-    packed = torch.cat([correct1, per_class_total, correct5[None], loss_sum[None]])
-    packed = all_reduce_sum(packed.to(device)).cpu()  # NCCL reduces CUDA tensors only
-    correct1, per_class_total = packed[:num_classes], packed[num_classes : 2 * num_classes]
-    correct5, loss_sum = packed[-2], packed[-1]
-    total = per_class_total.sum().item()
-    with np.errstate(invalid="ignore", divide="ignore"):
-        per_class = (correct1 / per_class_total).numpy()
-    return {
-        "samples": int(total),
-        "top1": correct1.sum().item() / total if total else float("nan"),
-        "top5": correct5.item() / total if total else float("nan"),
-        "loss": loss_sum.item() / total if total else float("nan"),
-        "per_class_correct": correct1.long().tolist(),
-        "per_class_total": per_class_total.long().tolist(),
-        "per_class_top1": [None if np.isnan(v) else float(v) for v in per_class],
-    }
-
+from imagenet_ddp.training.config import loader_workers
+from imagenet_ddp.training.model import load_model
 
 TIMING_NOTE = (
     "wall_seconds: rank 0's time from all ranks ready (model loaded, process group up) to the "
@@ -127,18 +35,6 @@ def _check_world(geometry: dict[str, int], world_size: int) -> None:
             f"{geometry['tasks_per_node']} task(s) per node, but {world_size} ranks started; "
             "check the launcher's geometry"
         )
-
-
-def _load_model(model_path, device: torch.device):
-    from imagenet_ddp.train import build_model
-
-    checkpoint = torch.load(model_path, map_location="cpu", weights_only=False)
-    model = build_model(checkpoint["arch"], checkpoint["num_classes"])
-    model.load_state_dict(checkpoint["model"])
-    model.to(device)
-    if checkpoint["config"].get("channels_last"):
-        model = model.to(memory_format=torch.channels_last)
-    return model, checkpoint["config"], checkpoint["num_classes"]
 
 
 def evaluate_run(
@@ -159,7 +55,6 @@ def evaluate_run(
     channels_last are the run's (from the checkpoint's config).
     """
     from imagenet_ddp import distributed as D
-    from imagenet_ddp.train import loader_workers
 
     info = D.dist_info_from_env()
     _check_world(geometry, info.world_size)
@@ -168,7 +63,8 @@ def evaluate_run(
     try:
         if dev.type == "cuda":
             torch.backends.cudnn.benchmark = True  # one input shape throughout
-        model, cfg, num_classes = _load_model(model_path, dev)
+        model, state = load_model(model_path, dev)
+        cfg, num_classes = state["config"], state["num_classes"]
         settings = {
             "num_classes": num_classes,
             "device": dev,
@@ -199,7 +95,8 @@ def _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv) -> dict[str, D
 
     from imagenet_ddp.prepared import PreparedImageDataset, eval_transform
 
-    transform = eval_transform(cfg["eval_resize"], cfg["crop_size"])
+    # eval_crop_size 0 (or a model.pt from before it existed): the training crop.
+    transform = eval_transform(cfg["eval_resize"], cfg.get("eval_crop_size") or cfg["crop_size"])
     holdout_ids = pd.read_csv(holdout_ids_csv, usecols=["sample_id"])["sample_id"].tolist()
     return {
         "holdout": PreparedImageDataset(Path(prepared_train), holdout_ids, transform),

@@ -57,7 +57,7 @@ class RunMonitor:
 
     @classmethod
     def for_job(cls, job, run_dir: Path, steps_per_epoch: int, *, resumed: bool) -> RunMonitor:
-        """The monitor of a training job (imagenet_ddp.train.Job); active on rank 0 only."""
+        """The monitor of a training job (imagenet_ddp.training.loop.Job); active on rank 0 only."""
         return cls(
             active=job.info.is_main,
             run_dir=run_dir,

@@ -7,7 +7,7 @@ is refused by ``snakemake -n`` instead of on the GPU node. Each problem is one l
     config.yaml: run '<name>': <key> <value> ...; <what to do>
 
 Not checked, because it does not fail: a global batch larger than the holdout set. The holdout
-is evaluated without ``drop_last`` (``evaluate.evaluate_dataset``), rank r taking samples
+is evaluated without ``drop_last`` (``accuracy.evaluate_dataset``), rank r taking samples
 r, r + W, ...: a batch larger than a rank's share is just one partial batch, and a rank with no
 sample adds zeros to the summed counts.
 """
@@ -52,6 +52,7 @@ def check_runs(
             *_image_size_problems(run, short_side),
             _device_problem(run),
             _batch_problem(run, sizes),
+            *_recipe_problems(run),
         ]
         problems += [f"config.yaml: run {name!r}: {p}" for p in found if p]
     return problems
@@ -87,13 +88,43 @@ def _image_size_problems(run: Mapping, short_side: int) -> list[str]:
             "would upsample the prepared images; lower eval_resize or raise "
             "prepare.short_side (which re-prepares the data)"
         )
-    if crop > resize:
-        # eval_transform resizes the shorter side to eval_resize, then center-crops crop_size:
+    eval_crop = run.get("eval_crop_size") or crop
+    if eval_crop > resize:
+        # eval_transform resizes the shorter side to eval_resize, then center-crops eval_crop:
         # a crop larger than the resized image is padded with black borders.
+        key = "eval_crop_size" if run.get("eval_crop_size") else "crop_size"
         problems.append(
-            f"crop_size {crop} is larger than eval_resize {resize}: evaluation's center crop "
-            "would pad the resized images with black borders; set eval_resize >= crop_size "
+            f"{key} {eval_crop} is larger than eval_resize {resize}: evaluation's center crop "
+            f"would pad the resized images with black borders; set eval_resize >= {key} "
             "(ImageNet: 256 for 224)"
+        )
+    return problems
+
+
+# The models whose torchvision builder takes zero_init_residual.
+RESIDUAL_BN_MODELS = ("resnet", "resnext", "wide_resnet")
+
+
+def _recipe_problems(run: Mapping) -> list[str]:
+    """Recipe keys that could only fail on the GPU node, or silently do nothing."""
+    problems = []
+    low, crop = run.get("progressive_min_crop", 0), run["crop_size"]
+    start, end = run.get("progressive_start_epoch", 0), run.get("progressive_end_epoch", 0)
+    if low and (low > crop or end <= start):
+        problems.append(
+            f"progressive_min_crop {low} from epoch {start} to {end}: the crop must rise to "
+            f"crop_size {crop} (>= progressive_min_crop) after a later end epoch; set "
+            "progressive_end_epoch > progressive_start_epoch, or progressive_min_crop: 0"
+        )
+    if run.get("sync_bn") and (run["gpus_per_node"] == 0 or run["device"] == "cpu"):
+        problems.append(
+            "sync_bn true on the CPU: torch's SyncBatchNorm synchronizes GPU tensors only; "
+            "set sync_bn: false or train on GPUs (gpus_per_node > 0)"
+        )
+    if run.get("zero_init_residual") and not run["model"].startswith(RESIDUAL_BN_MODELS):
+        problems.append(
+            f"zero_init_residual true with model {run['model']!r}: only torchvision's ResNet "
+            "family (resnet*, resnext*, wide_resnet*) has it; set zero_init_residual: false"
         )
     return problems
 

@@ -19,6 +19,7 @@ from imagenet_ddp.archives import (
 from imagenet_ddp.eval_settings import eval_settings
 from imagenet_ddp.run_checks import check_runs, user_cache_dir
 from imagenet_ddp.sweeps import SweepError, expand_runs, run_schema
+from imagenet_ddp.training.presets import resolve_run, scaled_lr
 
 
 envvars:
@@ -27,9 +28,15 @@ envvars:
 
 # Validation fills in the schema's defaults, the one home of every setting's default: the rules
 # read config[...] directly. It fills each `runs` entry (and each sweep's `settings`) too, which
-# would then override train_defaults: runs are merged from their entries as written.
-RUN_ENTRIES = copy.deepcopy(config.get("runs") or [])
-SWEEP_ENTRIES = copy.deepcopy(config.get("sweep") or [])
+# would then override train_defaults and presets (`recipe`, training/presets.py: who wins): runs
+# are resolved from the entries as written.
+_WRITTEN = copy.deepcopy(
+    {
+        "train_defaults": config.get("train_defaults") or {},
+        "runs": config.get("runs") or [],
+        "sweep": config.get("sweep") or [],
+    }
+)
 validate(config, "../schemas/config.schema.yaml")
 
 # Inside a SLURM job a warning signal (--signal=USR1@120) reaches every process of the step,
@@ -45,6 +52,15 @@ os.environ["PATH"] = os.pathsep.join(
 )
 
 
+def _run_defaults():
+    """The schema's default of every run key that has one."""
+    with open(
+        os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml")
+    ) as f:
+        keys = yaml.safe_load(f)["definitions"]["run_settings"]["properties"]
+    return {k: v["default"] for k, v in keys.items() if "default" in v}
+
+
 def _runs():
     """Hand-written runs and every sweep's expanded runs (imagenet_ddp.sweeps), each with
     train_defaults merged in; an expanded run is held to the schema of a hand-written one.
@@ -54,14 +70,17 @@ def _runs():
     ) as f:
         schema = run_schema(yaml.safe_load(f))
     runs = {}
-    try:
-        entries = expand_runs(
-            {**config, "runs": RUN_ENTRIES, "sweep": SWEEP_ENTRIES}, schema
-        )
-    except SweepError as error:
-        raise WorkflowError(str(error)) from None
-    for entry in entries:
-        runs[entry["name"]] = {**config["train_defaults"], **entry}
+# Validation fills in the schema's defaults, the one home of every setting's default: the rules
+# read config[...] directly. It fills each `runs` entry (and each sweep's `settings`) too, which
+# would then override train_defaults and presets (`recipe`, training/presets.py: who wins): runs
+# are resolved from the entries as written.
+_WRITTEN = copy.deepcopy(
+    {
+        "train_defaults": config.get("train_defaults") or {},
+        "runs": config.get("runs") or [],
+        "sweep": config.get("sweep") or [],
+    }
+)
     return runs
 
 
@@ -99,6 +118,25 @@ def run_training_json(wildcards):
         "evaluate", None
     )  # where the run is evaluated does not change its weights
     return json.dumps(settings, sort_keys=True)
+
+
+# Not weights: how a run is executed or logged (the geometry is shown under resources).
+_NOT_HYPERPARAMETERS = {
+    "name", "evaluate", "workers", "device", "backend", "log_interval", "timeout_minutes",
+    "throughput_warmup_steps", "keep_checkpoints", "nodes", "tasks_per_node",
+    "cpus_per_task", "gpus_per_node",
+}  # fmt: skip
+
+
+def run_hyperparameters(wildcards):
+    """The run's resolved hyperparameters, one `key=value` each (shown by `snakemake -n -p`):
+    review a preset's values before spending GPU hours."""
+    run = RUNS[wildcards.run]
+    values = {k: v for k, v in sorted(run.items()) if k not in _NOT_HYPERPARAMETERS}
+    values["lr_used"] = round(scaled_lr(run), 8)  # after lr_scaling
+    return " ".join(
+        f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in values.items()
+    )
 
 
 def run_geometry(key):

@@ -43,18 +43,21 @@ rule train:
         # The run's settings, geometry included; `imagenet-ddp train` writes them with the
         # paths and the resources above into the job spec (<run dir>/job_spec.json), the one
         # file every process of the job reads.
+        hyperparameters=run_hyperparameters,
         run_config=run_training_json,
         run_dir=lambda wildcards, output: os.path.dirname(output.model),
         split_dir=lambda wildcards, input: os.path.dirname(input.split_train),
     # exec: the launcher replaces the rule's shell, which a stop signal would kill (SLURM
     # signals every process of the step) before the ranks have written their checkpoint.
+    # The echo puts the resolved hyperparameters first in the log and in `snakemake -n -p`.
     shell:
+        "echo hyperparameters: {params.hyperparameters:q} > {log:q}; "
         "exec imagenet-ddp train --run-config-json {params.run_config:q}"
         " --prepared-train {input.prepared:q} --split-dir {params.split_dir:q}"
         " --run-dir {params.run_dir:q} --checkpoint-root {resources.checkpoint_root:q}"
         " --launcher {resources.launcher} --srun-extra={resources.srun_extra:q}"
         " --scratch-dir {resources.scratch_dir:q} --stage-verify {resources.stage_verify}"
-        " --{resources.stage_cleanup} > {log:q} 2>&1"
+        " --{resources.stage_cleanup} >> {log:q} 2>&1"
 
 
 # Evaluation runs like training: DDP ranks on the GPUs of `evaluate` geometry (config.yaml

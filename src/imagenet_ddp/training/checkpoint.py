@@ -11,19 +11,26 @@ Both parts of the name matter:
   resumed under another world size would also change the batch order and the LR schedule's
   steps per epoch. Such a resume is refused with one line and the run starts fresh
   (:func:`other_geometries`).
+
+What a checkpoint holds and how a job resumes from it: :func:`save_job`, :func:`resume_job`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from imagenet_ddp import distributed as D
 from imagenet_ddp.io import atomic_path
+
+if TYPE_CHECKING:
+    from imagenet_ddp.training.loop import Job
 
 
 def checkpoint_dir(root: Path, fingerprint: str, geometry_tag: str) -> Path:
@@ -85,3 +92,66 @@ def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+
+
+# --------------------------------------------------------------------------- a job's state
+
+
+def job_state(job: Job, epoch: int, step: int, partial: list | None) -> dict[str, Any]:
+    """Everything a resumed job needs. Collective (every rank's RNG state is gathered)."""
+    return {
+        "model": job.model.state_dict(),
+        "optimizer": job.optimizer.state_dict(),
+        "scheduler": job.scheduler.state_dict(),
+        "scaler": job.scaler.state_dict(),
+        "ema": None if job.ema is None else job.ema.state_dict(),
+        "epoch": epoch,
+        "step_in_epoch": step,
+        "partial_epoch": partial,
+        "history": job.history,
+        "config": dataclasses.asdict(job.cfg),
+        "geometry": dataclasses.asdict(job.geometry),
+        "world_size": job.info.world_size,
+        "rng": D.all_gather_objects(rng_state(job.device)),
+    }
+
+
+def save_job(job: Job, epoch: int, step: int, partial: list | None = None) -> Path | None:
+    """Checkpoint the job at (epoch, step); collective, rank 0 writes. Returns the path."""
+    state = job_state(job, epoch, step, partial)
+    path = None
+    if job.info.is_main:
+        path = save_checkpoint(job.checkpoint_dir, state, job.cfg.keep_checkpoints)
+    D.barrier()
+    return path
+
+
+def resume_job(job: Job) -> tuple[int, int, list | None, str | None]:
+    """Load the newest checkpoint of this run and geometry: (epoch, step, partial, path)."""
+    state = load_latest_checkpoint(job.checkpoint_dir)
+    if state is None:
+        root, tag = job.checkpoint_dir.parent, job.geometry.tag
+        others = other_geometries(root, job.cfg.fingerprint(), tag)
+        if others and job.info.is_main:
+            print(
+                f"not resuming {others[-1]}: written under another geometry "
+                f"({others[-1].name.split('-', 1)[1]}), this job is {job.geometry.tag}; the "
+                "batch order, LR schedule and measured figures would mix; starting fresh",
+                flush=True,
+            )
+        return 0, 0, None, None
+    job.model.load_state_dict(state["model"])
+    job.optimizer.load_state_dict(state["optimizer"])
+    job.scheduler.load_state_dict(state["scheduler"])
+    job.scaler.load_state_dict(state["scaler"])
+    if job.ema is not None:
+        job.ema.load_state_dict(state["ema"])
+    job.history = state["history"]
+    restore_rng_state(state["rng"][job.info.rank], job.device)
+    if job.info.is_main:
+        print(
+            f"resuming from {state['path']} (epoch {state['epoch']}, step "
+            f"{state['step_in_epoch']})",
+            flush=True,
+        )
+    return state["epoch"], state["step_in_epoch"], state["partial_epoch"], state["path"]

@@ -11,18 +11,29 @@ Two throughput figures, both reported per epoch and per run:
 
 Loss and correct predictions are summed on the device and read once per log interval and at the
 epoch's end: a per-step ``.item()`` would make the CPU wait for the GPU at every step.
+
+Events, one function each (where to hook more logging): :meth:`Progress.update` (every step),
+:func:`log_epoch` (each epoch's end, rank 0), :func:`write_run_metrics` (the run's end).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import pandas as pd
 import torch
 
 from imagenet_ddp import distributed as D
+from imagenet_ddp.io import write_csv_atomic, write_json_atomic
+
+if TYPE_CHECKING:
+    from imagenet_ddp.training.loop import Job
 
 
 def synchronize(device: torch.device) -> None:
@@ -142,3 +153,76 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def log_epoch(record: dict[str, Any]) -> None:
+    """One line per epoch (rank 0): loss, accuracies, throughput."""
+    steady = record["steady_images_per_s"]
+    print(
+        f"epoch {record['epoch']} done: loss {record['train_loss']:.4f} "
+        f"train top1 {record['train_top1']:.3f} holdout top1 {record['holdout_top1']:.3f} "
+        f"{record['images_per_s']:.1f} img/s end to end, "
+        f"{'n/a' if steady is None else f'{steady:.1f}'} img/s steady "
+        f"({record['epoch_seconds']:.1f} s)",
+        flush=True,
+    )
+
+
+THROUGHPUT_NOTE = (
+    "images_per_s: images of the epoch / slowest rank's epoch time, median over epochs; "
+    "includes loader start-up and warm-up, excludes holdout evaluation and checkpoints. "
+    "steady_images_per_s: the same without the first throughput_warmup_steps steps of each "
+    "epoch, device synchronized at the window's edges. Node-local staging is in staging/."
+)
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.median(values)) if values else None
+
+
+def run_config(job: Job) -> dict[str, Any]:
+    """The run's settings and geometry, as recorded beside its results and in model.pt."""
+    return {**dataclasses.asdict(job.cfg), **dataclasses.asdict(job.geometry)}
+
+
+def write_run_metrics(
+    job: Job, out_dir: Path, ranks: list, resumed_from: str | None, cost: dict | None = None
+) -> None:
+    """history.csv (one row per epoch) and train_metrics.json (the run's summary)."""
+    cfg, history, world = job.cfg, job.history, job.info.world_size
+    write_csv_atomic(
+        out_dir / "history.csv",
+        pd.DataFrame([{k: v for k, v in h.items() if not isinstance(v, list)} for h in history]),
+    )
+    epoch_seconds = [h["epoch_seconds"] for h in history]
+    images_per_s = _median([h["images_per_s"] for h in history])
+    steady = _median([h.get("steady_images_per_s") for h in history])
+    write_json_atomic(
+        out_dir / "train_metrics.json",
+        {
+            "run": cfg.run,
+            "config": run_config(job),
+            "geometry": {**dataclasses.asdict(job.geometry), "tag": job.geometry.tag},
+            "fingerprint": cfg.fingerprint(),
+            "world_size": world,
+            "nodes": len({r["host"] for r in ranks}),
+            "hosts": sorted({r["host"] for r in ranks}),
+            "ranks": ranks,
+            "global_batch": cfg.batch_size * world,
+            "lr_used": job.optimizer.defaults["lr"],  # lr after lr_scaling (the peak)
+            "epochs": history,
+            "mean_epoch_seconds": float(np.mean(epoch_seconds)) if epoch_seconds else None,
+            "images_per_s": images_per_s,
+            "images_per_s_per_worker": images_per_s / world,
+            "steady_images_per_s": steady,
+            "steady_images_per_s_per_worker": None if steady is None else steady / world,
+            "throughput_warmup_steps": cfg.throughput_warmup_steps,
+            "throughput_note": THROUGHPUT_NOTE,
+            "resumed_from": resumed_from,
+            "cost": cost,  # imagenet_ddp.cost: wall, GPU-/core-hours, NVML telemetry
+            "checkpoint_dir": str(job.checkpoint_dir),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        },
+    )

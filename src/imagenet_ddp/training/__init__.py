@@ -1,0 +1,14 @@
+"""The training stage, one file per concern (a newcomer finds each piece by its name):
+
+- :mod:`.config`: a run's settings (:class:`~.config.TrainConfig`) and the job's geometry;
+- :mod:`.presets`: published recipes by name (torch-free: the workflow reads them at parse);
+- :mod:`.model`: the model factory and the ``model.pt`` file (one writer, one reader);
+- :mod:`.recipe`: optimizer, learning-rate schedule, loss, augmentation, EMA;
+- :mod:`.data`: per-sample seeded augmentation, the resumable sampler, the loader;
+- :mod:`.checkpoint`: where checkpoints live, saving, finding and resuming;
+- :mod:`.loop`: the step loop and what happens at each epoch's end;
+- :mod:`.metrics`: throughput, progress lines and the run's metrics files;
+- :mod:`.worker`: one rank's entry point (``python -m imagenet_ddp.training.worker``).
+
+Nothing is imported here, so reading the presets does not import torch.
+"""

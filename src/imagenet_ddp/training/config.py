@@ -1,0 +1,171 @@
+"""A run's settings and the geometry of the job that trains it.
+
+Every key of :class:`TrainConfig` is a key of ``train_defaults``/``runs`` in config.yaml; its
+schema entry (workflow/schemas/config.schema.yaml) states the same default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from imagenet_ddp import distributed as D
+
+GEOMETRY_KEYS = ("nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node")
+# Settings that do not change the trained weights: left out of the checkpoint key.
+NOT_IN_FINGERPRINT = (
+    "log_interval",
+    "workers",
+    "timeout_minutes",
+    "keep_checkpoints",
+    "throughput_warmup_steps",
+    "recipe",  # its values are the other keys
+    "extra",
+    *GEOMETRY_KEYS,
+)
+
+
+@dataclass
+class TrainConfig:
+    """One run's hyperparameters and execution choices (validated by the workflow's schema)."""
+
+    run: str = "run"
+    model: str = "resnet18"
+    epochs: int = 2
+    batch_size: int = 64  # per rank; global batch = batch_size * world size
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-5
+    label_smoothing: float = 0.0
+    warmup_epochs: float = 0.0
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast)
+    crop_size: int = 224
+    eval_resize: int = 256
+    workers: int | str = "auto"  # DataLoader workers per rank; auto = CPUs per task - 1
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    backend: str = "auto"  # auto | gloo | nccl
+    channels_last: bool = False
+    compile: bool = False
+    deterministic: bool = False
+    log_interval: int = 20  # steps between progress lines (rank 0)
+    timeout_minutes: float = 60.0  # process-group timeout; must exceed staging time
+    synthetic: bool = False  # measure the model alone on a fixed random batch
+    keep_checkpoints: int = 2  # newest checkpoints kept per run (older ones are deleted)
+    throughput_warmup_steps: int = 20  # steps per epoch left out of the steady-state img/s
+    # --- recipe (README "Recipes"; training/recipe.py). Defaults: today's behaviour, extras off.
+    recipe: str = "none"  # a preset's name (training/presets.py); resolved by the workflow
+    optimizer: str = "sgd"  # sgd | adamw
+    nesterov: bool = True  # SGD with momentum > 0 only
+    lr_scaling: str = "none"  # none: lr as given | linear: lr per 256 images x global batch
+    norm_weight_decay: float | None = None  # None: weight_decay; e.g. 0: no decay on norms
+    bias_weight_decay: float | None = None  # None: weight_decay (biases of other layers)
+    grad_clip_norm: float = 0.0  # max global gradient norm; 0: no clipping
+    lr_schedule: str = "cosine"  # cosine | linear | step | constant, per step, after warm-up
+    lr_min_ratio: float = 0.0  # cosine/linear end at lr x this
+    lr_step_epochs: list[int] = field(default_factory=list)  # step: milestones (epochs)
+    lr_step_gamma: float = 0.1  # step: LR factor at each milestone
+    warmup_start_factor: float = 0.0  # warm-up rises linearly from lr x this
+    auto_augment: str = "none"  # none | randaugment | trivialaugment | autoaugment
+    random_erasing: float = 0.0  # probability per image
+    mixup_alpha: float = 0.0  # 0: off
+    cutmix_alpha: float = 0.0  # 0: off (both on: one of the two per batch)
+    ema_decay: float = 0.0  # model EMA decay per update (torchvision's convention); 0: off
+    ema_steps: int = 32  # optimizer steps between EMA updates
+    sync_bn: bool = False  # SyncBatchNorm across ranks (GPUs only)
+    zero_init_residual: bool = False  # last BN of each residual block starts at 0 (ResNets)
+    progressive_min_crop: int = 0  # 0: off; else the crop rises from this to crop_size
+    progressive_start_epoch: int = 0  # ... from this epoch
+    progressive_end_epoch: int = 0  # ... to this one
+    progressive_multiple: int = 32  # crop sizes in between are rounded to multiples of this
+    eval_crop_size: int = 0  # 0: crop_size; evaluation's centre crop (after eval_resize)
+    # The job's geometry as the workflow asked SLURM for it; None: read from the environment.
+    nodes: int | None = None
+    tasks_per_node: int | None = None
+    cpus_per_task: int | None = None
+    gpus_per_node: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        extra = {k: v for k, v in data.items() if k not in known}
+        cfg = cls(**{k: v for k, v in data.items() if k in known})
+        cfg.extra.update(extra)
+        return cfg
+
+    def fingerprint(self) -> str:
+        """Hash of everything that changes the trained weights (not logging or geometry: the
+        geometry is the checkpoint key's second part)."""
+        data = {k: v for k, v in dataclasses.asdict(self).items() if k not in NOT_IN_FINGERPRINT}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def eval_crop(self) -> int:
+        return self.eval_crop_size or self.crop_size
+
+    def crop_for_epoch(self, epoch: int) -> int:
+        """Training crop of ``epoch``: progressive resizing as FFCV's ResNet recipes do it
+        (the minimum until the start epoch, linear to crop_size at the end epoch, in between
+        rounded to a multiple of ``progressive_multiple``)."""
+        low, start = self.progressive_min_crop, self.progressive_start_epoch
+        end = self.progressive_end_epoch
+        if not low or epoch >= end:
+            return self.crop_size
+        if epoch <= start:
+            return low
+        size = low + (self.crop_size - low) * (epoch - start) / (end - start)
+        return int(round(size / self.progressive_multiple)) * self.progressive_multiple
+
+
+@dataclass(frozen=True)
+class JobGeometry:
+    """Where a run's figures were measured: every row of the results states this."""
+
+    nodes: int
+    tasks_per_node: int
+    cpus_per_task: int
+    gpus_per_node: int
+    workers: int  # DataLoader workers per rank
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+    @property
+    def tag(self) -> str:
+        return (
+            f"n{self.nodes}x{self.tasks_per_node}-c{self.cpus_per_task}"
+            f"-g{self.gpus_per_node}-w{self.workers}"
+        )
+
+
+def loader_workers(setting: int | str, cpus_per_task: int) -> int:
+    """``auto``: one DataLoader worker per CPU of this task but one (the training loop's)."""
+    if setting != "auto":
+        return int(setting)
+    return max(0, cpus_per_task - 1)
+
+
+def resolve_geometry(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> JobGeometry:
+    """The configured geometry, checked against the ranks that actually started."""
+    tasks = cfg.tasks_per_node or info.local_world_size
+    nodes = cfg.nodes or max(1, info.world_size // tasks)
+    if nodes * tasks != info.world_size:
+        raise RuntimeError(
+            f"run {cfg.run!r}: configured {nodes} node(s) x {tasks} task(s) per node, but "
+            f"{info.world_size} ranks started; check the launcher's geometry"
+        )
+    cpus = cfg.cpus_per_task or int(
+        os.environ.get("SLURM_CPUS_PER_TASK") or os.environ.get("OMP_NUM_THREADS") or 1
+    )
+    gpus = cfg.gpus_per_node
+    if gpus is None:
+        gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    return JobGeometry(nodes, tasks, cpus, gpus, loader_workers(cfg.workers, cpus))

@@ -1,0 +1,177 @@
+"""The step loop: one rank trains from the resume point to the last epoch.
+
+A stop signal (SIGTERM, SIGUSR1, SIGINT: time limit, scancel, preemption, Ctrl-C) makes every
+rank stop at the same step; rank 0 writes a checkpoint and the job exits with EXIT_REQUEUE
+(:mod:`imagenet_ddp.signals`). Events: :func:`train_step` (each step), :func:`end_epoch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import repeat
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from imagenet_ddp import distributed as D
+from imagenet_ddp.accuracy import evaluate_dataset
+from imagenet_ddp.prepared import normalize_batch
+from imagenet_ddp.signals import EXIT_REQUEUE, stop_signals_blocked
+from imagenet_ddp.training import recipe
+from imagenet_ddp.training.checkpoint import save_job
+from imagenet_ddp.training.config import JobGeometry, TrainConfig
+from imagenet_ddp.training.data import batch_seed
+from imagenet_ddp.training.metrics import EpochMeter, Progress, log_epoch
+from imagenet_ddp.training.model import autocast
+
+
+@dataclass
+class Job:
+    """One rank's view of the run: settings, placement and what it trains."""
+
+    cfg: TrainConfig
+    info: D.DistInfo
+    device: torch.device
+    geometry: JobGeometry
+    model: torch.nn.Module
+    step_model: torch.nn.Module  # DDP (and compiled) wrapper that runs the training step
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    criterion: torch.nn.Module
+    checkpoint_dir: Path
+    ema: torch.optim.swa_utils.AveragedModel | None = None  # model EMA (recipe), or None
+    mixer: Any = None  # mixup/cutmix on each batch (recipe), or None
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def run_epochs(
+    job: Job, loader, sampler, holdout, resume, stop, stop_after_steps, monitor=None
+) -> int:
+    """Train from the resume point to the last epoch: 0, or EXIT_REQUEUE when stopped.
+    ``monitor`` (imagenet_ddp.monitor.RunMonitor): TensorBoard events on rank 0."""
+    cfg, info = job.cfg, job.info
+    steps_per_epoch = len(sampler) // cfg.batch_size
+    start_epoch, start_step, partial, _ = resume
+    steps_done = 0
+    for epoch in range(start_epoch, cfg.epochs):
+        first = epoch == start_epoch
+        skip = start_step if first else 0
+        sampler.set_epoch(epoch, skip_samples=skip * cfg.batch_size)
+        carried = partial[info.rank] if first and partial else None  # a resumed epoch's counts
+        meter = EpochMeter(job.device, cfg.throughput_warmup_steps, carried)
+        progress = Progress(info.is_main, epoch, steps_per_epoch, cfg.log_interval, meter)
+        job.step_model.train()
+        step = skip
+        for images, targets in batches(job, loader, holdout.num_classes, epoch, step):
+            loss, logits, labels = train_step(job, images, targets, epoch)
+            meter.update(loss, logits, labels)
+            step += 1
+            steps_done += 1
+            progress.update(step, meter)
+            if monitor is not None:  # TensorBoard every log_interval steps
+                monitor.step(epoch, step, meter, job.scheduler.get_last_lr()[0])
+            # Every rank polls at the same steps, so the agreement's collectives stay aligned.
+            test_stop = stop_after_steps is not None and steps_done >= stop_after_steps
+            if (test_stop or stop.poll(steps_done)) and step < steps_per_epoch:
+                progress.close()
+                path = save_job(job, epoch, step, D.all_gather_objects(meter.partial()))
+                if info.is_main:
+                    print(
+                        f"interrupted at epoch {epoch} step {step}: wrote {path}; rerun to resume",
+                        flush=True,
+                    )
+                return EXIT_REQUEUE
+        progress.close()
+        end_epoch(job, epoch, meter, holdout)
+        if monitor is not None:  # TensorBoard epoch scalars
+            monitor.epoch(epoch, job.history[-1])
+        if stop.agreed():  # signalled during the epoch: its checkpoint is written
+            if info.is_main:
+                print(f"interrupted after epoch {epoch}: checkpoint written; rerun to resume")
+            return EXIT_REQUEUE
+    return 0
+
+
+def batches(job: Job, loader: DataLoader, num_classes: int, epoch: int, step: int):
+    """The epoch's batches on the device, from step ``step`` on: (images, targets) where
+    targets are class indices, or (indices, mixed label distributions) with mixup/cutmix.
+    Synthetic mode measures the model alone (one fixed random batch, the loader untouched)."""
+    cfg, device = job.cfg, job.device
+    if cfg.synthetic:
+        g = torch.Generator().manual_seed(cfg.seed)
+        crop = cfg.crop_for_epoch(epoch)
+        batch = (
+            torch.randn(cfg.batch_size, 3, crop, crop, generator=g).to(device),
+            torch.randint(0, num_classes, (cfg.batch_size,), generator=g).to(device),
+        )
+        yield from repeat(batch, len(loader))
+        return
+    with stop_signals_blocked():  # workers are forked here; see imagenet_ddp.signals
+        iterator = iter(loader)
+    for images, targets in iterator:  # uint8 crops from the loader; normalized on the device
+        images = normalize_batch(images.to(device, non_blocking=True))
+        targets = targets.to(device, non_blocking=True)
+        if job.mixer is not None:  # seeded by (seed, epoch, step, rank): a resume replays it
+            seed = batch_seed(cfg.seed, epoch, step, job.info.rank)
+            images, mixed = recipe.mix_batch(job.mixer, images, targets, seed)
+            targets = (targets, mixed)
+        step += 1
+        yield images, targets
+
+
+def train_step(job: Job, images: torch.Tensor, targets, epoch: int):
+    """One optimizer step; returns the loss and logits (targets: see :func:`batches`)."""
+    cfg = job.cfg
+    hard, soft = targets if isinstance(targets, tuple) else (targets, targets)
+    if cfg.channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+    with autocast(job.device, cfg.precision):
+        logits = job.step_model(images)
+        loss = job.criterion(logits, soft)
+    job.optimizer.zero_grad(set_to_none=True)
+    job.scaler.scale(loss).backward()
+    if cfg.grad_clip_norm > 0:
+        job.scaler.unscale_(job.optimizer)  # clip the true gradients, not the scaled ones
+        torch.nn.utils.clip_grad_norm_(job.model.parameters(), cfg.grad_clip_norm)
+    job.scaler.step(job.optimizer)
+    job.scaler.update()
+    job.scheduler.step()
+    recipe.update_ema(cfg, job.ema, job.model, job.scheduler.last_epoch, epoch)
+    return loss, logits, hard
+
+
+def evaluate_holdout(job: Job, model: torch.nn.Module, holdout) -> dict[str, Any]:
+    return evaluate_dataset(
+        model,
+        holdout,
+        num_classes=holdout.num_classes,
+        device=job.device,
+        batch_size=job.cfg.batch_size,
+        workers=job.geometry.workers,
+        precision=job.cfg.precision,
+        channels_last=job.cfg.channels_last,
+        rank=job.info.rank,
+        world_size=job.info.world_size,
+    )
+
+
+def end_epoch(job: Job, epoch: int, meter: EpochMeter, holdout) -> None:
+    """Combine the ranks' counters, evaluate the holdout, record and checkpoint the epoch."""
+    record = {"epoch": epoch, **meter.reduce(), "lr_end": job.scheduler.get_last_lr()[0]}
+    D.broadcast_buffers(job.model)  # every rank evaluates the model that is saved
+    result = evaluate_holdout(job, job.model, holdout)
+    record.update(
+        holdout_top1=result["top1"], holdout_top5=result["top5"], holdout_loss=result["loss"]
+    )
+    if job.ema is not None:  # the averaged weights, evaluated like the raw ones
+        D.broadcast_buffers(job.ema)
+        ema = evaluate_holdout(job, job.ema.module, holdout)
+        record.update(holdout_ema_top1=ema["top1"], holdout_ema_top5=ema["top5"])
+    record["crop_size"] = job.cfg.crop_for_epoch(epoch)
+    job.history.append(record)
+    if job.info.is_main:
+        log_epoch(record)
+    save_job(job, epoch + 1, 0)

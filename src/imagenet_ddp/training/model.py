@@ -1,0 +1,96 @@
+"""The model: one factory for training and evaluation, and the ``model.pt`` file format.
+
+``model.pt`` has exactly one writer (:func:`save_model`) and one reader (:func:`load_model`).
+It is a ``torch.save`` dict::
+
+    format_version  MODEL_FORMAT_VERSION
+    arch            torchvision.models name (e.g. "resnet50")
+    num_classes     output classes
+    model           state_dict of the trained model (a torchvision model, no DDP prefix)
+    config          the run's settings and geometry (TrainConfig + JobGeometry fields)
+
+Loading into torchvision without this package (README "Loading a trained model")::
+
+    state = torch.load("model.pt", map_location="cpu", weights_only=False)
+    model = torchvision.models.get_model(state["arch"], num_classes=state["num_classes"])
+    model.load_state_dict(state["model"])
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision
+
+from imagenet_ddp.io import atomic_path
+
+MODEL_FORMAT_VERSION = 1
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_model(name: str, num_classes: int, **kwargs: Any) -> torch.nn.Module:
+    """A randomly initialised torchvision classification model (``kwargs``: the model's own
+    options, e.g. ``zero_init_residual``; they change the initial weights, not the layout)."""
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
+
+
+def autocast(device: torch.device, precision: str):
+    dtype = PRECISIONS[precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def save_model(
+    path: Path,
+    model: torch.nn.Module,
+    *,
+    arch: str,
+    num_classes: int,
+    config: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Write ``model.pt`` atomically (a reader never sees a half-written file)."""
+    state = {
+        "format_version": MODEL_FORMAT_VERSION,
+        "arch": arch,
+        "num_classes": num_classes,
+        "model": model.state_dict(),
+        "config": config,
+        **(extra or {}),
+    }
+    with atomic_path(Path(path)) as tmp:
+        torch.save(state, tmp)
+
+
+def read_model_file(path: Path) -> dict[str, Any]:
+    """The raw contents of ``model.pt``, checked: a clear error for a foreign or newer file."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if not isinstance(state, dict) or "model" not in state or "arch" not in state:
+        raise ValueError(f"{path}: not a model file written by imagenet-ddp train")
+    version = state.get("format_version", 1)  # files before the field existed are version 1
+    if version > MODEL_FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: model file format {version} is newer than this version of imagenet-ddp "
+            f"reads ({MODEL_FORMAT_VERSION}); update the package"
+        )
+    return state
+
+
+def load_model(
+    path: Path, device: torch.device | str = "cpu", *, weights: str = "model"
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The trained model on ``device`` (channels_last if the run trained so) and the file's
+    contents. ``weights``: ``"model"``, or ``"ema"`` for the averaged weights when present."""
+    state = read_model_file(path)
+    if weights not in state or state[weights] is None:
+        raise ValueError(f"{path}: has no {weights!r} weights (the run did not keep them)")
+    model = build_model(state["arch"], state["num_classes"])
+    model.load_state_dict(state[weights])
+    model.to(device)
+    if state["config"].get("channels_last"):
+        model = model.to(memory_format=torch.channels_last)
+    return model, state

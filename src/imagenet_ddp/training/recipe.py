@@ -1,0 +1,189 @@
+"""The recipe: optimizer, learning-rate schedule, loss, augmentation and model EMA of a run.
+
+Built from torch/torchvision parts (``torch.optim``, ``torch.optim.lr_scheduler.LambdaLR``,
+``torchvision.transforms.v2``, ``torch.optim.swa_utils.AveragedModel``). The schedule is one
+closed-form factor per step in a LambdaLR: its state is the step count, so a resumed run gets
+exactly the LR of an uninterrupted one (chained schedulers recompute recursively).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torchvision.transforms import v2
+
+from imagenet_ddp.prepared import IMAGENET_MEAN, train_transform
+from imagenet_ddp.training.config import TrainConfig
+
+# torchvision.references.classification.utils.set_weight_decay's normalization layers.
+NORM_LAYERS = (
+    torch.nn.modules.batchnorm._BatchNorm,
+    torch.nn.LayerNorm,
+    torch.nn.GroupNorm,
+    torch.nn.modules.instancenorm._InstanceNorm,
+    torch.nn.LocalResponseNorm,
+)
+
+
+# --------------------------------------------------------------------------- optimizer
+
+
+def peak_lr(cfg: TrainConfig, world_size: int) -> float:
+    """``lr``, or with ``lr_scaling: linear`` lr per 256 images x the global batch / 256."""
+    if cfg.lr_scaling == "linear":
+        return cfg.lr * cfg.batch_size * world_size / 256
+    return cfg.lr
+
+
+def parameter_groups(cfg: TrainConfig, model: torch.nn.Module) -> list[dict]:
+    """Parameters grouped by weight decay: normalization layers, other biases, the rest."""
+    decay = {
+        "norm": cfg.weight_decay if cfg.norm_weight_decay is None else cfg.norm_weight_decay,
+        "bias": cfg.weight_decay if cfg.bias_weight_decay is None else cfg.bias_weight_decay,
+        "other": cfg.weight_decay,
+    }
+    groups: dict[str, list] = {"norm": [], "bias": [], "other": []}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad:
+                continue
+            kind = (
+                "norm"
+                if isinstance(module, NORM_LAYERS)
+                else ("bias" if name == "bias" else "other")
+            )
+            groups[kind].append(param)
+    return [
+        {"params": params, "weight_decay": decay[kind], "group": kind}
+        for kind, params in groups.items()
+        if params
+    ]
+
+
+def build_optimizer(
+    cfg: TrainConfig, model: torch.nn.Module, world_size: int = 1
+) -> torch.optim.Optimizer:
+    groups, lr = parameter_groups(cfg, model), peak_lr(cfg, world_size)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=lr)
+    return torch.optim.SGD(
+        groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0
+    )
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+def lr_lambda(steps_per_epoch: int, cfg: TrainConfig):
+    """The LR factor of each optimizer step: linear warm-up from ``warmup_start_factor``,
+    then ``lr_schedule`` (cosine or linear to ``lr_min_ratio``, step at ``lr_step_epochs``,
+    or constant)."""
+    warmup = int(cfg.warmup_epochs * steps_per_epoch)
+    total = max(1, cfg.epochs * steps_per_epoch)
+    milestones = sorted(e * steps_per_epoch for e in cfg.lr_step_epochs)
+    start, low = cfg.warmup_start_factor, cfg.lr_min_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return start + (1.0 - start) * (step + 1) / warmup
+        if cfg.lr_schedule == "step":
+            return cfg.lr_step_gamma ** bisect.bisect_right(milestones, step)
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if cfg.lr_schedule == "linear":
+            return low + (1.0 - low) * (1.0 - progress)
+        return low + (1.0 - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_scheduler(cfg: TrainConfig, optimizer, steps_per_epoch: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(steps_per_epoch, cfg))
+
+
+def build_criterion(cfg: TrainConfig) -> torch.nn.Module:
+    """Cross-entropy; takes class indices, or mixed label distributions from mixup/cutmix."""
+    return torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+
+
+# --------------------------------------------------------------------------- augmentation
+
+POLICIES = {
+    "randaugment": lambda: v2.RandAugment(),
+    "trivialaugment": lambda: v2.TrivialAugmentWide(),
+    "autoaugment": lambda: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET),
+}
+
+
+def sample_transform(cfg: TrainConfig, crop_size: int):
+    """Per-image training transform on uint8 crops (normalized later, on the device):
+    random resized crop and flip, the ``auto_augment`` policy, random erasing."""
+    steps = [train_transform(crop_size, normalize=False)]
+    if cfg.auto_augment != "none":
+        steps.append(POLICIES[cfg.auto_augment]())
+    if cfg.random_erasing > 0:
+        # Erased pixels get the mean colour: zero after normalization, as torchvision's
+        # reference (which erases after normalizing) gives them.
+        mean = [round(255 * m) for m in IMAGENET_MEAN]
+        steps.append(v2.RandomErasing(p=cfg.random_erasing, value=mean))
+    return v2.Compose(steps)
+
+
+class EpochTransforms:
+    """The sample transform of each epoch (its crop size follows progressive resizing)."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg, self.cache = cfg, {}
+
+    def __call__(self, epoch: int):
+        size = self.cfg.crop_for_epoch(epoch)
+        if size not in self.cache:
+            self.cache[size] = sample_transform(self.cfg, size)
+        return self.cache[size]
+
+
+def batch_mixer(cfg: TrainConfig, num_classes: int):
+    """Mixup and/or cutmix on a batch (one of the two per batch when both are on); None: off."""
+    choices = []
+    if cfg.mixup_alpha > 0:
+        choices.append(v2.MixUp(alpha=cfg.mixup_alpha, num_classes=num_classes))
+    if cfg.cutmix_alpha > 0:
+        choices.append(v2.CutMix(alpha=cfg.cutmix_alpha, num_classes=num_classes))
+    if not choices:
+        return None
+    return choices[0] if len(choices) == 1 else v2.RandomChoice(choices)
+
+
+def mix_batch(mixer, images, targets, seed: int):
+    """Apply ``mixer`` with the CPU generator seeded by ``seed`` (resumes replay it)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        return mixer(images, targets)
+
+
+# --------------------------------------------------------------------------- EMA
+
+
+def build_ema(cfg: TrainConfig, model: torch.nn.Module, world_size: int):
+    """Exponential moving average of the weights and buffers, or None when ``ema_decay`` is 0.
+
+    As torchvision's reference: the decay is per image seen, so it is adjusted for the global
+    batch and ``ema_steps`` (alpha = (1 - decay) x global batch x ema_steps / epochs)."""
+    if cfg.ema_decay <= 0:
+        return None
+    adjust = world_size * cfg.batch_size * cfg.ema_steps / cfg.epochs
+    alpha = min(1.0, (1.0 - cfg.ema_decay) * adjust)
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(1.0 - alpha), use_buffers=True)
+
+
+def update_ema(cfg: TrainConfig, ema, model: torch.nn.Module, step: int, epoch: int) -> None:
+    """After optimizer step ``step`` (counted from the run's start): every ``ema_steps``."""
+    if ema is None or step % cfg.ema_steps:
+        return
+    ema.update_parameters(model)
+    if epoch < cfg.warmup_epochs:  # during warm-up the average restarts (as the reference)
+        ema.n_averaged.fill_(0)

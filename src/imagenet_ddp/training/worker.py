@@ -1,0 +1,230 @@
+"""DDP training worker: one process per device, launched by the launcher (local or srun).
+
+Design choices that matter for users:
+- Augmentation is seeded per (seed, epoch, sample) (:mod:`.data`), so a run resumed mid-epoch
+  replays exactly the same batches.
+- Checkpoints are keyed by the run's settings and its geometry (:mod:`.checkpoint`): a retry
+  or a SLURM requeue resumes; a changed setting or geometry starts fresh.
+- A stop signal makes every rank stop at the same step (:mod:`.loop`).
+- Throughput is measured end to end and in a steady-state window per epoch (:mod:`.metrics`),
+  without a host sync per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import random
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from imagenet_ddp import distributed as D
+from imagenet_ddp.monitor import RunMonitor
+from imagenet_ddp.prepared import PreparedImageDataset, eval_transform
+from imagenet_ddp.signals import EXIT_REQUEUE, StopFlag
+from imagenet_ddp.training import recipe
+from imagenet_ddp.training.checkpoint import checkpoint_dir, resume_job
+from imagenet_ddp.training.config import JobGeometry, TrainConfig, resolve_geometry
+from imagenet_ddp.training.data import (
+    EpochSampler,
+    SeededAugmentation,
+    read_ids,
+    shutdown_loader_workers,
+    train_loader,
+)
+from imagenet_ddp.training.loop import Job, run_epochs
+from imagenet_ddp.training.metrics import run_config, write_run_metrics
+from imagenet_ddp.training.model import build_model, save_model
+
+__all__ = ["EXIT_REQUEUE", "TrainConfig", "train", "main"]
+
+SIGNAL_CHECK_STEPS = 2  # ranks agree on a pending stop signal every this many steps
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def train(
+    cfg: TrainConfig,
+    *,
+    train_data: Path,
+    split_dir: Path,
+    out_dir: Path,
+    checkpoint_root: Path,
+    stop_after_steps: int | None = None,
+) -> int:
+    """Run training in this process (one rank). Returns the process exit code."""
+    if cfg.deterministic:  # cuBLAS reads it when its first handle is created
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    info = D.dist_info_from_env()
+    device = D.select_device(cfg.device, info.local_rank, cfg.gpus_per_node)
+    D.init_process_group(info, device, cfg.backend, cfg.timeout_minutes)
+    stop = StopFlag(SIGNAL_CHECK_STEPS)
+    stop.install()
+    try:
+        return _train(
+            cfg, info, device, train_data, split_dir, out_dir, checkpoint_root, stop,
+            stop_after_steps,
+        )  # fmt: skip
+    finally:
+        stop.settle()
+        D.destroy_process_group()
+
+
+def _set_determinism(cfg: TrainConfig, device: torch.device) -> None:
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    elif device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    seed_everything(cfg.seed)
+
+
+def _train(
+    cfg, info, device, train_data, split_dir, out_dir, checkpoint_root, stop, stop_after_steps
+) -> int:
+    _set_determinism(cfg, device)
+    geometry = resolve_geometry(cfg, info, device)
+    # decode=False: the transform decodes, after drawing its crop box (imagenet_ddp.jpeg)
+    base = PreparedImageDataset(
+        train_data, sample_ids=read_ids(split_dir / "train.csv"), decode=False
+    )
+    holdout = PreparedImageDataset(
+        train_data,
+        sample_ids=read_ids(split_dir / "holdout.csv"),
+        transform=eval_transform(cfg.eval_resize, cfg.eval_crop),
+    )
+    transforms = recipe.EpochTransforms(cfg)  # the crop size may change per epoch
+    dataset = SeededAugmentation(base, transforms, cfg.seed, per_epoch=True)
+    sampler = EpochSampler(len(dataset), info.world_size, info.rank, cfg.seed)
+    loader = train_loader(
+        dataset, sampler, cfg.batch_size, geometry.workers, pin=device.type == "cuda"
+    )
+    steps_per_epoch = len(sampler) // cfg.batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"run {cfg.run!r}: batch_size {cfg.batch_size} x {info.world_size} ranks exceeds the "
+            f"{len(dataset)} training samples; lower batch_size"
+        )
+    job = build_job(cfg, info, device, geometry, base.num_classes, steps_per_epoch)
+    job.checkpoint_dir = checkpoint_dir(checkpoint_root, cfg.fingerprint(), geometry.tag)
+    resume = resume_job(job)
+    # Rank 0: TensorBoard events, the NVML sampler thread, the wall clock of the cost block.
+    monitor = RunMonitor.for_job(job, out_dir, steps_per_epoch, resumed=resume[3] is not None)
+    try:
+        code = run_epochs(job, loader, sampler, holdout, resume, stop, stop_after_steps, monitor)
+    finally:
+        monitor.close()  # idempotent; finish() below already closed it on success
+        shutdown_loader_workers(loader)
+    if code != 0:
+        return code
+    ranks = D.all_gather_objects(
+        {
+            "rank": info.rank,
+            "local_rank": info.local_rank,
+            "host": info.host,
+            "device": str(device),
+            "pid": os.getpid(),
+        }
+    )
+    if info.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_model(
+            out_dir / "model.pt",
+            job.model,
+            arch=cfg.model,
+            num_classes=base.num_classes,
+            config=run_config(job),
+            extra={} if job.ema is None else {"ema": job.ema.module.state_dict()},
+        )
+        cost = monitor.finish(job.history)  # the cost block of train_metrics.json
+        write_run_metrics(job, out_dir, ranks, resumed_from=resume[3], cost=cost)
+    D.barrier()
+    return 0
+
+
+def build_job(
+    cfg: TrainConfig,
+    info: D.DistInfo,
+    device: torch.device,
+    geometry: JobGeometry,
+    num_classes: int,
+    steps_per_epoch: int,
+) -> Job:
+    """The model, its DDP wrapper and the recipe's optimizer, schedule, loss, EMA, mixing."""
+    options = {"zero_init_residual": True} if cfg.zero_init_residual else {}
+    model = build_model(cfg.model, num_classes, **options)
+    if cfg.sync_bn and D.is_distributed():
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = model.to(device)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = recipe.build_optimizer(cfg, model, info.world_size)
+    ema = recipe.build_ema(cfg, model, info.world_size)  # a copy, made before DDP's hooks
+    ddp_model = (
+        DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if D.is_distributed()
+        else model
+    )
+    return Job(
+        cfg=cfg,
+        info=info,
+        device=device,
+        geometry=geometry,
+        model=model,
+        step_model=torch.compile(ddp_model) if cfg.compile else ddp_model,
+        optimizer=optimizer,
+        scheduler=recipe.build_scheduler(cfg, optimizer, steps_per_epoch),
+        scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
+        criterion=recipe.build_criterion(cfg),
+        checkpoint_dir=Path(),
+        ema=ema,
+        mixer=recipe.batch_mixer(cfg, num_classes),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One rank of a training job: all it needs is in the job spec (imagenet_ddp.job_spec)."""
+    from imagenet_ddp.job_spec import read_spec, staged_copy
+
+    parser = argparse.ArgumentParser(description="DDP training worker (one per device)")
+    parser.add_argument("--spec", type=Path, required=True, help="the job spec file")
+    parser.add_argument(
+        "--train-data",
+        type=Path,
+        default=None,
+        help="prepared train dir (default: the copy this host staged for the run)",
+    )
+    parser.add_argument(
+        "--stop-after-steps",
+        type=int,
+        default=None,
+        help="testing: behave as if signalled after this many steps",
+    )
+    args = parser.parse_args(argv)
+    # `kill -USR2 <pid>` (or `scancel --signal=USR2 <job>`) prints every thread's traceback:
+    # where a rank of a job that seems stuck is waiting, without stopping it.
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
+    spec = read_spec(args.spec, "train")
+    paths = spec["paths"]
+    return train(
+        TrainConfig.from_dict(spec["run"]),
+        train_data=args.train_data or staged_copy(paths["run_dir"], D.dist_info_from_env().host),
+        split_dir=Path(paths["split_dir"]),
+        out_dir=Path(paths["run_dir"]),
+        checkpoint_root=Path(paths["checkpoint_root"]),
+        stop_after_steps=args.stop_after_steps,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
