@@ -47,7 +47,7 @@ def section_defaults() -> dict[str, dict]:
 
 def test_train_config_defaults_are_the_schemas():
     fields = {
-        f.name: f.default
+        f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         for f in dataclasses.fields(train_config_class())
         if f.name not in NOT_SETTINGS
     }

@@ -62,25 +62,24 @@ def _run_defaults():
 
 
 def _runs():
-    """Hand-written runs and every sweep's expanded runs (imagenet_ddp.sweeps), each with
-    train_defaults merged in; an expanded run is held to the schema of a hand-written one.
+    """Hand-written runs and every sweep's expanded runs (imagenet_ddp.sweeps), each resolved
+    over the schema's defaults, train_defaults and its preset (training/presets.py); an
+    expanded run is held to the schema of a hand-written one.
     """
     with open(
         os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml")
     ) as f:
         schema = run_schema(yaml.safe_load(f))
     runs = {}
-# Validation fills in the schema's defaults, the one home of every setting's default: the rules
-# read config[...] directly. It fills each `runs` entry (and each sweep's `settings`) too, which
-# would then override train_defaults and presets (`recipe`, training/presets.py: who wins): runs
-# are resolved from the entries as written.
-_WRITTEN = copy.deepcopy(
-    {
-        "train_defaults": config.get("train_defaults") or {},
-        "runs": config.get("runs") or [],
-        "sweep": config.get("sweep") or [],
-    }
-)
+    try:
+        entries = expand_runs(
+            {**config, "runs": _WRITTEN["runs"], "sweep": _WRITTEN["sweep"]}, schema
+        )
+    except SweepError as error:
+        raise WorkflowError(str(error)) from None
+    defaults = _run_defaults()
+    for entry in entries:
+        runs[entry["name"]] = resolve_run(defaults, _WRITTEN["train_defaults"], entry)
     return runs
 
 
