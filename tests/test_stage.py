@@ -55,6 +55,31 @@ def test_train_and_val_stage_side_by_side(prepared_demo, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_shared_copy_is_removed_by_the_last_job_that_leaves(prepared_demo, tmp_path):
+    """Two runs on one node share the scratch copy: the first to finish must not delete the
+    data the other is still reading (local launcher; clusters without a per-job scratch)."""
+    from imagenet_ddp.launch import stage_this_node, unstage_this_node
+
+    def spec(run):
+        paths = {"prepared_train": str(prepared_demo["val"]), "run_dir": str(tmp_path / run)}
+        execution = {"scratch_dir": str(tmp_path / "scratch"), "stage_verify": "size"}
+        return {"paths": paths, "execution": execution}
+
+    first, second = stage_this_node(spec("a")), stage_this_node(spec("b"))
+    dest = Path(first["dest"])
+    assert second["dest"] == first["dest"] and second["reused"] is True
+    assert first["lease"] != second["lease"]
+    unstage_this_node(spec("a"))
+    assert _tree(dest) == _tree(prepared_demo["val"]), "run b still reads it"
+    report_a = json.loads((tmp_path / "a" / "staging" / f"{first['host']}.json").read_text())
+    assert report_a["cleaned"] is True and report_a["removed"] is False
+    # A requeued attempt of run b first gives up the lease its killed attempt left behind.
+    again = stage_this_node(spec("b"))
+    assert again["reused"] is True and len(list(dest.parent.glob("*.leases/*"))) == 1
+    unstage_this_node(spec("b"))
+    assert list((tmp_path / "scratch").iterdir()) == [], "the last run removes the copy"
+
+
 def test_incomplete_copy_is_replaced(prepared_demo, tmp_path):
     src = prepared_demo["val"]
     report = stage_dataset(src, tmp_path, verify="size")

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,20 +70,32 @@ def rendezvous_from_slurm_env() -> None:
 
 def stage_this_node(spec: dict) -> dict:
     paths, execution = spec["paths"], spec["execution"]
+    path = staging_report_path(paths["run_dir"], socket.gethostname())
+    previous = json.loads(path.read_text()) if path.is_file() else {}
+    lease = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     report = stage_dataset(
         Path(paths["prepared_train"]),
         scratch_root_from_env(Path(execution["scratch_dir"])),
         verify=execution["stage_verify"],
+        lease=lease,
     )
+    report["lease"] = lease
+    # An earlier attempt of this run (requeued, or killed before its cleanup) left its lease:
+    # give it up now that this attempt holds its own.
+    if previous.get("lease") and not previous.get("cleaned"):
+        cleanup_staged(Path(previous["dest"]), previous["lease"])
     write_json_atomic(staging_report_path(paths["run_dir"], report["host"]), report)
     return report
 
 
 def unstage_this_node(spec: dict) -> None:
+    """Give up this run's lease on the node's copy; the copy goes with the last lease (another
+    run on this node may still read it)."""
     path = staging_report_path(spec["paths"]["run_dir"], socket.gethostname())
     report = json.loads(path.read_text())
-    cleanup_staged(Path(report["dest"]))
-    report["cleaned"] = not Path(report["dest"]).exists()
+    # cleaned: this run gave up its copy; removed: the copy is gone (no other run holds it)
+    report["removed"] = cleanup_staged(Path(report["dest"]), report.get("lease"))
+    report["cleaned"] = True
     write_json_atomic(path, report)
 
 

@@ -7,6 +7,11 @@ sha256, so equal fingerprints mean equal content). A copy is complete only once 
 to a temporary sibling directory renamed into place, under an exclusive lock, so concurrent
 stagers on one node (e.g. two jobs sharing a scratch dir) never see or make a partial copy.
 Works for any prepared directory (train or val).
+
+Jobs that share a copy (several runs on one node with the same scratch dir: the local launcher,
+or a cluster without a per-job ``$SLURM_TMPDIR``) each hold a lease on it
+(``<fp>/<name>.leases/<lease>``); cleanup removes the copy only when the last lease goes, so one
+job's cleanup never deletes the data another is still reading.
 """
 
 from __future__ import annotations
@@ -113,10 +118,16 @@ def _is_complete(dest: Path, fp: str, files: list[tuple[str, int]]) -> bool:
     )
 
 
-def stage_dataset(src: Path, scratch_root: Path, *, verify: str) -> dict:
+def _leases(dest: Path) -> Path:
+    return dest.parent / f"{dest.name}.leases"
+
+
+def stage_dataset(src: Path, scratch_root: Path, *, verify: str, lease: str | None = None) -> dict:
     """Copy ``src`` (a prepared dir) under ``scratch_root`` unless a verified copy is there.
 
-    ``verify``: ``size`` or ``sha256`` (stage.verify; the workflow's schema checks it)."""
+    ``verify``: ``size`` or ``sha256`` (stage.verify; the workflow's schema checks it).
+    ``lease``: a name unique to the staging job; :func:`cleanup_staged` with the same name
+    removes the copy only if no other job holds a lease on it."""
     src, scratch_root = Path(src), Path(scratch_root)
     fp = fingerprint(src)
     dest = scratch_root / STAGE_DIR / fp / src.name
@@ -133,6 +144,9 @@ def stage_dataset(src: Path, scratch_root: Path, *, verify: str) -> dict:
         "fingerprint": fp,
     }
     with exclusive_lock(lock_path_for(dest)):
+        if lease is not None:  # taken before the copy: a concurrent cleanup must keep it
+            _leases(dest).mkdir(parents=True, exist_ok=True)
+            (_leases(dest) / lease).touch()
         if _is_complete(dest, fp, files):
             seconds = time.perf_counter() - started
             return {**report, "seconds": seconds, "bytes_per_s": 0.0, "reused": True}
@@ -163,18 +177,27 @@ def stage_dataset(src: Path, scratch_root: Path, *, verify: str) -> dict:
     }
 
 
-def cleanup_staged(dest: Path) -> None:
-    """Remove a staged copy, then its fingerprint dir and ``imagenet_ddp/`` if left empty."""
+def cleanup_staged(dest: Path, lease: str | None = None) -> bool:
+    """Give up ``lease`` on a staged copy; remove the copy if no other lease remains, then its
+    fingerprint dir and ``imagenet_ddp/`` if left empty. Returns whether the copy is gone."""
     dest = Path(dest)
     if dest.parent.parent.name != STAGE_DIR:
         raise ValueError(f"{dest} is not a staged copy (<scratch>/{STAGE_DIR}/<fp>/<name>)")
     lock = lock_path_for(dest)
-    if dest.exists() or lock.exists():
-        with exclusive_lock(lock):
-            shutil.rmtree(dest, ignore_errors=True)
-        lock.unlink(missing_ok=True)
+    if not (dest.exists() or lock.exists()):
+        return True
+    with exclusive_lock(lock):
+        leases = _leases(dest)
+        if lease is not None:
+            (leases / lease).unlink(missing_ok=True)
+        if leases.is_dir() and any(leases.iterdir()):
+            return False  # another job still reads it; the last one removes it
+        shutil.rmtree(leases, ignore_errors=True)
+        shutil.rmtree(dest, ignore_errors=True)
+    lock.unlink(missing_ok=True)
     for parent in (dest.parent, dest.parent.parent):
         try:
             parent.rmdir()
         except OSError:  # not empty (another copy or a stager still there) or already gone
             break
+    return True
