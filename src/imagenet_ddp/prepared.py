@@ -60,14 +60,15 @@ from PIL import Image
 
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import atomic_path, write_csv_atomic, write_json_atomic
+from imagenet_ddp.prepared_layout import (  # noqa: F401 (re-exported: the format's names)
+    FORMAT,
+    FORMAT_VERSION,
+    PREPARED_JSON,
+    SAMPLES_CSV,
+    SHARD_DIR,
+)
 
-FORMAT = "imagenet_ddp.prepared"
-# 2: shards are tar files with WebDataset member names (1: bare concatenated JPEGs, .bin)
-FORMAT_VERSION = 2
 _TAR_END = bytes(2 * tarfile.BLOCKSIZE)
-SHARD_DIR = "shards"
-SAMPLES_CSV = "samples.csv"
-PREPARED_JSON = "prepared.json"
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 _CHUNK = 16  # images per task sent to a worker

@@ -32,6 +32,7 @@ from imagenet_ddp.io import (
     lock_path_for,
     write_json_atomic,
 )
+from imagenet_ddp.prepared_layout import PREPARED_JSON, SHARD_DIR
 
 STAGE_DIR = "imagenet_ddp"
 MARKER = ".staged.json"
@@ -43,16 +44,8 @@ def scratch_root_from_env(default: Path) -> Path:
     return Path(value) if value else Path(default)
 
 
-def _layout() -> tuple[str, str]:
-    """(PREPARED_JSON, SHARD_DIR): the names prepared.py defines. Imported when used, so that
-    importing this module (the launcher does) does not import torch."""
-    from imagenet_ddp.prepared import PREPARED_JSON, SHARD_DIR
-
-    return PREPARED_JSON, SHARD_DIR
-
-
 def fingerprint(src: Path) -> str:
-    path = Path(src) / _layout()[0]
+    path = Path(src) / PREPARED_JSON
     try:
         return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     except FileNotFoundError:
@@ -94,13 +87,12 @@ def _verify(src: Path, dest: Path, files: list[tuple[str, int]], verify: str) ->
                 "scratch disk may be full or failing: free it or set stage.scratch_dir"
             )
     if verify == "sha256":
-        prepared_json, shard_dir = _layout()
-        info = json.loads((dest / prepared_json).read_text())
+        info = json.loads((dest / PREPARED_JSON).read_text())
         for shard in info["shards"]:
-            path = dest / shard_dir / shard["name"]
+            path = dest / SHARD_DIR / shard["name"]
             if file_digest(path, "sha256") != shard["sha256"]:
                 raise InputError(
-                    f"staged copy {path} does not match the sha256 in {src / prepared_json}; "
+                    f"staged copy {path} does not match the sha256 in {src / PREPARED_JSON}; "
                     "the source or the scratch disk is damaged: rerun prepare or change "
                     "stage.scratch_dir"
                 )

@@ -17,6 +17,7 @@ from imagenet_ddp.archives import (
     VAL_ARCHIVE,
 )
 from imagenet_ddp.eval_settings import eval_settings
+from imagenet_ddp.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
 from imagenet_ddp.run_checks import check_runs, user_cache_dir
 from imagenet_ddp.sweeps import SweepError, expand_runs, run_schema
 from imagenet_ddp.training.presets import resolve_run, scaled_lr

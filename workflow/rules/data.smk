@@ -121,6 +121,8 @@ if PREPARE_JOBS == 1:
             data_dir=lambda wildcards, input: os.path.dirname(input.train),
             index_dir=lambda wildcards, input: os.path.dirname(input.index),
             flags=prepare_flags,
+            # A new prepared format reruns this rule: no job reads a copy of an older one.
+            format_version=PREPARED_FORMAT_VERSION,
         shell:
             "imagenet-ddp prepare --data-dir {params.data_dir:q} --index-dir {params.index_dir:q}"
             " --out {output:q} {params.flags} --workers {threads} > {log:q} 2>&1"
@@ -154,6 +156,8 @@ else:
             data_dir=lambda wildcards, input: os.path.dirname(input.train),
             index_dir=lambda wildcards, input: os.path.dirname(input.index),
             flags=prepare_flags,
+            # A new prepared format reruns this rule: no job reads a copy of an older one.
+            format_version=PREPARED_FORMAT_VERSION,
         shell:
             "imagenet-ddp prepare-chunk --data-dir {params.data_dir:q}"
             " --index-dir {params.index_dir:q} --chunk {wildcards.chunk}"
@@ -179,6 +183,8 @@ else:
             "../envs/imagenet-ddp.yaml"
         container:
             CONTAINER
+        params:
+            format_version=PREPARED_FORMAT_VERSION,
         shell:
             "imagenet-ddp prepare-join --chunk-dirs {input.chunks:q} --out {output:q}"
             " > {log:q} 2>&1"
