@@ -14,7 +14,8 @@ from typing import Any
 
 import pandas as pd
 
-from imagenet_ddp.provenance import provenance_path
+from imagenet_ddp.io import write_csv_atomic, write_text_atomic
+from imagenet_ddp.provenance import provenance_path, write_provenance
 
 # What a run cost (imagenet_ddp.cost, imagenet_ddp.telemetry, imagenet_ddp.accounting); empty
 # where not measured (no GPU, no SLURM, files from before), never zero. README "Cost and
@@ -248,3 +249,11 @@ def to_markdown(table: pd.DataFrame) -> str:
     # Empty cells, not "nan": a baseline has no efficiency, an old run no steady figure.
     cells = table.astype(object).where(table.notna(), None)
     return cells.to_markdown(index=False, floatfmt=".4g", missingval="") + "\n"
+
+
+def write_aggregate(run_dirs: list[Path], csv: Path, markdown: Path) -> None:
+    """The ``aggregate`` stage: runs.csv, runs.md and the provenance beside the CSV."""
+    table = aggregate_runs(run_dirs)
+    write_csv_atomic(csv, table)
+    write_text_atomic(markdown, to_markdown(table))
+    write_provenance(provenance_path(csv), "aggregate", {"run_dirs": [str(d) for d in run_dirs]})

@@ -1,11 +1,11 @@
 """``imagenet-ddp``: one subcommand per workflow stage. The Snakemake rules call these.
 
-Each subcommand parses its arguments and calls its stage's function (split.split_index,
-jobs.train_job, jobs.evaluate_job, plots.make_plots, ...); the small stages (demo-data, verify,
-index, aggregate) also write their artifact here. Every stage writes its artifact atomically
-and its provenance beside it (:func:`imagenet_ddp.provenance.provenance_path`). A bad input
-raises :class:`InputError`, printed as one line that names the file and what to do (exit 2).
-"""
+Each subcommand only parses its arguments and calls its stage's one function
+(demo.write_demo_dataset, archives.write_verify_report, archives.write_index,
+split.split_index, prepare.prepare, jobs.train_job, jobs.evaluate_job,
+aggregate.write_aggregate, plots.make_plots). Every stage writes its artifact atomically and
+its provenance beside it (:func:`imagenet_ddp.provenance.provenance_path`). A bad input raises
+:class:`InputError`, printed as one line that names the file and what to do (exit 2)."""
 
 from __future__ import annotations
 
@@ -16,52 +16,34 @@ from pathlib import Path
 
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.eval_settings import eval_settings
-from imagenet_ddp.io import atomic_path, write_csv_atomic, write_json_atomic, write_text_atomic
-from imagenet_ddp.provenance import provenance_path, write_provenance
 
 # What an evaluation uses for a setting not given: one node, one CPU rank (eval_settings).
 EVAL_DEFAULTS = eval_settings(None, {})
 
 
 def cmd_demo_data(args: argparse.Namespace) -> None:
-    from imagenet_ddp.demo import make_demo_dataset
+    from imagenet_ddp.demo import write_demo_dataset
 
-    with atomic_path(args.out, is_dir=True) as tmp:
-        make_demo_dataset(
-            tmp,
-            num_classes=args.num_classes,
-            train_per_class=args.train_per_class,
-            val_per_class=args.val_per_class,
-            image_size=args.image_size,
-            seed=args.seed,
-        )
+    write_demo_dataset(
+        args.out,
+        num_classes=args.num_classes,
+        train_per_class=args.train_per_class,
+        val_per_class=args.val_per_class,
+        image_size=args.image_size,
+        seed=args.seed,
+    )
 
 
 def cmd_verify(args: argparse.Namespace) -> None:
-    from imagenet_ddp.archives import verify_archives
+    from imagenet_ddp.archives import write_verify_report
 
-    report = verify_archives(args.data_dir, check_md5=args.check_md5)
-    write_json_atomic(args.report, report)
-    write_provenance(
-        provenance_path(args.report),
-        "verify",
-        {"data_dir": str(args.data_dir), "check_md5": args.check_md5},
-    )
+    write_verify_report(args.data_dir, args.report, check_md5=args.check_md5)
 
 
 def cmd_index(args: argparse.Namespace) -> None:
-    from imagenet_ddp.archives import build_index
+    from imagenet_ddp.archives import write_index
 
-    classes, train, val = build_index(args.data_dir)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    for name, frame in (("classes", classes), ("train", train), ("val", val)):
-        write_csv_atomic(args.out_dir / f"{name}.csv", frame)
-    write_provenance(
-        provenance_path(args.out_dir),
-        "index",
-        {"data_dir": str(args.data_dir)},
-        extra={"counts": {"classes": len(classes), "train": len(train), "val": len(val)}},
-    )
+    write_index(args.data_dir, args.out_dir)
 
 
 def cmd_split(args: argparse.Namespace) -> None:
@@ -164,16 +146,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_aggregate(args: argparse.Namespace) -> None:
-    from imagenet_ddp.aggregate import aggregate_runs, to_markdown
+    from imagenet_ddp.aggregate import write_aggregate
 
-    table = aggregate_runs(args.run_dirs)
-    write_csv_atomic(args.csv, table)
-    write_text_atomic(args.markdown, to_markdown(table))
-    write_provenance(
-        provenance_path(args.csv),
-        "aggregate",
-        {"run_dirs": [str(d) for d in args.run_dirs]},
-    )
+    write_aggregate(args.run_dirs, args.csv, args.markdown)
 
 
 def cmd_plots(args: argparse.Namespace) -> None:

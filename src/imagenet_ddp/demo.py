@@ -284,3 +284,12 @@ def make_demo_dataset(
         for name in sorted((TRAIN_ARCHIVE, VAL_ARCHIVE, DEVKIT_ARCHIVE))
     ]
     (out_dir / MD5SUMS).write_text("".join(lines))
+
+
+def write_demo_dataset(out: Path, **settings) -> None:
+    """The ``demo_data`` stage: :func:`make_demo_dataset` into ``out``, which appears only
+    complete (written under a temporary name, then renamed)."""
+    from imagenet_ddp.io import atomic_path
+
+    with atomic_path(out, is_dir=True) as tmp:
+        make_demo_dataset(tmp, **settings)
