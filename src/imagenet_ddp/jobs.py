@@ -1,5 +1,5 @@
 """The train and evaluate stages at the job level: write the job spec, start the ranks through
-the launcher, record the job. The per-rank code is :mod:`imagenet_ddp.train` and
+the launcher, record the job. The per-rank code is :mod:`imagenet_ddp.training.worker` and
 :mod:`imagenet_ddp.evaluate`; both read the spec this module writes (:mod:`imagenet_ddp.job_spec`).
 
 Torch-free: this runs in the rule's process, which only waits for the ranks.
