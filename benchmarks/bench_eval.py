@@ -44,7 +44,10 @@ def default_geometry() -> tuple[dict, float, str]:
     from imagenet_ddp.eval_settings import eval_settings
 
     config = yaml.safe_load((C.REPO / "config.yaml").read_text())
-    run = {**config["train_defaults"], **config["runs"][0]}
+    schema = yaml.safe_load((C.REPO / "workflow/schemas/config.schema.yaml").read_text())
+    keys = schema["definitions"]["run_settings"]["properties"]
+    defaults = {k: v["default"] for k, v in keys.items() if "default" in v}  # the one home
+    run = {**defaults, **config["train_defaults"], **config["runs"][0]}
     settings = eval_settings(config.get("evaluate"), run)
     return settings, float(config["split"]["holdout_fraction"]), run["model"]
 
