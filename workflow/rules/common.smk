@@ -53,12 +53,9 @@ os.environ["PATH"] = os.pathsep.join(
 )
 
 
-def _run_defaults():
+def _run_defaults(config_schema):
     """The schema's default of every run key that has one."""
-    with open(
-        os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml")
-    ) as f:
-        keys = yaml.safe_load(f)["definitions"]["run_settings"]["properties"]
+    keys = config_schema["definitions"]["run_settings"]["properties"]
     return {k: v["default"] for k, v in keys.items() if "default" in v}
 
 
@@ -70,7 +67,8 @@ def _runs():
     with open(
         os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml")
     ) as f:
-        schema = run_schema(yaml.safe_load(f))
+        config_schema = yaml.safe_load(f)
+    schema = run_schema(config_schema)
     runs = {}
     try:
         entries = expand_runs(
@@ -78,7 +76,7 @@ def _runs():
         )
     except SweepError as error:
         raise WorkflowError(str(error)) from None
-    defaults = _run_defaults()
+    defaults = _run_defaults(config_schema)
     for entry in entries:
         runs[entry["name"]] = resolve_run(defaults, _WRITTEN["train_defaults"], entry)
     return runs
