@@ -262,8 +262,7 @@ def _start(cluster: Cluster, n_nodes: int, cpus: int, mem_mb: int, gpus: int, ep
         "cpus": cpus,
         "mem_mb": mem_mb,
         "gres_line": f"Gres=gpu:{gpus}" if gpus else "",
-        "gres_conf": (f"Name=gpu File={root}/dev/fakegpu[0-{gpus - 1}]" if gpus > 1
-                      else f"Name=gpu File={root}/dev/fakegpu0" if gpus else ""),  # fmt: skip
+        "gres_conf": f"Name=gpu File={root}/dev/fakegpu[0-{gpus - 1}]" if gpus else "",
         "node_lines": "\n".join(f"NodeName={n.name} NodeAddr={n.addr}" for n in cluster.nodes),
         "epilog_line": f"Epilog={root}/etc/epilog.sh" if epilog else "",
     }
