@@ -54,3 +54,36 @@ def test_local_launcher_refuses_several_nodes():
 
     with pytest.raises(ValueError, match="one node"):
         launch_ranks("local", Geometry(2, 1, 1), ["true"])
+
+
+def test_auto_launcher_is_decided_by_the_job_not_by_the_config():
+    from imagenet_ddp.jobs import resolve_launcher
+
+    assert resolve_launcher("auto", {"SLURM_JOB_ID": "42"}) == "srun"
+    assert resolve_launcher("auto", {}) == "local"
+    assert resolve_launcher("local", {"SLURM_JOB_ID": "42"}) == "local"  # explicit wins
+
+
+def test_the_ranks_step_starts_with_the_rules_mpi_prefix(monkeypatch):
+    import pytest
+
+    from imagenet_ddp import launch
+
+    steps = []
+    monkeypatch.setattr(launch, "_run_step", lambda argv, geometry: steps.append(argv) or (0, 0))
+    launch.launch_ranks("srun", Geometry(2, 2, 1), ["x"], [], "srun --mpi=pmix")
+    assert steps[0][:2] == ["srun", "--mpi=pmix"] and "--ntasks=4" in steps[0]
+    with pytest.raises(ValueError, match="must start with srun"):
+        srun_argv(Geometry(2, 2, 1), per_node=False, extra=[], prefix="mpirun -np 4")
+
+
+def test_srun_tasks_enter_the_rules_container_again():
+    import sys
+
+    from imagenet_ddp.launch import task_python
+
+    assert task_python({}) == [sys.executable]
+    image = "/images/imagenet-ddp.sif"
+    argv = task_python({"APPTAINER_CONTAINER": image})
+    assert argv == ["apptainer", "exec", "--nv", image, sys.executable]
+    assert task_python({"SINGULARITY_CONTAINER": image})[0] == "singularity"

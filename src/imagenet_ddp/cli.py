@@ -127,7 +127,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         run_dir=args.run_dir,
         checkpoint_root=args.checkpoint_root,
         execution=execution_settings(
-            args.launcher, args.srun_extra, args.scratch_dir, args.stage_verify, args.cleanup
+            args.launcher,
+            args.srun_extra,
+            args.scratch_dir,
+            args.stage_verify,
+            args.cleanup,
+            launch_prefix=args.launch_prefix,
         ),
     )
 
@@ -142,7 +147,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     }
     parts = {part: {key: getattr(args, key) for key in names} for part, names in keys.items()}
     parts["paths"]["per_class"] = args.per_class
-    return evaluate_job(**parts, execution=execution_settings(args.launcher, args.srun_extra))
+    execution = execution_settings(args.launcher, args.srun_extra, launch_prefix=args.launch_prefix)
+    return evaluate_job(**parts, execution=execution)
 
 
 def cmd_aggregate(args: argparse.Namespace) -> None:
@@ -207,9 +213,23 @@ def _add_evaluate_parser(sub) -> None:
         default = EVAL_DEFAULTS[name.replace("-", "_")]
         p.add_argument(f"--{name}", type=kind, default=default, help=f"{text} (default {default})")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--launcher", choices=["local", "srun"], default="local")
-    p.add_argument("--srun-extra", default="", help="extra srun flags, space separated")
+    _add_launcher_arguments(p)
     p.set_defaults(func=cmd_evaluate)
+
+
+def _add_launcher_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--launcher",
+        choices=["auto", "local", "srun"],
+        default="auto",
+        help="auto: srun inside a SLURM allocation, else one process per rank here",
+    )
+    p.add_argument("--srun-extra", default="", help="extra srun flags, space separated")
+    p.add_argument(
+        "--launch-prefix",
+        default="srun",
+        help="command starting the ranks' step (the rule's mpi resource), e.g. 'srun --mpi=pmix'",
+    )
 
 
 def _workers(value: str) -> int | str:
@@ -260,11 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-dir", type=Path, required=True)
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--checkpoint-root", type=Path, required=True)
-    p.add_argument("--launcher", choices=["local", "srun"], required=True)
+    _add_launcher_arguments(p)
     p.add_argument("--scratch-dir", type=Path, required=True)
     p.add_argument("--stage-verify", choices=["size", "sha256"], required=True)
     p.add_argument("--cleanup", action=argparse.BooleanOptionalAction, required=True)
-    p.add_argument("--srun-extra", default="", help="extra srun flags, space separated")
     p.set_defaults(func=cmd_train)
 
     _add_evaluate_parser(sub)

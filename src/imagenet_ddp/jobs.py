@@ -8,6 +8,7 @@ Torch-free: this runs in the rule's process, which only waits for the ranks.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,33 @@ from imagenet_ddp.provenance import provenance_path, write_provenance
 GEOMETRY_KEYS = ("nodes", "tasks_per_node", "cpus_per_task")
 
 
+def resolve_launcher(launcher: str, environ=None) -> str:
+    """``auto``: ``srun`` inside a SLURM allocation (the job's own SLURM_JOB_ID, which the
+    SLURM executor's job step keeps), ``local`` elsewhere. Decided where the job runs, so no
+    ``--config`` on the Snakemake command line can change it."""
+    if launcher != "auto":
+        return launcher
+    return "srun" if (os.environ if environ is None else environ).get("SLURM_JOB_ID") else "local"
+
+
 def execution_settings(
-    launcher: str, srun_extra: str, scratch_dir: Path | None = None, stage_verify=None, cleanup=None
+    launcher: str,
+    srun_extra: str,
+    scratch_dir: Path | None = None,
+    stage_verify=None,
+    cleanup=None,
+    launch_prefix: str = "srun",
 ) -> dict[str, Any]:
-    """Where and how the job runs (not results: the rule passes them as resources)."""
-    execution: dict[str, Any] = {"launcher": launcher, "srun_extra": srun_extra}
+    """Where and how the job runs (not results: the rule passes them as resources).
+
+    ``launch_prefix``: the rule's ``mpi`` resource, the command that starts the ranks' step
+    (``srun``, ``srun --mpi=pmix``); the launcher adds the geometry to it.
+    """
+    execution: dict[str, Any] = {
+        "launcher": resolve_launcher(launcher),
+        "srun_extra": srun_extra,
+        "launch_prefix": launch_prefix or "srun",
+    }
     if scratch_dir is not None:
         execution.update(scratch_dir=str(scratch_dir), stage_verify=stage_verify, cleanup=cleanup)
     return execution

@@ -120,8 +120,13 @@ def worker_env(geometry: Geometry) -> dict[str, str]:
     return env
 
 
-def srun_argv(geometry: Geometry, *, per_node: bool, extra: list[str]) -> list[str]:
+def srun_argv(
+    geometry: Geometry, *, per_node: bool, extra: list[str], prefix: str = "srun"
+) -> list[str]:
     """srun for a step in the job's allocation (found through the kept SLURM_JOB_ID).
+
+    ``prefix``: how the ranks' step starts (the rule's ``mpi`` resource, e.g.
+    ``srun --mpi=pmix``); the per-node staging steps use plain ``srun``.
 
     The SLURM executor strips the allocation's SLURM_* defaults from the rule's environment,
     so the geometry is always explicit. A rule without the ``mpi`` resource (world size 1)
@@ -130,8 +135,11 @@ def srun_argv(geometry: Geometry, *, per_node: bool, extra: list[str]) -> list[s
     """
     tasks_per_node = 1 if per_node else geometry.tasks_per_node
     inside_step = "SLURM_STEP_ID" in os.environ
+    words = shlex.split(prefix)
+    if not words or os.path.basename(words[0]) != "srun":
+        raise ValueError(f"launch prefix {prefix!r} (the rule's mpi resource) must start with srun")
     return [
-        "srun",
+        *words,
         f"--nodes={geometry.nodes}",
         f"--ntasks={geometry.nodes * tasks_per_node}",
         f"--ntasks-per-node={tasks_per_node}",
@@ -152,6 +160,31 @@ def _srun_extra(spec: dict) -> list[str]:
     return spec["execution"]["srun_extra"].split()
 
 
+def _prefix(spec: dict) -> str:
+    return spec["execution"].get("launch_prefix") or "srun"
+
+
+# Apptainer/Singularity export these inside a container: the image the rule's shell runs in.
+CONTAINER_IMAGE_VARIABLES = ("APPTAINER_CONTAINER", "SINGULARITY_CONTAINER")
+
+
+def task_python(environ=None) -> list[str]:
+    """The command that starts Python for a task of an srun step.
+
+    Inside a container (``--sdm apptainer``) the rule's shell runs in the image but srun starts
+    its tasks on the host, where the image's interpreter does not exist: each task enters the
+    same image again (``--nv``: the node's NVIDIA driver and GPUs, as Snakemake's own
+    ``--apptainer-args`` should give the rule; the binds of APPTAINER_BIND are inherited
+    through ``--export=ALL``).
+    """
+    environ = os.environ if environ is None else environ
+    image = next((environ[v] for v in CONTAINER_IMAGE_VARIABLES if environ.get(v)), None)
+    if image is None:
+        return [sys.executable]
+    runtime = "apptainer" if environ.get("APPTAINER_CONTAINER") else "singularity"
+    return [runtime, "exec", "--nv", image, sys.executable]
+
+
 def run_training(spec_path: Path) -> int:
     """Stage on every node, run the ranks, clean up: the exit code of the job.
 
@@ -160,26 +193,27 @@ def run_training(spec_path: Path) -> int:
     spec = read_spec(spec_path, "train")
     geometry, execution = geometry_of_spec(spec), spec["execution"]
     launcher, cleanup = execution["launcher"], execution["cleanup"]
-    me = [sys.executable, "-m", "imagenet_ddp.launch"]
     on_spec = ["--spec", str(spec_path)]
-    worker = [*me, "worker", *on_spec]
     if launcher == "local":
         _check_local(geometry)
         stage_this_node(spec)
         try:
+            worker = [sys.executable, "-m", "imagenet_ddp.launch", "worker", *on_spec]
             code, _ = launch_ranks(launcher, geometry, worker)
         finally:
             if cleanup:
                 unstage_this_node(spec)
         return code
 
+    me = [*task_python(), "-m", "imagenet_ddp.launch"]
+    worker = [*me, "worker", *on_spec]
     extra = _srun_extra(spec)
     stage = [*srun_argv(geometry, per_node=True, extra=extra), *me, "stage-node", *on_spec]
     code, signalled = _run_step(stage, geometry)
     if code != 0:
         return code
     try:
-        code, signalled = launch_ranks(launcher, geometry, worker, extra)
+        code, signalled = launch_ranks(launcher, geometry, worker, extra, _prefix(spec))
     finally:
         if cleanup and signalled:
             # The job is ending (time limit, scancel, preemption): SLURM creates no new step
@@ -196,12 +230,15 @@ def run_training(spec_path: Path) -> int:
 def run_evaluation(spec_path: Path) -> int:
     """The evaluation's ranks, through the same launcher (nothing staged): its exit code."""
     spec = read_spec(spec_path, "evaluate")
-    worker = [sys.executable, "-m", "imagenet_ddp.launch", "evaluate-worker"]
+    launcher = spec["execution"]["launcher"]
+    python = [sys.executable] if launcher == "local" else task_python()
+    worker = [*python, "-m", "imagenet_ddp.launch", "evaluate-worker"]
     code, _ = launch_ranks(
-        spec["execution"]["launcher"],
+        launcher,
         geometry_of_spec(spec),
         [*worker, "--spec", str(spec_path)],
         _srun_extra(spec),
+        _prefix(spec),
     )
     return code
 
@@ -212,7 +249,11 @@ def _check_local(geometry: Geometry) -> None:
 
 
 def launch_ranks(
-    launcher: str, geometry: Geometry, argv: list[str], srun_extra: list[str] | None = None
+    launcher: str,
+    geometry: Geometry,
+    argv: list[str],
+    srun_extra: list[str] | None = None,
+    prefix: str = "srun",
 ) -> tuple[int, bool]:
     """Run ``argv`` as ``nodes x tasks_per_node`` ranks: training workers and evaluation alike.
 
@@ -224,9 +265,8 @@ def launch_ranks(
     if launcher == "local":
         _check_local(geometry)
         return spawn_local_ranks(argv, geometry), False
-    return _run_step(
-        [*srun_argv(geometry, per_node=False, extra=srun_extra or []), *argv], geometry
-    )
+    step = srun_argv(geometry, per_node=False, extra=srun_extra or [], prefix=prefix)
+    return _run_step([*step, *argv], geometry)
 
 
 def _run(argv: list[str], geometry: Geometry) -> int:

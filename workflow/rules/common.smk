@@ -187,6 +187,28 @@ def slurm_resource(key, shape=train_shape):
     return value
 
 
+def launch_prefix(rule):
+    """The command that starts a job's ranks: the rule's `mpi` resource (Snakemake's
+    convention for the launch prefix; `--set-resources train:mpi="srun --mpi=pmix"`), plain
+    `srun` where the rule sets none. A resource of its own because a rule with one rank must
+    not have `mpi` (the SLURM executor refuses it), so its shell cannot read {resources.mpi}.
+    """
+
+    def value(wildcards):
+        prefix = (
+            workflow.resource_settings.overwrite_resources.get(rule, {}).get("mpi")
+            or "srun"
+        )
+        if str(prefix).split()[0].rsplit("/", 1)[-1] != "srun":
+            raise WorkflowError(
+                f"--set-resources {rule}:mpi={prefix!r}: the ranks are started with srun;"
+                " give srun and its flags, e.g. 'srun --mpi=pmix'"
+            )
+        return prefix
+
+    return value
+
+
 def run_dirs():
     return [f"results/runs/{name}" for name in RUNS]
 

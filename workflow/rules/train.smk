@@ -31,7 +31,9 @@ rule train:
         tasks_per_gpu=0,  # else the plugin adds --ntasks-per-gpu=<all tasks> to GPU jobs
         mpi=slurm_resource("mpi"),
         # Where and how it runs (not results, so not params): a profile may override these.
+        # auto: srun inside the SLURM allocation, else ranks spawned here (launch.py).
         launcher=execution_setting("execution", "launcher"),
+        launch_prefix=launch_prefix("train"),
         srun_extra=execution_setting("execution", "srun_extra"),
         scratch_dir=execution_setting("stage", "scratch_dir"),
         stage_verify=execution_setting("stage", "verify"),
@@ -55,8 +57,8 @@ rule train:
         "exec imagenet-ddp train --run-config-json {params.run_config:q}"
         " --prepared-train {input.prepared:q} --split-dir {params.split_dir:q}"
         " --run-dir {params.run_dir:q} --checkpoint-root {resources.checkpoint_root:q}"
-        " --launcher {resources.launcher} --srun-extra={resources.srun_extra:q}"
-        " --scratch-dir {resources.scratch_dir:q} --stage-verify {resources.stage_verify}"
+        " --launcher {resources.launcher} --launch-prefix={resources.launch_prefix:q}"
+        " --srun-extra={resources.srun_extra:q} --scratch-dir {resources.scratch_dir:q} --stage-verify {resources.stage_verify}"
         " --{resources.stage_cleanup} >> {log:q} 2>&1"
 
 
@@ -92,6 +94,7 @@ rule evaluate:
         tasks_per_gpu=0,  # else the plugin adds --ntasks-per-gpu=<all tasks> to GPU jobs
         mpi=slurm_resource("mpi", eval_shape),
         launcher=execution_setting("execution", "launcher"),
+        launch_prefix=launch_prefix("evaluate"),
         srun_extra=execution_setting("execution", "srun_extra"),
         eval_tasks_per_node=run_eval("tasks_per_node"),
         eval_gpus_per_node=run_eval("gpus_per_node"),
@@ -102,6 +105,7 @@ rule evaluate:
     # exec: the launcher replaces the rule's shell (see rule train).
     shell:
         "exec imagenet-ddp evaluate --launcher {resources.launcher}"
+        " --launch-prefix={resources.launch_prefix:q}"
         " --srun-extra={resources.srun_extra:q} --model {input.model:q}"
         " --prepared-train {input.prepared_train:q} --prepared-val {input.prepared_val:q}"
         " --split-dir {params.split_dir:q} --classes {input.classes:q} --out {output.metrics:q}"
