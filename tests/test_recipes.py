@@ -104,7 +104,9 @@ def test_every_sample_augmentation_is_a_function_of_the_seed():
 def test_ema_equals_its_formula():
     model = torch.nn.Linear(2, 1, bias=False)
     cfg = TrainConfig(ema_decay=0.9, ema_steps=1, epochs=1, batch_size=1)
-    ema = recipe.build_ema(cfg, model, world_size=1)  # adjust = 1: decay 0.9 as given
+    ema = recipe.build_ema(
+        cfg, model, world_size=1, device=torch.device("cpu")
+    )  # adjust = 1: decay 0.9 as given
     expected = model.weight.detach().clone()
     for step in range(1, 4):
         with torch.no_grad():

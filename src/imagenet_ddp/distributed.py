@@ -8,6 +8,7 @@ launcher sets MASTER_ADDR/MASTER_PORT; see :mod:`imagenet_ddp.launch`.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
 from dataclasses import dataclass
@@ -50,18 +51,26 @@ def dist_info_from_env() -> DistInfo:
 
 
 def select_device(
-    requested: str, local_rank: int, gpus_per_node: int | None = None
+    requested: str,
+    local_rank: int,
+    gpus_per_node: int | None = None,
+    local_world_size: int | None = None,
 ) -> torch.device:
-    """``auto`` picks this rank's GPU when CUDA is available, else the CPU.
+    """``auto`` picks this rank's GPU when the run asked for GPUs (``gpus_per_node > 0``),
+    else the CPU, even where CUDA is available (a CPU run on a GPU node stays a CPU run).
 
-    A job that asked SLURM for GPUs (``gpus_per_node > 0``) never falls back to the CPU: on a
-    node where CUDA is unusable (driver, ``CUDA_VISIBLE_DEVICES``, a CPU build of torch) that
-    would burn the GPU allocation at CPU speed and report CPU figures as the run's.
-    With ``--gres-flags=allow-task-sharing`` off, SLURM shows each task only its own GPU, so the
-    visible device count can be 1 while local_rank is larger: index modulo the visible count.
+    A job that asked SLURM for GPUs never falls back to the CPU: on a node where CUDA is
+    unusable (driver, ``CUDA_VISIBLE_DEVICES``, a CPU build of torch) that would burn the GPU
+    allocation at CPU speed and report CPU figures as the run's.
+    SLURM binds GPUs in one of two ways (docs/slurm-notes.md, checked with fake GPUs): every
+    task sees all GPUs of the node (``--gres=gpu:N``: ``cuda:SLURM_LOCALID``) or only its own
+    (``--gpus-per-task=1``, or ``--gres-flags`` defaults on newer Slurm: ``cuda:0``). A rank
+    whose index is beyond the visible GPUs would share another rank's GPU: refused here.
+    ``torch.cuda.set_device`` comes first, before the process group and any CUDA tensor, so
+    NCCL and the caching allocator never touch GPU 0 from every rank.
     """
     wants_gpu = requested == "cuda" or (requested == "auto" and (gpus_per_node or 0) > 0)
-    if requested == "cpu" or (not wants_gpu and not torch.cuda.is_available()):
+    if requested == "cpu" or not wants_gpu:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         why = f"gpus_per_node is {gpus_per_node}" if gpus_per_node else "device is 'cuda'"
@@ -71,9 +80,53 @@ def select_device(
             f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
             "check the node's driver and the job's GPU request, or set gpus_per_node: 0"
         )
-    index = local_rank % torch.cuda.device_count()
+    visible = torch.cuda.device_count()
+    if visible == 1:  # this task's own GPU
+        index = 0
+    elif local_rank < visible:
+        index = local_rank
+    else:
+        raise RuntimeError(
+            f"host {socket.gethostname()}: local rank {local_rank} of "
+            f"{local_world_size or '?'} ranks has no GPU of its own ({visible} GPUs visible, "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
+            "set tasks_per_node to gpus_per_node"
+        )
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def gpu_identity(device: torch.device) -> str:
+    """The physical GPU behind ``device`` (its UUID): the same for two ranks sharing it."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def shared_gpus(placements: list[dict]) -> list[str]:
+    """One line per GPU that more than one rank uses ({rank, host, gpu} per rank)."""
+    users: dict[tuple[str, str], list[int]] = {}
+    for p in placements:
+        if p.get("gpu"):
+            users.setdefault((p["host"], p["gpu"]), []).append(p["rank"])
+    return [
+        f"host {host}: ranks {', '.join(map(str, ranks))} share GPU {gpu}"
+        for (host, gpu), ranks in sorted(users.items())
+        if len(ranks) > 1
+    ]
+
+
+def _check_gpus_not_shared(store, info: DistInfo, device: torch.device) -> None:
+    """Fail every rank at start, in one line, if another rank uses its GPU (two ranks on one
+    GPU: NCCL refuses or hangs, and the run's throughput would be half of what it states).
+    Through the rendezvous store, before NCCL exists; CPU ranks publish no GPU."""
+    gpu = gpu_identity(device) if device.type == "cuda" else None
+    mine = {"rank": info.rank, "host": info.host, "gpu": gpu}
+    store.set(f"imagenet_ddp/placement/{info.rank}", json.dumps(mine))
+    placements = [
+        json.loads(store.get(f"imagenet_ddp/placement/{r}")) for r in range(info.world_size)
+    ]
+    problems = shared_gpus(placements)
+    if problems:
+        raise RuntimeError("; ".join(problems) + ": give each rank its own GPU")
 
 
 def init_process_group(
@@ -84,11 +137,25 @@ def init_process_group(
         return
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    # The store env:// would make (MASTER_ADDR/PORT), made here so that the ranks can compare
+    # their GPUs before NCCL starts.
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        info.world_size,
+        is_master=info.rank == 0,
+        timeout=timeout,
+    )
+    _check_gpus_not_shared(store, info, device)
+    # device_id: NCCL's communicator is created now, on this rank's GPU (not lazily on
+    # whatever device is current at the first collective), and barrier() knows the device.
     dist.init_process_group(
         backend=backend,
+        store=store,
         rank=info.rank,
         world_size=info.world_size,
-        timeout=datetime.timedelta(minutes=timeout_minutes),
+        timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
 

@@ -23,6 +23,7 @@ from imagenet_ddp.training import recipe
 from imagenet_ddp.training.checkpoint import save_job
 from imagenet_ddp.training.config import JobGeometry, TrainConfig
 from imagenet_ddp.training.data import batch_seed
+from imagenet_ddp.training.discipline import check_device_discipline
 from imagenet_ddp.training.metrics import EpochMeter, Progress, log_epoch
 from imagenet_ddp.training.model import autocast
 
@@ -70,6 +71,8 @@ def run_epochs(
             meter.update(loss, logits, labels)
             step += 1
             steps_done += 1
+            if steps_done == 1:  # optimizer state exists now
+                check_device_discipline(job, "after the first step")
             progress.update(step, meter)
             if monitor is not None:  # TensorBoard every log_interval steps
                 monitor.step(epoch, step, meter, job.scheduler.get_last_lr()[0])

@@ -168,8 +168,11 @@ def mix_batch(mixer, images, targets, seed: int):
 # --------------------------------------------------------------------------- EMA
 
 
-def build_ema(cfg: TrainConfig, model: torch.nn.Module, world_size: int):
+def build_ema(cfg: TrainConfig, model: torch.nn.Module, world_size: int, device: torch.device):
     """Exponential moving average of the weights and buffers, or None when ``ema_decay`` is 0.
+
+    ``device``: the model's. Without it AveragedModel keeps its ``n_averaged`` counter on the
+    CPU, and broadcasting the EMA's buffers over NCCL fails at the end of the first epoch.
 
     As torchvision's reference: the decay is per image seen, so it is adjusted for the global
     batch and ``ema_steps`` (alpha = (1 - decay) x global batch x ema_steps / epochs)."""
@@ -177,7 +180,9 @@ def build_ema(cfg: TrainConfig, model: torch.nn.Module, world_size: int):
         return None
     adjust = world_size * cfg.batch_size * cfg.ema_steps / cfg.epochs
     alpha = min(1.0, (1.0 - cfg.ema_decay) * adjust)
-    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(1.0 - alpha), use_buffers=True)
+    return AveragedModel(
+        model, device=device, multi_avg_fn=get_ema_multi_avg_fn(1.0 - alpha), use_buffers=True
+    )
 
 
 def update_ema(cfg: TrainConfig, ema, model: torch.nn.Module, step: int, epoch: int) -> None:

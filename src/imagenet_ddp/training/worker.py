@@ -31,6 +31,7 @@ from imagenet_ddp.signals import EXIT_REQUEUE, StopFlag
 from imagenet_ddp.training import recipe
 from imagenet_ddp.training.checkpoint import checkpoint_dir, resume_job
 from imagenet_ddp.training.config import JobGeometry, TrainConfig, resolve_geometry
+from imagenet_ddp.training.discipline import check_device_discipline
 from imagenet_ddp.training.data import (
     EpochSampler,
     SeededAugmentation,
@@ -66,7 +67,7 @@ def train(
     if cfg.deterministic:  # cuBLAS reads it when its first handle is created
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     info = D.dist_info_from_env()
-    device = D.select_device(cfg.device, info.local_rank, cfg.gpus_per_node)
+    device = D.select_device(cfg.device, info.local_rank, cfg.gpus_per_node, info.local_world_size)
     D.init_process_group(info, device, cfg.backend, cfg.timeout_minutes)
     stop = StopFlag(SIGNAL_CHECK_STEPS)
     stop.install()
@@ -118,6 +119,7 @@ def _train(
     job = build_job(cfg, info, device, geometry, base.num_classes, steps_per_epoch)
     job.checkpoint_dir = checkpoint_dir(checkpoint_root, cfg.fingerprint(), geometry.tag)
     resume = resume_job(job)
+    check_device_discipline(job, "after setup")
     # Rank 0: TensorBoard events, the NVML sampler thread, the wall clock of the cost block.
     monitor = RunMonitor.for_job(job, out_dir, steps_per_epoch, resumed=resume[3] is not None)
     try:
@@ -169,7 +171,7 @@ def build_job(
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = recipe.build_optimizer(cfg, model, info.world_size)
-    ema = recipe.build_ema(cfg, model, info.world_size)  # a copy, made before DDP's hooks
+    ema = recipe.build_ema(cfg, model, info.world_size, device)  # a copy, before DDP's hooks
     ddp_model = (
         DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         if D.is_distributed()
