@@ -147,14 +147,42 @@ def test_sizes_equal_to_what_they_are_taken_from_pass(models, tmp_path):
 
 
 def test_gpus_with_device_cpu(models, tmp_path):
-    [line] = problems(demo_config(gpus_per_node=4, device="cpu"), models, tmp_path)
+    [line] = problems(
+        demo_config(gpus_per_node=4, tasks_per_node=4, device="cpu"), models, tmp_path
+    )
     assert line.startswith("config.yaml: run 'r': gpus_per_node 4 with device 'cpu'")
     assert "gpus_per_node: 0" in line
 
 
 @pytest.mark.parametrize("device", ["auto", "cuda"])
 def test_gpus_with_a_gpu_device_pass(models, tmp_path, device):
-    assert problems(demo_config(gpus_per_node=4, device=device), models, tmp_path) == []
+    config = demo_config(gpus_per_node=4, tasks_per_node=4, device=device)
+    assert problems(config, models, tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("tasks", "evaluate", "expected"),
+    [
+        (8, None, "run 'r': tasks_per_node 8 with gpus_per_node 4: one rank per GPU; two ranks"),
+        (2, None, "run 'r': tasks_per_node 2 with gpus_per_node 4: one rank per GPU; GPUs would"),
+        (4, {"tasks_per_node": 8}, "run 'r': evaluation: tasks_per_node 8 with gpus_per_node 4"),
+    ],
+    ids=["more-ranks", "fewer-ranks", "evaluation"],
+)
+def test_one_rank_per_gpu(models, tmp_path, tasks, evaluate, expected):
+    run = {"gpus_per_node": 4, "tasks_per_node": tasks}
+    [line] = problems(demo_config(**run, **({"evaluate": evaluate} if evaluate else {})),
+                      models, tmp_path)  # fmt: skip
+    assert expected in line
+
+
+def test_deterministic_without_a_deterministic_cuda_kernel(models, tmp_path):
+    run = {"gpus_per_node": 2, "tasks_per_node": 2, "deterministic": True}
+    [line] = problems(demo_config(model="vgg11", **run), models, tmp_path)
+    assert "deterministic true with model 'vgg11' on GPUs" in line
+    assert problems(demo_config(model="resnet18", **run), models, tmp_path) == []
+    cpu = demo_config(model="alexnet", deterministic=True)  # CPU kernels are deterministic
+    assert problems(cpu, models, tmp_path) == []
 
 
 # ---------------------------------------------------------------- global batch
@@ -230,9 +258,10 @@ def test_expected_split_sizes_are_exact(fraction):
         ({"model": "resnet9000"}, "model 'resnet9000' is not a torchvision classification model"),
         ({"crop_size": 48}, "crop_size 48 is larger than prepare.short_side 40"),
         ({"gpus_per_node": 2, "device": "cpu"}, "gpus_per_node 2 with device 'cpu'"),
+        ({"gpus_per_node": 2, "tasks_per_node": 1}, "tasks_per_node 1 with gpus_per_node 2"),
         ({"batch_size": 400}, "global batch 800 is larger than the 324 training images"),
     ],
-    ids=["model", "image-size", "device", "global-batch"],
+    ids=["model", "image-size", "device", "gpus-vs-tasks", "global-batch"],
 )
 def test_dry_run_refuses_with_one_line(tmp_path, override, expected):
     workdir = copy_workflow(tmp_path / "wf")  # 6 classes x 60 images, holdout 0.1: 324 train

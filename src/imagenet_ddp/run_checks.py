@@ -24,6 +24,8 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from imagenet_ddp.eval_settings import eval_settings
+
 # Images in the ILSVRC2012 train archive (what `index` lists from the real archive).
 ILSVRC2012_TRAIN_IMAGES = 1_281_167
 
@@ -51,6 +53,9 @@ def check_runs(
             _model_problem(run, models),
             *_image_size_problems(run, short_side),
             _device_problem(run),
+            _gpu_tasks_problem("", run),
+            _gpu_tasks_problem("evaluation: ", eval_settings(config.get("evaluate"), run)),
+            _determinism_problem(run),
             _batch_problem(run, sizes),
             *_recipe_problems(run),
         ]
@@ -137,6 +142,37 @@ def _device_problem(run: Mapping) -> str | None:
             "and train on the CPU; set device: auto (or cuda), or gpus_per_node: 0"
         )
     return None
+
+
+def _gpu_tasks_problem(where: str, geometry: Mapping) -> str | None:
+    """One rank per GPU: more ranks than GPUs put two on one GPU (NCCL fails or hangs), fewer
+    leave GPUs idle that the job holds and the cost block counts."""
+    gpus, tasks = geometry["gpus_per_node"], geometry["tasks_per_node"]
+    if gpus == 0 or tasks == gpus:
+        return None
+    return (
+        f"{where}tasks_per_node {tasks} with gpus_per_node {gpus}: one rank per GPU; "
+        f"{'two ranks would share a GPU' if tasks > gpus else 'GPUs would idle, paid for'}; "
+        f"set {'evaluate.' if where else ''}tasks_per_node: {gpus}"
+    )
+
+
+# Models whose backward has no deterministic CUDA kernel: adaptive average pooling to more
+# than 1x1 (vgg 7x7, alexnet 6x6); with `deterministic: true`, torch raises at the first
+# backward on the GPU (CPU runs have a deterministic kernel, so no CPU test sees it).
+NONDETERMINISTIC_ON_CUDA = ("vgg", "alexnet")
+
+
+def _determinism_problem(run: Mapping) -> str | None:
+    if not (run.get("deterministic") and run["gpus_per_node"] > 0):
+        return None
+    if not run["model"].startswith(NONDETERMINISTIC_ON_CUDA):
+        return None
+    return (
+        f"deterministic true with model {run['model']!r} on GPUs: its adaptive average "
+        "pooling has no deterministic CUDA backward (torch would raise at the first step); "
+        "set deterministic: false or pick another model"
+    )
 
 
 def _batch_problem(run: Mapping, sizes: tuple[int, int, str]) -> str | None:

@@ -31,7 +31,6 @@ from imagenet_ddp.signals import EXIT_REQUEUE, StopFlag
 from imagenet_ddp.training import recipe
 from imagenet_ddp.training.checkpoint import checkpoint_dir, resume_job
 from imagenet_ddp.training.config import JobGeometry, TrainConfig, resolve_geometry
-from imagenet_ddp.training.discipline import check_device_discipline
 from imagenet_ddp.training.data import (
     EpochSampler,
     SeededAugmentation,
@@ -39,6 +38,7 @@ from imagenet_ddp.training.data import (
     shutdown_loader_workers,
     train_loader,
 )
+from imagenet_ddp.training.discipline import check_device_discipline
 from imagenet_ddp.training.loop import Job, run_epochs
 from imagenet_ddp.training.metrics import run_config, write_run_metrics
 from imagenet_ddp.training.model import build_model, save_model
