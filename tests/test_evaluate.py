@@ -48,6 +48,27 @@ def test_top1_top5_and_per_class_match_a_direct_computation():
     assert result["per_class_total"] == torch.bincount(targets, minlength=7).tolist()
 
 
+def test_uint8_batches_normalized_on_the_device_give_the_same_figures(prepared_demo):
+    """Evaluation ships uint8 crops and normalizes on the device: bitwise what the float
+    transform gave, with a quarter of the bytes through the loader."""
+    from imagenet_ddp.prepared import PreparedImageDataset, eval_transform
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(4)
+    )
+    results = []
+    for normalize in (True, False):
+        ds = PreparedImageDataset(
+            prepared_demo["val"], transform=eval_transform(24, 16, normalize=normalize)
+        )
+        assert ds[0][0].dtype == (torch.float32 if normalize else torch.uint8)
+        results.append(
+            evaluate_dataset(model, ds, num_classes=4, device=torch.device("cpu"), batch_size=3)
+        )
+    assert results[0] == results[1]
+
+
 def test_two_rank_shards_cover_every_sample_once():
     model, ds, _, _ = make(n=23)
     whole = evaluate_dataset(model, ds, num_classes=7, device=torch.device("cpu"), batch_size=5)

@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from imagenet_ddp.distributed import all_reduce_sum
+from imagenet_ddp.prepared import normalize_batch
 from imagenet_ddp.signals import ignore_stop_signals, loader_context, stop_signals_blocked
 from imagenet_ddp.training.model import autocast
 
@@ -46,40 +47,46 @@ def evaluate_dataset(
         worker_init_fn=ignore_stop_signals,  # a stop signal is the rank's to handle
         multiprocessing_context=loader_context() if workers > 0 else None,
     )
-    correct1 = torch.zeros(num_classes, dtype=torch.float64)
-    correct5 = torch.zeros((), dtype=torch.float64)
-    per_class_total = torch.zeros(num_classes, dtype=torch.float64)
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    # Counted on the device and read once per pass (_summarize): no host sync per batch.
+    # scatter_add_ into fixed-size counters, not bincount (which reads the max on the host).
+    correct1 = torch.zeros(num_classes, dtype=torch.int64, device=device)
+    per_class_total = torch.zeros(num_classes, dtype=torch.int64, device=device)
+    correct5 = torch.zeros((), dtype=torch.int64, device=device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     criterion = torch.nn.CrossEntropyLoss(reduction="sum")
     k = min(5, num_classes)
     with stop_signals_blocked():  # workers are forked here; see imagenet_ddp.signals
         batches = iter(loader)
     for images, targets in batches:
         images = images.to(device, non_blocking=True)
+        if images.dtype == torch.uint8:  # eval_transform(normalize=False): normalize here
+            images = normalize_batch(images)
         if channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         targets = targets.to(device, non_blocking=True)
         with autocast(device, precision):
             logits = model(images)
         logits = logits.float()
-        loss_sum += criterion(logits, targets).double().cpu()
+        loss_sum += criterion(logits, targets).double()
         topk = logits.topk(k, dim=1).indices
-        hit1 = (topk[:, 0] == targets).cpu()
-        hitk = (topk == targets[:, None]).any(dim=1).cpu()
-        t = targets.cpu()
-        correct1 += torch.bincount(t[hit1], minlength=num_classes).double()
-        per_class_total += torch.bincount(t, minlength=num_classes).double()
-        correct5 += hitk.sum().double()
+        hit1 = topk[:, 0] == targets
+        correct1.scatter_add_(0, targets, hit1.long())
+        per_class_total.scatter_add_(0, targets, torch.ones_like(targets))
+        correct5 += (topk == targets[:, None]).any(dim=1).sum()
     model.train(was_training)
-    return _summarize(correct1, per_class_total, correct5, loss_sum, device)
+    return _summarize(correct1, per_class_total, correct5, loss_sum)
 
 
-def _summarize(correct1, per_class_total, correct5, loss_sum, device) -> dict[str, Any]:
-    """Sum the counters over all ranks; accuracies of the whole set."""
+def _summarize(correct1, per_class_total, correct5, loss_sum) -> dict[str, Any]:
+    """Sum the counters over all ranks (on their device: NCCL reduces CUDA tensors only);
+    accuracies of the whole set. The one read from the device of the pass."""
     num_classes = len(correct1)
-    # One reduction for all counters keeps the collectives in lock-step across ranks.
-    packed = torch.cat([correct1, per_class_total, correct5[None], loss_sum[None]])
-    packed = all_reduce_sum(packed.to(device)).cpu()  # NCCL reduces CUDA tensors only
+    # One reduction for all counters keeps the collectives in lock-step across ranks; float64
+    # holds counts exactly up to 2^53.
+    packed = torch.cat(
+        [correct1.double(), per_class_total.double(), correct5.double()[None], loss_sum[None]]
+    )
+    packed = all_reduce_sum(packed).cpu()
     correct1, per_class_total = packed[:num_classes], packed[num_classes : 2 * num_classes]
     correct5, loss_sum = packed[-2], packed[-1]
     total = per_class_total.sum().item()

@@ -96,7 +96,8 @@ def _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv) -> dict[str, D
     from imagenet_ddp.prepared import PreparedImageDataset, eval_transform
 
     # eval_crop_size 0 (or a model.pt from before it existed): the training crop.
-    transform = eval_transform(cfg["eval_resize"], cfg.get("eval_crop_size") or cfg["crop_size"])
+    crop = cfg.get("eval_crop_size") or cfg["crop_size"]
+    transform = eval_transform(cfg["eval_resize"], crop, normalize=False)  # uint8: see accuracy
     holdout_ids = pd.read_csv(holdout_ids_csv, usecols=["sample_id"])["sample_id"].tolist()
     return {
         "holdout": PreparedImageDataset(Path(prepared_train), holdout_ids, transform),

@@ -40,6 +40,7 @@ end: an interrupted run leaves nothing that looks complete.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -581,21 +582,30 @@ def train_transform(crop_size: int, *, normalize: bool = True):
     return v2.Compose(steps)
 
 
+@functools.cache
+def _normalization(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and std on ``device``, made once: ``torch.tensor(..., device=cuda)`` per batch is a
+    host-to-device copy from pageable memory, i.e. a host sync every step."""
+    shape = (1, 3, 1, 1)
+    return (
+        torch.tensor(IMAGENET_MEAN, device=device).view(shape),
+        torch.tensor(IMAGENET_STD, device=device).view(shape),
+    )
+
+
 def normalize_batch(images: torch.Tensor) -> torch.Tensor:
-    """uint8 NCHW batch -> float, scaled and normalized like ``train_transform(normalize=True)``."""
-    mean = torch.tensor(IMAGENET_MEAN, device=images.device).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGENET_STD, device=images.device).view(1, 3, 1, 1)
-    return (images.float().div_(255) - mean).div_(std)
+    """uint8 NCHW batch -> float, scaled and normalized as torchvision's ``ToDtype(scale=True)``
+    and ``Normalize`` do (the same operations in the same order: bitwise the same values)."""
+    mean, std = _normalization(images.device)
+    return images.float().mul_(1.0 / 255).sub_(mean).div_(std)
 
 
-def eval_transform(resize: int, crop_size: int):
+def eval_transform(resize: int, crop_size: int, *, normalize: bool = True):
+    """Resize and center crop. ``normalize=False`` keeps uint8 crops, normalized on the
+    device by :func:`normalize_batch` (4x fewer bytes through the loader, as in training)."""
     from torchvision.transforms import v2
 
-    return v2.Compose(
-        [
-            v2.Resize(resize, antialias=True),
-            v2.CenterCrop(crop_size),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-        ]
-    )
+    steps = [v2.Resize(resize, antialias=True), v2.CenterCrop(crop_size)]
+    if normalize:
+        steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    return v2.Compose(steps)

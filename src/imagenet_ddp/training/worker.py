@@ -102,7 +102,7 @@ def _train(
     holdout = PreparedImageDataset(
         train_data,
         sample_ids=read_ids(split_dir / "holdout.csv"),
-        transform=eval_transform(cfg.eval_resize, cfg.eval_crop),
+        transform=eval_transform(cfg.eval_resize, cfg.eval_crop, normalize=False),
     )
     transforms = recipe.EpochTransforms(cfg)  # the crop size may change per epoch
     dataset = SeededAugmentation(base, transforms, cfg.seed, per_epoch=True)
