@@ -37,6 +37,9 @@ class FakeNvml:
     def nvmlDeviceGetHandleByIndex(self, i):  # noqa: N802
         return i
 
+    def nvmlDeviceGetUUID(self, h):  # noqa: N802
+        return f"GPU-0000000{h}-aaaa-bbbb-cccc-dddddddddddd"
+
     def nvmlDeviceGetUtilizationRates(self, h):  # noqa: N802
         self.reads += 1
         return SimpleNamespace(gpu=90 if h == 0 else 70, memory=50)
@@ -77,6 +80,20 @@ def test_sampler_summarizes_utilization_memory_power_and_energy_counter():
         "power_watts": 500.0,
     }
     assert sampler.stop() == summary  # idempotent
+
+
+def test_the_jobs_gpus_are_found_by_uuid_not_by_index():
+    """A node shared with another job: NVML lists 4 GPUs, this job's ranks use the last two
+    (CUDA_VISIBLE_DEVICES=2,3, which NVML ignores); torch names them without NVML's prefix."""
+    nvml = FakeNvml(gpus=4, watts=(100.0, 200.0, 300.0, 400.0))
+    uuids = ["00000003-aaaa-bbbb-cccc-dddddddddddd", "00000002-AAAA-bbbb-cccc-dddddddddddd"]
+    summary = GpuSampler(gpus=2, interval=10, nvml=nvml, uuids=uuids).start().stop()
+    assert summary["mean_power_watts"] == pytest.approx(700.0)  # GPUs 3 and 2, not 0 and 1
+    peak = summary["peak_memory_gb_per_gpu"]
+    assert 4.0 < peak[0] < 4.01 and 3.0 < peak[1] < 3.01  # in the ranks' order
+    other = GpuSampler(gpus=1, nvml=FakeNvml(gpus=2), uuids=["ffffffff-0"]).start().stop()
+    assert other["available"] is False
+    assert "CUDA device(s) ffffffff-0 not among NVML's devices" in other["reason"]
 
 
 def test_without_energy_counter_power_is_integrated_over_time():

@@ -127,6 +127,20 @@ def _check_gpus_not_shared(store, info: DistInfo, device: torch.device) -> None:
     problems = shared_gpus(placements)
     if problems:
         raise RuntimeError("; ".join(problems) + ": give each rank its own GPU")
+    _PLACEMENTS[:] = placements
+
+
+_PLACEMENTS: list[dict] = []  # every rank's {rank, host, gpu}, from the rendezvous
+
+
+def node_gpu_uuids(info: DistInfo, device: torch.device) -> list[str]:
+    """UUIDs of the GPUs the ranks on this rank's node use, in rank order (what telemetry
+    samples: NVML ignores CUDA_VISIBLE_DEVICES, so indices would name other jobs' GPUs)."""
+    if device.type != "cuda":
+        return []
+    if not _PLACEMENTS:  # one process: no rendezvous
+        return [gpu_identity(device)]
+    return [p["gpu"] for p in _PLACEMENTS if p["host"] == info.host and p["gpu"]]
 
 
 def init_process_group(

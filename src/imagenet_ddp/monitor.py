@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from imagenet_ddp import distributed as D
 from imagenet_ddp.cost import cost_block
 from imagenet_ddp.telemetry import GpuSampler, unavailable
 
@@ -67,6 +68,10 @@ class RunMonitor:
             world_size=job.info.world_size,
             batch_size=job.cfg.batch_size,
             resumed=resumed,
+            # The GPUs of rank 0's node by UUID (NVML indices ignore CUDA_VISIBLE_DEVICES).
+            sampler=GpuSampler(
+                job.geometry.gpus_per_node, uuids=D.node_gpu_uuids(job.info, job.device)
+            ),
         )
 
     def _global_step(self, epoch: int, step: int) -> int:

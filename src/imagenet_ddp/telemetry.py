@@ -8,9 +8,11 @@ else the power samples integrated over time (trapezoids). Only rank 0's node is 
 multi-node run's energy is that node's times the node count, an estimate the cost block labels
 as such (nodes of one job are alike, but not measured).
 
-Which GPUs: those NVML lists on the node, at most ``gpus`` of them (the run's
-``gpus_per_node``). NVML ignores ``CUDA_VISIBLE_DEVICES``; inside a SLURM job with device
-cgroups it lists only the job's GPUs.
+Which GPUs: the ones the ranks of rank 0's node use, found in NVML by UUID
+(``uuids``, from :func:`imagenet_ddp.distributed.node_gpu_uuids`). NVML ignores
+``CUDA_VISIBLE_DEVICES`` and, on a node shared with other jobs without device cgroups, lists
+their GPUs too: indices 0..N-1 would sample someone else's. Without ``uuids`` (unit tests),
+the first ``gpus`` NVML lists.
 
 Optional by design: without the package, without the NVIDIA driver, or on a CPU run nothing
 is sampled and the summary says why (``available: false`` and ``reason``); figures are then
@@ -31,6 +33,12 @@ __all__ = ["GpuSampler", "unavailable"]
 DEFAULT_INTERVAL = 5.0  # seconds; NVML reads take microseconds, power is averaged over ~1 s
 
 
+def _bare_uuid(uuid: str | bytes) -> str:
+    """NVML says ``GPU-<uuid>`` (bytes in older pynvml), torch ``<uuid>``: compare the bare id."""
+    text = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    return text.lower().removeprefix("gpu-")
+
+
 def unavailable(reason: str) -> dict[str, Any]:
     """A summary without figures: why nothing was sampled."""
     return {"available": False, "reason": reason}
@@ -39,8 +47,14 @@ def unavailable(reason: str) -> dict[str, Any]:
 class GpuSampler:
     """Sample NVML until :meth:`stop`; :meth:`latest` gives the newest sample (TensorBoard)."""
 
-    def __init__(self, gpus: int, interval: float = DEFAULT_INTERVAL, nvml: Any = None):
-        self.gpus, self.interval, self._nvml = gpus, interval, nvml
+    def __init__(
+        self,
+        gpus: int,
+        interval: float = DEFAULT_INTERVAL,
+        nvml: Any = None,
+        uuids: list[str] | None = None,
+    ):
+        self.gpus, self.interval, self._nvml, self.uuids = gpus, interval, nvml, uuids
         self.reason: str | None = None
         self._handles: list = []
         self._stop = threading.Event()
@@ -66,8 +80,7 @@ class GpuSampler:
                 return self
         try:
             nvml.nvmlInit()
-            count = min(nvml.nvmlDeviceGetCount(), self.gpus)
-            self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            self._handles = self._open(nvml)
         except Exception as error:  # NVMLError_*: no driver, no device, no permission
             self.reason = f"NVML unavailable: {type(error).__name__}: {error}"
             return self
@@ -93,6 +106,21 @@ class GpuSampler:
             with contextlib.suppress(Exception):  # the figures are taken; never fail here
                 self._nvml.nvmlShutdown()
         return self.summary()
+
+    def _open(self, nvml) -> list:
+        """NVML handles of the GPUs to watch: by UUID where given, else the first ``gpus``."""
+        count = nvml.nvmlDeviceGetCount()
+        if self.uuids is None:
+            return [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(min(count, self.gpus))]
+        by_uuid = {}
+        for i in range(count):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            by_uuid[_bare_uuid(nvml.nvmlDeviceGetUUID(handle))] = handle
+        wanted = [_bare_uuid(u) for u in self.uuids]
+        missing = [u for u in wanted if u not in by_uuid]
+        if missing:
+            raise LookupError(f"CUDA device(s) {', '.join(missing)} not among NVML's devices")
+        return [by_uuid[u] for u in wanted]
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
