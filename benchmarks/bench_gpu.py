@@ -112,10 +112,16 @@ def loader_only(args, device, prepared: Path) -> list[float]:
     return rates
 
 
+def job_cpus() -> int:
+    """The CPUs this process may use (the SLURM job's cgroup/affinity), not the node's count:
+    on a shared 128-core node a job of 16 CPUs would otherwise start 128 loader workers."""
+    return len(os.sched_getaffinity(0))
+
+
 def make_prepared(root: Path, count: int, side: int) -> Path:
     import multiprocessing
 
-    with multiprocessing.get_context("fork").Pool(os.cpu_count()) as pool:
+    with multiprocessing.get_context("fork").Pool(job_cpus()) as pool:
         images = pool.map(_one_image, [(i, side) for i in range(count)], chunksize=16)
     return C.write_prepared(
         root / "prepared",
@@ -148,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         "--channels-last", action=__import__("argparse").BooleanOptionalAction, default=True
     )
     parser.add_argument("--compile", action="store_true")
-    parser.add_argument("--workers", type=int, default=os.cpu_count())
+    parser.add_argument("--workers", type=int, default=job_cpus())
     parser.add_argument("--prepared", type=Path, default=None, help="a real prepared dir")
     parser.add_argument("--images", type=int, default=None, help="synthetic prepared images")
     args = parser.parse_args(argv)

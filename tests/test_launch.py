@@ -87,3 +87,9 @@ def test_srun_tasks_enter_the_rules_container_again():
     argv = task_python({"APPTAINER_CONTAINER": image})
     assert argv == ["apptainer", "exec", "--nv", image, sys.executable]
     assert task_python({"SINGULARITY_CONTAINER": image})[0] == "singularity"
+
+
+def test_the_gloo_interface_is_the_one_that_routes_to_the_other_nodes():
+    from imagenet_ddp.launch import interface_towards
+
+    assert interface_towards("127.0.0.1") == "lo"

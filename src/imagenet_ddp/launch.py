@@ -14,6 +14,7 @@ Each node writes ``<run_dir>/staging/<host>.json``; each rank reads the copy its
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -66,6 +67,38 @@ def rendezvous_from_slurm_env() -> None:
         os.environ["MASTER_ADDR"] = expand_nodelist(nodelist)[0]
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(master_port(int(os.environ["SLURM_JOB_ID"])))
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+        others = [h for h in expand_nodelist(nodelist) if h != socket.gethostname()]
+        if others:  # several nodes: the gloo group beside NCCL must not bind loopback
+            with contextlib.suppress(OSError):
+                os.environ["GLOO_SOCKET_IFNAME"] = interface_towards(others[0])
+
+
+def interface_towards(host: str) -> str:
+    """The network interface this node uses to reach ``host``.
+
+    Gloo (the CPU group that carries the stop-signal agreement beside NCCL) binds the address
+    its own hostname resolves to; where that is 127.0.1.1 (Debian's /etc/hosts default) ranks
+    on other nodes cannot connect. The kernel's route to another node of the job names the
+    right interface; GLOO_SOCKET_IFNAME set by the user wins.
+    """
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(host), 9))  # UDP: nothing is sent
+        local = probe.getsockname()[0]
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                request = struct.pack("256s", name[:15].encode())
+                address = fcntl.ioctl(s.fileno(), 0x8915, request)[20:24]  # SIOCGIFADDR
+            except OSError:  # no IPv4 address on this interface
+                continue
+        if socket.inet_ntoa(address) == local:
+            return name
+    raise OSError(f"no interface holds {local}, the address towards {host}")
 
 
 def stage_this_node(spec: dict) -> dict:

@@ -183,7 +183,9 @@ def build_job(
         device=device,
         geometry=geometry,
         model=model,
-        step_model=torch.compile(ddp_model) if cfg.compile else ddp_model,
+        # dynamic=False: a new crop size (progressive resizing) compiles a new static graph;
+        # by default the second size would recompile with dynamic shapes (slower kernels).
+        step_model=torch.compile(ddp_model, dynamic=False) if cfg.compile else ddp_model,
         optimizer=optimizer,
         scheduler=recipe.build_scheduler(cfg, optimizer, steps_per_epoch),
         scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
