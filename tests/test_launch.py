@@ -93,3 +93,21 @@ def test_the_gloo_interface_is_the_one_that_routes_to_the_other_nodes():
     from imagenet_ddp.launch import interface_towards
 
     assert interface_towards("127.0.0.1") == "lo"
+
+
+def test_the_dry_run_shows_the_mpi_prefix_and_refuses_one_that_is_not_srun(tmp_path):
+    from tests.workflow_helpers import copy_workflow, snakemake
+
+    workdir = copy_workflow(tmp_path / "wf", runs=[{"name": "r", "tasks_per_node": 2}])
+    target = "results/runs/r/model.pt"
+    shown = snakemake(
+        workdir, "-n", "-p", "-c2", target, "--config", "data={dir: /x}",
+        "--set-resources", "train:mpi=srun --mpi=pmix",
+    )  # fmt: skip
+    text = shown.stdout + shown.stderr
+    assert "--launcher auto --launch-prefix='srun --mpi=pmix'" in text, text[-3000:]
+    bad = snakemake(
+        workdir, "-n", "-c2", target, "--set-resources", "train:mpi=mpirun -np 2", check=False
+    )
+    assert bad.returncode != 0
+    assert "the ranks are started with srun" in bad.stdout + bad.stderr

@@ -195,10 +195,18 @@ def launch_prefix(rule):
     """
 
     def value(wildcards):
-        prefix = (
-            workflow.resource_settings.overwrite_resources.get(rule, {}).get("mpi")
-            or "srun"
-        )
+        given = workflow.resource_settings.overwrite_resources.get(rule, {}).get("mpi")
+        # A Resource: from the command line an expression (its raw text; quotes optional),
+        # in a remote job (SLURM jobstep) the value the submitting Snakemake computed.
+        if hasattr(given, "is_evaluable"):
+            given = given.raw if given.is_evaluable() else given.value
+            if (
+                isinstance(given, str)
+                and given[:1] in "'\""
+                and given[:1] == given[-1:]
+            ):
+                given = given[1:-1]
+        prefix = given if isinstance(given, str) and given.strip() else "srun"
         if str(prefix).split()[0].rsplit("/", 1)[-1] != "srun":
             raise WorkflowError(
                 f"--set-resources {rule}:mpi={prefix!r}: the ranks are started with srun;"
