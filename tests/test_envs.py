@@ -71,6 +71,8 @@ def test_apptainer_image_installs_through_the_constraints_on_the_same_python():
     copied = re.search(r"^\s*requirements/constraints.txt\s+(\S+)", text, re.M).group(1)
     assert re.search(rf"-c {re.escape(copied)}\b", text), "pip install must use -c <constraints>"
     assert not re.search(r"==\d", text), "pin versions in requirements/constraints.txt only"
+    # torch.compile (inductor) needs a C compiler on the node, inside the image (issue 18).
+    assert re.search(r"apt-get install .*\bgcc\b", text) and "gcc --version" in text
 
 
 def test_every_rule_with_a_shell_names_its_conda_env_and_container():
