@@ -1,8 +1,10 @@
 """Preemption safety: training interrupted mid-epoch resumes to bitwise-identical weights.
 
-Two gloo ranks under torchrun, deterministic mode on CPU. The interruption uses the worker's
-``--stop-after-steps`` (the same code path as SIGTERM/SIGUSR1: all ranks agree to stop, rank 0
-writes a checkpoint, exit 75); one test also sends a real SIGTERM.
+Two gloo ranks under torchrun, deterministic mode on CPU, with the GPU recipe's bf16 autocast,
+channels_last and EMA (every rank's state checked on its device after setup and first step).
+The interruption uses the worker's ``--stop-after-steps`` (the same code path as
+SIGTERM/SIGUSR1: all ranks agree to stop, rank 0 writes a checkpoint, exit 75); one test also
+sends a real SIGTERM.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ CONFIG = {
     "seed": 3,
     "deterministic": True,
     "log_interval": 1,
+    # The GPU path's numerics, run by the CPU (issue 18): bf16 autocast, channels_last.
+    "precision": "bf16",
+    "channels_last": True,
     # Every recipe component that draws random numbers or keeps state is on (sync_bn needs
     # GPUs): a resumed run must still be bitwise identical.
     "auto_augment": "trivialaugment",
