@@ -1,14 +1,19 @@
 """End to end on the local SLURM cluster: `snakemake --profile profiles/slurm` on the tiny demo.
 
-The cluster (2 nodes x 2 CPUs, accounting in slurmdbd) comes from the `slurm_cluster` session
-fixture; the test-only profile layer tests/slurm_cluster/profile points the real profile at it.
-Three runs cover the train rule's three SLURM shapes: 2 nodes x 1 rank (`mpi`, `tasks`),
-1 node x 2 ranks (`mpi`, `tasks_per_node`) and 1 x 1 (no `mpi`: inside the executor's step).
+The cluster (2 nodes x 2 CPUs x 2 fake GPUs, accounting in slurmdbd) comes from the
+`slurm_cluster` session fixture; the test-only profile layer tests/slurm_cluster/profile points
+the real profile at it. Three runs cover the train rule's three SLURM shapes: 2 nodes x 1 rank
+(`mpi`, `tasks`), 2 nodes x 2 ranks with `gpus_per_node: 2` (`mpi`, `tasks_per_node`, `gres`)
+and 1 x 1 (no `mpi`: inside the executor's step). The GPU run gets SLURM's real GPU allocation
+and binding (`--gres=gpu:2`, CUDA_VISIBLE_DEVICES per task) of the fake GPUs; its ranks choose
+their GPU as on a GPU node and compute on the CPU (IMAGENET_DDP_FAKE_GPUS, gloo). The run is
+started with a `--config` on the command line, which once wiped the profile's launcher.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,17 +21,21 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
+from imagenet_ddp.distributed import FAKE_GPUS
 from imagenet_ddp.launch import Geometry, srun_argv
 from tests.workflow_helpers import TINY_CONFIG_OVERRIDES, copy_workflow, snakemake
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
 TEST_PROFILE = Path(__file__).parent / "slurm_cluster" / "profile"
+GPU_RUN = "resnet18-2x2-gpu"
 RUNS = [
     # Evaluated like it trained: 2 nodes x 1 rank (an `mpi` srun step); the others use the
     # default evaluation geometry (one node, one rank without GPUs).
     {"name": "resnet18-2x1", "nodes": 2, "tasks_per_node": 1, "evaluate": {"nodes": 2}},
-    {"name": "resnet18-1x2", "nodes": 1, "tasks_per_node": 2},
+    # 2 nodes x 2 fake GPUs, one rank per GPU; evaluated on one node's 2 GPUs (the default).
+    # batch 8 per rank: the global batch (32) and step count of a 2-rank run, which learns.
+    {"name": GPU_RUN, "nodes": 2, "tasks_per_node": 2, "gpus_per_node": 2, "batch_size": 8},
     {"name": "resnet18-1x1", "nodes": 1, "tasks_per_node": 1},
 ]
 
@@ -34,10 +43,15 @@ RUNS = [
 @pytest.fixture(scope="module")
 def slurm_run(slurm_cluster, tmp_path_factory):
     workdir = copy_workflow(tmp_path_factory.mktemp("slurm-e2e"), runs=RUNS)
-    result = snakemake(
-        workdir, "--profile", "profiles/slurm", "--workflow-profile", str(TEST_PROFILE),
-        timeout=1200,
-    )  # fmt: skip
+    os.environ[FAKE_GPUS] = "1"  # sbatch exports it to the jobs (and srun to the ranks)
+    try:
+        result = snakemake(
+            workdir, "--profile", "profiles/slurm", "--workflow-profile", str(TEST_PROFILE),
+            "--config", "data={dir: /not/used/by/the/demo}",  # replaces any profile `config:`
+            timeout=1200,
+        )  # fmt: skip
+    finally:
+        del os.environ[FAKE_GPUS]
     log = result.stdout + result.stderr
     run_uuid = re.search(r"SLURM run ID: (\S+)", log).group(1)
     # Every SLURM job of this Snakemake run (job name = run ID), with the rule in its comment.
@@ -71,10 +85,42 @@ def test_multi_node_training_had_ranks_on_both_nodes(slurm_run):
     )
     assert metrics["world_size"] == 2 and metrics["nodes"] == 2
     assert sorted((r["rank"], r["host"]) for r in metrics["ranks"]) == [(0, "node1"), (1, "node2")]
-    one_node = json.loads(
-        (slurm_run.dir / "results/runs/resnet18-1x2/train_metrics.json").read_text()
-    )
-    assert one_node["world_size"] == 2 and one_node["nodes"] == 1
+    # Gloo binds the interface towards the other node (the launcher sets it per rank).
+    assert {r["gloo_socket_ifname"] for r in metrics["ranks"]} == {"eth0"}
+
+
+def _gpu_job(slurm_run, rule: str) -> str:
+    job_id = slurm_run.jobs[f"rule_{rule}_wildcards_{GPU_RUN}"]["id"]
+    return slurm_run.cluster.run("scontrol", "show", "job", str(job_id)).stdout
+
+
+def _assert_one_gpu_per_rank(ranks: list[dict], hosts: list[str], per_node: int) -> None:
+    assert sorted(r["host"] for r in ranks) == sorted(hosts * per_node), ranks
+    for r in ranks:
+        # --gres=gpu:2: every task of a node sees both of its GPUs and takes cuda:SLURM_LOCALID.
+        assert r["cuda_visible_devices"] == "0,1", r
+        assert r["would_select"] == f"cuda:{r['local_rank']}" and r["device"] == "cpu", r
+    chosen = {
+        (r["host"], r["cuda_visible_devices"].split(",")[int(r["would_select"][5:])]) for r in ranks
+    }
+    assert len(chosen) == len(ranks), ranks  # no two ranks of a node on one GPU
+
+
+def test_gpu_run_was_allocated_its_gpus_and_each_rank_took_its_own(slurm_run):
+    train = _gpu_job(slurm_run, "train")
+    # sbatch got --gres=gpu:2 per node and no --ntasks-per-gpu (NtasksPerTRES would show it).
+    assert "TresPerNode=gres:gpu:2" in train and "NtasksPerTRES" not in train, train
+    assert "gres/gpu=4" in train and "NumNodes=2" in train, train
+    run_dir = slurm_run.dir / f"results/runs/{GPU_RUN}"
+    metrics = json.loads((run_dir / "train_metrics.json").read_text())
+    assert metrics["world_size"] == 4 and metrics["geometry"]["gpus_per_node"] == 2
+    _assert_one_gpu_per_rank(metrics["ranks"], ["node1", "node2"], per_node=2)
+    assert metrics["cost"]["gpus"] == 4  # the allocation's GPUs, which the cost block counts
+    # Evaluation: one node with the run's 2 GPUs, allocated and bound the same way.
+    evaluate = _gpu_job(slurm_run, "evaluate")
+    assert "TresPerNode=gres:gpu:2" in evaluate and "NtasksPerTRES" not in evaluate, evaluate
+    ranks = json.loads((run_dir / "eval.json").read_text())["evaluation"]["ranks"]
+    _assert_one_gpu_per_rank(ranks, [ranks[0]["host"]], per_node=2)
 
 
 def test_evaluation_ran_as_ranks_on_both_nodes_and_counted_every_sample_once(slurm_run):

@@ -72,6 +72,10 @@ def select_device(
     wants_gpu = requested == "cuda" or (requested == "auto" and (gpus_per_node or 0) > 0)
     if requested == "cpu" or not wants_gpu:
         return torch.device("cpu")
+    if os.environ.get(FAKE_GPUS) == "1":  # the test cluster: choose as below, compute on CPU
+        visible = len([d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d])
+        WOULD_SELECT[:] = [f"cuda:{_gpu_index(local_rank, visible, local_world_size)}"]
+        return torch.device("cpu")
     if not torch.cuda.is_available():
         why = f"gpus_per_node is {gpus_per_node}" if gpus_per_node else "device is 'cuda'"
         raise RuntimeError(
@@ -80,20 +84,43 @@ def select_device(
             f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
             "check the node's driver and the job's GPU request, or set gpus_per_node: 0"
         )
-    visible = torch.cuda.device_count()
-    if visible == 1:  # this task's own GPU
-        index = 0
-    elif local_rank < visible:
-        index = local_rank
-    else:
-        raise RuntimeError(
-            f"host {socket.gethostname()}: local rank {local_rank} of "
-            f"{local_world_size or '?'} ranks has no GPU of its own ({visible} GPUs visible, "
-            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
-            "set tasks_per_node to gpus_per_node"
-        )
+    index = _gpu_index(local_rank, torch.cuda.device_count(), local_world_size)
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+# Tests only: the local SLURM cluster's GPUs are device files (tests/slurm_cluster). With this
+# set to 1, a rank that would use a GPU chooses it from CUDA_VISIBLE_DEVICES exactly as on a
+# GPU node, records the choice in WOULD_SELECT, and computes on the CPU (gloo).
+FAKE_GPUS = "IMAGENET_DDP_FAKE_GPUS"
+WOULD_SELECT: list[str] = []
+
+
+def _gpu_index(local_rank: int, visible: int, local_world_size: int | None) -> int:
+    if visible == 1:  # this task's own GPU
+        return 0
+    if local_rank < visible:
+        return local_rank
+    raise RuntimeError(
+        f"host {socket.gethostname()}: local rank {local_rank} of "
+        f"{local_world_size or '?'} ranks has no GPU of its own ({visible} GPUs visible, "
+        f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
+        "set tasks_per_node to gpus_per_node"
+    )
+
+
+def placement(info: DistInfo, device: torch.device) -> dict[str, object]:
+    """Where this rank ran: recorded per rank in train_metrics.json and eval.json."""
+    return {
+        "rank": info.rank,
+        "local_rank": info.local_rank,
+        "host": info.host,
+        "device": str(device),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        **({"would_select": WOULD_SELECT[0]} if WOULD_SELECT else {}),
+        "gloo_socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+        "pid": os.getpid(),
+    }
 
 
 def gpu_identity(device: torch.device) -> str:

@@ -81,10 +81,12 @@ def evaluate_run(
         results = {name: evaluate_dataset(model, ds, **settings) for name, ds in sets.items()}
         seconds = time.perf_counter() - started
         backend = torch.distributed.get_backend() if D.is_distributed() else "none"
-        hosts = sorted(set(D.all_gather_objects(info.host)))
+        ranks = D.all_gather_objects(D.placement(info, dev))
+        hosts = sorted({r["host"] for r in ranks})
     finally:
         D.destroy_process_group()
     evaluation = _evaluation_block(geometry, settings, backend, hosts, results, seconds)
+    evaluation["ranks"] = ranks
     return {"run": cfg.get("run"), "evaluation": evaluation, **results}
 
 
