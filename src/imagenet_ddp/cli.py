@@ -221,7 +221,7 @@ def _add_launcher_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--launcher",
         choices=["auto", "local", "srun"],
-        default="auto",
+        required=True,
         help="auto: srun inside a SLURM allocation, else one process per rank here",
     )
     p.add_argument("--srun-extra", default="", help="extra srun flags, space separated")

@@ -195,7 +195,8 @@ def launch_prefix(rule):
     """
 
     def value(wildcards):
-        given = workflow.resource_settings.overwrite_resources.get(rule, {}).get("mpi")
+        overwritten = workflow.resource_settings.overwrite_resources
+        given = overwritten[rule].get("mpi") if rule in overwritten else None
         # A Resource: from the command line an expression (its raw text; quotes optional),
         # in a remote job (SLURM jobstep) the value the submitting Snakemake computed.
         if hasattr(given, "is_evaluable"):
@@ -207,7 +208,7 @@ def launch_prefix(rule):
             ):
                 given = given[1:-1]
         prefix = given if isinstance(given, str) and given.strip() else "srun"
-        if str(prefix).split()[0].rsplit("/", 1)[-1] != "srun":
+        if os.path.basename(prefix.split()[0]) != "srun":
             raise WorkflowError(
                 f"--set-resources {rule}:mpi={prefix!r}: the ranks are started with srun;"
                 " give srun and its flags, e.g. 'srun --mpi=pmix'"
