@@ -179,15 +179,9 @@ def init_process_group(
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(minutes=timeout_minutes)
-    # The store env:// would make (MASTER_ADDR/PORT), made here so that the ranks can compare
-    # their GPUs before NCCL starts.
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        info.world_size,
-        is_master=info.rank == 0,
-        timeout=timeout,
-    )
+    # The store env:// makes (MASTER_ADDR/PORT; torchrun's agent store under torchrun), taken
+    # here so that the ranks can compare their GPUs before NCCL starts.
+    store, _, _ = next(dist.rendezvous("env://", info.rank, info.world_size, timeout=timeout))
     _check_gpus_not_shared(store, info, device)
     # device_id: NCCL's communicator is created now, on this rank's GPU (not lazily on
     # whatever device is current at the first collective), and barrier() knows the device.
