@@ -114,7 +114,7 @@ def evaluate_cli(inputs, prepared, split_dir, out: Path, *flags: str):
         sys.executable, "-m", "imagenet_ddp.cli", "evaluate",
         "--model", str(inputs["model"]), "--classes", str(inputs["classes"]),
         "--prepared-train", str(prepared["train"]), "--prepared-val", str(prepared["val"]),
-        "--split-dir", str(split_dir), "--batch-size", "3", "--device", "cpu",
+        "--split-dir", str(split_dir), "--batch-size", "3", "--device", "cpu", "--launcher", "auto",
         "--out", str(out / "eval.json"), "--per-class", str(out / "per_class.csv"), *flags,
     ]  # fmt: skip
     result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
@@ -130,7 +130,7 @@ def test_two_local_ranks_give_the_same_result_as_one(
     a = evaluate_cli(eval_inputs, prepared_demo, demo_split, tmp_path / "one")
     b = evaluate_cli(
         eval_inputs, prepared_demo, demo_split, tmp_path / "two",
-        "--launcher", "local", "--tasks-per-node", "2", "--workers", "1",
+        "--launcher=local", "--tasks-per-node", "2", "--workers", "1",
     )  # fmt: skip
     ea, eb = a["evaluation"], b["evaluation"]
     assert (ea["world_size"], ea["backend"], ea["loader_workers"]) == (1, "none", 0)

@@ -214,7 +214,15 @@ SHORT = {
 }
 RECIPE_RUNS = [
     {"name": "recipe-tv-v1", "recipe": "torchvision-resnet50-v1", **SHORT},
-    {"name": "recipe-tv-v2", "recipe": "torchvision-resnet50-v2", **SHORT},
+    {  # and the GPU path's numerics, run by the CPU (issue 18): 2 ranks, evaluated too
+        "name": "recipe-tv-v2",
+        "recipe": "torchvision-resnet50-v2",
+        **SHORT,
+        "tasks_per_node": 2,
+        "precision": "bf16",
+        "channels_last": True,
+        "compile": True,
+    },
     {
         "name": "recipe-ffcv",
         "recipe": "ffcv-resnet50",
@@ -265,6 +273,7 @@ def test_each_recipe_preset_and_all_components_train(local_run):
     config["runs"] = RECIPE_RUNS
     write_config(local_run, config)
     targets = [f"results/runs/{run['name']}/model.pt" for run in RECIPE_RUNS]
+    targets.append("results/runs/recipe-tv-v2/eval.json")
     try:
         dry = snakemake(local_run, "--profile", "profiles/local", "-n", *targets)
         shown = dry.stdout + dry.stderr
@@ -286,8 +295,14 @@ def test_each_recipe_preset_and_all_components_train(local_run):
     v2 = json.loads((runs / "recipe-tv-v2/train_metrics.json").read_text())
     assert v2["config"]["recipe"] == "torchvision-resnet50-v2"
     assert (v2["config"]["mixup_alpha"], v2["config"]["auto_augment"]) == (0.2, "trivialaugment")
-    assert v2["lr_used"] == pytest.approx(0.125 * 32 / 256)
+    assert v2["lr_used"] == pytest.approx(0.125 * 32 * 2 / 256)  # 2 ranks
     assert all("holdout_ema_top1" in epoch for epoch in v2["epochs"])
+    # bf16 autocast, channels_last, torch.compile (inductor, the machine's C compiler) and EMA
+    # on 2 gloo ranks: trained (device discipline checked by every rank) and evaluated.
+    assert (v2["config"]["precision"], v2["config"]["channels_last"]) == ("bf16", True)
+    assert v2["config"]["compile"] is True and v2["world_size"] == 2
+    evaluation = json.loads((runs / "recipe-tv-v2/eval.json").read_text())
+    assert evaluation["evaluation"]["precision"] == "bf16" and evaluation["test"]["samples"] > 0
     everything = json.loads((runs / "recipe-all/train_metrics.json").read_text())
     assert [e["crop_size"] for e in everything["epochs"]] == [8, 16]
     assert everything["epochs"][1]["lr_end"] == pytest.approx(0.002 * 32 / 256 * 0.1)
