@@ -206,9 +206,10 @@ def task_python(environ=None) -> list[str]:
 
     Inside a container (``--sdm apptainer``) the rule's shell runs in the image but srun starts
     its tasks on the host, where the image's interpreter does not exist: each task enters the
-    same image again (``--nv``: the node's NVIDIA driver and GPUs, as Snakemake's own
-    ``--apptainer-args`` should give the rule; the binds of APPTAINER_BIND are inherited
-    through ``--export=ALL``).
+    same image again (``--nv``: the node's NVIDIA driver and GPUs). Binds reach these tasks
+    only through the environment (``APPTAINER_BIND``, exported by ``srun --export=ALL``),
+    not from Snakemake's ``--apptainer-args``, which only the rule's own container gets.
+    Not run here (no apptainer): unit-tested for the command it builds.
     """
     environ = os.environ if environ is None else environ
     image = next((environ[v] for v in CONTAINER_IMAGE_VARIABLES if environ.get(v)), None)
