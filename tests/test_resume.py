@@ -226,7 +226,9 @@ def test_synthetic_mode_trains_on_a_fixed_batch(prepared_demo, split_dir, tmp_pa
     assert metrics["config"]["synthetic"] is True and metrics["epochs"][0]["images_per_s"] > 0
 
 
-def launch(prepared: Path, split: Path, work: Path, config: dict, *, tasks: int, cpus: int):
+def launch(
+    prepared: Path, split: Path, work: Path, config: dict, *, tasks: int, cpus: int, extra=()
+):
     """The real launcher (`imagenet-ddp train --launcher local`), in its own process group."""
     geometry = {"nodes": 1, "tasks_per_node": tasks, "cpus_per_task": cpus}
     argv = [
@@ -234,7 +236,7 @@ def launch(prepared: Path, split: Path, work: Path, config: dict, *, tasks: int,
         "--run-config-json", json.dumps({**config, **geometry}),
         "--prepared-train", str(prepared), "--split-dir", str(split),
         "--run-dir", str(work / "run"), "--checkpoint-root", str(work / "ckpt"),
-        "--scratch-dir", str(work / "scratch"), "--stage-verify", "size", "--cleanup",
+        "--scratch-dir", str(work / "scratch"), "--stage-verify", "size", "--cleanup", *extra,
     ]  # fmt: skip
     return subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True

@@ -26,6 +26,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from imagenet_ddp import attempts
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.job_spec import geometry_of, read_spec, staging_report_path
 from imagenet_ddp.signals import EXIT_REQUEUE, ForwardStopSignals
@@ -156,9 +157,39 @@ def run_training(spec_path: Path) -> int:
     """Stage on every node, run the ranks, clean up: the exit code of the job.
 
     Every step gets only ``spec_path`` (:mod:`imagenet_ddp.job_spec`) and reads the rest.
+    The job is one attempt of the run (:mod:`imagenet_ddp.attempts`): recorded before staging,
+    refused at once where a retry cannot help, closed with its exit code.
     """
     spec = read_spec(spec_path, "train")
-    geometry, execution = geometry_of_spec(spec), spec["execution"]
+    run, root = spec["run"], spec["paths"]["checkpoint_root"]
+    geometry = geometry_of_spec(spec)
+    entry, refused = attempts.begin(
+        root,
+        run,
+        attempt=int(spec["execution"].get("attempt", 1)),
+        gpus=geometry.nodes * int(run.get("gpus_per_node") or 0),
+        cores=geometry.world_size * geometry.cpus_per_task,
+    )
+    print(f"run {run.get('run')!r}: attempt {entry['attempt']} (job "
+          f"{entry['slurm_job_id'] or 'local'}), from epoch {entry['start']['epoch']} step "
+          f"{entry['start']['step']}", flush=True)  # fmt: skip
+    if refused:
+        print(f"run {run.get('run')!r}: {refused}", flush=True)
+        return 1
+    code = 1
+    try:
+        with attempts.Heartbeat(root, entry):
+            code = _train_job(spec_path, spec, geometry)
+    except Exception as error:
+        entry["error"] = f"launcher on {socket.gethostname()}: {type(error).__name__}: {error}"
+        raise
+    finally:
+        attempts.end(root, entry, code)
+    return code
+
+
+def _train_job(spec_path: Path, spec: dict, geometry: Geometry) -> int:
+    execution = spec["execution"]
     launcher, cleanup = execution["launcher"], execution["cleanup"]
     me = [sys.executable, "-m", "imagenet_ddp.launch"]
     on_spec = ["--spec", str(spec_path)]

@@ -19,6 +19,8 @@ rule train:
     threads:
         lambda wildcards: RUNS[wildcards.run]["tasks_per_node"]
         * RUNS[wildcards.run]["cpus_per_task"]
+    # Resubmitted while it makes progress, up to the run's max_allocations (common.smk).
+    retries: TRAIN_RETRIES
     resources:
         # One SLURM task per GPU (rank) on every node; the rule launches them itself with srun,
         # which the SLURM executor requires to be declared with the `mpi` resource. The
@@ -39,6 +41,7 @@ rule train:
             "cleanup" if execution_setting("stage", "cleanup") else "no-cleanup"
         ),
         checkpoint_root=lambda wildcards: f"{CHECKPOINT_DIR}/{wildcards.run}",
+        snakemake_attempt=lambda wildcards, attempt: attempt,  # 2, 3, ...: a resubmission
     params:
         # The run's settings, geometry included; `imagenet-ddp train` writes them with the
         # paths and the resources above into the job spec (<run dir>/job_spec.json), the one
@@ -57,7 +60,8 @@ rule train:
         " --run-dir {params.run_dir:q} --checkpoint-root {resources.checkpoint_root:q}"
         " --launcher {resources.launcher} --srun-extra={resources.srun_extra:q}"
         " --scratch-dir {resources.scratch_dir:q} --stage-verify {resources.stage_verify}"
-        " --{resources.stage_cleanup} >> {log:q} 2>&1"
+        " --{resources.stage_cleanup} --attempt {resources.snakemake_attempt}"
+        " >> {log:q} 2>&1"
 
 
 # Evaluation runs like training: DDP ranks on the GPUs of `evaluate` geometry (config.yaml
