@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -245,7 +246,8 @@ def launch(
 
 @pytest.fixture(scope="module")
 def eight_epochs(prepared_demo, split_dir, tmp_path_factory) -> tuple[dict, Path]:
-    config = {**CONFIG, "epochs": 8}
+    # 8 steps per epoch: room for an interval checkpoint inside an epoch (polled every 2 steps)
+    config = {**CONFIG, "epochs": 4, "batch_size": 2}
     root = tmp_path_factory.mktemp("eight-epochs")
     result = torchrun(prepared_demo["train"], split_dir, root / "out", root / "ckpt", config=config)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -261,7 +263,11 @@ def test_a_stop_signal_to_every_process_checkpoints_exits_75_and_resumes_bitwise
     config, reference = eight_epochs
     # One loader worker per rank; one thread per rank, as in the reference (the thread count
     # changes the order of float sums, so it must match for bitwise equality).
+    # SIGINT's run also checkpoints every 2 steps (checkpoint_interval_minutes), which must not
+    # change the weights either.
     config = {**config, "workers": 1}
+    if sig == signal.SIGINT:
+        config["checkpoint_interval_minutes"] = 1e-6
     proc = launch(prepared_demo["train"], split_dir, tmp_path, config, tasks=2, cpus=1)
     lines = []
     for line in proc.stdout:
@@ -278,6 +284,26 @@ def test_a_stop_signal_to_every_process_checkpoints_exits_75_and_resumes_bitwise
     assert "interrupted" in output and "killed by signal" not in output, output[-3000:]
     assert not (tmp_path / "run" / "model.pt").exists()
 
+    allocations = 2
+    if sig == signal.SIGINT:  # and a SIGKILL to one rank: no warning, no checkpoint of its own
+        allocations = 3
+        killed = launch(prepared_demo["train"], split_dir, tmp_path, config, tasks=2, cpus=1)
+        lines = []
+        for line in killed.stdout:
+            lines.append(line)
+            if "interval checkpoint at epoch 2" in line:
+                break
+        ranks = subprocess.run(
+            ["pgrep", "-f", "-g", str(killed.pid), "launch worker"], capture_output=True, text=True
+        ).stdout.split()
+        assert len(ranks) >= 2, "".join(lines)[-3000:]
+        rank = ranks[-1]
+        os.kill(int(rank), signal.SIGKILL)
+        began = time.monotonic()
+        output = output_within(killed, 120, head="".join(lines))
+        assert killed.returncode == 128 + signal.SIGKILL, output[-3000:]
+        assert time.monotonic() - began < 60  # the launcher stops the other rank at once
+
     again = launch(prepared_demo["train"], split_dir, tmp_path, config, tasks=2, cpus=1)
     output = output_within(again, 300)
     assert again.returncode == 0, output[-3000:]
@@ -285,6 +311,17 @@ def test_a_stop_signal_to_every_process_checkpoints_exits_75_and_resumes_bitwise
     assert_bitwise_equal(weights(tmp_path / "run"), weights(reference))
     metrics = json.loads((tmp_path / "run" / "train_metrics.json").read_text())
     assert metrics["geometry"]["workers"] == 1 and metrics["world_size"] == 2
+    cost = metrics["cost"]  # every local attempt counted (imagenet_ddp.attempts)
+    assert cost["allocations"] == allocations and not cost["slurm_job_ids"]
+    assert cost["wall_seconds"] == pytest.approx(sum(a["wall_seconds"] for a in cost["attempts"]))
+    assert cost["core_hours"] == pytest.approx(2 * cost["wall_seconds"] / 3600)
+    assert [a["outcome"] for a in cost["attempts"]][-1] == "running"  # this one, until now
+    if sig == signal.SIGINT:
+        dead = cost["attempts"][1]
+        assert dead["outcome"] == "failed" and dead["last_checkpoint"]["epoch"] >= 2
+        # resumed from that interval checkpoint: lost only the work after it
+        assert cost["attempts"][2]["start"] == dead["last_checkpoint"]
+        assert 0 < dead["lost_seconds"] < dead["wall_seconds"]
 
 
 def test_a_finished_run_under_a_new_geometry_trains_afresh(

@@ -14,6 +14,7 @@ Each node writes ``<run_dir>/staging/<host>.json``; each rank reads the copy its
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -300,11 +301,46 @@ def spawn_local_ranks(argv: list[str], geometry: Geometry, grace_seconds: float 
         LOCAL_WORLD_SIZE=str(geometry.tasks_per_node),
     )
     print("+ " + shlex.join(argv) + f"  (x {geometry.tasks_per_node} ranks)", flush=True)
+    _become_subreaper()
+    before = _children()
     with ForwardStopSignals() as forward:
-        for rank in range(geometry.tasks_per_node):
-            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            forward.children.append(subprocess.Popen(argv, env=rank_env))
-        return _wait_for_ranks(forward.children, grace_seconds)
+        try:
+            for rank in range(geometry.tasks_per_node):
+                rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+                forward.children.append(subprocess.Popen(argv, env=rank_env))
+            return _wait_for_ranks(forward.children, grace_seconds)
+        finally:
+            _end_leftovers(before)
+
+
+def _become_subreaper() -> None:
+    """Orphans of the ranks become this process's children (Linux ``PR_SET_CHILD_SUBREAPER``),
+    so :func:`_end_leftovers` can find them."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+def _children() -> set[int]:
+    me, found = str(os.getpid()), set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            if stat.read_text().rsplit(")", 1)[1].split()[1] == me:
+                found.add(int(stat.parent.name))
+    return found
+
+
+def _end_leftovers(before: set[int]) -> None:
+    """Kill what the ranks left running once they are gone. A rank killed by SIGKILL (OOM
+    killer, ``kill -9``) leaves its loader fork server and workers behind: their parent is the
+    fork server, so their watchdog never sees the rank go, and they would hold the job's log
+    open for ever. (srun ends every process of a step itself.) ``before``: children this
+    process had before the ranks started, left alone."""
+    for pid in _children() - before:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
 
 
 def _exit_code(proc: subprocess.Popen) -> int:
