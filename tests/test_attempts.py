@@ -115,3 +115,28 @@ def test_a_crash_at_start_uses_at_most_two_jobs(prepared_demo, demo_split, tmp_p
     outcomes = [a["outcome"] for a in attempts.load(tmp_path / "ckpt")]
     assert outcomes == ["failed", "refused"]
     assert not os.path.exists(tmp_path / "run" / "model.pt")
+
+
+def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_loadable(tmp_path, monkeypatch):
+    import errno
+
+    import torch
+
+    from imagenet_ddp.training import checkpoint as ckpt
+
+    ckpt.save_checkpoint(tmp_path, {"epoch": 1, "step_in_epoch": 0, "w": torch.ones(3)}, keep=1)
+
+    def full(state, path):
+        with open(path, "wb") as f:
+            f.write(b"partial")  # what a write cut off by ENOSPC leaves
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt.torch, "save", full)
+    with pytest.raises(ckpt.CheckpointWriteError) as error:
+        ckpt.save_checkpoint(tmp_path, {"epoch": 2, "step_in_epoch": 0}, keep=1)
+    assert error.value.errno == errno.ENOSPC
+    assert "No space left on device" in str(error.value)
+    assert "checkpoint-e0001-s0000000.pt, is intact" in str(error.value)
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-e0001-s0000000.pt"]
+    monkeypatch.undo()
+    assert torch.equal(ckpt.load_latest_checkpoint(tmp_path)["w"], torch.ones(3))

@@ -31,7 +31,12 @@ from imagenet_ddp import attempts
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.job_spec import geometry_of, read_spec, staging_report_path
 from imagenet_ddp.signals import EXIT_REQUEUE, ForwardStopSignals
-from imagenet_ddp.stage import cleanup_staged, scratch_root_from_env, stage_dataset
+from imagenet_ddp.stage import (
+    cleanup_staged,
+    reclaim_stale_leases,
+    scratch_root_from_env,
+    stage_dataset,
+)
 
 # Below Linux's default ephemeral range (32768-60999), so it cannot collide with client ports.
 MASTER_PORT_BASE, MASTER_PORT_SPAN = 15000, 15000
@@ -75,11 +80,10 @@ def stage_this_node(spec: dict) -> dict:
     path = staging_report_path(paths["run_dir"], socket.gethostname())
     previous = json.loads(path.read_text()) if path.is_file() else {}
     lease = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    scratch = scratch_root_from_env(Path(execution["scratch_dir"]))
+    reclaim_stale_leases(scratch)  # copies pinned by jobs killed before their cleanup
     report = stage_dataset(
-        Path(paths["prepared_train"]),
-        scratch_root_from_env(Path(execution["scratch_dir"])),
-        verify=execution["stage_verify"],
-        lease=lease,
+        Path(paths["prepared_train"]), scratch, verify=execution["stage_verify"], lease=lease
     )
     report["lease"] = lease
     # An earlier attempt of this run (requeued, or killed before its cleanup) left its lease:

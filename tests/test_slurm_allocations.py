@@ -1,0 +1,79 @@
+"""A run longer than its time limit, through `snakemake --profile profiles/slurm` on the real
+local SLURM cluster: one invocation resubmits it until done (imagenet_ddp.attempts), and its
+cost counts every allocation.
+
+The train job's time limit is 1 minute (the shortest `sbatch -t` takes); slurmctld ends it
+within its 30 s check, SIGTERM to every process, SIGKILL KillWait (5 s) later. Each job
+checkpoints at the signal, the next resumes, and the final weights are bitwise identical to an
+uninterrupted run (deterministic mode, CPU, gloo, one thread per rank), trained meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from tests.test_resume import CONFIG, assert_bitwise_equal, torchrun, weights
+from tests.test_slurm_e2e import TEST_PROFILE
+from tests.workflow_helpers import copy_workflow, read_config, snakemake
+
+pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
+
+# 2 nodes x 1 rank, one loader worker, batch 2, crop 24: ~9 steps of ~0.25 s per epoch; a
+# 1-minute allocation trains ~40 epochs here, so 110 epochs need three or more.
+LONG = {
+    key: CONFIG[key] for key in CONFIG if key != "run"
+} | {"name": "long", "nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1, "epochs": 110,
+     "batch_size": 2, "crop_size": 24, "eval_resize": 24, "workers": 1}  # fmt: skip
+
+
+def test_a_run_longer_than_its_time_limit_finishes_in_one_invocation(slurm_cluster, tmp_path):
+    workdir = copy_workflow(tmp_path / "wf", runs=[LONG])
+    config = read_config(workdir)
+    target = f"{config['prepare'].get('dir', 'results/prepared')}/train"
+    prepared = workdir / target
+    # The data steps here (they are not what is tested); the reference trains meanwhile.
+    snakemake(workdir, "--profile", "profiles/local", target, "results/split/train.csv")
+    spec_run = {**{k: v for k, v in LONG.items() if k != "name"}, "run": "long"}
+    reference = torchrun(prepared, workdir / "results/split", tmp_path / "ref" / "out",
+                         tmp_path / "ref" / "ckpt", config=spec_run, popen=True)  # fmt: skip
+
+    result = snakemake(
+        workdir, "--profile", "profiles/slurm", "--workflow-profile", str(TEST_PROFILE),
+        "--set-resources", "train:runtime=1", "train:mem_mb=1000",
+        "results/runs/long/accounting.json", timeout=1500,
+    )  # fmt: skip
+    log = result.stdout + result.stderr
+    run_uuid = re.search(r"SLURM run ID: (\S+)", log).group(1)
+    out = slurm_cluster.run(
+        "sacct", "-X", "-n", "-P", "--name", run_uuid, "-o", "JobID,State,Comment"
+    ).stdout
+    train = [line.split("|")[:2] for line in out.splitlines() if "rule_train" in line]
+    states = [state for _, state in train]
+    assert len(train) >= 3 and states[-1] == "COMPLETED", (states, log[-4000:])
+    assert set(states[:-1]) == {"TIMEOUT"}, states
+
+    run_dir = workdir / "results/runs/long"
+    cost = json.loads((run_dir / "train_metrics.json").read_text())["cost"]
+    assert cost["allocations"] == len(train)
+    assert cost["slurm_job_ids"] == [job_id for job_id, _ in train]
+    assert [a["outcome"] for a in cost["attempts"]] == ["stopped"] * (len(train) - 1) + ["running"]
+    starts = [a["start"]["epoch"] for a in cost["attempts"]]
+    assert starts == sorted(starts) and starts[0] == 0 and starts[-1] > 0  # each resumed
+    assert cost["core_hours"] == pytest.approx(sum(a["core_hours"] for a in cost["attempts"]))
+    assert cost["core_hours_lost"] >= 0 and cost["this_job"]["core_hours"] < cost["core_hours"]
+    accounting = json.loads((run_dir / "accounting.json").read_text())
+    assert accounting["available"] and accounting["allocations"] == len(train)
+    assert accounting["job_ids"] == cost["slurm_job_ids"]
+    assert accounting["core_hours"] == pytest.approx(
+        sum(job["core_hours"] for job in accounting["jobs"])
+    )
+    assert [job["state"] for job in accounting["jobs"]][:-1] == ["TIMEOUT"] * (len(train) - 1)
+
+    output = reference.communicate(timeout=900)[0]
+    assert reference.returncode == 0, output[-3000:]
+    assert_bitwise_equal(weights(run_dir), weights(tmp_path / "ref" / "out"))
+    assert torch.load(run_dir / "model.pt", weights_only=False)["config"]["epochs"] == 110
