@@ -42,9 +42,9 @@ def test_a_run_longer_than_its_time_limit_finishes_in_one_invocation(slurm_clust
                          tmp_path / "ref" / "ckpt", config=spec_run, popen=True)  # fmt: skip
 
     result = snakemake(
-        workdir, "--profile", "profiles/slurm", "--workflow-profile", str(TEST_PROFILE),
-        "--set-resources", "train:runtime=1", "train:mem_mb=1000",
-        "results/runs/long/accounting.json", timeout=1500,
+        workdir, "results/runs/long/accounting.json", "--profile", "profiles/slurm",
+        "--workflow-profile", str(TEST_PROFILE),
+        "--set-resources", "train:runtime=1", "train:mem_mb=1000", timeout=1500,
     )  # fmt: skip
     log = result.stdout + result.stderr
     run_uuid = re.search(r"SLURM run ID: (\S+)", log).group(1)

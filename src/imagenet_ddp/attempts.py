@@ -24,6 +24,7 @@ Torch-free: the launcher reads and writes it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -101,7 +102,10 @@ def newest_checkpoint(checkpoint_root: str | os.PathLike[str]) -> dict[str, Any]
 def made_progress(entry: dict[str, Any]) -> bool:
     """Whether the attempt wrote a checkpoint past the point it started from."""
     last, start = entry.get("last_checkpoint"), entry.get("start") or {}
-    return bool(last) and (last["epoch"], last["step"]) > (start.get("epoch", 0), start.get("step", 0))
+    return bool(last) and (last["epoch"], last["step"]) > (
+        start.get("epoch", 0),
+        start.get("step", 0),
+    )
 
 
 def _close_killed(entry: dict[str, Any], checkpoint_root) -> None:
@@ -121,15 +125,18 @@ def refusal(previous: dict[str, Any] | None, attempt: int, max_allocations: int)
             f"({max_allocations}); raise max_allocations or rerun to continue from the newest "
             "checkpoint"
         )
-    if attempt > 1 and previous and previous["outcome"] in ("failed", "killed", "refused"):
-        if not made_progress(previous):
-            where = previous.get("start") or {}
-            return (
-                f"not retrying: the previous attempt (job {previous.get('slurm_job_id') or 'local'}"
-                f", exit code {previous.get('exit_code')}, {previous['outcome']}) made no progress "
-                f"from epoch {where.get('epoch', 0)} step {where.get('step', 0)}: "
-                f"{previous.get('error') or 'see its log'}; fix the cause and rerun"
-            )
+    if attempt == 1 or not previous or made_progress(previous):
+        return None
+    if previous["outcome"] == "refused":  # the same reason, not nested
+        return previous["error"]
+    if previous["outcome"] in ("failed", "killed"):
+        where = previous.get("start") or {}
+        return (
+            f"not retrying: the previous attempt (job {previous.get('slurm_job_id') or 'local'}"
+            f", exit code {previous.get('exit_code')}, {previous['outcome']}) made no progress "
+            f"from epoch {where.get('epoch', 0)} step {where.get('step', 0)}: "
+            f"{previous.get('error') or 'see its log'}; fix the cause and rerun"
+        )
     return None
 
 
@@ -221,10 +228,8 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.seconds):
-            try:
+            with contextlib.suppress(OSError):  # a full disk: the end record says more
                 _update(self.root, self.entry, alive=time.time())
-            except OSError:  # a full disk: the end record will say more
-                pass
 
     def __enter__(self) -> Heartbeat:
         self._thread.start()
@@ -267,8 +272,8 @@ def cost_over_attempts(checkpoint_root, key: str, now: float) -> dict[str, Any]:
                 "last_checkpoint": None if not last else {k: last[k] for k in ("epoch", "step")},
             }
         )
-    total = {k: sum(r[k] for r in rows) for k in ("wall_seconds", "gpu_hours", "core_hours",
-                                                   "gpu_hours_lost", "core_hours_lost")}  # fmt: skip
+    summed = ("wall_seconds", "gpu_hours", "core_hours", "gpu_hours_lost", "core_hours_lost")
+    total = {k: sum(r[k] for r in rows) for k in summed}
     return {
         "allocations": len(rows),
         "slurm_job_ids": [r["slurm_job_id"] for r in rows if r["slurm_job_id"]],

@@ -96,7 +96,15 @@ def _set_determinism(cfg: TrainConfig, device: torch.device) -> None:
 
 
 def _train(
-    cfg, info, device, train_data, split_dir, out_dir, checkpoint_root, stop, stop_after_steps,
+    cfg,
+    info,
+    device,
+    train_data,
+    split_dir,
+    out_dir,
+    checkpoint_root,
+    stop,
+    stop_after_steps,
     attempt_key,
 ) -> int:
     _set_determinism(cfg, device)
@@ -155,7 +163,9 @@ def _train(
         )
         cost = monitor.finish(job.history)  # the cost block of train_metrics.json
         if attempt_key is not None:  # every allocation of the run, this one up to now
-            cost = over_attempts(cost, cost_over_attempts(checkpoint_root, attempt_key, time.time()))
+            cost = over_attempts(
+                cost, cost_over_attempts(checkpoint_root, attempt_key, time.time())
+            )
         write_run_metrics(job, out_dir, ranks, resumed_from=resume[3], cost=cost)
     D.barrier()
     return 0
