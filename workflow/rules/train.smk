@@ -11,6 +11,8 @@ rule train:
         provenance="results/runs/{run}/model.pt.provenance.json",
     log:
         "logs/train/{run}.log",
+    # Resubmitted while it makes progress, up to the run's max_allocations (common.smk).
+    retries: TRAIN_RETRIES
     conda:
         "../envs/imagenet-ddp.yaml"
     container:
@@ -19,8 +21,6 @@ rule train:
     threads:
         lambda wildcards: RUNS[wildcards.run]["tasks_per_node"]
         * RUNS[wildcards.run]["cpus_per_task"]
-    # Resubmitted while it makes progress, up to the run's max_allocations (common.smk).
-    retries: TRAIN_RETRIES
     resources:
         # One SLURM task per GPU (rank) on every node; the rule launches them itself with srun,
         # which the SLURM executor requires to be declared with the `mpi` resource. The
