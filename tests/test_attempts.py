@@ -140,3 +140,23 @@ def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_loadable(tmp_pa
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-e0001-s0000000.pt"]
     monkeypatch.undo()
     assert torch.equal(ckpt.load_latest_checkpoint(tmp_path)["w"], torch.ones(3))
+
+
+def test_the_end_of_a_job_a_hung_rank_ended_names_that_rank_and_its_host(tmp_path, capsys):
+    entry, _ = attempts.begin(tmp_path, RUN, attempt=1, gpus=0, cores=2)
+    entry["started"] -= 1000  # the job began 1000 s ago
+    ranks = [attempts.RankProgress(tmp_path, r, f"node{r + 1}", seconds=0) for r in (0, 1)]
+    ranks[1].mark(0, 7)  # rank 1 stopped stepping here ...
+    for step in (8, 9):
+        ranks[0].mark(0, step)
+    stale = json.loads(ranks[1].path.read_text())
+    ranks[1].path.write_text(json.dumps({**stale, "time": stale["time"] - 600}))
+    assert attempts.hung_rank(tmp_path, since=time.time() - 100) is None  # an earlier job's
+    ranks[1].path.write_text(json.dumps({**stale, "time": time.time() - 600}))
+    # ... and the others waited for it until the process-group timeout failed them
+    attempts.record_error(tmp_path, 0, "node1", RuntimeError("gloo: Timed out waiting"))
+    attempts.end(tmp_path, entry, 1)
+    line = "rank 1 on node2 made no step for 600 s while the others trained"
+    assert line in capsys.readouterr().out
+    error = attempts.load(tmp_path)[0]["error"]
+    assert error.startswith(line) and "last at epoch 0 step 7" in error and "Timed out" in error

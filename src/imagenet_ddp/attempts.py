@@ -189,9 +189,14 @@ def end(checkpoint_root, entry: dict[str, Any], exit_code: int) -> None:
     if last and last["written"] < entry["started"]:
         last = None  # written by an earlier attempt
     outcome = {0: "completed", EXIT_REQUEUE: "stopped"}.get(exit_code, "failed")
+    error = entry.get("error") or first_error(checkpoint_root, entry)
+    hung = hung_rank(checkpoint_root, entry["started"]) if outcome == "failed" else None
+    if hung:
+        print(f"watchdog: {hung}", flush=True)
+        error = f"{hung}; {error}" if error else hung
     _update(
         checkpoint_root, entry, ended=time.time(), exit_code=exit_code, outcome=outcome,
-        last_checkpoint=last, error=entry.get("error") or first_error(checkpoint_root, entry),
+        last_checkpoint=last, error=error,
     )  # fmt: skip
 
 
@@ -216,6 +221,52 @@ def first_error(checkpoint_root, entry: dict[str, Any]) -> str | None:
         if float(stamp) >= entry["started"]:
             found.append((float(stamp), line.strip()))
     return min(found)[1] if found else None
+
+
+PROGRESS_DIR = "progress"
+PROGRESS_SECONDS = 15.0
+HUNG_SECONDS = 60.0  # a rank this far behind the others at the end is named as hung
+
+
+class RankProgress:
+    """Each rank's last step, written every ``seconds`` from its training loop (the main
+    thread: a rank stopped or stuck in I/O stops writing), so the end of a job that a hung rank
+    ended through the process-group timeout names that rank and its host (:func:`hung_rank`)."""
+
+    def __init__(self, checkpoint_root, rank: int, host: str, seconds: float = PROGRESS_SECONDS):
+        self.path = Path(checkpoint_root) / PROGRESS_DIR / f"rank{rank}.json"
+        self.rank, self.host, self.seconds, self.last = rank, host, seconds, 0.0
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def mark(self, epoch: int, step: int) -> None:
+        now = time.time()
+        if now - self.last >= self.seconds:
+            self.last = now
+            mark = {"rank": self.rank, "host": self.host, "epoch": epoch, "step": step}
+            with contextlib.suppress(OSError):
+                write_json_atomic(self.path, {**mark, "time": now})
+
+
+def hung_rank(checkpoint_root, since: float) -> str | None:
+    """The rank whose last step lies more than HUNG_SECONDS before the others' (this attempt's
+    marks only), as one line; None when no rank fell behind."""
+    marks = []
+    for path in (Path(checkpoint_root) / PROGRESS_DIR).glob("rank*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            mark = json.loads(path.read_text())
+            if mark["time"] >= since:
+                marks.append(mark)
+    if len(marks) < 2:
+        return None
+    marks.sort(key=lambda m: m["time"])
+    behind = marks[-1]["time"] - marks[0]["time"]
+    if behind < HUNG_SECONDS:
+        return None
+    m = marks[0]
+    return (
+        f"rank {m['rank']} on {m['host']} made no step for {behind:.0f} s while the others "
+        f"trained (hung or stopped; last at epoch {m['epoch']} step {m['step']})"
+    )
 
 
 class Heartbeat:

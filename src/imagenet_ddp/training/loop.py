@@ -46,6 +46,7 @@ class Job:
     ema: torch.optim.swa_utils.AveragedModel | None = None  # model EMA (recipe), or None
     mixer: Any = None  # mixup/cutmix on each batch (recipe), or None
     history: list[dict[str, Any]] = field(default_factory=list)
+    progress: Any = None  # attempts.RankProgress: this rank's last step, for the watchdog line
 
 
 def run_epochs(
@@ -72,6 +73,8 @@ def run_epochs(
             step += 1
             steps_done += 1
             progress.update(step, meter)
+            if job.progress is not None:
+                job.progress.mark(epoch, step)
             if monitor is not None:  # TensorBoard every log_interval steps
                 monitor.step(epoch, step, meter, job.scheduler.get_last_lr()[0])
             # Every rank polls at the same steps, so the agreement's collectives stay aligned.

@@ -26,7 +26,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from imagenet_ddp import distributed as D
-from imagenet_ddp.attempts import cost_over_attempts, has_record, record_error, settings_key
+from imagenet_ddp.attempts import (
+    RankProgress,
+    cost_over_attempts,
+    has_record,
+    record_error,
+    settings_key,
+)
 from imagenet_ddp.cost import over_attempts
 from imagenet_ddp.monitor import RunMonitor
 from imagenet_ddp.prepared import PreparedImageDataset, eval_transform
@@ -132,6 +138,8 @@ def _train(
         )
     job = build_job(cfg, info, device, geometry, base.num_classes, steps_per_epoch)
     job.checkpoint_dir = checkpoint_dir(checkpoint_root, cfg.fingerprint(), geometry.tag)
+    if attempt_key is not None:  # launched by the launcher, which names a hung rank at the end
+        job.progress = RankProgress(checkpoint_root, info.rank, info.host)
     resume = resume_job(job)
     # Rank 0: TensorBoard events, the NVML sampler thread, the wall clock of the cost block.
     monitor = RunMonitor.for_job(job, out_dir, steps_per_epoch, resumed=resume[3] is not None)
