@@ -244,6 +244,16 @@ def launch(
     )
 
 
+def lines_until(proc: subprocess.Popen, text: str) -> list[str]:
+    """The output lines of ``proc`` up to the first that contains ``text`` (or its end)."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if text in line:
+            break
+    return lines
+
+
 @pytest.fixture(scope="module")
 def eight_epochs(prepared_demo, split_dir, tmp_path_factory) -> tuple[dict, Path]:
     # 8 steps per epoch: room for an interval checkpoint inside an epoch (polled every 2 steps)
@@ -269,11 +279,7 @@ def test_a_stop_signal_to_every_process_checkpoints_exits_75_and_resumes_bitwise
     if sig == signal.SIGINT:
         config["checkpoint_interval_minutes"] = 1e-6
     proc = launch(prepared_demo["train"], split_dir, tmp_path, config, tasks=2, cpus=1)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "epoch 1 step 1/" in line:
-            break
+    lines = lines_until(proc, "epoch 1 step 1/")
     children = subprocess.run(
         ["pgrep", "-g", str(proc.pid)], capture_output=True, text=True
     ).stdout.split()
@@ -288,11 +294,7 @@ def test_a_stop_signal_to_every_process_checkpoints_exits_75_and_resumes_bitwise
     if sig == signal.SIGINT:  # and a SIGKILL to one rank: no warning, no checkpoint of its own
         allocations = 3
         killed = launch(prepared_demo["train"], split_dir, tmp_path, config, tasks=2, cpus=1)
-        lines = []
-        for line in killed.stdout:
-            lines.append(line)
-            if "interval checkpoint at epoch 2" in line:
-                break
+        lines = lines_until(killed, "interval checkpoint at epoch 2")
         ranks = subprocess.run(
             ["pgrep", "-f", "-g", str(killed.pid), "launch worker"], capture_output=True, text=True
         ).stdout.split()
