@@ -125,3 +125,20 @@ def test_runs_from_before_cost_existed_have_empty_cost_columns(tmp_path):
     row = aggregate_runs([run_dir]).iloc[0]
     assert row[COST_COLUMNS].isna().all(), row[COST_COLUMNS]
     assert run_accounting([run_dir])[run_dir]["reason"] == "not trained in a SLURM job"
+
+
+def test_every_allocation_of_a_run_is_queried_and_summed(tmp_path, monkeypatch):
+    (run_dir,) = run_dirs(tmp_path)[:1]
+    metrics = json.loads((run_dir / "train_metrics.json").read_text())
+    metrics["cost"]["slurm_job_ids"] = ["124", "123"]  # a TIMEOUT, then the job that finished
+    (run_dir / "train_metrics.json").write_text(json.dumps(metrics))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_sacct(bin_dir, f'echo "$@" > {tmp_path}/argv; cat <<"EOF"\n{SACCT}EOF')
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    record = run_accounting([run_dir])[run_dir]
+    assert "-j 123,124" in (tmp_path / "argv").read_text()
+    assert record["allocations"] == 2 and record["job_ids"] == ["124", "123"]
+    assert record["state"] == "COMPLETED" and record["elapsed_seconds"] == 3725 + 60
+    assert record["core_hours"] == pytest.approx((64 * 3725 + 60) / 3600)
+    assert [job["state"] for job in record["jobs"]] == ["TIMEOUT", "COMPLETED"]

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -231,7 +232,9 @@ def test_synthetic_mode_trains_on_a_fixed_batch(prepared_demo, split_dir, tmp_pa
     assert metrics["config"]["synthetic"] is True and metrics["epochs"][0]["images_per_s"] > 0
 
 
-def launch(prepared: Path, split: Path, work: Path, config: dict, *, tasks: int, cpus: int):
+def launch(
+    prepared: Path, split: Path, work: Path, config: dict, *, tasks: int, cpus: int, extra=()
+):
     """The real launcher (`imagenet-ddp train --launcher local`), in its own process group."""
     geometry = {"nodes": 1, "tasks_per_node": tasks, "cpus_per_task": cpus}
     argv = [
@@ -239,18 +242,29 @@ def launch(prepared: Path, split: Path, work: Path, config: dict, *, tasks: int,
         "--run-config-json", json.dumps({**config, **geometry}),
         "--prepared-train", str(prepared), "--split-dir", str(split),
         "--run-dir", str(work / "run"), "--checkpoint-root", str(work / "ckpt"),
-        "--scratch-dir", str(work / "scratch"), "--stage-verify", "size", "--cleanup",
+        "--scratch-dir", str(work / "scratch"), "--stage-verify", "size", "--cleanup", *extra,
     ]  # fmt: skip
     return subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
 
 
+def lines_until(proc: subprocess.Popen, text: str) -> list[str]:
+    """The output lines of ``proc`` up to the first that contains ``text`` (or its end)."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if text in line:
+            break
+    return lines
+
+
 @pytest.fixture(scope="module")
 def eight_epochs(prepared_demo, split_dir, tmp_path_factory) -> tuple[dict, Path]:
+    # 8 steps per epoch: room for an interval checkpoint inside an epoch (polled every 2 steps).
     # fp32: bf16 resumes are proven above; deterministic CPU bf16 runs without oneDNN, ~25x
-    # slower per step, too slow for 8 epochs x 3 runs here.
-    config = {**CONFIG, "epochs": 8, "precision": "fp32"}
+    # slower per step, too slow for this fixture's three runs.
+    config = {**CONFIG, "epochs": 4, "batch_size": 2, "precision": "fp32"}
     root = tmp_path_factory.mktemp("eight-epochs")
     result = torchrun(prepared_demo["train"], split_dir, root / "out", root / "ckpt", config=config)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -266,13 +280,13 @@ def test_a_stop_signal_to_every_process_checkpoints_exits_75_and_resumes_bitwise
     config, reference = eight_epochs
     # One loader worker per rank; one thread per rank, as in the reference (the thread count
     # changes the order of float sums, so it must match for bitwise equality).
+    # SIGINT's run also checkpoints every 2 steps (checkpoint_interval_minutes), which must not
+    # change the weights either.
     config = {**config, "workers": 1}
+    if sig == signal.SIGINT:
+        config["checkpoint_interval_minutes"] = 1e-6
     proc = launch(prepared_demo["train"], split_dir, tmp_path, config, tasks=2, cpus=1)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "epoch 1 step 1/" in line:
-            break
+    lines = lines_until(proc, "epoch 1 step 1/")
     children = subprocess.run(
         ["pgrep", "-g", str(proc.pid)], capture_output=True, text=True
     ).stdout.split()
@@ -283,6 +297,22 @@ def test_a_stop_signal_to_every_process_checkpoints_exits_75_and_resumes_bitwise
     assert "interrupted" in output and "killed by signal" not in output, output[-3000:]
     assert not (tmp_path / "run" / "model.pt").exists()
 
+    allocations = 2
+    if sig == signal.SIGINT:  # and a SIGKILL to one rank: no warning, no checkpoint of its own
+        allocations = 3
+        killed = launch(prepared_demo["train"], split_dir, tmp_path, config, tasks=2, cpus=1)
+        lines = lines_until(killed, "interval checkpoint at epoch 2")
+        ranks = subprocess.run(
+            ["pgrep", "-f", "-g", str(killed.pid), "launch worker"], capture_output=True, text=True
+        ).stdout.split()
+        assert len(ranks) >= 2, "".join(lines)[-3000:]
+        rank = ranks[-1]
+        os.kill(int(rank), signal.SIGKILL)
+        began = time.monotonic()
+        output = output_within(killed, 120, head="".join(lines))
+        assert killed.returncode == 128 + signal.SIGKILL, output[-3000:]
+        assert time.monotonic() - began < 60  # the launcher stops the other rank at once
+
     again = launch(prepared_demo["train"], split_dir, tmp_path, config, tasks=2, cpus=1)
     output = output_within(again, 300)
     assert again.returncode == 0, output[-3000:]
@@ -290,6 +320,17 @@ def test_a_stop_signal_to_every_process_checkpoints_exits_75_and_resumes_bitwise
     assert_bitwise_equal(weights(tmp_path / "run"), weights(reference))
     metrics = json.loads((tmp_path / "run" / "train_metrics.json").read_text())
     assert metrics["geometry"]["workers"] == 1 and metrics["world_size"] == 2
+    cost = metrics["cost"]  # every local attempt counted (imagenet_ddp.attempts)
+    assert cost["allocations"] == allocations and not cost["slurm_job_ids"]
+    assert cost["wall_seconds"] == pytest.approx(sum(a["wall_seconds"] for a in cost["attempts"]))
+    assert cost["core_hours"] == pytest.approx(2 * cost["wall_seconds"] / 3600)
+    assert [a["outcome"] for a in cost["attempts"]][-1] == "running"  # this one, until now
+    if sig == signal.SIGINT:
+        dead = cost["attempts"][1]
+        assert dead["outcome"] == "failed" and dead["last_checkpoint"]["epoch"] >= 2
+        # resumed from that interval checkpoint: lost only the work after it
+        assert cost["attempts"][2]["start"] == dead["last_checkpoint"]
+        assert 0 < dead["lost_seconds"] < dead["wall_seconds"]
 
 
 def test_a_finished_run_under_a_new_geometry_trains_afresh(

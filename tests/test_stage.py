@@ -133,3 +133,27 @@ def test_scratch_root_from_env(monkeypatch, tmp_path):
     assert scratch_root_from_env(tmp_path / "default") == tmp_path / "default"
     monkeypatch.setenv("SLURM_TMPDIR", str(tmp_path / "job"))
     assert scratch_root_from_env(tmp_path / "default") == tmp_path / "job"
+
+
+def test_a_lease_left_by_a_killed_job_is_reclaimed_by_the_next_stager(prepared_demo, tmp_path):
+    """A job killed before its cleanup, never retried: its lease must not pin the copy."""
+    import socket
+    import subprocess
+    import sys
+
+    from imagenet_ddp.stage import reclaim_stale_leases
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    report = stage_dataset(prepared_demo["val"], tmp_path, verify="size", lease="killed")
+    dest = Path(report["dest"])
+    lease = dest.parent / f"{dest.name}.leases" / "killed"
+    owner = json.loads(lease.read_text())
+    assert owner["pid"] > 0 and owner["host"] == socket.gethostname()
+    alive = stage_dataset(prepared_demo["val"], tmp_path, verify="size", lease="alive")
+    assert alive["reused"]
+    lease.write_text(json.dumps({**owner, "pid": int(dead)}))  # its process is gone
+    assert reclaim_stale_leases(tmp_path) == []  # "alive" (this process) still holds it
+    assert not lease.exists() and dest.is_dir()
+    (lease.parent / "alive").write_text(json.dumps({**owner, "pid": int(dead)}))
+    assert reclaim_stale_leases(tmp_path) == [dest] and not dest.exists()

@@ -1,7 +1,8 @@
 """SLURM's own accounting of each run's training job, read with ``sacct`` after the job ended.
 
-Rank 0 records its job id in ``train_metrics.json`` (``cost.slurm_job_id``); the workflow's
-``accounting`` rule runs after every training job and asks ``sacct`` once for all of them:
+Rank 0 records the job ids of every allocation of the run in ``train_metrics.json``
+(``cost.slurm_job_ids``, :mod:`imagenet_ddp.attempts`); the workflow's ``accounting`` rule
+runs after every training job and asks ``sacct`` once for all of them, and sums each run's:
 state, exit code, elapsed time, allocated TRES (CPUs, memory, GPUs, nodes), CPU time and the
 largest MaxRSS of any step (where the cluster gathers it: ``JobAcctGatherType``). From TRES
 and elapsed time it derives the allocation's GPU-hours and core-hours: what SLURM bills, staging
@@ -117,24 +118,59 @@ def query_sacct(
     return parse_sacct(result.stdout), None
 
 
+def job_ids_of(cost: dict[str, Any] | None) -> list[str]:
+    """Every SLURM job the run trained in (``cost.slurm_job_ids``, one per allocation;
+    files from before list only ``slurm_job_id``, the last)."""
+    cost = cost or {}
+    ids = cost.get("slurm_job_ids") or [cost.get("slurm_job_id")]
+    return [str(j) for j in ids if j]
+
+
+def summed(jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A run's record over its jobs: the last job's state and exit code; elapsed time,
+    GPU-/core-hours and CPU time summed; the largest MaxRSS; every job under ``jobs``."""
+    last = jobs[-1]
+
+    def total(key):
+        values = [j.get(key) for j in jobs]
+        return None if any(v is None for v in values) else sum(values)
+
+    rss = [j["max_rss_bytes"] for j in jobs if j.get("max_rss_bytes")]
+    return {
+        **{k: last.get(k) for k in ("job_id", "state", "exit_code", "alloc_tres", "nodes")},
+        "allocations": len(jobs),
+        "job_ids": [j["job_id"] for j in jobs],
+        "elapsed_seconds": total("elapsed_seconds"),
+        "total_cpu_seconds": total("total_cpu_seconds"),
+        "gpu_hours": total("gpu_hours"),
+        "core_hours": total("core_hours"),
+        "max_rss_bytes": max(rss) if rss else None,
+        "jobs": jobs,
+    }
+
+
 def run_accounting(run_dirs: list[Path], **query) -> dict[Path, dict[str, Any]]:
-    """Each run's accounting record, or ``available: false`` with the reason."""
+    """Each run's accounting record over all its jobs, or ``available: false`` with the
+    reason."""
     job_ids = {}
     for run_dir in run_dirs:
         metrics = json.loads((run_dir / "train_metrics.json").read_text())
-        job_ids[run_dir] = (metrics.get("cost") or {}).get("slurm_job_id")
-    records, reason = query_sacct(sorted({j for j in job_ids.values() if j}), **query)
+        job_ids[run_dir] = job_ids_of(metrics.get("cost"))
+    every = sorted({j for ids in job_ids.values() for j in ids})
+    records, reason = query_sacct(every, **query)
     queried = {"queried_at": datetime.now(UTC).isoformat(timespec="seconds"),
                "fields": list(FIELDS)}  # fmt: skip
     out = {}
-    for run_dir, job_id in job_ids.items():
-        if not job_id:
+    for run_dir, ids in job_ids.items():
+        missing = [j for j in ids if j not in records]
+        if not ids:
             out[run_dir] = {"available": False, "reason": "not trained in a SLURM job"}
-        elif job_id in records:
-            out[run_dir] = {"available": True, **records[job_id], **queried}
+        elif not missing:
+            out[run_dir] = {"available": True, **summed([records[j] for j in ids]), **queried}
         else:
-            why = reason or f"sacct has no record of job {job_id}"
-            out[run_dir] = {"available": False, "reason": why, "job_id": job_id, **queried}
+            why = reason or f"sacct has no record of job {', '.join(missing)}"
+            out[run_dir] = {"available": False, "reason": why, "job_id": ids[-1],
+                            "job_ids": ids, **queried}  # fmt: skip
     return out
 
 

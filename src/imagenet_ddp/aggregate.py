@@ -21,8 +21,11 @@ from imagenet_ddp.provenance import provenance_path, write_provenance
 # where not measured (no GPU, no SLURM, files from before), never zero. README "Cost and
 # efficiency" says what each includes.
 COST_COLUMNS = [
+    "allocations",
     "gpu_hours",
     "core_hours",
+    "gpu_hours_lost",
+    "core_hours_lost",
     "gpu_hours_per_epoch",
     "core_hours_per_epoch",
     "gpu_utilization_percent",
@@ -71,7 +74,8 @@ COLUMNS = [
 # What may differ inside a scaling group: the geometry being scaled, and bookkeeping that can
 # change neither results nor speed. Everything else in a run's config must be identical.
 GEOMETRY_KEYS = ("nodes", "tasks_per_node")
-BOOKKEEPING_KEYS = ("run", "log_interval", "timeout_minutes", "keep_checkpoints", "extra")
+BOOKKEEPING_KEYS = ("run", "log_interval", "timeout_minutes", "keep_checkpoints", "extra",
+                    "max_allocations", "checkpoint_interval_minutes")  # fmt: skip
 
 BASELINE_NOTE = "baseline: smallest run of its group"
 ALONE_NOTE = "only run of its group"
@@ -188,8 +192,13 @@ def cost_row(cost: dict[str, Any] | None, accounting: dict[str, Any] | None) -> 
     peak = gpu.get("peak_memory_gb_per_gpu")
     rss = slurm.get("max_rss_bytes")
     return {
+        # over every allocation of the run (imagenet_ddp.attempts); lost: after the newest
+        # checkpoint of each interrupted allocation
+        "allocations": _float(cost.get("allocations")),
         "gpu_hours": _float(cost.get("gpu_hours")),
         "core_hours": _float(cost.get("core_hours")),
+        "gpu_hours_lost": _float(cost.get("gpu_hours_lost")),
+        "core_hours_lost": _float(cost.get("core_hours_lost")),
         "gpu_hours_per_epoch": _float(cost.get("gpu_hours_per_epoch")),
         "core_hours_per_epoch": _float(cost.get("core_hours_per_epoch")),
         "gpu_utilization_percent": _float(gpu.get("mean_utilization_percent")),

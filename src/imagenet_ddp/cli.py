@@ -126,14 +126,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         split_dir=args.split_dir,
         run_dir=args.run_dir,
         checkpoint_root=args.checkpoint_root,
-        execution=execution_settings(
-            args.launcher,
-            args.srun_extra,
-            args.scratch_dir,
-            args.stage_verify,
-            args.cleanup,
-            launch_prefix=args.launch_prefix,
-        ),
+        execution={
+            **execution_settings(
+                args.launcher,
+                args.srun_extra,
+                args.scratch_dir,
+                args.stage_verify,
+                args.cleanup,
+                launch_prefix=args.launch_prefix,
+            ),
+            "attempt": args.attempt,
+        },
     )
 
 
@@ -284,6 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scratch-dir", type=Path, required=True)
     p.add_argument("--stage-verify", choices=["size", "sha256"], required=True)
     p.add_argument("--cleanup", action=argparse.BooleanOptionalAction, required=True)
+    p.add_argument(
+        "--attempt",
+        type=int,
+        default=1,
+        help="Snakemake's attempt number of this job (retries: 2, 3, ...); a retry after an "
+        "attempt that failed without progress is refused, and none above max_allocations runs",
+    )
     p.set_defaults(func=cmd_train)
 
     _add_evaluate_parser(sub)

@@ -79,3 +79,28 @@ def energy_figures(
             out["energy_kwh_all_nodes"] * 1000 / images * 1000 if images else None
         )
     return out
+
+
+OVER_ATTEMPTS_SCOPE = (
+    "wall_seconds, gpu_hours, core_hours: summed over all allocations (attempts) of the run, "
+    "each from its launcher's start (staging included) to its end, the last one to outputs "
+    "written; gpu_hours_lost, core_hours_lost: work after the newest checkpoint of each "
+    "interrupted attempt (redone by the next); this_job: the old single-job figures (rank 0, "
+    "start of training to outputs written); gpu_hours_per_epoch and core_hours_per_epoch: "
+    "allocated GPUs or cores x mean epoch time (holdout evaluation and checkpoints excluded)"
+)
+
+
+def over_attempts(cost: Mapping[str, Any], attempts: Mapping[str, Any]) -> dict[str, Any]:
+    """The job's cost block with wall time and GPU-/core-hours summed over every attempt of
+    the run (:func:`imagenet_ddp.attempts.cost_over_attempts`); this job's own figures stay
+    under ``this_job``."""
+    out = dict(cost)
+    out["this_job"] = {k: cost[k] for k in ("wall_seconds", "gpu_hours", "core_hours")}
+    out.update(
+        scope=OVER_ATTEMPTS_SCOPE,
+        **{k: attempts[k] for k in ("allocations", "slurm_job_ids", "wall_seconds", "gpu_hours",
+                                    "core_hours", "gpu_hours_lost", "core_hours_lost",
+                                    "attempts")},
+    )  # fmt: skip
+    return out

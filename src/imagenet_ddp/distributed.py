@@ -173,7 +173,21 @@ def node_gpu_uuids(info: DistInfo, device: torch.device) -> list[str]:
 def init_process_group(
     info: DistInfo, device: torch.device, backend: str, timeout_minutes: float
 ) -> None:
-    """Join the job's process group (a no-op for a single process)."""
+    """Join the job's process group (a no-op for a single process).
+
+    ``timeout_minutes`` (the run's ``timeout_minutes``, default 10) bounds how long a rank
+    waits in one collective for the others: a rank that hangs (stopped, stuck in I/O) ends the
+    job after this long. A rank that *dies* (SIGKILL, OOM killer) ends it sooner: the launcher
+    stops the others at once (``srun --kill-on-bad-exit=1``; locally
+    :func:`imagenet_ddp.launch.spawn_local_ranks`), and gloo's peers see its sockets close.
+    The longest legitimate wait is rank 0 writing a checkpoint while the others wait at the
+    barrier after it; staging is its own step before the ranks start.
+    NCCL (GPU only, not run here): a collective with a dead or hung peer never returns by
+    itself; the process group's watchdog thread aborts it after the timeout and, with
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (set below unless the site set it), tears the process
+    down ("Watchdog caught collective operation timeout" in the log, naming the collective's
+    sequence number), so the job ends instead of holding its GPUs.
+    """
     if info.world_size == 1:
         return
     if backend == "auto":
@@ -183,6 +197,8 @@ def init_process_group(
     # here so that the ranks can compare their GPUs before NCCL starts.
     store, _, _ = next(dist.rendezvous("env://", info.rank, info.world_size, timeout=timeout))
     _check_gpus_not_shared(store, info, device)
+    if backend == "nccl":
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     # device_id: NCCL's communicator is created now, on this rank's GPU (not lazily on
     # whatever device is current at the first collective), and barrier() knows the device.
     dist.init_process_group(

@@ -27,10 +27,16 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from imagenet_ddp import attempts
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.job_spec import geometry_of, read_spec, staging_report_path
 from imagenet_ddp.signals import EXIT_REQUEUE, ForwardStopSignals
-from imagenet_ddp.stage import cleanup_staged, scratch_root_from_env, stage_dataset
+from imagenet_ddp.stage import (
+    cleanup_staged,
+    reclaim_stale_leases,
+    scratch_root_from_env,
+    stage_dataset,
+)
 
 # Below Linux's default ephemeral range (32768-60999), so it cannot collide with client ports.
 MASTER_PORT_BASE, MASTER_PORT_SPAN = 15000, 15000
@@ -106,11 +112,10 @@ def stage_this_node(spec: dict) -> dict:
     path = staging_report_path(paths["run_dir"], socket.gethostname())
     previous = json.loads(path.read_text()) if path.is_file() else {}
     lease = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    scratch = scratch_root_from_env(Path(execution["scratch_dir"]))
+    reclaim_stale_leases(scratch)  # copies pinned by jobs killed before their cleanup
     report = stage_dataset(
-        Path(paths["prepared_train"]),
-        scratch_root_from_env(Path(execution["scratch_dir"])),
-        verify=execution["stage_verify"],
-        lease=lease,
+        Path(paths["prepared_train"]), scratch, verify=execution["stage_verify"], lease=lease
     )
     report["lease"] = lease
     # An earlier attempt of this run (requeued, or killed before its cleanup) left its lease:
@@ -223,9 +228,39 @@ def run_training(spec_path: Path) -> int:
     """Stage on every node, run the ranks, clean up: the exit code of the job.
 
     Every step gets only ``spec_path`` (:mod:`imagenet_ddp.job_spec`) and reads the rest.
+    The job is one attempt of the run (:mod:`imagenet_ddp.attempts`): recorded before staging,
+    refused at once where a retry cannot help, closed with its exit code.
     """
     spec = read_spec(spec_path, "train")
-    geometry, execution = geometry_of_spec(spec), spec["execution"]
+    run, root = spec["run"], spec["paths"]["checkpoint_root"]
+    geometry = geometry_of_spec(spec)
+    entry, refused = attempts.begin(
+        root,
+        run,
+        attempt=int(spec["execution"].get("attempt", 1)),
+        gpus=geometry.nodes * int(run.get("gpus_per_node") or 0),
+        cores=geometry.world_size * geometry.cpus_per_task,
+    )
+    print(f"run {run.get('run')!r}: attempt {entry['attempt']} (job "
+          f"{entry['slurm_job_id'] or 'local'}), from epoch {entry['start']['epoch']} step "
+          f"{entry['start']['step']}", flush=True)  # fmt: skip
+    if refused:
+        print(f"run {run.get('run')!r}: {refused}", flush=True)
+        return 1
+    code = 1
+    try:
+        with attempts.Heartbeat(root, entry):
+            code = _train_job(spec_path, spec, geometry)
+    except Exception as error:
+        entry["error"] = f"launcher on {socket.gethostname()}: {type(error).__name__}: {error}"
+        raise
+    finally:
+        attempts.end(root, entry, code)
+    return code
+
+
+def _train_job(spec_path: Path, spec: dict, geometry: Geometry) -> int:
+    execution = spec["execution"]
     launcher, cleanup = execution["launcher"], execution["cleanup"]
     on_spec = ["--spec", str(spec_path)]
     if launcher == "local":
@@ -343,11 +378,46 @@ def spawn_local_ranks(argv: list[str], geometry: Geometry, grace_seconds: float 
         LOCAL_WORLD_SIZE=str(geometry.tasks_per_node),
     )
     print("+ " + shlex.join(argv) + f"  (x {geometry.tasks_per_node} ranks)", flush=True)
+    _become_subreaper()
+    before = _children()
     with ForwardStopSignals() as forward:
-        for rank in range(geometry.tasks_per_node):
-            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            forward.children.append(subprocess.Popen(argv, env=rank_env))
-        return _wait_for_ranks(forward.children, grace_seconds)
+        try:
+            for rank in range(geometry.tasks_per_node):
+                rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+                forward.children.append(subprocess.Popen(argv, env=rank_env))
+            return _wait_for_ranks(forward.children, grace_seconds)
+        finally:
+            _end_leftovers(before)
+
+
+def _become_subreaper() -> None:
+    """Orphans of the ranks become this process's children (Linux ``PR_SET_CHILD_SUBREAPER``),
+    so :func:`_end_leftovers` can find them."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+def _children() -> set[int]:
+    me, found = str(os.getpid()), set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            if stat.read_text().rsplit(")", 1)[1].split()[1] == me:
+                found.add(int(stat.parent.name))
+    return found
+
+
+def _end_leftovers(before: set[int]) -> None:
+    """Kill what the ranks left running once they are gone. A rank killed by SIGKILL (OOM
+    killer, ``kill -9``) leaves its loader fork server and workers behind: their parent is the
+    fork server, so their watchdog never sees the rank go, and they would hold the job's log
+    open for ever. (srun ends every process of a step itself.) ``before``: children this
+    process had before the ranks started, left alone."""
+    for pid in _children() - before:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
 
 
 def _exit_code(proc: subprocess.Popen) -> int:

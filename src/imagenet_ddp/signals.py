@@ -25,6 +25,7 @@ import contextlib
 import multiprocessing
 import signal
 import subprocess
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -72,11 +73,19 @@ class StopFlag:
     next, ``interval`` steps later, when it has long finished. All ranks call :meth:`poll` at the
     same steps and read the same reduced value, so they stop at the same step: at most two
     intervals after the first rank was signalled.
+
+    The same reduction carries a second flag: a checkpoint is due (``checkpoint_seconds`` since
+    the last one on any rank's clock, :meth:`checkpointed` resets it). After :meth:`poll`,
+    ``checkpoint_due`` says whether all ranks agreed to write one now (a SIGKILL gives no
+    warning: this bounds the work it loses).
     """
 
-    def __init__(self, interval: int) -> None:
+    def __init__(self, interval: int, checkpoint_seconds: float = 0.0) -> None:
         self.interval = interval
         self.signalled = 0
+        self.checkpoint_seconds = checkpoint_seconds
+        self.checkpoint_due = False
+        self._last_checkpoint = time.monotonic()
         self._group = None
         self._pending: tuple[torch.Tensor, object] | None = None
 
@@ -92,21 +101,31 @@ class StopFlag:
     def _handler(self, signum, frame) -> None:
         self.signalled = signum
 
+    def checkpointed(self) -> None:
+        """A checkpoint was just written: the interval starts again."""
+        self._last_checkpoint = time.monotonic()
+        self.checkpoint_due = False
+
     def _local(self) -> torch.Tensor:
-        return torch.tensor([1.0 if self.signalled else 0.0])
+        elapsed = time.monotonic() - self._last_checkpoint
+        due = 0 < self.checkpoint_seconds <= elapsed
+        return torch.tensor([1.0 if self.signalled else 0.0, 1.0 if due else 0.0])
 
     def poll(self, step: int) -> bool:
         """Call after every step with the count of steps this process ran (the same on all
-        ranks): True when all must stop now."""
+        ranks): True when all must stop now; sets ``checkpoint_due``."""
+        self.checkpoint_due = False
         if step % self.interval:
             return False
         if not (dist.is_available() and dist.is_initialized()):
+            flags = self._local()
+            self.checkpoint_due = bool(flags[1])
             return bool(self.signalled)
         stop = False
         if self._pending is not None:
             flag, work = self._pending
             work.wait()
-            stop = bool(flag.item())
+            stop, self.checkpoint_due = bool(flag[0]), bool(flag[1])
         flag = self._local()
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         self._pending = (flag, work)
@@ -123,7 +142,7 @@ class StopFlag:
         if not (dist.is_available() and dist.is_initialized()):
             return bool(self.signalled)
         self.settle()
-        flag = self._local()
+        flag = self._local()[:1]
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flag.item())
 

@@ -11,7 +11,10 @@ Works for any prepared directory (train or val).
 Jobs that share a copy (several runs on one node with the same scratch dir: the local launcher,
 or a cluster without a per-job ``$SLURM_TMPDIR``) each hold a lease on it
 (``<fp>/<name>.leases/<lease>``); cleanup removes the copy only when the last lease goes, so one
-job's cleanup never deletes the data another is still reading.
+job's cleanup never deletes the data another is still reading. A lease left by a job killed
+before its cleanup (SIGKILL, node failure, a run never retried) is reclaimed by the next job
+that stages on the node (:func:`reclaim_stale_leases`): the copy does not stay pinned until
+scratch is purged.
 """
 
 from __future__ import annotations
@@ -138,7 +141,10 @@ def stage_dataset(src: Path, scratch_root: Path, *, verify: str, lease: str | No
     with exclusive_lock(lock_path_for(dest)):
         if lease is not None:  # taken before the copy: a concurrent cleanup must keep it
             _leases(dest).mkdir(parents=True, exist_ok=True)
-            (_leases(dest) / lease).touch()
+            # Whose it is: a lease whose job is gone is reclaimed (reclaim_stale_leases).
+            owner = {"host": socket.gethostname(), "pid": os.getpid(),
+                     "job_id": os.environ.get("SLURM_JOB_ID")}  # fmt: skip
+            (_leases(dest) / lease).write_text(json.dumps(owner))
         if _is_complete(dest, fp, files):
             seconds = time.perf_counter() - started
             return {**report, "seconds": seconds, "bytes_per_s": 0.0, "reused": True}
@@ -193,3 +199,52 @@ def cleanup_staged(dest: Path, lease: str | None = None) -> bool:
         except OSError:  # not empty (another copy or a stager still there) or already gone
             break
     return True
+
+
+def _owner_gone(lease: Path) -> bool:
+    """Whether the job that took ``lease`` has ended: its SLURM job is no longer known to
+    ``squeue``, or (no SLURM) its process on this host is gone. Unknown: not gone."""
+    try:
+        owner = json.loads(lease.read_text() or "{}")
+    except (OSError, ValueError):
+        return False
+    if owner.get("job_id"):
+        import subprocess
+
+        try:
+            result = subprocess.run(
+                ["squeue", "-h", "-j", str(owner["job_id"]), "-o", "%T"],
+                capture_output=True, text=True, timeout=20,
+            )  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        if result.returncode == 0:
+            return not result.stdout.strip()
+        return "Invalid job id" in result.stderr  # purged from slurmctld: long gone
+    if owner.get("host") != socket.gethostname() or not owner.get("pid"):
+        return False
+    try:
+        os.kill(int(owner["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def reclaim_stale_leases(scratch_root: Path, *, keep: str | None = None) -> list[Path]:
+    """Remove the leases of ended jobs under ``scratch_root``, and each copy no live lease
+    holds any more. ``keep``: a lease never touched (the caller's). Returns removed copies."""
+    removed = []
+    for leases in sorted((Path(scratch_root) / STAGE_DIR).glob("*/*.leases")):
+        stale = [p for p in leases.iterdir() if p.name != keep and _owner_gone(p)]
+        if not stale:
+            continue
+        dest = leases.with_name(leases.name[: -len(".leases")])
+        with exclusive_lock(lock_path_for(dest)):
+            for lease in stale:
+                lease.unlink(missing_ok=True)
+        print(f"reclaimed {len(stale)} stale staging lease(s) on {dest}", flush=True)
+        if cleanup_staged(dest):  # removed only if no live lease remains
+            removed.append(dest)
+    return removed

@@ -121,6 +121,7 @@ def run_training_json(wildcards):
 # Not weights: how a run is executed or logged (the geometry is shown under resources).
 _NOT_HYPERPARAMETERS = {
     "name", "evaluate", "workers", "device", "backend", "log_interval", "timeout_minutes",
+    "max_allocations", "checkpoint_interval_minutes",
     "throughput_warmup_steps", "keep_checkpoints", "nodes", "tasks_per_node",
     "cpus_per_task", "gpus_per_node",
 }  # fmt: skip
@@ -135,6 +136,12 @@ def run_hyperparameters(wildcards):
     return " ".join(
         f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in values.items()
     )
+
+
+# A training job stopped by its time limit, scancel or preemption is resubmitted (Snakemake's
+# retries, one rule-wide number); the job itself holds each run to its own max_allocations and
+# refuses a retry after an attempt that failed without progress (imagenet_ddp.attempts).
+TRAIN_RETRIES = max([run["max_allocations"] for run in RUNS.values()] or [1]) - 1
 
 
 def run_geometry(key):

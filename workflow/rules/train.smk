@@ -11,6 +11,8 @@ rule train:
         provenance="results/runs/{run}/model.pt.provenance.json",
     log:
         "logs/train/{run}.log",
+    # Resubmitted while it makes progress, up to the run's max_allocations (common.smk).
+    retries: TRAIN_RETRIES
     conda:
         "../envs/imagenet-ddp.yaml"
     container:
@@ -41,6 +43,7 @@ rule train:
             "cleanup" if execution_setting("stage", "cleanup") else "no-cleanup"
         ),
         checkpoint_root=lambda wildcards: f"{CHECKPOINT_DIR}/{wildcards.run}",
+        snakemake_attempt=lambda wildcards, attempt: attempt,  # 2, 3, ...: a resubmission
     params:
         # The run's settings, geometry included; `imagenet-ddp train` writes them with the
         # paths and the resources above into the job spec (<run dir>/job_spec.json), the one
@@ -58,8 +61,9 @@ rule train:
         " --prepared-train {input.prepared:q} --split-dir {params.split_dir:q}"
         " --run-dir {params.run_dir:q} --checkpoint-root {resources.checkpoint_root:q}"
         " --launcher {resources.launcher} --launch-prefix={resources.launch_prefix:q}"
-        " --srun-extra={resources.srun_extra:q} --scratch-dir {resources.scratch_dir:q} --stage-verify {resources.stage_verify}"
-        " --{resources.stage_cleanup} >> {log:q} 2>&1"
+        " --srun-extra={resources.srun_extra:q} --scratch-dir {resources.scratch_dir:q}"
+        " --stage-verify {resources.stage_verify} --{resources.stage_cleanup}"
+        " --attempt {resources.snakemake_attempt} >> {log:q} 2>&1"
 
 
 # Evaluation runs like training: DDP ranks on the GPUs of `evaluate` geometry (config.yaml

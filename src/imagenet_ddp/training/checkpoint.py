@@ -53,10 +53,26 @@ def checkpoint_name(epoch: int, step: int) -> str:
     return f"checkpoint-e{epoch:04d}-s{step:07d}.pt"
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (full disk, quota); the older ones are intact."""
+
+
 def save_checkpoint(directory: Path, state: dict[str, Any], keep: int) -> Path:
+    """Write atomically (a temporary sibling renamed into place), then prune the oldest: a
+    failed write (full disk, quota) leaves every earlier checkpoint as it was, and ends the
+    job with one line saying so."""
     path = directory / checkpoint_name(state["epoch"], state["step_in_epoch"])
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
+    try:
+        with atomic_path(path) as tmp:
+            torch.save(state, tmp)
+    except OSError as error:
+        kept = sorted(directory.glob("checkpoint-*.pt"))
+        raise CheckpointWriteError(
+            error.errno,
+            f"checkpoint {path} not written ({error.strerror or error}); "
+            f"{'the newest, ' + kept[-1].name + ', is intact' if kept else 'no earlier one'}"
+            f"; free space or quota in {directory} and rerun to resume",
+        ) from error
     for old in sorted(directory.glob("checkpoint-*.pt"))[:-keep]:
         old.unlink(missing_ok=True)
     return path

@@ -23,6 +23,8 @@ NOT_IN_FINGERPRINT = (
     "log_interval",
     "workers",
     "timeout_minutes",
+    "max_allocations",
+    "checkpoint_interval_minutes",
     "keep_checkpoints",
     "throughput_warmup_steps",
     "recipe",  # its values are the other keys
@@ -55,7 +57,9 @@ class TrainConfig:
     compile: bool = False
     deterministic: bool = False
     log_interval: int = 20  # steps between progress lines (rank 0)
-    timeout_minutes: float = 60.0  # process-group timeout; must exceed staging time
+    timeout_minutes: float = 10.0  # process-group timeout: how long a hung rank holds the job
+    max_allocations: int = 10  # jobs one run may use (the launcher enforces it: attempts)
+    checkpoint_interval_minutes: float = 30.0  # mid-epoch checkpoints; 0: epoch ends only
     synthetic: bool = False  # measure the model alone on a fixed random batch
     keep_checkpoints: int = 2  # newest checkpoints kept per run (older ones are deleted)
     throughput_warmup_steps: int = 20  # steps per epoch left out of the steady-state img/s

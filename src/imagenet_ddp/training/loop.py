@@ -7,6 +7,7 @@ rank stop at the same step; rank 0 writes a checkpoint and the job exits with EX
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from itertools import repeat
 from pathlib import Path
@@ -46,6 +47,7 @@ class Job:
     ema: torch.optim.swa_utils.AveragedModel | None = None  # model EMA (recipe), or None
     mixer: Any = None  # mixup/cutmix on each batch (recipe), or None
     history: list[dict[str, Any]] = field(default_factory=list)
+    progress: Any = None  # attempts.RankProgress: this rank's last step, for the watchdog line
 
 
 def run_epochs(
@@ -74,6 +76,8 @@ def run_epochs(
             if steps_done == 1:  # optimizer state exists now
                 check_device_discipline(job, "after the first step")
             progress.update(step, meter)
+            if job.progress is not None:
+                job.progress.mark(epoch, step)
             if monitor is not None:  # TensorBoard every log_interval steps
                 monitor.step(epoch, step, meter, job.scheduler.get_last_lr()[0])
             # Every rank polls at the same steps, so the agreement's collectives stay aligned.
@@ -87,8 +91,12 @@ def run_epochs(
                         flush=True,
                     )
                 return EXIT_REQUEUE
+            if stop.checkpoint_due and step < steps_per_epoch:  # checkpoint_interval_minutes
+                interval_checkpoint(job, epoch, step, meter)
+                stop.checkpointed()
         progress.close()
         end_epoch(job, epoch, meter, holdout)
+        stop.checkpointed()  # end_epoch wrote one
         if monitor is not None:  # TensorBoard epoch scalars
             monitor.epoch(epoch, job.history[-1])
         if stop.agreed():  # signalled during the epoch: its checkpoint is written
@@ -96,6 +104,16 @@ def run_epochs(
                 print(f"interrupted after epoch {epoch}: checkpoint written; rerun to resume")
             return EXIT_REQUEUE
     return 0
+
+
+def interval_checkpoint(job: Job, epoch: int, step: int, meter: EpochMeter) -> None:
+    """A mid-epoch checkpoint (collective), as a stop signal writes; training goes on. Its
+    time is left out of the epoch's throughput, as epoch-end checkpoints are."""
+    began = time.perf_counter()
+    path = save_job(job, epoch, step, D.all_gather_objects(meter.partial()))
+    meter.pause(time.perf_counter() - began)
+    if job.info.is_main:
+        print(f"interval checkpoint at epoch {epoch} step {step}: wrote {path}", flush=True)
 
 
 def batches(job: Job, loader: DataLoader, num_classes: int, epoch: int, step: int):

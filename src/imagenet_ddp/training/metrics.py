@@ -67,6 +67,12 @@ class EpochMeter:
             synchronize(self.device)
             self.window = (time.perf_counter(), self.samples)
 
+    def pause(self, seconds: float) -> None:
+        """Leave ``seconds`` (a mid-epoch checkpoint) out of the epoch's times."""
+        self.started += seconds
+        if self.window is not None:
+            self.window = (self.window[0] + seconds, self.window[1])
+
     def mean_loss(self) -> float:
         """The epoch's mean training loss so far (reads the device: call once per interval)."""
         return float(self.loss_sum.item()) / max(self.samples, 1)

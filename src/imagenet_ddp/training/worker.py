@@ -18,6 +18,7 @@ import os
 import random
 import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,14 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from imagenet_ddp import distributed as D
+from imagenet_ddp.attempts import (
+    RankProgress,
+    cost_over_attempts,
+    has_record,
+    record_error,
+    settings_key,
+)
+from imagenet_ddp.cost import over_attempts
 from imagenet_ddp.monitor import RunMonitor
 from imagenet_ddp.prepared import PreparedImageDataset, eval_transform
 from imagenet_ddp.signals import EXIT_REQUEUE, StopFlag
@@ -62,19 +71,22 @@ def train(
     out_dir: Path,
     checkpoint_root: Path,
     stop_after_steps: int | None = None,
+    attempt_key: str | None = None,
 ) -> int:
-    """Run training in this process (one rank). Returns the process exit code."""
+    """Run training in this process (one rank). Returns the process exit code.
+    ``attempt_key``: the run's key in the attempt record (imagenet_ddp.attempts), whose
+    allocations the cost block sums; None: this job's cost alone."""
     if cfg.deterministic:  # cuBLAS reads it when its first handle is created
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     info = D.dist_info_from_env()
     device = D.select_device(cfg.device, info.local_rank, cfg.gpus_per_node, info.local_world_size)
     D.init_process_group(info, device, cfg.backend, cfg.timeout_minutes)
-    stop = StopFlag(SIGNAL_CHECK_STEPS)
+    stop = StopFlag(SIGNAL_CHECK_STEPS, checkpoint_seconds=cfg.checkpoint_interval_minutes * 60)
     stop.install()
     try:
         return _train(
             cfg, info, device, train_data, split_dir, out_dir, checkpoint_root, stop,
-            stop_after_steps,
+            stop_after_steps, attempt_key,
         )  # fmt: skip
     finally:
         stop.settle()
@@ -98,7 +110,16 @@ def _set_determinism(cfg: TrainConfig, device: torch.device) -> None:
 
 
 def _train(
-    cfg, info, device, train_data, split_dir, out_dir, checkpoint_root, stop, stop_after_steps
+    cfg,
+    info,
+    device,
+    train_data,
+    split_dir,
+    out_dir,
+    checkpoint_root,
+    stop,
+    stop_after_steps,
+    attempt_key,
 ) -> int:
     _set_determinism(cfg, device)
     geometry = resolve_geometry(cfg, info, device)
@@ -125,6 +146,8 @@ def _train(
         )
     job = build_job(cfg, info, device, geometry, base.num_classes, steps_per_epoch)
     job.checkpoint_dir = checkpoint_dir(checkpoint_root, cfg.fingerprint(), geometry.tag)
+    if attempt_key is not None:  # launched by the launcher, which names a hung rank at the end
+        job.progress = RankProgress(checkpoint_root, info.rank, info.host)
     resume = resume_job(job)
     check_device_discipline(job, "after setup")
     # Rank 0: TensorBoard events, the NVML sampler thread, the wall clock of the cost block.
@@ -148,6 +171,10 @@ def _train(
             extra={} if job.ema is None else {"ema": job.ema.module.state_dict()},
         )
         cost = monitor.finish(job.history)  # the cost block of train_metrics.json
+        if attempt_key is not None:  # every allocation of the run, this one up to now
+            cost = over_attempts(
+                cost, cost_over_attempts(checkpoint_root, attempt_key, time.time())
+            )
         write_run_metrics(job, out_dir, ranks, resumed_from=resume[3], cost=cost)
     D.barrier()
     return 0
@@ -218,15 +245,21 @@ def main(argv: list[str] | None = None) -> int:
     # where a rank of a job that seems stuck is waiting, without stopping it.
     faulthandler.register(signal.SIGUSR2, all_threads=True)
     spec = read_spec(args.spec, "train")
-    paths = spec["paths"]
-    return train(
-        TrainConfig.from_dict(spec["run"]),
-        train_data=args.train_data or staged_copy(paths["run_dir"], D.dist_info_from_env().host),
-        split_dir=Path(paths["split_dir"]),
-        out_dir=Path(paths["run_dir"]),
-        checkpoint_root=Path(paths["checkpoint_root"]),
-        stop_after_steps=args.stop_after_steps,
-    )
+    paths, info = spec["paths"], D.dist_info_from_env()
+    try:
+        return train(
+            TrainConfig.from_dict(spec["run"]),
+            train_data=args.train_data or staged_copy(paths["run_dir"], info.host),
+            split_dir=Path(paths["split_dir"]),
+            out_dir=Path(paths["run_dir"]),
+            checkpoint_root=Path(paths["checkpoint_root"]),
+            stop_after_steps=args.stop_after_steps,
+            # the launcher keeps the record; a rank started by hand (tests) has none
+            attempt_key=settings_key(spec["run"]) if has_record(paths["checkpoint_root"]) else None,
+        )
+    except Exception as error:  # the attempt record names it; a retry repeats it (attempts)
+        record_error(paths["checkpoint_root"], info.rank, info.host, error)
+        raise
 
 
 if __name__ == "__main__":

@@ -1,0 +1,333 @@
+"""Every allocation of a run: the attempt record kept beside its checkpoints.
+
+A run that outlives its time limit trains in several jobs (Snakemake resubmits a stopped
+job: the rule's ``retries``). Each job (an *attempt*; on SLURM one allocation) appends one
+entry to ``<checkpoint_root>/attempts.json``, outside the rule's outputs, so Snakemake's
+cleanup of a failed attempt keeps it. The launcher writes the entry (:func:`begin`) before
+staging and closes it (:func:`end`) when its ranks are gone; a heartbeat (:class:`Heartbeat`)
+keeps ``alive`` current, so an attempt killed with the launcher (SIGKILL after KillWait, a
+node failure) is closed by the next one at its last sign of life.
+
+An entry: ``attempt`` (1, 2, ... per settings fingerprint), ``slurm_job_id``, ``host``,
+``started``/``alive``/``ended`` (Unix seconds), ``exit_code``, ``outcome`` (completed,
+stopped: exit 75 after a checkpoint, failed, killed: no end recorded, refused), ``start`` (the
+checkpoint it resumed from: epoch, step, path, or epoch 0 step 0), ``last_checkpoint`` (the
+newest it wrote, with its mtime), ``error`` (the first rank's error line), ``gpus``, ``cores``.
+
+Two rules use it (:func:`refusal`): a Snakemake retry (``attempt`` > 1 in this invocation)
+after an attempt that failed without writing a checkpoint refuses at once with that error
+(a crash at start uses at most two jobs), and no invocation runs more than ``max_allocations``
+jobs of a run. The cost block sums all attempts (:func:`cost_over_attempts`).
+
+Torch-free: the launcher reads and writes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from imagenet_ddp.io import write_json_atomic
+
+RECORD = "attempts.json"
+EXIT_REQUEUE = 75  # imagenet_ddp.signals.EXIT_REQUEUE (that module imports torch)
+HEARTBEAT_SECONDS = 30.0
+_CHECKPOINT = re.compile(r"checkpoint-e(\d+)-s(\d+)\.pt$")
+# Settings that change neither the weights nor the figures of a run: a changed bound or
+# checkpoint interval continues the same record (training.config.NOT_IN_FINGERPRINT keeps
+# these and the other bookkeeping keys out of the checkpoint key as well).
+_NOT_IN_KEY = ("max_allocations", "checkpoint_interval_minutes", "log_interval",
+               "timeout_minutes", "keep_checkpoints", "throughput_warmup_steps")  # fmt: skip
+
+
+def record_path(checkpoint_root: str | os.PathLike[str]) -> Path:
+    return Path(checkpoint_root) / RECORD
+
+
+def settings_key(run: dict[str, Any]) -> str:
+    """Which entries belong together: the run's settings and geometry (a changed setting
+    starts a fresh run, as its checkpoints do)."""
+    data = {k: v for k, v in run.items() if k not in _NOT_IN_KEY}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def has_record(checkpoint_root: str | os.PathLike[str]) -> bool:
+    return record_path(checkpoint_root).is_file()
+
+
+def load(checkpoint_root: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    path = record_path(checkpoint_root)
+    if not path.is_file():
+        return []
+    return json.loads(path.read_text())["attempts"]
+
+
+def _save(checkpoint_root, attempts: list[dict[str, Any]]) -> None:
+    path = record_path(checkpoint_root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {"attempts": attempts})
+
+
+def of_run(attempts: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    return [a for a in attempts if a.get("key") == key]
+
+
+def newest_checkpoint(checkpoint_root: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The newest checkpoint file under the run's checkpoint root (any geometry directory):
+    epoch, step, path, mtime. Names sort by (epoch, step) (training.checkpoint)."""
+    root = Path(checkpoint_root)
+    found = []
+    for path in root.glob("*/checkpoint-*.pt") if root.is_dir() else []:
+        match = _CHECKPOINT.search(path.name)
+        if match:
+            found.append((int(match.group(1)), int(match.group(2)), path))
+    if not found:
+        return None
+    epoch, step, path = max(found)
+    try:
+        mtime = path.stat().st_mtime
+    except FileNotFoundError:  # pruned meanwhile
+        return None
+    return {"epoch": epoch, "step": step, "path": str(path), "written": mtime}
+
+
+def made_progress(entry: dict[str, Any]) -> bool:
+    """Whether the attempt wrote a checkpoint past the point it started from."""
+    last, start = entry.get("last_checkpoint"), entry.get("start") or {}
+    return bool(last) and (last["epoch"], last["step"]) > (
+        start.get("epoch", 0),
+        start.get("step", 0),
+    )
+
+
+def _close_killed(entry: dict[str, Any], checkpoint_root) -> None:
+    """An entry its launcher never closed: it ended at its last heartbeat."""
+    entry["outcome"], entry["ended"] = "killed", entry.get("alive") or entry["started"]
+    last = newest_checkpoint(checkpoint_root)
+    if last and last["written"] >= entry["started"]:
+        entry["last_checkpoint"] = last
+
+
+def refusal(previous: dict[str, Any] | None, attempt: int, max_allocations: int) -> str | None:
+    """Why this job must not train (None: it may). ``attempt``: Snakemake's attempt number in
+    this invocation (1: not a retry)."""
+    if attempt > max_allocations:
+        return (
+            f"this is job {attempt} of the run in this invocation, above its max_allocations "
+            f"({max_allocations}); raise max_allocations or rerun to continue from the newest "
+            "checkpoint"
+        )
+    if attempt == 1 or not previous or made_progress(previous):
+        return None
+    if previous["outcome"] == "refused":  # the same reason, not nested
+        return previous["error"]
+    if previous["outcome"] in ("failed", "killed"):
+        where = previous.get("start") or {}
+        return (
+            f"not retrying: the previous attempt (job {previous.get('slurm_job_id') or 'local'}"
+            f", exit code {previous.get('exit_code')}, {previous['outcome']}) made no progress "
+            f"from epoch {where.get('epoch', 0)} step {where.get('step', 0)}: "
+            f"{previous.get('error') or 'see its log'}; fix the cause and rerun"
+        )
+    return None
+
+
+def begin(
+    checkpoint_root, run: dict[str, Any], *, attempt: int, gpus: int, cores: int
+) -> tuple[dict[str, Any], str | None]:
+    """Close a killed predecessor, append this attempt; returns (entry, refusal reason)."""
+    attempts, key = load(checkpoint_root), settings_key(run)
+    mine = of_run(attempts, key)
+    if mine and mine[-1].get("ended") is None:
+        _close_killed(mine[-1], checkpoint_root)
+    now = time.time()
+    entry = {
+        "attempt": len(mine) + 1,
+        "key": key,
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "snakemake_attempt": attempt,
+        "host": socket.gethostname(),
+        "started": now,
+        "alive": now,
+        "ended": None,
+        "exit_code": None,
+        "outcome": "running",
+        "start": newest_checkpoint(checkpoint_root) or {"epoch": 0, "step": 0, "path": None},
+        "last_checkpoint": None,
+        "error": None,
+        "gpus": gpus,
+        "cores": cores,
+    }
+    why = refusal(mine[-1] if mine else None, attempt, int(run.get("max_allocations", 10)))
+    if why:
+        entry.update(outcome="refused", ended=now, exit_code=1, error=why)
+    attempts.append(entry)
+    _save(checkpoint_root, attempts)
+    return entry, why
+
+
+def _update(checkpoint_root, entry: dict[str, Any], **changes) -> None:
+    attempts = load(checkpoint_root)
+    for i, other in enumerate(attempts):
+        if other["key"] == entry["key"] and other["attempt"] == entry["attempt"]:
+            attempts[i] = {**other, **changes}
+    entry.update(changes)
+    _save(checkpoint_root, attempts)
+
+
+def end(checkpoint_root, entry: dict[str, Any], exit_code: int) -> None:
+    """Close this attempt: its end, exit code, outcome, newest checkpoint and first error."""
+    last = newest_checkpoint(checkpoint_root)
+    if last and last["written"] < entry["started"]:
+        last = None  # written by an earlier attempt
+    outcome = {0: "completed", EXIT_REQUEUE: "stopped"}.get(exit_code, "failed")
+    error = entry.get("error") or first_error(checkpoint_root, entry)
+    hung = hung_rank(checkpoint_root, entry["started"]) if outcome == "failed" else None
+    if hung:
+        print(f"watchdog: {hung}", flush=True)
+        error = f"{hung}; {error}" if error else hung
+    _update(
+        checkpoint_root, entry, ended=time.time(), exit_code=exit_code, outcome=outcome,
+        last_checkpoint=last, error=error,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------ errors of the ranks
+
+ERRORS_DIR = "errors"
+
+
+def record_error(checkpoint_root, rank: int, host: str, error: BaseException) -> None:
+    """A rank's uncaught error, one line, for the attempt record (worker.main calls it)."""
+    folder = Path(checkpoint_root) / ERRORS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    line = f"rank {rank} on {host}: {type(error).__name__}: {error}".splitlines()[0][:500]
+    (folder / f"rank{rank}.txt").write_text(f"{time.time()}\n{line}\n")
+
+
+def first_error(checkpoint_root, entry: dict[str, Any]) -> str | None:
+    """The earliest error a rank recorded during this attempt."""
+    found = []
+    for path in sorted((Path(checkpoint_root) / ERRORS_DIR).glob("rank*.txt")):
+        stamp, _, line = path.read_text().partition("\n")
+        if float(stamp) >= entry["started"]:
+            found.append((float(stamp), line.strip()))
+    return min(found)[1] if found else None
+
+
+PROGRESS_DIR = "progress"
+PROGRESS_SECONDS = 15.0
+HUNG_SECONDS = 60.0  # a rank this far behind the others at the end is named as hung
+
+
+class RankProgress:
+    """Each rank's last step, written every ``seconds`` from its training loop (the main
+    thread: a rank stopped or stuck in I/O stops writing), so the end of a job that a hung rank
+    ended through the process-group timeout names that rank and its host (:func:`hung_rank`)."""
+
+    def __init__(self, checkpoint_root, rank: int, host: str, seconds: float = PROGRESS_SECONDS):
+        self.path = Path(checkpoint_root) / PROGRESS_DIR / f"rank{rank}.json"
+        self.rank, self.host, self.seconds, self.last = rank, host, seconds, 0.0
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def mark(self, epoch: int, step: int) -> None:
+        now = time.time()
+        if now - self.last >= self.seconds:
+            self.last = now
+            mark = {"rank": self.rank, "host": self.host, "epoch": epoch, "step": step}
+            with contextlib.suppress(OSError):
+                write_json_atomic(self.path, {**mark, "time": now})
+
+
+def hung_rank(checkpoint_root, since: float) -> str | None:
+    """The rank whose last step lies more than HUNG_SECONDS before the others' (this attempt's
+    marks only), as one line; None when no rank fell behind."""
+    marks = []
+    for path in (Path(checkpoint_root) / PROGRESS_DIR).glob("rank*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            mark = json.loads(path.read_text())
+            if mark["time"] >= since:
+                marks.append(mark)
+    if len(marks) < 2:
+        return None
+    marks.sort(key=lambda m: m["time"])
+    behind = marks[-1]["time"] - marks[0]["time"]
+    if behind < HUNG_SECONDS:
+        return None
+    m = marks[0]
+    return (
+        f"rank {m['rank']} on {m['host']} made no step for {behind:.0f} s while the others "
+        f"trained (hung or stopped; last at epoch {m['epoch']} step {m['step']})"
+    )
+
+
+class Heartbeat:
+    """Keeps the entry's ``alive`` current while the attempt runs (a daemon thread)."""
+
+    def __init__(self, checkpoint_root, entry: dict[str, Any], seconds: float = HEARTBEAT_SECONDS):
+        self.root, self.entry, self.seconds = checkpoint_root, entry, seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.seconds):
+            with contextlib.suppress(OSError):  # a full disk: the end record says more
+                _update(self.root, self.entry, alive=time.time())
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# ------------------------------------------------------------------------ the cost sum
+
+
+def cost_over_attempts(checkpoint_root, key: str, now: float) -> dict[str, Any]:
+    """Allocations, wall time and GPU-/core-hours summed over the run's attempts (this one,
+    still running, up to ``now``), and the GPU-hours lost after the last checkpoint of each
+    interrupted attempt. ``key``: :func:`settings_key` of the run."""
+    mine = [a for a in of_run(load(checkpoint_root), key) if a["outcome"] != "refused"]
+    rows = []
+    for a in mine:
+        ended = a["ended"] if a.get("ended") is not None else now
+        wall = max(0.0, ended - a["started"])
+        interrupted = a["outcome"] in ("stopped", "failed", "killed")
+        last = a.get("last_checkpoint")
+        lost = 0.0
+        if interrupted:  # work after its newest checkpoint (all of it without one) is redone
+            lost = max(0.0, ended - (last["written"] if last else a["started"]))
+        rows.append(
+            {
+                "attempt": a["attempt"],
+                "slurm_job_id": a.get("slurm_job_id"),
+                "outcome": a["outcome"] if a.get("ended") is not None else "running",
+                "wall_seconds": wall,
+                "gpu_hours": a["gpus"] * wall / 3600,
+                "core_hours": a["cores"] * wall / 3600,
+                "lost_seconds": lost,
+                "gpu_hours_lost": a["gpus"] * lost / 3600,
+                "core_hours_lost": a["cores"] * lost / 3600,
+                "start": {k: (a.get("start") or {}).get(k) for k in ("epoch", "step")},
+                "last_checkpoint": None if not last else {k: last[k] for k in ("epoch", "step")},
+            }
+        )
+    summed = ("wall_seconds", "gpu_hours", "core_hours", "gpu_hours_lost", "core_hours_lost")
+    total = {k: sum(r[k] for r in rows) for k in summed}
+    return {
+        "allocations": len(rows),
+        "slurm_job_ids": [r["slurm_job_id"] for r in rows if r["slurm_job_id"]],
+        **total,
+        "attempts": rows,
+    }

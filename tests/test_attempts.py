@@ -1,0 +1,162 @@
+"""The attempt record (imagenet_ddp.attempts): every allocation of a run counted, a retry that
+cannot help refused, the run's bound kept; with the real launcher where it matters."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from imagenet_ddp import attempts
+from imagenet_ddp.cost import over_attempts
+
+RUN = {"run": "r", "lr": 0.1, "nodes": 1, "tasks_per_node": 2, "cpus_per_task": 1,
+       "max_allocations": 3}  # fmt: skip
+
+
+def checkpoint(root: Path, epoch: int, step: int) -> Path:
+    path = root / "fp-n1x2" / f"checkpoint-e{epoch:04d}-s{step:07d}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x")
+    return path
+
+
+def test_each_attempt_is_recorded_with_its_start_and_newest_checkpoint(tmp_path):
+    first, why = attempts.begin(tmp_path, RUN, attempt=1, gpus=8, cores=16)
+    assert why is None and first["start"] == {"epoch": 0, "step": 0, "path": None}
+    checkpoint(tmp_path, 1, 0)
+    attempts.end(tmp_path, first, 75)
+    second, why = attempts.begin(tmp_path, RUN, attempt=2, gpus=8, cores=16)
+    assert why is None and (second["start"]["epoch"], second["attempt"]) == (1, 2)
+    record = attempts.load(tmp_path)
+    assert record[0]["outcome"] == "stopped" and record[0]["last_checkpoint"]["epoch"] == 1
+    assert attempts.made_progress(record[0])
+    # a changed setting is another run: its own count
+    other, _ = attempts.begin(tmp_path, {**RUN, "lr": 0.2}, attempt=1, gpus=8, cores=16)
+    assert other["attempt"] == 1
+    # a changed bound is the same run
+    assert attempts.settings_key(RUN) == attempts.settings_key({**RUN, "max_allocations": 9})
+
+
+def test_a_retry_after_a_failure_without_progress_is_refused_with_its_error(tmp_path):
+    first, _ = attempts.begin(tmp_path, RUN, attempt=1, gpus=0, cores=2)
+    attempts.record_error(tmp_path, 1, "node2", ValueError("batch_size 4096 too large\nmore"))
+    attempts.end(tmp_path, first, 1)
+    assert attempts.load(tmp_path)[0]["error"] == (
+        "rank 1 on node2: ValueError: batch_size 4096 too large"
+    )
+    _, why = attempts.begin(tmp_path, RUN, attempt=2, gpus=0, cores=2)
+    assert why.startswith("not retrying") and "batch_size 4096 too large" in why
+    # a new invocation (attempt 1: the user fixed something) may try again
+    _, why = attempts.begin(tmp_path, RUN, attempt=1, gpus=0, cores=2)
+    assert why is None
+
+
+def test_the_bound_and_a_killed_attempt_closed_at_its_last_heartbeat(tmp_path):
+    _, why = attempts.begin(tmp_path, RUN, attempt=4, gpus=0, cores=2)
+    assert "above its max_allocations (3)" in why
+    killed, _ = attempts.begin(tmp_path, RUN, attempt=1, gpus=4, cores=8)
+    with attempts.Heartbeat(tmp_path, killed, seconds=0.05):
+        time.sleep(0.3)
+    checkpoint(tmp_path, 0, 5)
+    # never ended (its launcher was SIGKILLed): the next attempt closes it
+    attempts.begin(tmp_path, RUN, attempt=2, gpus=4, cores=8)
+    entry = [a for a in attempts.load(tmp_path) if a["outcome"] == "killed"][0]
+    assert entry["ended"] > entry["started"] and entry["last_checkpoint"]["step"] == 5
+
+
+def test_cost_sums_every_allocation_and_the_work_lost_after_each_checkpoint(tmp_path):
+    record = [
+        {"attempt": 1, "key": "k", "outcome": "stopped", "started": 0.0, "ended": 3600.0,
+         "gpus": 8, "cores": 16, "slurm_job_id": "11", "start": {"epoch": 0, "step": 0},
+         "last_checkpoint": {"epoch": 3, "step": 0, "written": 3240.0}},
+        {"attempt": 2, "key": "k", "outcome": "failed", "started": 4000.0, "ended": 5800.0,
+         "gpus": 8, "cores": 16, "slurm_job_id": "12", "start": {"epoch": 3, "step": 0},
+         "last_checkpoint": None},
+        {"attempt": 3, "key": "k", "outcome": "refused", "started": 5900.0, "ended": 5900.0,
+         "gpus": 8, "cores": 16, "slurm_job_id": "13"},
+        {"attempt": 4, "key": "k", "outcome": "running", "started": 6000.0, "ended": None,
+         "gpus": 8, "cores": 16, "slurm_job_id": "14", "start": {"epoch": 3, "step": 0},
+         "last_checkpoint": None},
+    ]  # fmt: skip
+    (tmp_path / attempts.RECORD).write_text(json.dumps({"attempts": record}))
+    summed = attempts.cost_over_attempts(tmp_path, "k", now=7800.0)
+    assert summed["allocations"] == 3 and summed["slurm_job_ids"] == ["11", "12", "14"]
+    assert summed["wall_seconds"] == 3600 + 1800 + 1800
+    assert summed["gpu_hours"] == pytest.approx(8 * 2.0)
+    # attempt 1: 360 s after its last checkpoint; attempt 2: all 1800 s (none written)
+    assert summed["gpu_hours_lost"] == pytest.approx(8 * (360 + 1800) / 3600)
+    this_job = {"wall_seconds": 1700.0, "gpu_hours": 3.8, "core_hours": 7.6, "gpus": 8}
+    cost = over_attempts(this_job, summed)
+    assert cost["allocations"] == 3 and cost["this_job"]["wall_seconds"] == 1700.0
+    assert cost["gpu_hours"] == summed["gpu_hours"] and "summed over all" in cost["scope"]
+
+
+def test_a_crash_at_start_uses_at_most_two_jobs(prepared_demo, demo_split, tmp_path):
+    """The real launcher: the first job's ranks fail at start; the retry refuses at once with
+    their error, without staging or starting a rank."""
+    from tests.test_resume import CONFIG, launch
+    from tests.workflow_helpers import output_within
+
+    config = {**CONFIG, "batch_size": 100_000}  # larger than the training set: fails at start
+    first = launch(prepared_demo["train"], demo_split, tmp_path, config, tasks=2, cpus=1)
+    output = output_within(first, 180)
+    assert first.returncode == 1 and "exceeds" in output, output[-3000:]
+    begun = time.monotonic()
+    retry = launch(prepared_demo["train"], demo_split, tmp_path, config, tasks=2, cpus=1,
+                   extra=["--attempt", "2"])  # fmt: skip
+    output = output_within(retry, 120)
+    assert retry.returncode == 1 and "not retrying" in output, output[-3000:]
+    assert "batch_size 100000 x 2 ranks exceeds" in output and "+ " not in output, output
+    assert time.monotonic() - begun < 60
+    outcomes = [a["outcome"] for a in attempts.load(tmp_path / "ckpt")]
+    assert outcomes == ["failed", "refused"]
+    assert not os.path.exists(tmp_path / "run" / "model.pt")
+
+
+def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_loadable(tmp_path, monkeypatch):
+    import errno
+
+    import torch
+
+    from imagenet_ddp.training import checkpoint as ckpt
+
+    ckpt.save_checkpoint(tmp_path, {"epoch": 1, "step_in_epoch": 0, "w": torch.ones(3)}, keep=1)
+
+    def full(state, path):
+        with open(path, "wb") as f:
+            f.write(b"partial")  # what a write cut off by ENOSPC leaves
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt.torch, "save", full)
+    with pytest.raises(ckpt.CheckpointWriteError) as error:
+        ckpt.save_checkpoint(tmp_path, {"epoch": 2, "step_in_epoch": 0}, keep=1)
+    assert error.value.errno == errno.ENOSPC
+    assert "No space left on device" in str(error.value)
+    assert "checkpoint-e0001-s0000000.pt, is intact" in str(error.value)
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-e0001-s0000000.pt"]
+    monkeypatch.undo()
+    assert torch.equal(ckpt.load_latest_checkpoint(tmp_path)["w"], torch.ones(3))
+
+
+def test_the_end_of_a_job_a_hung_rank_ended_names_that_rank_and_its_host(tmp_path, capsys):
+    entry, _ = attempts.begin(tmp_path, RUN, attempt=1, gpus=0, cores=2)
+    entry["started"] -= 1000  # the job began 1000 s ago
+    ranks = [attempts.RankProgress(tmp_path, r, f"node{r + 1}", seconds=0) for r in (0, 1)]
+    ranks[1].mark(0, 7)  # rank 1 stopped stepping here ...
+    for step in (8, 9):
+        ranks[0].mark(0, step)
+    stale = json.loads(ranks[1].path.read_text())
+    ranks[1].path.write_text(json.dumps({**stale, "time": stale["time"] - 600}))
+    assert attempts.hung_rank(tmp_path, since=time.time() - 100) is None  # an earlier job's
+    ranks[1].path.write_text(json.dumps({**stale, "time": time.time() - 600}))
+    # ... and the others waited for it until the process-group timeout failed them
+    attempts.record_error(tmp_path, 0, "node1", RuntimeError("gloo: Timed out waiting"))
+    attempts.end(tmp_path, entry, 1)
+    line = "rank 1 on node2 made no step for 600 s while the others trained"
+    assert line in capsys.readouterr().out
+    error = attempts.load(tmp_path)[0]["error"]
+    assert error.startswith(line) and "last at epoch 0 step 7" in error and "Timed out" in error
