@@ -76,6 +76,29 @@ def test_classification_models_are_torchvisions(models):
     assert {"resnet18", "vit_b_16", "convnext_tiny"} <= models
 
 
+def test_the_kept_model_list_is_the_pinned_torchvisions(models):
+    """The list a bare Snakemake environment checks names against (no torchvision there)."""
+    import torchvision
+
+    from imagenet_ddp.torchvision_models import CLASSIFICATION_MODELS, TORCHVISION_VERSION
+
+    assert torchvision.__version__.split("+")[0] == TORCHVISION_VERSION
+    assert models == CLASSIFICATION_MODELS
+
+
+def test_without_torchvision_the_kept_list_is_used(monkeypatch, tmp_path):
+    from imagenet_ddp.torchvision_models import CLASSIFICATION_MODELS
+
+    real_find_spec = run_checks.importlib.util.find_spec
+    monkeypatch.setattr(
+        run_checks.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "torchvision" else real_find_spec(name, *a),
+    )
+    assert run_checks.classification_models(tmp_path) is CLASSIFICATION_MODELS
+    assert list(tmp_path.iterdir()) == []  # nothing cached: the list is the package's
+
+
 def test_model_names_are_cached_per_torchvision(tmp_path, models):
     assert run_checks.classification_models(tmp_path) == models
     [cache] = tmp_path.glob("torchvision-models-*.json")

@@ -216,9 +216,15 @@ def classification_models(cache_dir: str | os.PathLike[str] | None = None) -> fr
 
     Importing torchvision (and torch) takes seconds, so the names are kept in ``cache_dir`` (if
     given), one file per installed torchvision (its location and version file); unreadable or
-    stale files are rebuilt, and a cache that cannot be written is skipped.
+    stale files are rebuilt, and a cache that cannot be written is skipped. Without an
+    importable torchvision (a login node's bare Snakemake environment), the list kept with the
+    package (:mod:`imagenet_ddp.torchvision_models`, the pinned torchvision's).
     """
     key = _torchvision_key()
+    if key is None and importlib.util.find_spec("torchvision") is None:
+        from imagenet_ddp.torchvision_models import CLASSIFICATION_MODELS
+
+        return CLASSIFICATION_MODELS
     path = None
     if cache_dir is not None and key is not None:
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -10,7 +10,12 @@ from snakemake.exceptions import WorkflowError
 from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
-from imagenet_ddp.archives import (
+# What runs while Snakemake parses the rules comes from this workflow's own source tree and
+# needs only Snakemake and its dependencies (no torch, numpy or pandas): a dry-run or --lint
+# works from a login node's bare Snakemake environment, the package not installed there.
+sys.path.insert(0, os.path.join(workflow.basedir, "src"))
+
+from imagenet_ddp.archive_names import (
     DEVKIT_ARCHIVE,
     INDEX_FORMAT_VERSION,
     TRAIN_ARCHIVE,
