@@ -107,6 +107,24 @@ def test_dry_run_and_lint_with_snakemake_alone(tmp_path):
         cwd=clone, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert lint.returncode == 0, (lint.stdout + lint.stderr)[-4000:]
+    # Beside a site's own global profile: the site's keys that profiles/slurm does not set
+    # hold, and profiles/slurm's replace the site's whole key (no deep merge).
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "config.yaml").write_text(
+        "executor: slurm\nslurm-logdir: /shared/slurm_logs\n"
+        "default-resources: {slurm_account: site_account, runtime: 5}\n"
+    )
+    pair = subprocess.run(
+        [*snakemake, "--profile", str(site), "--workflow-profile", "profiles/slurm", "-n"],
+        cwd=clone, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    log = pair.stdout + pair.stderr
+    assert pair.returncode == 0, log[-4000:]
+    assert f"Using profiles {site} and workflow specific profile profiles/slurm" in log
+    train = re.search(r"rule train:.*?resources: ([^\n]*)", log, re.S).group(1)
+    assert "slurm_partition=gpu" in train and "runtime=1440" in train, train
+    assert "slurm_account=my_account" in train and "site_account" not in log
     # A bad model name is still refused: checked against the list kept with the package.
     bad = subprocess.run(
         [*snakemake, "-n", "--config", "train_defaults={model: resnet9000}"],
