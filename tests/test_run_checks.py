@@ -175,6 +175,12 @@ def test_gpus_with_device_cpu(models, tmp_path):
     assert "gpus_per_node: 0" in line
 
 
+def test_a_gpu_type_without_gpus(models, tmp_path):
+    [line] = problems(demo_config(gpu_type="a100"), models, tmp_path)
+    assert line.startswith("config.yaml: run 'r': gpu_type 'a100' with gpus_per_node 0")
+    assert problems(demo_config(gpu_type="a100", gpus_per_node=1), models, tmp_path) == []
+
+
 @pytest.mark.parametrize("device", ["auto", "cuda"])
 def test_gpus_with_a_gpu_device_pass(models, tmp_path, device):
     assert problems(demo_config(gpus_per_node=4, device=device), models, tmp_path) == []

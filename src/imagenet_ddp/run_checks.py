@@ -51,6 +51,7 @@ def check_runs(
             _model_problem(run, models),
             *_image_size_problems(run, short_side),
             _device_problem(run),
+            _gpu_type_problem(run),
             _batch_problem(run, sizes),
             *_recipe_problems(run),
         ]
@@ -135,6 +136,16 @@ def _device_problem(run: Mapping) -> str | None:
         return (
             f"gpus_per_node {gpus} with device 'cpu': the job would hold {gpus} GPU(s) per node "
             "and train on the CPU; set device: auto (or cuda), or gpus_per_node: 0"
+        )
+    return None
+
+
+def _gpu_type_problem(run: Mapping) -> str | None:
+    gpu_type = run.get("gpu_type", "")
+    if gpu_type and run["gpus_per_node"] == 0:
+        return (
+            f"gpu_type {gpu_type!r} with gpus_per_node 0: no GPU is asked for, so the type "
+            "would be ignored; set gpus_per_node > 0 or remove gpu_type"
         )
     return None
 

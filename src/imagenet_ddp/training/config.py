@@ -27,6 +27,7 @@ NOT_IN_FINGERPRINT = (
     "throughput_warmup_steps",
     "recipe",  # its values are the other keys
     "extra",
+    "gpu_type",  # where it trains, like the geometry
     *GEOMETRY_KEYS,
 )
 
@@ -90,6 +91,7 @@ class TrainConfig:
     tasks_per_node: int | None = None
     cpus_per_task: int | None = None
     gpus_per_node: int | None = None
+    gpu_type: str = ""  # the GPU type SLURM was asked for (gres gpu:<type>:<n>); "": any
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
