@@ -258,7 +258,11 @@ def test_expected_split_sizes_are_exact(fraction):
     [
         ({"model": "resnet9000"}, "model 'resnet9000' is not a torchvision classification model"),
         ({"crop_size": 48}, "crop_size 48 is larger than prepare.short_side 40"),
-        ({"gpus_per_node": 2, "device": "cpu"}, "gpus_per_node 2 with device 'cpu'"),
+        # Two problems of one run: two lines (a crop range the GPU node could only fail on).
+        (
+            {"gpus_per_node": 2, "device": "cpu", "crop_ratio": [2.0, 0.5]},
+            ("gpus_per_node 2 with device 'cpu'", "crop_ratio [2.0, 0.5]: min is larger than max"),
+        ),
         ({"batch_size": 400}, "global batch 800 is larger than the 324 training images"),
     ],
     ids=["model", "image-size", "device", "global-batch"],
@@ -273,11 +277,23 @@ def test_dry_run_refuses_with_one_line(tmp_path, override, expected):
     assert result.returncode != 0
     lines = [line for line in output.splitlines() if line.startswith("config.yaml: ")]
     assert lines and all(line.startswith("config.yaml: run 'bad': ") for line in lines)
-    assert any(expected in line for line in lines)
+    for text in [expected] if isinstance(expected, str) else expected:
+        assert any(text in line for line in lines), (text, lines)
     assert "Traceback" not in output and "Job stats" not in output
 
 
 # ---------------------------------------------------------------- recipe keys
+
+
+def test_crop_ranges_with_min_above_max_are_refused(models, tmp_path):
+    found = problems(demo_config(crop_scale=[1.0, 0.5], crop_ratio=[1.5, 0.5]), models, tmp_path)
+    assert found == [
+        "config.yaml: run 'r': crop_scale [1.0, 0.5]: min is larger than max (RandomResizedCrop "
+        "would fail on the GPU node); set crop_scale: [0.5, 1.0]",
+        "config.yaml: run 'r': crop_ratio [1.5, 0.5]: min is larger than max (RandomResizedCrop "
+        "would fail on the GPU node); set crop_ratio: [0.5, 1.5]",
+    ]
+    assert problems(demo_config(crop_scale=[1.0, 1.0], crop_ratio=[1, 1]), models, tmp_path) == []
 
 
 def test_recipe_keys_that_could_only_fail_are_refused(models, tmp_path):

@@ -117,6 +117,13 @@ def _recipe_problems(run: Mapping) -> list[str]:
             f"crop_size {crop} (>= progressive_min_crop) after a later end epoch; set "
             "progressive_end_epoch > progressive_start_epoch, or progressive_min_crop: 0"
         )
+    for key in ("crop_scale", "crop_ratio"):
+        low, high = run.get(key, (0, 0))
+        if low > high:
+            problems.append(
+                f"{key} [{low}, {high}]: min is larger than max (RandomResizedCrop would "
+                f"fail on the GPU node); set {key}: [{high}, {low}]"
+            )
     if run.get("sync_bn") and (run["gpus_per_node"] == 0 or run["device"] == "cpu"):
         problems.append(
             "sync_bn true on the CPU: torch's SyncBatchNorm synchronizes GPU tensors only; "
