@@ -72,7 +72,9 @@ COLUMNS = [
 # What may differ inside a scaling group: the geometry being scaled, and bookkeeping that can
 # change neither results nor speed. Everything else in a run's config must be identical.
 GEOMETRY_KEYS = ("nodes", "tasks_per_node")
-BOOKKEEPING_KEYS = ("run", "log_interval", "timeout_minutes", "keep_checkpoints", "extra")
+BOOKKEEPING_KEYS = (
+    "run", "log_interval", "timeout_minutes", "keep_checkpoints", "extra", "mlflow_uri",
+)  # fmt: skip
 
 BASELINE_NOTE = "baseline: smallest run of its group"
 ALONE_NOTE = "only run of its group"

@@ -127,7 +127,7 @@ def run_training_json(wildcards):
 _NOT_HYPERPARAMETERS = {
     "name", "evaluate", "workers", "device", "backend", "log_interval", "timeout_minutes",
     "throughput_warmup_steps", "keep_checkpoints", "nodes", "tasks_per_node",
-    "cpus_per_task", "gpus_per_node", "gpu_type",
+    "cpus_per_task", "gpus_per_node", "gpu_type", "mlflow_uri",
 }  # fmt: skip
 
 

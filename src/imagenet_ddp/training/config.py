@@ -28,6 +28,7 @@ NOT_IN_FINGERPRINT = (
     "recipe",  # its values are the other keys
     "extra",
     "gpu_type",  # where it trains, like the geometry
+    "mlflow_uri",
     *GEOMETRY_KEYS,
 )
 # Added after checkpoints existed: left out of the key at their defaults, so runs keep resuming
@@ -99,6 +100,7 @@ class TrainConfig:
     cpus_per_task: int | None = None
     gpus_per_node: int | None = None
     gpu_type: str = ""  # the GPU type SLURM was asked for (gres gpu:<type>:<n>); "": any
+    mlflow_uri: str = ""  # rank 0 also logs to this MLflow file store (imagenet_ddp.mlflow_log)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
