@@ -67,8 +67,8 @@ def bare_python() -> Path:
 
 def fresh_clone(dest: Path) -> Path:
     """A clone of the repository as a user gets it, with the working tree's uncommitted changes
-    (a stash commit, reachable through --shared) and new files that git does not ignore: no
-    .venv, no results."""
+    (a stash commit, reachable through --shared) and new workflow files that git does not
+    ignore yet: no .venv, no results."""
     git = ["git", "-C", str(REPO)]
     subprocess.run(["git", "clone", "-q", "--shared", str(REPO), str(dest)], check=True)
     stash = subprocess.run([*git, "stash", "create"], capture_output=True, text=True, check=True)
@@ -78,6 +78,8 @@ def fresh_clone(dest: Path) -> Path:
         [*git, "ls-files", "-o", "--exclude-standard", "-z"], capture_output=True, check=True
     ).stdout.decode()
     for name in filter(None, new.split("\0")):
+        if not name.startswith(("src/", "workflow/", "profiles/")):
+            continue
         (dest / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / name, dest / name)
     return dest
