@@ -115,6 +115,8 @@ def test_equal_workers_tie_breaks_by_run_name(tmp_path):
         ("workers", 3, False),
         ("cpus_per_task", 4, False),
         ("gpus_per_node", 8, False),  # 2 GPUs per rank instead of 1
+        ("gpu_type", "h100", False),  # an A100 run is never the baseline of an H100 run
+        ("gpu_type", "", True),  # unset (files from before) is "": any type
         ("synthetic", True, False),
         ("channels_last", False, False),
         ("compile", True, False),
@@ -141,6 +143,24 @@ def test_which_settings_split_groups(tmp_path, setting, value, same_group):
         assert setting.replace("gpus_per_node", "gpus_per_rank") in label
         assert table["scaling_efficiency"].isna().all()
         assert (table["scaling_note"] == ALONE_NOTE).all()
+
+
+def test_each_gpu_type_scales_against_its_own_baseline(tmp_path):
+    table = _table(
+        tmp_path,
+        [
+            {"run": f"{t}-{n}x{k}", "nodes": n, "tasks_per_node": k, "gpu_type": t,
+             "steady_per_worker": speed * (1.0 if n == 1 else 0.9)}
+            for t, speed in (("a100", 100.0), ("h100", 250.0)) for n, k in ((1, 1), (2, 4))
+        ],
+    )  # fmt: skip
+    assert list(table["gpu_type"]) == ["a100", "a100", "h100", "h100"]
+    assert table.loc["a100-2x4", "scaling_baseline"] == "a100-1x1"
+    assert table.loc["h100-2x4", "scaling_baseline"] == "h100-1x1"
+    assert table.loc["h100-2x4", "scaling_group"] == "resnet18 (gpu_type=h100)"
+    assert table.loc[["a100-2x4", "h100-2x4"], "scaling_efficiency"].tolist() == pytest.approx(
+        [0.9, 0.9]
+    )
 
 
 def test_older_metrics_without_steady_figure_read_as_nan(tmp_path):

@@ -179,6 +179,24 @@ def test_dataset_pickles_without_open_maps_and_works_in_loader_workers(prepared_
     assert torch.cat([b[1] for b in batches]).tolist() == list(dataset.targets)
 
 
+def test_crop_scale_ratio_and_flip_probability():
+    """scale = ratio = the whole image: the crop is the image resized; hflip 1 always flips,
+    0 never; the same random draws either way (seeded augmentation does not shift)."""
+    image = torch.arange(3 * 20 * 30, dtype=torch.float32).reshape(3, 20, 30).to(torch.uint8)
+    whole = {"scale": (1.0, 1.0), "ratio": (1.5, 1.5), "normalize": False}
+    resized = torch.nn.functional.interpolate(
+        image[None].float(), size=(10, 10), mode="bilinear", antialias=True
+    )[0]
+    for hflip, expected in ((0.0, resized), (1.0, resized.flip(-1))):
+        torch.manual_seed(0)
+        out = train_transform(10, hflip=hflip, **whole)(image)
+        assert torch.allclose(out.float(), expected.round(), atol=1), hflip
+        after = torch.rand(1)
+        torch.manual_seed(0)
+        train_transform(10, **whole)(image)
+        assert torch.equal(torch.rand(1), after)
+
+
 def test_transforms(prepared_demo):
     image, _ = PreparedImageDataset(prepared_demo["train"])[0]
     torch.manual_seed(0)

@@ -51,7 +51,9 @@ def test_linear_scaling_rule_uses_the_global_batch():
     assert scaled_lr(run) == pytest.approx(0.1 * 1024 / 256)
     cfg = TrainConfig(lr=0.1, lr_scaling="linear", batch_size=128)
     assert recipe.peak_lr(cfg, world_size=8) == pytest.approx(0.4)
-    assert recipe.peak_lr(TrainConfig(lr=0.1, batch_size=128), world_size=8) == 0.1
+    assert recipe.peak_lr(TrainConfig(lr=0.1, lr_scaling="none", batch_size=128), 8) == 0.1
+    # The default: a base LR per 256 images, as torchvision's reference and timm scale it.
+    assert recipe.peak_lr(TrainConfig(lr=0.1, batch_size=32), world_size=8) == 0.1
 
 
 # ------------------------------------------------------------------ optimizer

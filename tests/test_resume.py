@@ -57,6 +57,9 @@ CONFIG = {
     "progressive_start_epoch": 0,
     "progressive_end_epoch": 1,
     "progressive_multiple": 8,
+    "crop_scale": [0.25, 1.0],
+    "crop_ratio": [0.5, 2.0],
+    "hflip": 0.3,
 }
 
 

@@ -76,6 +76,29 @@ def test_classification_models_are_torchvisions(models):
     assert {"resnet18", "vit_b_16", "convnext_tiny"} <= models
 
 
+def test_the_kept_model_list_is_the_pinned_torchvisions(models):
+    """The list a bare Snakemake environment checks names against (no torchvision there)."""
+    import torchvision
+
+    from imagenet_ddp.torchvision_models import CLASSIFICATION_MODELS, TORCHVISION_VERSION
+
+    assert torchvision.__version__.split("+")[0] == TORCHVISION_VERSION
+    assert models == CLASSIFICATION_MODELS
+
+
+def test_without_torchvision_the_kept_list_is_used(monkeypatch, tmp_path):
+    from imagenet_ddp.torchvision_models import CLASSIFICATION_MODELS
+
+    real_find_spec = run_checks.importlib.util.find_spec
+    monkeypatch.setattr(
+        run_checks.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "torchvision" else real_find_spec(name, *a),
+    )
+    assert run_checks.classification_models(tmp_path) is CLASSIFICATION_MODELS
+    assert list(tmp_path.iterdir()) == []  # nothing cached: the list is the package's
+
+
 def test_model_names_are_cached_per_torchvision(tmp_path, models):
     assert run_checks.classification_models(tmp_path) == models
     [cache] = tmp_path.glob("torchvision-models-*.json")
@@ -152,6 +175,12 @@ def test_gpus_with_device_cpu(models, tmp_path):
     )
     assert line.startswith("config.yaml: run 'r': gpus_per_node 4 with device 'cpu'")
     assert "gpus_per_node: 0" in line
+
+
+def test_a_gpu_type_without_gpus(models, tmp_path):
+    [line] = problems(demo_config(gpu_type="a100"), models, tmp_path)
+    assert line.startswith("config.yaml: run 'r': gpu_type 'a100' with gpus_per_node 0")
+    assert problems(demo_config(gpu_type="a100", gpus_per_node=1), models, tmp_path) == []
 
 
 @pytest.mark.parametrize("device", ["auto", "cuda"])
@@ -257,7 +286,11 @@ def test_expected_split_sizes_are_exact(fraction):
     [
         ({"model": "resnet9000"}, "model 'resnet9000' is not a torchvision classification model"),
         ({"crop_size": 48}, "crop_size 48 is larger than prepare.short_side 40"),
-        ({"gpus_per_node": 2, "device": "cpu"}, "gpus_per_node 2 with device 'cpu'"),
+        # Two problems of one run: two lines (a crop range the GPU node could only fail on).
+        (
+            {"gpus_per_node": 2, "device": "cpu", "crop_ratio": [2.0, 0.5]},
+            ("gpus_per_node 2 with device 'cpu'", "crop_ratio [2.0, 0.5]: min is larger than max"),
+        ),
         ({"gpus_per_node": 2, "tasks_per_node": 1}, "tasks_per_node 1 with gpus_per_node 2"),
         ({"batch_size": 400}, "global batch 800 is larger than the 324 training images"),
     ],
@@ -273,11 +306,23 @@ def test_dry_run_refuses_with_one_line(tmp_path, override, expected):
     assert result.returncode != 0
     lines = [line for line in output.splitlines() if line.startswith("config.yaml: ")]
     assert lines and all(line.startswith("config.yaml: run 'bad': ") for line in lines)
-    assert any(expected in line for line in lines)
+    for text in [expected] if isinstance(expected, str) else expected:
+        assert any(text in line for line in lines), (text, lines)
     assert "Traceback" not in output and "Job stats" not in output
 
 
 # ---------------------------------------------------------------- recipe keys
+
+
+def test_crop_ranges_with_min_above_max_are_refused(models, tmp_path):
+    found = problems(demo_config(crop_scale=[1.0, 0.5], crop_ratio=[1.5, 0.5]), models, tmp_path)
+    assert found == [
+        "config.yaml: run 'r': crop_scale [1.0, 0.5]: min is larger than max (RandomResizedCrop "
+        "would fail on the GPU node); set crop_scale: [0.5, 1.0]",
+        "config.yaml: run 'r': crop_ratio [1.5, 0.5]: min is larger than max (RandomResizedCrop "
+        "would fail on the GPU node); set crop_ratio: [0.5, 1.5]",
+    ]
+    assert problems(demo_config(crop_scale=[1.0, 1.0], crop_ratio=[1, 1]), models, tmp_path) == []
 
 
 def test_recipe_keys_that_could_only_fail_are_refused(models, tmp_path):

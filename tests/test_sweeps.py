@@ -169,16 +169,23 @@ def test_dry_run_lists_every_expanded_run_with_its_resources(tmp_path):
     config["runs"] = [{"name": "hand", "tasks_per_node": 1}]
     config["sweep"] = [
         {"name": "{model}-n{nodes}x{tasks_per_node}", "grid": {"nodes": [1, 2],
-         "tasks_per_node": [1, 2]}}
+         "tasks_per_node": [1, 2]}},
+        # The GPU type is an axis like any other: gres gpu:<type>:<n> of train and evaluate.
+        {"name": "{model}-{gpu_type}", "settings": {"gpus_per_node": 2, "tasks_per_node": 2},
+         "grid": {"gpu_type": ["a100", "h100"]}},
     ]  # fmt: skip
     write_config(workdir, config)
     text = snakemake(workdir, "-n", "--profile", "profiles/local").stdout
     for name, nodes, per_node in [("resnet18-n1x1", 1, 1), ("resnet18-n2x2", 2, 2), ("hand", 1, 1)]:
         block = text.split(f"wildcards: run={name}\n", 1)[1].split("\n\n", 1)[0]
         assert f"nodes={nodes}" in block and "cpus_per_task=1" in block, block
+        assert "gres=" not in block, block  # no GPUs
         if nodes * per_node > 1:
             assert "mpi=srun" in block, block
-    assert text.count("rule train:") == 5
+    for gpu_type in ("a100", "h100"):
+        blocks = [b.split("\n\n", 1)[0] for b in text.split(f"run=resnet18-{gpu_type}\n")[1:]]
+        assert len(blocks) == 2 and all(f"gres=gpu:{gpu_type}:2," in b for b in blocks), blocks
+    assert text.count("rule train:") == 7
 
     config["sweep"][0]["name"] = "{model}-n{nodes}"  # tasks_per_node missing: collision
     write_config(workdir, config)

@@ -205,6 +205,49 @@ def test_monitor_logs_every_interval_and_each_epoch_to_tensorboard(tmp_path):
     assert [e.step for e in events.Scalars("epoch/train_loss")] == [4]
 
 
+def test_mlflow_gets_tensorboards_scalars_and_a_resumed_job_continues_its_run(tmp_path):
+    """MLflow's own file store (no server); the run id lives beside the checkpoints."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    store, checkpoints = tmp_path / "mlruns", tmp_path / "ckpt"
+    mlflow = {"uri": str(store), "run_name": "r", "state_dir": checkpoints, "params": {"lr": 0.1}}
+
+    def job(resumed: bool, epoch: int, *, finish: bool):
+        monitor = RunMonitor(
+            active=True, run_dir=tmp_path, geometry={**GEOMETRY, "nodes": 1}, steps_per_epoch=4,
+            log_interval=2, world_size=2, batch_size=8, resumed=resumed, mlflow=mlflow,
+            sampler=GpuSampler(gpus=1, interval=0.01, nvml=FakeNvml(gpus=1)),
+        )  # fmt: skip
+        meter = FakeMeter()
+        for step in range(1, 5):
+            meter.steps = step
+            monitor.step(epoch, step, meter, lr=0.1)
+        monitor.epoch(epoch, {"train_loss": 2.4, "steady_images_per_s": None, "lr_end": 0.05})
+        monitor.finish(EPOCHS) if finish else monitor.close()  # close: stopped by a signal
+
+    job(resumed=False, epoch=0, finish=False)
+    run_id = (checkpoints / "mlflow_run_id").read_text().strip()
+    client = MlflowClient(tracking_uri=store.as_uri())
+    assert client.get_run(run_id).info.status == "KILLED"
+    job(resumed=True, epoch=1, finish=True)
+    [experiment] = client.search_experiments(filter_string="name = 'imagenet-ddp'")
+    [run] = client.search_runs([experiment.experiment_id])
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    assert run.data.params == {"lr": "0.1"}
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert set(run.data.metrics) == set(events.Tags()["scalars"])  # the same scalars
+    history = client.get_metric_history(run_id, "train/loss")
+    assert sorted(m.step for m in history) == [2, 4, 6, 8]  # both jobs, one x axis
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8]
+    job(resumed=False, epoch=0, finish=True)  # a fresh start is a new MLflow run
+    assert (checkpoints / "mlflow_run_id").read_text().strip() != run_id
+    assert len(client.search_runs([experiment.experiment_id])) == 2
+
+
 def test_monitor_on_other_ranks_does_nothing(tmp_path):
     monitor = RunMonitor(
         active=False, run_dir=tmp_path, geometry=GEOMETRY, steps_per_epoch=4, log_interval=1,

@@ -57,6 +57,17 @@ def test_fingerprint_ignores_logging_and_worker_count_but_not_lr():
     assert TrainConfig(lr=0.2).fingerprint() != base.fingerprint()
 
 
+def test_augmentation_knobs_enter_the_fingerprint_except_at_their_defaults():
+    """At the defaults the key is the one from before the knobs existed (checkpoints resume);
+    the workflow passes the schema's spelling of the defaults."""
+    base = TrainConfig().fingerprint()
+    schema_defaults = {"crop_scale": [0.08, 1.0], "crop_ratio": [0.75, 1.3333333333333333]}
+    assert TrainConfig.from_dict({**schema_defaults, "hflip": 0.5}).fingerprint() == base
+    changed = [{"crop_scale": [0.35, 1.0]}, {"crop_ratio": [1.0, 1.0]}, {"hflip": 0.0}]
+    keys = {TrainConfig.from_dict(c).fingerprint() for c in changed}
+    assert len(keys) == 3 and base not in keys
+
+
 def test_newest_valid_checkpoint_wins_and_torn_ones_are_ignored(tmp_path, capsys):
     save_checkpoint(tmp_path, {"epoch": 1, "step_in_epoch": 0, "x": 1}, keep=5)
     save_checkpoint(tmp_path, {"epoch": 2, "step_in_epoch": 0, "x": 2}, keep=5)

@@ -42,6 +42,7 @@ TINY_CONFIG_OVERRIDES = {
         "epochs": 3,
         "batch_size": 16,
         "lr": 0.05,
+        "lr_scaling": "none",  # the tiny runs' tuned LR, whatever their global batch
         "crop_size": 32,
         "eval_resize": 36,
         "workers": 0,

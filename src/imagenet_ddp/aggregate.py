@@ -47,6 +47,7 @@ COLUMNS = [
     "nodes",
     "workers",
     "gpus",
+    "gpu_type",
     "global_batch",
     "precision",
     "epochs",
@@ -74,8 +75,10 @@ COLUMNS = [
 # What may differ inside a scaling group: the geometry being scaled, and bookkeeping that can
 # change neither results nor speed. Everything else in a run's config must be identical.
 GEOMETRY_KEYS = ("nodes", "tasks_per_node")
-BOOKKEEPING_KEYS = ("run", "log_interval", "timeout_minutes", "keep_checkpoints", "extra",
-                    "max_allocations", "checkpoint_interval_minutes")  # fmt: skip
+BOOKKEEPING_KEYS = (
+    "run", "log_interval", "timeout_minutes", "keep_checkpoints", "extra", "mlflow_uri",
+    "max_allocations", "checkpoint_interval_minutes",
+)  # fmt: skip
 
 BASELINE_NOTE = "baseline: smallest run of its group"
 ALONE_NOTE = "only run of its group"
@@ -97,9 +100,13 @@ def scaling_key(config: dict[str, Any]) -> str:
 
     GPUs enter as GPUs per rank, not per node: 1 rank on 1 GPU and 8 ranks on 8 GPUs of a node
     are the same per-rank setup at two scales (one GPU each), which is what scaling compares.
+    The GPU type is a setting like the others (an A100 run is never an H100 run's baseline);
+    unset (files from before it existed) is the same as "" (any type).
     """
     ignore = {*GEOMETRY_KEYS, *BOOKKEEPING_KEYS}
     settings = {k: _canonical(v) for k, v in config.items() if k not in ignore}
+    if not settings.get("gpu_type", True):
+        del settings["gpu_type"]
     if "gpus_per_node" in settings:
         gpus, tasks = settings.pop("gpus_per_node"), config.get("tasks_per_node") or 1
         settings["gpus_per_rank"] = _canonical(gpus / tasks) if gpus is not None else None
@@ -155,6 +162,7 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         "nodes": train["nodes"],
         "workers": train["world_size"],
         "gpus": gpus,
+        "gpu_type": cfg.get("gpu_type", ""),  # asked of SLURM (gres); "": any type
         "global_batch": train["global_batch"],
         "precision": cfg["precision"],
         "epochs": cfg["epochs"],

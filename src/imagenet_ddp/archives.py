@@ -33,15 +33,17 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from imagenet_ddp.archive_names import (  # noqa: F401 (re-exported)
+    ARCHIVES,
+    DEVKIT_ARCHIVE,
+    INDEX_FORMAT_VERSION,
+    MD5SUMS,
+    TRAIN_ARCHIVE,
+    VAL_ARCHIVE,
+)
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import file_digest, write_csv_atomic, write_json_atomic
 from imagenet_ddp.provenance import provenance_path, write_provenance
-
-TRAIN_ARCHIVE = "ILSVRC2012_img_train.tar"
-VAL_ARCHIVE = "ILSVRC2012_img_val.tar"
-DEVKIT_ARCHIVE = "ILSVRC2012_devkit_t12.tar.gz"
-MD5SUMS = "md5sums"
-ARCHIVES = (TRAIN_ARCHIVE, VAL_ARCHIVE, DEVKIT_ARCHIVE)
 
 DEVKIT_ROOT = "ILSVRC2012_devkit_t12"
 META_MAT = f"{DEVKIT_ROOT}/data/meta.mat"
@@ -62,9 +64,7 @@ SAMPLE_COLUMNS = [
     "member_size",
     "offset",
 ]
-# Bumped when SAMPLE_COLUMNS change; the index rule passes it as a param, so Snakemake rebuilds
-# an index written by an older version instead of handing it to prepare.
-INDEX_FORMAT_VERSION = 2
+# INDEX_FORMAT_VERSION (archive_names) is bumped when SAMPLE_COLUMNS change.
 
 _WNID = re.compile(r"n\d{8}")
 _INNER_TAR = re.compile(r"(n\d{8})\.tar")

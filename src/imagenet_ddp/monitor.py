@@ -1,10 +1,11 @@
-"""Rank 0's watch over a training job: TensorBoard, NVML telemetry and the cost block.
+"""Rank 0's watch over a training job: TensorBoard (and MLflow with ``mlflow_uri``), NVML
+telemetry and the cost block.
 
 The training loop calls four methods (:meth:`RunMonitor.step` at every step, :meth:`epoch`
 after each epoch, :meth:`finish` for ``train_metrics.json``, :meth:`close` in a ``finally``);
 on every rank but 0 they do nothing, so the loop needs no rank test and no collective runs
-here. Failures to write TensorBoard files never end a training: they are printed once and
-that part is switched off.
+here. Failures to write TensorBoard files or MLflow records never end a training: they are
+printed once and that part is switched off.
 """
 
 from __future__ import annotations
@@ -38,13 +39,14 @@ class RunMonitor:
         resumed: bool,
         sampler: GpuSampler | None = None,
         tensorboard: bool = True,
+        mlflow: dict[str, Any] | None = None,
     ):
         self.active, self.geometry, self.resumed = active, geometry, resumed
         self.steps_per_epoch, self.interval = steps_per_epoch, log_interval
         self.world_size, self.batch_size = world_size, batch_size
         self.started = time.monotonic()
         self.mark: tuple[float, int] | None = None  # (perf_counter, meter.steps) of last line
-        self.sampler = self.board = None
+        self.sampler = self.board = self.tracker = None
         if not active:
             return
         self.sampler = (sampler or GpuSampler(geometry["gpus_per_node"])).start()
@@ -55,11 +57,27 @@ class RunMonitor:
                 self.board = TensorBoardLog(run_dir / "tensorboard", fresh=not resumed)
             except Exception as error:  # e.g. tensorboard not installed: train without it
                 print(f"TensorBoard off: {type(error).__name__}: {error}", flush=True)
+        if mlflow:  # MlflowLog's keyword arguments (uri, run_name, state_dir, params)
+            try:
+                from imagenet_ddp.mlflow_log import MlflowLog
+
+                self.tracker = MlflowLog(**mlflow, fresh=not resumed)
+            except Exception as error:  # e.g. mlflow not installed: train without it
+                print(f"MLflow off: {type(error).__name__}: {error}", flush=True)
 
     @classmethod
     def for_job(cls, job, run_dir: Path, steps_per_epoch: int, *, resumed: bool) -> RunMonitor:
-        """The monitor of a training job (imagenet_ddp.training.loop.Job); active on rank 0 only."""
+        """The monitor of a training job (imagenet_ddp.training.loop.Job); active on rank 0 only.
+        The MLflow run's id is kept beside the job's checkpoints: a resumed job continues it."""
+        cfg = job.cfg
+        mlflow = None
+        if cfg.mlflow_uri:
+            params = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"}
+            mlflow = dict(
+                uri=cfg.mlflow_uri, run_name=cfg.run, state_dir=job.checkpoint_dir, params=params
+            )
         return cls(
+            mlflow=mlflow,
             active=job.info.is_main,
             run_dir=run_dir,
             geometry=dataclasses.asdict(job.geometry),
@@ -77,18 +95,23 @@ class RunMonitor:
     def _global_step(self, epoch: int, step: int) -> int:
         return epoch * self.steps_per_epoch + step
 
-    def _write(self, what, *args) -> None:
-        if self.board is None:
-            return
-        try:
-            what(*args)
-        except Exception as error:  # a full disk must not end hours of training
-            print(f"TensorBoard off: {type(error).__name__}: {error}", flush=True)
-            self.board = None
+    def _write(self, method: str, *args) -> None:
+        """``method`` of TensorBoard's log and of MLflow's, each switched off on its own
+        failure: a full disk or an unreachable store must not end hours of training."""
+        for attribute, name in (("board", "TensorBoard"), ("tracker", "MLflow")):
+            sink = getattr(self, attribute)
+            if sink is None:
+                continue
+            try:
+                getattr(sink, method)(*args)
+            except Exception as error:
+                print(f"{name} off: {type(error).__name__}: {error}", flush=True)
+                setattr(self, attribute, None)
 
     def step(self, epoch: int, step: int, meter, lr: float) -> None:
         """Every step; logs every ``log_interval`` steps (reads the loss from the device)."""
-        if self.board is None or (step % self.interval and step != self.steps_per_epoch):
+        idle = self.board is None and self.tracker is None
+        if idle or (step % self.interval and step != self.steps_per_epoch):
             return
         # Images since the last line (or since this job's start of the epoch): host time, as
         # the progress line measures it; the loss read below waits for the device anyway.
@@ -100,25 +123,24 @@ class RunMonitor:
         self.mark = (now, meter.steps)
         values = {"loss": meter.mean_loss(), "images_per_s": rate, "lr": lr}
         global_step = self._global_step(epoch, step)
-        self._write(self.board.scalars, "train", values, global_step)
+        self._write("scalars", "train", values, global_step)
         self._gpu(global_step)
 
     def epoch(self, epoch: int, record: dict[str, Any]) -> None:
         global_step = self._global_step(epoch + 1, 0)
-        if self.board is not None:
-            self._write(self.board.epoch, record, global_step)
+        self._write("epoch", record, global_step)
         self._gpu(global_step)
         self.mark = None
 
     def _gpu(self, global_step: int) -> None:
         latest = self.sampler.latest() if self.sampler else None
-        if latest and self.board is not None:
-            self._write(self.board.scalars, "gpu", latest, global_step)
+        if latest:
+            self._write("scalars", "gpu", latest, global_step)
 
     def finish(self, epochs: list[dict[str, Any]]) -> dict[str, Any]:
         """The cost block (rank 0); stops sampling and closes the event file."""
         telemetry = self.sampler.stop() if self.sampler else unavailable("not rank 0")
-        self.close()
+        self.close(finished=True)
         return cost_block(
             self.geometry,
             time.monotonic() - self.started,
@@ -128,9 +150,15 @@ class RunMonitor:
             slurm_job_id=os.environ.get("SLURM_JOB_ID"),
         )
 
-    def close(self) -> None:
+    def close(self, *, finished: bool = False) -> None:
         if self.sampler is not None:
             self.sampler.stop()
         if self.board is not None:
             self.board.close()
             self.board = None
+        if self.tracker is not None:
+            try:
+                self.tracker.close(finished=finished)
+            except Exception as error:
+                print(f"MLflow off: {type(error).__name__}: {error}", flush=True)
+            self.tracker = None

@@ -564,9 +564,18 @@ class PreparedImageDataset(torch.utils.data.Dataset):
         return image, int(self.targets[i])
 
 
-def train_transform(crop_size: int, *, normalize: bool = True):
-    """Random crop + flip. ``normalize=False`` keeps uint8 crops (4x fewer bytes through the
-    loader and pinned memory); the training loop then normalizes on the device per batch.
+def train_transform(
+    crop_size: int,
+    *,
+    normalize: bool = True,
+    scale: Sequence[float] = (0.08, 1.0),
+    ratio: Sequence[float] = (3 / 4, 4 / 3),
+    hflip: float = 0.5,
+):
+    """Random resized crop (area ``scale`` and aspect ``ratio`` ranges, torchvision's and timm's
+    defaults) + horizontal flip with probability ``hflip``. ``normalize=False`` keeps uint8
+    crops (4x fewer bytes through the loader and pinned memory); the training loop then
+    normalizes on the device per batch.
 
     Takes a decoded uint8 CHW tensor, or the encoded JPEG (``PreparedImageDataset(...,
     decode=False)``): then the crop box is drawn before decoding and the decode is reduced to
@@ -576,7 +585,12 @@ def train_transform(crop_size: int, *, normalize: bool = True):
 
     from imagenet_ddp.jpeg import RandomResizedCropDecode
 
-    steps = [RandomResizedCropDecode(crop_size, antialias=True), v2.RandomHorizontalFlip()]
+    crop = RandomResizedCropDecode(
+        crop_size, scale=tuple(scale), ratio=tuple(ratio), antialias=True
+    )
+    # The flip draws its random number whatever hflip is: the sample's later draws (and so
+    # seeded augmentation and resume) do not depend on it.
+    steps = [crop, v2.RandomHorizontalFlip(p=hflip)]
     if normalize:
         steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
     return v2.Compose(steps)

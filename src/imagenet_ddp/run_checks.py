@@ -56,6 +56,7 @@ def check_runs(
             _gpu_tasks_problem("", run),
             _gpu_tasks_problem("evaluation: ", eval_settings(config.get("evaluate"), run)),
             _determinism_problem(run),
+            _gpu_type_problem(run),
             _batch_problem(run, sizes),
             *_recipe_problems(run),
         ]
@@ -121,6 +122,13 @@ def _recipe_problems(run: Mapping) -> list[str]:
             f"crop_size {crop} (>= progressive_min_crop) after a later end epoch; set "
             "progressive_end_epoch > progressive_start_epoch, or progressive_min_crop: 0"
         )
+    for key in ("crop_scale", "crop_ratio"):
+        low, high = run.get(key, (0, 0))
+        if low > high:
+            problems.append(
+                f"{key} [{low}, {high}]: min is larger than max (RandomResizedCrop would "
+                f"fail on the GPU node); set {key}: [{high}, {low}]"
+            )
     if run.get("sync_bn") and (run["gpus_per_node"] == 0 or run["device"] == "cpu"):
         problems.append(
             "sync_bn true on the CPU: torch's SyncBatchNorm synchronizes GPU tensors only; "
@@ -173,6 +181,16 @@ def _determinism_problem(run: Mapping) -> str | None:
         "pooling has no deterministic CUDA backward (torch would raise at the first step); "
         "set deterministic: false or pick another model"
     )
+
+
+def _gpu_type_problem(run: Mapping) -> str | None:
+    gpu_type = run.get("gpu_type", "")
+    if gpu_type and run["gpus_per_node"] == 0:
+        return (
+            f"gpu_type {gpu_type!r} with gpus_per_node 0: no GPU is asked for, so the type "
+            "would be ignored; set gpus_per_node > 0 or remove gpu_type"
+        )
+    return None
 
 
 def _batch_problem(run: Mapping, sizes: tuple[int, int, str]) -> str | None:
@@ -252,9 +270,15 @@ def classification_models(cache_dir: str | os.PathLike[str] | None = None) -> fr
 
     Importing torchvision (and torch) takes seconds, so the names are kept in ``cache_dir`` (if
     given), one file per installed torchvision (its location and version file); unreadable or
-    stale files are rebuilt, and a cache that cannot be written is skipped.
+    stale files are rebuilt, and a cache that cannot be written is skipped. Without an
+    importable torchvision (a login node's bare Snakemake environment), the list kept with the
+    package (:mod:`imagenet_ddp.torchvision_models`, the pinned torchvision's).
     """
     key = _torchvision_key()
+    if key is None and importlib.util.find_spec("torchvision") is None:
+        from imagenet_ddp.torchvision_models import CLASSIFICATION_MODELS
+
+        return CLASSIFICATION_MODELS
     path = None
     if cache_dir is not None and key is not None:
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -10,7 +10,12 @@ from snakemake.exceptions import WorkflowError
 from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
-from imagenet_ddp.archives import (
+# What runs while Snakemake parses the rules comes from this workflow's own source tree and
+# needs only Snakemake and its dependencies (no torch, numpy or pandas): a dry-run or --lint
+# works from a login node's bare Snakemake environment, the package not installed there.
+sys.path.insert(0, os.path.join(workflow.basedir, "src"))
+
+from imagenet_ddp.archive_names import (
     DEVKIT_ARCHIVE,
     INDEX_FORMAT_VERSION,
     TRAIN_ARCHIVE,
@@ -123,7 +128,7 @@ _NOT_HYPERPARAMETERS = {
     "name", "evaluate", "workers", "device", "backend", "log_interval", "timeout_minutes",
     "max_allocations", "checkpoint_interval_minutes",
     "throughput_warmup_steps", "keep_checkpoints", "nodes", "tasks_per_node",
-    "cpus_per_task", "gpus_per_node",
+    "cpus_per_task", "gpus_per_node", "gpu_type", "mlflow_uri",
 }  # fmt: skip
 
 
@@ -166,12 +171,15 @@ def train_shape(run_name):
 
 
 def eval_shape(run_name):
-    return eval_settings(config.get("evaluate"), RUNS[run_name])
+    """Evaluated on the GPU type it trained on."""
+    run = RUNS[run_name]
+    return {**eval_settings(config.get("evaluate"), run), "gpu_type": run["gpu_type"]}
 
 
 def slurm_resource(key, shape=train_shape):
     """Per-run SLURM shape of `train` (or, with eval_shape, of `evaluate`) from the geometry
-    keys nodes, tasks_per_node, gpus_per_node (docs/slurm-notes.md); None drops the resource.
+    keys nodes, tasks_per_node, gpus_per_node, gpu_type (docs/slurm-notes.md); None drops the
+    resource.
     """
 
     def value(wildcards):
@@ -182,11 +190,14 @@ def slurm_resource(key, shape=train_shape):
             geometry["gpus_per_node"],
         )
         world = nodes * per_node
+        # A GPU type (a100, h100, ...) as the site's gres.conf names it: gpu:<type>:<n>.
+        gpu_type = geometry["gpu_type"]
+        gres = f"gpu:{gpu_type}:{gpus}" if gpu_type else f"gpu:{gpus}"
         return {
             # With `mpi` the plugin takes exactly one of tasks/tasks_per_node, and it must be > 1.
             "tasks_per_node": per_node if world > 1 and per_node > 1 else None,
             "tasks": world if world > 1 and per_node == 1 else None,
-            "gres": f"gpu:{gpus}" if gpus > 0 else None,  # per node
+            "gres": gres if gpus > 0 else None,  # per node
             # One rank runs inside the plugin's own `srun -n1` step (the launcher adds --overlap).
             "mpi": "srun" if world > 1 else None,
         }[key]

@@ -29,8 +29,13 @@ NOT_IN_FINGERPRINT = (
     "throughput_warmup_steps",
     "recipe",  # its values are the other keys
     "extra",
+    "gpu_type",  # where it trains, like the geometry
+    "mlflow_uri",
     *GEOMETRY_KEYS,
 )
+# Added after checkpoints existed: left out of the key at their defaults, so runs keep resuming
+# the checkpoints written before these settings were added; any other value enters the key.
+ADDED_AT_DEFAULT = ("crop_scale", "crop_ratio", "hflip")
 
 
 @dataclass
@@ -67,7 +72,7 @@ class TrainConfig:
     recipe: str = "none"  # a preset's name (training/presets.py); resolved by the workflow
     optimizer: str = "sgd"  # sgd | adamw
     nesterov: bool = True  # SGD with momentum > 0 only
-    lr_scaling: str = "none"  # none: lr as given | linear: lr per 256 images x global batch
+    lr_scaling: str = "linear"  # linear: lr per 256 images x global batch | none: lr as given
     norm_weight_decay: float | None = None  # None: weight_decay; e.g. 0: no decay on norms
     bias_weight_decay: float | None = None  # None: weight_decay (biases of other layers)
     grad_clip_norm: float = 0.0  # max global gradient norm; 0: no clipping
@@ -76,6 +81,10 @@ class TrainConfig:
     lr_step_epochs: list[int] = field(default_factory=list)  # step: milestones (epochs)
     lr_step_gamma: float = 0.1  # step: LR factor at each milestone
     warmup_start_factor: float = 0.0  # warm-up rises linearly from lr x this
+    # RandomResizedCrop's area share and aspect ranges, flip probability (torchvision's, timm's)
+    crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
+    crop_ratio: list[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
+    hflip: float = 0.5
     auto_augment: str = "none"  # none | randaugment | trivialaugment | autoaugment
     random_erasing: float = 0.0  # probability per image
     mixup_alpha: float = 0.0  # 0: off
@@ -94,6 +103,8 @@ class TrainConfig:
     tasks_per_node: int | None = None
     cpus_per_task: int | None = None
     gpus_per_node: int | None = None
+    gpu_type: str = ""  # the GPU type SLURM was asked for (gres gpu:<type>:<n>); "": any
+    mlflow_uri: str = ""  # rank 0 also logs to this MLflow file store (imagenet_ddp.mlflow_log)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -108,6 +119,10 @@ class TrainConfig:
         """Hash of everything that changes the trained weights (not logging or geometry: the
         geometry is the checkpoint key's second part)."""
         data = {k: v for k, v in dataclasses.asdict(self).items() if k not in NOT_IN_FINGERPRINT}
+        default = TrainConfig()
+        for key in ADDED_AT_DEFAULT:
+            if data[key] == getattr(default, key):
+                del data[key]
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
     @property

@@ -146,8 +146,9 @@ def preset(name: str) -> dict[str, Any]:
 
 
 def scaled_lr(run: Mapping[str, Any]) -> float:
-    """The LR the optimizer uses: ``lr`` x global batch / 256 with ``lr_scaling: linear``."""
-    if run.get("lr_scaling", "none") != "linear":
+    """The LR the optimizer uses: ``lr`` x global batch / 256 with ``lr_scaling: linear`` (the
+    schema's default), else ``lr``."""
+    if run["lr_scaling"] != "linear":
         return float(run["lr"])
     world = run.get("nodes", 1) * run.get("tasks_per_node", 1)
     return float(run["lr"]) * run["batch_size"] * world / 256

@@ -121,8 +121,13 @@ POLICIES = {
 
 def sample_transform(cfg: TrainConfig, crop_size: int):
     """Per-image training transform on uint8 crops (normalized later, on the device):
-    random resized crop and flip, the ``auto_augment`` policy, random erasing."""
-    steps = [train_transform(crop_size, normalize=False)]
+    random resized crop (``crop_scale``, ``crop_ratio``) and flip (``hflip``), the
+    ``auto_augment`` policy, random erasing."""
+    steps = [
+        train_transform(
+            crop_size, normalize=False, scale=cfg.crop_scale, ratio=cfg.crop_ratio, hflip=cfg.hflip
+        )
+    ]
     if cfg.auto_augment != "none":
         steps.append(POLICIES[cfg.auto_augment]())
     if cfg.random_erasing > 0:

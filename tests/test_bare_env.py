@@ -1,0 +1,135 @@
+"""A dry-run and `--lint` on a login node whose environment has only Snakemake and the SLURM
+executor plugin: what runs while Snakemake parses the rules (workflow/rules/common.smk and the
+modules it imports from src/) needs no torch, torchvision, numpy, pandas or scikit-learn, and
+the package need not be installed there (the jobs run in `--sdm conda`/`apptainer`).
+
+The bare environment is made by .ci/run (`.venv-bare`: `pip install -c
+requirements/constraints.txt snakemake snakemake-executor-plugin-slurm`) or pointed at by
+IMAGENET_DDP_BARE_VENV. Without it the test is skipped with the reason, except in CI
+(IMAGENET_DDP_REQUIRE_BARE_VENV=1), where it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.workflow_helpers import REPO
+
+# Not importable while the rules are parsed (a login node's bare Snakemake environment).
+HEAVY = ("torch", "torchvision", "numpy", "pandas", "sklearn", "scipy", "matplotlib", "PIL")
+
+
+def parse_time_modules() -> list[str]:
+    """The package's modules that the rules import at parse time."""
+    text = "".join(p.read_text() for p in sorted((REPO / "workflow/rules").glob("*.smk")))
+    return sorted(set(re.findall(r"^from (imagenet_ddp[\w.]*) import", text, re.M)))
+
+
+def test_parse_time_modules_import_without_heavy_packages():
+    """Runs in the full environment, where numpy and pandas exist (the SLURM plugin pulls them
+    into the bare one too): blocked here, so any import of them at parse time fails."""
+    modules = parse_time_modules()
+    assert "imagenet_ddp.run_checks" in modules and "imagenet_ddp.sweeps" in modules
+    code = (
+        "import sys\n"
+        f"for name in {HEAVY!r}: sys.modules[name] = None\n"
+        f"sys.path.insert(0, {str(REPO / 'src')!r})\n"
+        f"for module in {modules!r}: __import__(module)\n"
+        "from imagenet_ddp.run_checks import classification_models\n"
+        "assert len(classification_models()) > 50\n"
+    )
+    # The installed (editable) package is on the path too, but src/ comes first, as in common.smk.
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def bare_python() -> Path:
+    venv = Path(os.environ.get("IMAGENET_DDP_BARE_VENV") or REPO / ".venv-bare")
+    python = venv / "bin" / "python"
+    if not python.exists():
+        message = (
+            f"no bare Snakemake environment at {venv} (make it with `python3 -m venv "
+            f"{venv.name} && {venv.name}/bin/pip install -c requirements/constraints.txt "
+            "snakemake snakemake-executor-plugin-slurm`, as .ci/run does)"
+        )
+        if os.environ.get("IMAGENET_DDP_REQUIRE_BARE_VENV") == "1":  # CI: must run, never skip
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    return python
+
+
+def fresh_clone(dest: Path) -> Path:
+    """A clone of the repository as a user gets it, with the working tree's uncommitted changes
+    (a stash commit, reachable through --shared) and new workflow files that git does not
+    ignore yet: no .venv, no results."""
+    git = ["git", "-C", str(REPO)]
+    subprocess.run(["git", "clone", "-q", "--shared", str(REPO), str(dest)], check=True)
+    stash = subprocess.run([*git, "stash", "create"], capture_output=True, text=True, check=True)
+    if stash.stdout.strip():
+        subprocess.run(["git", "-C", str(dest), "checkout", "-q", stash.stdout.strip()], check=True)
+    new = subprocess.run(
+        [*git, "ls-files", "-o", "--exclude-standard", "-z"], capture_output=True, check=True
+    ).stdout.decode()
+    for name in filter(None, new.split("\0")):
+        if not name.startswith(("src/", "workflow/", "profiles/")):
+            continue
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, dest / name)
+    return dest
+
+
+def test_dry_run_and_lint_with_snakemake_alone(tmp_path):
+    python = bare_python()
+    absent = subprocess.run(
+        [str(python), "-c", f"import importlib.util as u; print([m for m in {HEAVY[:2]!r} "
+         "+ ('sklearn', 'imagenet_ddp') if u.find_spec(m)])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert absent == "[]", f"{python} is not bare: {absent}"
+    clone = fresh_clone(tmp_path / "clone")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env.pop("PYTHONPATH", None)
+    snakemake = [str(python), "-m", "snakemake"]
+    dry = subprocess.run(
+        [*snakemake, "--profile", "profiles/slurm", "-n", "-p"],
+        cwd=clone, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    log = dry.stdout + dry.stderr
+    assert dry.returncode == 0, log[-4000:]
+    assert "hyperparameters:" in log and re.search(r"rule train:", log), log[-4000:]
+    lint = subprocess.run(
+        [*snakemake, "--profile", "profiles/slurm", "--lint"],
+        cwd=clone, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert lint.returncode == 0, (lint.stdout + lint.stderr)[-4000:]
+    # Beside a site's own global profile: the site's keys that profiles/slurm does not set
+    # hold, and profiles/slurm's replace the site's whole key (no deep merge).
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "config.yaml").write_text(
+        "executor: slurm\nslurm-logdir: /shared/slurm_logs\n"
+        "default-resources: {slurm_account: site_account, runtime: 5}\n"
+    )
+    pair = subprocess.run(
+        [*snakemake, "--profile", str(site), "--workflow-profile", "profiles/slurm", "-n"],
+        cwd=clone, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    log = pair.stdout + pair.stderr
+    assert pair.returncode == 0, log[-4000:]
+    assert f"Using profiles {site} and workflow specific profile profiles/slurm" in log
+    train = re.search(r"rule train:.*?resources: ([^\n]*)", log, re.S).group(1)
+    assert "slurm_partition=gpu" in train and "runtime=1440" in train, train
+    assert "slurm_account=my_account" in train and "site_account" not in log
+    # A bad model name is still refused: checked against the list kept with the package.
+    bad = subprocess.run(
+        [*snakemake, "-n", "--config", "train_defaults={model: resnet9000}"],
+        cwd=clone, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "model 'resnet9000'" in bad.stdout + bad.stderr
