@@ -2,7 +2,7 @@
 
 Each subcommand only parses its arguments and calls its stage's one function
 (demo.write_demo_dataset, archives.write_verify_report, archives.write_index,
-split.split_index, prepare.prepare, jobs.train_job, jobs.evaluate_job,
+split.split_index, prepare.prepare, jobs.train_job, preflight.preflight_job, jobs.evaluate_job,
 aggregate.write_aggregate, plots.make_plots). Every stage writes its artifact atomically and
 its provenance beside it (:func:`imagenet_ddp.provenance.provenance_path`). A bad input raises
 :class:`InputError`, printed as one line that names the file and what to do (exit 2)."""
@@ -132,6 +132,40 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from imagenet_ddp.jobs import execution_settings
+    from imagenet_ddp.preflight import preflight_job
+
+    return preflight_job(
+        args.run_config_json,
+        prepared_train=args.prepared_train,
+        split_dir=args.split_dir,
+        out=args.out,
+        execution=execution_settings(
+            args.launcher, args.srun_extra, args.scratch_dir, args.stage_verify, args.cleanup
+        ),
+        train_runtime_minutes=args.train_runtime_minutes,
+    )
+
+
+def _add_staged_job_arguments(p: argparse.ArgumentParser) -> None:
+    """A job that stages the prepared copy and runs a run's ranks: train and its preflight."""
+    p.add_argument(
+        "--run-config-json",
+        type=json.loads,
+        required=True,
+        help="the run's settings, geometry (nodes, tasks_per_node, cpus_per_task, "
+        "gpus_per_node) included",
+    )
+    p.add_argument("--prepared-train", type=Path, required=True)
+    p.add_argument("--split-dir", type=Path, required=True)
+    p.add_argument("--launcher", choices=["local", "srun"], required=True)
+    p.add_argument("--scratch-dir", type=Path, required=True)
+    p.add_argument("--stage-verify", choices=["size", "sha256"], required=True)
+    p.add_argument("--cleanup", action=argparse.BooleanOptionalAction, required=True)
+    p.add_argument("--srun-extra", default="", help="extra srun flags, space separated")
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from imagenet_ddp.jobs import evaluate_job, execution_settings
 
@@ -249,23 +283,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prepare_parsers(sub)
 
     p = sub.add_parser("train", help="stage data on every node and run DDP training")
-    p.add_argument(
-        "--run-config-json",
-        type=json.loads,
-        required=True,
-        help="the run's settings, geometry (nodes, tasks_per_node, cpus_per_task, "
-        "gpus_per_node) included",
-    )
-    p.add_argument("--prepared-train", type=Path, required=True)
-    p.add_argument("--split-dir", type=Path, required=True)
+    _add_staged_job_arguments(p)
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--checkpoint-root", type=Path, required=True)
-    p.add_argument("--launcher", choices=["local", "srun"], required=True)
-    p.add_argument("--scratch-dir", type=Path, required=True)
-    p.add_argument("--stage-verify", choices=["size", "sha256"], required=True)
-    p.add_argument("--cleanup", action=argparse.BooleanOptionalAction, required=True)
-    p.add_argument("--srun-extra", default="", help="extra srun flags, space separated")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "preflight", help="check a run's placement, network, step and loader speed; project it"
+    )
+    _add_staged_job_arguments(p)
+    p.add_argument("--out", type=Path, required=True, help="preflight.json")
+    p.add_argument(
+        "--train-runtime-minutes",
+        type=lambda v: None if v == "none" else float(v),
+        required=True,
+        help="the train rule's time limit per allocation, or 'none'",
+    )
+    p.set_defaults(func=cmd_preflight)
 
     _add_evaluate_parser(sub)
 

@@ -33,6 +33,7 @@ from imagenet_ddp.stage import cleanup_staged, scratch_root_from_env, stage_data
 
 # Below Linux's default ephemeral range (32768-60999), so it cannot collide with client ports.
 MASTER_PORT_BASE, MASTER_PORT_SPAN = 15000, 15000
+STAGED_KINDS = ("train", "preflight")  # jobs that stage the prepared copy on every node
 
 
 @dataclass(frozen=True)
@@ -157,12 +158,18 @@ def run_training(spec_path: Path) -> int:
 
     Every step gets only ``spec_path`` (:mod:`imagenet_ddp.job_spec`) and reads the rest.
     """
-    spec = read_spec(spec_path, "train")
+    return run_staged(spec_path, "train", "worker")
+
+
+def run_staged(spec_path: Path, kind: str, rank_command: str) -> int:
+    """Stage on every node, run ``rank_command`` as the job's ranks, clean up: the exit code.
+    Training (``worker``) and its preflight (``preflight-worker``) stage the same way."""
+    spec = read_spec(spec_path, kind)
     geometry, execution = geometry_of_spec(spec), spec["execution"]
     launcher, cleanup = execution["launcher"], execution["cleanup"]
     me = [sys.executable, "-m", "imagenet_ddp.launch"]
     on_spec = ["--spec", str(spec_path)]
-    worker = [*me, "worker", *on_spec]
+    worker = [*me, rank_command, *on_spec]
     if launcher == "local":
         _check_local(geometry)
         stage_this_node(spec)
@@ -313,15 +320,16 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m imagenet_ddp.launch")
     parser.add_argument(
-        "command", choices=["stage-node", "unstage-node", "worker", "evaluate-worker"]
+        "command",
+        choices=["stage-node", "unstage-node", "worker", "evaluate-worker", "preflight-worker"],
     )
     parser.add_argument("--spec", type=Path, required=True, help="the job spec file")
     args = parser.parse_args(argv)
     if args.command == "stage-node":
-        stage_this_node(read_spec(args.spec, "train"))
+        stage_this_node(read_spec(args.spec, STAGED_KINDS))
         return 0
     if args.command == "unstage-node":
-        unstage_this_node(read_spec(args.spec, "train"))
+        unstage_this_node(read_spec(args.spec, STAGED_KINDS))
         return 0
     if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
         rendezvous_from_slurm_env()
@@ -329,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         from imagenet_ddp import evaluate as evaluation
 
         return evaluation.main(["--spec", str(args.spec)])
+    if args.command == "preflight-worker":  # reads the copy its host staged, like training
+        from imagenet_ddp import preflight_rank
+
+        return preflight_rank.main(["--spec", str(args.spec)])
     from imagenet_ddp import train
 
     return train.main(["--spec", str(args.spec)])  # it reads the copy its host staged

@@ -115,14 +115,42 @@ def run_training_json(wildcards):
     settings.pop(
         "evaluate", None
     )  # where the run is evaluated does not change its weights
+    settings.pop("preflight", None)  # whether it is checked first does not change them either
     return json.dumps(settings, sort_keys=True)
+
+
+def preflight_input(wildcards):
+    """A passing preflight before `train` for runs with `preflight: true`. ancient: a rerun
+    preflight (e.g. its folder deleted) must not retrain a trained run by its newer time."""
+    if RUNS[wildcards.run]["preflight"]:
+        return ancient(f"results/preflight/{wildcards.run}/preflight.json")
+    return []
+
+
+def _runtime_minutes(resources):
+    """A rule's `runtime` when it is a number (set-resources parses 24h to 1440); None else."""
+    if resources is None or "runtime" not in resources:
+        return None
+    value = resources["runtime"].value
+    return value if isinstance(value, (int, float)) else None
+
+
+def train_runtime_minutes(wildcards):
+    """The train rule's time limit per allocation (set-resources, else default-resources), for
+    the preflight's projection; 'none' where no limit is set (a local run). An expression
+    (e.g. `60 * attempt`) is not evaluated here: 'none' too."""
+    overwrite = workflow.resource_settings.overwrite_resources
+    minutes = _runtime_minutes(overwrite["train"]) if "train" in overwrite else None
+    if minutes is None:
+        minutes = _runtime_minutes(workflow.resource_settings.default_resources)
+    return "none" if minutes is None else minutes
 
 
 # Not weights: how a run is executed or logged (the geometry is shown under resources).
 _NOT_HYPERPARAMETERS = {
     "name", "evaluate", "workers", "device", "backend", "log_interval", "timeout_minutes",
     "throughput_warmup_steps", "keep_checkpoints", "nodes", "tasks_per_node",
-    "cpus_per_task", "gpus_per_node",
+    "cpus_per_task", "gpus_per_node", "preflight", "max_allocations",
 }  # fmt: skip
 
 
