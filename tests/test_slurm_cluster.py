@@ -1,4 +1,4 @@
-"""The local SLURM cluster itself: distinct nodes, private scratch, accounting.
+"""The local SLURM cluster itself: distinct nodes, private scratch, fake GPUs, accounting.
 
 The `slurm_cluster` fixture comes from tests/slurm_cluster/fixture.py (imported by conftest.py).
 """
@@ -15,29 +15,35 @@ pytestmark = pytest.mark.slurm
 
 @pytest.fixture(scope="module")
 def two_node_job(slurm_cluster, tmp_path_factory):
-    """One sbatch job on both nodes: hostnames, SLURM_TMPDIR and a marker in each scratch."""
+    """One sbatch job on both nodes: hostnames, SLURM_TMPDIR, a marker in each scratch, and
+    the fake GPUs SLURM binds to 2 tasks per node (whole node's GPUs, and one per task)."""
     work = tmp_path_factory.mktemp("two-node-job")
     script = work / "job.sh"
     script.write_text(
         textwrap.dedent("""\
         #!/bin/bash
         set -euo pipefail
-        srun hostname > hostnames.txt
-        srun bash -c 'echo "$(hostname) $SLURM_TMPDIR"; touch "$SLURM_TMPDIR/from-$(hostname)"' \\
+        one="srun --ntasks=2 --ntasks-per-node=1"
+        $one hostname > hostnames.txt
+        $one bash -c 'echo "$(hostname) $SLURM_TMPDIR"; touch "$SLURM_TMPDIR/from-$(hostname)"' \\
             > tmpdirs.txt
-        srun bash -c 'echo "$(hostname) $(ls "$SLURM_TMPDIR" | tr "\\n" " ")"' > listings.txt
+        $one bash -c 'echo "$(hostname) $(ls "$SLURM_TMPDIR" | tr "\\n" " ")"' > listings.txt
+        echo "batch $CUDA_VISIBLE_DEVICES" > gpus-batch.txt
+        show='echo "$(hostname) $SLURM_LOCALID $CUDA_VISIBLE_DEVICES"'
+        srun bash -c "$show" > gpus-node.txt
+        srun --gpus-per-task=1 bash -c "$show" > gpus-task.txt
     """)
     )
     job_id = slurm_cluster.sbatch(
-        "--nodes=2", "--ntasks-per-node=1", "--time=5", f"--output={work}/slurm-%j.out",
-        f"--chdir={work}", str(script),
+        "--nodes=2", "--ntasks-per-node=2", "--gres=gpu:2", "--time=5",
+        f"--output={work}/slurm-%j.out", f"--chdir={work}", str(script),
     )  # fmt: skip
     state = slurm_cluster.wait_job(job_id, timeout=120)
     return {"id": job_id, "state": state, "dir": work}
 
 
 def lines(path):
-    return sorted(line.split() for line in path.read_text().splitlines() if line.strip())
+    return lines_of(path.read_text())
 
 
 def test_srun_runs_on_both_nodes_with_their_own_hostnames(slurm_cluster, two_node_job):
@@ -60,6 +66,25 @@ def test_each_node_has_its_own_private_scratch(slurm_cluster, two_node_job):
         host_view = slurm_cluster.node_scratch(node) / f"job_{two_node_job['id']}"
         assert sorted(p.name for p in host_view.iterdir()) == [f"from-{node}"]
     assert not any(slurm_cluster.scratch.iterdir())  # the mount point itself stays empty here
+
+
+def test_fake_gpus_are_bound_like_real_ones(slurm_cluster, two_node_job):
+    d = two_node_job["dir"]
+    out = slurm_cluster.run("sinfo", "-h", "-N", "-o", "%N %G").stdout
+    assert lines_of(out) == [["node1", "gpu:2"], ["node2", "gpu:2"]]
+    assert (d / "gpus-batch.txt").read_text().split() == ["batch", "0,1"]
+    # --gres=gpu:2 alone: every task sees both GPUs of its node (select cuda:SLURM_LOCALID) ...
+    assert lines(d / "gpus-node.txt") == [[n, i, "0,1"] for n in ("node1", "node2") for i in "01"]
+    # ... --gpus-per-task=1: each task sees only its own (select cuda:0).
+    assert lines(d / "gpus-task.txt") == [[n, i, i] for n in ("node1", "node2") for i in "01"]
+    alloc = slurm_cluster.run(
+        "sacct", "-X", "-n", "-P", "-j", str(two_node_job["id"]), "-o", "AllocTRES"
+    ).stdout
+    assert "gres/gpu=4" in alloc  # AccountingStorageTRES=gres/gpu: sacct counts them
+
+
+def lines_of(text):
+    return sorted(line.split() for line in text.splitlines() if line.strip())
 
 
 def test_sacct_shows_the_job_completed_on_both_nodes(slurm_cluster, two_node_job):

@@ -18,6 +18,12 @@ is the host's (same paths, same files: the repo and any test copy under /tmp) ex
   host), configured as TmpFS; a prolog creates ``job_<id>`` in it and a task prolog exports
   it as ``SLURM_TMPDIR``.
 
+Every node also declares ``Gres=gpu:<gpus_per_node>`` fake GPUs: character devices
+``<root>/dev/fakegpu<i>`` (major 1, minor 3, i.e. what /dev/null is) named in ``gres.conf``,
+so ``--gres=gpu:N``/``--gpus-per-task`` are scheduled and ``CUDA_VISIBLE_DEVICES`` is set per
+job, step and task exactly as on a GPU cluster; nothing can compute on them. Slurm 22.05 keeps
+a node whose GPU GRES has no ``File=`` INVAL, hence device files.
+
 Fresh network namespaces have every port free, so the daemons use their default ports; only
 the subnet (``10.213.<k>.0/24``, bridge ``slurmtb<k>``) is chosen per cluster, so several
 clusters (parallel test sessions) can run side by side. Clients on the host reach the
@@ -36,6 +42,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import string
 import subprocess
 import sys
@@ -182,6 +189,7 @@ def start_cluster(
     cpus_per_node: int = 2,
     mem_per_node_mb: int = 4000,
     *,
+    gpus_per_node: int = 2,
     name: str = "ci",
     epilog_cleans_scratch: bool = False,
     keep_files: bool = False,
@@ -200,7 +208,7 @@ def start_cluster(
     root = Path(workdir).resolve() / "slurm"
     if root.exists():
         shutil.rmtree(root)
-    for sub in ("etc", "state", "log", "munge", "scratch"):
+    for sub in ("etc", "state", "log", "munge", "scratch", "dev"):
         (root / sub).mkdir(parents=True)
     root.chmod(0o755)
 
@@ -213,7 +221,8 @@ def start_cluster(
         keep_files=keep_files,
     )  # fmt: skip
     try:
-        _start(cluster, nodes, cpus_per_node, mem_per_node_mb, epilog_cleans_scratch, timeout)
+        _start(cluster, nodes, cpus_per_node, mem_per_node_mb, gpus_per_node,
+               epilog_cleans_scratch, timeout)  # fmt: skip
     except BaseException as exc:
         cluster.keep_files = True  # keep the logs for the error message / post-mortem
         logs = cluster.logs()
@@ -229,8 +238,11 @@ def start_cluster(
     return cluster
 
 
-def _start(cluster: Cluster, n_nodes: int, cpus: int, mem_mb: int, epilog: bool, timeout):
+def _start(cluster: Cluster, n_nodes: int, cpus: int, mem_mb: int, gpus: int, epilog: bool,
+           timeout):  # fmt: skip
     root, subnet = cluster.root, cluster.subnet
+    for i in range(gpus):  # fake GPUs: any character device will do for slurmd
+        os.mknod(root / "dev" / f"fakegpu{i}", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
     cluster.ctl = _make_namespace("slurmctl", f"{subnet}.2", cluster)
     for i in range(1, n_nodes + 1):
         cluster.nodes.append(_make_namespace(f"node{i}", f"{subnet}.{10 + i}", cluster))
@@ -249,6 +261,8 @@ def _start(cluster: Cluster, n_nodes: int, cpus: int, mem_mb: int, epilog: bool,
         "scratch": str(cluster.scratch),
         "cpus": cpus,
         "mem_mb": mem_mb,
+        "gres_line": f"Gres=gpu:{gpus}" if gpus else "",
+        "gres_conf": f"Name=gpu File={root}/dev/fakegpu[0-{gpus - 1}]" if gpus else "",
         "node_lines": "\n".join(f"NodeName={n.name} NodeAddr={n.addr}" for n in cluster.nodes),
         "epilog_line": f"Epilog={root}/etc/epilog.sh" if epilog else "",
     }
