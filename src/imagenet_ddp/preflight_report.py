@@ -180,7 +180,7 @@ def speed_problems(report: dict[str, Any], run: dict[str, Any]) -> list[str]:
         needs = "more than any" if p["allocations"] is None else str(p["allocations"])
         problems.append(
             f"allocations: {p['total_seconds'] / 3600:.2f} h projected needs {needs} "
-            f"allocation(s) of the train rule's runtime {p['train_runtime_minutes']} min, "
+            f"allocation(s) of the train rule's runtime {_limit(p['train_runtime_minutes'])}, "
             f"max_allocations is {p['max_allocations']}; raise the runtime or max_allocations, "
             "or use more nodes"
         )
