@@ -38,8 +38,7 @@ def ranks(**changes) -> list[dict]:
 
 
 STAGING = [
-    {"host": h, "bytes": 10**9, "seconds": 10.0, "bytes_per_s": 1e8, "reused": False}
-    for h in "ab"
+    {"host": h, "bytes": 10**9, "seconds": 10.0, "bytes_per_s": 1e8, "reused": False} for h in "ab"
 ]
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,7 +27,14 @@ TEST_PROFILE = Path(__file__).parent / "slurm_cluster" / "profile"
 RUNS = [
     # Evaluated like it trained: 2 nodes x 1 rank (an `mpi` srun step); the others use the
     # default evaluation geometry (one node, one rank without GPUs).
-    {"name": "resnet18-2x1", "nodes": 2, "tasks_per_node": 1, "evaluate": {"nodes": 2}},
+    # Trains after a passing preflight on its geometry (one more sbatch job, same snakemake).
+    {
+        "name": "resnet18-2x1",
+        "nodes": 2,
+        "tasks_per_node": 1,
+        "evaluate": {"nodes": 2},
+        "preflight": True,
+    },
     {"name": "resnet18-1x2", "nodes": 1, "tasks_per_node": 2},
     {"name": "resnet18-1x1", "nodes": 1, "tasks_per_node": 1},
 ]
@@ -144,6 +153,69 @@ def test_accounting_of_each_training_job_comes_from_sacct(slurm_run):
         assert int(record["alloc_tres"]["cpu"]) >= run["nodes"] * run["tasks_per_node"], record
         assert table.loc[run["name"], "slurm_state"] == "COMPLETED"
         assert table.loc[run["name"], "slurm_core_hours"] > 0
+
+
+def test_preflight_ran_on_both_nodes_before_training(slurm_run):
+    assert "rule_preflight_run_wildcards_resnet18-2x1" in slurm_run.jobs
+    preflight = slurm_run.jobs["rule_preflight_run_wildcards_resnet18-2x1"]
+    assert preflight["nnodes"] == 2 and preflight["state"] == "COMPLETED"
+    train = slurm_run.jobs["rule_train_wildcards_resnet18-2x1"]
+    assert preflight["id"] < train["id"]  # submitted first: train depends on it
+    folder = slurm_run.dir / "results/preflight/resnet18-2x1"
+    report = json.loads((folder / "preflight.json").read_text())
+    assert report["problems"] == [], report["problems"]
+    assert sorted(report["nodes"]) == sorted(slurm_run.cluster.node_names)
+    assert {r["slurm_job_id"] for r in report["ranks"]} == {str(preflight["id"])}
+    allreduce = report["allreduce"]
+    assert allreduce["busbw_gbps"] == pytest.approx(allreduce["algbw_gbps"])  # 2(n-1)/n = 1
+    assert allreduce["busbw_gbps"] > 0
+    for node in report["nodes"].values():  # each node staged into its job's scratch
+        assert node["staging"]["bytes"] > 0 and node["staging"]["gb_per_s"] > 0
+    # train's time limit (the test profile's 30 min) is what allocations are counted in
+    assert report["projection"]["train_runtime_minutes"] == 30
+    assert report["projection"]["allocations"] == 1
+    table = pd.read_csv(slurm_run.dir / "results/aggregate/runs.csv").set_index("run")
+    measured = table.loc["resnet18-2x1", "epoch_seconds_over_preflight"]
+    assert 1 / 4 < measured < 4, measured  # the factor README "First run on a new cluster" states
+
+
+def test_preflight_on_fake_gpus_reports_slurms_binding_per_rank(slurm_run, tmp_path):
+    """2 nodes x 2 ranks, --gres=gpu:2 per node (the test cluster's fake GPUs), computing on
+    CPU/gloo: every rank reports the CUDA_VISIBLE_DEVICES SLURM gave it and the GPU it would
+    use; --gres=gpu:1 puts two ranks of a node on one GPU: a failure with its one line."""
+    spec = json.loads(
+        (slurm_run.dir / "results/preflight/resnet18-2x1/preflight_spec.json").read_text()
+    )
+    reports = {}
+    for gpus in (2, 1):
+        run = {**spec["run"], "tasks_per_node": 2, "gpus_per_node": gpus, "device": "cpu"}
+        out = tmp_path / f"gpus{gpus}" / "preflight.json"
+        argv = [
+            sys.executable, "-m", "imagenet_ddp.cli", "preflight",
+            "--run-config-json", json.dumps(run),
+            "--prepared-train", spec["paths"]["prepared_train"],
+            "--split-dir", spec["paths"]["split_dir"], "--out", str(out),
+            "--train-runtime-minutes", "30", "--launcher", "srun",
+            "--scratch-dir", str(tmp_path / "scratch"), "--stage-verify", "size", "--cleanup",
+        ]  # fmt: skip
+        job = slurm_run.cluster.sbatch(
+            "--nodes=2", "--ntasks-per-node=2", f"--gres=gpu:{gpus}", "--time=10",
+            f"--output={tmp_path}/gpus{gpus}.log", "--wrap", shlex.join(argv),
+            cwd=slurm_run.dir,
+        )  # fmt: skip
+        state = slurm_run.cluster.wait_job(job, timeout=300)
+        reports[gpus] = (state, out, (tmp_path / f"gpus{gpus}.log").read_text())
+    state, out, log = reports[2]
+    assert state == "COMPLETED", log
+    ranks = json.loads(out.read_text())["ranks"]
+    assert [r["visible"] for r in ranks] == [["0", "1"]] * 4
+    assert [(r["host"], r["gpu"]) for r in ranks] == [
+        (host, gpu) for host in sorted(slurm_run.cluster.node_names) for gpu in "01"
+    ]
+    state, out, log = reports[1]
+    assert state == "FAILED", log
+    lines = [line for line in log.splitlines() if line.startswith("preflight of run")]
+    assert len(lines) == 2 and "would all use GPU 0" in lines[0], log  # one per node
 
 
 def test_srun_overlaps_only_inside_an_existing_step(monkeypatch):

@@ -230,8 +230,8 @@ def test_changing_split_seed_reruns_split_and_downstream_only(local_run):
     finally:
         write_config(local_run, original)
     assert plan == {
-        "split": 1, "train": 2, "evaluate": 2, "accounting": 1, "aggregate": 1, "plots": 1,
-        "all": 1,
+        "split": 1, "preflight_run": 2, "train": 2, "evaluate": 2, "accounting": 1,
+        "aggregate": 1, "plots": 1, "all": 1,
     }, plan  # fmt: skip
 
 

@@ -57,7 +57,9 @@ def preflight_job(
         },
     }
     started = time.time()
-    code = run_staged(write_spec(out.parent / PREFLIGHT_SPEC, spec), "preflight", "preflight-worker")
+    code = run_staged(
+        write_spec(out.parent / PREFLIGHT_SPEC, spec), "preflight", "preflight-worker"
+    )
     if code != 0:
         return code
     report = json.loads(out.read_text())

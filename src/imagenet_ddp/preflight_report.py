@@ -239,7 +239,8 @@ def build_report(
     loader = {r["rank"]: r["loader_images_per_s"] for r in ranks}
     model_rate, loader_rate = statistics.median(model.values()), statistics.median(loader.values())
     workers = ranks[0]["workers"]
-    at_gradient = next(s for s in collectives["sizes"] if s["world"]["bytes"] == collectives["gradient_bytes"])  # fmt: skip
+    gradient = collectives["gradient_bytes"]
+    at_gradient = next(s for s in collectives["sizes"] if s["world"]["bytes"] == gradient)
     nodes = _nodes(ranks, staging)
     report = {
         "run": run["name"],
