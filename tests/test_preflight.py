@@ -24,7 +24,8 @@ RUN = {
 def rank(r: int, host: str, gpu: str, model: float = 100.0, loader: float = 400.0) -> dict:
     return {
         "rank": r, "host": host, "gpu": gpu, "visible": ["0", "1"], "device": "cpu",
-        "model_images_per_s": model, "loader_images_per_s": loader, "compile_seconds": 0.0,
+        "model_images_per_s": model, "compute_images_per_s": 1.5 * model,
+        "loader_images_per_s": loader, "compile_seconds": 0.0,
         "peak_memory_gb": 1.0, "workers": 3,
         "allreduce_seconds": {"world": {"400": 1e-3, "1600": 2e-3}},
     }  # fmt: skip
@@ -91,11 +92,15 @@ def test_more_allocations_than_allowed_fail_with_one_line():
 
 
 def test_straggler_and_starving_loader_are_named():
-    out = report(ranks(r3={"model_images_per_s": 50.0}, r2={"loader_images_per_s": 90.0}))
-    lines = "\n".join(out["problems"])
-    assert "straggler: rank 3 on b model 50.0 img/s" in lines
+    slow = {"model_images_per_s": 50.0, "compute_images_per_s": 60.0}
+    out = report(ranks(r3=slow, r2={"loader_images_per_s": 90.0}))
+    assert out["problems"][0].startswith("straggler: rank 3 on b computes 60.0 img/s, 40% of")
     assert out["projection"]["images_per_s"] == pytest.approx(4 * 50.0)  # the slowest rank
+    # rank 2's loader (90 img/s) cannot feed the median step (100 img/s): its GPU would wait
+    assert out["problems"][1].startswith("loader: rank 2 on b loads 90.0 img/s, the step")
     starving = report(ranks(**{f"r{i}": {"loader_images_per_s": 60.0} for i in range(4)}))
     assert starving["loader_over_model"] == pytest.approx(0.6)
     assert "set cpus_per_task >= 6" in starving["problems"][0]  # 100 / (60 / 3) workers + 1
     assert cpus_for_loader(60.0, 3, 100.0) == 6
+    fast_enough = report(ranks(r1={"loader_images_per_s": 150.0}))  # slower, still feeds
+    assert fast_enough["problems"] == []

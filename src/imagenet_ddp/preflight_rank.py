@@ -14,8 +14,10 @@ does) and ``torch.compile`` grow with the run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from imagenet_ddp import distributed as D
 from imagenet_ddp.io import write_json_atomic
@@ -44,7 +47,9 @@ from imagenet_ddp.training.metrics import synchronize
 from imagenet_ddp.training.worker import build_job, seed_everything
 
 # Fixed step counts: the preflight's time does not grow with the data set.
-MODEL_STEPS = {"warmup": 3, "timed": 10}  # the first warm-up step holds torch.compile
+# The first warm-up step holds torch.compile; "timed" steps with DDP, then as many without
+# its all-reduce (a rank's own speed).
+MODEL_STEPS = {"warmup": 3, "timed": 10}
 LOADER_BATCHES = {"warmup": 2, "timed": 10}
 ALLREDUCE_OPS = {"warmup": 2, "timed": 5}
 SIZE_FACTORS = (1 / 16, 1 / 4, 1, 2)  # all-reduce sizes around the run's gradient size
@@ -87,30 +92,42 @@ def _peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
+def _step_seconds(job, images, targets, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` training steps, the device synchronized after each."""
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        train_step(job, images, targets, 0)
+        synchronize(job.device)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def _without_allreduce(job):
+    """DDP's no_sync(): the step without its gradient all-reduce, so a rank's own speed shows
+    (with it every rank waits for the slowest, and all report the same rate)."""
+    ddp = getattr(job.step_model, "_orig_mod", job.step_model)  # under torch.compile
+    return ddp.no_sync() if isinstance(ddp, DistributedDataParallel) else contextlib.nullcontext()
+
+
 def model_step(job, cfg: TrainConfig, num_classes: int) -> dict:
-    """img/s of the run's training step on a fixed random batch (the loader untouched);
-    torch.compile's time is the first step's excess over a steady step."""
+    """img/s of the run's training step on a fixed random batch (the loader untouched): the
+    DDP step (all-reduce included: what training runs) and the rank's compute alone; medians
+    of per-step times. torch.compile's time is the first step's excess over a steady one."""
     g = torch.Generator().manual_seed(cfg.seed)
     crop = cfg.crop_for_epoch(0)
     images = torch.randn(cfg.batch_size, 3, crop, crop, generator=g).to(job.device)
     targets = torch.randint(0, num_classes, (cfg.batch_size,), generator=g).to(job.device)
     job.step_model.train()
-    times = []
-    for _ in range(MODEL_STEPS["warmup"]):
-        started = time.perf_counter()
-        train_step(job, images, targets, 0)
-        synchronize(job.device)
-        times.append(time.perf_counter() - started)
+    first = _step_seconds(job, images, targets, MODEL_STEPS["warmup"])[0]
     D.barrier()
-    started = time.perf_counter()
-    for _ in range(MODEL_STEPS["timed"]):
-        train_step(job, images, targets, 0)
-    synchronize(job.device)
-    seconds = time.perf_counter() - started
-    step = seconds / MODEL_STEPS["timed"]
+    step = statistics.median(_step_seconds(job, images, targets, MODEL_STEPS["timed"]))
+    with _without_allreduce(job):
+        compute = statistics.median(_step_seconds(job, images, targets, MODEL_STEPS["timed"]))
     return {
         "model_images_per_s": cfg.batch_size / step,
-        "compile_seconds": max(0.0, times[0] - step) if cfg.compile else 0.0,
+        "compute_images_per_s": cfg.batch_size / compute,
+        "compile_seconds": max(0.0, first - step) if cfg.compile else 0.0,
         "peak_memory_gb": _peak_memory_gb(job.device),
         "peak_memory_kind": "device" if job.device.type == "cuda" else "host RSS",
     }

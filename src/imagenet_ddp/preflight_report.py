@@ -153,21 +153,21 @@ def _visible(ranks: list[dict], rank: int) -> str:
 def speed_problems(report: dict[str, Any], run: dict[str, Any]) -> list[str]:
     """Stragglers, a starving loader, a slow network, too many allocations."""
     problems = []
-    for what in ("model", "loader"):
-        s = report[what]["spread"]
-        if s["slowest_over_median"] is not None and s["slowest_over_median"] < STRAGGLER:
-            problems.append(
-                f"straggler: rank {s['slowest_rank']} on {s['slowest_host']} {what} "
-                f"{s['slowest']:.1f} img/s, {s['slowest_over_median']:.0%} of the median "
-                f"{s['median']:.1f}; check that node (clocks, thermal, other jobs) or exclude it"
-            )
-    ratio = report["loader_over_model"]
-    if ratio < 1:
+    s = report["model"]["compute_spread"]  # without the all-reduce, where ranks differ
+    if s["slowest_over_median"] is not None and s["slowest_over_median"] < STRAGGLER:
         problems.append(
-            f"loader: {report['loader']['images_per_s']:.1f} img/s per rank feeds "
-            f"{ratio:.0%} of the model step's {report['model']['images_per_s']:.1f}; set "
-            f"cpus_per_task >= {report['loader']['cpus_per_task_needed']} (or fewer, cheaper "
-            "augmentations)"
+            f"straggler: rank {s['slowest_rank']} on {s['slowest_host']} computes "
+            f"{s['slowest']:.1f} img/s, {s['slowest_over_median']:.0%} of the median "
+            f"{s['median']:.1f}; check that node (clocks, thermal, other jobs) or exclude it"
+        )
+    slowest = report["loader"]["spread"]
+    if slowest["slowest"] < report["model"]["images_per_s"]:  # that rank's GPU would wait
+        problems.append(
+            f"loader: rank {slowest['slowest_rank']} on {slowest['slowest_host']} loads "
+            f"{slowest['slowest']:.1f} img/s, the step takes "
+            f"{report['model']['images_per_s']:.1f} (loader/model {report['loader_over_model']:.2f}"
+            f" for the median rank); set cpus_per_task >= "
+            f"{report['loader']['cpus_per_task_needed']} (or cheaper augmentations)"
         )
     world_bw = report["allreduce"]["busbw_gbps"]
     if run["nodes"] > 1 and report["device_type"] == "cuda" and world_bw < MIN_INTERNODE_BUSBW_GBPS:
@@ -192,14 +192,14 @@ def table(report: dict[str, Any]) -> str:
     lines = [
         f"preflight of run {report['run']}: {report['world_size']} rank(s) on "
         f"{len(report['nodes'])} node(s), device {report['device_type']}",
-        f"{'rank':>4} {'host':<16} {'gpu':<6} {'device':<8} {'model img/s':>12} "
-        f"{'loader img/s':>13} {'peak mem GB':>12}",
+        f"{'rank':>4} {'host':<16} {'gpu':<6} {'device':<8} {'step img/s':>11} "
+        f"{'compute img/s':>14} {'loader img/s':>13} {'peak mem GB':>12}",
     ]
     for r in report["ranks"]:
         lines.append(
             f"{r['rank']:>4} {r['host']:<16} {str(r['gpu']):<6} {r['device']:<8} "
-            f"{r['model_images_per_s']:>12.1f} {r['loader_images_per_s']:>13.1f} "
-            f"{r['peak_memory_gb']:>12.2f}"
+            f"{r['model_images_per_s']:>11.1f} {r['compute_images_per_s']:>14.1f} "
+            f"{r['loader_images_per_s']:>13.1f} {r['peak_memory_gb']:>12.2f}"
         )
     for host, node in report["nodes"].items():
         stage = node["staging"]
@@ -239,6 +239,7 @@ def build_report(
     loader = {r["rank"]: r["loader_images_per_s"] for r in ranks}
     model_rate, loader_rate = statistics.median(model.values()), statistics.median(loader.values())
     workers = ranks[0]["workers"]
+    slowest_loader = min(loader.values())
     gradient = collectives["gradient_bytes"]
     at_gradient = next(s for s in collectives["sizes"] if s["world"]["bytes"] == gradient)
     nodes = _nodes(ranks, staging)
@@ -254,11 +255,12 @@ def build_report(
             "compile_seconds": max(r["compile_seconds"] for r in ranks),
             "peak_memory_gb": max(r["peak_memory_gb"] for r in ranks),
             "spread": spread(model, hosts),
+            "compute_spread": spread({r["rank"]: r["compute_images_per_s"] for r in ranks}, hosts),
         },
         "loader": {
             "images_per_s": loader_rate,
             "workers": workers,
-            "cpus_per_task_needed": cpus_for_loader(loader_rate, workers, model_rate),
+            "cpus_per_task_needed": cpus_for_loader(slowest_loader, workers, model_rate),
             "spread": spread(loader, hosts),
         },
         "loader_over_model": loader_rate / model_rate,

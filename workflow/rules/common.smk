@@ -115,7 +115,8 @@ def run_training_json(wildcards):
     settings.pop(
         "evaluate", None
     )  # where the run is evaluated does not change its weights
-    settings.pop("preflight", None)  # whether it is checked first does not change them either
+    # Whether the run is checked first does not change its weights either.
+    settings.pop("preflight", None)
     return json.dumps(settings, sort_keys=True)
 
 
@@ -126,6 +127,16 @@ def preflight_input(wildcards):
     if RUNS[wildcards.run]["preflight"]:
         return f"results/preflight/{wildcards.run}/preflight.json"
     return []
+
+
+def preflight_reports():
+    """The preflight reports of the runs with `preflight: true` (the aggregate table shows
+    their projection beside what training measured)."""
+    return [
+        f"results/preflight/{name}/preflight.json"
+        for name, run in RUNS.items()
+        if run["preflight"]
+    ]
 
 
 def _runtime_minutes(resources):

@@ -43,7 +43,7 @@ rule aggregate:
         accounting=expand("results/runs/{run}/accounting.json", run=RUNS),
         provenances=expand("results/runs/{run}/model.pt.provenance.json", run=RUNS),
         # Runs with `preflight: true`: their projection beside what training measured.
-        preflights=[f"results/preflight/{r}/preflight.json" for r in RUNS if RUNS[r]["preflight"]],
+        preflights=preflight_reports(),
     output:
         csv=report(
             "results/aggregate/runs.csv",
