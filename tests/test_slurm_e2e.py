@@ -182,40 +182,41 @@ def test_preflight_ran_on_both_nodes_before_training(slurm_run):
 def test_preflight_on_fake_gpus_reports_slurms_binding_per_rank(slurm_run, tmp_path):
     """2 nodes x 2 ranks, --gres=gpu:2 per node (the test cluster's fake GPUs), computing on
     CPU/gloo: every rank reports the CUDA_VISIBLE_DEVICES SLURM gave it and the GPU it would
-    use; --gres=gpu:1 puts two ranks of a node on one GPU: a failure with its one line."""
+    use. One sbatch of the CLI: the pipeline refuses gpus_per_node > 0 without CUDA (#18's
+    device selection will let the pipeline run's own geometry do this). Two ranks on one GPU
+    failing with its line: tests/test_workflow_local.py, tests/test_preflight.py (--gres=gpu:1
+    here gave CUDA_VISIBLE_DEVICES=0 to both ranks of a node and failed the same way)."""
     spec = json.loads(
         (slurm_run.dir / "results/preflight/resnet18-2x1/preflight_spec.json").read_text()
     )
-    reports = {}
-    for gpus in (2, 1):
-        run = {**spec["run"], "tasks_per_node": 2, "gpus_per_node": gpus, "device": "cpu"}
-        out = tmp_path / f"gpus{gpus}" / "preflight.json"
-        argv = [
-            sys.executable, "-m", "imagenet_ddp.cli", "preflight",
-            "--run-config-json", json.dumps(run),
-            "--prepared-train", spec["paths"]["prepared_train"],
-            "--split-dir", spec["paths"]["split_dir"], "--out", str(out),
-            "--train-runtime-minutes", "30", "--launcher", "srun",
-            "--scratch-dir", str(tmp_path / "scratch"), "--stage-verify", "size", "--cleanup",
-        ]  # fmt: skip
-        job = slurm_run.cluster.sbatch(
-            "--nodes=2", "--ntasks-per-node=2", f"--gres=gpu:{gpus}", "--time=10",
-            f"--output={tmp_path}/gpus{gpus}.log", "--wrap", shlex.join(argv),
-            cwd=slurm_run.dir,
-        )  # fmt: skip
-        state = slurm_run.cluster.wait_job(job, timeout=300)
-        reports[gpus] = (state, out, (tmp_path / f"gpus{gpus}.log").read_text())
-    state, out, log = reports[2]
-    assert state == "COMPLETED", log
-    ranks = json.loads(out.read_text())["ranks"]
-    assert [r["visible"] for r in ranks] == [["0", "1"]] * 4
+    run = {**spec["run"], "tasks_per_node": 2, "gpus_per_node": 2, "device": "cpu"}
+    out = tmp_path / "preflight.json"
+    argv = [
+        sys.executable, "-m", "imagenet_ddp.cli", "preflight",
+        "--run-config-json", json.dumps(run),
+        "--prepared-train", spec["paths"]["prepared_train"],
+        "--split-dir", spec["paths"]["split_dir"], "--out", str(out),
+        "--train-runtime-minutes", "30", "--launcher", "srun",
+        "--scratch-dir", str(tmp_path / "scratch"), "--stage-verify", "size", "--cleanup",
+    ]  # fmt: skip
+    job = slurm_run.cluster.sbatch(
+        "--nodes=2", "--ntasks-per-node=2", "--gres=gpu:2", "--time=10",
+        f"--output={tmp_path}/job.log", "--wrap", shlex.join(argv), cwd=slurm_run.dir,
+    )  # fmt: skip
+    state = slurm_run.cluster.wait_job(job, timeout=300)
+    assert state == "COMPLETED", (tmp_path / "job.log").read_text()
+    report = json.loads(out.read_text())
+    assert report["problems"] == []
+    ranks = report["ranks"]
+    assert [r["visible"] for r in ranks] == [["0", "1"]] * 4  # plain srun: a node's GPUs
     assert [(r["host"], r["gpu"]) for r in ranks] == [
         (host, gpu) for host in sorted(slurm_run.cluster.node_names) for gpu in "01"
     ]
-    state, out, log = reports[1]
-    assert state == "FAILED", log
-    lines = [line for line in log.splitlines() if line.startswith("preflight of run")]
-    assert len(lines) == 2 and "would all use GPU 0" in lines[0], log  # one per node
+    assert {r["slurm_job_id"] for r in ranks} == {str(job)}
+    assert "intra_node" in report["allreduce"]["sizes"][0]  # 2 nodes x 2 ranks: both scopes
+    assert report["projection"]["gpu_hours"] == pytest.approx(
+        report["projection"]["total_seconds"] / 3600 * 2 * 2
+    )
 
 
 def test_srun_overlaps_only_inside_an_existing_step(monkeypatch):

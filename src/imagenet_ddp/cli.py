@@ -117,34 +117,38 @@ def _add_prepare_parsers(sub) -> None:
     p.set_defaults(func=cmd_prepare_join)
 
 
+def _staged_job(args: argparse.Namespace) -> dict:
+    """What train and its preflight share: the data and where/how the job runs."""
+    from imagenet_ddp.jobs import execution_settings
+
+    return {
+        "prepared_train": args.prepared_train,
+        "split_dir": args.split_dir,
+        "execution": execution_settings(
+            args.launcher, args.srun_extra, args.scratch_dir, args.stage_verify, args.cleanup
+        ),
+    }
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    from imagenet_ddp.jobs import execution_settings, train_job
+    from imagenet_ddp.jobs import train_job
 
     return train_job(
         args.run_config_json,
-        prepared_train=args.prepared_train,
-        split_dir=args.split_dir,
         run_dir=args.run_dir,
         checkpoint_root=args.checkpoint_root,
-        execution=execution_settings(
-            args.launcher, args.srun_extra, args.scratch_dir, args.stage_verify, args.cleanup
-        ),
+        **_staged_job(args),
     )
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from imagenet_ddp.jobs import execution_settings
     from imagenet_ddp.preflight import preflight_job
 
     return preflight_job(
         args.run_config_json,
-        prepared_train=args.prepared_train,
-        split_dir=args.split_dir,
         out=args.out,
-        execution=execution_settings(
-            args.launcher, args.srun_extra, args.scratch_dir, args.stage_verify, args.cleanup
-        ),
         train_runtime_minutes=args.train_runtime_minutes,
+        **_staged_job(args),
     )
 
 
