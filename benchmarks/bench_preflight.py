@@ -37,7 +37,7 @@ from imagenet_ddp.preflight_rank import (  # noqa: E402
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 ASSUMED = {
-    "images": 1_281_167 * 0.95,  # the train split (holdout 5 %)
+    "images": 1_281_167 * 0.9,  # the train split (holdout_fraction 0.1)
     "prepared_bytes": 75e9,  # ~60 KB per image at short side 256, q90
     "staging_bytes_per_s": 2e9,  # per node, parallel file system -> local NVMe
     "startup_seconds": 45,  # srun steps, imports, process group, model build
