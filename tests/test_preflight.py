@@ -104,3 +104,11 @@ def test_straggler_and_starving_loader_are_named():
     assert cpus_for_loader(60.0, 3, 100.0) == 6
     fast_enough = report(ranks(r1={"loader_images_per_s": 150.0}))  # slower, still feeds
     assert fast_enough["problems"] == []
+
+
+def test_a_slow_network_fails_multi_node_gpu_runs_only():
+    gpu = ranks(**{f"r{i}": {"device": "cuda:0"} for i in range(4)})
+    lines = report(gpu)["problems"]  # busbw 1600 B / 2 ms x 1.5: far below 10 GB/s
+    assert len(lines) == 1 and lines[0].startswith("network: all-reduce bus bandwidth")
+    assert "NCCL_IB_HCA" in lines[0]
+    assert report(ranks())["problems"] == []  # gloo on CPU: no such expectation
