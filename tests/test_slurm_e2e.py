@@ -35,7 +35,15 @@ RUNS = [
     {"name": "resnet18-2x1", "nodes": 2, "tasks_per_node": 1, "evaluate": {"nodes": 2}},
     # 2 nodes x 2 fake GPUs, one rank per GPU; evaluated on one node's 2 GPUs (the default).
     # batch 8 per rank: the global batch (32) and step count of a 2-rank run, which learns.
-    {"name": GPU_RUN, "nodes": 2, "tasks_per_node": 2, "gpus_per_node": 2, "batch_size": 8},
+    # Trains after a passing preflight on its geometry (one more sbatch job, same snakemake).
+    {
+        "name": GPU_RUN,
+        "nodes": 2,
+        "tasks_per_node": 2,
+        "gpus_per_node": 2,
+        "batch_size": 8,
+        "preflight": True,
+    },
     {"name": "resnet18-1x1", "nodes": 1, "tasks_per_node": 1},
 ]
 
@@ -190,6 +198,44 @@ def test_accounting_of_each_training_job_comes_from_sacct(slurm_run):
         assert int(record["alloc_tres"]["cpu"]) >= run["nodes"] * run["tasks_per_node"], record
         assert table.loc[run["name"], "slurm_state"] == "COMPLETED"
         assert table.loc[run["name"], "slurm_core_hours"] > 0
+
+
+def test_preflight_ran_on_the_fake_gpus_before_training(slurm_run):
+    """The GPU run's preflight, in the same snakemake call: 2 nodes x 2 ranks on the fake GPUs
+    (computing on CPU/gloo); every rank reports the CUDA_VISIBLE_DEVICES SLURM gave it and the
+    GPU it would use. Two ranks on one GPU failing with its line: tests/test_workflow_local.py,
+    tests/test_preflight.py (by hand here, --gres=gpu:1 gave CUDA_VISIBLE_DEVICES=0 to both
+    ranks of a node and failed the same way)."""
+    preflight = slurm_run.jobs[f"rule_preflight_run_wildcards_{GPU_RUN}"]
+    assert preflight["nnodes"] == 2 and preflight["state"] == "COMPLETED"
+    train = slurm_run.jobs[f"rule_train_wildcards_{GPU_RUN}"]
+    assert preflight["id"] < train["id"]  # submitted first: train depends on it
+    folder = slurm_run.dir / "results/preflight" / GPU_RUN
+    report = json.loads((folder / "preflight.json").read_text())
+    assert report["problems"] == [], report["problems"]
+    assert sorted(report["nodes"]) == sorted(slurm_run.cluster.node_names)
+    ranks = report["ranks"]
+    assert {r["slurm_job_id"] for r in ranks} == {str(preflight["id"])}
+    assert [r["visible"] for r in ranks] == [["0", "1"]] * 4  # plain srun: a node's GPUs
+    assert [(r["host"], r["gpu"]) for r in ranks] == [
+        (host, gpu) for host in sorted(slurm_run.cluster.node_names) for gpu in "01"
+    ]
+    allreduce = report["allreduce"]
+    n = 4  # nccl-tests' bus bandwidth: algbw x 2(n-1)/n
+    assert allreduce["busbw_gbps"] == pytest.approx(allreduce["algbw_gbps"] * 2 * (n - 1) / n)
+    assert allreduce["busbw_gbps"] > 0
+    assert "intra_node" in allreduce["sizes"][0]  # 2 nodes x 2 ranks: both scopes
+    for node in report["nodes"].values():  # each node staged into its job's scratch
+        assert node["staging"]["bytes"] > 0 and node["staging"]["gb_per_s"] > 0
+    # train's time limit (the test profile's 30 min) is what allocations are counted in
+    assert report["projection"]["train_runtime_minutes"] == 30
+    assert report["projection"]["allocations"] == 1
+    assert report["projection"]["gpu_hours"] == pytest.approx(
+        report["projection"]["total_seconds"] / 3600 * 2 * 2
+    )
+    table = pd.read_csv(slurm_run.dir / "results/aggregate/runs.csv").set_index("run")
+    measured = table.loc[GPU_RUN, "epoch_seconds_over_preflight"]
+    assert 1 / 4 < measured < 4, measured  # the factor README "First run on a new cluster" states
 
 
 def test_srun_overlaps_only_inside_an_existing_step(monkeypatch):

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
@@ -23,6 +26,9 @@ def local_run(tmp_path_factory):
     from tests.workflow_helpers import copy_workflow
 
     workdir = copy_workflow(tmp_path_factory.mktemp("local-e2e"))
+    config = read_config(workdir)
+    config["train_defaults"]["preflight"] = True  # every run trains after its preflight
+    write_config(workdir, config)
     snakemake(workdir, "--profile", "profiles/local")
     return workdir
 
@@ -105,6 +111,61 @@ def test_training_used_the_configured_ranks_and_recorded_throughput(local_run):
     assert not any((local_run / "scratch").rglob("*.tar")), "staged copy was not cleaned up"
 
 
+# The demo's projection against the training that followed it, on a 2-core machine that other
+# jobs share; measured 2.2x (the preflight's step ran alone, training's shares its rank's core
+# with its loader and metrics). On a GPU node the step dominates and the factor is smaller.
+PROJECTION_FACTOR = 4
+
+
+def test_preflight_ran_first_and_its_figures_follow_their_definitions(local_run):
+    report = json.loads((local_run / "results/preflight/resnet18-1x2/preflight.json").read_text())
+    assert report["problems"] == [] and report["world_size"] == 2
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    allreduce = report["allreduce"]
+    assert allreduce["busbw_gbps"] == pytest.approx(allreduce["algbw_gbps"] * 2 * 1 / 2)
+    assert allreduce["bytes"] == allreduce["gradient_bytes"] > 0
+    rates = report["loader"]["images_per_s"] / report["model"]["images_per_s"]
+    assert report["loader_over_model"] == pytest.approx(rates)
+    projection = report["projection"]
+    assert projection["allocations"] == 1 and projection["train_runtime_minutes"] is None
+    trained = json.loads((local_run / "results/runs/resnet18-1x2/train_metrics.json").read_text())
+    ratio = trained["mean_epoch_seconds"] / projection["epoch_seconds"]
+    assert 1 / PROJECTION_FACTOR < ratio < PROJECTION_FACTOR, ratio
+    assert "problems: none" in (local_run / "logs/preflight/resnet18-1x2.log").read_text()
+    table = pd.read_csv(local_run / "results/aggregate/runs.csv").set_index("run")
+    assert table.loc["resnet18-1x2", "preflight_epoch_seconds"] == pytest.approx(
+        projection["epoch_seconds"]
+    )
+
+
+def test_preflight_fails_with_one_line_per_problem(local_run, tmp_path):
+    """Two ranks forced onto one GPU (CUDA_VISIBLE_DEVICES=0 for both; CPU compute) and a run
+    that needs more allocations than allowed: one `imagenet-ddp preflight`, exit 1."""
+    run = json.loads((local_run / "results/preflight/resnet18-1x2/preflight_spec.json").read_text())
+    settings = {**run["run"], "device": "cpu", "gpus_per_node": 1, "epochs": 5000}
+    settings["max_allocations"] = 2
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "imagenet_ddp.cli", "preflight",
+            "--run-config-json", json.dumps(settings),
+            "--prepared-train", "results/prepared/train", "--split-dir", "results/split",
+            "--out", str(tmp_path / "preflight.json"), "--train-runtime-minutes", "1",
+            "--launcher", "local", "--scratch-dir", str(tmp_path / "scratch"),
+            "--stage-verify", "size", "--cleanup",
+        ],
+        cwd=local_run, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("preflight of run")]
+    assert len(lines) == 2, result.stderr
+    assert "placement: ranks 0, 1 on" in lines[0] and "would all use GPU 0" in lines[0]
+    assert "allocations:" in lines[1] and "max_allocations is 2" in lines[1]
+    assert not (tmp_path / "preflight.json").exists()  # nothing that looks like a pass
+    failed = json.loads((tmp_path / "preflight.failed.json").read_text())
+    assert [r["gpu"] for r in failed["ranks"]] == ["0", "0"]
+
+
 def test_split_is_stratified(local_run):
     counts = pd.read_csv(local_run / "results/split/class_counts.csv")
     totals = counts["train"] + counts["holdout"]
@@ -126,7 +187,8 @@ def test_changing_one_runs_lr_reruns_only_that_run(local_run):
     finally:
         write_config(local_run, original)
     assert plan == {
-        "train": 1, "evaluate": 1, "accounting": 1, "aggregate": 1, "plots": 1, "all": 1
+        "preflight_run": 1, "train": 1, "evaluate": 1, "accounting": 1, "aggregate": 1,
+        "plots": 1, "all": 1,
     }, plan  # fmt: skip
 
 
@@ -151,7 +213,8 @@ def test_sweep_of_the_same_runs_is_up_to_date_and_one_axis_value_reruns_only_its
         write_config(local_run, original)
     assert unchanged == {}, unchanged
     assert changed == {
-        "train": 1, "evaluate": 1, "accounting": 1, "aggregate": 1, "plots": 1, "all": 1
+        "preflight_run": 1, "train": 1, "evaluate": 1, "accounting": 1, "aggregate": 1,
+        "plots": 1, "all": 1,
     }, changed  # fmt: skip
     assert "wildcards: run=resnet18-1x1" in result.stdout
     assert "wildcards: run=resnet18-1x2" not in result.stdout
@@ -167,8 +230,8 @@ def test_changing_split_seed_reruns_split_and_downstream_only(local_run):
     finally:
         write_config(local_run, original)
     assert plan == {
-        "split": 1, "train": 2, "evaluate": 2, "accounting": 1, "aggregate": 1, "plots": 1,
-        "all": 1,
+        "split": 1, "preflight_run": 2, "train": 2, "evaluate": 2, "accounting": 1,
+        "aggregate": 1, "plots": 1, "all": 1,
     }, plan  # fmt: skip
 
 

@@ -41,6 +41,18 @@ COST_COLUMNS = [
     "slurm_max_rss_gb",
 ]
 
+# What the run's preflight (imagenet_ddp.preflight) projected, beside what training measured
+# (mean_epoch_seconds, images_per_s, wall_seconds); empty for a run without a preflight.
+PREFLIGHT_COLUMNS = [
+    "preflight_epoch_seconds",
+    "preflight_images_per_s",
+    "preflight_total_seconds",
+    "preflight_allocations",
+    "preflight_busbw_gbps",
+    "preflight_loader_over_model",
+    "epoch_seconds_over_preflight",
+]
+
 COLUMNS = [
     "run",
     "model",
@@ -68,6 +80,7 @@ COLUMNS = [
     "test_top1",
     "test_top5",
     "wall_seconds",
+    *PREFLIGHT_COLUMNS,
     *COST_COLUMNS,
     "git_commit",
 ]
@@ -181,8 +194,28 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         "test_top1": evaluation["test"]["top1"],
         "test_top5": evaluation["test"]["top5"],
         "wall_seconds": job["wall_seconds"],
+        **preflight_row(
+            _read_optional(run_dir.parent.parent / "preflight" / run_dir.name / "preflight.json"),
+            train["mean_epoch_seconds"],
+        ),
         **cost_row(train.get("cost"), _read_optional(run_dir / "accounting.json")),
         "git_commit": provenance["code"].get("git_commit", "unknown"),
+    }
+
+
+def preflight_row(report: dict[str, Any] | None, epoch_seconds: float | None) -> dict[str, Any]:
+    """The preflight's projection of a run (NaN without one) and measured / projected."""
+    if report is None:
+        return dict.fromkeys(PREFLIGHT_COLUMNS, float("nan"))
+    projection = report["projection"]
+    return {
+        "preflight_epoch_seconds": projection["epoch_seconds"],
+        "preflight_images_per_s": projection["images_per_s"],
+        "preflight_total_seconds": projection["total_seconds"],
+        "preflight_allocations": _float(projection["allocations"]),
+        "preflight_busbw_gbps": report["allreduce"]["busbw_gbps"],
+        "preflight_loader_over_model": report["loader_over_model"],
+        "epoch_seconds_over_preflight": _float(epoch_seconds) / projection["epoch_seconds"],
     }
 
 

@@ -2,7 +2,7 @@
 
 Each subcommand only parses its arguments and calls its stage's one function
 (demo.write_demo_dataset, archives.write_verify_report, archives.write_index,
-split.split_index, prepare.prepare, jobs.train_job, jobs.evaluate_job,
+split.split_index, prepare.prepare, jobs.train_job, preflight.preflight_job, jobs.evaluate_job,
 aggregate.write_aggregate, plots.make_plots). Every stage writes its artifact atomically and
 its provenance beside it (:func:`imagenet_ddp.provenance.provenance_path`). A bad input raises
 :class:`InputError`, printed as one line that names the file and what to do (exit 2)."""
@@ -117,27 +117,60 @@ def _add_prepare_parsers(sub) -> None:
     p.set_defaults(func=cmd_prepare_join)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from imagenet_ddp.jobs import execution_settings, train_job
+def _staged_job(args: argparse.Namespace) -> dict:
+    """What train and its preflight share: the data and where/how the job runs."""
+    from imagenet_ddp.jobs import execution_settings
 
+    return {
+        "prepared_train": args.prepared_train,
+        "split_dir": args.split_dir,
+        "execution": execution_settings(
+            args.launcher,
+            args.srun_extra,
+            args.scratch_dir,
+            args.stage_verify,
+            args.cleanup,
+            launch_prefix=args.launch_prefix,
+        ),
+    }
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from imagenet_ddp.jobs import train_job
+
+    job = _staged_job(args)
+    job["execution"]["attempt"] = args.attempt  # Snakemake's attempt: a resubmission if > 1
     return train_job(
-        args.run_config_json,
-        prepared_train=args.prepared_train,
-        split_dir=args.split_dir,
-        run_dir=args.run_dir,
-        checkpoint_root=args.checkpoint_root,
-        execution={
-            **execution_settings(
-                args.launcher,
-                args.srun_extra,
-                args.scratch_dir,
-                args.stage_verify,
-                args.cleanup,
-                launch_prefix=args.launch_prefix,
-            ),
-            "attempt": args.attempt,
-        },
+        args.run_config_json, run_dir=args.run_dir, checkpoint_root=args.checkpoint_root, **job
     )
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from imagenet_ddp.preflight import preflight_job
+
+    return preflight_job(
+        args.run_config_json,
+        out=args.out,
+        train_runtime_minutes=args.train_runtime_minutes,
+        **_staged_job(args),
+    )
+
+
+def _add_staged_job_arguments(p: argparse.ArgumentParser) -> None:
+    """A job that stages the prepared copy and runs a run's ranks: train and its preflight."""
+    p.add_argument(
+        "--run-config-json",
+        type=json.loads,
+        required=True,
+        help="the run's settings, geometry (nodes, tasks_per_node, cpus_per_task, "
+        "gpus_per_node) included",
+    )
+    p.add_argument("--prepared-train", type=Path, required=True)
+    p.add_argument("--split-dir", type=Path, required=True)
+    _add_launcher_arguments(p)
+    p.add_argument("--scratch-dir", type=Path, required=True)
+    p.add_argument("--stage-verify", choices=["size", "sha256"], required=True)
+    p.add_argument("--cleanup", action=argparse.BooleanOptionalAction, required=True)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -272,21 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prepare_parsers(sub)
 
     p = sub.add_parser("train", help="stage data on every node and run DDP training")
-    p.add_argument(
-        "--run-config-json",
-        type=json.loads,
-        required=True,
-        help="the run's settings, geometry (nodes, tasks_per_node, cpus_per_task, "
-        "gpus_per_node) included",
-    )
-    p.add_argument("--prepared-train", type=Path, required=True)
-    p.add_argument("--split-dir", type=Path, required=True)
+    _add_staged_job_arguments(p)
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--checkpoint-root", type=Path, required=True)
-    _add_launcher_arguments(p)
-    p.add_argument("--scratch-dir", type=Path, required=True)
-    p.add_argument("--stage-verify", choices=["size", "sha256"], required=True)
-    p.add_argument("--cleanup", action=argparse.BooleanOptionalAction, required=True)
     p.add_argument(
         "--attempt",
         type=int,
@@ -295,6 +316,19 @@ def build_parser() -> argparse.ArgumentParser:
         "attempt that failed without progress is refused, and none above max_allocations runs",
     )
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "preflight", help="check a run's placement, network, step and loader speed; project it"
+    )
+    _add_staged_job_arguments(p)
+    p.add_argument("--out", type=Path, required=True, help="preflight.json")
+    p.add_argument(
+        "--train-runtime-minutes",
+        type=lambda v: None if v == "none" else float(v),
+        required=True,
+        help="the train rule's time limit per allocation, or 'none'",
+    )
+    p.set_defaults(func=cmd_preflight)
 
     _add_evaluate_parser(sub)
 

@@ -11,6 +11,10 @@ A training spec::
      "paths": {"prepared_train", "split_dir", "run_dir", "checkpoint_root"},
      "execution": {"launcher", "srun_extra", "scratch_dir", "stage_verify", "cleanup"}}
 
+A preflight spec (:mod:`imagenet_ddp.preflight`) is a training spec of ``"kind": "preflight"``
+with ``paths.out`` (preflight.json) and a ``preflight`` block (train_runtime_minutes,
+max_allocations); it stages like training.
+
 An evaluation spec has ``"kind": "evaluate"``, ``geometry`` (nodes, tasks_per_node,
 cpus_per_task, gpus_per_node), ``settings`` (batch_size, workers, device), ``paths`` (model,
 prepared_train, prepared_val, split_dir, classes, out, per_class) and ``execution``.
@@ -39,16 +43,18 @@ def write_spec(path: str | os.PathLike[str], spec: dict[str, Any]) -> Path:
     return path
 
 
-def read_spec(path: str | os.PathLike[str], kind: str) -> dict[str, Any]:
+def read_spec(path: str | os.PathLike[str], kind: str | tuple[str, ...]) -> dict[str, Any]:
+    """The spec at ``path``, of kind ``kind`` (or of one of the kinds ``kind`` lists)."""
     spec = json.loads(Path(path).read_text())
-    if spec.get("kind") != kind:
+    kinds = (kind,) if isinstance(kind, str) else kind
+    if spec.get("kind") not in kinds:
         raise ValueError(f"{path}: a {spec.get('kind')!r} job spec, expected {kind!r}")
     return spec
 
 
 def geometry_of(spec: dict[str, Any]) -> dict[str, int]:
     """nodes, tasks_per_node, cpus_per_task of either kind of spec: what the launcher needs."""
-    source = spec["run"] if spec["kind"] == "train" else spec["geometry"]
+    source = spec["run"] if "run" in spec else spec["geometry"]  # train, preflight: the run's
     return {key: source[key] for key in ("nodes", "tasks_per_node", "cpus_per_task")}
 
 

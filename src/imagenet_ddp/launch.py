@@ -40,6 +40,7 @@ from imagenet_ddp.stage import (
 
 # Below Linux's default ephemeral range (32768-60999), so it cannot collide with client ports.
 MASTER_PORT_BASE, MASTER_PORT_SPAN = 15000, 15000
+STAGED_KINDS = ("train", "preflight")  # jobs that stage the prepared copy on every node
 
 
 @dataclass(frozen=True)
@@ -250,7 +251,7 @@ def run_training(spec_path: Path) -> int:
     code = 1
     try:
         with attempts.Heartbeat(root, entry):
-            code = _train_job(spec_path, spec, geometry)
+            code = run_staged(spec_path, spec, "worker")
     except Exception as error:
         entry["error"] = f"launcher on {socket.gethostname()}: {type(error).__name__}: {error}"
         raise
@@ -259,15 +260,17 @@ def run_training(spec_path: Path) -> int:
     return code
 
 
-def _train_job(spec_path: Path, spec: dict, geometry: Geometry) -> int:
-    execution = spec["execution"]
+def run_staged(spec_path: Path, spec: dict, rank_command: str) -> int:
+    """Stage on every node, run ``rank_command`` as the job's ranks, clean up: the exit code.
+    Training (``worker``) and its preflight (``preflight-worker``) stage the same way."""
+    geometry, execution = geometry_of_spec(spec), spec["execution"]
     launcher, cleanup = execution["launcher"], execution["cleanup"]
     on_spec = ["--spec", str(spec_path)]
     if launcher == "local":
         _check_local(geometry)
         stage_this_node(spec)
         try:
-            worker = [sys.executable, "-m", "imagenet_ddp.launch", "worker", *on_spec]
+            worker = [sys.executable, "-m", "imagenet_ddp.launch", rank_command, *on_spec]
             code, _ = launch_ranks(launcher, geometry, worker)
         finally:
             if cleanup:
@@ -275,7 +278,7 @@ def _train_job(spec_path: Path, spec: dict, geometry: Geometry) -> int:
         return code
 
     me = [*task_python(), "-m", "imagenet_ddp.launch"]
-    worker = [*me, "worker", *on_spec]
+    worker = [*me, rank_command, *on_spec]
     extra = _srun_extra(spec)
     stage = [*srun_argv(geometry, per_node=True, extra=extra), *me, "stage-node", *on_spec]
     code, signalled = _run_step(stage, geometry)
@@ -457,15 +460,16 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m imagenet_ddp.launch")
     parser.add_argument(
-        "command", choices=["stage-node", "unstage-node", "worker", "evaluate-worker"]
+        "command",
+        choices=["stage-node", "unstage-node", "worker", "evaluate-worker", "preflight-worker"],
     )
     parser.add_argument("--spec", type=Path, required=True, help="the job spec file")
     args = parser.parse_args(argv)
     if args.command == "stage-node":
-        stage_this_node(read_spec(args.spec, "train"))
+        stage_this_node(read_spec(args.spec, STAGED_KINDS))
         return 0
     if args.command == "unstage-node":
-        unstage_this_node(read_spec(args.spec, "train"))
+        unstage_this_node(read_spec(args.spec, STAGED_KINDS))
         return 0
     if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
         rendezvous_from_slurm_env()
@@ -473,6 +477,10 @@ def main(argv: list[str] | None = None) -> int:
         from imagenet_ddp import evaluate as evaluation
 
         return evaluation.main(["--spec", str(args.spec)])
+    if args.command == "preflight-worker":  # reads the copy its host staged, like training
+        from imagenet_ddp import preflight_rank
+
+        return preflight_rank.main(["--spec", str(args.spec)])
     from imagenet_ddp import train
 
     return train.main(["--spec", str(args.spec)])  # it reads the copy its host staged

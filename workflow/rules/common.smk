@@ -120,7 +120,47 @@ def run_training_json(wildcards):
     settings.pop(
         "evaluate", None
     )  # where the run is evaluated does not change its weights
+    # Whether the run is checked first does not change its weights either.
+    settings.pop("preflight", None)
     return json.dumps(settings, sort_keys=True)
+
+
+def preflight_input(wildcards):
+    """A passing preflight before `train` for runs with `preflight: true`. Not ancient(): with
+    it, Snakemake 9 skips train's params check while the preflight is rerun, so a changed
+    setting would rerun the preflight but not the training (seen in a dry-run)."""
+    if RUNS[wildcards.run]["preflight"]:
+        return f"results/preflight/{wildcards.run}/preflight.json"
+    return []
+
+
+def preflight_reports():
+    """The preflight reports of the runs with `preflight: true` (the aggregate table shows
+    their projection beside what training measured)."""
+    return [
+        f"results/preflight/{name}/preflight.json"
+        for name, run in RUNS.items()
+        if run["preflight"]
+    ]
+
+
+def _runtime_minutes(resources):
+    """A rule's `runtime` when it is a number (set-resources parses 24h to 1440); None else."""
+    if resources is None or "runtime" not in resources:
+        return None
+    value = resources["runtime"].value
+    return value if isinstance(value, (int, float)) else None
+
+
+def train_runtime_minutes(wildcards):
+    """The train rule's time limit per allocation (set-resources, else default-resources), for
+    the preflight's projection; 'none' where no limit is set (a local run). An expression
+    (e.g. `60 * attempt`) is not evaluated here: 'none' too."""
+    overwrite = workflow.resource_settings.overwrite_resources
+    minutes = _runtime_minutes(overwrite["train"]) if "train" in overwrite else None
+    if minutes is None:
+        minutes = _runtime_minutes(workflow.resource_settings.default_resources)
+    return "none" if minutes is None else minutes
 
 
 # Not weights: how a run is executed or logged (the geometry is shown under resources).
@@ -128,7 +168,7 @@ _NOT_HYPERPARAMETERS = {
     "name", "evaluate", "workers", "device", "backend", "log_interval", "timeout_minutes",
     "max_allocations", "checkpoint_interval_minutes",
     "throughput_warmup_steps", "keep_checkpoints", "nodes", "tasks_per_node",
-    "cpus_per_task", "gpus_per_node", "gpu_type", "mlflow_uri",
+    "cpus_per_task", "gpus_per_node", "gpu_type", "mlflow_uri", "preflight",
 }  # fmt: skip
 
 

@@ -42,6 +42,8 @@ rule aggregate:
         jobs=expand("results/runs/{run}/job.json", run=RUNS),
         accounting=expand("results/runs/{run}/accounting.json", run=RUNS),
         provenances=expand("results/runs/{run}/model.pt.provenance.json", run=RUNS),
+        # Runs with `preflight: true`: their projection beside what training measured.
+        preflights=preflight_reports(),
     output:
         csv=report(
             "results/aggregate/runs.csv",

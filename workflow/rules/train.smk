@@ -3,6 +3,7 @@ rule train:
         prepared=f"{PREPARED_DIR}/train",
         split_train="results/split/train.csv",
         split_holdout="results/split/holdout.csv",
+        preflight=preflight_input,  # runs with `preflight: true`: a passing preflight first
     output:
         model="results/runs/{run}/model.pt",
         metrics="results/runs/{run}/train_metrics.json",
@@ -118,3 +119,61 @@ rule evaluate:
         " --tasks-per-node {resources.eval_tasks_per_node}"
         " --cpus-per-task {resources.cpus_per_task}"
         " --gpus-per-node {resources.eval_gpus_per_node} > {log:q} 2>&1"
+
+
+# The preflight of a run (imagenet_ddp.preflight): its exact geometry and SLURM shape, staging
+# as training does, then per rank placement, all-reduce, the training step and the loader, and
+# the run's projection; it fails with one line per problem. `snakemake preflight` checks
+# every run; `preflight: true` makes the run's `train` wait for a passing one.
+rule preflight_run:
+    input:
+        prepared=f"{PREPARED_DIR}/train",
+        split_train="results/split/train.csv",
+        split_holdout="results/split/holdout.csv",
+    output:
+        report="results/preflight/{run}/preflight.json",
+    log:
+        "logs/preflight/{run}.log",
+    conda:
+        "../envs/imagenet-ddp.yaml"
+    container:
+        CONTAINER
+    threads:
+        lambda wildcards: RUNS[wildcards.run]["tasks_per_node"]
+        * RUNS[wildcards.run]["cpus_per_task"]
+    resources:
+        # The train rule's shape (see there); a short time limit of its own (a profile's
+        # set-resources may change it).
+        nodes=run_geometry("nodes"),
+        tasks_per_node=slurm_resource("tasks_per_node"),
+        tasks=slurm_resource("tasks"),
+        cpus_per_task=run_geometry("cpus_per_task"),
+        gres=slurm_resource("gres"),
+        tasks_per_gpu=0,
+        mpi=slurm_resource("mpi"),
+        runtime=30,
+        launcher=execution_setting("execution", "launcher"),
+        srun_extra=execution_setting("execution", "srun_extra"),
+        scratch_dir=execution_setting("stage", "scratch_dir"),
+        stage_verify=execution_setting("stage", "verify"),
+        stage_cleanup=(
+            "cleanup" if execution_setting("stage", "cleanup") else "no-cleanup"
+        ),
+        # What train's allocations are measured in (not a result: no rerun when it changes).
+        train_runtime=train_runtime_minutes,
+    params:
+        run_config=run_training_json,
+        split_dir=lambda wildcards, input: os.path.dirname(input.split_train),
+    shell:
+        "exec imagenet-ddp preflight --run-config-json {params.run_config:q}"
+        " --prepared-train {input.prepared:q} --split-dir {params.split_dir:q}"
+        " --out {output.report:q} --train-runtime-minutes {resources.train_runtime}"
+        " --launcher {resources.launcher} --srun-extra={resources.srun_extra:q}"
+        " --scratch-dir {resources.scratch_dir:q} --stage-verify {resources.stage_verify}"
+        " --{resources.stage_cleanup} > {log:q} 2>&1"
+
+
+# `snakemake preflight`: the preflight of every run (a target; nothing trains).
+rule preflight:
+    input:
+        expand("results/preflight/{run}/preflight.json", run=RUNS),

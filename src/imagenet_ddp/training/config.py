@@ -31,6 +31,7 @@ NOT_IN_FINGERPRINT = (
     "extra",
     "gpu_type",  # where it trains, like the geometry
     "mlflow_uri",
+    "preflight",
     *GEOMETRY_KEYS,
 )
 # Added after checkpoints existed: left out of the key at their defaults, so runs keep resuming
@@ -98,6 +99,8 @@ class TrainConfig:
     progressive_end_epoch: int = 0  # ... to this one
     progressive_multiple: int = 32  # crop sizes in between are rounded to multiples of this
     eval_crop_size: int = 0  # 0: crop_size; evaluation's centre crop (after eval_resize)
+    preflight: bool = False  # train only after a passing preflight (imagenet_ddp.preflight)
+    max_allocations: int = 10  # most SLURM jobs one run may use (the preflight checks it)
     # The job's geometry as the workflow asked SLURM for it; None: read from the environment.
     nodes: int | None = None
     tasks_per_node: int | None = None

@@ -1,0 +1,286 @@
+"""One rank of a preflight: placement, all-reduce, the run's training step and its loader.
+
+Started by the launcher like a training rank (``preflight-worker``), on the copy its host
+staged. It builds the run's model, DDP wrapper, optimizer and step with the training code
+itself (:func:`imagenet_ddp.training.worker.build_job`, :func:`.loop.train_step`), so what it
+times is what training will run. Rank 0 gathers every rank's figures and writes the report
+(:mod:`imagenet_ddp.preflight_report`).
+
+Budget (README "First run on a new cluster"): fixed step counts, whatever the data set; the
+loader reads a seeded sample of the staged copy. Only staging (the full copy, as training
+does) and ``torch.compile`` grow with the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from imagenet_ddp import distributed as D
+from imagenet_ddp.io import write_json_atomic
+from imagenet_ddp.job_spec import STAGING_DIR, read_spec, staged_copy
+from imagenet_ddp.preflight_report import build_report, collective_figures, table
+from imagenet_ddp.prepared import PreparedImageDataset
+from imagenet_ddp.signals import stop_signals_blocked
+from imagenet_ddp.training import recipe
+from imagenet_ddp.training.config import TrainConfig, resolve_geometry
+from imagenet_ddp.training.data import (
+    EpochSampler,
+    SeededAugmentation,
+    read_ids,
+    shutdown_loader_workers,
+    train_loader,
+)
+from imagenet_ddp.training.loop import train_step
+from imagenet_ddp.training.metrics import synchronize
+from imagenet_ddp.training.worker import build_job, seed_everything
+
+# Fixed step counts: the preflight's time does not grow with the data set.
+# The first warm-up step holds torch.compile; "timed" steps with DDP, then as many without
+# its all-reduce (a rank's own speed).
+MODEL_STEPS = {"warmup": 3, "timed": 10}
+LOADER_BATCHES = {"warmup": 2, "timed": 10}
+ALLREDUCE_OPS = {"warmup": 2, "timed": 5}
+SIZE_FACTORS = (1 / 16, 1 / 4, 1, 2)  # all-reduce sizes around the run's gradient size
+
+
+def placement(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> dict:
+    """Where this rank runs and which GPU it uses (on a GPU node) or would use (CPU compute on
+    a node with GPUs: CUDA_VISIBLE_DEVICES[local_rank % visible], as select_device picks)."""
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
+    record = {
+        "rank": info.rank,
+        "local_rank": info.local_rank,
+        "host": info.host,
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "slurm_step_id": os.environ.get("SLURM_STEP_ID"),
+        "slurm_procid": os.environ.get("SLURM_PROCID"),
+        "visible": visible,
+        "device": str(device),
+        "gpu": None,
+        "gpu_name": None,
+        "gpu_memory_gb": None,
+        "gpu_uuid": None,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        record.update(
+            gpu=str(props.uuid), gpu_name=props.name, gpu_memory_gb=props.total_memory / 1e9,
+            gpu_uuid=str(props.uuid),
+        )  # fmt: skip
+    elif (cfg.gpus_per_node or 0) > 0:
+        ids = visible or [str(i) for i in range(cfg.gpus_per_node)]
+        record["gpu"] = ids[info.local_rank % len(ids)]
+    return record
+
+
+def _peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    # CPU: the process's peak resident memory (ru_maxrss is in KiB on Linux).
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def _step_seconds(job, images, targets, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` training steps, the device synchronized after each."""
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        train_step(job, images, targets, 0)
+        synchronize(job.device)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def _without_allreduce(job):
+    """DDP's no_sync(): the step without its gradient all-reduce, so a rank's own speed shows
+    (with it every rank waits for the slowest, and all report the same rate)."""
+    ddp = getattr(job.step_model, "_orig_mod", job.step_model)  # under torch.compile
+    return ddp.no_sync() if isinstance(ddp, DistributedDataParallel) else contextlib.nullcontext()
+
+
+def model_step(job, cfg: TrainConfig, num_classes: int) -> dict:
+    """img/s of the run's training step on a fixed random batch (the loader untouched): the
+    DDP step (all-reduce included: what training runs) and the rank's compute alone; medians
+    of per-step times. torch.compile's time is the first step's excess over a steady one."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    crop = cfg.crop_for_epoch(0)
+    images = torch.randn(cfg.batch_size, 3, crop, crop, generator=g).to(job.device)
+    targets = torch.randint(0, num_classes, (cfg.batch_size,), generator=g).to(job.device)
+    job.step_model.train()
+    first = _step_seconds(job, images, targets, MODEL_STEPS["warmup"])[0]
+    D.barrier()
+    step = statistics.median(_step_seconds(job, images, targets, MODEL_STEPS["timed"]))
+    with _without_allreduce(job):
+        compute = statistics.median(_step_seconds(job, images, targets, MODEL_STEPS["timed"]))
+    return {
+        "model_images_per_s": cfg.batch_size / step,
+        "compute_images_per_s": cfg.batch_size / compute,
+        "compile_seconds": max(0.0, first - step) if cfg.compile else 0.0,
+        "peak_memory_gb": _peak_memory_gb(job.device),
+        "peak_memory_kind": "device" if job.device.type == "cuda" else "host RSS",
+    }
+
+
+def _time_allreduce(numel: int, group, device: torch.device) -> float:
+    """Seconds per all-reduce of ``numel`` fp32 values on ``group``, after warm-up."""
+    tensor = torch.ones(numel, dtype=torch.float32, device=device)
+    for _ in range(ALLREDUCE_OPS["warmup"]):
+        dist.all_reduce(tensor, group=group)
+    synchronize(device)
+    dist.barrier(group=group)
+    started = time.perf_counter()
+    for _ in range(ALLREDUCE_OPS["timed"]):
+        dist.all_reduce(tensor, group=group)
+    synchronize(device)
+    return (time.perf_counter() - started) / ALLREDUCE_OPS["timed"]
+
+
+def collectives(gradient_bytes: int, device: torch.device, hosts: list[str], rank: int) -> dict:
+    """This rank's seconds per all-reduce, per scope (``world``; ``intra_node``: its node's
+    ranks, when there are several nodes with several ranks each) and size in bytes."""
+    sizes = sorted({max(4, int(gradient_bytes * f)) // 4 * 4 for f in SIZE_FACTORS})
+    if len(hosts) == 1:
+        return {"world": {str(n): 0.0 for n in sizes}}  # one rank: nothing to reduce
+    scopes = {"world": None}
+    nodes = sorted(set(hosts), key=hosts.index)
+    if 1 < len(nodes) < len(hosts):
+        for host in nodes:  # every rank creates every group, in the same order
+            group = dist.new_group([r for r, h in enumerate(hosts) if h == host])
+            if hosts[rank] == host:
+                scopes["intra_node"] = group
+    return {
+        scope: {str(n): _time_allreduce(n // 4, group, device) for n in sizes}
+        for scope, group in scopes.items()
+    }
+
+
+def _cycle(loader, sampler):
+    """The loader's batches, epoch after epoch (a small sample runs out within the budget)."""
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        with stop_signals_blocked():  # workers are forked here; see imagenet_ddp.signals
+            iterator = iter(loader)
+        yield from iterator
+        epoch += 1
+
+
+def loader_rate(cfg: TrainConfig, base, info: D.DistInfo, workers: int, device) -> dict:
+    """img/s of this rank's DataLoader with the run's augmentation and workers; start-up (the
+    workers' fork and first batch) apart."""
+    dataset = SeededAugmentation(base, recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
+    sampler = EpochSampler(len(dataset), info.world_size, info.rank, cfg.seed)
+    if len(sampler) < cfg.batch_size:
+        raise ValueError(
+            f"run {cfg.run!r}: batch_size {cfg.batch_size} x {info.world_size} ranks exceeds the "
+            f"{len(dataset)} sampled training images; lower batch_size"
+        )
+    loader = train_loader(dataset, sampler, cfg.batch_size, workers, pin=device.type == "cuda")
+    batches = _cycle(loader, sampler)
+    started = time.perf_counter()
+    for _ in range(LOADER_BATCHES["warmup"]):
+        images, _ = next(batches)
+    startup = time.perf_counter() - started
+    started = time.perf_counter()
+    for _ in range(LOADER_BATCHES["timed"]):
+        images, _ = next(batches)
+        images = images.to(device, non_blocking=True)
+    synchronize(device)
+    seconds = time.perf_counter() - started
+    batches.close()
+    shutdown_loader_workers(loader)
+    return {
+        "loader_images_per_s": LOADER_BATCHES["timed"] * cfg.batch_size / seconds,
+        "loader_startup_seconds": startup,
+        "workers": workers,
+    }
+
+
+def sample_ids(ids: list[int], world: int, batch: int, seed: int) -> list[int]:
+    """A seeded sample of the training ids, enough for every rank's loader batches."""
+    wanted = world * batch * (LOADER_BATCHES["warmup"] + LOADER_BATCHES["timed"] + 1)
+    if wanted >= len(ids):
+        return list(ids)
+    return sorted(np.random.default_rng(seed).choice(ids, size=wanted, replace=False).tolist())
+
+
+def measure(spec: dict, cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> dict:
+    """Every figure of this rank; the sizes of the run's data for the projection."""
+    seed_everything(cfg.seed)
+    geometry = resolve_geometry(cfg, info, device)
+    paths = spec["paths"]
+    split = Path(paths["split_dir"])
+    train_ids = read_ids(split / "train.csv")
+    base = PreparedImageDataset(
+        staged_copy(paths["run_dir"], info.host),
+        sample_ids=sample_ids(train_ids, info.world_size, cfg.batch_size, cfg.seed),
+        decode=False,
+    )
+    record = placement(cfg, info, device)
+    hosts = [r["host"] for r in D.all_gather_objects({"host": info.host})]
+    steps_per_epoch = max(1, len(train_ids) // info.world_size // cfg.batch_size)
+    job = build_job(cfg, info, device, geometry, base.num_classes, steps_per_epoch)
+    gradient_bytes = sum(
+        p.numel() * p.element_size() for p in job.model.parameters() if p.requires_grad
+    )
+    record["allreduce_seconds"] = collectives(gradient_bytes, device, hosts, info.rank)
+    record.update(model_step(job, cfg, base.num_classes))
+    record.update(loader_rate(cfg, base, info, geometry.workers, device))
+    sizes = {"train": len(train_ids), "holdout": len(read_ids(split / "holdout.csv"))}
+    return {"record": record, "gradient_bytes": gradient_bytes, "sizes": sizes}
+
+
+def staging_reports(run_dir: Path) -> list[dict]:
+    import json
+
+    return [json.loads(p.read_text()) for p in sorted((run_dir / STAGING_DIR).glob("*.json"))]
+
+
+def run(spec: dict) -> int:
+    cfg = TrainConfig.from_dict(spec["run"])
+    info = D.dist_info_from_env()
+    device = D.select_device(cfg.device, info.local_rank, cfg.gpus_per_node)
+    D.init_process_group(info, device, cfg.backend, cfg.timeout_minutes)
+    try:
+        mine = measure(spec, cfg, info, device)
+        ranks = D.all_gather_objects(mine["record"])
+        if info.is_main:
+            run_settings = {**spec["run"], "name": spec["run"]["run"]}
+            report = build_report(
+                run_settings, ranks, collective_figures(ranks, mine["gradient_bytes"]),
+                staging_reports(Path(spec["paths"]["run_dir"])), mine["sizes"],
+                spec["preflight"],
+            )  # fmt: skip
+            report["budget"] = {
+                "model_steps": MODEL_STEPS, "loader_batches": LOADER_BATCHES,
+                "allreduce_ops": ALLREDUCE_OPS, "size_factors": list(SIZE_FACTORS),
+            }  # fmt: skip
+            write_json_atomic(Path(spec["paths"]["out"]), report)
+            print(table(report), flush=True)
+        D.barrier()
+    finally:
+        D.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="preflight rank (one per device)")
+    parser.add_argument("--spec", type=Path, required=True, help="the preflight's job spec")
+    args = parser.parse_args(argv)
+    return run(read_spec(args.spec, "preflight"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

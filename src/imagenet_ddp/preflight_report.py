@@ -1,0 +1,319 @@
+"""The preflight's figures from what its ranks measured: per node, slowest against the median,
+the projection of the run, the problems that stop it, and the table in the rule's log.
+
+Torch-free and pure (dicts in, dicts out), so every definition is unit-tested without ranks.
+:mod:`imagenet_ddp.preflight_rank` measures; :mod:`imagenet_ddp.preflight` runs the job.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+STRAGGLER = 0.8  # a rank below this share of the median rank's rate is named as a straggler
+# A multi-node GPU job's all-reduce bus bandwidth below this is a network problem: NCCL over
+# TCP sockets gives a few GB/s, InfiniBand/RoCE tens to hundreds (nccl-tests on A100/H100).
+MIN_INTERNODE_BUSBW_GBPS = 10.0
+NCCL_HINT = (
+    "check NCCL_IB_HCA / NCCL_SOCKET_IFNAME / NCCL_NET_GDR_LEVEL, and that NCCL_DEBUG=INFO "
+    "shows 'NET/IB' rather than 'NET/Socket'"
+)
+# Evaluation's forward pass is about a third of a training step's cost (forward + backward).
+EVAL_COST_RATIO = 1 / 3
+
+
+def bus_bandwidth(algbw: float, world: int) -> float:
+    """nccl-tests' all-reduce bus bandwidth: algbw x 2(n-1)/n (the bytes each link carries)."""
+    return algbw * 2 * (world - 1) / world if world > 1 else 0.0
+
+
+def allreduce_figures(nbytes: int, seconds_per_rank: list[float]) -> dict[str, Any]:
+    """One all-reduce size: the slowest rank's time per operation sets algbw = bytes / time."""
+    world = len(seconds_per_rank)
+    seconds = max(seconds_per_rank)
+    algbw = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+    return {
+        "bytes": nbytes,
+        "ranks": world,
+        "seconds": seconds,
+        "algbw_gbps": algbw,
+        "busbw_gbps": bus_bandwidth(algbw, world),
+    }
+
+
+def spread(values: dict[int, float], hosts: dict[int, str]) -> dict[str, Any]:
+    """Median, slowest rank (with its host) and its share of the median, of a per-rank rate."""
+    median = statistics.median(values.values())
+    slowest = min(values, key=values.__getitem__)
+    return {
+        "median": median,
+        "slowest_rank": slowest,
+        "slowest_host": hosts[slowest],
+        "slowest": values[slowest],
+        "slowest_over_median": values[slowest] / median if median else None,
+    }
+
+
+def per_node(ranks: list[dict], key: str) -> dict[str, dict[str, float]]:
+    """host -> min and median of a per-rank rate over that host's ranks."""
+    hosts: dict[str, list[float]] = {}
+    for r in ranks:
+        hosts.setdefault(r["host"], []).append(r[key])
+    return {h: {"min": min(v), "median": statistics.median(v)} for h, v in sorted(hosts.items())}
+
+
+def cpus_for_loader(loader_rate: float, workers: int, model_rate: float) -> int:
+    """cpus_per_task whose DataLoader workers (cpus - 1, as `workers: auto` gives) would feed
+    the model step, assuming the loader's rate grows with its workers (the main process
+    loads when there are none)."""
+    per_worker = loader_rate / max(1, workers)
+    if per_worker <= 0:
+        return 0
+    return math.ceil(model_rate / per_worker) + 1
+
+
+def projection(
+    run: dict[str, Any], rates: dict[str, float], sizes: dict[str, int], limits: dict[str, Any]
+) -> dict[str, Any]:
+    """Epoch and total time of the run at the measured rates, its GPU-hours and allocations.
+
+    ``rates``: the slowest rank's model and loader img/s, compile and staging seconds;
+    ``sizes``: train and holdout samples; ``limits``: train_runtime_minutes (None: no limit).
+    A synchronous step waits for the slowest rank, and a rank for its loader.
+    """
+    world = run["nodes"] * run["tasks_per_node"]
+    per_rank = min(rates["model"], rates["loader"])
+    steps = sizes["train"] // world // run["batch_size"]
+    epoch = steps * run["batch_size"] / per_rank
+    holdout = sizes["holdout"] / world / (rates["model"] / EVAL_COST_RATIO)
+    setup = rates["staging_seconds"] + rates["compile_seconds"]  # again in every allocation
+    total = setup + run["epochs"] * (epoch + holdout)
+    runtime = limits["train_runtime_minutes"]
+    usable = None if runtime is None else runtime * 60 - setup
+    if usable is None:
+        allocations = 1
+    else:
+        allocations = math.ceil(run["epochs"] * (epoch + holdout) / usable) if usable > 0 else None
+    return {
+        "steps_per_epoch": steps,
+        "images_per_s": per_rank * world,
+        "epoch_seconds": epoch,
+        "holdout_seconds_per_epoch": holdout,
+        "setup_seconds": setup,
+        "total_seconds": total,
+        "gpu_hours": total / 3600 * run["nodes"] * run["gpus_per_node"],
+        "rank_hours": total / 3600 * world,
+        "train_runtime_minutes": runtime,
+        "allocations": allocations,
+        "max_allocations": limits["max_allocations"],
+    }
+
+
+def placement_problems(ranks: list[dict], gpus_per_node: int) -> list[str]:
+    """Two ranks on one GPU, or a node's GPUs that no rank uses (``gpu``: the GPU a rank
+    computes on, or would on a GPU node: CUDA_VISIBLE_DEVICES[local_rank % visible])."""
+    if gpus_per_node == 0:
+        return []
+    problems, users = [], {}
+    for r in sorted(ranks, key=lambda r: r["rank"]):
+        users.setdefault((r["host"], r["gpu"]), []).append(r["rank"])
+    for (host, gpu), on in users.items():
+        if len(on) > 1:
+            problems.append(
+                f"placement: ranks {', '.join(map(str, on))} on {host} would all use GPU {gpu} "
+                f"(CUDA_VISIBLE_DEVICES={_visible(ranks, on[0])}); give each rank its own GPU "
+                "(tasks_per_node = gpus_per_node, no --gres-flags=allow-task-sharing override)"
+            )
+    for host in sorted({r["host"] for r in ranks}):
+        used = {gpu for (h, gpu) in users if h == host}
+        visible = set().union(*(set(r["visible"]) for r in ranks if r["host"] == host))
+        idle = max(gpus_per_node, len(visible)) - len(used)
+        if idle > 0:
+            problems.append(
+                f"placement: {idle} of the GPUs on {host} would be used by no rank "
+                f"(ranks use {sorted(used)}, the node has {max(gpus_per_node, len(visible))}); "
+                "set tasks_per_node = gpus_per_node"
+            )
+    return problems
+
+
+def _limit(minutes: float | None) -> str:
+    return "no time limit" if minutes is None else f"{minutes:g} min"
+
+
+def _rate(gb_per_s: float | None) -> str:
+    return "a copy already there, reused" if gb_per_s is None else f"{gb_per_s:.3f} GB/s"
+
+
+def _visible(ranks: list[dict], rank: int) -> str:
+    return ",".join(next(r["visible"] for r in ranks if r["rank"] == rank)) or "<unset>"
+
+
+def speed_problems(report: dict[str, Any], run: dict[str, Any]) -> list[str]:
+    """Stragglers, a starving loader, a slow network, too many allocations."""
+    problems = []
+    s = report["model"]["compute_spread"]  # without the all-reduce, where ranks differ
+    if s["slowest_over_median"] is not None and s["slowest_over_median"] < STRAGGLER:
+        problems.append(
+            f"straggler: rank {s['slowest_rank']} on {s['slowest_host']} computes "
+            f"{s['slowest']:.1f} img/s, {s['slowest_over_median']:.0%} of the median "
+            f"{s['median']:.1f}; check that node (clocks, thermal, other jobs) or exclude it"
+        )
+    slowest = report["loader"]["spread"]
+    if slowest["slowest"] < report["model"]["images_per_s"]:  # that rank's GPU would wait
+        problems.append(
+            f"loader: rank {slowest['slowest_rank']} on {slowest['slowest_host']} loads "
+            f"{slowest['slowest']:.1f} img/s, the step takes "
+            f"{report['model']['images_per_s']:.1f} (loader/model {report['loader_over_model']:.2f}"
+            f" for the median rank); set cpus_per_task >= "
+            f"{report['loader']['cpus_per_task_needed']} (or cheaper augmentations)"
+        )
+    world_bw = report["allreduce"]["busbw_gbps"]
+    if run["nodes"] > 1 and report["device_type"] == "cuda" and world_bw < MIN_INTERNODE_BUSBW_GBPS:
+        problems.append(
+            f"network: all-reduce bus bandwidth {world_bw:.1f} GB/s across {run['nodes']} nodes "
+            f"(< {MIN_INTERNODE_BUSBW_GBPS:g}): NCCL may use TCP sockets; {NCCL_HINT}"
+        )
+    p = report["projection"]
+    if p["allocations"] is None or p["allocations"] > p["max_allocations"]:
+        needs = "more than any" if p["allocations"] is None else str(p["allocations"])
+        problems.append(
+            f"allocations: {p['total_seconds'] / 3600:.2f} h projected needs {needs} "
+            f"allocation(s) of the train rule's runtime {_limit(p['train_runtime_minutes'])}, "
+            f"max_allocations is {p['max_allocations']}; raise the runtime or max_allocations, "
+            "or use more nodes"
+        )
+    return problems
+
+
+def table(report: dict[str, Any]) -> str:
+    """The report as the readable table in the rule's log."""
+    lines = [
+        f"preflight of run {report['run']}: {report['world_size']} rank(s) on "
+        f"{len(report['nodes'])} node(s), device {report['device_type']}",
+        f"{'rank':>4} {'host':<16} {'gpu':<6} {'device':<8} {'step img/s':>11} "
+        f"{'compute img/s':>14} {'loader img/s':>13} {'peak mem GB':>12}",
+    ]
+    for r in report["ranks"]:
+        lines.append(
+            f"{r['rank']:>4} {r['host']:<16} {str(r['gpu']):<6} {r['device']:<8} "
+            f"{r['model_images_per_s']:>11.1f} {r['compute_images_per_s']:>14.1f} "
+            f"{r['loader_images_per_s']:>13.1f} {r['peak_memory_gb']:>12.2f}"
+        )
+    for host, node in report["nodes"].items():
+        stage = node["staging"]
+        lines.append(
+            f"node {host}: staging {stage['bytes'] / 1e9:.3f} GB in {stage['seconds']:.1f} s "
+            f"({_rate(stage['gb_per_s'])}); model "
+            f"min {node['model']['min']:.1f} img/s, loader min {node['loader']['min']:.1f} img/s"
+        )
+    for size in report["allreduce"]["sizes"] if report["world_size"] > 1 else []:
+        for scope, f in size.items():
+            lines.append(
+                f"all-reduce {scope:<10} {f['bytes'] / 1e6:>9.2f} MB: algbw "
+                f"{f['algbw_gbps']:.3f} GB/s, busbw {f['busbw_gbps']:.3f} GB/s"
+            )
+    p = report["projection"]
+    lines += [
+        f"model step: {report['model']['images_per_s']:.1f} img/s per rank (median), compile "
+        f"{report['model']['compile_seconds']:.1f} s; loader {report['loader']['images_per_s']:.1f}"
+        f" img/s per rank; loader/model {report['loader_over_model']:.2f}",
+        f"projection: epoch {p['epoch_seconds']:.1f} s, total {p['total_seconds'] / 3600:.3f} h, "
+        f"{p['gpu_hours']:.2f} GPU-h, {p['allocations']} allocation(s) of "
+        f"{_limit(p['train_runtime_minutes'])} (max {p['max_allocations']})",
+        "problems: " + ("none" if not report["problems"] else ""),
+        *(f"  - {line}" for line in report["problems"]),
+    ]
+    return "\n".join(lines)
+
+
+def build_report(
+    run: dict[str, Any], ranks: list[dict], collectives: dict[str, Any], staging: list[dict],
+    sizes: dict[str, int], limits: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """preflight.json: every rank's figures, per node, slowest against median, projection
+    and problems (``collectives``: gradient_bytes and per size {scope: allreduce_figures})."""
+    hosts = {r["rank"]: r["host"] for r in ranks}
+    model = {r["rank"]: r["model_images_per_s"] for r in ranks}
+    loader = {r["rank"]: r["loader_images_per_s"] for r in ranks}
+    model_rate, loader_rate = statistics.median(model.values()), statistics.median(loader.values())
+    workers = ranks[0]["workers"]
+    slowest_loader = min(loader.values())
+    gradient = collectives["gradient_bytes"]
+    at_gradient = next(s for s in collectives["sizes"] if s["world"]["bytes"] == gradient)
+    nodes = _nodes(ranks, staging)
+    report = {
+        "run": run["name"],
+        "world_size": len(ranks),
+        "device_type": ranks[0]["device"].split(":")[0],
+        "ranks": sorted(ranks, key=lambda r: r["rank"]),
+        "nodes": nodes,
+        "allreduce": {**collectives, **at_gradient["world"]},
+        "model": {
+            "images_per_s": model_rate,
+            "compile_seconds": max(r["compile_seconds"] for r in ranks),
+            "peak_memory_gb": max(r["peak_memory_gb"] for r in ranks),
+            "spread": spread(model, hosts),
+            "compute_spread": spread({r["rank"]: r["compute_images_per_s"] for r in ranks}, hosts),
+        },
+        "loader": {
+            "images_per_s": loader_rate,
+            "workers": workers,
+            "cpus_per_task_needed": cpus_for_loader(slowest_loader, workers, model_rate),
+            "spread": spread(loader, hosts),
+        },
+        "loader_over_model": loader_rate / model_rate,
+    }
+    rates = {
+        "model": min(model.values()),
+        "loader": min(loader.values()),
+        "compile_seconds": report["model"]["compile_seconds"],
+        "staging_seconds": max(n["staging"]["seconds"] for n in nodes.values()),
+    }
+    report["projection"] = projection(run, rates, sizes, limits)
+    gpu_problems = placement_problems(ranks, run["gpus_per_node"])
+    report["problems"] = gpu_problems + speed_problems(report, run)
+    return report
+
+
+def _nodes(ranks: list[dict], staging: list[dict]) -> dict[str, dict]:
+    model, loader = per_node(ranks, "model_images_per_s"), per_node(ranks, "loader_images_per_s")
+    by_host = {s["host"]: s for s in staging}
+    out = {}
+    for host in model:
+        s = by_host[host]
+        out[host] = {
+            "ranks": sorted(r["rank"] for r in ranks if r["host"] == host),
+            "model": model[host],
+            "loader": loader[host],
+            "staging": {
+                "bytes": s["bytes"],
+                "seconds": s["seconds"],
+                "reused": s["reused"],
+                # A reused copy measured no copy: its rate is unknown, not zero.
+                "gb_per_s": None if s["reused"] else s["bytes_per_s"] / 1e9,
+                "projected_full_copy_seconds": s["seconds"],
+            },
+        }
+    return out
+
+
+def collective_figures(ranks: list[dict], gradient_bytes: int) -> dict[str, Any]:
+    """Per size: ``world`` (all ranks) and, with several multi-rank nodes, ``intra_node`` (the
+    node whose all-reduce is slowest, named) from every rank's seconds per operation."""
+    seconds = [r["allreduce_seconds"] for r in ranks]
+    sizes = []
+    for nbytes in sorted(int(n) for n in seconds[0]["world"]):
+        entry = {"world": allreduce_figures(nbytes, [s["world"][str(nbytes)] for s in seconds])}
+        if "intra_node" in seconds[0]:
+            per_host: dict[str, list[float]] = {}
+            for r in ranks:
+                per_host.setdefault(r["host"], []).append(
+                    r["allreduce_seconds"]["intra_node"][str(nbytes)]
+                )
+            figures = {h: allreduce_figures(nbytes, s) for h, s in per_host.items()}
+            worst = min(figures, key=lambda h: figures[h]["busbw_gbps"])
+            entry["intra_node"] = {**figures[worst], "host": worst}
+        sizes.append(entry)
+    return {"gradient_bytes": max(4, gradient_bytes) // 4 * 4, "sizes": sizes}

@@ -1,0 +1,114 @@
+"""The preflight's definitions (imagenet_ddp.preflight_report) on synthetic rank records: fast,
+no ranks. The real preflight runs in the end-to-end tests (test_workflow_local, test_slurm_e2e)."""
+
+from __future__ import annotations
+
+import pytest
+
+from imagenet_ddp.preflight_report import (
+    allreduce_figures,
+    build_report,
+    bus_bandwidth,
+    collective_figures,
+    cpus_for_loader,
+    placement_problems,
+    table,
+)
+
+RUN = {
+    "name": "r", "nodes": 2, "tasks_per_node": 2, "gpus_per_node": 2, "batch_size": 32,
+    "epochs": 90,
+}  # fmt: skip
+
+
+def rank(r: int, host: str, gpu: str, model: float = 100.0, loader: float = 400.0) -> dict:
+    return {
+        "rank": r, "host": host, "gpu": gpu, "visible": ["0", "1"], "device": "cpu",
+        "model_images_per_s": model, "compute_images_per_s": 1.5 * model,
+        "loader_images_per_s": loader, "compile_seconds": 0.0,
+        "peak_memory_gb": 1.0, "workers": 3,
+        "allreduce_seconds": {"world": {"400": 1e-3, "1600": 2e-3}},
+    }  # fmt: skip
+
+
+def ranks(**changes) -> list[dict]:
+    out = [rank(0, "a", "0"), rank(1, "a", "1"), rank(2, "b", "0"), rank(3, "b", "1")]
+    for index, values in changes.items():
+        out[int(index[1:])].update(values)
+    return out
+
+
+STAGING = [
+    {"host": h, "bytes": 10**9, "seconds": 10.0, "bytes_per_s": 1e8, "reused": False} for h in "ab"
+]
+
+
+def report(rs, runtime=60.0, max_allocations=10, **run):
+    return build_report(
+        {**RUN, **run}, rs, collective_figures(rs, 1600), STAGING,
+        {"train": 128_000, "holdout": 12_800},
+        {"train_runtime_minutes": runtime, "max_allocations": max_allocations},
+    )  # fmt: skip
+
+
+def test_bus_bandwidth_is_nccl_tests_definition():
+    assert bus_bandwidth(10.0, 8) == pytest.approx(10.0 * 2 * 7 / 8)
+    figures = allreduce_figures(10**9, [0.5, 1.0, 0.25, 0.5])  # the slowest rank sets the time
+    assert figures["algbw_gbps"] == pytest.approx(1.0)
+    assert figures["busbw_gbps"] == pytest.approx(1.5)
+
+
+def test_every_figure_follows_from_its_definition():
+    out = report(ranks())
+    assert out["problems"] == []
+    assert out["allreduce"]["bytes"] == 1600  # the gradient's size
+    assert out["allreduce"]["busbw_gbps"] == pytest.approx(1600 / 2e-3 / 1e9 * 2 * 3 / 4)
+    assert out["loader_over_model"] == pytest.approx(4.0)
+    p = out["projection"]
+    assert p["steps_per_epoch"] == 128_000 // 4 // 32
+    assert p["epoch_seconds"] == pytest.approx(1000 * 32 / 100.0)
+    assert p["total_seconds"] == pytest.approx(10.0 + 90 * (320 + 12_800 / 4 / 300))
+    assert p["gpu_hours"] == pytest.approx(p["total_seconds"] / 3600 * 4)
+    assert p["allocations"] == 9  # 90 x 330 s in allocations of 3600 - 10 s of staging
+    assert "problems: none" in table(out)
+
+
+def test_two_ranks_on_one_gpu_fail_with_one_line():
+    problems = placement_problems(ranks(r1={"gpu": "0"}), gpus_per_node=2)
+    assert len(problems) == 2, problems  # rank 0 and 1 share GPU 0, so GPU 1 on a is idle
+    assert problems[0].startswith("placement: ranks 0, 1 on a would all use GPU 0")
+    assert "1 of the GPUs on a would be used by no rank" in problems[1]
+    assert placement_problems(ranks(), gpus_per_node=2) == []
+    assert placement_problems(ranks(r1={"gpu": "0"}), gpus_per_node=0) == []  # CPU runs
+
+
+def test_more_allocations_than_allowed_fail_with_one_line():
+    out = report(ranks(), runtime=60.0, max_allocations=3)
+    assert out["problems"] == [
+        "allocations: 8.27 h projected needs 9 allocation(s) of the train rule's runtime "
+        "60 min, max_allocations is 3; raise the runtime or max_allocations, or use more nodes"
+    ]
+    assert report(ranks(), runtime=None)["projection"]["allocations"] == 1  # no time limit
+
+
+def test_straggler_and_starving_loader_are_named():
+    slow = {"model_images_per_s": 50.0, "compute_images_per_s": 60.0}
+    out = report(ranks(r3=slow, r2={"loader_images_per_s": 90.0}))
+    assert out["problems"][0].startswith("straggler: rank 3 on b computes 60.0 img/s, 40% of")
+    assert out["projection"]["images_per_s"] == pytest.approx(4 * 50.0)  # the slowest rank
+    # rank 2's loader (90 img/s) cannot feed the median step (100 img/s): its GPU would wait
+    assert out["problems"][1].startswith("loader: rank 2 on b loads 90.0 img/s, the step")
+    starving = report(ranks(**{f"r{i}": {"loader_images_per_s": 60.0} for i in range(4)}))
+    assert starving["loader_over_model"] == pytest.approx(0.6)
+    assert "set cpus_per_task >= 6" in starving["problems"][0]  # 100 / (60 / 3) workers + 1
+    assert cpus_for_loader(60.0, 3, 100.0) == 6
+    fast_enough = report(ranks(r1={"loader_images_per_s": 150.0}))  # slower, still feeds
+    assert fast_enough["problems"] == []
+
+
+def test_a_slow_network_fails_multi_node_gpu_runs_only():
+    gpu = ranks(**{f"r{i}": {"device": "cuda:0"} for i in range(4)})
+    lines = report(gpu)["problems"]  # busbw 1600 B / 2 ms x 1.5: far below 10 GB/s
+    assert len(lines) == 1 and lines[0].startswith("network: all-reduce bus bandwidth")
+    assert "NCCL_IB_HCA" in lines[0]
+    assert report(ranks())["problems"] == []  # gloo on CPU: no such expectation
