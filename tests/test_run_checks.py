@@ -180,7 +180,8 @@ def test_gpus_with_device_cpu(models, tmp_path):
 def test_a_gpu_type_without_gpus(models, tmp_path):
     [line] = problems(demo_config(gpu_type="a100"), models, tmp_path)
     assert line.startswith("config.yaml: run 'r': gpu_type 'a100' with gpus_per_node 0")
-    assert problems(demo_config(gpu_type="a100", gpus_per_node=1), models, tmp_path) == []
+    one_rank_per_gpu = {"gpus_per_node": 1, "tasks_per_node": 1}
+    assert problems(demo_config(gpu_type="a100", **one_rank_per_gpu), models, tmp_path) == []
 
 
 @pytest.mark.parametrize("device", ["auto", "cuda"])
