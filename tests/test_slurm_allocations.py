@@ -22,12 +22,13 @@ from tests.workflow_helpers import copy_workflow, read_config, snakemake
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
-# 2 nodes x 1 rank, one loader worker, batch 2, crop 24: 81 steps of ~0.25 s per epoch on an
-# idle machine; a 1-minute allocation (ended 30-60 s after its start) trains ~100-300 steps
-# after start-up, so 6 epochs (486 steps) need three or more. On a loaded machine (load 11 on
-# 2 cores) one allocation trained only ~40 steps: max_allocations leaves room for that.
+# 2 nodes x 1 rank, one loader worker, batch 2, crop 24, fp32: 81 steps, ~11 s per epoch on
+# an idle 2-core machine (measured in CI). A 1-minute allocation (ended 60-90 s after its start
+# by slurmctld's 30 s check) trains 4-6 epochs after start-up (measured: 6, 4, 5), so 15 epochs
+# (~170 s) need three or more. On a loaded machine (load 11 on 2 cores: ~3x slower) it needs
+# ~10: max_allocations leaves room for that.
 LONG = {key: CONFIG[key] for key in CONFIG if key != "run"} | {
-    "name": "long", "nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1, "epochs": 6,
+    "name": "long", "nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1, "epochs": 15,
     "max_allocations": 20, "batch_size": 2, "crop_size": 24, "eval_resize": 24, "workers": 1,
     "precision": "fp32",  # deterministic CPU bf16 runs without oneDNN (~25x slower per step)
 }  # fmt: skip
@@ -76,9 +77,12 @@ def test_a_run_longer_than_its_time_limit_finishes_in_one_invocation(slurm_clust
     )
     assert [job["state"] for job in accounting["jobs"]][:-1] == ["TIMEOUT"] * (len(train) - 1)
 
-    spec_run = {**{k: v for k, v in LONG.items() if k != "name"}, "run": "long"}
+    # The run as the workflow resolved it (train_defaults, schema defaults): the same settings.
+    spec_run = json.loads((run_dir / "job_spec.json").read_text())["run"]
     reference = torchrun(prepared, workdir / "results/split", tmp_path / "ref" / "out",
                          tmp_path / "ref" / "ckpt", config=spec_run)  # fmt: skip
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
     assert_bitwise_equal(weights(run_dir), weights(tmp_path / "ref" / "out"))
-    assert torch.load(run_dir / "model.pt", weights_only=False)["config"]["epochs"] == 6
+    assert (
+        torch.load(run_dir / "model.pt", weights_only=False)["config"]["epochs"] == LONG["epochs"]
+    )
