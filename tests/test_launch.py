@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from imagenet_ddp.distributed import master_port
 from imagenet_ddp.launch import (
     THREAD_COUNT_VARIABLES,
     Geometry,
-    master_port,
     srun_argv,
     worker_env,
 )
@@ -89,8 +89,37 @@ def test_srun_tasks_enter_the_rules_container_again():
     assert task_python({"SINGULARITY_CONTAINER": image})[0] == "singularity"
 
 
+def test_ranks_start_as_their_kinds_module_and_nodes_run_the_staging_steps(monkeypatch):
+    """srun path, steps recorded: stage on every node, the ranks as `python -m <module>`
+    (one process per rank, no launcher in between), unstage; the spec is handed on, not
+    re-read (no file exists at the path)."""
+    import importlib
+    import sys
+
+    from imagenet_ddp import launch
+
+    steps = []
+    monkeypatch.setattr(launch, "_run_step", lambda argv, geometry: steps.append(argv) or (0, 0))
+    run = {"nodes": 2, "tasks_per_node": 2, "cpus_per_task": 3}
+    execution = {"launcher": "srun", "srun_extra": "", "cleanup": True}
+    spec = {"kind": "preflight", "run": run, "execution": execution}
+    assert launch.run_staged(spec, "/nowhere/spec.json") == 0
+    stage, ranks, unstage = steps
+    assert stage[-4:] == ["imagenet_ddp.launch", "stage-node", "--spec", "/nowhere/spec.json"]
+    assert "--ntasks=4" in ranks and "--cpus-per-task=3" in ranks
+    assert ranks[-5:] == [sys.executable, "-m", "imagenet_ddp.preflight_rank", "--spec",
+                          "/nowhere/spec.json"]  # fmt: skip
+    assert unstage[-3] == "unstage-node"
+    steps.clear()
+    evaluation = {"kind": "evaluate", "geometry": run, "execution": execution}
+    assert launch.run_evaluation(evaluation, "/e.json") == 0
+    assert steps[0][-4:] == ["-m", "imagenet_ddp.evaluate", "--spec", "/e.json"]
+    for module in launch.RANK_MODULES.values():  # each is a rank's entry point
+        assert callable(importlib.import_module(module).main)
+
+
 def test_the_gloo_interface_is_the_one_that_routes_to_the_other_nodes():
-    from imagenet_ddp.launch import interface_towards
+    from imagenet_ddp.distributed import interface_towards
 
     assert interface_towards("127.0.0.1") == "lo"
 

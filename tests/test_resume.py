@@ -306,7 +306,9 @@ def test_a_stop_signal_to_every_process_checkpoints_exits_75_and_resumes_bitwise
         killed = launch(prepared_demo["train"], split_dir, tmp_path, config, tasks=2, cpus=1)
         lines = lines_until(killed, "interval checkpoint at epoch 2")
         ranks = subprocess.run(
-            ["pgrep", "-f", "-g", str(killed.pid), "launch worker"], capture_output=True, text=True
+            ["pgrep", "-f", "-g", str(killed.pid), "imagenet_ddp.training.worker"],
+            capture_output=True,
+            text=True,
         ).stdout.split()
         assert len(ranks) >= 2, "".join(lines)[-3000:]
         rank = ranks[-1]

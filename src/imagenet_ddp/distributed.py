@@ -1,16 +1,19 @@
-"""Process-group setup shared by training and evaluation.
+"""Process-group setup shared by training, evaluation and preflight ranks: rank, GPU, rendezvous.
 
 Ranks come from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK) or, when launched by
-``srun``, from SLURM's per-task variables (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID). The
-launcher sets MASTER_ADDR/MASTER_PORT; see :mod:`imagenet_ddp.launch`.
+``srun``, from SLURM's per-task variables (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID). Local
+ranks get MASTER_ADDR/MASTER_PORT from the launcher (:mod:`imagenet_ddp.launch`); srun tasks
+derive them from the job (:func:`rendezvous_from_slurm_env`) before they join the group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import socket
+import subprocess
 from dataclasses import dataclass
 
 import torch
@@ -170,6 +173,66 @@ def node_gpu_uuids(info: DistInfo, device: torch.device) -> list[str]:
     return [p["gpu"] for p in _PLACEMENTS if p["host"] == info.host and p["gpu"]]
 
 
+# Below Linux's default ephemeral range (32768-60999), so it cannot collide with client ports.
+MASTER_PORT_BASE, MASTER_PORT_SPAN = 15000, 15000
+
+
+def master_port(job_id: int) -> int:
+    """A port derived from the job id: concurrent jobs sharing a node rarely collide."""
+    return MASTER_PORT_BASE + job_id % MASTER_PORT_SPAN
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM hostlist expression -> host names, via ``scontrol show hostnames``."""
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+    ).stdout
+    return out.split()
+
+
+def rendezvous_from_slurm_env() -> None:
+    """Set MASTER_ADDR/MASTER_PORT in an srun task from the variables srun gives every task
+    (the first node of the step, a port from the job id), and GLOO_SOCKET_IFNAME on several
+    nodes. What a variable set by the user or by torchrun says wins."""
+    if "MASTER_ADDR" not in os.environ:
+        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ["SLURM_JOB_NODELIST"]
+        os.environ["MASTER_ADDR"] = expand_nodelist(nodelist)[0]
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(master_port(int(os.environ["SLURM_JOB_ID"])))
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+        others = [h for h in expand_nodelist(nodelist) if h != socket.gethostname()]
+        if others:  # several nodes: the gloo group beside NCCL must not bind loopback
+            with contextlib.suppress(OSError):
+                os.environ["GLOO_SOCKET_IFNAME"] = interface_towards(others[0])
+
+
+def interface_towards(host: str) -> str:
+    """The network interface this node uses to reach ``host``.
+
+    Gloo (the CPU group that carries the stop-signal agreement beside NCCL) binds the address
+    its own hostname resolves to; where that is 127.0.1.1 (Debian's /etc/hosts default) ranks
+    on other nodes cannot connect. The kernel's route to another node of the job names the
+    right interface; GLOO_SOCKET_IFNAME set by the user wins.
+    """
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(host), 9))  # UDP: nothing is sent
+        local = probe.getsockname()[0]
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                request = struct.pack("256s", name[:15].encode())
+                address = fcntl.ioctl(s.fileno(), 0x8915, request)[20:24]  # SIOCGIFADDR
+            except OSError:  # no IPv4 address on this interface
+                continue
+        if socket.inet_ntoa(address) == local:
+            return name
+    raise OSError(f"no interface holds {local}, the address towards {host}")
+
+
 def init_process_group(
     info: DistInfo, device: torch.device, backend: str, timeout_minutes: float
 ) -> None:
@@ -190,6 +253,8 @@ def init_process_group(
     """
     if info.world_size == 1:
         return
+    if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:  # an srun task
+        rendezvous_from_slurm_env()
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(minutes=timeout_minutes)

@@ -91,7 +91,7 @@ def train_job(
     }
     spec_path = write_spec(Path(run_dir) / TRAIN_SPEC, spec)
     started = time.time()
-    code = run_training(spec_path)
+    code = run_training(spec, spec_path)
     if code != 0:
         return code
     job = {
@@ -133,7 +133,7 @@ def evaluate_job(
     }
     spec_path = write_spec(out.with_name(EVAL_SPEC), spec)
     started = time.time()
-    code = run_evaluation(spec_path)
+    code = run_evaluation(spec, spec_path)
     if code != 0:
         return code
     result = json.loads(out.read_text())

@@ -1,13 +1,16 @@
 """Run one training job: stage data on every node, start one worker per device, clean up.
 
 Evaluation starts its ranks through the same :func:`launch_ranks` (without staging). Every
-step and rank gets the path of the job's spec file (:mod:`imagenet_ddp.job_spec`), nothing else.
+step and rank gets the path of the job's spec file (:mod:`imagenet_ddp.job_spec`), nothing else;
+a rank is its kind's own module (``python -m imagenet_ddp.training.worker --spec FILE``,
+:data:`RANK_MODULES`), started directly.
 Two launchers share this code path:
 - ``local``: one node; staging in this process, one worker process per rank started here
   (:func:`spawn_local_ranks`), with the variables torchrun would set.
 - ``srun``: inside a SLURM allocation (a Snakemake rule with the ``mpi`` resource); staging is
   one ``srun`` task per node, the workers are ``nodes x tasks_per_node`` srun tasks, each reading
-  its rank from SLURM_PROCID/SLURM_LOCALID and deriving MASTER_ADDR/MASTER_PORT from the job.
+  its rank from SLURM_PROCID/SLURM_LOCALID and deriving MASTER_ADDR/MASTER_PORT from the job
+  (:func:`imagenet_ddp.distributed.rendezvous_from_slurm_env`).
 
 Each node writes ``<run_dir>/staging/<host>.json``; each rank reads the copy its host staged.
 """
@@ -38,8 +41,6 @@ from imagenet_ddp.stage import (
     stage_dataset,
 )
 
-# Below Linux's default ephemeral range (32768-60999), so it cannot collide with client ports.
-MASTER_PORT_BASE, MASTER_PORT_SPAN = 15000, 15000
 STAGED_KINDS = ("train", "preflight")  # jobs that stage the prepared copy on every node
 
 
@@ -52,60 +53,6 @@ class Geometry:
     @property
     def world_size(self) -> int:
         return self.nodes * self.tasks_per_node
-
-
-def master_port(job_id: int) -> int:
-    """A port derived from the job id: concurrent jobs sharing a node rarely collide."""
-    return MASTER_PORT_BASE + job_id % MASTER_PORT_SPAN
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """SLURM hostlist expression -> host names, via ``scontrol show hostnames``."""
-    out = subprocess.run(
-        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
-    ).stdout
-    return out.split()
-
-
-def rendezvous_from_slurm_env() -> None:
-    """Set MASTER_ADDR/MASTER_PORT in an srun task from the variables srun gives every task."""
-    if "MASTER_ADDR" not in os.environ:
-        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ["SLURM_JOB_NODELIST"]
-        os.environ["MASTER_ADDR"] = expand_nodelist(nodelist)[0]
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(master_port(int(os.environ["SLURM_JOB_ID"])))
-    if "GLOO_SOCKET_IFNAME" not in os.environ:
-        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
-        others = [h for h in expand_nodelist(nodelist) if h != socket.gethostname()]
-        if others:  # several nodes: the gloo group beside NCCL must not bind loopback
-            with contextlib.suppress(OSError):
-                os.environ["GLOO_SOCKET_IFNAME"] = interface_towards(others[0])
-
-
-def interface_towards(host: str) -> str:
-    """The network interface this node uses to reach ``host``.
-
-    Gloo (the CPU group that carries the stop-signal agreement beside NCCL) binds the address
-    its own hostname resolves to; where that is 127.0.1.1 (Debian's /etc/hosts default) ranks
-    on other nodes cannot connect. The kernel's route to another node of the job names the
-    right interface; GLOO_SOCKET_IFNAME set by the user wins.
-    """
-    import fcntl
-    import struct
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((socket.gethostbyname(host), 9))  # UDP: nothing is sent
-        local = probe.getsockname()[0]
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                request = struct.pack("256s", name[:15].encode())
-                address = fcntl.ioctl(s.fileno(), 0x8915, request)[20:24]  # SIOCGIFADDR
-            except OSError:  # no IPv4 address on this interface
-                continue
-        if socket.inet_ntoa(address) == local:
-            return name
-    raise OSError(f"no interface holds {local}, the address towards {host}")
 
 
 def stage_this_node(spec: dict) -> dict:
@@ -225,14 +172,28 @@ def task_python(environ=None) -> list[str]:
     return [runtime, "exec", "--nv", image, sys.executable]
 
 
-def run_training(spec_path: Path) -> int:
+# The module each kind of job runs as its ranks (``python -m MODULE --spec FILE``): the
+# rank's own entry point, which parses its arguments once and reads the spec once.
+RANK_MODULES = {
+    "train": "imagenet_ddp.training.worker",
+    "preflight": "imagenet_ddp.preflight_rank",
+    "evaluate": "imagenet_ddp.evaluate",
+}
+
+
+def rank_argv(spec: dict, spec_path: Path, python: list[str]) -> list[str]:
+    """The command of one rank of ``spec``'s job: its kind's module, given the spec's path."""
+    return [*python, "-m", RANK_MODULES[spec["kind"]], "--spec", str(spec_path)]
+
+
+def run_training(spec: dict, spec_path: Path) -> int:
     """Stage on every node, run the ranks, clean up: the exit code of the job.
 
-    Every step gets only ``spec_path`` (:mod:`imagenet_ddp.job_spec`) and reads the rest.
+    ``spec``: the job spec the caller wrote at ``spec_path`` (:mod:`imagenet_ddp.job_spec`);
+    every step and rank gets only the path and reads the rest.
     The job is one attempt of the run (:mod:`imagenet_ddp.attempts`): recorded before staging,
     refused at once where a retry cannot help, closed with its exit code.
     """
-    spec = read_spec(spec_path, "train")
     run, root = spec["run"], spec["paths"]["checkpoint_root"]
     geometry = geometry_of_spec(spec)
     entry, refused = attempts.begin(
@@ -251,7 +212,7 @@ def run_training(spec_path: Path) -> int:
     code = 1
     try:
         with attempts.Heartbeat(root, entry):
-            code = run_staged(spec_path, spec, "worker")
+            code = run_staged(spec, spec_path)
     except Exception as error:
         entry["error"] = f"launcher on {socket.gethostname()}: {type(error).__name__}: {error}"
         raise
@@ -260,9 +221,9 @@ def run_training(spec_path: Path) -> int:
     return code
 
 
-def run_staged(spec_path: Path, spec: dict, rank_command: str) -> int:
-    """Stage on every node, run ``rank_command`` as the job's ranks, clean up: the exit code.
-    Training (``worker``) and its preflight (``preflight-worker``) stage the same way."""
+def run_staged(spec: dict, spec_path: Path) -> int:
+    """Stage on every node, run the ranks of ``spec``'s kind, clean up: the exit code.
+    Training and its preflight stage the same way."""
     geometry, execution = geometry_of_spec(spec), spec["execution"]
     launcher, cleanup = execution["launcher"], execution["cleanup"]
     on_spec = ["--spec", str(spec_path)]
@@ -270,45 +231,41 @@ def run_staged(spec_path: Path, spec: dict, rank_command: str) -> int:
         _check_local(geometry)
         stage_this_node(spec)
         try:
-            worker = [sys.executable, "-m", "imagenet_ddp.launch", rank_command, *on_spec]
-            code, _ = launch_ranks(launcher, geometry, worker)
+            code, _ = launch_ranks(launcher, geometry, rank_argv(spec, spec_path, [sys.executable]))
         finally:
             if cleanup:
                 unstage_this_node(spec)
         return code
 
-    me = [*task_python(), "-m", "imagenet_ddp.launch"]
-    worker = [*me, rank_command, *on_spec]
+    python = task_python()
+    node_step = [*python, "-m", "imagenet_ddp.launch"]  # one task per node: stage, unstage
     extra = _srun_extra(spec)
-    stage = [*srun_argv(geometry, per_node=True, extra=extra), *me, "stage-node", *on_spec]
+    stage = [*srun_argv(geometry, per_node=True, extra=extra), *node_step, "stage-node", *on_spec]
     code, signalled = _run_step(stage, geometry)
     if code != 0:
         return code
     try:
-        code, signalled = launch_ranks(launcher, geometry, worker, extra, _prefix(spec))
+        ranks = rank_argv(spec, spec_path, python)
+        code, signalled = launch_ranks(launcher, geometry, ranks, extra, _prefix(spec))
     finally:
         if cleanup and signalled:
             # The job is ending (time limit, scancel, preemption): SLURM creates no new step
             # now; its epilog removes $SLURM_TMPDIR.
             print("stop signal received: node-local copies are left to the job's epilog")
         elif cleanup:
-            _run(
-                [*srun_argv(geometry, per_node=True, extra=extra), *me, "unstage-node", *on_spec],
-                geometry,
-            )
+            unstage = [*srun_argv(geometry, per_node=True, extra=extra), *node_step]
+            _run([*unstage, "unstage-node", *on_spec], geometry)
     return code
 
 
-def run_evaluation(spec_path: Path) -> int:
+def run_evaluation(spec: dict, spec_path: Path) -> int:
     """The evaluation's ranks, through the same launcher (nothing staged): its exit code."""
-    spec = read_spec(spec_path, "evaluate")
     launcher = spec["execution"]["launcher"]
     python = [sys.executable] if launcher == "local" else task_python()
-    worker = [*python, "-m", "imagenet_ddp.launch", "evaluate-worker"]
     code, _ = launch_ranks(
         launcher,
         geometry_of_spec(spec),
-        [*worker, "--spec", str(spec_path)],
+        rank_argv(spec, spec_path, python),
         _srun_extra(spec),
         _prefix(spec),
     )
@@ -454,36 +411,21 @@ def _wait_for_ranks(procs: list[subprocess.Popen], grace_seconds: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Per-node and per-rank entry points used by the launcher (not meant to be called by hand);
-    each reads the job spec whose path it is given."""
+    """The per-node steps of a staged job (``stage-node``, ``unstage-node``: one srun task per
+    node, not meant to be called by hand); each reads the job spec whose path it is given.
+    The ranks are their own modules (:data:`RANK_MODULES`)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m imagenet_ddp.launch")
-    parser.add_argument(
-        "command",
-        choices=["stage-node", "unstage-node", "worker", "evaluate-worker", "preflight-worker"],
-    )
+    parser.add_argument("command", choices=["stage-node", "unstage-node"])
     parser.add_argument("--spec", type=Path, required=True, help="the job spec file")
     args = parser.parse_args(argv)
+    spec = read_spec(args.spec, STAGED_KINDS)
     if args.command == "stage-node":
-        stage_this_node(read_spec(args.spec, STAGED_KINDS))
-        return 0
-    if args.command == "unstage-node":
-        unstage_this_node(read_spec(args.spec, STAGED_KINDS))
-        return 0
-    if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
-        rendezvous_from_slurm_env()
-    if args.command == "evaluate-worker":  # reads the shared prepared copy: nothing staged
-        from imagenet_ddp import evaluate as evaluation
-
-        return evaluation.main(["--spec", str(args.spec)])
-    if args.command == "preflight-worker":  # reads the copy its host staged, like training
-        from imagenet_ddp import preflight_rank
-
-        return preflight_rank.main(["--spec", str(args.spec)])
-    from imagenet_ddp import train
-
-    return train.main(["--spec", str(args.spec)])  # it reads the copy its host staged
+        stage_this_node(spec)
+    else:
+        unstage_this_node(spec)
+    return 0
 
 
 if __name__ == "__main__":

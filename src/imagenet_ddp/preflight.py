@@ -57,7 +57,7 @@ def preflight_job(
         },
     }
     started = time.time()
-    code = run_staged(write_spec(out.parent / PREFLIGHT_SPEC, spec), spec, "preflight-worker")
+    code = run_staged(spec, write_spec(out.parent / PREFLIGHT_SPEC, spec))
     if code != 0:
         return code
     report = json.loads(out.read_text())

@@ -1,10 +1,10 @@
 """One rank of a preflight: placement, all-reduce, the run's training step and its loader.
 
-Started by the launcher like a training rank (``preflight-worker``), on the copy its host
-staged. It builds the run's model, DDP wrapper, optimizer and step with the training code
-itself (:func:`imagenet_ddp.training.worker.build_job`, :func:`.loop.train_step`), so what it
-times is what training will run. Rank 0 gathers every rank's figures and writes the report
-(:mod:`imagenet_ddp.preflight_report`).
+Started by the launcher like a training rank (``python -m imagenet_ddp.preflight_rank``), on
+the copy its host staged. It builds the run's model, DDP wrapper, optimizer and step with the
+training code itself (:func:`imagenet_ddp.training.worker.build_job`, :func:`.loop.train_step`),
+so what it times is what training will run. Rank 0 gathers every rank's figures and writes
+the report (:mod:`imagenet_ddp.preflight_report`).
 
 Budget (README "First run on a new cluster"): fixed step counts, whatever the data set; the
 loader reads a seeded sample of the staged copy. Only staging (the full copy, as training
