@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from imagenet_ddp.launch import Geometry, spawn_local_ranks
+from imagenet_ddp.geometry import Geometry
+from imagenet_ddp.launch import spawn_local_ranks
 from imagenet_ddp.signals import (
     EXIT_REQUEUE,
     ForwardStopSignals,
@@ -105,7 +106,8 @@ def test_the_launcher_forwards_a_stop_signal_and_returns_the_ranks_requeue_code(
         textwrap.dedent(
             f"""
             import sys
-            from imagenet_ddp.launch import Geometry, spawn_local_ranks
+            from imagenet_ddp.geometry import Geometry
+            from imagenet_ddp.launch import spawn_local_ranks
             argv = {_rank_script(tmp_path, term_code=EXIT_REQUEUE, rank1_code=0)!r}
             argv[-1] = {str(tmp_path)!r}
             sys.exit(spawn_local_ranks(argv, Geometry(1, 2, 1)))

@@ -22,7 +22,8 @@ import pandas as pd
 import pytest
 
 from imagenet_ddp.distributed import FAKE_GPUS
-from imagenet_ddp.launch import Geometry, srun_argv
+from imagenet_ddp.geometry import Geometry
+from imagenet_ddp.launch import srun_argv
 from tests.workflow_helpers import TINY_CONFIG_OVERRIDES, copy_workflow, snakemake
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]

@@ -14,6 +14,7 @@ from typing import Any
 
 import pandas as pd
 
+from imagenet_ddp.geometry import WORLD_KEYS
 from imagenet_ddp.io import write_csv_atomic, write_text_atomic
 from imagenet_ddp.provenance import provenance_path, write_provenance
 
@@ -85,9 +86,8 @@ COLUMNS = [
     "git_commit",
 ]
 
-# What may differ inside a scaling group: the geometry being scaled, and bookkeeping that can
-# change neither results nor speed. Everything else in a run's config must be identical.
-GEOMETRY_KEYS = ("nodes", "tasks_per_node")
+# What may differ inside a scaling group: the geometry being scaled (WORLD_KEYS), and bookkeeping
+# that can change neither results nor speed. Everything else in a run's config must be identical.
 BOOKKEEPING_KEYS = (
     "run", "log_interval", "timeout_minutes", "keep_checkpoints", "extra", "mlflow_uri",
     "max_allocations", "checkpoint_interval_minutes",
@@ -116,7 +116,7 @@ def scaling_key(config: dict[str, Any]) -> str:
     The GPU type is a setting like the others (an A100 run is never an H100 run's baseline);
     unset (files from before it existed) is the same as "" (any type).
     """
-    ignore = {*GEOMETRY_KEYS, *BOOKKEEPING_KEYS}
+    ignore = {*WORLD_KEYS, *BOOKKEEPING_KEYS}
     settings = {k: _canonical(v) for k, v in config.items() if k not in ignore}
     if not settings.get("gpu_type", True):
         del settings["gpu_type"]

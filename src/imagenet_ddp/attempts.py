@@ -42,7 +42,7 @@ EXIT_REQUEUE = 75  # imagenet_ddp.signals.EXIT_REQUEUE (that module imports torc
 HEARTBEAT_SECONDS = 30.0
 _CHECKPOINT = re.compile(r"checkpoint-e(\d+)-s(\d+)\.pt$")
 # Settings that change neither the weights nor the figures of a run: a changed bound or
-# checkpoint interval continues the same record (training.config.NOT_IN_FINGERPRINT keeps
+# checkpoint interval continues the same record (setting_kinds.NOT_WEIGHTS keeps
 # these and the other bookkeeping keys out of the checkpoint key as well).
 _NOT_IN_KEY = ("max_allocations", "checkpoint_interval_minutes", "log_interval",
                "timeout_minutes", "keep_checkpoints", "throughput_warmup_steps")  # fmt: skip

@@ -174,11 +174,12 @@ def _add_staged_job_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    from imagenet_ddp.geometry import GEOMETRY_KEYS
     from imagenet_ddp.jobs import evaluate_job, execution_settings
 
     keys = {
         "paths": ("model", "prepared_train", "prepared_val", "split_dir", "classes", "out"),
-        "geometry": ("nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node"),
+        "geometry": GEOMETRY_KEYS,
         "settings": ("batch_size", "workers", "device"),
     }
     parts = {part: {key: getattr(args, key) for key in names} for part, names in keys.items()}

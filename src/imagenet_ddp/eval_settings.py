@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-GEOMETRY_KEYS = ("nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node")
 DEFAULT_BATCH_SIZE = 128
 DEFAULT_WORKERS = "auto"  # cpus_per_task - 1, as in training (training.config.loader_workers)
 

@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 
 from imagenet_ddp.accuracy import evaluate_dataset
 from imagenet_ddp.eval_settings import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS
+from imagenet_ddp.geometry import world_size
 from imagenet_ddp.training.config import loader_workers
 from imagenet_ddp.training.model import load_model
 
@@ -27,12 +28,11 @@ TIMING_NOTE = (
 )
 
 
-def _check_world(geometry: dict[str, int], world_size: int) -> None:
-    expected = geometry["nodes"] * geometry["tasks_per_node"]
-    if expected != world_size:
+def _check_world(geometry: dict[str, int], started: int) -> None:
+    if world_size(geometry) != started:
         raise RuntimeError(
             f"evaluation configured for {geometry['nodes']} node(s) x "
-            f"{geometry['tasks_per_node']} task(s) per node, but {world_size} ranks started; "
+            f"{geometry['tasks_per_node']} task(s) per node, but {started} ranks started; "
             "check the launcher's geometry"
         )
 

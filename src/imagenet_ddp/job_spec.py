@@ -29,6 +29,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.io import write_json_atomic
 
 TRAIN_SPEC = "job_spec.json"  # in the run folder
@@ -52,10 +53,9 @@ def read_spec(path: str | os.PathLike[str], kind: str | tuple[str, ...]) -> dict
     return spec
 
 
-def geometry_of(spec: dict[str, Any]) -> dict[str, int]:
-    """nodes, tasks_per_node, cpus_per_task of either kind of spec: what the launcher needs."""
-    source = spec["run"] if "run" in spec else spec["geometry"]  # train, preflight: the run's
-    return {key: source[key] for key in ("nodes", "tasks_per_node", "cpus_per_task")}
+def geometry_of(spec: dict[str, Any]) -> Geometry:
+    """The geometry of either kind of spec: what the launcher needs."""
+    return Geometry.of(spec["run"] if "run" in spec else spec["geometry"])  # train: the run's
 
 
 def staging_report_path(run_dir: str | os.PathLike[str], host: str) -> Path:

@@ -14,12 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from imagenet_ddp.errors import InputError
+from imagenet_ddp.geometry import LAUNCH_KEYS
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.job_spec import EVAL_SPEC, TRAIN_SPEC, write_spec
 from imagenet_ddp.provenance import provenance_path, write_provenance
-
-# What the launcher needs of a run's geometry (gpus_per_node, if absent, follows the device).
-GEOMETRY_KEYS = ("nodes", "tasks_per_node", "cpus_per_task")
 
 
 def resolve_launcher(launcher: str, environ=None) -> str:
@@ -72,7 +70,7 @@ def train_job(
     """
     from imagenet_ddp.launch import run_training
 
-    missing = [key for key in GEOMETRY_KEYS if key not in run]
+    missing = [key for key in LAUNCH_KEYS if key not in run]
     if missing:
         raise InputError(
             f"run {run.get('run')!r}: the run settings lack {', '.join(missing)}; give the job's "
@@ -96,7 +94,7 @@ def train_job(
         return code
     job = {
         "launcher": execution["launcher"],
-        **{key: run[key] for key in GEOMETRY_KEYS},
+        **{key: run[key] for key in LAUNCH_KEYS},
         "wall_seconds": time.time() - started,
         "spec": str(spec_path),
     }

@@ -27,10 +27,10 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 from imagenet_ddp import attempts
+from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.job_spec import geometry_of, read_spec, staging_report_path
 from imagenet_ddp.signals import EXIT_REQUEUE, ForwardStopSignals
@@ -42,17 +42,6 @@ from imagenet_ddp.stage import (
 )
 
 STAGED_KINDS = ("train", "preflight")  # jobs that stage the prepared copy on every node
-
-
-@dataclass(frozen=True)
-class Geometry:
-    nodes: int
-    tasks_per_node: int
-    cpus_per_task: int
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.tasks_per_node
 
 
 def stage_this_node(spec: dict) -> dict:
@@ -137,11 +126,6 @@ def srun_argv(
     ]
 
 
-def geometry_of_spec(spec: dict) -> Geometry:
-    shape = geometry_of(spec)
-    return Geometry(shape["nodes"], shape["tasks_per_node"], shape["cpus_per_task"])
-
-
 def _srun_extra(spec: dict) -> list[str]:
     return spec["execution"]["srun_extra"].split()
 
@@ -195,7 +179,7 @@ def run_training(spec: dict, spec_path: Path) -> int:
     refused at once where a retry cannot help, closed with its exit code.
     """
     run, root = spec["run"], spec["paths"]["checkpoint_root"]
-    geometry = geometry_of_spec(spec)
+    geometry = geometry_of(spec)
     entry, refused = attempts.begin(
         root,
         run,
@@ -224,7 +208,7 @@ def run_training(spec: dict, spec_path: Path) -> int:
 def run_staged(spec: dict, spec_path: Path) -> int:
     """Stage on every node, run the ranks of ``spec``'s kind, clean up: the exit code.
     Training and its preflight stage the same way."""
-    geometry, execution = geometry_of_spec(spec), spec["execution"]
+    geometry, execution = geometry_of(spec), spec["execution"]
     launcher, cleanup = execution["launcher"], execution["cleanup"]
     on_spec = ["--spec", str(spec_path)]
     if launcher == "local":
@@ -264,7 +248,7 @@ def run_evaluation(spec: dict, spec_path: Path) -> int:
     python = [sys.executable] if launcher == "local" else task_python()
     code, _ = launch_ranks(
         launcher,
-        geometry_of_spec(spec),
+        geometry_of(spec),
         rank_argv(spec, spec_path, python),
         _srun_extra(spec),
         _prefix(spec),

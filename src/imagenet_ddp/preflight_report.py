@@ -11,6 +11,8 @@ import math
 import statistics
 from typing import Any
 
+from imagenet_ddp.geometry import world_size
+
 STRAGGLER = 0.8  # a rank below this share of the median rank's rate is named as a straggler
 # A multi-node GPU job's all-reduce bus bandwidth below this is a network problem: NCCL over
 # TCP sockets gives a few GB/s, InfiniBand/RoCE tens to hundreds (nccl-tests on A100/H100).
@@ -82,7 +84,7 @@ def projection(
     ``sizes``: train and holdout samples; ``limits``: train_runtime_minutes (None: no limit).
     A synchronous step waits for the slowest rank, and a rank for its loader.
     """
-    world = run["nodes"] * run["tasks_per_node"]
+    world = world_size(run)
     per_rank = min(rates["model"], rates["loader"])
     steps = sizes["train"] // world // run["batch_size"]
     epoch = steps * run["batch_size"] / per_rank

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from imagenet_ddp.eval_settings import eval_settings
+from imagenet_ddp.geometry import world_size
 
 # Images in the ILSVRC2012 train archive (what `index` lists from the real archive).
 ILSVRC2012_TRAIN_IMAGES = 1_281_167
@@ -198,7 +199,7 @@ def _batch_problem(run: Mapping, sizes: tuple[int, int, str]) -> str | None:
     ``drop_last=True``): each rank gets floor(train / world) samples and floor(that / batch)
     steps, which is zero exactly when batch_size x world > train."""
     train, _holdout, source = sizes
-    world = run["nodes"] * run["tasks_per_node"]
+    world = world_size(run)
     global_batch = run["batch_size"] * world
     if global_batch <= train:
         return None

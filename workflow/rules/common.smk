@@ -163,13 +163,9 @@ def train_runtime_minutes(wildcards):
     return "none" if minutes is None else minutes
 
 
-# Not weights: how a run is executed or logged (the geometry is shown under resources).
-_NOT_HYPERPARAMETERS = {
-    "name", "evaluate", "workers", "device", "backend", "log_interval", "timeout_minutes",
-    "max_allocations", "checkpoint_interval_minutes",
-    "throughput_warmup_steps", "keep_checkpoints", "nodes", "tasks_per_node",
-    "cpus_per_task", "gpus_per_node", "gpu_type", "mlflow_uri", "preflight",
-}  # fmt: skip
+# Not weights: how a run is executed or logged (the geometry is shown under resources);
+# derived from the checkpoint fingerprint's list (imagenet_ddp.setting_kinds says how).
+from imagenet_ddp.setting_kinds import NOT_HYPERPARAMETERS as _NOT_HYPERPARAMETERS
 
 
 def run_hyperparameters(wildcards):

@@ -16,24 +16,9 @@ from typing import Any
 import torch
 
 from imagenet_ddp import distributed as D
+from imagenet_ddp.geometry import Geometry
+from imagenet_ddp.setting_kinds import NOT_WEIGHTS
 
-GEOMETRY_KEYS = ("nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node")
-# Settings that do not change the trained weights: left out of the checkpoint key.
-NOT_IN_FINGERPRINT = (
-    "log_interval",
-    "workers",
-    "timeout_minutes",
-    "max_allocations",
-    "checkpoint_interval_minutes",
-    "keep_checkpoints",
-    "throughput_warmup_steps",
-    "recipe",  # its values are the other keys
-    "extra",
-    "gpu_type",  # where it trains, like the geometry
-    "mlflow_uri",
-    "preflight",
-    *GEOMETRY_KEYS,
-)
 # Added after checkpoints existed: left out of the key at their defaults, so runs keep resuming
 # the checkpoints written before these settings were added; any other value enters the key.
 ADDED_AT_DEFAULT = ("crop_scale", "crop_ratio", "hflip")
@@ -121,7 +106,7 @@ class TrainConfig:
     def fingerprint(self) -> str:
         """Hash of everything that changes the trained weights (not logging or geometry: the
         geometry is the checkpoint key's second part)."""
-        data = {k: v for k, v in dataclasses.asdict(self).items() if k not in NOT_IN_FINGERPRINT}
+        data = {k: v for k, v in dataclasses.asdict(self).items() if k not in NOT_WEIGHTS}
         default = TrainConfig()
         for key in ADDED_AT_DEFAULT:
             if data[key] == getattr(default, key):
@@ -146,28 +131,6 @@ class TrainConfig:
         return int(round(size / self.progressive_multiple)) * self.progressive_multiple
 
 
-@dataclass(frozen=True)
-class JobGeometry:
-    """Where a run's figures were measured: every row of the results states this."""
-
-    nodes: int
-    tasks_per_node: int
-    cpus_per_task: int
-    gpus_per_node: int
-    workers: int  # DataLoader workers per rank
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.tasks_per_node
-
-    @property
-    def tag(self) -> str:
-        return (
-            f"n{self.nodes}x{self.tasks_per_node}-c{self.cpus_per_task}"
-            f"-g{self.gpus_per_node}-w{self.workers}"
-        )
-
-
 def loader_workers(setting: int | str, cpus_per_task: int) -> int:
     """``auto``: one DataLoader worker per CPU of this task but one (the training loop's)."""
     if setting != "auto":
@@ -175,7 +138,7 @@ def loader_workers(setting: int | str, cpus_per_task: int) -> int:
     return max(0, cpus_per_task - 1)
 
 
-def resolve_geometry(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> JobGeometry:
+def resolve_geometry(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> Geometry:
     """The configured geometry, checked against the ranks that actually started."""
     tasks = cfg.tasks_per_node or info.local_world_size
     nodes = cfg.nodes or max(1, info.world_size // tasks)
@@ -190,4 +153,4 @@ def resolve_geometry(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -
     gpus = cfg.gpus_per_node
     if gpus is None:
         gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-    return JobGeometry(nodes, tasks, cpus, gpus, loader_workers(cfg.workers, cpus))
+    return Geometry(nodes, tasks, cpus, gpus, loader_workers(cfg.workers, cpus))

@@ -18,11 +18,12 @@ from torch.utils.data import DataLoader
 
 from imagenet_ddp import distributed as D
 from imagenet_ddp.accuracy import evaluate_dataset
+from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.prepared import normalize_batch
 from imagenet_ddp.signals import EXIT_REQUEUE, stop_signals_blocked
 from imagenet_ddp.training import recipe
 from imagenet_ddp.training.checkpoint import save_job
-from imagenet_ddp.training.config import JobGeometry, TrainConfig
+from imagenet_ddp.training.config import TrainConfig
 from imagenet_ddp.training.data import batch_seed
 from imagenet_ddp.training.discipline import check_device_discipline
 from imagenet_ddp.training.metrics import EpochMeter, Progress, log_epoch
@@ -36,7 +37,7 @@ class Job:
     cfg: TrainConfig
     info: D.DistInfo
     device: torch.device
-    geometry: JobGeometry
+    geometry: Geometry
     model: torch.nn.Module
     step_model: torch.nn.Module  # DDP (and compiled) wrapper that runs the training step
     optimizer: torch.optim.Optimizer

@@ -7,7 +7,7 @@ It is a ``torch.save`` dict::
     arch            torchvision.models name (e.g. "resnet50")
     num_classes     output classes
     model           state_dict of the trained model (a torchvision model, no DDP prefix)
-    config          the run's settings and geometry (TrainConfig + JobGeometry fields)
+    config          the run's settings and geometry (TrainConfig + geometry.Geometry fields)
 
 Loading into torchvision without this package (README "Loading a trained model")::
 

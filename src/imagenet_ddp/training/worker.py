@@ -34,12 +34,13 @@ from imagenet_ddp.attempts import (
     settings_key,
 )
 from imagenet_ddp.cost import over_attempts
+from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.monitor import RunMonitor
 from imagenet_ddp.prepared import PreparedImageDataset, eval_transform
 from imagenet_ddp.signals import EXIT_REQUEUE, StopFlag
 from imagenet_ddp.training import recipe
 from imagenet_ddp.training.checkpoint import checkpoint_dir, resume_job
-from imagenet_ddp.training.config import JobGeometry, TrainConfig, resolve_geometry
+from imagenet_ddp.training.config import TrainConfig, resolve_geometry
 from imagenet_ddp.training.data import (
     EpochSampler,
     SeededAugmentation,
@@ -184,7 +185,7 @@ def build_job(
     cfg: TrainConfig,
     info: D.DistInfo,
     device: torch.device,
-    geometry: JobGeometry,
+    geometry: Geometry,
     num_classes: int,
     steps_per_epoch: int,
 ) -> Job:
