@@ -91,6 +91,7 @@ def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 def run_ours(tmp: Path, prepared: Path, split: Path, cfg: dict, tag: str) -> list[float]:
     from imagenet_ddp.job_spec import write_spec
+    from tests.workflow_helpers import run_settings
 
     out_dir = tmp / f"ours-{tag}"
     paths = {
@@ -98,7 +99,9 @@ def run_ours(tmp: Path, prepared: Path, split: Path, cfg: dict, tag: str) -> lis
         "run_dir": str(out_dir),
         "checkpoint_root": str(tmp / f"ckpt-{tag}"),  # fresh: never resume
     }
-    spec = write_spec(tmp / f"spec-{tag}.json", {"kind": "train", "run": cfg, "paths": paths})
+    spec = write_spec(
+        tmp / f"spec-{tag}.json", {"kind": "train", "run": run_settings(**cfg), "paths": paths}
+    )
     worker = ["-m", "imagenet_ddp.training.worker", "--spec", str(spec)]
     torchrun([*worker, "--train-data", str(prepared)], tmp)
     metrics = json.loads((out_dir / "train_metrics.json").read_text())

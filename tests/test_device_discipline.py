@@ -13,19 +13,19 @@ import torch
 
 from imagenet_ddp import distributed as D
 from imagenet_ddp.geometry import Geometry
-from imagenet_ddp.training.config import TrainConfig
 from imagenet_ddp.training.discipline import (
     check_device_discipline,
     misplaced_tensors,
     state_tensors,
 )
 from imagenet_ddp.training.worker import build_job
+from tests.workflow_helpers import train_config
 
 META = torch.device("meta")
 
 
 def _job(**settings):
-    cfg = TrainConfig(model="resnet18", batch_size=2, ema_decay=0.99, epochs=2, **settings)
+    cfg = train_config(model="resnet18", batch_size=2, ema_decay=0.99, epochs=2, **settings)
     info = D.DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, host="h")
     geometry = Geometry(1, 1, 1, 0, 0)
     return build_job(cfg, info, META, geometry, num_classes=4, steps_per_epoch=3)

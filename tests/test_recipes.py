@@ -9,9 +9,8 @@ import torch
 import yaml
 
 from imagenet_ddp.training import recipe
-from imagenet_ddp.training.config import TrainConfig
 from imagenet_ddp.training.presets import PRESETS, resolve_run, scaled_lr
-from tests.workflow_helpers import REPO
+from tests.workflow_helpers import REPO, train_config
 
 SCHEMA = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
 RUN_KEYS = SCHEMA["definitions"]["run_settings"]["properties"]
@@ -22,7 +21,7 @@ DEFAULTS = {k: v["default"] for k, v in RUN_KEYS.items() if "default" in v}
 
 
 def lrs(steps_per_epoch=10, **settings) -> list[float]:
-    f = recipe.lr_lambda(steps_per_epoch, TrainConfig(**settings))
+    f = recipe.lr_lambda(steps_per_epoch, train_config(**settings))
     return [f(step) for step in range(settings["epochs"] * steps_per_epoch + 1)]
 
 
@@ -49,11 +48,11 @@ def test_linear_schedule_is_ffcvs_triangle():
 def test_linear_scaling_rule_uses_the_global_batch():
     run = {"lr": 0.1, "lr_scaling": "linear", "batch_size": 128, "nodes": 2, "tasks_per_node": 4}
     assert scaled_lr(run) == pytest.approx(0.1 * 1024 / 256)
-    cfg = TrainConfig(lr=0.1, lr_scaling="linear", batch_size=128)
+    cfg = train_config(lr=0.1, lr_scaling="linear", batch_size=128)
     assert recipe.peak_lr(cfg, world_size=8) == pytest.approx(0.4)
-    assert recipe.peak_lr(TrainConfig(lr=0.1, lr_scaling="none", batch_size=128), 8) == 0.1
+    assert recipe.peak_lr(train_config(lr=0.1, lr_scaling="none", batch_size=128), 8) == 0.1
     # The default: a base LR per 256 images, as torchvision's reference and timm scale it.
-    assert recipe.peak_lr(TrainConfig(lr=0.1, batch_size=32), world_size=8) == 0.1
+    assert recipe.peak_lr(train_config(lr=0.1, batch_size=32), world_size=8) == 0.1
 
 
 # ------------------------------------------------------------------ optimizer
@@ -61,16 +60,16 @@ def test_linear_scaling_rule_uses_the_global_batch():
 
 def test_no_weight_decay_on_norm_and_bias_parameters_when_asked():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
-    cfg = TrainConfig(weight_decay=1e-4, norm_weight_decay=0.0, bias_weight_decay=0.0)
+    cfg = train_config(weight_decay=1e-4, norm_weight_decay=0.0, bias_weight_decay=0.0)
     groups = {g["group"]: g for g in recipe.build_optimizer(cfg, model).param_groups}
     assert groups["norm"]["weight_decay"] == 0.0
     assert {id(p) for p in groups["norm"]["params"]} == {id(model[1].weight), id(model[1].bias)}
     assert [id(p) for p in groups["bias"]["params"]] == [id(model[0].bias)]
     assert groups["other"]["weight_decay"] == 1e-4
     assert [id(p) for p in groups["other"]["params"]] == [id(model[0].weight)]
-    default = recipe.build_optimizer(TrainConfig(weight_decay=1e-4), model)
+    default = recipe.build_optimizer(train_config(weight_decay=1e-4), model)
     assert all(g["weight_decay"] == 1e-4 for g in default.param_groups)
-    assert isinstance(recipe.build_optimizer(TrainConfig(optimizer="adamw"), model),
+    assert isinstance(recipe.build_optimizer(train_config(optimizer="adamw"), model),
                       torch.optim.AdamW)  # fmt: skip
 
 
@@ -78,14 +77,14 @@ def test_no_weight_decay_on_norm_and_bias_parameters_when_asked():
 
 
 def test_mixup_and_cutmix_labels_are_distributions_and_replay_from_the_seed():
-    mixer = recipe.batch_mixer(TrainConfig(mixup_alpha=0.2, cutmix_alpha=1.0), num_classes=5)
+    mixer = recipe.batch_mixer(train_config(mixup_alpha=0.2, cutmix_alpha=1.0), num_classes=5)
     images, targets = torch.rand(8, 3, 16, 16), torch.arange(8) % 5
     mixed, labels = recipe.mix_batch(mixer, images.clone(), targets, seed=3)
     assert labels.shape == (8, 5)
     assert torch.allclose(labels.sum(1), torch.ones(8))
     again = recipe.mix_batch(mixer, images.clone(), targets, seed=3)
     assert torch.equal(again[0], mixed) and torch.equal(again[1], labels)
-    assert recipe.batch_mixer(TrainConfig(), 5) is None
+    assert recipe.batch_mixer(train_config(), 5) is None
 
 
 def test_every_sample_augmentation_is_a_function_of_the_seed():
@@ -93,7 +92,7 @@ def test_every_sample_augmentation_is_a_function_of_the_seed():
 
     from imagenet_ddp.training.data import SeededAugmentation
 
-    cfg = TrainConfig(crop_size=16, auto_augment="trivialaugment", random_erasing=1.0)
+    cfg = train_config(crop_size=16, auto_augment="trivialaugment", random_erasing=1.0)
     image = tv_tensors.Image(torch.randint(0, 256, (3, 24, 24), dtype=torch.uint8))
     data = SeededAugmentation([(image, 0)] * 4, recipe.EpochTransforms(cfg), 7, per_epoch=True)
     first = data[(1, 2)][0]
@@ -105,7 +104,7 @@ def test_every_sample_augmentation_is_a_function_of_the_seed():
 
 def test_ema_equals_its_formula():
     model = torch.nn.Linear(2, 1, bias=False)
-    cfg = TrainConfig(ema_decay=0.9, ema_steps=1, epochs=1, batch_size=1)
+    cfg = train_config(ema_decay=0.9, ema_steps=1, epochs=1, batch_size=1)
     ema = recipe.build_ema(
         cfg, model, world_size=1, device=torch.device("cpu")
     )  # adjust = 1: decay 0.9 as given
@@ -122,13 +121,13 @@ def test_ema_equals_its_formula():
 
 
 def test_progressive_crop_sizes_per_epoch_follow_ffcv():
-    cfg = TrainConfig(**PRESETS["ffcv-resnet50"])
+    cfg = train_config(**PRESETS["ffcv-resnet50"])
     sizes = [cfg.crop_for_epoch(e) for e in range(88)]
     # FFCV's get_resolution: min_res until start_ramp, interpolated and rounded to 32 until
     # end_ramp, then max_res.
     assert sizes[:66] == [160] * 66 and sizes[76:] == [192] * 12
     assert set(sizes[66:76]) == {160, 192} and sizes == sorted(sizes)
-    assert TrainConfig(crop_size=64).crop_for_epoch(0) == 64  # off by default
+    assert train_config(crop_size=64).crop_for_epoch(0) == 64  # off by default
 
 
 # ------------------------------------------------------------------ presets

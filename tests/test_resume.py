@@ -23,7 +23,7 @@ import torch
 from imagenet_ddp.job_spec import write_spec
 from imagenet_ddp.signals import EXIT_REQUEUE
 from imagenet_ddp.training.model import read_model_file
-from tests.workflow_helpers import output_within
+from tests.workflow_helpers import output_within, run_settings
 
 CONFIG = {
     "run": "resume",
@@ -81,7 +81,7 @@ def torchrun(
 ):
     spec = {
         "kind": "train",
-        "run": config or CONFIG,
+        "run": run_settings(**(config or CONFIG)),
         "paths": {"split_dir": str(split), "run_dir": str(out), "checkpoint_root": str(ckpt)},
     }
     spec_path = write_spec(out.parent / f"{out.name}-job_spec.json", spec)
@@ -242,7 +242,7 @@ def launch(
     geometry = {"nodes": 1, "tasks_per_node": tasks, "cpus_per_task": cpus}
     argv = [
         sys.executable, "-m", "imagenet_ddp.cli", "train", "--launcher", "local",
-        "--run-config-json", json.dumps({**config, **geometry}),
+        "--run-config-json", json.dumps(run_settings(**config, **geometry)),
         "--prepared-train", str(prepared), "--split-dir", str(split),
         "--run-dir", str(work / "run"), "--checkpoint-root", str(work / "ckpt"),
         "--scratch-dir", str(work / "scratch"), "--stage-verify", "size", "--cleanup", *extra,

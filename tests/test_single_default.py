@@ -1,7 +1,7 @@
 """Each setting has one default, in the workflow's schema (workflow/schemas/config.schema.yaml).
 
-The rules, the CLI and config.yaml do not repeat it, the training worker's config dataclass
-agrees with it, and README.md documents every key with the schema's default. Fast: reads
+The rules, the CLI, config.yaml and the training worker's config dataclass do not repeat it,
+and README.md documents every key with the schema's default. Fast: reads
 files and builds the argument parser; no workflow runs.
 """
 
@@ -14,10 +14,13 @@ import yaml
 
 from tests.workflow_helpers import REPO, SCHEMA
 
-# TrainConfig's geometry defaults are None: "as the ranks started" for a worker started by
+# TrainConfig's geometry is None when not given: "as the ranks started" for a worker started by
 # hand (torchrun); the workflow always passes the schema's geometry.
 FROM_THE_RANKS = {"nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node"}
 NOT_SETTINGS = {"run", "extra"}  # the run's name (schema: `name`), unknown keys kept
+# Run keys the train rule does not pass to the worker (common.smk run_training_json): where the
+# run is evaluated, and whether a preflight gates it.
+NOT_PASSED = {"name", "evaluate", "preflight"}
 
 
 def train_config_class():
@@ -45,22 +48,24 @@ def section_defaults() -> dict[str, dict]:
     return out
 
 
-def test_train_config_defaults_are_the_schemas():
-    fields = {
-        f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-        for f in dataclasses.fields(train_config_class())
-        if f.name not in NOT_SETTINGS
-    }
-    defaults = run_defaults()
+def test_train_config_states_no_default_and_refuses_a_run_that_lacks_a_setting():
+    import pytest
+
+    from tests.workflow_helpers import run_settings
+
+    fields = {f.name: f for f in dataclasses.fields(train_config_class())}
+    settings = set(fields) - NOT_SETTINGS
     properties = set(schema()["definitions"]["run_settings"]["properties"])
-    # Every setting the worker reads can be set in config.yaml, and every run key is read.
-    assert set(fields) == properties - {"name", "evaluate"}
-    assert set(defaults) == set(fields), "every run setting needs its default in the schema"
-    for key, value in fields.items():
-        if key in FROM_THE_RANKS:
-            assert value is None, key
-        else:
-            assert value == defaults[key], f"TrainConfig.{key} {value!r}, schema {defaults[key]!r}"
+    # Every setting the worker reads can be set in config.yaml, and every run key it gets is read.
+    assert settings == properties - NOT_PASSED
+    assert set(run_defaults()) >= settings, "every run setting needs its default in the schema"
+    for name in settings - FROM_THE_RANKS:
+        assert fields[name].default is fields[name].default_factory is dataclasses.MISSING, name
+    for name in FROM_THE_RANKS:
+        assert fields[name].default is None, name
+    lacking = {key: value for key, value in run_settings().items() if key != "lr"}
+    with pytest.raises(ValueError, match="lack lr; the workflow passes every setting"):
+        train_config_class().from_dict(lacking)
 
 
 def test_rules_read_settings_without_a_fallback_default():

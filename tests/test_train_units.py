@@ -7,9 +7,9 @@ import torch
 
 from imagenet_ddp import distributed as D
 from imagenet_ddp.training.checkpoint import load_latest_checkpoint, save_checkpoint
-from imagenet_ddp.training.config import TrainConfig
 from imagenet_ddp.training.data import EpochSampler, SeededAugmentation
 from imagenet_ddp.training.recipe import lr_lambda
+from tests.workflow_helpers import train_config
 
 
 def test_epoch_sampler_skips_exactly_the_steps_already_done():
@@ -44,7 +44,7 @@ def test_augmentation_depends_on_seed_epoch_and_index_only():
 
 
 def test_lr_schedule_warms_up_then_decays_to_zero():
-    cfg = TrainConfig(epochs=4, warmup_epochs=1)
+    cfg = train_config(epochs=4, warmup_epochs=1)
     f = lr_lambda(steps_per_epoch=10, cfg=cfg)
     assert f(0) == 0.1 and f(9) == 1.0
     assert f(10) == 1.0 and 0 < f(25) < 1.0
@@ -52,19 +52,19 @@ def test_lr_schedule_warms_up_then_decays_to_zero():
 
 
 def test_fingerprint_ignores_logging_and_worker_count_but_not_lr():
-    base = TrainConfig(lr=0.1)
-    assert TrainConfig(lr=0.1, workers=8, log_interval=1).fingerprint() == base.fingerprint()
-    assert TrainConfig(lr=0.2).fingerprint() != base.fingerprint()
+    base = train_config(lr=0.1)
+    assert train_config(lr=0.1, workers=8, log_interval=1).fingerprint() == base.fingerprint()
+    assert train_config(lr=0.2).fingerprint() != base.fingerprint()
 
 
 def test_augmentation_knobs_enter_the_fingerprint_except_at_their_defaults():
     """At the defaults the key is the one from before the knobs existed (checkpoints resume);
     the workflow passes the schema's spelling of the defaults."""
-    base = TrainConfig().fingerprint()
+    base = train_config().fingerprint()
     schema_defaults = {"crop_scale": [0.08, 1.0], "crop_ratio": [0.75, 1.3333333333333333]}
-    assert TrainConfig.from_dict({**schema_defaults, "hflip": 0.5}).fingerprint() == base
+    assert train_config(**{**schema_defaults, "hflip": 0.5}).fingerprint() == base
     changed = [{"crop_scale": [0.35, 1.0]}, {"crop_ratio": [1.0, 1.0]}, {"hflip": 0.0}]
-    keys = {TrainConfig.from_dict(c).fingerprint() for c in changed}
+    keys = {train_config(**c).fingerprint() for c in changed}
     assert len(keys) == 3 and base not in keys
 
 
@@ -92,18 +92,18 @@ def test_auto_loader_workers_follow_the_tasks_cpus(monkeypatch):
     info, cpu = DistInfo(0, 1, 0, 1, "h"), torch.device("cpu")
     monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "8")
-    assert resolve_geometry(TrainConfig(), info, cpu).workers == 7
+    assert resolve_geometry(train_config(), info, cpu).workers == 7
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "4")
-    assert resolve_geometry(TrainConfig(), info, cpu).workers == 3
-    assert resolve_geometry(TrainConfig(cpus_per_task=1), info, cpu).workers == 0
-    assert resolve_geometry(TrainConfig(workers=2), info, cpu).workers == 2
+    assert resolve_geometry(train_config(), info, cpu).workers == 3
+    assert resolve_geometry(train_config(cpus_per_task=1), info, cpu).workers == 0
+    assert resolve_geometry(train_config(workers=2), info, cpu).workers == 2
 
 
 def test_geometry_is_checked_against_the_ranks_that_started():
     from imagenet_ddp.distributed import DistInfo
     from imagenet_ddp.training.config import resolve_geometry
 
-    cfg = TrainConfig(nodes=2, tasks_per_node=4, cpus_per_task=8, gpus_per_node=4)
+    cfg = train_config(nodes=2, tasks_per_node=4, cpus_per_task=8, gpus_per_node=4)
     geometry = resolve_geometry(cfg, DistInfo(0, 8, 0, 4, "h"), torch.device("cpu"))
     assert geometry.world_size == 8 and geometry.tag == "n2x4-c8-g4-w7"
     with pytest.raises(RuntimeError, match="2 node.* x 4 task.*but 4 ranks started"):
@@ -113,17 +113,17 @@ def test_geometry_is_checked_against_the_ranks_that_started():
 def test_checkpoints_are_keyed_by_settings_and_geometry(tmp_path):
     from imagenet_ddp.training.checkpoint import checkpoint_dir, other_geometries
 
-    fingerprint = TrainConfig(lr=0.1).fingerprint()
+    fingerprint = train_config(lr=0.1).fingerprint()
     # Geometry and bookkeeping do not change the settings' hash; a weight-changing key does.
-    assert TrainConfig(lr=0.1, nodes=4, workers=3, log_interval=1).fingerprint() == fingerprint
-    assert TrainConfig(lr=0.2).fingerprint() != fingerprint
+    assert train_config(lr=0.1, nodes=4, workers=3, log_interval=1).fingerprint() == fingerprint
+    assert train_config(lr=0.2).fingerprint() != fingerprint
     one = checkpoint_dir(tmp_path, fingerprint, "n1x1-c2-g0-w1")
     two = checkpoint_dir(tmp_path, fingerprint, "n1x2-c2-g0-w1")
     assert one != two
     save_checkpoint(one, {"epoch": 3, "step_in_epoch": 0}, keep=2)
     assert other_geometries(tmp_path, fingerprint, "n1x2-c2-g0-w1") == [one]
     assert other_geometries(tmp_path, fingerprint, "n1x1-c2-g0-w1") == []
-    assert other_geometries(tmp_path, TrainConfig(lr=0.2).fingerprint(), "n1x1-c2-g0-w1") == []
+    assert other_geometries(tmp_path, train_config(lr=0.2).fingerprint(), "n1x1-c2-g0-w1") == []
 
 
 def test_steady_state_window_leaves_out_the_warmup_steps():

@@ -27,6 +27,26 @@ def with_schema_defaults(config: dict) -> dict:
     return filled
 
 
+def run_settings(**settings) -> dict:
+    """A run's settings as the train rule passes them to the worker (every key, the schema's
+    defaults filled in), then ``settings``. The geometry is left out unless given: a rank
+    started by hand (torchrun) reads it from the ranks that started."""
+    from imagenet_ddp.geometry import GEOMETRY_KEYS
+
+    properties = yaml.safe_load(SCHEMA.read_text())["definitions"]["run_settings"]["properties"]
+    defaults = {k: v["default"] for k, v in properties.items() if "default" in v}
+    for key in (*GEOMETRY_KEYS, "preflight"):  # the rule passes no `preflight` (it gates train)
+        defaults.pop(key, None)
+    return {"run": "run", **defaults, **settings}
+
+
+def train_config(**settings):
+    """The worker's TrainConfig of :func:`run_settings`."""
+    from imagenet_ddp.training.config import TrainConfig
+
+    return TrainConfig.from_dict(run_settings(**settings))
+
+
 # Small enough for 2 CPU cores, large enough that a ResNet-18 learns well above chance.
 TINY_CONFIG_OVERRIDES = {
     "demo": {

@@ -91,6 +91,7 @@ COLUMNS = [
 BOOKKEEPING_KEYS = (
     "run", "log_interval", "timeout_minutes", "keep_checkpoints", "extra", "mlflow_uri",
     "max_allocations", "checkpoint_interval_minutes",
+    "preflight",  # recorded (always false) by versions whose TrainConfig had it
 )  # fmt: skip
 
 BASELINE_NOTE = "baseline: smallest run of its group"

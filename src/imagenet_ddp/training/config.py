@@ -1,7 +1,8 @@
-"""A run's settings and the geometry of the job that trains it.
+"""A run's settings (:class:`TrainConfig`) and the geometry of the job that trains it.
 
-Every key of :class:`TrainConfig` is a key of ``train_defaults``/``runs`` in config.yaml; its
-schema entry (workflow/schemas/config.schema.yaml) states the same default.
+Every key of :class:`TrainConfig` is a key of ``train_defaults``/``runs`` in config.yaml. Its
+default has one home, the schema (workflow/schemas/config.schema.yaml): the workflow resolves
+every run over it and passes every key, so the class states none (tests/test_single_default.py).
 """
 
 from __future__ import annotations
@@ -19,85 +20,101 @@ from imagenet_ddp import distributed as D
 from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.setting_kinds import NOT_WEIGHTS
 
-# Added after checkpoints existed: left out of the key at their defaults, so runs keep resuming
-# the checkpoints written before these settings were added; any other value enters the key.
-ADDED_AT_DEFAULT = ("crop_scale", "crop_ratio", "hflip")
+# Added after checkpoints existed: left out of the key at the value every earlier checkpoint was
+# trained with (a fact about those checkpoints, not a default), so runs keep resuming them; any
+# other value enters the key.
+ADDED_AT_DEFAULT = {"crop_scale": [0.08, 1.0], "crop_ratio": [3 / 4, 4 / 3], "hflip": 0.5}
 
 
 @dataclass
 class TrainConfig:
-    """One run's hyperparameters and execution choices (validated by the workflow's schema)."""
+    """One run's hyperparameters and execution choices (validated by the workflow's schema).
+    Every setting is required: its default is the schema's (the workflow fills it in)."""
 
-    run: str = "run"
-    model: str = "resnet18"
-    epochs: int = 2
-    batch_size: int = 64  # per rank; global batch = batch_size * world size
-    lr: float = 0.1
-    momentum: float = 0.9
-    weight_decay: float = 5e-5
-    label_smoothing: float = 0.0
-    warmup_epochs: float = 0.0
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast)
-    crop_size: int = 224
-    eval_resize: int = 256
-    workers: int | str = "auto"  # DataLoader workers per rank; auto = CPUs per task - 1
-    seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda
-    backend: str = "auto"  # auto | gloo | nccl
-    channels_last: bool = False
-    compile: bool = False
-    deterministic: bool = False
-    log_interval: int = 20  # steps between progress lines (rank 0)
-    timeout_minutes: float = 10.0  # process-group timeout: how long a hung rank holds the job
-    max_allocations: int = 10  # jobs one run may use (the launcher enforces it: attempts)
-    checkpoint_interval_minutes: float = 30.0  # mid-epoch checkpoints; 0: epoch ends only
-    synthetic: bool = False  # measure the model alone on a fixed random batch
-    keep_checkpoints: int = 2  # newest checkpoints kept per run (older ones are deleted)
-    throughput_warmup_steps: int = 20  # steps per epoch left out of the steady-state img/s
+    run: str
+    model: str
+    epochs: int
+    batch_size: int  # per rank; global batch = batch_size * world size
+    lr: float
+    momentum: float
+    weight_decay: float
+    label_smoothing: float
+    warmup_epochs: float
+    precision: str  # fp32 | bf16 | fp16 (autocast)
+    crop_size: int
+    eval_resize: int
+    workers: int | str  # DataLoader workers per rank; auto = CPUs per task - 1
+    seed: int
+    device: str  # auto | cpu | cuda
+    backend: str  # auto | gloo | nccl
+    channels_last: bool
+    compile: bool
+    deterministic: bool
+    log_interval: int  # steps between progress lines (rank 0)
+    timeout_minutes: float  # process-group timeout: how long a hung rank holds the job
+    max_allocations: int  # jobs one run may use (the launcher enforces it, the preflight checks)
+    checkpoint_interval_minutes: float  # mid-epoch checkpoints; 0: epoch ends only
+    synthetic: bool  # measure the model alone on a fixed random batch
+    keep_checkpoints: int  # newest checkpoints kept per run (older ones are deleted)
+    throughput_warmup_steps: int  # steps per epoch left out of the steady-state img/s
     # --- recipe (README "Recipes"; training/recipe.py). Defaults: today's behaviour, extras off.
-    recipe: str = "none"  # a preset's name (training/presets.py); resolved by the workflow
-    optimizer: str = "sgd"  # sgd | adamw
-    nesterov: bool = True  # SGD with momentum > 0 only
-    lr_scaling: str = "linear"  # linear: lr per 256 images x global batch | none: lr as given
-    norm_weight_decay: float | None = None  # None: weight_decay; e.g. 0: no decay on norms
-    bias_weight_decay: float | None = None  # None: weight_decay (biases of other layers)
-    grad_clip_norm: float = 0.0  # max global gradient norm; 0: no clipping
-    lr_schedule: str = "cosine"  # cosine | linear | step | constant, per step, after warm-up
-    lr_min_ratio: float = 0.0  # cosine/linear end at lr x this
-    lr_step_epochs: list[int] = field(default_factory=list)  # step: milestones (epochs)
-    lr_step_gamma: float = 0.1  # step: LR factor at each milestone
-    warmup_start_factor: float = 0.0  # warm-up rises linearly from lr x this
+    recipe: str  # a preset's name (training/presets.py); resolved by the workflow
+    optimizer: str  # sgd | adamw
+    nesterov: bool  # SGD with momentum > 0 only
+    lr_scaling: str  # linear: lr per 256 images x global batch | none: lr as given
+    norm_weight_decay: float | None  # None: weight_decay; e.g. 0: no decay on norms
+    bias_weight_decay: float | None  # None: weight_decay (biases of other layers)
+    grad_clip_norm: float  # max global gradient norm; 0: no clipping
+    lr_schedule: str  # cosine | linear | step | constant, per step, after warm-up
+    lr_min_ratio: float  # cosine/linear end at lr x this
+    lr_step_epochs: list[int]  # step: milestones (epochs)
+    lr_step_gamma: float  # step: LR factor at each milestone
+    warmup_start_factor: float  # warm-up rises linearly from lr x this
     # RandomResizedCrop's area share and aspect ranges, flip probability (torchvision's, timm's)
-    crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
-    crop_ratio: list[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
-    hflip: float = 0.5
-    auto_augment: str = "none"  # none | randaugment | trivialaugment | autoaugment
-    random_erasing: float = 0.0  # probability per image
-    mixup_alpha: float = 0.0  # 0: off
-    cutmix_alpha: float = 0.0  # 0: off (both on: one of the two per batch)
-    ema_decay: float = 0.0  # model EMA decay per update (torchvision's convention); 0: off
-    ema_steps: int = 32  # optimizer steps between EMA updates
-    sync_bn: bool = False  # SyncBatchNorm across ranks (GPUs only)
-    zero_init_residual: bool = False  # last BN of each residual block starts at 0 (ResNets)
-    progressive_min_crop: int = 0  # 0: off; else the crop rises from this to crop_size
-    progressive_start_epoch: int = 0  # ... from this epoch
-    progressive_end_epoch: int = 0  # ... to this one
-    progressive_multiple: int = 32  # crop sizes in between are rounded to multiples of this
-    eval_crop_size: int = 0  # 0: crop_size; evaluation's centre crop (after eval_resize)
-    preflight: bool = False  # train only after a passing preflight (imagenet_ddp.preflight)
-    max_allocations: int = 10  # most SLURM jobs one run may use (the preflight checks it)
+    crop_scale: list[float]
+    crop_ratio: list[float]
+    hflip: float
+    auto_augment: str  # none | randaugment | trivialaugment | autoaugment
+    random_erasing: float  # probability per image
+    mixup_alpha: float  # 0: off
+    cutmix_alpha: float  # 0: off (both on: one of the two per batch)
+    ema_decay: float  # model EMA decay per update (torchvision's convention); 0: off
+    ema_steps: int  # optimizer steps between EMA updates
+    sync_bn: bool  # SyncBatchNorm across ranks (GPUs only)
+    zero_init_residual: bool  # last BN of each residual block starts at 0 (ResNets)
+    progressive_min_crop: int  # 0: off; else the crop rises from this to crop_size
+    progressive_start_epoch: int  # ... from this epoch
+    progressive_end_epoch: int  # ... to this one
+    progressive_multiple: int  # crop sizes in between are rounded to multiples of this
+    eval_crop_size: int  # 0: crop_size; evaluation's centre crop (after eval_resize)
+    gpu_type: str  # the GPU type SLURM was asked for (gres gpu:<type>:<n>); "": any
+    mlflow_uri: str  # rank 0 also logs to this MLflow file store (imagenet_ddp.mlflow_log)
     # The job's geometry as the workflow asked SLURM for it; None: read from the environment.
     nodes: int | None = None
     tasks_per_node: int | None = None
     cpus_per_task: int | None = None
     gpus_per_node: int | None = None
-    gpu_type: str = ""  # the GPU type SLURM was asked for (gres gpu:<type>:<n>); "": any
-    mlflow_uri: str = ""  # rank 0 also logs to this MLflow file store (imagenet_ddp.mlflow_log)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
+        """The run of ``data`` (a job spec's ``run``: every setting, the workflow passes them);
+        unknown keys are kept in ``extra``."""
+        fields = dataclasses.fields(cls)
+        known = {f.name for f in fields}
+        missing = [
+            f.name
+            for f in fields
+            if f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+            and f.name not in data
+        ]
+        if missing:
+            raise ValueError(
+                f"run {data.get('run')!r}: the run settings lack {', '.join(missing)}; the "
+                "workflow passes every setting (the schema's defaults filled in), and a job "
+                "spec written by hand must too"
+            )
         extra = {k: v for k, v in data.items() if k not in known}
         cfg = cls(**{k: v for k, v in data.items() if k in known})
         cfg.extra.update(extra)
@@ -107,9 +124,8 @@ class TrainConfig:
         """Hash of everything that changes the trained weights (not logging or geometry: the
         geometry is the checkpoint key's second part)."""
         data = {k: v for k, v in dataclasses.asdict(self).items() if k not in NOT_WEIGHTS}
-        default = TrainConfig()
-        for key in ADDED_AT_DEFAULT:
-            if data[key] == getattr(default, key):
+        for key, earlier in ADDED_AT_DEFAULT.items():
+            if data[key] == earlier:
                 del data[key]
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
