@@ -119,12 +119,12 @@ def _add_prepare_parsers(sub) -> None:
 
 def _staged_job(args: argparse.Namespace) -> dict:
     """What train and its preflight share: the data and where/how the job runs."""
-    from imagenet_ddp.jobs import execution_settings
+    from imagenet_ddp.jobs import spec_execution
 
     return {
         "prepared_train": args.prepared_train,
         "split_dir": args.split_dir,
-        "execution": execution_settings(
+        "execution": spec_execution(
             args.launcher,
             args.srun_extra,
             args.scratch_dir,
@@ -175,7 +175,7 @@ def _add_staged_job_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from imagenet_ddp.geometry import GEOMETRY_KEYS
-    from imagenet_ddp.jobs import evaluate_job, execution_settings
+    from imagenet_ddp.jobs import evaluate_job, spec_execution
 
     keys = {
         "paths": ("model", "prepared_train", "prepared_val", "split_dir", "classes", "out"),
@@ -184,7 +184,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     }
     parts = {part: {key: getattr(args, key) for key in names} for part, names in keys.items()}
     parts["paths"]["per_class"] = args.per_class
-    execution = execution_settings(args.launcher, args.srun_extra, launch_prefix=args.launch_prefix)
+    execution = spec_execution(args.launcher, args.srun_extra, launch_prefix=args.launch_prefix)
     return evaluate_job(**parts, execution=execution)
 
 

@@ -29,7 +29,7 @@ def resolve_launcher(launcher: str, environ=None) -> str:
     return "srun" if (os.environ if environ is None else environ).get("SLURM_JOB_ID") else "local"
 
 
-def execution_settings(
+def spec_execution(
     launcher: str,
     srun_extra: str,
     scratch_dir: Path | None = None,
@@ -37,7 +37,8 @@ def execution_settings(
     cleanup=None,
     launch_prefix: str = "srun",
 ) -> dict[str, Any]:
-    """Where and how the job runs (not results: the rule passes them as resources).
+    """The job spec's ``execution`` block: where and how the job runs (not results: the rule
+    passes them as resources).
 
     ``launch_prefix``: the rule's ``mpi`` resource, the command that starts the ranks' step
     (``srun``, ``srun --mpi=pmix``); the launcher adds the geometry to it.

@@ -67,8 +67,9 @@ class RunMonitor:
 
     @classmethod
     def for_job(cls, job, run_dir: Path, steps_per_epoch: int, *, resumed: bool) -> RunMonitor:
-        """The monitor of a training job (imagenet_ddp.training.loop.Job); active on rank 0 only.
-        The MLflow run's id is kept beside the job's checkpoints: a resumed job continues it."""
+        """The monitor of a rank's training (imagenet_ddp.training.state.TrainingState); active
+        on rank 0 only. The MLflow run's id is kept beside the job's checkpoints: a resumed
+        job continues it."""
         cfg = job.cfg
         mlflow = None
         if cfg.mlflow_uri:

@@ -6,6 +6,7 @@
 - :mod:`.recipe`: optimizer, learning-rate schedule, loss, augmentation, EMA;
 - :mod:`.data`: per-sample seeded augmentation, the resumable sampler, the loader;
 - :mod:`.checkpoint`: where checkpoints live, saving, finding and resuming;
+- :mod:`.state`: one rank's training state (:class:`~.state.TrainingState`);
 - :mod:`.loop`: the step loop and what happens at each epoch's end;
 - :mod:`.metrics`: throughput, progress lines and the run's metrics files;
 - :mod:`.worker`: one rank's entry point (``python -m imagenet_ddp.training.worker``).

@@ -20,17 +20,16 @@ from __future__ import annotations
 import dataclasses
 import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from imagenet_ddp import distributed as D
 from imagenet_ddp.io import atomic_path
-
-if TYPE_CHECKING:
-    from imagenet_ddp.training.loop import Job
+from imagenet_ddp.training.state import TrainingState
 
 
 def checkpoint_dir(root: Path, fingerprint: str, geometry_tag: str) -> Path:
@@ -113,7 +112,7 @@ def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
 # --------------------------------------------------------------------------- a job's state
 
 
-def job_state(job: Job, epoch: int, step: int, partial: list | None) -> dict[str, Any]:
+def job_state(job: TrainingState, epoch: int, step: int, partial: list | None) -> dict[str, Any]:
     """Everything a resumed job needs. Collective (every rank's RNG state is gathered)."""
     return {
         "model": job.model.state_dict(),
@@ -132,7 +131,7 @@ def job_state(job: Job, epoch: int, step: int, partial: list | None) -> dict[str
     }
 
 
-def save_job(job: Job, epoch: int, step: int, partial: list | None = None) -> Path | None:
+def save_job(job: TrainingState, epoch: int, step: int, partial: list | None = None) -> Path | None:
     """Checkpoint the job at (epoch, step); collective, rank 0 writes. Returns the path."""
     state = job_state(job, epoch, step, partial)
     path = None
@@ -142,8 +141,19 @@ def save_job(job: Job, epoch: int, step: int, partial: list | None = None) -> Pa
     return path
 
 
-def resume_job(job: Job) -> tuple[int, int, list | None, str | None]:
-    """Load the newest checkpoint of this run and geometry: (epoch, step, partial, path)."""
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a rank's training starts: an epoch and a step in it, the resumed epoch's counts
+    so far (per rank; None: none) and the checkpoint it came from (None: a fresh start)."""
+
+    epoch: int = 0
+    step: int = 0
+    partial: list | None = None
+    path: str | None = None
+
+
+def resume_job(job: TrainingState) -> ResumePoint:
+    """Load the newest checkpoint of this run and geometry into ``job``: where it resumes."""
     state = load_latest_checkpoint(job.checkpoint_dir)
     if state is None:
         root, tag = job.checkpoint_dir.parent, job.geometry.tag
@@ -155,7 +165,7 @@ def resume_job(job: Job) -> tuple[int, int, list | None, str | None]:
                 "batch order, LR schedule and measured figures would mix; starting fresh",
                 flush=True,
             )
-        return 0, 0, None, None
+        return ResumePoint()
     job.model.load_state_dict(state["model"])
     job.optimizer.load_state_dict(state["optimizer"])
     job.scheduler.load_state_dict(state["scheduler"])
@@ -170,4 +180,6 @@ def resume_job(job: Job) -> tuple[int, int, list | None, str | None]:
             f"{state['step_in_epoch']})",
             flush=True,
         )
-    return state["epoch"], state["step_in_epoch"], state["partial_epoch"], state["path"]
+    return ResumePoint(
+        state["epoch"], state["step_in_epoch"], state["partial_epoch"], state["path"]
+    )

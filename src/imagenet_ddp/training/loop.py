@@ -8,9 +8,7 @@ rank stop at the same step; rank 0 writes a checkpoint and the job exits with EX
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from itertools import repeat
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,47 +16,25 @@ from torch.utils.data import DataLoader
 
 from imagenet_ddp import distributed as D
 from imagenet_ddp.accuracy import evaluate_dataset
-from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.prepared import normalize_batch
 from imagenet_ddp.signals import EXIT_REQUEUE, stop_signals_blocked
 from imagenet_ddp.training import recipe
 from imagenet_ddp.training.checkpoint import save_job
-from imagenet_ddp.training.config import TrainConfig
 from imagenet_ddp.training.data import batch_seed
 from imagenet_ddp.training.discipline import check_device_discipline
 from imagenet_ddp.training.metrics import EpochMeter, Progress, log_epoch
 from imagenet_ddp.training.model import autocast
-
-
-@dataclass
-class Job:
-    """One rank's view of the run: settings, placement and what it trains."""
-
-    cfg: TrainConfig
-    info: D.DistInfo
-    device: torch.device
-    geometry: Geometry
-    model: torch.nn.Module
-    step_model: torch.nn.Module  # DDP (and compiled) wrapper that runs the training step
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler
-    criterion: torch.nn.Module
-    checkpoint_dir: Path
-    ema: torch.optim.swa_utils.AveragedModel | None = None  # model EMA (recipe), or None
-    mixer: Any = None  # mixup/cutmix on each batch (recipe), or None
-    history: list[dict[str, Any]] = field(default_factory=list)
-    progress: Any = None  # attempts.RankProgress: this rank's last step, for the watchdog line
+from imagenet_ddp.training.state import TrainingState
 
 
 def run_epochs(
-    job: Job, loader, sampler, holdout, resume, stop, stop_after_steps, monitor=None
+    job: TrainingState, loader, sampler, holdout, resume, stop, stop_after_steps, monitor=None
 ) -> int:
     """Train from the resume point to the last epoch: 0, or EXIT_REQUEUE when stopped.
     ``monitor`` (imagenet_ddp.monitor.RunMonitor): TensorBoard events on rank 0."""
     cfg, info = job.cfg, job.info
     steps_per_epoch = len(sampler) // cfg.batch_size
-    start_epoch, start_step, partial, _ = resume
+    start_epoch, start_step, partial = resume.epoch, resume.step, resume.partial
     steps_done = 0
     for epoch in range(start_epoch, cfg.epochs):
         first = epoch == start_epoch
@@ -107,7 +83,7 @@ def run_epochs(
     return 0
 
 
-def interval_checkpoint(job: Job, epoch: int, step: int, meter: EpochMeter) -> None:
+def interval_checkpoint(job: TrainingState, epoch: int, step: int, meter: EpochMeter) -> None:
     """A mid-epoch checkpoint (collective), as a stop signal writes; training goes on. Its
     time is left out of the epoch's throughput, as epoch-end checkpoints are."""
     began = time.perf_counter()
@@ -117,7 +93,7 @@ def interval_checkpoint(job: Job, epoch: int, step: int, meter: EpochMeter) -> N
         print(f"interval checkpoint at epoch {epoch} step {step}: wrote {path}", flush=True)
 
 
-def batches(job: Job, loader: DataLoader, num_classes: int, epoch: int, step: int):
+def batches(job: TrainingState, loader: DataLoader, num_classes: int, epoch: int, step: int):
     """The epoch's batches on the device, from step ``step`` on: (images, targets) where
     targets are class indices, or (indices, mixed label distributions) with mixup/cutmix.
     Synthetic mode measures the model alone (one fixed random batch, the loader untouched)."""
@@ -144,7 +120,7 @@ def batches(job: Job, loader: DataLoader, num_classes: int, epoch: int, step: in
         yield images, targets
 
 
-def train_step(job: Job, images: torch.Tensor, targets, epoch: int):
+def train_step(job: TrainingState, images: torch.Tensor, targets, epoch: int):
     """One optimizer step; returns the loss and logits (targets: see :func:`batches`)."""
     cfg = job.cfg
     hard, soft = targets if isinstance(targets, tuple) else (targets, targets)
@@ -165,7 +141,7 @@ def train_step(job: Job, images: torch.Tensor, targets, epoch: int):
     return loss, logits, hard
 
 
-def evaluate_holdout(job: Job, model: torch.nn.Module, holdout) -> dict[str, Any]:
+def evaluate_holdout(job: TrainingState, model: torch.nn.Module, holdout) -> dict[str, Any]:
     return evaluate_dataset(
         model,
         holdout,
@@ -180,7 +156,7 @@ def evaluate_holdout(job: Job, model: torch.nn.Module, holdout) -> dict[str, Any
     )
 
 
-def end_epoch(job: Job, epoch: int, meter: EpochMeter, holdout) -> None:
+def end_epoch(job: TrainingState, epoch: int, meter: EpochMeter, holdout) -> None:
     """Combine the ranks' counters, evaluate the holdout, record and checkpoint the epoch."""
     record = {"epoch": epoch, **meter.reduce(), "lr_end": job.scheduler.get_last_lr()[0]}
     D.broadcast_buffers(job.model)  # every rank evaluates the model that is saved

@@ -23,7 +23,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -31,9 +31,7 @@ import torch
 
 from imagenet_ddp import distributed as D
 from imagenet_ddp.io import write_csv_atomic, write_json_atomic
-
-if TYPE_CHECKING:
-    from imagenet_ddp.training.loop import Job
+from imagenet_ddp.training.state import TrainingState
 
 
 def synchronize(device: torch.device) -> None:
@@ -187,13 +185,17 @@ def _median(values: list) -> float | None:
     return float(np.median(values)) if values else None
 
 
-def run_config(job: Job) -> dict[str, Any]:
+def run_config(job: TrainingState) -> dict[str, Any]:
     """The run's settings and geometry, as recorded beside its results and in model.pt."""
     return {**dataclasses.asdict(job.cfg), **dataclasses.asdict(job.geometry)}
 
 
 def write_run_metrics(
-    job: Job, out_dir: Path, ranks: list, resumed_from: str | None, cost: dict | None = None
+    job: TrainingState,
+    out_dir: Path,
+    ranks: list,
+    resumed_from: str | None,
+    cost: dict | None = None,
 ) -> None:
     """history.csv (one row per epoch) and train_metrics.json (the run's summary)."""
     cfg, history, world = job.cfg, job.history, job.info.world_size

@@ -49,9 +49,10 @@ from imagenet_ddp.training.data import (
     train_loader,
 )
 from imagenet_ddp.training.discipline import check_device_discipline
-from imagenet_ddp.training.loop import Job, run_epochs
+from imagenet_ddp.training.loop import run_epochs
 from imagenet_ddp.training.metrics import run_config, write_run_metrics
 from imagenet_ddp.training.model import build_model, save_model
+from imagenet_ddp.training.state import TrainingState
 
 __all__ = ["EXIT_REQUEUE", "TrainConfig", "train", "main"]
 
@@ -152,7 +153,7 @@ def _train(
     resume = resume_job(job)
     check_device_discipline(job, "after setup")
     # Rank 0: TensorBoard events, the NVML sampler thread, the wall clock of the cost block.
-    monitor = RunMonitor.for_job(job, out_dir, steps_per_epoch, resumed=resume[3] is not None)
+    monitor = RunMonitor.for_job(job, out_dir, steps_per_epoch, resumed=resume.path is not None)
     try:
         code = run_epochs(job, loader, sampler, holdout, resume, stop, stop_after_steps, monitor)
     finally:
@@ -176,7 +177,7 @@ def _train(
             cost = over_attempts(
                 cost, cost_over_attempts(checkpoint_root, attempt_key, time.time())
             )
-        write_run_metrics(job, out_dir, ranks, resumed_from=resume[3], cost=cost)
+        write_run_metrics(job, out_dir, ranks, resumed_from=resume.path, cost=cost)
     D.barrier()
     return 0
 
@@ -188,7 +189,7 @@ def build_job(
     geometry: Geometry,
     num_classes: int,
     steps_per_epoch: int,
-) -> Job:
+) -> TrainingState:
     """The model, its DDP wrapper and the recipe's optimizer, schedule, loss, EMA, mixing."""
     options = {"zero_init_residual": True} if cfg.zero_init_residual else {}
     model = build_model(cfg.model, num_classes, **options)
@@ -204,7 +205,7 @@ def build_job(
         if D.is_distributed()
         else model
     )
-    return Job(
+    return TrainingState(
         cfg=cfg,
         info=info,
         device=device,
