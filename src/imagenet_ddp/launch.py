@@ -1,4 +1,4 @@
-"""Run one training job: stage data on every node, start one worker per device, clean up.
+"""Start a job's ranks (training, preflight, evaluation), here or through srun; stage and unstage.
 
 Evaluation starts its ranks through the same :func:`launch_ranks` (without staging). Every
 step and rank gets the path of the job's spec file (:mod:`imagenet_ddp.job_spec`), nothing else;
