@@ -77,7 +77,7 @@ def select_device(
         return torch.device("cpu")
     if os.environ.get(FAKE_GPUS) == "1":  # the test cluster: choose as below, compute on CPU
         visible = len([d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d])
-        WOULD_SELECT[:] = [f"cuda:{_gpu_index(local_rank, visible, local_world_size)}"]
+        WOULD_SELECT[:] = [f"cuda:{gpu_index(local_rank, visible, local_world_size)}"]
         return torch.device("cpu")
     if not torch.cuda.is_available():
         why = f"gpus_per_node is {gpus_per_node}" if gpus_per_node else "device is 'cuda'"
@@ -87,7 +87,7 @@ def select_device(
             f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
             "check the node's driver and the job's GPU request, or set gpus_per_node: 0"
         )
-    index = _gpu_index(local_rank, torch.cuda.device_count(), local_world_size)
+    index = gpu_index(local_rank, torch.cuda.device_count(), local_world_size)
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
@@ -99,7 +99,9 @@ FAKE_GPUS = "IMAGENET_DDP_FAKE_GPUS"
 WOULD_SELECT: list[str] = []
 
 
-def _gpu_index(local_rank: int, visible: int, local_world_size: int | None) -> int:
+def gpu_index(local_rank: int, visible: int, local_world_size: int | None) -> int:
+    """The index, among the ``visible`` GPUs, of this rank's GPU: the one choice that training,
+    evaluation and the preflight (what a rank would use) all make."""
     if visible == 1:  # this task's own GPU
         return 0
     if local_rank < visible:

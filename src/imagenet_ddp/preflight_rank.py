@@ -57,7 +57,8 @@ SIZE_FACTORS = (1 / 16, 1 / 4, 1, 2)  # all-reduce sizes around the run's gradie
 
 def placement(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> dict:
     """Where this rank runs and which GPU it uses (on a GPU node) or would use (CPU compute on
-    a node with GPUs: CUDA_VISIBLE_DEVICES[local_rank % visible], as select_device picks)."""
+    a node with GPUs: the visible GPU that :func:`imagenet_ddp.distributed.gpu_index` picks,
+    as training would; a rank without a GPU of its own fails as training would)."""
     visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
     record = {
         "rank": info.rank,
@@ -81,7 +82,7 @@ def placement(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> dict:
         )  # fmt: skip
     elif (cfg.gpus_per_node or 0) > 0:
         ids = visible or [str(i) for i in range(cfg.gpus_per_node)]
-        record["gpu"] = ids[info.local_rank % len(ids)]
+        record["gpu"] = ids[D.gpu_index(info.local_rank, len(ids), info.local_world_size)]
     return record
 
 
@@ -251,7 +252,7 @@ def staging_reports(run_dir: Path) -> list[dict]:
 def run(spec: dict) -> int:
     cfg = TrainConfig.from_dict(spec["run"])
     info = D.dist_info_from_env()
-    device = D.select_device(cfg.device, info.local_rank, cfg.gpus_per_node)
+    device = D.select_device(cfg.device, info.local_rank, cfg.gpus_per_node, info.local_world_size)
     D.init_process_group(info, device, cfg.backend, cfg.timeout_minutes)
     try:
         mine = measure(spec, cfg, info, device)
