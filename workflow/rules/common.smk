@@ -21,6 +21,7 @@ from imagenet_ddp.archive_names import (
     TRAIN_ARCHIVE,
     VAL_ARCHIVE,
 )
+from imagenet_ddp.attempts import refusal_ahead
 from imagenet_ddp.eval_settings import eval_settings
 from imagenet_ddp.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
 from imagenet_ddp.run_checks import check_runs, user_cache_dir
@@ -241,6 +242,30 @@ def slurm_resource(key, shape=train_shape):
             # One rank runs inside the plugin's own `srun -n1` step (the launcher adds --overlap).
             "mpi": "srun" if world > 1 else None,
         }[key]
+
+    return value
+
+
+# A retry that its job will refuse (imagenet_ddp.attempts: two attempts in a row without
+# progress, or max_allocations reached) only prints why and exits: Snakemake's retries are one
+# rule-wide count, so it is still submitted, but as one task on one node without GPUs.
+_REFUSED_SHAPE = {"nodes": 1, "cpus_per_task": 1, "tasks_per_node": None, "tasks": None,
+                  "gres": None, "mpi": None}  # fmt: skip
+
+
+def train_resource(key):
+    """A SLURM resource of `train`: the run's shape, or _REFUSED_SHAPE for a retry that will
+    refuse (asked before each submission, from the attempt record beside the checkpoints)."""
+    shaped = run_geometry(key) if key in ("nodes", "cpus_per_task") else slurm_resource(key)
+
+    def value(wildcards, attempt):
+        if attempt > 1 and refusal_ahead(
+            f"{CHECKPOINT_DIR}/{wildcards.run}",
+            json.loads(run_training_json(wildcards)),
+            attempt,
+        ):
+            return _REFUSED_SHAPE[key]
+        return shaped(wildcards)
 
     return value
 

@@ -26,13 +26,15 @@ rule train:
         # One SLURM task per GPU (rank) on every node; the rule launches them itself with srun,
         # which the SLURM executor requires to be declared with the `mpi` resource. The
         # geometry itself is a result (params.run_config), these only size the job.
-        nodes=run_geometry("nodes"),
-        tasks_per_node=slurm_resource("tasks_per_node"),
-        tasks=slurm_resource("tasks"),
-        cpus_per_task=run_geometry("cpus_per_task"),
-        gres=slurm_resource("gres"),
+        # A retry that will refuse (max_allocations, or no progress twice in a row) asks for
+        # one task without GPUs instead (common.smk train_resource).
+        nodes=train_resource("nodes"),
+        tasks_per_node=train_resource("tasks_per_node"),
+        tasks=train_resource("tasks"),
+        cpus_per_task=train_resource("cpus_per_task"),
+        gres=train_resource("gres"),
         tasks_per_gpu=0,  # else the plugin adds --ntasks-per-gpu=<all tasks> to GPU jobs
-        mpi=slurm_resource("mpi"),
+        mpi=train_resource("mpi"),
         # Where and how it runs (not results, so not params): a profile may override these.
         # auto: srun inside the SLURM allocation, else ranks spawned here (launch.py).
         launcher=execution_setting("execution", "launcher"),
@@ -55,9 +57,13 @@ rule train:
         split_dir=lambda wildcards, input: os.path.dirname(input.split_train),
     # exec: the launcher replaces the rule's shell, which a stop signal would kill (SLURM
     # signals every process of the step) before the ranks have written their checkpoint.
-    # The echo puts the resolved hyperparameters first in the log and in `snakemake -n -p`.
+    # Every job (attempt) appends to the log under a header of its own, its resolved
+    # hyperparameters first (also shown by `snakemake -n -p`): an earlier allocation's log
+    # stays beside the next one's.
     shell:
-        "echo hyperparameters: {params.hyperparameters:q} > {log:q}; "
+        "echo == job ${{SLURM_JOB_ID:-local}}, Snakemake attempt {resources.snakemake_attempt},"
+        " started $(date -u +%Y-%m-%dT%H:%M:%SZ) == >> {log:q}; "
+        "echo hyperparameters: {params.hyperparameters:q} >> {log:q}; "
         "exec imagenet-ddp train --run-config-json {params.run_config:q}"
         " --prepared-train {input.prepared:q} --split-dir {params.split_dir:q}"
         " --run-dir {params.run_dir:q} --checkpoint-root {resources.checkpoint_root:q}"
