@@ -23,6 +23,7 @@ from imagenet_ddp.archive_names import (
 )
 from imagenet_ddp.attempts import refusal_ahead
 from imagenet_ddp.eval_settings import eval_settings
+from imagenet_ddp.preflight_report import known_projection_problems
 from imagenet_ddp.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
 from imagenet_ddp.run_checks import check_runs, user_cache_dir
 from imagenet_ddp.sweeps import SweepError, expand_runs, run_schema
@@ -113,17 +114,22 @@ def archive_paths():
     return {key: f"{data_dir()}/{name}" for key, name in ARCHIVES.items()}
 
 
-def run_training_json(wildcards):
-    """The run's settings as the worker's JSON, geometry included: every figure of a run is
-    measured under its geometry, so a changed geometry retrains (and never resumes)."""
-    settings = dict(RUNS[wildcards.run])
+def run_settings(name):
+    """The run's settings as the worker reads them, geometry included: every figure of a run
+    is measured under its geometry, so a changed geometry retrains (and never resumes).
+    """
+    settings = dict(RUNS[name])
     settings["run"] = settings.pop("name")
     settings.pop(
         "evaluate", None
     )  # where the run is evaluated does not change its weights
     # Whether the run is checked first does not change its weights either.
     settings.pop("preflight", None)
-    return json.dumps(settings, sort_keys=True)
+    return settings
+
+
+def run_training_json(wildcards):
+    return json.dumps(run_settings(wildcards.run), sort_keys=True)
 
 
 def preflight_input(wildcards):
@@ -153,15 +159,30 @@ def _runtime_minutes(resources):
     return value if isinstance(value, (int, float)) else None
 
 
-def train_runtime_minutes(wildcards):
-    """The train rule's time limit per allocation (set-resources, else default-resources), for
-    the preflight's projection; 'none' where no limit is set (a local run). An expression
-    (e.g. `60 * attempt`) is not evaluated here: 'none' too."""
+def _train_runtime():
+    """The train rule's time limit per allocation in minutes (set-resources, else
+    default-resources); None where no limit is set (a local run). An expression (e.g.
+    `60 * attempt`) is not evaluated here: None too."""
     overwrite = workflow.resource_settings.overwrite_resources
     minutes = _runtime_minutes(overwrite["train"]) if "train" in overwrite else None
     if minutes is None:
         minutes = _runtime_minutes(workflow.resource_settings.default_resources)
+    return minutes
+
+
+def train_runtime_minutes(wildcards):
+    """train's time limit, for the preflight's projection ('none': no limit)."""
+    minutes = _train_runtime()
     return "none" if minutes is None else minutes
+
+
+# A run whose last preflight on the same settings projected more allocations of today's train
+# runtime than its max_allocations is refused here, before it is queued.
+_problems = known_projection_problems(
+    {name: run_settings(name) for name in RUNS}, "results/preflight", _train_runtime()
+)
+if _problems:
+    raise WorkflowError("\n".join(_problems))
 
 
 # Not weights: how a run is executed or logged (the geometry is shown under resources).
@@ -255,8 +276,11 @@ _REFUSED_SHAPE = {"nodes": 1, "cpus_per_task": 1, "tasks_per_node": None, "tasks
 
 def train_resource(key):
     """A SLURM resource of `train`: the run's shape, or _REFUSED_SHAPE for a retry that will
-    refuse (asked before each submission, from the attempt record beside the checkpoints)."""
-    shaped = run_geometry(key) if key in ("nodes", "cpus_per_task") else slurm_resource(key)
+    refuse (asked before each submission, from the attempt record beside the checkpoints).
+    """
+    shaped = (
+        run_geometry(key) if key in ("nodes", "cpus_per_task") else slurm_resource(key)
+    )
 
     def value(wildcards, attempt):
         if attempt > 1 and refusal_ahead(
