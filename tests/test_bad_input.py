@@ -1,4 +1,5 @@
-"""The README's bad-input table, row by row, through the command a rule runs.
+"""The bad-input table of docs/reliability.md ("Bad input"), row by row, through the command a
+rule runs.
 
 Each row: a clear one-line error naming the file (or key) and what to do, exit code 2, and no
 artifact under its final name. Function-level details live in test_archives/test_prepared/

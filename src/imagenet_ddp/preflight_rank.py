@@ -6,7 +6,7 @@ itself (:func:`imagenet_ddp.training.worker.build_job`, :func:`.loop.train_step`
 times is what training will run. Rank 0 gathers every rank's figures and writes the report
 (:mod:`imagenet_ddp.preflight_report`).
 
-Budget (README "First run on a new cluster"): fixed step counts, whatever the data set; the
+Budget (docs/preflight.md "Budget"): fixed step counts, whatever the data set; the
 loader reads a seeded sample of the staged copy. Only staging (the full copy, as training
 does) and ``torch.compile`` grow with the run.
 """

@@ -345,7 +345,7 @@ if (
 ):
     raise WorkflowError(
         f"config.yaml: container.image {CONTAINER!r} not found; build it with "
-        f"`apptainer build {CONTAINER} workflow/envs/imagenet-ddp.def` (README 'Containers')"
+        f"`apptainer build {CONTAINER} workflow/envs/imagenet-ddp.def` (docs/cluster.md 'Containers')"
         " or set container.image to an existing image or a docker:// / oras:// URI"
     )
 

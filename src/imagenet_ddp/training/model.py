@@ -9,7 +9,7 @@ It is a ``torch.save`` dict::
     model           state_dict of the trained model (a torchvision model, no DDP prefix)
     config          the run's settings and geometry (TrainConfig + JobGeometry fields)
 
-Loading into torchvision without this package (README "Loading a trained model")::
+Loading into torchvision without this package (docs/results.md "Loading a trained model")::
 
     state = torch.load("model.pt", map_location="cpu", weights_only=False)
     model = torchvision.models.get_model(state["arch"], num_classes=state["num_classes"])
