@@ -59,6 +59,30 @@ def reference_run(prepared, workdir, out, settings) -> subprocess.CompletedProce
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, "")
 
 
+def crash_invocation(workdir) -> subprocess.CompletedProcess:
+    """The run that fails at start, in its own invocation (beside the other: --nolock; the
+    outputs differ) with a config of its own: its runs alone."""
+    (workdir / "crash.yaml").write_text(json.dumps({"runs": [CRASH]}))  # YAML
+    return snakemake(
+        workdir, "results/runs/crash/model.pt", *SLURM, "--nolock", "--configfile", "crash.yaml",
+        "--set-resources", "train:runtime=5", check=False, timeout=1500,
+    )  # fmt: skip
+
+
+def assert_crash_retried_once_then_refused_without_gpus(cluster, workdir, crashing) -> None:
+    """Two jobs with its GPUs, then one task without GPUs that refuses with their error; no
+    more (its retries end there)."""
+    crash_log = crashing.stdout + crashing.stderr
+    assert crashing.returncode != 0, crash_log[-4000:]
+    jobs = sacct_jobs(cluster, crash_log, "JobID,State,NNodes,ReqTRES,Comment")
+    shapes = [(state, nnodes, "gres/gpu=2" in tres) for _, state, nnodes, tres, _ in jobs]
+    assert shapes == [("FAILED", "2", True)] * 2 + [("FAILED", "1", False)], jobs
+    record = attempts.load(workdir / "results/checkpoints/crash")
+    assert [a["outcome"] for a in record] == ["failed", "failed", "refused"], record
+    assert "CUDA is unusable" in record[0]["error"], record[0]
+    assert record[2]["error"].startswith("not retrying") and "CUDA is unusable" in crash_log
+
+
 def sacct_jobs(cluster, log: str, fields: str) -> list[list[str]]:
     """The train jobs of the invocation whose output is ``log``: ``fields`` of each."""
     run_uuid = re.search(r"SLURM run ID: (\S+)", log).group(1)
@@ -78,11 +102,7 @@ def test_a_run_longer_than_its_time_limit_finishes_in_one_invocation(slurm_clust
 
     with ThreadPoolExecutor(2) as pool:
         reference = pool.submit(reference_run, prepared, workdir, tmp_path / "ref", settings)
-        crashing = pool.submit(
-            snakemake, workdir, "results/runs/crash/model.pt", *SLURM, "--nolock",
-            "--config", "runs=[" + json.dumps(CRASH) + "]", "--set-resources", "train:runtime=5",
-            check=False, timeout=1500,
-        )  # fmt: skip
+        crashing = pool.submit(crash_invocation, workdir)
         result = snakemake(
             workdir, "results/runs/long/accounting.json", *SLURM,
             "--set-resources", "train:runtime=1", "train:mem_mb=1000", timeout=1500,
@@ -119,13 +139,13 @@ def test_a_run_longer_than_its_time_limit_finishes_in_one_invocation(slurm_clust
         sum(job["core_hours"] for job in accounting["jobs"])
     )
     assert [job["state"] for job in accounting["jobs"]][:-1] == ["TIMEOUT"] * (len(train) - 1)
-    # Every job's log kept, one after the other under its own header.
-    headers = re.findall(
-        r"^== job (\d+), Snakemake attempt (\d+)",
-        (workdir / "logs/train/long.log").read_text(),
-        re.M,
-    )
-    assert headers == [(job_id, str(n)) for n, (job_id, _) in enumerate(train, 1)], headers
+    # Every job's log kept beside the attempt record, the run's log linking to the last.
+    job_of = {int(re.match(r"job-(\d+)-", p.name).group(1)): p
+              for p in (workdir / "results/checkpoints/long/logs").glob("job-*.log")}  # fmt: skip
+    assert sorted(job_of) == [int(j) for j, _ in train], sorted(job_of)
+    logs = [job_of[int(j)] for j, _ in train]
+    assert (workdir / "logs/train/long.log").resolve() == logs[-1].resolve()
+    assert "resuming from" in logs[1].read_text(), logs[1].read_text()[-2000:]
 
     # The run as the workflow resolved it (train_defaults, schema defaults): the same settings.
     assert json.loads((run_dir / "job_spec.json").read_text())["run"] == settings
@@ -135,14 +155,4 @@ def test_a_run_longer_than_its_time_limit_finishes_in_one_invocation(slurm_clust
         torch.load(run_dir / "model.pt", weights_only=False)["config"]["epochs"] == LONG["epochs"]
     )
 
-    # The run that fails at start: two jobs with its GPUs, then one task without GPUs that
-    # refuses with their error; no more (its retries end there).
-    crash_log = crashing.stdout + crashing.stderr
-    assert crashing.returncode != 0, crash_log[-4000:]
-    jobs = sacct_jobs(slurm_cluster, crash_log, "JobID,State,NNodes,ReqTRES,Comment")
-    shapes = [(state, nnodes, "gres/gpu=2" in tres) for _, state, nnodes, tres, _ in jobs]
-    assert shapes == [("FAILED", "2", True)] * 2 + [("FAILED", "1", False)], jobs
-    record = attempts.load(workdir / "results/checkpoints/crash")
-    assert [a["outcome"] for a in record] == ["failed", "failed", "refused"], record
-    assert "CUDA is unusable" in record[0]["error"], record[0]
-    assert record[2]["error"].startswith("not retrying") and "CUDA is unusable" in crash_log
+    assert_crash_retried_once_then_refused_without_gpus(slurm_cluster, workdir, crashing)

@@ -207,8 +207,15 @@ def run_hyperparameters(wildcards):
 
 # A training job stopped by its time limit, scancel or preemption is resubmitted (Snakemake's
 # retries, one rule-wide number); the job itself holds each run to its own max_allocations and
-# refuses a retry after an attempt that failed without progress (imagenet_ddp.attempts).
-TRAIN_RETRIES = max([run["max_allocations"] for run in RUNS.values()] or [1]) - 1
+# refuses a retry after two attempts without progress (imagenet_ddp.attempts). Only the
+# Snakemake that submits retries: inside a SLURM job the jobstep's Snakemake would honour a
+# rule's retries too and rerun a failed attempt in the same allocation (seen on the test
+# cluster: six attempts in one job).
+TRAIN_RETRIES = (
+    max([run["max_allocations"] for run in RUNS.values()] or [1]) - 1
+    if workflow.is_main_process
+    else 0
+)
 
 
 def run_geometry(key):

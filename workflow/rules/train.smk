@@ -57,20 +57,24 @@ rule train:
         split_dir=lambda wildcards, input: os.path.dirname(input.split_train),
     # exec: the launcher replaces the rule's shell, which a stop signal would kill (SLURM
     # signals every process of the step) before the ranks have written their checkpoint.
-    # Every job (attempt) appends to the log under a header of its own, its resolved
-    # hyperparameters first (also shown by `snakemake -n -p`): an earlier allocation's log
-    # stays beside the next one's.
+    # Every job (attempt) writes its own log beside the attempt record
+    # (<checkpoint root>/logs/job-<SLURM job id>-attempt<n>-<UTC start>.log), which Snakemake does not
+    # delete when it starts the next job; {log} links to the newest. It starts with a header
+    # and the resolved hyperparameters (also shown by `snakemake -n -p`).
     shell:
+        'log_dir="$(realpath -m {resources.checkpoint_root:q}/logs)"; mkdir -p "$log_dir"; '
+        'attempt_log="$log_dir/job-${{SLURM_JOB_ID:-local}}-attempt{resources.snakemake_attempt}'
+        '-$(date -u +%Y%m%dT%H%M%SZ).log"; ln -sfn "$attempt_log" {log:q}; '
         "echo == job ${{SLURM_JOB_ID:-local}}, Snakemake attempt {resources.snakemake_attempt},"
-        " started $(date -u +%Y-%m-%dT%H:%M:%SZ) == >> {log:q}; "
-        "echo hyperparameters: {params.hyperparameters:q} >> {log:q}; "
+        ' started $(date -u +%Y-%m-%dT%H:%M:%SZ) == > "$attempt_log"; '
+        'echo hyperparameters: {params.hyperparameters:q} >> "$attempt_log"; '
         "exec imagenet-ddp train --run-config-json {params.run_config:q}"
         " --prepared-train {input.prepared:q} --split-dir {params.split_dir:q}"
         " --run-dir {params.run_dir:q} --checkpoint-root {resources.checkpoint_root:q}"
         " --launcher {resources.launcher} --launch-prefix={resources.launch_prefix:q}"
         " --srun-extra={resources.srun_extra:q} --scratch-dir {resources.scratch_dir:q}"
         " --stage-verify {resources.stage_verify} --{resources.stage_cleanup}"
-        " --attempt {resources.snakemake_attempt} >> {log:q} 2>&1"
+        ' --attempt {resources.snakemake_attempt} >> "$attempt_log" 2>&1'
 
 
 # Evaluation runs like training: DDP ranks on the GPUs of `evaluate` geometry (config.yaml
