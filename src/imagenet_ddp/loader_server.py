@@ -5,7 +5,7 @@ stop signals and start with torch, torchvision and the datasets already imported
 import torch  # noqa: F401
 import torchvision  # noqa: F401
 
-import imagenet_ddp.prepared  # noqa: F401
+import imagenet_ddp.dataset  # noqa: F401
 from imagenet_ddp.signals import ignore_stop_signals
 
 ignore_stop_signals()
