@@ -1,4 +1,6 @@
-"""Imported once into the fork server that starts DataLoader workers (see
+"""The DataLoader workers' fork server module: what it and every worker import once.
+
+Imported once into the fork server that starts DataLoader workers (see
 :func:`imagenet_ddp.signals.loader_context`): the server, and every worker it forks, ignore the
 stop signals and start with torch, torchvision and the datasets already imported."""
 

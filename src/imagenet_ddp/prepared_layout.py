@@ -1,5 +1,6 @@
-"""The prepared copy's format: its layout, file names and version; written by
-:mod:`imagenet_ddp.prepare`, read by :mod:`imagenet_ddp.dataset`.
+"""The prepared copy's format: its layout, file names and version, and why it is so.
+
+Written by :mod:`imagenet_ddp.prepare`, read by :mod:`imagenet_ddp.dataset`.
 
 Torch-free: the rules (a format change reruns ``prepare``) and the staging steps import it.
 
