@@ -208,7 +208,7 @@ def test_scratch_too_small(prepared_demo, tmp_path, monkeypatch):
 
 
 def test_odd_real_imagenet_images_load_as_rgb(prepared_demo):
-    from imagenet_ddp.prepared import PreparedImageDataset
+    from imagenet_ddp.dataset import PreparedImageDataset
 
     dataset = PreparedImageDataset(prepared_demo["train"])
     for i in range(len(dataset)):

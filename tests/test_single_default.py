@@ -195,7 +195,7 @@ def test_configuration_doc_lists_every_key_with_the_schemas_default():
 
 def test_the_schema_is_where_allowed_values_are_checked():
     """prepare/stage do not re-check their settings: a bad value stops the workflow here,
-    naming the key (what prepared.py and stage.py used to check again)."""
+    naming the key (what the prepare and stage modules used to check again)."""
     from snakemake.exceptions import WorkflowError
     from snakemake.utils import validate
 

@@ -1,10 +1,9 @@
-import copy
+# The rules' helpers: input functions, params and resource helpers. What runs are and whether they
+# can train is decided in the package (imagenet_ddp.runs), process settings in the Snakefile.
+
 import json
 import os
-import signal
 import sys
-
-import yaml
 
 from snakemake.exceptions import WorkflowError
 from snakemake.settings.types import DeploymentMethod
@@ -25,79 +24,28 @@ from imagenet_ddp.attempts import refusal_ahead
 from imagenet_ddp.eval_settings import eval_settings
 from imagenet_ddp.preflight_report import known_projection_problems
 from imagenet_ddp.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
-from imagenet_ddp.run_checks import check_runs, user_cache_dir
-from imagenet_ddp.sweeps import SweepError, expand_runs, run_schema
-from imagenet_ddp.training.presets import resolve_run, scaled_lr
-
-
-envvars:
-    "PATH",
-
+from imagenet_ddp.run_checks import container_problem, user_cache_dir
+from imagenet_ddp.runs import RunsError, resolve_runs, written_settings
+from imagenet_ddp.training.presets import scaled_lr
 
 # Validation fills in the schema's defaults, the one home of every setting's default: the rules
-# read config[...] directly. It fills each `runs` entry (and each sweep's `settings`) too, which
-# would then override train_defaults and presets (`recipe`, training/presets.py: who wins): runs
-# are resolved from the entries as written.
-_WRITTEN = copy.deepcopy(
-    {
-        "train_defaults": config.get("train_defaults") or {},
-        "runs": config.get("runs") or [],
-        "sweep": config.get("sweep") or [],
-    }
-)
+# read config[...] directly. Runs resolve from their entries as written (imagenet_ddp.runs).
+_WRITTEN = written_settings(config)
 validate(config, "../schemas/config.schema.yaml")
 
-# Inside a SLURM job a warning signal (--signal=USR1@120) reaches every process of the step,
-# this Snakemake included when it runs a one-rank job in the executor's own step; by default
-# it would end Snakemake and with it the launcher. The ranks handle it (checkpoint, exit 75).
-if "SLURM_JOB_ID" in os.environ:
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-
-# Jobs call the `imagenet-ddp` command of the environment that runs Snakemake (also inside a
-# SLURM job, where the jobstep re-reads this file), even when that environment is not activated.
-os.environ["PATH"] = os.pathsep.join(
-    [os.path.dirname(sys.executable), os.environ["PATH"]]
-)
-
-
-def _run_defaults(config_schema):
-    """The schema's default of every run key that has one."""
-    keys = config_schema["definitions"]["run_settings"]["properties"]
-    return {k: v["default"] for k, v in keys.items() if "default" in v}
-
-
-def _runs():
-    """Hand-written runs and every sweep's expanded runs (imagenet_ddp.sweeps), each resolved
-    over the schema's defaults, train_defaults and its preset (training/presets.py); an
-    expanded run is held to the schema of a hand-written one.
-    """
-    with open(
-        os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml")
-    ) as f:
-        config_schema = yaml.safe_load(f)
-    schema = run_schema(config_schema)
-    runs = {}
-    try:
-        entries = expand_runs(
-            {**config, "runs": _WRITTEN["runs"], "sweep": _WRITTEN["sweep"]}, schema
-        )
-    except SweepError as error:
-        raise WorkflowError(str(error)) from None
-    defaults = _run_defaults(config_schema)
-    for entry in entries:
-        runs[entry["name"]] = resolve_run(defaults, _WRITTEN["train_defaults"], entry)
-    return runs
-
-
-RUNS = _runs()
-
-# What the schema cannot see (model names; crop, resize and prepared sizes; GPUs vs device;
-# global batch vs train set) is refused here, at the dry-run, not on the GPU node: one line
-# per problem. Raised here, not in the module, so Snakemake shows no traceback beyond this line.
-# torchvision's model names are cached per user (importing torch takes seconds).
-_problems = check_runs(RUNS, config, cache_dir=user_cache_dir())
-if _problems:
-    raise WorkflowError("\n".join(_problems))
+# Every run, resolved (sweeps, presets, train_defaults) and checked: what would fail on the GPU
+# node fails here, at the dry-run, one line per problem. Raised here, not in the module, so
+# Snakemake shows no traceback beyond this line. torchvision's model names are cached per user
+# (importing torch takes seconds).
+try:
+    RUNS = resolve_runs(
+        config,
+        _WRITTEN,
+        os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml"),
+        cache_dir=user_cache_dir(),
+    )
+except RunsError as error:
+    raise WorkflowError(str(error)) from None
 
 
 def data_dir():
@@ -114,7 +62,7 @@ def archive_paths():
     return {key: f"{data_dir()}/{name}" for key, name in ARCHIVES.items()}
 
 
-def run_settings(name):
+def training_settings(name):
     """The run's settings as the worker reads them, geometry included: every figure of a run
     is measured under its geometry, so a changed geometry retrains (and never resumes).
     """
@@ -129,7 +77,7 @@ def run_settings(name):
 
 
 def run_training_json(wildcards):
-    return json.dumps(run_settings(wildcards.run), sort_keys=True)
+    return json.dumps(training_settings(wildcards.run), sort_keys=True)
 
 
 def preflight_input(wildcards):
@@ -179,7 +127,7 @@ def train_runtime_minutes(wildcards):
 # A run whose last preflight on the same settings projected more allocations of today's train
 # runtime than its max_allocations is refused here, before it is queued.
 _problems = known_projection_problems(
-    {name: run_settings(name) for name in RUNS}, "results/preflight", _train_runtime()
+    {name: training_settings(name) for name in RUNS}, "results/preflight", _train_runtime()
 )
 if _problems:
     raise WorkflowError("\n".join(_problems))
@@ -218,41 +166,42 @@ TRAIN_RETRIES = (
 )
 
 
-def run_geometry(key):
+def run_setting(key):
+    """An input function: the run's setting `key` (its resolved value, imagenet_ddp.runs)."""
     return lambda wildcards: RUNS[wildcards.run][key]
 
 
-def run_eval(key):
-    """One of the run's evaluation settings (imagenet_ddp.eval_settings: geometry, loader)."""
-    return lambda wildcards: eval_settings(config.get("evaluate"), RUNS[wildcards.run])[
-        key
-    ]
+def evaluation_setting(key):
+    """An input function: one of the run's evaluation settings (imagenet_ddp.eval_settings:
+    geometry, loader)."""
+    return lambda wildcards: evaluation_settings(wildcards.run)[key]
 
 
 def eval_threads(wildcards):
     """Cores of a local evaluation: all its ranks' threads."""
-    settings = eval_shape(wildcards.run)
+    settings = evaluation_settings(wildcards.run)
     return settings["tasks_per_node"] * settings["cpus_per_task"]
 
 
-def train_shape(run_name):
+def run_settings(run_name):
+    """The run's resolved settings: its training geometry and everything else."""
     return RUNS[run_name]
 
 
-def eval_shape(run_name):
-    """Evaluated on the GPU type it trained on."""
+def evaluation_settings(run_name):
+    """The run's evaluation settings, on the GPU type it trained on."""
     run = RUNS[run_name]
     return {**eval_settings(config.get("evaluate"), run), "gpu_type": run["gpu_type"]}
 
 
-def slurm_resource(key, shape=train_shape):
-    """Per-run SLURM shape of `train` (or, with eval_shape, of `evaluate`) from the geometry
-    keys nodes, tasks_per_node, gpus_per_node, gpu_type (docs/slurm-notes.md); None drops the
-    resource.
+def slurm_resource(key, settings=run_settings):
+    """An input function: the SLURM resource `key` of the run's `train` job (with
+    evaluation_settings: of its `evaluate` job) from the geometry keys nodes, tasks_per_node,
+    gpus_per_node, gpu_type (docs/slurm-notes.md); None drops the resource.
     """
 
     def value(wildcards):
-        geometry = shape(wildcards.run)
+        geometry = settings(wildcards.run)
         nodes, per_node, gpus = (
             geometry["nodes"],
             geometry["tasks_per_node"],
@@ -286,7 +235,7 @@ def train_resource(key):
     refuse (asked before each submission, from the attempt record beside the checkpoints).
     """
     shaped = (
-        run_geometry(key) if key in ("nodes", "cpus_per_task") else slurm_resource(key)
+        run_setting(key) if key in ("nodes", "cpus_per_task") else slurm_resource(key)
     )
 
     def value(wildcards, attempt):
@@ -336,31 +285,28 @@ def run_dirs():
     return [f"results/runs/{name}" for name in RUNS]
 
 
-def execution_setting(section, key):
-    """Where/how a job runs. Passed as a resource, not a param: it does not change results,
-    so it must not trigger a rerun, and a profile may override it with set-resources."""
+def site_setting(section, key):
+    """A site's setting (config[section][key]): where/how a job runs. Passed as a resource,
+    not a param: it does not change results, so it must not trigger a rerun, and a profile
+    may override it with set-resources."""
     return config[section][key]
 
 
 # The image every job runs in with `--sdm apptainer` (ignored otherwise): built from
 # workflow/envs/imagenet-ddp.def. A local image that is missing fails here, at the dry-run.
 CONTAINER = config["container"]["image"]
-if (
+_APPTAINER = (
     DeploymentMethod.APPTAINER in workflow.deployment_settings.deployment_method
-    and "://" not in CONTAINER
-    and not os.path.exists(CONTAINER)
-):
-    raise WorkflowError(
-        f"config.yaml: container.image {CONTAINER!r} not found; build it with "
-        f"`apptainer build {CONTAINER} workflow/envs/imagenet-ddp.def` (docs/cluster.md 'Containers')"
-        " or set container.image to an existing image or a docker:// / oras:// URI"
-    )
+)
+_problem = container_problem(CONTAINER, apptainer=_APPTAINER)
+if _problem:
+    raise WorkflowError(_problem)
 
 
 # The training-ready copy; point several workflows (or users) at one shared directory to
 # prepare ImageNet once: writers are excluded by a lock, readers only see complete copies.
 PREPARED_DIR = config["prepare"]["dir"]
-CHECKPOINT_DIR = execution_setting("execution", "checkpoint_dir")
+CHECKPOINT_DIR = site_setting("execution", "checkpoint_dir")
 
 
 def md5sums_input(wildcards):
