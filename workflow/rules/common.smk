@@ -127,7 +127,9 @@ def train_runtime_minutes(wildcards):
 # A run whose last preflight on the same settings projected more allocations of today's train
 # runtime than its max_allocations is refused here, before it is queued.
 _problems = known_projection_problems(
-    {name: training_settings(name) for name in RUNS}, "results/preflight", _train_runtime()
+    {name: training_settings(name) for name in RUNS},
+    "results/preflight",
+    _train_runtime(),
 )
 if _problems:
     raise WorkflowError("\n".join(_problems))
