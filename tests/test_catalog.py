@@ -84,7 +84,7 @@ def test_every_rule_runs_the_imagenet_ddp_command():
     """A rule's job is one `imagenet-ddp <stage>` (cli.py): no `python -m` entry points beside
     it, whose interpreter could differ from the command's environment."""
     text = "".join(p.read_text() for p in sorted((REPO / "workflow/rules").glob("*.smk")))
-    shells = re.findall(r"^\s*shell:\n((?:\s+(?:f?\"[^\n]*\"|#[^\n]*)\n)+)", text, re.M)
+    shells = re.findall(r"^\s*shell:\n((?:\s+(?:f?[\"'][^\n]*[\"']|#[^\n]*)\n)+)", text, re.M)
     assert len(shells) == len(re.findall(r"^\s*shell:", text, re.M)) >= 10
     for shell in shells:
         assert re.search(r"\bimagenet-ddp [a-z-]+ ", shell), shell
