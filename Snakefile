@@ -3,10 +3,31 @@
 #   snakemake --profile profiles/slurm      # a SLURM cluster
 # Review first: add -n (dry-run) to see every job and its resources.
 
+import os
+import signal
+import sys
+
 from snakemake.utils import min_version
 
 # pyproject.toml's range (snakemake>=9.0,<10); CI verifies the pinned 9.27.1.
 min_version("9.0")
+
+# What this Snakemake process itself needs, here because no job's command can do it for it:
+# Inside a SLURM job a warning signal (--signal=USR1@120) reaches every process of the step,
+# this Snakemake included when it runs a one-rank job in the executor's own step; by default
+# it would end Snakemake and with it the launcher. The ranks handle it (checkpoint, exit 75).
+if "SLURM_JOB_ID" in os.environ:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+# Jobs call the `imagenet-ddp` command of the environment that runs Snakemake (also inside a
+# SLURM job, where the jobstep re-reads this file), even when that environment is not activated.
+os.environ["PATH"] = os.pathsep.join(
+    [os.path.dirname(sys.executable), os.environ["PATH"]]
+)
+
+
+envvars:
+    "PATH",
 
 
 configfile: "config.yaml"

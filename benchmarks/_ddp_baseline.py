@@ -1,6 +1,6 @@
 """The common-recipe DDP training loop (baseline of bench_train_step.py); run under torchrun.
 
-Same data (PreparedImageDataset + prepared.train_transform), model, optimizer and per-rank
+Same data (PreparedImageDataset + dataset.train_transform), model, optimizer and per-rank
 batch as ``imagenet_ddp.training.worker``, but: ``DistributedSampler`` + plain loop, no
 per-sample RNG seeding, no per-step stop-flag all-reduce, no scheduler/scaler/progress. Optional
 flags add one of our extras back, to attribute a gap (``--fork-rng``, ``--agreed``).
@@ -41,7 +41,7 @@ def main() -> int:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-    from imagenet_ddp.prepared import PreparedImageDataset, train_transform
+    from imagenet_ddp.dataset import PreparedImageDataset, train_transform
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

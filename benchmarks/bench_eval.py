@@ -57,7 +57,7 @@ def make_data(root: Path, count: int, side: int, small: bool = False) -> dict[st
     import numpy as np
     import pandas as pd
 
-    from imagenet_ddp.prepared import convert_image
+    from imagenet_ddp.prepare import convert_image
 
     rng = np.random.default_rng(0)
     images = [
@@ -118,7 +118,8 @@ def run_ours(data: dict, model: Path, out: Path, ranks: int, threads: int, args)
 def bare_forward_ms(arch: str, args, threads: int) -> float:
     import torch
 
-    from imagenet_ddp.training.model import autocast, build_model
+    from imagenet_ddp.precision import autocast
+    from imagenet_ddp.training.model import build_model
 
     torch.set_num_threads(threads)
     device = torch.device(args.device)

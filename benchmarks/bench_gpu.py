@@ -39,7 +39,7 @@ def synthetic(args, device) -> list[float]:
     import torch
     import torchvision
 
-    from imagenet_ddp.training.model import autocast
+    from imagenet_ddp.precision import autocast
 
     model = torchvision.models.get_model(args.model, weights=None, num_classes=1000).to(device)
     memory = torch.channels_last if args.channels_last else torch.contiguous_format
@@ -80,7 +80,7 @@ def loader_only(args, device, prepared: Path) -> list[float]:
     import torch
     from torch.utils.data import DataLoader, RandomSampler
 
-    from imagenet_ddp.prepared import PreparedImageDataset, train_transform
+    from imagenet_ddp.dataset import PreparedImageDataset, train_transform
 
     dataset = PreparedImageDataset(prepared, transform=train_transform(args.crop))
     batches = args.steps
@@ -135,7 +135,7 @@ def make_prepared(root: Path, count: int, side: int) -> Path:
 def _one_image(item: tuple[int, int]) -> bytes:
     import numpy as np
 
-    from imagenet_ddp.prepared import convert_image
+    from imagenet_ddp.prepare import convert_image
 
     i, side = item
     rng = np.random.default_rng(i)

@@ -8,11 +8,11 @@ pass reads every image once in a random order and applies the training augmentat
 median over repetitions is reported; the candidates' order rotates every repetition.
 
 * **ours**: what training runs per image: ``train.SeededAugmentation`` over
-  ``PreparedImageDataset(decode=False)`` + ``prepared.train_transform(crop, normalize=False)``:
+  ``PreparedImageDataset(decode=False)`` + ``dataset.train_transform(crop, normalize=False)``:
   memmap slice -> crop box drawn from the JPEG header -> ``jpeg.decode_jpeg`` (simplejpeg /
   libjpeg-turbo; at a reduced DCT scale when the box is >= 2x the output) -> resized crop of
   the channels-last view -> flip, uint8; scaling/normalization run per batch on the device.
-  Images are pre-resized by ``prepared.convert_image``.
+  Images are pre-resized by ``prepare.convert_image``.
 * **before**: the path this replaced, same seeding: ``torchvision.io.decode_jpeg`` of the whole
   image, then ``transforms.v2`` RandomResizedCrop / flip on the uint8 tensor.
 * **TorchCodec** (info, when ``torchcodec`` is installed): ``torchcodec.decoders.decode_jpeg``
@@ -45,7 +45,7 @@ import _common as C  # noqa: E402
 def make_data(root: Path, count: int, short_sides: list[int]) -> dict:
     import numpy as np
 
-    from imagenet_ddp.prepared import convert_image
+    from imagenet_ddp.prepare import convert_image
 
     rng = np.random.default_rng(0)
     classes = 10
@@ -113,7 +113,7 @@ class TorchvisionDecoded:
 
         from torchvision.io import ImageReadMode, decode_jpeg
 
-        from imagenet_ddp.prepared import PreparedImageDataset
+        from imagenet_ddp.dataset import PreparedImageDataset
 
         self.base = PreparedImageDataset(root, decode=False)
         self.rgb = ImageReadMode.RGB if decode is None else "RGB"
@@ -193,7 +193,7 @@ def candidates_for(data: dict, crop: int, side: int, torchcodec_decode) -> dict:
     from torchvision import datasets, transforms
     from torchvision.transforms import v2
 
-    from imagenet_ddp.prepared import (
+    from imagenet_ddp.dataset import (
         IMAGENET_MEAN,
         IMAGENET_STD,
         PreparedImageDataset,

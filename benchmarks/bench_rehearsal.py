@@ -99,7 +99,7 @@ def _pool_kinds(jpegs: list[bytes], *, workers: int, short_side: int, repeats: i
 
     from _common import median
 
-    from imagenet_ddp import prepared as P
+    from imagenet_ddp import prepare as P
 
     items = [(i, data, short_side, 90) for i, data in enumerate(jpegs)]
 

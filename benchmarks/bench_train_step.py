@@ -40,7 +40,7 @@ def make_data(root: Path, count: int, holdout: int, side: int) -> tuple[Path, Pa
     import numpy as np
     import pandas as pd
 
-    from imagenet_ddp.prepared import convert_image
+    from imagenet_ddp.prepare import convert_image
 
     rng = np.random.default_rng(0)
     classes = 10

@@ -59,7 +59,7 @@ def demo_index(demo_archives):
 @pytest.fixture(scope="session")
 def prepared_demo(demo_archives, demo_index, tmp_path_factory) -> dict[str, Path]:
     """{"train": dir, "val": dir}: the demo prepared at short_side 24 (16-image shards)."""
-    from imagenet_ddp.prepared import prepare_split
+    from imagenet_ddp.prepare import prepare_split
 
     root = tmp_path_factory.mktemp("prepared")
     classes, train, val = demo_index

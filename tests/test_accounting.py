@@ -11,8 +11,9 @@ import stat
 import pandas as pd
 import pytest
 
-from imagenet_ddp.accounting import main, parse_sacct, query_sacct, run_accounting
+from imagenet_ddp.accounting import parse_sacct, query_sacct, run_accounting
 from imagenet_ddp.aggregate import COST_COLUMNS, aggregate_runs
+from imagenet_ddp.cli import main
 from tests.fake_runs import write_run_dir
 
 SACCT = """\
@@ -101,7 +102,7 @@ def test_accounting_per_run_and_cost_columns_of_the_table(tmp_path, monkeypatch)
     bin_dir.mkdir()
     fake_sacct(bin_dir, f'cat <<"EOF"\n{SACCT}EOF')
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    assert main(["--run-dirs", str(gpu), str(cpu), str(gone)]) == 0
+    assert main(["accounting", "--run-dirs", str(gpu), str(cpu), str(gone)]) == 0
     records = {d.name: json.loads((d / "accounting.json").read_text()) for d in (gpu, cpu, gone)}
     assert records["gpu-2x4"]["available"] and records["gpu-2x4"]["job_id"] == "123"
     assert records["cpu-1x1"] == {"available": False, "reason": "not trained in a SLURM job"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -41,18 +42,39 @@ def test_each_attempt_is_recorded_with_its_start_and_newest_checkpoint(tmp_path)
     assert attempts.settings_key(RUN) == attempts.settings_key({**RUN, "max_allocations": 9})
 
 
-def test_a_retry_after_a_failure_without_progress_is_refused_with_its_error(tmp_path):
-    first, _ = attempts.begin(tmp_path, RUN, attempt=1, gpus=0, cores=2)
-    attempts.record_error(tmp_path, 1, "node2", ValueError("batch_size 4096 too large\nmore"))
-    attempts.end(tmp_path, first, 1)
+def test_a_failure_without_progress_is_retried_once_then_refused_with_its_error(tmp_path):
+    def fail(attempt):
+        entry, why = attempts.begin(tmp_path, RUN, attempt=attempt, gpus=0, cores=2)
+        attempts.record_error(tmp_path, 1, "node2", ValueError("batch_size 4096 too large\nmore"))
+        attempts.end(tmp_path, entry, 1)
+        return why
+
+    assert fail(1) is None
     assert attempts.load(tmp_path)[0]["error"] == (
         "rank 1 on node2: ValueError: batch_size 4096 too large"
     )
-    _, why = attempts.begin(tmp_path, RUN, attempt=2, gpus=0, cores=2)
-    assert why.startswith("not retrying") and "batch_size 4096 too large" in why
+    # one real retry (a bad node, a transient start-up failure) ...
+    assert attempts.refusal_ahead(tmp_path, RUN, 2) is None
+    assert fail(2) is None
+    # ... none after the second failure in a row; the workflow knows it before submitting
+    ahead = attempts.refusal_ahead(tmp_path, RUN, 3)
+    assert len(attempts.load(tmp_path)) == 2  # asking writes nothing
+    _, why = attempts.begin(tmp_path, RUN, attempt=3, gpus=0, cores=2)
+    assert why == ahead and why.startswith("not retrying") and "batch_size 4096 too large" in why
+    more = {**RUN, "max_allocations": 5}  # the same run (a bound is not a setting)
+    assert attempts.refusal_ahead(tmp_path, more, 4) == why  # refused again, not nested
     # a new invocation (attempt 1: the user fixed something) may try again
     _, why = attempts.begin(tmp_path, RUN, attempt=1, gpus=0, cores=2)
     assert why is None
+
+
+def test_progress_between_failures_keeps_retrying(tmp_path):
+    first, _ = attempts.begin(tmp_path, RUN, attempt=1, gpus=0, cores=2)
+    attempts.end(tmp_path, first, 1)
+    second, _ = attempts.begin(tmp_path, RUN, attempt=2, gpus=0, cores=2)
+    checkpoint(tmp_path, 1, 0)
+    attempts.end(tmp_path, second, 1)  # failed, but after a checkpoint
+    assert attempts.refusal_ahead(tmp_path, RUN, 3) is None
 
 
 def test_the_bound_and_a_killed_attempt_closed_at_its_last_heartbeat(tmp_path):
@@ -95,25 +117,27 @@ def test_cost_sums_every_allocation_and_the_work_lost_after_each_checkpoint(tmp_
     assert cost["gpu_hours"] == summed["gpu_hours"] and "summed over all" in cost["scope"]
 
 
-def test_a_crash_at_start_uses_at_most_two_jobs(prepared_demo, demo_split, tmp_path):
-    """The real launcher: the first job's ranks fail at start; the retry refuses at once with
-    their error, without staging or starting a rank."""
+def test_a_crash_that_repeats_at_start_uses_at_most_two_jobs(prepared_demo, demo_split, tmp_path):
+    """The real launcher: the ranks of the first job and of its one retry fail at start; the
+    next retry refuses at once with their error, without staging or starting a rank."""
     from tests.test_resume import CONFIG, launch
     from tests.workflow_helpers import output_within
 
     config = {**CONFIG, "batch_size": 100_000}  # larger than the training set: fails at start
-    first = launch(prepared_demo["train"], demo_split, tmp_path, config, tasks=2, cpus=1)
-    output = output_within(first, 180)
-    assert first.returncode == 1 and "exceeds" in output, output[-3000:]
+    for attempt in (1, 2):
+        job = launch(prepared_demo["train"], demo_split, tmp_path, config, tasks=2, cpus=1,
+                     extra=["--attempt", str(attempt)])  # fmt: skip
+        output = output_within(job, 180)
+        assert job.returncode == 1 and "exceeds" in output, output[-3000:]
     begun = time.monotonic()
     retry = launch(prepared_demo["train"], demo_split, tmp_path, config, tasks=2, cpus=1,
-                   extra=["--attempt", "2"])  # fmt: skip
+                   extra=["--attempt", "3"])  # fmt: skip
     output = output_within(retry, 120)
     assert retry.returncode == 1 and "not retrying" in output, output[-3000:]
     assert "batch_size 100000 x 2 ranks exceeds" in output and "+ " not in output, output
     assert time.monotonic() - begun < 60
     outcomes = [a["outcome"] for a in attempts.load(tmp_path / "ckpt")]
-    assert outcomes == ["failed", "refused"]
+    assert outcomes == ["failed", "failed", "refused"]
     assert not os.path.exists(tmp_path / "run" / "model.pt")
 
 
@@ -160,3 +184,35 @@ def test_the_end_of_a_job_a_hung_rank_ended_names_that_rank_and_its_host(tmp_pat
     assert line in capsys.readouterr().out
     error = attempts.load(tmp_path)[0]["error"]
     assert error.startswith(line) and "last at epoch 0 step 7" in error and "Timed out" in error
+
+
+def test_a_retry_that_will_refuse_is_submitted_without_gpus(tmp_path):
+    """Real Snakemake, dry-run at a given attempt: the train job's SLURM shape is the run's
+    until two attempts in a row failed without progress, then one task without GPUs."""
+    from tests.workflow_helpers import copy_workflow, snakemake
+
+    run = {"name": "r", "nodes": 2, "tasks_per_node": 2, "gpus_per_node": 2}
+    workdir = copy_workflow(tmp_path / "wf", runs=[run])
+    target = "results/runs/r/model.pt"
+
+    def train_job(attempt: int) -> tuple[str, dict]:
+        shown = snakemake(workdir, "-n", "-p", target, "--config", "data={dir: /x}",
+                          "--attempt", str(attempt))  # fmt: skip
+        text = shown.stdout + shown.stderr
+        job = text[text.index("rule train:") :]
+        resources = re.search(r"resources: (.*)", job).group(1)
+        settings = json.loads(re.search(r"--run-config-json '([^']*)'", job).group(1))
+        return resources, settings
+
+    resources, settings = train_job(3)
+    assert "nodes=2, tasks_per_node=2, cpus_per_task=1, gres=gpu:2" in resources
+    assert "mpi=srun" in resources
+    root = workdir / "results/checkpoints/r"
+    for attempt in (1, 2):
+        entry, _ = attempts.begin(root, settings, attempt=attempt, gpus=4, cores=4)
+        attempts.end(root, entry, 1)
+    # a new invocation's first job tries again with its GPUs (the user may have fixed it)
+    assert train_job(1)[0] == resources.replace("snakemake_attempt=3", "snakemake_attempt=1")
+    refused = train_job(3)[0]
+    assert "nodes=1, cpus_per_task=1, tasks_per_gpu=0, launcher=auto" in refused, refused
+    assert "gres=" not in refused and "mpi=" not in refused and "tasks_per_node" not in refused

@@ -1,4 +1,5 @@
-"""The README's bad-input table, row by row, through the command a rule runs.
+"""The bad-input table of docs/reliability.md ("Bad input"), row by row, through the command a
+rule runs.
 
 Each row: a clear one-line error naming the file (or key) and what to do, exit code 2, and no
 artifact under its final name. Function-level details live in test_archives/test_prepared/
@@ -207,7 +208,7 @@ def test_scratch_too_small(prepared_demo, tmp_path, monkeypatch):
 
 
 def test_odd_real_imagenet_images_load_as_rgb(prepared_demo):
-    from imagenet_ddp.prepared import PreparedImageDataset
+    from imagenet_ddp.dataset import PreparedImageDataset
 
     dataset = PreparedImageDataset(prepared_demo["train"])
     for i in range(len(dataset)):

@@ -1,5 +1,6 @@
 """Snakemake workflow catalog conventions: a LICENSE, `min_version`, the catalog's usage file,
-and a plugin lower bound in pyproject.toml no older than the options profiles/slurm uses."""
+a plugin lower bound in pyproject.toml no older than the options profiles/slurm uses, and
+every rule running the package's one command."""
 
 from __future__ import annotations
 
@@ -77,3 +78,14 @@ def test_the_catalog_usage_file():
     assert usage["report"] is True
     for path in ("workflow/envs/imagenet-ddp.yaml", "workflow/envs/imagenet-ddp.def"):
         assert (REPO / path).is_file()
+
+
+def test_every_rule_runs_the_imagenet_ddp_command():
+    """A rule's job is one `imagenet-ddp <stage>` (cli.py): no `python -m` entry points beside
+    it, whose interpreter could differ from the command's environment."""
+    text = "".join(p.read_text() for p in sorted((REPO / "workflow/rules").glob("*.smk")))
+    shells = re.findall(r"^\s*shell:\n((?:\s+(?:f?[\"'][^\n]*[\"']|#[^\n]*)\n)+)", text, re.M)
+    assert len(shells) == len(re.findall(r"^\s*shell:", text, re.M)) >= 10
+    for shell in shells:
+        assert re.search(r"\bimagenet-ddp [a-z-]+ ", shell), shell
+        assert "python" not in shell, shell

@@ -51,7 +51,7 @@ def test_top1_top5_and_per_class_match_a_direct_computation():
 def test_uint8_batches_normalized_on_the_device_give_the_same_figures(prepared_demo):
     """Evaluation ships uint8 crops and normalizes on the device: bitwise what the float
     transform gave, with a quarter of the bytes through the loader."""
-    from imagenet_ddp.prepared import PreparedImageDataset, eval_transform
+    from imagenet_ddp.dataset import PreparedImageDataset, eval_transform
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(

@@ -3,6 +3,9 @@ no ranks. The real preflight runs in the end-to-end tests (test_workflow_local, 
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from imagenet_ddp.preflight_report import (
@@ -11,6 +14,7 @@ from imagenet_ddp.preflight_report import (
     bus_bandwidth,
     collective_figures,
     cpus_for_loader,
+    known_projection_problem,
     placement_problems,
     table,
 )
@@ -89,6 +93,45 @@ def test_more_allocations_than_allowed_fail_with_one_line():
         "60 min, max_allocations is 3; raise the runtime or max_allocations, or use more nodes"
     ]
     assert report(ranks(), runtime=None)["projection"]["allocations"] == 1  # no time limit
+
+
+def write_preflight(folder, settings, out) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "preflight_spec.json").write_text(json.dumps({"kind": "preflight", "run": settings}))
+    (folder / "preflight.json").write_text(json.dumps(out))
+
+
+def test_a_known_projection_is_checked_against_todays_runtime_and_bound(tmp_path):
+    settings = {**RUN, "run": "r", "max_allocations": 10}
+    write_preflight(tmp_path, settings, report(ranks()))  # 8.27 h: 9 allocations of 60 min
+    assert known_projection_problem("r", settings, tmp_path, 60.0, 10) is None
+    line = known_projection_problem("r", settings, tmp_path, 30.0, 10)  # a shorter runtime
+    assert line.startswith("config.yaml: run 'r': max_allocations 10 is too few: its preflight")
+    assert "needs 17 allocations of train's runtime (30.0 min)" in line, line
+    lowered = {**settings, "max_allocations": 5}  # a lower bound: the same settings
+    assert "max_allocations 5 is too few" in known_projection_problem(
+        "r", lowered, tmp_path, 60.0, 5
+    )
+    # other settings: this projection is not theirs (their preflight reruns)
+    assert known_projection_problem("r", {**settings, "epochs": 900}, tmp_path, 30.0, 10) is None
+    assert known_projection_problem("r", settings, tmp_path / "none", 30.0, 10) is None
+    assert known_projection_problem("r", settings, tmp_path, None, 1) is None  # no time limit
+
+
+def test_the_dry_run_refuses_a_run_its_known_projection_does_not_fit(tmp_path):
+    """Real Snakemake: the projection of the run's last preflight, today's train runtime."""
+    from tests.workflow_helpers import copy_workflow, snakemake
+
+    workdir = copy_workflow(tmp_path / "wf", runs=[{"name": "r", "epochs": 90}])
+    shown = snakemake(workdir, "-n", "-p", "results/runs/r/model.pt")
+    text = shown.stdout + shown.stderr
+    settings = json.loads(re.search(r"--run-config-json '([^']*)'", text).group(1))
+    write_preflight(workdir / "results/preflight/r", settings, report(ranks()))
+    fits = snakemake(workdir, "-n", "--set-resources", "train:runtime=60")
+    assert fits.returncode == 0
+    refused = snakemake(workdir, "-n", "--set-resources", "train:runtime=5", check=False)
+    assert refused.returncode != 0
+    assert "run 'r': max_allocations 10 is too few" in refused.stdout + refused.stderr
 
 
 def test_straggler_and_starving_loader_are_named():

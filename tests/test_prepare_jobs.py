@@ -9,8 +9,7 @@ import pytest
 
 from imagenet_ddp.cli import main
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.prepare import join_chunks
-from imagenet_ddp.prepared import prepare_split
+from imagenet_ddp.prepare import join_chunks, prepare_split
 from tests.conftest import PREPARE_SETTINGS
 
 

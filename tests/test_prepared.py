@@ -15,14 +15,14 @@ import torch
 from PIL import Image
 
 from imagenet_ddp.archives import VAL_ARCHIVE, build_index
-from imagenet_ddp.errors import InputError
-from imagenet_ddp.prepared import (
+from imagenet_ddp.dataset import (
     IMAGENET_MEAN,
     PreparedImageDataset,
     eval_transform,
-    prepare_split,
     train_transform,
 )
+from imagenet_ddp.errors import InputError
+from imagenet_ddp.prepare import prepare_split
 from tests.conftest import PREPARE_SETTINGS
 
 SMALL = {"num_classes": 4, "shard_samples": 8}  # the demo's classes; several shards

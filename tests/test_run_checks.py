@@ -32,7 +32,7 @@ def models():
 
 
 def resolved(config: dict) -> dict[str, dict]:
-    """The runs as workflow/rules/common.smk's _runs() resolves them."""
+    """The runs as imagenet_ddp.runs.resolve_runs resolves them where no preset is used."""
     return {e["name"]: {**config["train_defaults"], **e} for e in config["runs"]}
 
 

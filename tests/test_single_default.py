@@ -1,7 +1,7 @@
 """Each setting has one default, in the workflow's schema (workflow/schemas/config.schema.yaml).
 
 The rules, the CLI, config.yaml and the training worker's config dataclass do not repeat it,
-and README.md documents every key with the schema's default. Fast: reads
+and docs/configuration.md documents every key with the schema's default. Fast: reads
 files and builds the argument parser; no workflow runs.
 """
 
@@ -148,8 +148,8 @@ def test_config_yaml_sets_no_key_to_its_default():
 
 
 def _readme_settings() -> dict[str, str]:
-    """`key` -> default cell of README's "All settings" table."""
-    text = (REPO / "README.md").read_text()
+    """`key` -> default cell of the "All settings" table in docs/configuration.md."""
+    text = (REPO / "docs" / "configuration.md").read_text()
     section = text.split("## All settings", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():
@@ -160,12 +160,12 @@ def _readme_settings() -> dict[str, str]:
 
 
 def _schema_keys() -> dict[str, object]:
-    """Every settable key as README names it, with its schema default (or None)."""
+    """Every settable key as docs/configuration.md names it, with its schema default (or None)."""
     keys: dict[str, object] = {}
     for section, spec in schema()["properties"].items():
         if section in ("train_defaults", "runs"):
             continue
-        if spec.get("type") == "array":  # sweep: a list, one README row (its keys: "Sweeps")
+        if spec.get("type") == "array":  # sweep: a list, one row (its keys: "Sweeps")
             keys[section] = None
             continue
         properties = spec.get("properties")
@@ -179,7 +179,7 @@ def _schema_keys() -> dict[str, object]:
     return keys
 
 
-def test_readme_documents_every_key_with_the_schemas_default():
+def test_configuration_doc_lists_every_key_with_the_schemas_default():
     from imagenet_ddp.eval_settings import eval_settings
 
     rows = _readme_settings()
@@ -194,13 +194,13 @@ def test_readme_documents_every_key_with_the_schemas_default():
             continue
         shown = re.match(r"`([^`]*)`", rows[key])
         if default is not None and (not shown or yaml.safe_load(shown.group(1) or '""') != default):
-            problems.append(f"`{key}`: README says {rows[key]!r}, the schema {default!r}")
-    assert not problems, "README.md 'All settings': " + "; ".join(problems)
+            problems.append(f"`{key}`: the docs say {rows[key]!r}, the schema {default!r}")
+    assert not problems, "docs/configuration.md 'All settings': " + "; ".join(problems)
 
 
 def test_the_schema_is_where_allowed_values_are_checked():
     """prepare/stage do not re-check their settings: a bad value stops the workflow here,
-    naming the key (what prepared.py and stage.py used to check again)."""
+    naming the key (what the prepare and stage modules used to check again)."""
     from snakemake.exceptions import WorkflowError
     from snakemake.utils import validate
 

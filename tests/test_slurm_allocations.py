@@ -5,17 +5,27 @@ cost counts every allocation.
 The train job's time limit is 1 minute (the shortest `sbatch -t` takes); slurmctld ends it
 within its 30 s check, SIGTERM to every process, SIGKILL KillWait (5 s) later. Each job
 checkpoints at the signal, the next resumes, and the final weights are bitwise identical to an
-uninterrupted run (deterministic mode, CPU, gloo, one thread per rank), trained meanwhile.
+uninterrupted run (deterministic mode, CPU, gloo, one thread per rank), trained meanwhile at
+the lowest CPU priority: it takes the cores while the SLURM run waits between allocations.
+
+Meanwhile a second invocation in the same directory trains a run whose ranks fail at start on
+every node (it asks for a GPU; the nodes' fake GPUs have no CUDA behind them, as a node with a
+broken driver): it is retried once with its GPUs, and its next retry, which refuses, is
+submitted as one task without GPUs.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
+from imagenet_ddp import attempts
 from tests.test_resume import CONFIG, assert_bitwise_equal, torchrun, weights
 from tests.test_slurm_e2e import TEST_PROFILE
 from tests.workflow_helpers import copy_workflow, read_config, snakemake
@@ -34,6 +44,52 @@ LONG = {key: CONFIG[key] for key in CONFIG if key != "run"} | {
 }  # fmt: skip
 
 
+# Fails at start on every node: a GPU run where CUDA is unusable (a broken driver); its
+# invocation's only run, so the rule's retries are max_allocations - 1 = 2.
+CRASH = {**LONG, "name": "crash", "epochs": 1, "gpus_per_node": 1, "max_allocations": 3}
+SLURM = ["--profile", "profiles/slurm", "--workflow-profile", str(TEST_PROFILE)]
+
+
+def reference_run(prepared, workdir, out, settings) -> subprocess.CompletedProcess:
+    """The run uninterrupted, at nice 19 (it trains while the SLURM run waits)."""
+    proc = torchrun(prepared, workdir / "results/split", out / "out", out / "ckpt",
+                    config=settings, popen=True)  # fmt: skip
+    os.setpriority(os.PRIO_PROCESS, proc.pid, 19)  # before it starts its ranks (inherited)
+    stdout, _ = proc.communicate(timeout=1500)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, "")
+
+
+def crash_invocation(workdir) -> subprocess.CompletedProcess:
+    """The run that fails at start, in its own invocation (beside the other: --nolock; the
+    outputs differ) with a config of its own: its runs alone."""
+    (workdir / "crash.yaml").write_text(json.dumps({"runs": [CRASH]}))  # YAML
+    return snakemake(
+        workdir, "results/runs/crash/model.pt", *SLURM, "--nolock", "--configfile", "crash.yaml",
+        "--set-resources", "train:runtime=5", check=False, timeout=1500,
+    )  # fmt: skip
+
+
+def assert_crash_retried_once_then_refused_without_gpus(cluster, workdir, crashing) -> None:
+    """Two jobs with its GPUs, then one task without GPUs that refuses with their error; no
+    more (its retries end there)."""
+    crash_log = crashing.stdout + crashing.stderr
+    assert crashing.returncode != 0, crash_log[-4000:]
+    jobs = sacct_jobs(cluster, crash_log, "JobID,State,NNodes,ReqTRES,Comment")
+    shapes = [(state, nnodes, "gres/gpu=2" in tres) for _, state, nnodes, tres, _ in jobs]
+    assert shapes == [("FAILED", "2", True)] * 2 + [("FAILED", "1", False)], jobs
+    record = attempts.load(workdir / "results/checkpoints/crash")
+    assert [a["outcome"] for a in record] == ["failed", "failed", "refused"], record
+    assert "CUDA is unusable" in record[0]["error"], record[0]
+    assert record[2]["error"].startswith("not retrying") and "CUDA is unusable" in crash_log
+
+
+def sacct_jobs(cluster, log: str, fields: str) -> list[list[str]]:
+    """The train jobs of the invocation whose output is ``log``: ``fields`` of each."""
+    run_uuid = re.search(r"SLURM run ID: (\S+)", log).group(1)
+    out = cluster.run("sacct", "-X", "-n", "-P", "--name", run_uuid, "-o", fields).stdout
+    return [line.split("|") for line in out.splitlines() if "rule_train" in line]
+
+
 def test_a_run_longer_than_its_time_limit_finishes_in_one_invocation(slurm_cluster, tmp_path):
     workdir = copy_workflow(tmp_path / "wf", runs=[LONG])
     config = read_config(workdir)
@@ -41,18 +97,19 @@ def test_a_run_longer_than_its_time_limit_finishes_in_one_invocation(slurm_clust
     prepared = workdir / target
     # The data steps here (they are not what is tested).
     snakemake(workdir, "--profile", "profiles/local", target, "results/split/train.csv")
+    shown = snakemake(workdir, "-n", "-p", "results/runs/long/model.pt").stdout
+    settings = json.loads(re.search(r"--run-config-json '([^']*)'", shown).group(1))
 
-    result = snakemake(
-        workdir, "results/runs/long/accounting.json", "--profile", "profiles/slurm",
-        "--workflow-profile", str(TEST_PROFILE),
-        "--set-resources", "train:runtime=1", "train:mem_mb=1000", timeout=1500,
-    )  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:
+        reference = pool.submit(reference_run, prepared, workdir, tmp_path / "ref", settings)
+        crashing = pool.submit(crash_invocation, workdir)
+        result = snakemake(
+            workdir, "results/runs/long/accounting.json", *SLURM,
+            "--set-resources", "train:runtime=1", "train:mem_mb=1000", timeout=1500,
+        )  # fmt: skip
+        reference, crashing = reference.result(), crashing.result()
     log = result.stdout + result.stderr
-    run_uuid = re.search(r"SLURM run ID: (\S+)", log).group(1)
-    out = slurm_cluster.run(
-        "sacct", "-X", "-n", "-P", "--name", run_uuid, "-o", "JobID,State,Comment"
-    ).stdout
-    train = [line.split("|")[:2] for line in out.splitlines() if "rule_train" in line]
+    train = [fields[:2] for fields in sacct_jobs(slurm_cluster, log, "JobID,State,Comment")]
     states = [state for _, state in train]
     assert len(train) >= 3 and states[-1] == "COMPLETED", (states, log[-4000:])
     assert set(states[:-1]) == {"TIMEOUT"}, states
@@ -82,13 +139,20 @@ def test_a_run_longer_than_its_time_limit_finishes_in_one_invocation(slurm_clust
         sum(job["core_hours"] for job in accounting["jobs"])
     )
     assert [job["state"] for job in accounting["jobs"]][:-1] == ["TIMEOUT"] * (len(train) - 1)
+    # Every job's log kept beside the attempt record, the run's log linking to the last.
+    job_of = {int(re.match(r"job-(\d+)-", p.name).group(1)): p
+              for p in (workdir / "results/checkpoints/long/logs").glob("job-*.log")}  # fmt: skip
+    assert sorted(job_of) == [int(j) for j, _ in train], sorted(job_of)
+    logs = [job_of[int(j)] for j, _ in train]
+    assert (workdir / "logs/train/long.log").resolve() == logs[-1].resolve()
+    assert "resuming from" in logs[1].read_text(), logs[1].read_text()[-2000:]
 
     # The run as the workflow resolved it (train_defaults, schema defaults): the same settings.
-    spec_run = json.loads((run_dir / "job_spec.json").read_text())["run"]
-    reference = torchrun(prepared, workdir / "results/split", tmp_path / "ref" / "out",
-                         tmp_path / "ref" / "ckpt", config=spec_run)  # fmt: skip
-    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    assert json.loads((run_dir / "job_spec.json").read_text())["run"] == settings
+    assert reference.returncode == 0, reference.stdout[-3000:]
     assert_bitwise_equal(weights(run_dir), weights(tmp_path / "ref" / "out"))
     assert (
         torch.load(run_dir / "model.pt", weights_only=False)["config"]["epochs"] == LONG["epochs"]
     )
+
+    assert_crash_retried_once_then_refused_without_gpus(slurm_cluster, workdir, crashing)

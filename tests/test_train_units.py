@@ -212,7 +212,7 @@ def test_model_file_round_trips_and_refuses_a_newer_format(tmp_path):
         torch.equal(a, b)
         for a, b in zip(loaded.state_dict().values(), model.state_dict().values(), strict=True)
     )
-    # What README "Loading a trained model" tells users to do, without this package.
+    # What docs/results.md "Loading a trained model" tells users to do, without this package.
     plain = torchvision.models.get_model(state["arch"], num_classes=state["num_classes"])
     plain.load_state_dict(torch.load(path, weights_only=False)["model"])
     with pytest.raises(ValueError, match="no 'ema' weights"):

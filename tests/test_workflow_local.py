@@ -354,7 +354,9 @@ def test_each_recipe_preset_and_all_components_train(local_run):
         metrics = json.loads((runs / run["name"] / "train_metrics.json").read_text())
         assert len(metrics["epochs"]) == run["epochs"], run["name"]
         log = (local_run / "logs/train" / f"{run['name']}.log").read_text()
-        assert log.startswith("hyperparameters: "), log[:200]
+        header, hyperparameters = log.splitlines()[:2]  # each job: a header, its settings
+        assert header.startswith("== job local, Snakemake attempt 1, started "), header
+        assert hyperparameters.startswith("hyperparameters: "), log[:200]
     v2 = json.loads((runs / "recipe-tv-v2/train_metrics.json").read_text())
     assert v2["config"]["recipe"] == "torchvision-resnet50-v2"
     assert (v2["config"]["mixup_alpha"], v2["config"]["auto_augment"]) == (0.2, "trivialaugment")

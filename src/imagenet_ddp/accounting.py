@@ -12,18 +12,16 @@ and launcher start-up included, unlike the training wall time of ``train_metrics
 it runs with a timeout, and a run without an answer gets ``available: false`` and the reason,
 as does a run that did not train in a SLURM job. Accounting never fails the workflow.
 
-Usage (the rule): ``python -m imagenet_ddp.accounting --run-dirs DIR... --out-name
-accounting.json`` writes ``<run dir>/accounting.json`` for every run.
+Usage (the rule): ``imagenet-ddp accounting --run-dirs DIR...`` writes
+``<run dir>/accounting.json`` for every run.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
 import subprocess
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -174,17 +172,10 @@ def run_accounting(run_dirs: list[Path], **query) -> dict[Path, dict[str, Any]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="sacct accounting of each run's training job")
-    parser.add_argument("--run-dirs", type=Path, nargs="+", required=True)
-    parser.add_argument("--out-name", default="accounting.json")
-    parser.add_argument("--timeout", type=float, default=TIMEOUT_SECONDS)
-    args = parser.parse_args(argv)
-    for run_dir, record in run_accounting(args.run_dirs, timeout=args.timeout).items():
-        write_json_atomic(run_dir / args.out_name, record)
+def write_accounting(
+    run_dirs: list[Path], *, timeout: float = TIMEOUT_SECONDS, out_name: str = "accounting.json"
+) -> None:
+    """``<run dir>/accounting.json`` of every run (``imagenet-ddp accounting``, the rule)."""
+    for run_dir, record in run_accounting(run_dirs, timeout=timeout).items():
+        write_json_atomic(run_dir / out_name, record)
         print(f"{run_dir}: {record.get('state') or record.get('reason')}", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,10 +13,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from imagenet_ddp.dataset import normalize_batch
 from imagenet_ddp.distributed import all_reduce_sum
-from imagenet_ddp.prepared import normalize_batch
+from imagenet_ddp.precision import autocast
 from imagenet_ddp.signals import ignore_stop_signals, loader_context, stop_signals_blocked
-from imagenet_ddp.training.model import autocast
 
 
 @torch.no_grad()

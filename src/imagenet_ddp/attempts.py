@@ -15,9 +15,13 @@ checkpoint it resumed from: epoch, step, path, or epoch 0 step 0), ``last_checkp
 newest it wrote, with its mtime), ``error`` (the first rank's error line), ``gpus``, ``cores``.
 
 Two rules use it (:func:`refusal`): a Snakemake retry (``attempt`` > 1 in this invocation)
-after an attempt that failed without writing a checkpoint refuses at once with that error
-(a crash at start uses at most two jobs), and no invocation runs more than ``max_allocations``
-jobs of a run. The cost block sums all attempts (:func:`cost_over_attempts`).
+after two attempts in a row that failed without writing a checkpoint refuses at once with the
+error (one real retry: a bad node or a transient start-up failure gets a second chance; a crash
+that repeats at start uses two jobs), and no invocation runs more than ``max_allocations`` jobs
+of a run. The workflow asks the same question before it submits a retry
+(:func:`refusal_ahead`) and submits a retry that will refuse as a one-CPU job, so it holds no
+GPU and no queue slot of the run's size. The cost block sums all attempts
+(:func:`cost_over_attempts`).
 
 Torch-free: the launcher reads and writes it.
 """
@@ -116,28 +120,52 @@ def _close_killed(entry: dict[str, Any], checkpoint_root) -> None:
         entry["last_checkpoint"] = last
 
 
-def refusal(previous: dict[str, Any] | None, attempt: int, max_allocations: int) -> str | None:
-    """Why this job must not train (None: it may). ``attempt``: Snakemake's attempt number in
-    this invocation (1: not a retry)."""
+def _failed_without_progress(entry: dict[str, Any]) -> bool:
+    return entry["outcome"] in ("failed", "killed") and not made_progress(entry)
+
+
+def refusal(mine: list[dict[str, Any]], attempt: int, max_allocations: int) -> str | None:
+    """Why this job must not train (None: it may). ``mine``: the run's earlier attempts, oldest
+    first, the newest closed; ``attempt``: Snakemake's attempt number in this invocation (1: not
+    a retry)."""
     if attempt > max_allocations:
         return (
             f"this is job {attempt} of the run in this invocation, above its max_allocations "
             f"({max_allocations}); raise max_allocations or rerun to continue from the newest "
             "checkpoint"
         )
-    if attempt == 1 or not previous or made_progress(previous):
+    if attempt == 1 or not mine:
         return None
+    previous = mine[-1]
     if previous["outcome"] == "refused":  # the same reason, not nested
         return previous["error"]
-    if previous["outcome"] in ("failed", "killed"):
-        where = previous.get("start") or {}
-        return (
-            f"not retrying: the previous attempt (job {previous.get('slurm_job_id') or 'local'}"
-            f", exit code {previous.get('exit_code')}, {previous['outcome']}) made no progress "
-            f"from epoch {where.get('epoch', 0)} step {where.get('step', 0)}: "
-            f"{previous.get('error') or 'see its log'}; fix the cause and rerun"
-        )
-    return None
+    # One retry after a failure without progress (a bad node, a transient start-up error);
+    # none after the second in a row: the cause is the run's, and a retry cannot help.
+    if len(mine) < 2 or not all(_failed_without_progress(a) for a in mine[-2:]):
+        return None
+    where = previous.get("start") or {}
+    return (
+        f"not retrying: the previous two attempts made no progress; the last (job "
+        f"{previous.get('slurm_job_id') or 'local'}, exit code {previous.get('exit_code')}, "
+        f"{previous['outcome']}) from epoch {where.get('epoch', 0)} step {where.get('step', 0)}: "
+        f"{previous.get('error') or 'see its log'}; fix the cause and rerun"
+    )
+
+
+def _closed(mine: list[dict[str, Any]], checkpoint_root) -> list[dict[str, Any]]:
+    """``mine`` with a newest entry its launcher never closed closed as killed (in place)."""
+    if mine and mine[-1].get("ended") is None:
+        _close_killed(mine[-1], checkpoint_root)
+    return mine
+
+
+def refusal_ahead(checkpoint_root, run: dict[str, Any], attempt: int) -> str | None:
+    """What :func:`begin` of this attempt will refuse, read without writing: the workflow asks
+    before it submits a retry (a refused retry needs no GPU)."""
+    if attempt == 1:
+        return None
+    mine = _closed(of_run(load(checkpoint_root), settings_key(run)), checkpoint_root)
+    return refusal(mine, attempt, int(run.get("max_allocations", 10)))
 
 
 def begin(
@@ -145,9 +173,7 @@ def begin(
 ) -> tuple[dict[str, Any], str | None]:
     """Close a killed predecessor, append this attempt; returns (entry, refusal reason)."""
     attempts, key = load(checkpoint_root), settings_key(run)
-    mine = of_run(attempts, key)
-    if mine and mine[-1].get("ended") is None:
-        _close_killed(mine[-1], checkpoint_root)
+    mine = _closed(of_run(attempts, key), checkpoint_root)
     now = time.time()
     entry = {
         "attempt": len(mine) + 1,
@@ -166,7 +192,7 @@ def begin(
         "gpus": gpus,
         "cores": cores,
     }
-    why = refusal(mine[-1] if mine else None, attempt, int(run.get("max_allocations", 10)))
+    why = refusal(mine, attempt, int(run.get("max_allocations", 10)))
     if why:
         entry.update(outcome="refused", ended=now, exit_code=1, error=why)
     attempts.append(entry)

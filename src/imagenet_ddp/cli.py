@@ -3,9 +3,10 @@
 Each subcommand only parses its arguments and calls its stage's one function
 (demo.write_demo_dataset, archives.write_verify_report, archives.write_index,
 split.split_index, prepare.prepare, jobs.train_job, preflight.preflight_job, jobs.evaluate_job,
-aggregate.write_aggregate, plots.make_plots). Every stage writes its artifact atomically and
-its provenance beside it (:func:`imagenet_ddp.provenance.provenance_path`). A bad input raises
-:class:`InputError`, printed as one line that names the file and what to do (exit 2)."""
+accounting.write_accounting, aggregate.write_aggregate, plots.make_plots). Every stage writes
+its artifact atomically and its provenance beside it
+(:func:`imagenet_ddp.provenance.provenance_path`). A bad input raises :class:`InputError`,
+printed as one line that names the file and what to do (exit 2)."""
 
 from __future__ import annotations
 
@@ -194,6 +195,12 @@ def cmd_aggregate(args: argparse.Namespace) -> None:
     write_aggregate(args.run_dirs, args.csv, args.markdown)
 
 
+def cmd_accounting(args: argparse.Namespace) -> None:
+    from imagenet_ddp.accounting import write_accounting
+
+    write_accounting(args.run_dirs)
+
+
 def cmd_plots(args: argparse.Namespace) -> None:
     from imagenet_ddp.plots import make_plots
 
@@ -338,6 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", type=Path, required=True)
     p.add_argument("--markdown", type=Path, required=True)
     p.set_defaults(func=cmd_aggregate)
+
+    p = sub.add_parser("accounting", help="sacct accounting of each run's training job")
+    p.add_argument("--run-dirs", type=Path, nargs="+", required=True)
+    p.set_defaults(func=cmd_accounting)
 
     _add_plots_parser(sub)
     return parser

@@ -95,7 +95,7 @@ def _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv) -> dict[str, D
     # every image exactly once, so staging a copy first would only double the reads.
     import pandas as pd
 
-    from imagenet_ddp.prepared import PreparedImageDataset, eval_transform
+    from imagenet_ddp.dataset import PreparedImageDataset, eval_transform
 
     # eval_crop_size 0 (or a model.pt from before it existed): the training crop.
     crop = cfg.get("eval_crop_size") or cfg["crop_size"]

@@ -16,10 +16,8 @@ from typing import Any
 
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.job_spec import write_spec
+from imagenet_ddp.preflight_report import FAILED, PREFLIGHT_SPEC
 from imagenet_ddp.provenance import provenance_path, write_provenance
-
-PREFLIGHT_SPEC = "preflight_spec.json"  # beside preflight.json
-FAILED = "preflight.failed.json"  # the report of a preflight with problems (no preflight.json)
 
 
 def preflight_job(

@@ -6,7 +6,7 @@ training code itself (:func:`imagenet_ddp.training.worker.build_job`, :func:`.lo
 so what it times is what training will run. Rank 0 gathers every rank's figures and writes
 the report (:mod:`imagenet_ddp.preflight_report`).
 
-Budget (README "First run on a new cluster"): fixed step counts, whatever the data set; the
+Budget (docs/preflight.md "Budget"): fixed step counts, whatever the data set; the
 loader reads a seeded sample of the staged copy. Only staging (the full copy, as training
 does) and ``torch.compile`` grow with the run.
 """
@@ -28,10 +28,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from imagenet_ddp import distributed as D
+from imagenet_ddp.dataset import PreparedImageDataset
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.job_spec import STAGING_DIR, read_spec, staged_copy
 from imagenet_ddp.preflight_report import build_report, collective_figures, table
-from imagenet_ddp.prepared import PreparedImageDataset
 from imagenet_ddp.signals import stop_signals_blocked
 from imagenet_ddp.training import recipe
 from imagenet_ddp.training.config import TrainConfig, resolve_geometry

@@ -7,11 +7,18 @@ Torch-free and pure (dicts in, dicts out), so every definition is unit-tested wi
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
+from pathlib import Path
 from typing import Any
 
+from imagenet_ddp.attempts import settings_key
 from imagenet_ddp.geometry import world_size
+
+REPORT = "preflight.json"
+PREFLIGHT_SPEC = "preflight_spec.json"  # beside preflight.json
+FAILED = "preflight.failed.json"  # the report of a preflight with problems (no preflight.json)
 
 STRAGGLER = 0.8  # a rank below this share of the median rank's rate is named as a straggler
 # A multi-node GPU job's all-reduce bus bandwidth below this is a network problem: NCCL over
@@ -92,11 +99,7 @@ def projection(
     setup = rates["staging_seconds"] + rates["compile_seconds"]  # again in every allocation
     total = setup + run["epochs"] * (epoch + holdout)
     runtime = limits["train_runtime_minutes"]
-    usable = None if runtime is None else runtime * 60 - setup
-    if usable is None:
-        allocations = 1
-    else:
-        allocations = math.ceil(run["epochs"] * (epoch + holdout) / usable) if usable > 0 else None
+    allocations = allocations_needed(run["epochs"] * (epoch + holdout), setup, runtime)
     return {
         "steps_per_epoch": steps,
         "images_per_s": per_rank * world,
@@ -110,6 +113,61 @@ def projection(
         "allocations": allocations,
         "max_allocations": limits["max_allocations"],
     }
+
+
+def allocations_needed(work_seconds: float, setup_seconds: float, runtime_minutes) -> int | None:
+    """Allocations of ``runtime_minutes`` (None: no limit) that ``work_seconds`` of training and
+    holdout need when each allocation first spends ``setup_seconds`` (staging, compile); None
+    when not even the set-up fits."""
+    if runtime_minutes is None:
+        return 1
+    usable = runtime_minutes * 60 - setup_seconds
+    return math.ceil(work_seconds / usable) if usable > 0 else None
+
+
+def known_projection_problem(
+    name: str, settings: dict[str, Any], report_dir, runtime_minutes, max_allocations: int
+) -> str | None:
+    """The dry-run's check of a run against its last preflight (passed or failed) on the same
+    settings (``settings``: the run as the train rule passes it): one line when that projection
+    needs more allocations of today's train runtime than ``max_allocations``; None when it fits
+    or no projection of these settings is known."""
+    folder = Path(report_dir)
+    try:
+        measured = json.loads((folder / PREFLIGHT_SPEC).read_text())["run"]
+        report = next(
+            json.loads(p.read_text()) for p in (folder / REPORT, folder / FAILED) if p.is_file()
+        )
+    except (OSError, ValueError, KeyError, StopIteration):
+        return None
+    if settings_key(measured) != settings_key(settings):
+        return None  # other settings: the preflight reruns before it counts
+    p = report["projection"]
+    work = p["total_seconds"] - p["setup_seconds"]
+    needs = allocations_needed(work, p["setup_seconds"], runtime_minutes)
+    if needs is not None and needs <= max_allocations:
+        return None
+    return (
+        f"config.yaml: run {name!r}: max_allocations {max_allocations} is too few: its preflight "
+        f"({folder}) projects {p['total_seconds'] / 3600:.2f} h, which needs "
+        f"{'more than any number of' if needs is None else needs} allocations of train's "
+        f"runtime ({runtime_minutes} min); raise max_allocations or the train rule's runtime "
+        "(set-resources)"
+    )
+
+
+def known_projection_problems(
+    runs: dict[str, dict[str, Any]], reports_dir, runtime_minutes
+) -> list[str]:
+    """:func:`known_projection_problem` of every run (``runs``: name -> settings), its
+    preflight under ``reports_dir``/<name>."""
+    found = (
+        known_projection_problem(
+            name, settings, Path(reports_dir) / name, runtime_minutes, settings["max_allocations"]
+        )
+        for name, settings in runs.items()
+    )
+    return [line for line in found if line]
 
 
 def placement_problems(ranks: list[dict], gpus_per_node: int) -> list[str]:

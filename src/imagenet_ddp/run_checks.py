@@ -1,4 +1,4 @@
-"""Check the resolved runs before any job: what the schema cannot see, at the dry-run.
+"""Dry-run checks of what the schema cannot see: the resolved runs, and the container image.
 
 The schema checks each key on its own; these checks combine keys (and torchvision's model
 registry) so that a run that could only fail, or silently train on upsampled or padded images,
@@ -208,6 +208,21 @@ def _batch_problem(run: Mapping, sizes: tuple[int, int, str]) -> str | None:
         f"{run['tasks_per_node']} = global batch {global_batch} is larger than the {train} "
         f"training images ({source}): with the last partial batch dropped an epoch has no "
         "step; lower batch_size or the number of ranks"
+    )
+
+
+def container_problem(
+    image: str, *, apptainer: bool, workdir: str | os.PathLike[str] = "."
+) -> str | None:
+    """With ``--sdm apptainer`` every job runs in ``container.image``: a local image that is
+    missing fails here, at the dry-run, not in every job. A URI (docker://, oras://) is
+    pulled by Snakemake, and without apptainer the image is not used."""
+    if not apptainer or "://" in image or os.path.exists(os.path.join(workdir, image)):
+        return None
+    return (
+        f"config.yaml: container.image {image!r} not found; build it with "
+        f"`apptainer build {image} workflow/envs/imagenet-ddp.def` (docs/cluster.md 'Containers')"
+        " or set container.image to an existing image or a docker:// / oras:// URI"
     )
 
 

@@ -13,7 +13,7 @@ readable, and stable because they depend only on the run's own values, not on th
 size of the sweep. A name used twice, by two expanded runs or by a sweep and a hand-written
 run, is an error naming both origins: silently dropping one would train one run fewer.
 
-No Snakemake or torch here: the workflow (``common.smk``) and the tests call it directly.
+No Snakemake or torch here: the workflow (``imagenet_ddp.runs``) and the tests call it directly.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-import copy
+# The rules' helpers: input functions, params and resource helpers. What runs are and whether they
+# can train is decided in the package (imagenet_ddp.runs), process settings in the Snakefile.
+
 import json
 import os
-import signal
 import sys
-
-import yaml
 
 from snakemake.exceptions import WorkflowError
 from snakemake.settings.types import DeploymentMethod
@@ -21,81 +20,32 @@ from imagenet_ddp.archive_names import (
     TRAIN_ARCHIVE,
     VAL_ARCHIVE,
 )
+from imagenet_ddp.attempts import refusal_ahead
 from imagenet_ddp.eval_settings import eval_settings
+from imagenet_ddp.preflight_report import known_projection_problems
 from imagenet_ddp.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
-from imagenet_ddp.run_checks import check_runs, user_cache_dir
-from imagenet_ddp.sweeps import SweepError, expand_runs, run_schema
-from imagenet_ddp.training.presets import resolve_run, scaled_lr
-
-
-envvars:
-    "PATH",
-
+from imagenet_ddp.run_checks import container_problem, user_cache_dir
+from imagenet_ddp.runs import RunsError, resolve_runs, written_settings
+from imagenet_ddp.training.presets import scaled_lr
 
 # Validation fills in the schema's defaults, the one home of every setting's default: the rules
-# read config[...] directly. It fills each `runs` entry (and each sweep's `settings`) too, which
-# would then override train_defaults and presets (`recipe`, training/presets.py: who wins): runs
-# are resolved from the entries as written.
-_WRITTEN = copy.deepcopy(
-    {
-        "train_defaults": config.get("train_defaults") or {},
-        "runs": config.get("runs") or [],
-        "sweep": config.get("sweep") or [],
-    }
-)
+# read config[...] directly. Runs resolve from their entries as written (imagenet_ddp.runs).
+_WRITTEN = written_settings(config)
 validate(config, "../schemas/config.schema.yaml")
 
-# Inside a SLURM job a warning signal (--signal=USR1@120) reaches every process of the step,
-# this Snakemake included when it runs a one-rank job in the executor's own step; by default
-# it would end Snakemake and with it the launcher. The ranks handle it (checkpoint, exit 75).
-if "SLURM_JOB_ID" in os.environ:
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-
-# Jobs call the `imagenet-ddp` command of the environment that runs Snakemake (also inside a
-# SLURM job, where the jobstep re-reads this file), even when that environment is not activated.
-os.environ["PATH"] = os.pathsep.join(
-    [os.path.dirname(sys.executable), os.environ["PATH"]]
-)
-
-
-def _run_defaults(config_schema):
-    """The schema's default of every run key that has one."""
-    keys = config_schema["definitions"]["run_settings"]["properties"]
-    return {k: v["default"] for k, v in keys.items() if "default" in v}
-
-
-def _runs():
-    """Hand-written runs and every sweep's expanded runs (imagenet_ddp.sweeps), each resolved
-    over the schema's defaults, train_defaults and its preset (training/presets.py); an
-    expanded run is held to the schema of a hand-written one.
-    """
-    with open(
-        os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml")
-    ) as f:
-        config_schema = yaml.safe_load(f)
-    schema = run_schema(config_schema)
-    runs = {}
-    try:
-        entries = expand_runs(
-            {**config, "runs": _WRITTEN["runs"], "sweep": _WRITTEN["sweep"]}, schema
-        )
-    except SweepError as error:
-        raise WorkflowError(str(error)) from None
-    defaults = _run_defaults(config_schema)
-    for entry in entries:
-        runs[entry["name"]] = resolve_run(defaults, _WRITTEN["train_defaults"], entry)
-    return runs
-
-
-RUNS = _runs()
-
-# What the schema cannot see (model names; crop, resize and prepared sizes; GPUs vs device;
-# global batch vs train set) is refused here, at the dry-run, not on the GPU node: one line
-# per problem. Raised here, not in the module, so Snakemake shows no traceback beyond this line.
-# torchvision's model names are cached per user (importing torch takes seconds).
-_problems = check_runs(RUNS, config, cache_dir=user_cache_dir())
-if _problems:
-    raise WorkflowError("\n".join(_problems))
+# Every run, resolved (sweeps, presets, train_defaults) and checked: what would fail on the GPU
+# node fails here, at the dry-run, one line per problem. Raised here, not in the module, so
+# Snakemake shows no traceback beyond this line. torchvision's model names are cached per user
+# (importing torch takes seconds).
+try:
+    RUNS = resolve_runs(
+        config,
+        _WRITTEN,
+        os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml"),
+        cache_dir=user_cache_dir(),
+    )
+except RunsError as error:
+    raise WorkflowError(str(error)) from None
 
 
 def data_dir():
@@ -112,17 +62,22 @@ def archive_paths():
     return {key: f"{data_dir()}/{name}" for key, name in ARCHIVES.items()}
 
 
-def run_training_json(wildcards):
-    """The run's settings as the worker's JSON, geometry included: every figure of a run is
-    measured under its geometry, so a changed geometry retrains (and never resumes)."""
-    settings = dict(RUNS[wildcards.run])
+def training_settings(name):
+    """The run's settings as the worker reads them, geometry included: every figure of a run
+    is measured under its geometry, so a changed geometry retrains (and never resumes).
+    """
+    settings = dict(RUNS[name])
     settings["run"] = settings.pop("name")
     settings.pop(
         "evaluate", None
     )  # where the run is evaluated does not change its weights
     # Whether the run is checked first does not change its weights either.
     settings.pop("preflight", None)
-    return json.dumps(settings, sort_keys=True)
+    return settings
+
+
+def run_training_json(wildcards):
+    return json.dumps(training_settings(wildcards.run), sort_keys=True)
 
 
 def preflight_input(wildcards):
@@ -152,15 +107,32 @@ def _runtime_minutes(resources):
     return value if isinstance(value, (int, float)) else None
 
 
-def train_runtime_minutes(wildcards):
-    """The train rule's time limit per allocation (set-resources, else default-resources), for
-    the preflight's projection; 'none' where no limit is set (a local run). An expression
-    (e.g. `60 * attempt`) is not evaluated here: 'none' too."""
+def _train_runtime():
+    """The train rule's time limit per allocation in minutes (set-resources, else
+    default-resources); None where no limit is set (a local run). An expression (e.g.
+    `60 * attempt`) is not evaluated here: None too."""
     overwrite = workflow.resource_settings.overwrite_resources
     minutes = _runtime_minutes(overwrite["train"]) if "train" in overwrite else None
     if minutes is None:
         minutes = _runtime_minutes(workflow.resource_settings.default_resources)
+    return minutes
+
+
+def train_runtime_minutes(wildcards):
+    """train's time limit, for the preflight's projection ('none': no limit)."""
+    minutes = _train_runtime()
     return "none" if minutes is None else minutes
+
+
+# A run whose last preflight on the same settings projected more allocations of today's train
+# runtime than its max_allocations is refused here, before it is queued.
+_problems = known_projection_problems(
+    {name: training_settings(name) for name in RUNS},
+    "results/preflight",
+    _train_runtime(),
+)
+if _problems:
+    raise WorkflowError("\n".join(_problems))
 
 
 # Not weights: how a run is executed or logged (the geometry is shown under resources);
@@ -181,45 +153,53 @@ def run_hyperparameters(wildcards):
 
 # A training job stopped by its time limit, scancel or preemption is resubmitted (Snakemake's
 # retries, one rule-wide number); the job itself holds each run to its own max_allocations and
-# refuses a retry after an attempt that failed without progress (imagenet_ddp.attempts).
-TRAIN_RETRIES = max([run["max_allocations"] for run in RUNS.values()] or [1]) - 1
+# refuses a retry after two attempts without progress (imagenet_ddp.attempts). Only the
+# Snakemake that submits retries: inside a SLURM job the jobstep's Snakemake would honour a
+# rule's retries too and rerun a failed attempt in the same allocation (seen on the test
+# cluster: six attempts in one job).
+TRAIN_RETRIES = (
+    max([run["max_allocations"] for run in RUNS.values()] or [1]) - 1
+    if workflow.is_main_process
+    else 0
+)
 
 
-def run_geometry(key):
+def run_setting(key):
+    """An input function: the run's setting `key` (its resolved value, imagenet_ddp.runs)."""
     return lambda wildcards: RUNS[wildcards.run][key]
 
 
-def run_eval(key):
-    """One of the run's evaluation settings (imagenet_ddp.eval_settings: geometry, loader)."""
-    return lambda wildcards: eval_settings(config.get("evaluate"), RUNS[wildcards.run])[
-        key
-    ]
+def evaluation_setting(key):
+    """An input function: one of the run's evaluation settings (imagenet_ddp.eval_settings:
+    geometry, loader)."""
+    return lambda wildcards: evaluation_settings(wildcards.run)[key]
 
 
 def eval_threads(wildcards):
     """Cores of a local evaluation: all its ranks' threads."""
-    settings = eval_shape(wildcards.run)
+    settings = evaluation_settings(wildcards.run)
     return settings["tasks_per_node"] * settings["cpus_per_task"]
 
 
-def train_shape(run_name):
+def run_settings(run_name):
+    """The run's resolved settings: its training geometry and everything else."""
     return RUNS[run_name]
 
 
-def eval_shape(run_name):
-    """Evaluated on the GPU type it trained on."""
+def evaluation_settings(run_name):
+    """The run's evaluation settings, on the GPU type it trained on."""
     run = RUNS[run_name]
     return {**eval_settings(config.get("evaluate"), run), "gpu_type": run["gpu_type"]}
 
 
-def slurm_resource(key, shape=train_shape):
-    """Per-run SLURM shape of `train` (or, with eval_shape, of `evaluate`) from the geometry
-    keys nodes, tasks_per_node, gpus_per_node, gpu_type (docs/slurm-notes.md); None drops the
-    resource.
+def slurm_resource(key, settings=run_settings):
+    """An input function: the SLURM resource `key` of the run's `train` job (with
+    evaluation_settings: of its `evaluate` job) from the geometry keys nodes, tasks_per_node,
+    gpus_per_node, gpu_type (docs/slurm-notes.md); None drops the resource.
     """
 
     def value(wildcards):
-        geometry = shape(wildcards.run)
+        geometry = settings(wildcards.run)
         nodes, per_node, gpus = (
             geometry["nodes"],
             geometry["tasks_per_node"],
@@ -237,6 +217,33 @@ def slurm_resource(key, shape=train_shape):
             # One rank runs inside the plugin's own `srun -n1` step (the launcher adds --overlap).
             "mpi": "srun" if world > 1 else None,
         }[key]
+
+    return value
+
+
+# A retry that its job will refuse (imagenet_ddp.attempts: two attempts in a row without
+# progress, or max_allocations reached) only prints why and exits: Snakemake's retries are one
+# rule-wide count, so it is still submitted, but as one task on one node without GPUs.
+_REFUSED_SHAPE = {"nodes": 1, "cpus_per_task": 1, "tasks_per_node": None, "tasks": None,
+                  "gres": None, "mpi": None}  # fmt: skip
+
+
+def train_resource(key):
+    """A SLURM resource of `train`: the run's shape, or _REFUSED_SHAPE for a retry that will
+    refuse (asked before each submission, from the attempt record beside the checkpoints).
+    """
+    shaped = (
+        run_setting(key) if key in ("nodes", "cpus_per_task") else slurm_resource(key)
+    )
+
+    def value(wildcards, attempt):
+        if attempt > 1 and refusal_ahead(
+            f"{CHECKPOINT_DIR}/{wildcards.run}",
+            json.loads(run_training_json(wildcards)),
+            attempt,
+        ):
+            return _REFUSED_SHAPE[key]
+        return shaped(wildcards)
 
     return value
 
@@ -276,31 +283,28 @@ def run_dirs():
     return [f"results/runs/{name}" for name in RUNS]
 
 
-def execution_setting(section, key):
-    """Where/how a job runs. Passed as a resource, not a param: it does not change results,
-    so it must not trigger a rerun, and a profile may override it with set-resources."""
+def site_setting(section, key):
+    """A site's setting (config[section][key]): where/how a job runs. Passed as a resource,
+    not a param: it does not change results, so it must not trigger a rerun, and a profile
+    may override it with set-resources."""
     return config[section][key]
 
 
 # The image every job runs in with `--sdm apptainer` (ignored otherwise): built from
 # workflow/envs/imagenet-ddp.def. A local image that is missing fails here, at the dry-run.
 CONTAINER = config["container"]["image"]
-if (
+_APPTAINER = (
     DeploymentMethod.APPTAINER in workflow.deployment_settings.deployment_method
-    and "://" not in CONTAINER
-    and not os.path.exists(CONTAINER)
-):
-    raise WorkflowError(
-        f"config.yaml: container.image {CONTAINER!r} not found; build it with "
-        f"`apptainer build {CONTAINER} workflow/envs/imagenet-ddp.def` (README 'Containers')"
-        " or set container.image to an existing image or a docker:// / oras:// URI"
-    )
+)
+_problem = container_problem(CONTAINER, apptainer=_APPTAINER)
+if _problem:
+    raise WorkflowError(_problem)
 
 
 # The training-ready copy; point several workflows (or users) at one shared directory to
 # prepare ImageNet once: writers are excluded by a lock, readers only see complete copies.
 PREPARED_DIR = config["prepare"]["dir"]
-CHECKPOINT_DIR = execution_setting("execution", "checkpoint_dir")
+CHECKPOINT_DIR = site_setting("execution", "checkpoint_dir")
 
 
 def md5sums_input(wildcards):

@@ -32,7 +32,7 @@ rule accounting:
     params:
         run_dirs=run_dirs(),
     shell:
-        "python -m imagenet_ddp.accounting --run-dirs {params.run_dirs:q} > {log:q} 2>&1"
+        "imagenet-ddp accounting --run-dirs {params.run_dirs:q} > {log:q} 2>&1"
 
 
 rule aggregate:

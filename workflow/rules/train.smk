@@ -26,23 +26,23 @@ rule train:
         # One SLURM task per GPU (rank) on every node; the rule launches them itself with srun,
         # which the SLURM executor requires to be declared with the `mpi` resource. The
         # geometry itself is a result (params.run_config), these only size the job.
-        nodes=run_geometry("nodes"),
-        tasks_per_node=slurm_resource("tasks_per_node"),
-        tasks=slurm_resource("tasks"),
-        cpus_per_task=run_geometry("cpus_per_task"),
-        gres=slurm_resource("gres"),
+        # A retry that will refuse (max_allocations, or no progress twice in a row) asks for
+        # one task without GPUs instead (common.smk train_resource).
+        nodes=train_resource("nodes"),
+        tasks_per_node=train_resource("tasks_per_node"),
+        tasks=train_resource("tasks"),
+        cpus_per_task=train_resource("cpus_per_task"),
+        gres=train_resource("gres"),
         tasks_per_gpu=0,  # else the plugin adds --ntasks-per-gpu=<all tasks> to GPU jobs
-        mpi=slurm_resource("mpi"),
+        mpi=train_resource("mpi"),
         # Where and how it runs (not results, so not params): a profile may override these.
         # auto: srun inside the SLURM allocation, else ranks spawned here (launch.py).
-        launcher=execution_setting("execution", "launcher"),
+        launcher=site_setting("execution", "launcher"),
         launch_prefix=launch_prefix("train"),
-        srun_extra=execution_setting("execution", "srun_extra"),
-        scratch_dir=execution_setting("stage", "scratch_dir"),
-        stage_verify=execution_setting("stage", "verify"),
-        stage_cleanup=(
-            "cleanup" if execution_setting("stage", "cleanup") else "no-cleanup"
-        ),
+        srun_extra=site_setting("execution", "srun_extra"),
+        scratch_dir=site_setting("stage", "scratch_dir"),
+        stage_verify=site_setting("stage", "verify"),
+        stage_cleanup=("cleanup" if site_setting("stage", "cleanup") else "no-cleanup"),
         checkpoint_root=lambda wildcards: f"{CHECKPOINT_DIR}/{wildcards.run}",
         snakemake_attempt=lambda wildcards, attempt: attempt,  # 2, 3, ...: a resubmission
     params:
@@ -55,16 +55,24 @@ rule train:
         split_dir=lambda wildcards, input: os.path.dirname(input.split_train),
     # exec: the launcher replaces the rule's shell, which a stop signal would kill (SLURM
     # signals every process of the step) before the ranks have written their checkpoint.
-    # The echo puts the resolved hyperparameters first in the log and in `snakemake -n -p`.
+    # Every job (attempt) writes its own log beside the attempt record
+    # (<checkpoint root>/logs/job-<SLURM job id>-attempt<n>-<UTC start>.log), which Snakemake does not
+    # delete when it starts the next job; {log} links to the newest. It starts with a header
+    # and the resolved hyperparameters (also shown by `snakemake -n -p`).
     shell:
-        "echo hyperparameters: {params.hyperparameters:q} > {log:q}; "
+        'log_dir="$(realpath -m {resources.checkpoint_root:q}/logs)"; mkdir -p "$log_dir"; '
+        'attempt_log="$log_dir/job-${{SLURM_JOB_ID:-local}}-attempt{resources.snakemake_attempt}'
+        '-$(date -u +%Y%m%dT%H%M%SZ).log"; ln -sfn "$attempt_log" {log:q}; '
+        "echo == job ${{SLURM_JOB_ID:-local}}, Snakemake attempt {resources.snakemake_attempt},"
+        ' started $(date -u +%Y-%m-%dT%H:%M:%SZ) == > "$attempt_log"; '
+        'echo hyperparameters: {params.hyperparameters:q} >> "$attempt_log"; '
         "exec imagenet-ddp train --run-config-json {params.run_config:q}"
         " --prepared-train {input.prepared:q} --split-dir {params.split_dir:q}"
         " --run-dir {params.run_dir:q} --checkpoint-root {resources.checkpoint_root:q}"
         " --launcher {resources.launcher} --launch-prefix={resources.launch_prefix:q}"
         " --srun-extra={resources.srun_extra:q} --scratch-dir {resources.scratch_dir:q}"
         " --stage-verify {resources.stage_verify} --{resources.stage_cleanup}"
-        " --attempt {resources.snakemake_attempt} >> {log:q} 2>&1"
+        ' --attempt {resources.snakemake_attempt} >> "$attempt_log" 2>&1'
 
 
 # Evaluation runs like training: DDP ranks on the GPUs of `evaluate` geometry (config.yaml
@@ -91,21 +99,21 @@ rule evaluate:
     # Cores this job takes on a local machine (ignored by the SLURM executor's sizing).
     threads: eval_threads
     resources:
-        nodes=run_eval("nodes"),
-        tasks_per_node=slurm_resource("tasks_per_node", eval_shape),
-        tasks=slurm_resource("tasks", eval_shape),
-        cpus_per_task=run_eval("cpus_per_task"),
-        gres=slurm_resource("gres", eval_shape),
+        nodes=evaluation_setting("nodes"),
+        tasks_per_node=slurm_resource("tasks_per_node", evaluation_settings),
+        tasks=slurm_resource("tasks", evaluation_settings),
+        cpus_per_task=evaluation_setting("cpus_per_task"),
+        gres=slurm_resource("gres", evaluation_settings),
         tasks_per_gpu=0,  # else the plugin adds --ntasks-per-gpu=<all tasks> to GPU jobs
-        mpi=slurm_resource("mpi", eval_shape),
-        launcher=execution_setting("execution", "launcher"),
+        mpi=slurm_resource("mpi", evaluation_settings),
+        launcher=site_setting("execution", "launcher"),
         launch_prefix=launch_prefix("evaluate"),
-        srun_extra=execution_setting("execution", "srun_extra"),
-        eval_tasks_per_node=run_eval("tasks_per_node"),
-        eval_gpus_per_node=run_eval("gpus_per_node"),
-        eval_workers=run_eval("workers"),
+        srun_extra=site_setting("execution", "srun_extra"),
+        eval_tasks_per_node=evaluation_setting("tasks_per_node"),
+        eval_gpus_per_node=evaluation_setting("gpus_per_node"),
+        eval_workers=evaluation_setting("workers"),
     params:
-        batch_size=run_eval("batch_size"),
+        batch_size=evaluation_setting("batch_size"),
         split_dir=lambda wildcards, input: os.path.dirname(input.holdout),
     # exec: the launcher replaces the rule's shell (see rule train).
     shell:
@@ -144,21 +152,19 @@ rule preflight_run:
     resources:
         # The train rule's shape (see there); a short time limit of its own (a profile's
         # set-resources may change it).
-        nodes=run_geometry("nodes"),
+        nodes=run_setting("nodes"),
         tasks_per_node=slurm_resource("tasks_per_node"),
         tasks=slurm_resource("tasks"),
-        cpus_per_task=run_geometry("cpus_per_task"),
+        cpus_per_task=run_setting("cpus_per_task"),
         gres=slurm_resource("gres"),
         tasks_per_gpu=0,
         mpi=slurm_resource("mpi"),
         runtime=30,
-        launcher=execution_setting("execution", "launcher"),
-        srun_extra=execution_setting("execution", "srun_extra"),
-        scratch_dir=execution_setting("stage", "scratch_dir"),
-        stage_verify=execution_setting("stage", "verify"),
-        stage_cleanup=(
-            "cleanup" if execution_setting("stage", "cleanup") else "no-cleanup"
-        ),
+        launcher=site_setting("execution", "launcher"),
+        srun_extra=site_setting("execution", "srun_extra"),
+        scratch_dir=site_setting("stage", "scratch_dir"),
+        stage_verify=site_setting("stage", "verify"),
+        stage_cleanup=("cleanup" if site_setting("stage", "cleanup") else "no-cleanup"),
         # What train's allocations are measured in (not a result: no rerun when it changes).
         train_runtime=train_runtime_minutes,
     params:

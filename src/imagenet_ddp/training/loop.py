@@ -16,14 +16,14 @@ from torch.utils.data import DataLoader
 
 from imagenet_ddp import distributed as D
 from imagenet_ddp.accuracy import evaluate_dataset
-from imagenet_ddp.prepared import normalize_batch
+from imagenet_ddp.dataset import normalize_batch
+from imagenet_ddp.precision import autocast
 from imagenet_ddp.signals import EXIT_REQUEUE, stop_signals_blocked
 from imagenet_ddp.training import recipe
 from imagenet_ddp.training.checkpoint import save_job
 from imagenet_ddp.training.data import batch_seed
 from imagenet_ddp.training.discipline import check_device_discipline
 from imagenet_ddp.training.metrics import EpochMeter, Progress, log_epoch
-from imagenet_ddp.training.model import autocast
 from imagenet_ddp.training.state import TrainingState
 
 

@@ -9,7 +9,7 @@ It is a ``torch.save`` dict::
     model           state_dict of the trained model (a torchvision model, no DDP prefix)
     config          the run's settings and geometry (TrainConfig + geometry.Geometry fields)
 
-Loading into torchvision without this package (README "Loading a trained model")::
+Loading into torchvision without this package (docs/results.md "Loading a trained model")::
 
     state = torch.load("model.pt", map_location="cpu", weights_only=False)
     model = torchvision.models.get_model(state["arch"], num_classes=state["num_classes"])
@@ -18,7 +18,6 @@ Loading into torchvision without this package (README "Loading a trained model")
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -28,20 +27,12 @@ import torchvision
 from imagenet_ddp.io import atomic_path
 
 MODEL_FORMAT_VERSION = 1
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_model(name: str, num_classes: int, **kwargs: Any) -> torch.nn.Module:
     """A randomly initialised torchvision classification model (``kwargs``: the model's own
     options, e.g. ``zero_init_residual``; they change the initial weights, not the layout)."""
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
-
-
-def autocast(device: torch.device, precision: str):
-    dtype = PRECISIONS[precision]
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def save_model(

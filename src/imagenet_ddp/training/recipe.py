@@ -15,7 +15,7 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchvision.transforms import v2
 
-from imagenet_ddp.prepared import IMAGENET_MEAN, train_transform
+from imagenet_ddp.dataset import IMAGENET_MEAN, train_transform
 from imagenet_ddp.training.config import TrainConfig
 
 # torchvision.references.classification.utils.set_weight_decay's normalization layers.

@@ -34,9 +34,9 @@ from imagenet_ddp.attempts import (
     settings_key,
 )
 from imagenet_ddp.cost import over_attempts
+from imagenet_ddp.dataset import PreparedImageDataset, eval_transform
 from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.monitor import RunMonitor
-from imagenet_ddp.prepared import PreparedImageDataset, eval_transform
 from imagenet_ddp.signals import EXIT_REQUEUE, StopFlag
 from imagenet_ddp.training import recipe
 from imagenet_ddp.training.checkpoint import checkpoint_dir, resume_job
