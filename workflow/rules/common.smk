@@ -22,10 +22,12 @@ from imagenet_ddp.archive_names import (
 )
 from imagenet_ddp.attempts import refusal_ahead
 from imagenet_ddp.eval_settings import eval_settings
+from imagenet_ddp.geometry import world_size
 from imagenet_ddp.preflight_report import known_projection_problems
 from imagenet_ddp.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
 from imagenet_ddp.run_checks import container_problem, user_cache_dir
 from imagenet_ddp.runs import RunsError, resolve_runs, written_settings
+from imagenet_ddp.setting_kinds import NOT_HYPERPARAMETERS
 from imagenet_ddp.training.presets import scaled_lr
 
 # Validation fills in the schema's defaults, the one home of every setting's default: the rules
@@ -135,16 +137,13 @@ if _problems:
     raise WorkflowError("\n".join(_problems))
 
 
-# Not weights: how a run is executed or logged (the geometry is shown under resources);
-# derived from the checkpoint fingerprint's list (imagenet_ddp.setting_kinds says how).
-from imagenet_ddp.setting_kinds import NOT_HYPERPARAMETERS as _NOT_HYPERPARAMETERS
-
-
 def run_hyperparameters(wildcards):
     """The run's resolved hyperparameters, one `key=value` each (shown by `snakemake -n -p`):
     review a preset's values before spending GPU hours."""
     run = RUNS[wildcards.run]
-    values = {k: v for k, v in sorted(run.items()) if k not in _NOT_HYPERPARAMETERS}
+    # Not weights: how it is executed or logged (the geometry is shown under resources); the
+    # checkpoint fingerprint's list and the difference (imagenet_ddp.setting_kinds).
+    values = {k: v for k, v in sorted(run.items()) if k not in NOT_HYPERPARAMETERS}
     values["lr_used"] = round(scaled_lr(run), 8)  # after lr_scaling
     return " ".join(
         f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in values.items()
@@ -200,12 +199,8 @@ def slurm_resource(key, settings=run_settings):
 
     def value(wildcards):
         geometry = settings(wildcards.run)
-        nodes, per_node, gpus = (
-            geometry["nodes"],
-            geometry["tasks_per_node"],
-            geometry["gpus_per_node"],
-        )
-        world = nodes * per_node
+        per_node, gpus = geometry["tasks_per_node"], geometry["gpus_per_node"]
+        world = world_size(geometry)
         # A GPU type (a100, h100, ...) as the site's gres.conf names it: gpu:<type>:<n>.
         gpu_type = geometry["gpu_type"]
         gres = f"gpu:{gpu_type}:{gpus}" if gpu_type else f"gpu:{gpus}"
