@@ -1,3 +1,5 @@
+"""The imagenet_ddp package (its modules: docs/layout.md); __version__ from its metadata."""
+
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _v
 

@@ -19,8 +19,8 @@ from imagenet_ddp.io import write_csv_atomic, write_text_atomic
 from imagenet_ddp.provenance import provenance_path, write_provenance
 
 # What a run cost (imagenet_ddp.cost, imagenet_ddp.telemetry, imagenet_ddp.accounting); empty
-# where not measured (no GPU, no SLURM, files from before), never zero. README "Cost and
-# efficiency" says what each includes.
+# where not measured (no GPU, no SLURM, files from before), never zero. docs/results.md "Cost
+# and efficiency" says what each includes.
 COST_COLUMNS = [
     "allocations",
     "gpu_hours",

@@ -187,12 +187,28 @@ def make_demo_dataset(
         raise ValueError(f"image_size must be at least 8, not {image_size}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # One generator drawn from in a fixed order (classes, train, val): the same bytes per seed.
     rng = np.random.default_rng([seed, 0])
 
     # Classes: leaves get ILSVRC2012_IDs 1..n in an order unrelated to the (sorted) wnids.
     wnids = _wnids(rng, num_classes, 1_440_764, 15_075_141)
     ids = rng.permutation(num_classes) + 1
     styles = [_class_style(c, num_classes) for c in range(num_classes)]
+    synsets = _synsets(rng, wnids, ids, styles, train_per_class)
+    _write_train(out_dir, rng, wnids, styles, train_per_class, image_size, seed)
+    val_classes = _write_val(out_dir, rng, styles, val_per_class, image_size, seed)
+    ground_truth = "".join(f"{int(ids[c])}\n" for c in val_classes).encode()
+    _write_devkit(out_dir, synsets, ground_truth)
+    lines = [
+        f"{_md5(out_dir / name)}  {name}\n"
+        for name in sorted((TRAIN_ARCHIVE, VAL_ARCHIVE, DEVKIT_ARCHIVE))
+    ]
+    (out_dir / MD5SUMS).write_text("".join(lines))
+
+
+def _synsets(rng, wnids, ids, styles, train_per_class: int) -> list[dict]:
+    """The devkit's synsets: the leaves, then two internal nodes (torchvision must drop them)."""
+    num_classes = len(wnids)
     synsets = [
         {
             "id": int(ids[c]),
@@ -206,7 +222,7 @@ def make_demo_dataset(
         for c in range(num_classes)
     ]
     synsets.sort(key=lambda s: s["id"])
-    parents = _wnids(rng, 2, 1_000, 1_000_000)  # internal nodes: torchvision must drop them
+    parents = _wnids(rng, 2, 1_000, 1_000_000)
     half = (num_classes + 1) // 2
     synsets.append(
         {
@@ -230,16 +246,18 @@ def make_demo_dataset(
             "num_train_images": train_per_class * num_classes,
         }
     )
+    return synsets
 
-    # Real-data oddities at fixed places.
-    odd_train = {
+
+def _write_train(out_dir, rng, wnids, styles, train_per_class, image_size, seed) -> None:
+    """Outer tar of inner per-class tars; inner members in numeric (not name) order; real-data
+    oddities (grayscale, CMYK, a PNG named .JPEG) at fixed places."""
+    num_classes = len(wnids)
+    odd = {
         (0, 1 % train_per_class): "gray",
         (min(1, num_classes - 1), 2 % train_per_class): "cmyk",
         (min(2, num_classes - 1), 3 % train_per_class): "png",
     }
-    odd_val = {min(1, num_classes * val_per_class - 1): "gray"}
-
-    # Train: outer tar of inner per-class tars; inner members in numeric (not name) order.
     with tarfile.open(out_dir / TRAIN_ARCHIVE, mode="w", format=tarfile.GNU_FORMAT) as outer:
         for c, wnid in enumerate(wnids):
             numbers = np.sort(rng.choice(np.arange(1, 20_000), train_per_class, replace=False))
@@ -247,22 +265,27 @@ def make_demo_dataset(
             for i, number in enumerate(numbers):
                 image_rng = np.random.default_rng([seed, 1, c, i])
                 pixels = _render(styles[c], image_size, image_rng)
-                kind = odd_train.get((c, i), "rgb")
+                kind = odd.get((c, i), "rgb")
                 members.append((f"{wnid}_{int(number)}.JPEG", _encode(pixels, kind)))
             _add(outer, f"{wnid}.tar", _tar_bytes(members))
 
-    # Val: flat, labels shuffled across file numbers; ground truth holds ILSVRC2012_IDs.
+
+def _write_val(out_dir, rng, styles, val_per_class, image_size, seed) -> np.ndarray:
+    """Flat, labels shuffled across file numbers (one grayscale image): the class of each."""
+    num_classes = len(styles)
+    odd = {min(1, num_classes * val_per_class - 1): "gray"}
     val_classes = rng.permutation(np.repeat(np.arange(num_classes), val_per_class))
-    val_members = []
+    members = []
     for j, c in enumerate(val_classes):
         image_rng = np.random.default_rng([seed, 2, j])
         pixels = _render(styles[int(c)], image_size, image_rng)
-        val_members.append(
-            (f"ILSVRC2012_val_{j + 1:08d}.JPEG", _encode(pixels, odd_val.get(j, "rgb")))
-        )
-    (out_dir / VAL_ARCHIVE).write_bytes(_tar_bytes(val_members))
+        members.append((f"ILSVRC2012_val_{j + 1:08d}.JPEG", _encode(pixels, odd.get(j, "rgb"))))
+    (out_dir / VAL_ARCHIVE).write_bytes(_tar_bytes(members))
+    return val_classes
 
-    ground_truth = "".join(f"{int(ids[c])}\n" for c in val_classes).encode()
+
+def _write_devkit(out_dir, synsets, ground_truth: bytes) -> None:
+    """The devkit's layout; its ground truth holds ILSVRC2012_IDs."""
     with (
         open(out_dir / DEVKIT_ARCHIVE, "wb") as raw,
         gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz,
@@ -278,12 +301,6 @@ def make_demo_dataset(
         )
         _add(tar, META_MAT, _meta_mat(synsets))
         _add(tar, VAL_GROUND_TRUTH, ground_truth)
-
-    lines = [
-        f"{_md5(out_dir / name)}  {name}\n"
-        for name in sorted((TRAIN_ARCHIVE, VAL_ARCHIVE, DEVKIT_ARCHIVE))
-    ]
-    (out_dir / MD5SUMS).write_text("".join(lines))
 
 
 def write_demo_dataset(out: Path, **settings) -> None:

@@ -57,7 +57,7 @@ class TrainConfig:
     synthetic: bool  # measure the model alone on a fixed random batch
     keep_checkpoints: int  # newest checkpoints kept per run (older ones are deleted)
     throughput_warmup_steps: int  # steps per epoch left out of the steady-state img/s
-    # --- recipe (README "Recipes"; training/recipe.py). Defaults: today's behaviour, extras off.
+    # --- recipe (docs/configuration.md "Recipes"; training/recipe.py); extras off by default.
     recipe: str  # a preset's name (training/presets.py); resolved by the workflow
     optimizer: str  # sgd | adamw
     nesterov: bool  # SGD with momentum > 0 only

@@ -110,7 +110,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
-# What each source reports for its recipe (README "Recipes").
+# What each source reports for its recipe (docs/configuration.md "Recipes").
 REPORTED_TOP1 = {
     "torchvision-resnet50-v1": 76.130,
     "torchvision-resnet50-v2": 80.858,
