@@ -86,7 +86,10 @@ def assert_crash_retried_once_then_refused_without_gpus(cluster, workdir, crashi
 def sacct_jobs(cluster, log: str, fields: str) -> list[list[str]]:
     """The train jobs of the invocation whose output is ``log``: ``fields`` of each."""
     run_uuid = re.search(r"SLURM run ID: (\S+)", log).group(1)
-    out = cluster.run("sacct", "-X", "-n", "-P", "--name", run_uuid, "-o", fields).stdout
+    # -S: without it (and without -j) sacct lists only jobs since today's midnight.
+    out = cluster.run(
+        "sacct", "-X", "-n", "-P", "-S", "2000-01-01", "--name", run_uuid, "-o", fields
+    ).stdout
     return [line.split("|") for line in out.splitlines() if "rule_train" in line]
 
 

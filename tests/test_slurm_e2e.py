@@ -65,7 +65,17 @@ def slurm_run(slurm_cluster, tmp_path_factory):
     run_uuid = re.search(r"SLURM run ID: (\S+)", log).group(1)
     # Every SLURM job of this Snakemake run (job name = run ID), with the rule in its comment.
     out = slurm_cluster.run(
-        "sacct", "-X", "-n", "-P", "--name", run_uuid, "-o", "JobID,State,NNodes,Comment"
+        # -S: without it (and without -j) sacct lists only jobs since today's midnight.
+        "sacct",
+        "-X",
+        "-n",
+        "-P",
+        "-S",
+        "2000-01-01",
+        "--name",
+        run_uuid,
+        "-o",
+        "JobID,State,NNodes,Comment",
     ).stdout
     jobs = {}
     for line in out.splitlines():
