@@ -104,18 +104,17 @@ def write_preflight(folder, settings, out) -> None:
 def test_a_known_projection_is_checked_against_todays_runtime_and_bound(tmp_path):
     settings = {**RUN, "run": "r", "max_allocations": 10}
     write_preflight(tmp_path, settings, report(ranks()))  # 8.27 h: 9 allocations of 60 min
-    assert known_projection_problem("r", settings, tmp_path, 60.0, 10) is None
-    line = known_projection_problem("r", settings, tmp_path, 30.0, 10)  # a shorter runtime
+    assert known_projection_problem("r", settings, tmp_path, 60.0) is None
+    line = known_projection_problem("r", settings, tmp_path, 30.0)  # a shorter runtime
     assert line.startswith("config.yaml: run 'r': max_allocations 10 is too few: its preflight")
     assert "needs 17 allocations of train's runtime (30.0 min)" in line, line
     lowered = {**settings, "max_allocations": 5}  # a lower bound: the same settings
-    assert "max_allocations 5 is too few" in known_projection_problem(
-        "r", lowered, tmp_path, 60.0, 5
-    )
+    assert "max_allocations 5 is too few" in known_projection_problem("r", lowered, tmp_path, 60.0)
     # other settings: this projection is not theirs (their preflight reruns)
-    assert known_projection_problem("r", {**settings, "epochs": 900}, tmp_path, 30.0, 10) is None
-    assert known_projection_problem("r", settings, tmp_path / "none", 30.0, 10) is None
-    assert known_projection_problem("r", settings, tmp_path, None, 1) is None  # no time limit
+    assert known_projection_problem("r", {**settings, "epochs": 900}, tmp_path, 30.0) is None
+    assert known_projection_problem("r", settings, tmp_path / "none", 30.0) is None
+    one = {**settings, "max_allocations": 1}
+    assert known_projection_problem("r", one, tmp_path, None) is None  # no time limit
 
 
 def test_the_dry_run_refuses_a_run_its_known_projection_does_not_fit(tmp_path):

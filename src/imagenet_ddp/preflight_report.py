@@ -126,13 +126,13 @@ def allocations_needed(work_seconds: float, setup_seconds: float, runtime_minute
 
 
 def known_projection_problem(
-    name: str, settings: dict[str, Any], report_dir, runtime_minutes, max_allocations: int
+    name: str, settings: dict[str, Any], report_dir, runtime_minutes
 ) -> str | None:
     """The dry-run's check of a run against its last preflight (passed or failed) on the same
     settings (``settings``: the run as the train rule passes it): one line when that projection
-    needs more allocations of today's train runtime than ``max_allocations``; None when it fits
-    or no projection of these settings is known."""
-    folder = Path(report_dir)
+    needs more allocations of today's train runtime than its ``max_allocations``; None when it
+    fits or no projection of these settings is known."""
+    folder, max_allocations = Path(report_dir), settings["max_allocations"]
     try:
         measured = json.loads((folder / PREFLIGHT_SPEC).read_text())["run"]
         report = next(
@@ -162,9 +162,7 @@ def known_projection_problems(
     """:func:`known_projection_problem` of every run (``runs``: name -> settings), its
     preflight under ``reports_dir``/<name>."""
     found = (
-        known_projection_problem(
-            name, settings, Path(reports_dir) / name, runtime_minutes, settings["max_allocations"]
-        )
+        known_projection_problem(name, settings, Path(reports_dir) / name, runtime_minutes)
         for name, settings in runs.items()
     )
     return [line for line in found if line]
@@ -172,7 +170,7 @@ def known_projection_problems(
 
 def placement_problems(ranks: list[dict], gpus_per_node: int) -> list[str]:
     """Two ranks on one GPU, or a node's GPUs that no rank uses (``gpu``: the GPU a rank
-    computes on, or would on a GPU node: CUDA_VISIBLE_DEVICES[local_rank % visible])."""
+    computes on, or would on a GPU node: the one distributed.gpu_index picks)."""
     if gpus_per_node == 0:
         return []
     problems, users = [], {}

@@ -1,6 +1,7 @@
 # The rules' helpers: input functions, params and resource helpers. What runs are and whether they
 # can train is decided in the package (imagenet_ddp.runs), process settings in the Snakefile.
 
+import functools
 import json
 import os
 import sys
@@ -223,6 +224,14 @@ _REFUSED_SHAPE = {"nodes": 1, "cpus_per_task": 1, "tasks_per_node": None, "tasks
                   "gres": None, "mpi": None}  # fmt: skip
 
 
+@functools.lru_cache(maxsize=None)
+def _retry_refused(run, attempt):
+    """Whether this retry of `run` will refuse: the attempt record is read once per retry, not
+    once per resource (it is complete by then: the previous attempt has ended)."""
+    checkpoint_root = f"{CHECKPOINT_DIR}/{run}"
+    return bool(refusal_ahead(checkpoint_root, training_settings(run), attempt))
+
+
 def train_resource(key):
     """A SLURM resource of `train`: the run's shape, or _REFUSED_SHAPE for a retry that will
     refuse (asked before each submission, from the attempt record beside the checkpoints).
@@ -232,11 +241,7 @@ def train_resource(key):
     )
 
     def value(wildcards, attempt):
-        if attempt > 1 and refusal_ahead(
-            f"{CHECKPOINT_DIR}/{wildcards.run}",
-            json.loads(run_training_json(wildcards)),
-            attempt,
-        ):
+        if attempt > 1 and _retry_refused(wildcards.run, attempt):
             return _REFUSED_SHAPE[key]
         return shaped(wildcards)
 

@@ -56,9 +56,9 @@ rule train:
     # exec: the launcher replaces the rule's shell, which a stop signal would kill (SLURM
     # signals every process of the step) before the ranks have written their checkpoint.
     # Every job (attempt) writes its own log beside the attempt record
-    # (<checkpoint root>/logs/job-<SLURM job id>-attempt<n>-<UTC start>.log), which Snakemake does not
-    # delete when it starts the next job; {log} links to the newest. It starts with a header
-    # and the resolved hyperparameters (also shown by `snakemake -n -p`).
+    # (<checkpoint root>/logs/job-<SLURM job id>-attempt<n>-<UTC start>.log), which Snakemake
+    # does not delete when it starts the next job; {log} links to the newest. It starts with a
+    # header and the resolved hyperparameters (also shown by `snakemake -n -p`).
     shell:
         'log_dir="$(realpath -m {resources.checkpoint_root:q}/logs)"; mkdir -p "$log_dir"; '
         'attempt_log="$log_dir/job-${{SLURM_JOB_ID:-local}}-attempt{resources.snakemake_attempt}'
