@@ -216,3 +216,21 @@ def test_a_retry_that_will_refuse_is_submitted_without_gpus(tmp_path):
     refused = train_job(3)[0]
     assert "nodes=1, cpus_per_task=1, tasks_per_gpu=0, launcher=auto" in refused, refused
     assert "gres=" not in refused and "mpi=" not in refused and "tasks_per_node" not in refused
+
+
+def test_a_step_that_exits_0_without_finishing_the_run_is_stopped(tmp_path, monkeypatch):
+    """srun exits 0 when it gives up waiting for a signalled step (seen in CI at a time
+    limit): the job is stopped (75), its attempt not "completed", no output is written."""
+    from imagenet_ddp import launch
+
+    monkeypatch.setattr(launch, "run_staged", lambda spec, path: 0)
+    spec = {
+        "kind": "train", "run": RUN, "execution": {"attempt": 1},
+        "paths": {"checkpoint_root": str(tmp_path / "ckpt"), "run_dir": str(tmp_path / "run")},
+    }  # fmt: skip
+    assert launch.run_training(spec, tmp_path / "spec.json") == attempts.EXIT_REQUEUE
+    assert attempts.load(tmp_path / "ckpt")[0]["outcome"] == "stopped"
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "train_metrics.json").write_text("{}")  # rank 0 finished the run
+    assert launch.run_training(spec, tmp_path / "spec.json") == 0
+    assert attempts.load(tmp_path / "ckpt")[-1]["outcome"] == "completed"

@@ -196,12 +196,25 @@ def run_training(spec: dict, spec_path: Path) -> int:
     code = 1
     try:
         with attempts.Heartbeat(root, entry):
-            code = run_staged(spec, spec_path)
+            code = unfinished_is_stopped(run_staged(spec, spec_path), spec)
     except Exception as error:
         entry["error"] = f"launcher on {socket.gethostname()}: {type(error).__name__}: {error}"
         raise
     finally:
         attempts.end(root, entry, code)
+    return code
+
+
+def unfinished_is_stopped(code: int, spec: dict) -> int:
+    """The job's exit code: EXIT_REQUEUE where the ranks' step exited 0 but rank 0 wrote no
+    ``train_metrics.json`` (it does after the last epoch only). srun exits 0 after a stop signal
+    when it gives up waiting for the step ("srun: error: Timed out waiting for job step to
+    complete", seen in CI at a time limit) although the ranks checkpointed and exited 75: the
+    job must not be taken for complete, its attempt recorded "completed", its outputs written."""
+    if code == 0 and not (Path(spec["paths"]["run_dir"]) / "train_metrics.json").is_file():
+        print("the ranks' step exited 0 but the run did not finish (no train_metrics.json): "
+              "stopped, the next job resumes from the newest checkpoint", flush=True)  # fmt: skip
+        return EXIT_REQUEUE
     return code
 
 
