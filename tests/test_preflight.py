@@ -135,8 +135,13 @@ def test_the_dry_run_refuses_a_run_its_known_projection_does_not_fit(tmp_path):
 
 def test_straggler_and_starving_loader_are_named():
     slow = {"model_images_per_s": 50.0, "compute_images_per_s": 60.0}
-    out = report(ranks(r3=slow, r2={"loader_images_per_s": 90.0}))
+    on_cpu = ranks(r3=slow, r2={"loader_images_per_s": 90.0})
+    out = report([{**r, "device": "cuda:0"} for r in on_cpu])
     assert out["problems"][0].startswith("straggler: rank 3 on b computes 60.0 img/s, 40% of")
+    # CPU ranks share cores (with each other, the node's daemons): their spread names no node
+    gpu_only = ("straggler", "network")
+    expected = [line for line in out["problems"] if not line.startswith(gpu_only)]
+    assert report(on_cpu)["problems"] == expected and len(expected) == 2, expected
     assert out["projection"]["images_per_s"] == pytest.approx(4 * 50.0)  # the slowest rank
     # rank 2's loader (90 img/s) cannot feed the median step (100 img/s): its GPU would wait
     assert out["problems"][1].startswith("loader: rank 2 on b loads 90.0 img/s, the step")

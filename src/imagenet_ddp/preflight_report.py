@@ -212,7 +212,11 @@ def speed_problems(report: dict[str, Any], run: dict[str, Any]) -> list[str]:
     """Stragglers, a starving loader, a slow network, too many allocations."""
     problems = []
     s = report["model"]["compute_spread"]  # without the all-reduce, where ranks differ
-    if s["slowest_over_median"] is not None and s["slowest_over_median"] < STRAGGLER:
+    # GPU runs only: CPU ranks share cores with each other and the node's daemons, and their
+    # spread is chance (on the test cluster's 2 fake nodes on 2 cores: 82 % in one run, below
+    # 80 % in the next, which failed CI), not a slow node.
+    cuda = report["device_type"] == "cuda"
+    if cuda and s["slowest_over_median"] is not None and s["slowest_over_median"] < STRAGGLER:
         problems.append(
             f"straggler: rank {s['slowest_rank']} on {s['slowest_host']} computes "
             f"{s['slowest']:.1f} img/s, {s['slowest_over_median']:.0%} of the median "
@@ -228,7 +232,7 @@ def speed_problems(report: dict[str, Any], run: dict[str, Any]) -> list[str]:
             f"{report['loader']['cpus_per_task_needed']} (or cheaper augmentations)"
         )
     world_bw = report["allreduce"]["busbw_gbps"]
-    if run["nodes"] > 1 and report["device_type"] == "cuda" and world_bw < MIN_INTERNODE_BUSBW_GBPS:
+    if run["nodes"] > 1 and cuda and world_bw < MIN_INTERNODE_BUSBW_GBPS:
         problems.append(
             f"network: all-reduce bus bandwidth {world_bw:.1f} GB/s across {run['nodes']} nodes "
             f"(< {MIN_INTERNODE_BUSBW_GBPS:g}): NCCL may use TCP sockets; {NCCL_HINT}"
