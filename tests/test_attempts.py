@@ -42,6 +42,34 @@ def test_each_attempt_is_recorded_with_its_start_and_newest_checkpoint(tmp_path)
     assert attempts.settings_key(RUN) == attempts.settings_key({**RUN, "max_allocations": 9})
 
 
+def test_the_count_follows_the_checkpoints_key():
+    """Settings that resume the checkpoints continue the count; the others start both afresh
+    (training.checkpoint: the weights' settings, the geometry and the loader's workers)."""
+    key = attempts.settings_key
+    for same in ({"gpu_type": "h100"}, {"mlflow_uri": "http://m"}, {"log_interval": 7},
+                 {"throughput_warmup_steps": 9}, {"recipe": "named"}):  # fmt: skip
+        assert key({**RUN, **same}) == key(RUN), same
+    for other in ({"lr": 0.2}, {"nodes": 2}, {"cpus_per_task": 4}, {"workers": 3}, {"seed": 1}):
+        assert key({**RUN, **other}) != key(RUN), other
+
+
+def test_a_record_from_before_the_checkpoint_key_continues_its_count(tmp_path):
+    """Entries keyed the earlier way (every setting but the bookkeeping ones) of today's
+    settings join the current count at the next job, and the refusal reads them before."""
+    run = {**RUN, "gpu_type": "a100"}
+    for attempt in (1, 2):
+        entry, _ = attempts.begin(tmp_path, run, attempt=attempt, gpus=8, cores=16)
+        attempts.end(tmp_path, entry, 1)  # failed without progress, twice
+    record = json.loads((tmp_path / attempts.RECORD).read_text())
+    for entry in record["attempts"]:
+        entry["key"] = attempts._legacy_key(run)
+    (tmp_path / attempts.RECORD).write_text(json.dumps(record))
+    assert attempts.refusal_ahead(tmp_path, run, 3).startswith("not retrying")
+    third, why = attempts.begin(tmp_path, run, attempt=3, gpus=8, cores=16)
+    assert third["attempt"] == 3 and why.startswith("not retrying")
+    assert {a["key"] for a in attempts.load(tmp_path)} == {attempts.settings_key(run)}
+
+
 def test_a_failure_without_progress_is_retried_once_then_refused_with_its_error(tmp_path):
     def fail(attempt):
         entry, why = attempts.begin(tmp_path, RUN, attempt=attempt, gpus=0, cores=2)

@@ -112,6 +112,9 @@ def test_a_known_projection_is_checked_against_todays_runtime_and_bound(tmp_path
     assert "max_allocations 5 is too few" in known_projection_problem("r", lowered, tmp_path, 60.0)
     # other settings: this projection is not theirs (their preflight reruns)
     assert known_projection_problem("r", {**settings, "epochs": 900}, tmp_path, 30.0) is None
+    assert known_projection_problem("r", {**settings, "workers": 9}, tmp_path, 30.0) is None
+    logged = {**settings, "mlflow_uri": "http://m", "log_interval": 3}  # bookkeeping only
+    assert "is too few" in known_projection_problem("r", logged, tmp_path, 30.0)
     assert known_projection_problem("r", settings, tmp_path / "none", 30.0) is None
     one = {**settings, "max_allocations": 1}
     assert known_projection_problem("r", one, tmp_path, None) is None  # no time limit

@@ -8,11 +8,12 @@ staging and closes it (:func:`end`) when its ranks are gone; a heartbeat (:class
 keeps ``alive`` current, so an attempt killed with the launcher (SIGKILL after KillWait, a
 node failure) is closed by the next one at its last sign of life.
 
-An entry: ``attempt`` (1, 2, ... per settings fingerprint), ``slurm_job_id``, ``host``,
-``started``/``alive``/``ended`` (Unix seconds), ``exit_code``, ``outcome`` (completed,
-stopped: exit 75 after a checkpoint, failed, killed: no end recorded, refused), ``start`` (the
-checkpoint it resumed from: epoch, step, path, or epoch 0 step 0), ``last_checkpoint`` (the
-newest it wrote, with its mtime), ``error`` (the first rank's error line), ``gpus``, ``cores``.
+An entry: ``attempt`` (1, 2, ... per line of checkpoints: :func:`settings_key`),
+``slurm_job_id``, ``host``, ``started``/``alive``/``ended`` (Unix seconds), ``exit_code``,
+``outcome`` (completed, stopped: exit 75 after a checkpoint, failed, killed: no end recorded,
+refused), ``start`` (the checkpoint it resumed from: epoch, step, path, or epoch 0 step 0),
+``last_checkpoint`` (the newest it wrote, with its mtime), ``error`` (the first rank's error
+line), ``gpus``, ``cores``.
 
 Two rules use it (:func:`refusal`): a Snakemake retry (``attempt`` > 1 in this invocation)
 after two attempts in a row that failed without writing a checkpoint refuses at once with the
@@ -39,28 +40,47 @@ import time
 from pathlib import Path
 from typing import Any
 
+from imagenet_ddp.geometry import GEOMETRY_KEYS
 from imagenet_ddp.io import write_json_atomic
+from imagenet_ddp.setting_kinds import weight_settings
 
 RECORD = "attempts.json"
 EXIT_REQUEUE = 75  # imagenet_ddp.signals.EXIT_REQUEUE (that module imports torch)
 HEARTBEAT_SECONDS = 30.0
 _CHECKPOINT = re.compile(r"checkpoint-e(\d+)-s(\d+)\.pt$")
-# Settings that change neither the weights nor the figures of a run: a changed bound or
-# checkpoint interval continues the same record (setting_kinds.NOT_WEIGHTS keeps
-# these and the other bookkeeping keys out of the checkpoint key as well).
-_NOT_IN_KEY = ("max_allocations", "checkpoint_interval_minutes", "log_interval",
-               "timeout_minutes", "keep_checkpoints", "throughput_warmup_steps")  # fmt: skip
+# Until 2026-11-24 an entry's key hashed every setting but these, so a changed `gpu_type` or
+# `mlflow_uri` started a new count while training resumed; begin() moves the entries of today's
+# settings under that key to the current one, so a run in flight keeps its count.
+_LEGACY_NOT_IN_KEY = ("max_allocations", "checkpoint_interval_minutes", "log_interval",
+                      "timeout_minutes", "keep_checkpoints", "throughput_warmup_steps")  # fmt: skip
 
 
 def record_path(checkpoint_root: str | os.PathLike[str]) -> Path:
     return Path(checkpoint_root) / RECORD
 
 
-def settings_key(run: dict[str, Any]) -> str:
-    """Which entries belong together: the run's settings and geometry (a changed setting
-    starts a fresh run, as its checkpoints do)."""
-    data = {k: v for k, v in run.items() if k not in _NOT_IN_KEY}
+def _hash(data: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def settings_key(run: dict[str, Any]) -> str:
+    """Which entries belong together: the attempts that train one line of checkpoints, keyed
+    as the checkpoints are (the settings that change the weights, and the geometry with the
+    loader's `workers`: geometry.Geometry.tag). A changed `max_allocations` or `gpu_type`
+    resumes the checkpoints and continues the count; a changed `lr` or node count starts both
+    afresh."""
+    geometry = {k: run.get(k) for k in (*GEOMETRY_KEYS, "workers")}  # as stated ("auto")
+    return _hash({**weight_settings(run), "geometry": geometry})
+
+
+def _legacy_key(run: dict[str, Any]) -> str:
+    return _hash({k: v for k, v in run.items() if k not in _LEGACY_NOT_IN_KEY})
+
+
+def _of_settings(attempts: list[dict[str, Any]], run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The entries of ``run``'s checkpoints, those recorded under the legacy key included."""
+    keys = {settings_key(run), _legacy_key(run)}
+    return [a for a in attempts if a.get("key") in keys]
 
 
 def has_record(checkpoint_root: str | os.PathLike[str]) -> bool:
@@ -164,7 +184,7 @@ def refusal_ahead(checkpoint_root, run: dict[str, Any], attempt: int) -> str | N
     before it submits a retry (a refused retry needs no GPU)."""
     if attempt == 1:
         return None
-    mine = _closed(of_run(load(checkpoint_root), settings_key(run)), checkpoint_root)
+    mine = _closed(_of_settings(load(checkpoint_root), run), checkpoint_root)
     return refusal(mine, attempt, int(run.get("max_allocations", 10)))
 
 
@@ -173,7 +193,9 @@ def begin(
 ) -> tuple[dict[str, Any], str | None]:
     """Close a killed predecessor, append this attempt; returns (entry, refusal reason)."""
     attempts, key = load(checkpoint_root), settings_key(run)
-    mine = _closed(of_run(attempts, key), checkpoint_root)
+    mine = _closed(_of_settings(attempts, run), checkpoint_root)
+    for entry in mine:
+        entry["key"] = key  # a legacy key's entries join the current one (saved below)
     now = time.time()
     entry = {
         "attempt": len(mine) + 1,

@@ -13,8 +13,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from imagenet_ddp.attempts import settings_key
 from imagenet_ddp.geometry import world_size
+from imagenet_ddp.setting_kinds import BOOKKEEPING
 
 REPORT = "preflight.json"
 PREFLIGHT_SPEC = "preflight_spec.json"  # beside preflight.json
@@ -125,6 +125,10 @@ def allocations_needed(work_seconds: float, setup_seconds: float, runtime_minute
     return math.ceil(work_seconds / usable) if usable > 0 else None
 
 
+def _not_bookkeeping(settings: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in settings.items() if k not in BOOKKEEPING}
+
+
 def known_projection_problem(
     name: str, settings: dict[str, Any], report_dir, runtime_minutes
 ) -> str | None:
@@ -140,8 +144,8 @@ def known_projection_problem(
         )
     except (OSError, ValueError, KeyError, StopIteration):
         return None
-    if settings_key(measured) != settings_key(settings):
-        return None  # other settings: the preflight reruns before it counts
+    if _not_bookkeeping(measured) != _not_bookkeeping(settings):
+        return None  # settings that change the speed or the work differ: the preflight reruns
     p = report["projection"]
     work = p["total_seconds"] - p["setup_seconds"]
     needs = allocations_needed(work, p["setup_seconds"], runtime_minutes)

@@ -1,30 +1,57 @@
-"""Which run settings do not change the trained weights: the one list, and what is derived from it.
+"""Kinds of run settings: bookkeeping (changes neither the weights nor the speed), not the
+weights, not a hyperparameter; each list once, the next derived from it.
 
-Torch-free: the workflow reads it while Snakemake parses the rules (common.smk).
+Torch-free: the attempt record reads it, and the workflow while Snakemake parses the rules
+(common.smk).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from imagenet_ddp.geometry import GEOMETRY_KEYS
 
-# Settings that do not change the trained weights: how a run is executed, logged, bounded or
-# checked. Left out of the checkpoint fingerprint (training.config.TrainConfig.fingerprint):
-# changing one resumes the run's checkpoints. The geometry is the checkpoint key's other part.
-NOT_WEIGHTS = (
+# Settings that change neither the trained weights nor the speed: how a run is logged, bounded
+# or checked. Scaling groups ignore them (aggregate.scaling_key), and so does the match of a
+# preflight's projection to today's run (preflight_report.known_projection_problem).
+BOOKKEEPING = (
     "log_interval",
-    "workers",
     "timeout_minutes",
     "max_allocations",
     "checkpoint_interval_minutes",
     "keep_checkpoints",
-    "throughput_warmup_steps",
-    "recipe",  # its values are the other keys
     "extra",
-    "gpu_type",  # where it trains, like the geometry
     "mlflow_uri",
     "preflight",
+)
+
+# Settings that do not change the trained weights: the above, and how fast and where a run
+# trains. Left out of the checkpoint fingerprint (training.config.TrainConfig.fingerprint):
+# changing one resumes the run's checkpoints. The geometry is the checkpoint key's other part.
+NOT_WEIGHTS = (
+    *BOOKKEEPING,
+    "workers",
+    "throughput_warmup_steps",
+    "recipe",  # its values are the other keys
+    "gpu_type",  # where it trains, like the geometry
     *GEOMETRY_KEYS,
 )
+
+# Added after checkpoints existed: left out of the key at the value every earlier checkpoint was
+# trained with (a fact about those checkpoints, not a default), so runs keep resuming them; any
+# other value enters the key.
+ADDED_AT_DEFAULT = {"crop_scale": [0.08, 1.0], "crop_ratio": [3 / 4, 4 / 3], "hflip": 0.5}
+
+
+def weight_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a run (a resolved run, or TrainConfig's fields) that change its
+    weights: what the checkpoint fingerprint hashes."""
+    data = {k: v for k, v in settings.items() if k not in NOT_WEIGHTS}
+    for key, earlier in ADDED_AT_DEFAULT.items():
+        if key in data and data[key] == earlier:
+            del data[key]
+    return data
+
 
 # What a dry-run does not show among a run's hyperparameters (rule train's `hyperparameters`
 # param, common.smk): the settings above with these differences.

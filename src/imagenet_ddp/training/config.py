@@ -18,12 +18,7 @@ import torch
 
 from imagenet_ddp import distributed as D
 from imagenet_ddp.geometry import Geometry
-from imagenet_ddp.setting_kinds import NOT_WEIGHTS
-
-# Added after checkpoints existed: left out of the key at the value every earlier checkpoint was
-# trained with (a fact about those checkpoints, not a default), so runs keep resuming them; any
-# other value enters the key.
-ADDED_AT_DEFAULT = {"crop_scale": [0.08, 1.0], "crop_ratio": [3 / 4, 4 / 3], "hflip": 0.5}
+from imagenet_ddp.setting_kinds import weight_settings
 
 
 @dataclass
@@ -123,10 +118,7 @@ class TrainConfig:
     def fingerprint(self) -> str:
         """Hash of everything that changes the trained weights (not logging or geometry: the
         geometry is the checkpoint key's second part)."""
-        data = {k: v for k, v in dataclasses.asdict(self).items() if k not in NOT_WEIGHTS}
-        for key, earlier in ADDED_AT_DEFAULT.items():
-            if data[key] == earlier:
-                del data[key]
+        data = weight_settings(dataclasses.asdict(self))
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
