@@ -127,14 +127,18 @@ def test_the_gloo_interface_is_the_one_that_routes_to_the_other_nodes():
 def test_the_dry_run_shows_the_mpi_prefix_and_refuses_one_that_is_not_srun(tmp_path):
     from tests.workflow_helpers import copy_workflow, snakemake
 
-    workdir = copy_workflow(tmp_path / "wf", runs=[{"name": "r", "tasks_per_node": 2}])
+    runs = [{"name": "r", "tasks_per_node": 2, "preflight": True}]
+    workdir = copy_workflow(tmp_path / "wf", runs=runs)
     target = "results/runs/r/model.pt"
     shown = snakemake(
         workdir, "-n", "-p", "-c2", target, "--config", "data={dir: /x}",
         "--set-resources", "train:mpi=srun --mpi=pmix",
     )  # fmt: skip
     text = shown.stdout + shown.stderr
-    assert "--launcher auto --launch-prefix='srun --mpi=pmix'" in text, text[-3000:]
+    # train's ranks, and its preflight's: they are measured as they will run
+    for rule in ("train", "preflight_run"):
+        job = text[text.index(f"rule {rule}:") :]
+        assert "--launcher auto --launch-prefix='srun --mpi=pmix'" in job[: job.index("\n\n")], rule
     bad = snakemake(
         workdir, "-n", "-c2", target, "--set-resources", "train:mpi=mpirun -np 2", check=False
     )

@@ -161,6 +161,8 @@ rule preflight_run:
         mpi=slurm_resource("mpi"),
         runtime=30,
         launcher=site_setting("execution", "launcher"),
+        # Its ranks start as train's do (--set-resources train:mpi="srun --mpi=pmix ...").
+        launch_prefix=launch_prefix("train"),
         srun_extra=site_setting("execution", "srun_extra"),
         scratch_dir=site_setting("stage", "scratch_dir"),
         stage_verify=site_setting("stage", "verify"),
@@ -174,9 +176,9 @@ rule preflight_run:
         "exec imagenet-ddp preflight --run-config-json {params.run_config:q}"
         " --prepared-train {input.prepared:q} --split-dir {params.split_dir:q}"
         " --out {output.report:q} --train-runtime-minutes {resources.train_runtime}"
-        " --launcher {resources.launcher} --srun-extra={resources.srun_extra:q}"
-        " --scratch-dir {resources.scratch_dir:q} --stage-verify {resources.stage_verify}"
-        " --{resources.stage_cleanup} > {log:q} 2>&1"
+        " --launcher {resources.launcher} --launch-prefix={resources.launch_prefix:q}"
+        " --srun-extra={resources.srun_extra:q} --scratch-dir {resources.scratch_dir:q}"
+        " --stage-verify {resources.stage_verify} --{resources.stage_cleanup} > {log:q} 2>&1"
 
 
 # `snakemake preflight`: the preflight of every run (a target; nothing trains).
