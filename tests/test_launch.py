@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from imagenet_ddp.distributed import master_port
+from imagenet_ddp.geometry import slurm_resources
 from imagenet_ddp.launch import (
     THREAD_COUNT_VARIABLES,
     Geometry,
@@ -25,6 +26,23 @@ def test_srun_launches_one_task_per_rank_or_one_per_node():
     assert "--cpus-per-task=8" in ranks and ranks[-1] == "--gres-flags=allow-task-sharing"
     per_node = srun_argv(g, per_node=True, extra=[])
     assert "--ntasks=2" in per_node and "--ntasks-per-node=1" in per_node
+
+
+def test_the_sbatch_shape_takes_one_of_tasks_and_tasks_per_node_and_gpus_per_node():
+    """The executor's rules (docs/slurm-notes.md 5): with `mpi` exactly one of tasks and
+    tasks_per_node, > 1; one rank has no `mpi` (it runs in the executor's own step)."""
+
+    def shape(nodes, per_node, gpus=0, gpu_type=""):
+        settings = {"nodes": nodes, "tasks_per_node": per_node, "gpus_per_node": gpus,
+                    "gpu_type": gpu_type}  # fmt: skip
+        return slurm_resources(settings)
+
+    assert shape(2, 4, 4, "h100") == {
+        "tasks_per_node": 4, "tasks": None, "gres": "gpu:h100:4", "mpi": "srun"
+    }  # fmt: skip
+    assert shape(2, 1, 1) == {"tasks_per_node": None, "tasks": 2, "gres": "gpu:1", "mpi": "srun"}
+    assert shape(1, 2) == {"tasks_per_node": 2, "tasks": None, "gres": None, "mpi": "srun"}
+    assert shape(1, 1, 1) == {"tasks_per_node": None, "tasks": None, "gres": "gpu:1", "mpi": None}
 
 
 def test_ranks_get_their_tasks_thread_count_not_snakemakes(monkeypatch):

@@ -52,3 +52,22 @@ class Geometry:
 def world_size(settings: Mapping[str, Any]) -> int:
     """Ranks of the job that ``settings`` (nodes, tasks_per_node) describes."""
     return int(settings["nodes"]) * int(settings["tasks_per_node"])
+
+
+def slurm_resources(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The SLURM executor's resources of a job of ``settings`` (a run's or its evaluation's:
+    nodes, tasks_per_node, gpus_per_node, gpu_type) beside nodes and cpus_per_task, as
+    docs/slurm-notes.md section 5 found them; None leaves a resource out."""
+    per_node, gpus = settings["tasks_per_node"], settings["gpus_per_node"]
+    world = world_size(settings)
+    # A GPU type (a100, h100, ...) as the site's gres.conf names it: gpu:<type>:<n>.
+    gpu_type = settings["gpu_type"]
+    gres = f"gpu:{gpu_type}:{gpus}" if gpu_type else f"gpu:{gpus}"
+    return {
+        # With `mpi` the plugin takes exactly one of tasks/tasks_per_node, and it must be > 1.
+        "tasks_per_node": per_node if world > 1 and per_node > 1 else None,
+        "tasks": world if world > 1 and per_node == 1 else None,
+        "gres": gres if gpus > 0 else None,  # per node
+        # One rank runs inside the plugin's own `srun -n1` step (the launcher adds --overlap).
+        "mpi": "srun" if world > 1 else None,
+    }

@@ -23,7 +23,7 @@ from imagenet_ddp.archive_names import (
 )
 from imagenet_ddp.attempts import refusal_ahead
 from imagenet_ddp.eval_settings import eval_settings
-from imagenet_ddp.geometry import world_size
+from imagenet_ddp.geometry import slurm_resources
 from imagenet_ddp.preflight_report import known_projection_problems
 from imagenet_ddp.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
 from imagenet_ddp.run_checks import container_problem, user_cache_dir
@@ -194,25 +194,12 @@ def evaluation_settings(run_name):
 
 def slurm_resource(key, settings=run_settings):
     """An input function: the SLURM resource `key` of the run's `train` job (with
-    evaluation_settings: of its `evaluate` job) from the geometry keys nodes, tasks_per_node,
-    gpus_per_node, gpu_type (docs/slurm-notes.md); None drops the resource.
+    evaluation_settings: of its `evaluate` job); None drops the resource
+    (imagenet_ddp.geometry.slurm_resources).
     """
 
     def value(wildcards):
-        geometry = settings(wildcards.run)
-        per_node, gpus = geometry["tasks_per_node"], geometry["gpus_per_node"]
-        world = world_size(geometry)
-        # A GPU type (a100, h100, ...) as the site's gres.conf names it: gpu:<type>:<n>.
-        gpu_type = geometry["gpu_type"]
-        gres = f"gpu:{gpu_type}:{gpus}" if gpu_type else f"gpu:{gpus}"
-        return {
-            # With `mpi` the plugin takes exactly one of tasks/tasks_per_node, and it must be > 1.
-            "tasks_per_node": per_node if world > 1 and per_node > 1 else None,
-            "tasks": world if world > 1 and per_node == 1 else None,
-            "gres": gres if gpus > 0 else None,  # per node
-            # One rank runs inside the plugin's own `srun -n1` step (the launcher adds --overlap).
-            "mpi": "srun" if world > 1 else None,
-        }[key]
+        return slurm_resources(settings(wildcards.run))[key]
 
     return value
 
