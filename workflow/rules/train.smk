@@ -60,11 +60,12 @@ rule train:
     # does not delete when it starts the next job; {log} links to the newest. It starts with a
     # header and the resolved hyperparameters (also shown by `snakemake -n -p`).
     shell:
+        'started="$(date -u +%Y%m%dT%H%M%SZ)"; job="${{SLURM_JOB_ID:-local}}"; '
         'log_dir="$(realpath -m {resources.checkpoint_root:q}/logs)"; mkdir -p "$log_dir"; '
-        'attempt_log="$log_dir/job-${{SLURM_JOB_ID:-local}}-attempt{resources.snakemake_attempt}'
-        '-$(date -u +%Y%m%dT%H%M%SZ).log"; ln -sfn "$attempt_log" {log:q}; '
-        "echo == job ${{SLURM_JOB_ID:-local}}, Snakemake attempt {resources.snakemake_attempt},"
-        ' started $(date -u +%Y-%m-%dT%H:%M:%SZ) == > "$attempt_log"; '
+        'attempt_log="$log_dir/job-$job-attempt{resources.snakemake_attempt}-$started.log"; '
+        'ln -sfn "$attempt_log" {log:q}; '
+        'echo "== job $job, Snakemake attempt {resources.snakemake_attempt}, started $started ==" '
+        '> "$attempt_log"; '
         'echo hyperparameters: {params.hyperparameters:q} >> "$attempt_log"; '
         "exec imagenet-ddp train --run-config-json {params.run_config:q}"
         " --prepared-train {input.prepared:q} --split-dir {params.split_dir:q}"
