@@ -142,9 +142,9 @@ def test_a_run_longer_than_its_time_limit_finishes_in_one_invocation(slurm_clust
         sum(job["core_hours"] for job in accounting["jobs"])
     )
     assert [job["state"] for job in accounting["jobs"]][:-1] == ["TIMEOUT"] * (len(train) - 1)
-    # Every job's log kept beside the attempt record, the run's log linking to the last.
+    # Every job's log kept (logs/train/<run>/), the run's log linking to the last.
     job_of = {int(re.match(r"job-(\d+)-", p.name).group(1)): p
-              for p in (workdir / "results/checkpoints/long/logs").glob("job-*.log")}  # fmt: skip
+              for p in (workdir / "logs/train/long").glob("job-*.log")}  # fmt: skip
     assert sorted(job_of) == [int(j) for j, _ in train], sorted(job_of)
     logs = [job_of[int(j)] for j, _ in train]
     assert (workdir / "logs/train/long.log").resolve() == logs[-1].resolve()

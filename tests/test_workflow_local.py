@@ -353,7 +353,9 @@ def test_each_recipe_preset_and_all_components_train(local_run):
     for run in RECIPE_RUNS:
         metrics = json.loads((runs / run["name"] / "train_metrics.json").read_text())
         assert len(metrics["epochs"]) == run["epochs"], run["name"]
-        log = (local_run / "logs/train" / f"{run['name']}.log").read_text()
+        link = local_run / "logs/train" / f"{run['name']}.log"  # to the job's own log
+        assert link.resolve().parent == (local_run / "logs/train" / run["name"]).resolve()
+        log = link.read_text()
         header, hyperparameters = log.splitlines()[:2]  # each job: a header, its settings
         assert header.startswith("== job local, Snakemake attempt 1, started "), header
         assert hyperparameters.startswith("hyperparameters: "), log[:200]

@@ -55,13 +55,13 @@ rule train:
         split_dir=lambda wildcards, input: os.path.dirname(input.split_train),
     # exec: the launcher replaces the rule's shell, which a stop signal would kill (SLURM
     # signals every process of the step) before the ranks have written their checkpoint.
-    # Every job (attempt) writes its own log beside the attempt record
-    # (<checkpoint root>/logs/job-<SLURM job id>-attempt<n>-<UTC start>.log), which Snakemake
-    # does not delete when it starts the next job; {log} links to the newest. It starts with a
-    # header and the resolved hyperparameters (also shown by `snakemake -n -p`).
+    # Every job (attempt) writes its own log, logs/train/<run>/job-<SLURM job id>-attempt<n>-
+    # <UTC start>.log, which Snakemake does not delete when it starts the next job; {log} links
+    # to the newest. Not beside the checkpoints: a purged scratch would take the logs along.
+    # It starts with a header and the resolved hyperparameters (also shown by `snakemake -n -p`).
     shell:
         'started="$(date -u +%Y%m%dT%H%M%SZ)"; job="${{SLURM_JOB_ID:-local}}"; '
-        'log_dir="$(realpath -m {resources.checkpoint_root:q}/logs)"; mkdir -p "$log_dir"; '
+        'log_dir="$(realpath -m "$(dirname {log:q})/{wildcards.run}")"; mkdir -p "$log_dir"; '
         'attempt_log="$log_dir/job-$job-attempt{resources.snakemake_attempt}-$started.log"; '
         'ln -sfn "$attempt_log" {log:q}; '
         'echo "== job $job, Snakemake attempt {resources.snakemake_attempt}, started $started ==" '
