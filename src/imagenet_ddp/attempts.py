@@ -30,7 +30,6 @@ Torch-free: the launcher reads and writes it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -42,7 +41,7 @@ from typing import Any
 
 from imagenet_ddp.geometry import GEOMETRY_KEYS
 from imagenet_ddp.io import write_json_atomic
-from imagenet_ddp.setting_kinds import weight_settings
+from imagenet_ddp.setting_kinds import digest, weight_settings
 
 RECORD = "attempts.json"
 EXIT_REQUEUE = 75  # imagenet_ddp.signals.EXIT_REQUEUE (that module imports torch)
@@ -59,10 +58,6 @@ def record_path(checkpoint_root: str | os.PathLike[str]) -> Path:
     return Path(checkpoint_root) / RECORD
 
 
-def _hash(data: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def settings_key(run: dict[str, Any]) -> str:
     """Which entries belong together: the attempts that train one line of checkpoints, keyed
     as the checkpoints are (the settings that change the weights, and the geometry with the
@@ -70,11 +65,11 @@ def settings_key(run: dict[str, Any]) -> str:
     resumes the checkpoints and continues the count; a changed `lr` or node count starts both
     afresh."""
     geometry = {k: run.get(k) for k in (*GEOMETRY_KEYS, "workers")}  # as stated ("auto")
-    return _hash({**weight_settings(run), "geometry": geometry})
+    return digest({**weight_settings(run), "geometry": geometry})
 
 
 def _legacy_key(run: dict[str, Any]) -> str:
-    return _hash({k: v for k, v in run.items() if k not in _LEGACY_NOT_IN_KEY})
+    return digest({k: v for k, v in run.items() if k not in _LEGACY_NOT_IN_KEY})
 
 
 def _of_settings(attempts: list[dict[str, Any]], run: dict[str, Any]) -> list[dict[str, Any]]:

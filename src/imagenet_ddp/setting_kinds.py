@@ -7,6 +7,8 @@ Torch-free: the attempt record reads it, and the workflow while Snakemake parses
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from imagenet_ddp.geometry import GEOMETRY_KEYS
@@ -41,6 +43,11 @@ NOT_WEIGHTS = (
 # trained with (a fact about those checkpoints, not a default), so runs keep resuming them; any
 # other value enters the key.
 ADDED_AT_DEFAULT = {"crop_scale": [0.08, 1.0], "crop_ratio": [3 / 4, 4 / 3], "hflip": 0.5}
+
+
+def digest(settings: dict[str, Any]) -> str:
+    """A short, stable hash of settings: the checkpoint fingerprint, the attempt record's key."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def weight_settings(settings: dict[str, Any]) -> dict[str, Any]:

@@ -8,8 +8,6 @@ every run over it and passes every key, so the class states none (tests/test_sin
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +16,7 @@ import torch
 
 from imagenet_ddp import distributed as D
 from imagenet_ddp.geometry import Geometry
-from imagenet_ddp.setting_kinds import weight_settings
+from imagenet_ddp.setting_kinds import digest, weight_settings
 
 
 @dataclass
@@ -118,8 +116,7 @@ class TrainConfig:
     def fingerprint(self) -> str:
         """Hash of everything that changes the trained weights (not logging or geometry: the
         geometry is the checkpoint key's second part)."""
-        data = weight_settings(dataclasses.asdict(self))
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+        return digest(weight_settings(dataclasses.asdict(self)))
 
     @property
     def eval_crop(self) -> int:
