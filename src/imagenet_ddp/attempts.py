@@ -30,6 +30,7 @@ Torch-free: the launcher reads and writes it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -39,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from imagenet_ddp.geometry import GEOMETRY_KEYS
+from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.setting_kinds import digest, weight_settings
 
@@ -64,7 +65,8 @@ def settings_key(run: dict[str, Any]) -> str:
     loader's `workers`: geometry.Geometry.tag). A changed `max_allocations` or `gpu_type`
     resumes the checkpoints and continues the count; a changed `lr` or node count starts both
     afresh."""
-    geometry = {k: run.get(k) for k in (*GEOMETRY_KEYS, "workers")}  # as stated ("auto")
+    # The tag's fields, as the run states them (workers may say "auto").
+    geometry = {f.name: run.get(f.name) for f in dataclasses.fields(Geometry)}
     return digest({**weight_settings(run), "geometry": geometry})
 
 
