@@ -33,7 +33,7 @@ from imagenet_ddp import attempts
 from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.job_spec import geometry_of, read_spec, staging_report_path
-from imagenet_ddp.signals import EXIT_REQUEUE, ForwardStopSignals
+from imagenet_ddp.signals import EXIT_REQUEUE, ForwardStopSignals, ignore_stop_signals
 from imagenet_ddp.stage import (
     cleanup_staged,
     reclaim_stale_leases,
@@ -241,6 +241,9 @@ def run_staged(spec: dict, spec_path: Path) -> int:
     code, signalled = _run_step(stage, geometry)
     if code != 0:
         return code
+    if signalled:  # stopped while staging (its tasks finish it): no ranks, rerun to resume
+        print("stop signal received while staging: the ranks are not started", flush=True)
+        return EXIT_REQUEUE
     try:
         ranks = rank_argv(spec, spec_path, python)
         code, signalled = launch_ranks(launcher, geometry, ranks, extra, _prefix(spec))
@@ -302,15 +305,33 @@ def _run(argv: list[str], geometry: Geometry) -> int:
 def _run_step(argv: list[str], geometry: Geometry) -> tuple[int, bool]:
     """Run an srun step to its end, surviving stop signals: (exit code, signalled).
 
-    srun gets the signal from SLURM too and passes it to its tasks; it then exits with their
-    code (EXIT_REQUEUE after a checkpoint). Killing it early would lose the checkpoint.
+    A stop signal to the launcher reaches srun as SIGUSR1, which srun passes on to its tasks
+    unchanged (:class:`ForwardStopSignals`); srun then exits with their code (EXIT_REQUEUE
+    after a checkpoint). Never SIGTERM or SIGINT: srun would kill its step (SIGKILL). srun runs
+    in a session of its own, so a signal to the launcher's process group (Ctrl-C under
+    ``salloc``, ``kill -- -<pgid>``) does not reach it directly either. SLURM's own SIGTERM at
+    the job's end still reaches srun (it is in the batch step): srun then asks slurmctld to
+    kill the step, which refuses (the job is already ending), and the ranks have ``KillWait``
+    seconds (docs/slurm-notes.md section 7).
     """
     print("+ " + shlex.join(argv), flush=True)
-    with ForwardStopSignals() as forward:
-        proc = subprocess.Popen(argv, env=worker_env(geometry))
+    with ForwardStopSignals(srun=True) as forward:
+        proc = subprocess.Popen(
+            argv, env=worker_env(geometry), stdin=subprocess.DEVNULL, start_new_session=True
+        )
         forward.children.append(proc)
-        code = proc.wait()
+        while True:
+            try:
+                code = proc.wait(timeout=RELAY_SECONDS)
+                break
+            except subprocess.TimeoutExpired:
+                if forward.received:  # again: srun drops a signal while it launches the step
+                    forward.relay()
     return code, bool(forward.received)
+
+
+# While the ranks' step runs after a stop signal, srun gets SIGUSR1 again this often.
+RELAY_SECONDS = 5.0
 
 
 def _free_port() -> int:
@@ -417,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["stage-node", "unstage-node"])
     parser.add_argument("--spec", type=Path, required=True, help="the job spec file")
     args = parser.parse_args(argv)
+    # A stop signal (the launcher's SIGUSR1 through srun, --signal=USR1@N) must not kill a
+    # copy half-way: the step finishes (SIGKILL still ends it); the launcher starts no ranks.
+    ignore_stop_signals()
     spec = read_spec(args.spec, STAGED_KINDS)
     if args.command == "stage-node":
         stage_this_node(spec)
