@@ -327,6 +327,9 @@ def _run_step(argv: list[str], geometry: Geometry) -> tuple[int, bool]:
             except subprocess.TimeoutExpired:
                 if forward.received:  # again: srun drops a signal while it launches the step
                     forward.relay()
+    if forward.received:
+        name = signal.Signals(forward.received).name
+        print(f"stop signal {name}: passed on to srun as SIGUSR1; srun exited {code}", flush=True)
     return code, bool(forward.received)
 
 

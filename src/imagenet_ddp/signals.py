@@ -114,6 +114,11 @@ class StopFlag:
     def _handler(self, signum, frame) -> None:
         self.signalled = signum
 
+    def cause(self) -> str:
+        """' by SIGUSR1' (the signal this rank got) for its log; '' if it got none (another
+        rank's signal, or a test's stop)."""
+        return f" by {signal.Signals(self.signalled).name}" if self.signalled else ""
+
     def checkpointed(self) -> None:
         """A checkpoint was just written: the interval starts again."""
         self._last_checkpoint = time.monotonic()

@@ -64,7 +64,8 @@ def run_epochs(
                 path = save_job(job, epoch, step, D.all_gather_objects(meter.partial()))
                 if info.is_main:
                     print(
-                        f"interrupted at epoch {epoch} step {step}: wrote {path}; rerun to resume",
+                        f"interrupted{stop.cause()} at epoch {epoch} step {step}: wrote {path}; "
+                        "rerun to resume",
                         flush=True,
                     )
                 return EXIT_REQUEUE
@@ -78,7 +79,10 @@ def run_epochs(
             monitor.epoch(epoch, job.history[-1])
         if stop.agreed():  # signalled during the epoch: its checkpoint is written
             if info.is_main:
-                print(f"interrupted after epoch {epoch}: checkpoint written; rerun to resume")
+                print(
+                    f"interrupted{stop.cause()} after epoch {epoch}: checkpoint written; "
+                    "rerun to resume"
+                )
             return EXIT_REQUEUE
     return 0
 
