@@ -10,6 +10,7 @@ real torch store.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -179,3 +180,40 @@ def test_two_ranks_on_one_gpu_are_named_in_one_line():
         {"rank": 4, "host": "n2", "gpu": None},
     ]
     assert D.shared_gpus(placements) == ["host n1: ranks 0, 1 share GPU GPU-a"]
+
+
+RANK_SCRIPT = """
+from imagenet_ddp import distributed as D
+info = D.dist_info_from_env()
+device = D.select_device("auto", info.local_rank, 4, info.local_world_size)
+D.init_process_group(info, device, "auto", 1)
+D.barrier()
+print(D.WOULD_SELECT[0])
+D.destroy_process_group()
+"""
+
+
+def test_four_processes_on_a_per_socket_binding_each_take_their_own_gpu():
+    """Real processes, a real TCP rendezvous store and gloo: ranks 0-1 see GPUs 0,1 and ranks
+    2-3 see 2,3, each numbered from 0 (the test cluster's fake GPUs: the choice is recorded,
+    compute stays on the CPU). Each picks its own; the process group then starts."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(4):
+        env = {
+            **os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            D.FAKE_GPUS: "1", "CUDA_VISIBLE_DEVICES": "0,1" if rank < 2 else "2,3",
+        }  # fmt: skip
+        command = [sys.executable, "-c", RANK_SCRIPT]
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        procs.append(subprocess.Popen(command, env=env, text=True, **pipes))
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    assert [out.strip() for out, _ in outputs] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
