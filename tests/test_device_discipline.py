@@ -155,7 +155,7 @@ def test_select_device_asks_the_store_before_it_sets_the_device(monkeypatch):
     for local in range(8):
         key = "g0-3" if local < 4 else "g4-7"
         store.set(f"imagenet_ddp/visible/{local}", json.dumps(["n1", local, key]))
-    monkeypatch.setattr(D, "rendezvous_store", lambda info: store)
+    monkeypatch.setattr(D, "rendezvous_store", lambda info, minutes: store)
     monkeypatch.setattr(D.socket, "gethostname", lambda: "n1")
     for name, value in {"RANK": 6, "WORLD_SIZE": 8, "LOCAL_RANK": 6}.items():
         monkeypatch.setenv(name, str(value))

@@ -72,6 +72,7 @@ def select_device(
     local_rank: int,
     gpus_per_node: int | None = None,
     local_world_size: int | None = None,
+    timeout_minutes: float = 10.0,
 ) -> torch.device:
     """``auto`` picks this rank's GPU when the run asked for GPUs (``gpus_per_node > 0``),
     else the CPU, even where CUDA is available (a CPU run on a GPU node stays a CPU run).
@@ -86,14 +87,16 @@ def select_device(
     see the same GPUs (:func:`gpu_index`, learned through the rendezvous store:
     :func:`ranks_sharing_my_gpus`), which gives each rank its own in every one of these.
     ``torch.cuda.set_device`` comes first, before the process group and any CUDA tensor, so
-    NCCL and the caching allocator never touch GPU 0 from every rank.
+    NCCL and the caching allocator never touch GPU 0 from every rank. ``timeout_minutes``:
+    how long to wait for the other ranks at the store (the run's, as the process group's).
     """
     wants_gpu = requested == "cuda" or (requested == "auto" and (gpus_per_node or 0) > 0)
     if requested == "cpu" or not wants_gpu:
         return torch.device("cpu")
     if os.environ.get(FAKE_GPUS) == "1":  # the test cluster: choose as below, compute on CPU
         ids = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
-        index = _choose_gpu(local_rank, len(ids), local_world_size, lambda: ",".join(ids))
+        key = lambda: ",".join(ids)  # noqa: E731 - the physical indices stand for UUIDs here
+        index = _choose_gpu(local_rank, len(ids), local_world_size, key, timeout_minutes)
         WOULD_SELECT[:] = [f"cuda:{index}"]
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -105,7 +108,8 @@ def select_device(
             "check the node's driver and the job's GPU request, or set gpus_per_node: 0"
         )
     count = torch.cuda.device_count()
-    index = _choose_gpu(local_rank, count, local_world_size, lambda: visible_gpus_key(count))
+    key = lambda: visible_gpus_key(count)  # noqa: E731
+    index = _choose_gpu(local_rank, count, local_world_size, key, timeout_minutes)
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
@@ -117,12 +121,14 @@ def visible_gpus_key(count: int) -> str:
     return ",".join(str(torch.cuda.get_device_properties(i).uuid) for i in range(count))
 
 
-def _choose_gpu(local_rank: int, visible: int, local_world_size: int | None, key) -> int:
+def _choose_gpu(
+    local_rank: int, visible: int, local_world_size: int | None, key, minutes: float
+) -> int:
     """:func:`gpu_index` with the ranks sharing this rank's GPUs: from the rendezvous store
     when there are several ranks, else this rank alone (one GPU) or all local ranks."""
     info = dist_info_from_env()
     if info.world_size > 1 and visible > 0:
-        sharing = ranks_sharing_my_gpus(rendezvous_store(info), info, key())
+        sharing = ranks_sharing_my_gpus(rendezvous_store(info, minutes), info, key())
     elif visible == 1:
         sharing = [local_rank]
     else:

@@ -66,7 +66,8 @@ def evaluate_run(
 
     info = D.dist_info_from_env()
     _check_world(geometry, info.world_size)
-    dev = D.select_device(device, info.local_rank, geometry["gpus_per_node"], info.local_world_size)
+    gpus = geometry["gpus_per_node"]
+    dev = D.select_device(device, info.local_rank, gpus, info.local_world_size, 30)
     D.init_process_group(info, dev, "auto", timeout_minutes=30)
     try:
         if dev.type == "cuda":

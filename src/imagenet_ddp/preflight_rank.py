@@ -252,7 +252,9 @@ def staging_reports(run_dir: Path) -> list[dict]:
 def run(spec: dict) -> int:
     cfg = TrainConfig.from_dict(spec["run"])
     info = D.dist_info_from_env()
-    device = D.select_device(cfg.device, info.local_rank, cfg.gpus_per_node, info.local_world_size)
+    device = D.select_device(
+        cfg.device, info.local_rank, cfg.gpus_per_node, info.local_world_size, cfg.timeout_minutes
+    )
     D.init_process_group(info, device, cfg.backend, cfg.timeout_minutes)
     try:
         mine = measure(spec, cfg, info, device)
