@@ -1,6 +1,7 @@
 """The model: one factory for training and evaluation, and the ``model.pt`` file format.
 
-``model.pt`` has exactly one writer (:func:`save_model`) and one reader (:func:`load_model`).
+``model.pt`` has exactly one writer (:func:`save_model`) and one reader (:func:`read_model_file`;
+:func:`load_model` and :func:`model_from_state` build the model from it).
 It is a ``torch.save`` dict::
 
     format_version  MODEL_FORMAT_VERSION
