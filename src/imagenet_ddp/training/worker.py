@@ -83,7 +83,9 @@ def train(
     stop = StopFlag(SIGNAL_CHECK_STEPS, checkpoint_seconds=cfg.checkpoint_interval_minutes * 60)
     stop.catch()  # a signal while the process group starts stops at the first step
     info = D.dist_info_from_env()
-    device = D.select_device(cfg.device, info.local_rank, cfg.gpus_per_node, info.local_world_size)
+    device = D.select_device(
+        cfg.device, info.local_rank, cfg.gpus_per_node, info.local_world_size, cfg.timeout_minutes
+    )
     D.init_process_group(info, device, cfg.backend, cfg.timeout_minutes)
     stop.install()
     try:
