@@ -33,7 +33,7 @@ from imagenet_ddp import attempts
 from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.job_spec import geometry_of, read_spec, staging_report_path
-from imagenet_ddp.signals import EXIT_REQUEUE, ForwardStopSignals, ignore_stop_signals
+from imagenet_ddp.signals import EXIT_REQUEUE, STOP_SIGNALS, ForwardStopSignals
 from imagenet_ddp.stage import (
     cleanup_staged,
     reclaim_stale_leases,
@@ -239,11 +239,13 @@ def run_staged(spec: dict, spec_path: Path) -> int:
     extra = _srun_extra(spec)
     stage = [*srun_argv(geometry, per_node=True, extra=extra), *node_step, "stage-node", *on_spec]
     code, signalled = _run_step(stage, geometry)
+    # Stopped while staging (the launcher was signalled, or a node's step was: exit 75 after
+    # finishing its copy): no ranks, rerun to resume.
+    if code == EXIT_REQUEUE or (code == 0 and signalled):
+        print("stop signal while staging: the ranks are not started", flush=True)
+        return EXIT_REQUEUE
     if code != 0:
         return code
-    if signalled:  # stopped while staging (its tasks finish it): no ranks, rerun to resume
-        print("stop signal received while staging: the ranks are not started", flush=True)
-        return EXIT_REQUEUE
     try:
         ranks = rank_argv(spec, spec_path, python)
         code, signalled = launch_ranks(launcher, geometry, ranks, extra, _prefix(spec))
@@ -442,13 +444,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", type=Path, required=True, help="the job spec file")
     args = parser.parse_args(argv)
     # A stop signal (the launcher's SIGUSR1 through srun, --signal=USR1@N) must not kill a
-    # copy half-way: the step finishes (SIGKILL still ends it); the launcher starts no ranks.
-    ignore_stop_signals()
+    # copy half-way: the step finishes it (SIGKILL still ends it), then exits 75 and the
+    # launcher starts no ranks (they would never hear of a warning that came before them).
+    received: list[int] = []
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, frame: received.append(signum))
     spec = read_spec(args.spec, STAGED_KINDS)
     if args.command == "stage-node":
         stage_this_node(spec)
     else:
         unstage_this_node(spec)
+    if received:
+        print(f"{socket.gethostname()}: {signal.Signals(received[0]).name} while "
+              f"{args.command}: finished it, exit {EXIT_REQUEUE}", flush=True)  # fmt: skip
+        return EXIT_REQUEUE
     return 0
 
 
