@@ -37,7 +37,7 @@ from imagenet_ddp.cost import over_attempts
 from imagenet_ddp.dataset import PreparedImageDataset, eval_transform
 from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.monitor import RunMonitor
-from imagenet_ddp.signals import EXIT_REQUEUE, StopFlag
+from imagenet_ddp.signals import EXIT_REQUEUE, StopFlag, ignore_stop_signals
 from imagenet_ddp.training import recipe
 from imagenet_ddp.training.checkpoint import checkpoint_dir, resume_job
 from imagenet_ddp.training.config import TrainConfig, resolve_geometry
@@ -265,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # the attempt record names it; a retry repeats it (attempts)
         record_error(paths["checkpoint_root"], info.rank, info.host, error)
         raise
+    finally:
+        # Done: a stop signal from now on must not turn the exit code into "killed by signal".
+        # srun's --kill-on-bad-exit sends SIGTERM to the other ranks as soon as one exits 75
+        # (seen: rank 0 "Terminated" after writing the checkpoint, its job recorded failed),
+        # and Python restores the default handlers while it shuts down; ignored ones it keeps.
+        ignore_stop_signals()
 
 
 if __name__ == "__main__":
