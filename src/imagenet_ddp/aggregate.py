@@ -85,6 +85,8 @@ COLUMNS = [
     *PREFLIGHT_COLUMNS,
     *COST_COLUMNS,
     "git_commit",
+    "code_changed",
+    "code_versions",
 ]
 
 # What may differ inside a scaling group: the geometry being scaled (WORLD_KEYS), the run's
@@ -199,7 +201,18 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         ),
         **cost_row(train.get("cost"), _read_optional(run_dir / "accounting.json")),
         "git_commit": provenance["code"].get("git_commit", "unknown"),
+        **code_row(train.get("cost")),
     }
+
+
+def code_row(cost: dict[str, Any] | None) -> dict[str, Any]:
+    """Whether the run's allocations ran different code (a run resubmitted over days runs what
+    is checked out at each submission) and each one's code; empty for runs trained before the
+    attempt record kept it."""
+    versions = (cost or {}).get("code_versions")
+    if versions is None:
+        return {"code_changed": None, "code_versions": None}
+    return {"code_changed": bool(cost.get("code_changed")), "code_versions": " ".join(versions)}
 
 
 def preflight_row(report: dict[str, Any] | None, epoch_seconds: float | None) -> dict[str, Any]:
@@ -305,6 +318,10 @@ def _number(fmt: str) -> Any:
     return lambda value: "" if pd.isna(value) else format(value, fmt)
 
 
+def _code_changed(row: pd.Series) -> bool:
+    return not pd.isna(row["code_changed"]) and bool(row["code_changed"])
+
+
 def _efficiency(row: pd.Series) -> str:
     """A group's baseline says so; a group's only run stays empty (runs.csv: scaling_note)."""
     if row["scaling_note"] == BASELINE_NOTE:
@@ -320,7 +337,7 @@ def _wall(seconds: Any) -> str:
 
 
 SHORT_COLUMNS: list[tuple[str, str, Any]] = [
-    ("run", "left", lambda row: row["run"]),
+    ("run", "left", lambda row: row["run"] + (" *" if _code_changed(row) else "")),
     ("model", "left", lambda row: row["model"]),
     ("nodes x ranks", "right", lambda row: f"{row['nodes']} x {row['workers'] // row['nodes']}"),
     ("GPUs", "right", lambda row: str(row["gpus"])),
@@ -334,6 +351,8 @@ SHORT_COLUMNS: list[tuple[str, str, Any]] = [
     ("GPU-h", "right", lambda row: _number(".3g")(row["gpu_hours"])),
     ("wall h:mm:ss", "right", lambda row: _wall(row["wall_seconds"])),
 ]
+
+CODE_CHANGED = "\\* allocations of the run ran different code (checked out at each submission): "
 
 MORE_FIGURES = (
     "Every figure of these runs (end-to-end and per-worker throughput, scaling groups and "
@@ -351,6 +370,13 @@ def to_markdown(table: pd.DataFrame) -> str:
     align = [side for _, side, _ in SHORT_COLUMNS]
     short = pd.DataFrame(rows, columns=headings, dtype=object)
     text = short.to_markdown(index=False, disable_numparse=True, colalign=align)
+    changed = [row for _, row in table.iterrows() if _code_changed(row)]
+    if changed:
+        text += (
+            "\n\n"
+            + CODE_CHANGED
+            + ", ".join(f"{row['run']} ({row['code_versions']})" for row in changed)
+        )
     return text + "\n\n" + MORE_FIGURES + "\n"
 
 
