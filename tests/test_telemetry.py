@@ -311,7 +311,7 @@ def test_wandb_offline_gets_tensorboards_scalars_and_a_resumed_job_continues_its
         records = {}
         for record in wandb_records(path):
             records.setdefault(record.WhichOneof("record_type"), []).append(record)
-        assert {r.run.run_id for r in records["run"]} == {run_id}, records.keys()
+        assert {r.run.run_id for r in records["run"]} == {run_id}
         configs += [r.run.config for r in records["run"]] + [
             r.config for r in records.get("config", [])
         ]

@@ -73,6 +73,11 @@ class WandbLog:
 
     def close(self, *, finished: bool = False) -> None:
         """Finished after the last epoch; preempted when the job stops early (it resumes)."""
+        import wandb
+
         if not finished:
             self.run.mark_preempting()
         self.run.finish(exit_code=0 if finished else 1)
+        # finish() returns before W&B's service has written the run's file (seen: 7 of ~1,700
+        # bytes); teardown waits for it, so a job that ends right after keeps its records.
+        wandb.teardown()
