@@ -46,7 +46,9 @@ def test_measured_too_much_is_refused_estimated_too_much_warned():
     )
     assert "raise mem_mb to" in refusal and "\n" not in refusal
     refusal, warning = memory_problem("r", NODE, total - 1)
-    assert refusal == "" and "are estimated to hold (CUDA, compile workers)" in warning
+    assert refusal == "" and "are estimated to hold (CUDA estimated)" in warning
+    _, warning = memory_problem("r", {**NODE, "compile": True}, total + 1)
+    assert "are estimated to hold (CUDA and compile workers estimated)" in warning
     assert memory_problem("r", NODE, total) == ("", "")
     assert memory_problem("r", NODE, None) == ("", "")  # no mem_mb: nothing to check
     assert memory_problem("r", NODE, 128_000) == ("", "")  # the profile's 128 GB fits
@@ -79,7 +81,7 @@ def test_the_dry_run_checks_trains_mem_mb_wherever_it_is_set(tmp_path):
     assert "Traceback" not in out and "Job stats" not in out
     code, out = dry_run(workdir, "--set-resources", "train:mem_mb=5000")
     assert code == 0 and "warning: config.yaml: run 'gpu': train's mem_mb 5000" in out
-    assert "are estimated to hold (CUDA, compile workers)" in out and "run 'cpu'" not in out
+    assert "are estimated to hold (CUDA estimated)" in out and "run 'cpu'" not in out
     code, out = dry_run(workdir, "--set-resources", "train:mem=8G")
     assert code == 0 and "warning" not in out
     code, out = dry_run(workdir, "--default-resources", "mem_mb=1000*attempt")

@@ -100,10 +100,11 @@ def memory_problem(name: str, run: Mapping[str, Any], mem_mb: float | None) -> t
     if measured > mem_mb:
         return head.format(f"{measured:.0f}", "hold (measured figures)") + f"; {advice}", ""
     if total > mem_mb:
-        return "", (
-            head.format(f"{total:.0f}", "are estimated to hold (CUDA, compile workers)")
-            + f"; {advice}"
+        parts = ["CUDA"] * (run["gpus_per_node"] > 0) + ["compile workers"] * bool(
+            run.get("compile")
         )
+        held = f"are estimated to hold ({' and '.join(parts)} estimated)"
+        return "", head.format(f"{total:.0f}", held) + f"; {advice}"
     return "", ""
 
 
