@@ -24,6 +24,8 @@ BOOKKEEPING = (
     "keep_checkpoints",
     "extra",
     "mlflow_uri",
+    "wandb_project",
+    "wandb_mode",
     "preflight",
 )
 

@@ -82,6 +82,8 @@ class TrainConfig:
     eval_crop_size: int  # 0: crop_size; evaluation's centre crop (after eval_resize)
     gpu_type: str  # the GPU type SLURM was asked for (gres gpu:<type>:<n>); "": any
     mlflow_uri: str  # rank 0 also logs to this MLflow file store (imagenet_ddp.mlflow_log)
+    wandb_project: str  # rank 0 also logs to this W&B project (imagenet_ddp.wandb_log)
+    wandb_mode: str  # offline (no network needed) or online
     # The job's geometry as the workflow asked SLURM for it; None: read from the environment.
     nodes: int | None = None
     tasks_per_node: int | None = None
