@@ -8,6 +8,7 @@ every run over it and passes every key, so the class states none (tests/test_sin
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,10 @@ import torch
 from imagenet_ddp import distributed as D
 from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.setting_kinds import digest, weight_settings
+
+# eval_interval auto: a holdout curve of about this many points; each evaluation of the v2
+# recipe at 2 x 8 H100 costs ~a tenth of its epoch (benchmarks/bench_epoch_end.py).
+EVALUATIONS_PER_RUN = 20
 
 
 @dataclass
@@ -47,6 +52,7 @@ class TrainConfig:
     timeout_minutes: float  # process-group timeout: how long a hung rank holds the job
     max_allocations: int  # jobs one run may use (the launcher enforces it, the preflight checks)
     checkpoint_interval_minutes: float  # mid-epoch checkpoints; 0: epoch ends only
+    eval_interval: int | str  # holdout evaluated every this many epochs (and the last); auto
     synthetic: bool  # measure the model alone on a fixed random batch
     keep_checkpoints: int  # newest checkpoints kept per run (older ones are deleted)
     throughput_warmup_steps: int  # steps per epoch left out of the steady-state img/s
@@ -117,6 +123,14 @@ class TrainConfig:
         """Hash of everything that changes the trained weights (not logging or geometry: the
         geometry is the checkpoint key's second part)."""
         return digest(weight_settings(dataclasses.asdict(self)))
+
+    def evaluates(self, epoch: int) -> bool:
+        """Whether the holdout is evaluated after ``epoch`` (0-based): every ``eval_interval``
+        epochs and always after the last. ``auto``: about EVALUATIONS_PER_RUN per run."""
+        interval = self.eval_interval
+        if interval == "auto":
+            interval = max(1, math.ceil(self.epochs / EVALUATIONS_PER_RUN))
+        return (epoch + 1) % int(interval) == 0 or epoch + 1 >= self.epochs
 
     @property
     def eval_crop(self) -> int:
