@@ -8,7 +8,6 @@ every run over it and passes every key, so the class states none (tests/test_sin
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,12 +15,9 @@ from typing import Any
 import torch
 
 from imagenet_ddp import distributed as D
+from imagenet_ddp.epoch_end import evaluates
 from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.setting_kinds import digest, weight_settings
-
-# eval_interval auto: a holdout curve of about this many points; each evaluation of the v2
-# recipe at 2 x 8 H100 costs ~a tenth of its epoch (benchmarks/bench_epoch_end.py).
-EVALUATIONS_PER_RUN = 20
 
 
 @dataclass
@@ -125,12 +121,8 @@ class TrainConfig:
         return digest(weight_settings(dataclasses.asdict(self)))
 
     def evaluates(self, epoch: int) -> bool:
-        """Whether the holdout is evaluated after ``epoch`` (0-based): every ``eval_interval``
-        epochs and always after the last. ``auto``: about EVALUATIONS_PER_RUN per run."""
-        interval = self.eval_interval
-        if interval == "auto":
-            interval = max(1, math.ceil(self.epochs / EVALUATIONS_PER_RUN))
-        return (epoch + 1) % int(interval) == 0 or epoch + 1 >= self.epochs
+        """Whether the holdout is evaluated after ``epoch`` (0-based; imagenet_ddp.epoch_end)."""
+        return evaluates(epoch, self.epochs, self.eval_interval)
 
     @property
     def eval_crop(self) -> int:
