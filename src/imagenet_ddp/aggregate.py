@@ -82,6 +82,7 @@ COLUMNS = [
     "staging_seconds",
     "staging_gb_per_s",
     "mean_epoch_seconds",
+    "epoch_end_share",
     "images_per_s",
     "images_per_s_per_worker",
     "throughput_warmup_steps",
@@ -198,6 +199,8 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         "staging_seconds": stage_seconds,
         "staging_gb_per_s": stage_bytes / stage_seconds / 1e9 if stage_seconds else float("nan"),
         "mean_epoch_seconds": train["mean_epoch_seconds"],
+        # holdout evaluations and checkpoint holds / training time (metrics.EPOCH_END_NOTE)
+        "epoch_end_share": _float(train.get("epoch_end_share")),
         "images_per_s": train["images_per_s"],
         "images_per_s_per_worker": train["images_per_s_per_worker"],
         # Files written before the steady-state window existed lack these: NaN, never guessed.
