@@ -56,7 +56,9 @@ def running_train_job(cluster, workdir: Path, seen: set[int], proc, timeout: flo
     """The next train job (not in ``seen``) once its ranks print progress."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert proc.poll() is None, f"snakemake exited {proc.returncode}"
+        if proc.poll() is not None:
+            said = (workdir.parent / "snakemake.out").read_text(errors="replace")[-3000:]
+            raise AssertionError(f"snakemake exited {proc.returncode}:\n{said}")
         out = cluster.run("squeue", "-h", "-o", "%i|%k|%T").stdout
         for line in out.splitlines():
             job, comment, state = line.split("|")
@@ -91,7 +93,7 @@ def test_every_way_of_stopping_a_job_checkpoints_and_records_stopped(slurm_clust
     out = (tmp_path / "snakemake.out").open("w")
     run = subprocess.Popen(
         [*SNAKEMAKE, *SLURM, "results/runs/stops/train_metrics.json", "--set-resources",
-         f"train:runtime={RUNTIME_MINUTES}", "train:mem_mb=1000",
+         f"train:runtime={RUNTIME_MINUTES}", "train:mem_mb=2000",
          f"train:slurm_extra='--signal=USR1@{WARNING_SECONDS}'"],
         cwd=workdir, stdout=out, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
