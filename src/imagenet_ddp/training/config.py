@@ -16,7 +16,7 @@ import torch
 
 from imagenet_ddp import distributed as D
 from imagenet_ddp.geometry import Geometry
-from imagenet_ddp.setting_kinds import digest, weight_settings
+from imagenet_ddp.settings import digest, weight_settings
 
 
 @dataclass
