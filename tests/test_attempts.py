@@ -219,7 +219,7 @@ def test_a_retry_that_will_refuse_is_submitted_without_gpus(tmp_path):
     until two attempts in a row failed without progress, then one task without GPUs."""
     from tests.workflow_helpers import copy_workflow, snakemake
 
-    run = {"name": "r", "nodes": 2, "tasks_per_node": 2, "gpus_per_node": 2}
+    run = {"name": "r", "nodes": 2, "tasks_per_node": 2, "gpus_per_node": 2, "workers": 2}
     workdir = copy_workflow(tmp_path / "wf", runs=[run])
     target = "results/runs/r/model.pt"
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from imagenet_ddp import distributed as D
-from imagenet_ddp.geometry import GEOMETRY_KEYS, Geometry
+from imagenet_ddp.geometry import GEOMETRY_KEYS, Geometry, loader_workers
 from imagenet_ddp.settings import EXTRA, declarations, digest, weight_settings
 
 
@@ -105,13 +105,6 @@ def _fields() -> list[tuple]:
 TrainConfig = dataclasses.make_dataclass("TrainConfig", _fields(), bases=(_TrainConfig,))
 TrainConfig.__module__ = __name__  # pickled by name, like a class written here
 TrainConfig.__doc__ = _TrainConfig.__doc__
-
-
-def loader_workers(setting: int | str, cpus_per_task: int) -> int:
-    """``auto``: one DataLoader worker per CPU of this task but one (the training loop's)."""
-    if setting != "auto":
-        return int(setting)
-    return max(0, cpus_per_task - 1)
 
 
 def resolve_geometry(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> Geometry:
