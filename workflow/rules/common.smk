@@ -77,8 +77,8 @@ def run_training_json(wildcards):
 
 def run_rerun_key(wildcards):
     """What reruns the run's train (and preflight) when it changes: its rule param. The
-    settings whose kind changes the weights or the figures (imagenet_ddp.settings.KINDS), a
-    setting added later left out at the value earlier runs had (x-earlier)."""
+    settings of its checkpoint key (kinds weights, numerics, geometry: imagenet_ddp.settings),
+    a setting added later left out at the value earlier runs had (x-earlier)."""
     rerun = SETTINGS.rerun_settings(RUNS[wildcards.run])
     return json.dumps(rerun, sort_keys=True, separators=(",", ":"))
 

@@ -55,8 +55,8 @@ rule train:
         settings=run_training_json,
         hyperparameters=run_hyperparameters,
     params:
-        # What reruns the training: the settings whose kind changes the weights or the
-        # figures (imagenet_ddp.settings; docs/configuration.md "Reruns").
+        # What reruns the training: the settings of the run's checkpoint key (kinds weights,
+        # numerics, geometry: imagenet_ddp.settings; docs/configuration.md "Reruns").
         rerun_on=run_rerun_key,
         run_dir=lambda wildcards, output: os.path.dirname(output.model),
         split_dir=lambda wildcards, input: os.path.dirname(input.split_train),
