@@ -118,3 +118,17 @@ def test_a_new_setting_at_its_earlier_value_changes_no_key():
     assert settings.rerun_settings(run) == {"lr": 0.1, "nodes": 1}
     changed = {**run, "new_knob": 0.5}
     assert settings.rerun_settings(changed) == {"lr": 0.1, "nodes": 1, "new_knob": 0.5}
+
+
+def test_train_reruns_exactly_when_its_checkpoint_key_changes():
+    """The rerun params hold the settings of the checkpoint key: the fingerprint's (but the
+    run's name, the wildcard) and the geometry's; no bookkeeping, speed, site or preset."""
+    from imagenet_ddp.runs import run_defaults
+    from imagenet_ddp.training.presets import resolve_run
+
+    settings = declarations(SCHEMA)
+    run = resolve_run(run_defaults(load_schema(SCHEMA)), TRAIN_DEFAULTS, {"name": "r"})
+    rerun = set(settings.rerun_settings(run))
+    keyed = set(settings.weight_settings(settings.rank_settings(run))) - {"run"}
+    assert rerun == keyed | set(settings.keys("geometry"))
+    assert not rerun & {"log_interval", "max_allocations", "gpu_type", "recipe", "preflight"}
