@@ -58,9 +58,10 @@ KINDS = {
     # Where the figures are measured (nodes x ranks, CPUs, GPUs, loader workers): the
     # checkpoint key's other part (geometry.Geometry.tag); shown as the job's resources.
     "geometry": Kind(fingerprint=False, rerun=True, shown=False, compared=True),
-    # How the speed figures are taken (throughput_warmup_steps), and where a run trains
-    # (gpu_type): a run in progress resumes its checkpoints under the new value; a finished
-    # run keeps the figures it measured, and the value they were measured under.
+    # How the figures are taken (throughput_warmup_steps; eval_interval: which epochs measure
+    # the holdout, so the wall time), and where a run trains (gpu_type): a run in progress
+    # resumes its checkpoints under the new value; a finished run keeps the figures it
+    # measured, and the value they were measured under.
     "speed": Kind(fingerprint=False, rerun=False, shown=False, compared=True),
     "site": Kind(fingerprint=False, rerun=False, shown=False, compared=True),
     # How a run is logged, bounded or checked: changes neither weights nor figures. A finished

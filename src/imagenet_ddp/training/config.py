@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from imagenet_ddp import distributed as D
+from imagenet_ddp.epoch_end import evaluates
 from imagenet_ddp.geometry import GEOMETRY_KEYS, Geometry, loader_workers
 from imagenet_ddp.settings import EXTRA, declarations, digest, weight_settings
 
@@ -53,6 +54,10 @@ class _TrainConfig:
         """Hash of everything that changes the trained weights (not logging or geometry: the
         geometry is the checkpoint key's second part)."""
         return digest(weight_settings(dataclasses.asdict(self)))
+
+    def evaluates(self, epoch: int) -> bool:
+        """Whether the holdout is evaluated after ``epoch`` (0-based; imagenet_ddp.epoch_end)."""
+        return evaluates(epoch, self.epochs, self.eval_interval)
 
     @property
     def eval_crop(self) -> int:
