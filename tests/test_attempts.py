@@ -230,7 +230,8 @@ def test_a_retry_that_will_refuse_is_submitted_without_gpus(tmp_path):
                           "--attempt", str(attempt))  # fmt: skip
         text = shown.stdout + shown.stderr
         job = text[text.index("rule train:") :]
-        resources = re.search(r"resources: (.*)", job).group(1)
+        # The job's shape; its settings and hyperparameters follow (resources too, not params).
+        resources = re.search(r"resources: (.*)", job).group(1).split(", settings=")[0]
         settings = json.loads(re.search(r"--run-config-json '([^']*)'", job).group(1))
         return resources, settings
 

@@ -75,11 +75,14 @@ def test_linear_schedule_is_ffcvs_triangle():
 def test_linear_scaling_rule_uses_the_global_batch():
     run = {"lr": 0.1, "lr_scaling": "linear", "batch_size": 128, "nodes": 2, "tasks_per_node": 4}
     assert scaled_lr(run) == pytest.approx(0.1 * 1024 / 256)
+    # A rank: the ranks that started (its TrainConfig may leave the geometry to them).
     cfg = train_config(lr=0.1, lr_scaling="linear", batch_size=128)
-    assert recipe.peak_lr(cfg, world_size=8) == pytest.approx(0.4)
-    assert recipe.peak_lr(train_config(lr=0.1, lr_scaling="none", batch_size=128), 8) == 0.1
+    assert scaled_lr(vars(cfg), world_size=8) == pytest.approx(0.4)
+    assert scaled_lr(vars(train_config(lr=0.1, lr_scaling="none", batch_size=128)), 8) == 0.1
     # The default: a base LR per 256 images, as torchvision's reference and timm scale it.
-    assert recipe.peak_lr(train_config(lr=0.1, batch_size=32), world_size=8) == 0.1
+    assert scaled_lr(vars(train_config(lr=0.1, batch_size=32)), world_size=8) == 0.1
+    optimizer = recipe.build_optimizer(cfg, torch.nn.Linear(2, 2), world_size=8)
+    assert optimizer.defaults["lr"] == pytest.approx(0.4)  # what the optimizer uses
 
 
 # ------------------------------------------------------------------ optimizer

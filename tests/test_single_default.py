@@ -12,15 +12,13 @@ import re
 
 import yaml
 
+from imagenet_ddp.geometry import GEOMETRY_KEYS
 from tests.workflow_helpers import REPO, SCHEMA
 
 # TrainConfig's geometry is None when not given: "as the ranks started" for a worker started by
 # hand (torchrun); the workflow always passes the schema's geometry.
-FROM_THE_RANKS = {"nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node"}
-NOT_SETTINGS = {"run", "extra"}  # the run's name (schema: `name`), unknown keys kept
-# Run keys the train rule does not pass to the worker (common.smk run_training_json): where the
-# run is evaluated, and whether a preflight gates it.
-NOT_PASSED = {"name", "evaluate", "preflight"}
+FROM_THE_RANKS = set(GEOMETRY_KEYS)
+NOT_SETTINGS = {"extra"}  # unknown keys kept
 
 
 def train_config_class():
@@ -51,14 +49,15 @@ def section_defaults() -> dict[str, dict]:
 def test_train_config_states_no_default_and_refuses_a_run_that_lacks_a_setting():
     import pytest
 
+    from imagenet_ddp.settings import declarations
     from tests.workflow_helpers import run_settings
 
     fields = {f.name: f for f in dataclasses.fields(train_config_class())}
     settings = set(fields) - NOT_SETTINGS
-    properties = set(schema()["definitions"]["run_settings"]["properties"])
-    # Every setting the worker reads can be set in config.yaml, and every run key it gets is read.
-    assert settings == properties - NOT_PASSED
-    assert set(run_defaults()) >= settings, "every run setting needs its default in the schema"
+    # Every setting the worker reads is declared, and every run key it gets is read (the
+    # declared kinds say which the rule passes: imagenet_ddp.settings).
+    assert settings == set(declarations(SCHEMA).rank_fields())
+    assert set(run_defaults()) >= settings - {"run"}, "every run setting needs its schema default"
     for name in settings - FROM_THE_RANKS:
         assert fields[name].default is fields[name].default_factory is dataclasses.MISSING, name
     for name in FROM_THE_RANKS:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -185,12 +186,16 @@ def test_nothing_to_do_on_rerun(local_run):
     assert planned_jobs(local_run, "--profile", "profiles/local") == {}
 
 
-def test_changing_one_runs_lr_reruns_only_that_run(local_run):
+@pytest.mark.parametrize(("key", "value"), [("lr", 0.02), ("nodes", 2)])
+def test_changing_one_runs_weights_or_geometry_reruns_only_that_run(local_run, key, value):
+    """A weights setting (`lr`) and a geometry one (`nodes`): that run's train and what reads
+    it, nothing of the other run (docs/configuration.md "Reruns")."""
     config = read_config(local_run)
     original = copy.deepcopy(config)
-    config["runs"][1]["lr"] = 0.02
+    config["runs"][1][key] = value
     write_config(local_run, config)
     try:
+        result = snakemake(local_run, "-n", "--profile", "profiles/local")
         plan = planned_jobs(local_run, "--profile", "profiles/local")
     finally:
         write_config(local_run, original)
@@ -198,6 +203,97 @@ def test_changing_one_runs_lr_reruns_only_that_run(local_run):
         "preflight_run": 1, "train": 1, "evaluate": 1, "accounting": 1, "aggregate": 1,
         "plots": 1, "all": 1,
     }, plan  # fmt: skip
+    assert "wildcards: run=resnet18-1x1" in result.stdout
+    assert "wildcards: run=resnet18-1x2" not in result.stdout
+    assert "Params have changed since last execution" in result.stdout
+
+
+def _changed(spec: dict):
+    """Another valid value of a setting, from its declaration (type, default)."""
+    default = spec["default"]
+    if "enum" in spec:
+        return next(value for value in spec["enum"] if value != default)
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int | float):
+        return default + 1
+    return f"{default}changed"
+
+
+def _artifacts(workdir) -> dict[str, tuple[str, int]]:
+    """Every file under results/: its sha256 and mtime (a rewrite with the same bytes shows)."""
+    import hashlib
+
+    return {
+        str(p.relative_to(workdir)): (
+            hashlib.sha256(p.read_bytes()).hexdigest(),
+            p.stat().st_mtime_ns,
+        )
+        for p in sorted((workdir / "results").rglob("*"))
+        if p.is_file()
+    }
+
+
+NEW_SETTING = """      new_knob: {x-kind: weights, type: number, default: 0.25%s}
+"""
+
+
+def _add_setting(workdir, declaration: str) -> None:
+    """A newer version's schema: one run setting more, at its default."""
+    path = workdir / "workflow/schemas/config.schema.yaml"
+    anchor = "      name: {x-kind: identity, type: string}\n"
+    text = path.read_text()
+    assert anchor in text
+    path.write_text(text.replace(anchor, anchor + declaration))
+
+
+def test_bookkeeping_changes_and_a_new_setting_at_its_default_rerun_nothing(local_run):
+    """Each bookkeeping setting changed in turn, then all at once with a setting that a newer
+    version adds at its default (x-earlier): the dry-run plans no job, a real run rewrites no
+    artifact and adds no allocation. A train job that does start gets the new values."""
+    from imagenet_ddp.settings import declarations
+
+    schema_path = local_run / "workflow/schemas/config.schema.yaml"
+    settings = declarations(schema_path)
+    bookkeeping = list(settings.keys("bookkeeping"))
+    assert {"log_interval", "max_allocations", "mlflow_uri"} <= set(bookkeeping)
+    config = read_config(local_run)
+    original, schema = copy.deepcopy(config), schema_path.read_text()
+    before = _artifacts(local_run)
+    allocations = pd.read_csv(local_run / "results/aggregate/runs.csv")["allocations"].tolist()
+    try:
+        for key in bookkeeping:
+            config = copy.deepcopy(original)
+            config["train_defaults"][key] = _changed(settings.properties[key])
+            write_config(local_run, config)
+            assert planned_jobs(local_run, "--profile", "profiles/local") == {}, key
+        for key in bookkeeping:  # all at once, and a newer version's setting
+            config["train_defaults"][key] = _changed(settings.properties[key])
+        write_config(local_run, config)
+        _add_setting(local_run, NEW_SETTING % ", x-earlier: 0.25")
+        assert planned_jobs(local_run, "--profile", "profiles/local") == {}
+        shown = snakemake(
+            local_run, "-n", "-p", "--profile", "profiles/local", "--forcerun", "train"
+        )
+        snakemake(local_run, "--profile", "profiles/local")
+        after = _artifacts(local_run)
+        # Without x-earlier the same setting would rerun every run (what the key guards).
+        schema_path.write_text(schema)
+        _add_setting(local_run, NEW_SETTING % "")
+        unmarked = planned_jobs(local_run, "--profile", "profiles/local")
+    finally:
+        write_config(local_run, original)
+        schema_path.write_text(schema)
+    assert after == before
+    assert pd.read_csv(local_run / "results/aggregate/runs.csv")["allocations"].tolist() == (
+        allocations
+    )
+    sent = [json.loads(m) for m in re.findall(r"--run-config-json '([^']*)'", shown.stdout)]
+    assert len(sent) == 2, shown.stdout[-3000:]
+    for run in sent:  # the next job of a run gets the changed bookkeeping and the new setting
+        assert run["log_interval"] == config["train_defaults"]["log_interval"]
+        assert run["new_knob"] == 0.25
+    assert unmarked["train"] == 2, unmarked
 
 
 def test_sweep_of_the_same_runs_is_up_to_date_and_one_axis_value_reruns_only_its_run(local_run):

@@ -32,12 +32,14 @@ def run_settings(**settings) -> dict:
     defaults filled in), then ``settings``. The geometry is left out unless given: a rank
     started by hand (torchrun) reads it from the ranks that started."""
     from imagenet_ddp.geometry import GEOMETRY_KEYS
+    from imagenet_ddp.settings import declarations
 
     properties = yaml.safe_load(SCHEMA.read_text())["definitions"]["run_settings"]["properties"]
     defaults = {k: v["default"] for k, v in properties.items() if "default" in v}
-    for key in (*GEOMETRY_KEYS, "preflight"):  # the rule passes no `preflight` (it gates train)
-        defaults.pop(key, None)
-    return {"run": "run", **defaults, **settings}
+    passed = declarations(SCHEMA).rank_settings(defaults)  # as the rule passes them
+    for key in GEOMETRY_KEYS:
+        passed.pop(key, None)
+    return {"run": "run", **passed, **settings}
 
 
 def train_config(**settings):

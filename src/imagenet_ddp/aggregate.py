@@ -17,7 +17,7 @@ import pandas as pd
 from imagenet_ddp.geometry import WORLD_KEYS
 from imagenet_ddp.io import write_csv_atomic, write_text_atomic
 from imagenet_ddp.provenance import provenance_path, write_provenance
-from imagenet_ddp.setting_kinds import BOOKKEEPING
+from imagenet_ddp.settings import declarations
 from imagenet_ddp.training.presets import REPORTED_MODEL, REPORTED_TOP1
 
 # What a run cost (imagenet_ddp.cost, imagenet_ddp.telemetry, imagenet_ddp.accounting); empty
@@ -105,10 +105,6 @@ COLUMNS = [
     "code_versions",
 ]
 
-# What may differ inside a scaling group: the geometry being scaled (WORLD_KEYS), the run's
-# name and the settings that change neither results nor speed (`preflight`: recorded, always
-# false, by versions whose TrainConfig had it). Everything else must be identical.
-NOT_COMPARED = ("run", *BOOKKEEPING)
 
 BASELINE_NOTE = "baseline: smallest run of its group"
 ALONE_NOTE = "only run of its group"
@@ -133,7 +129,10 @@ def scaling_key(config: dict[str, Any]) -> str:
     The GPU type is a setting like the others (an A100 run is never an H100 run's baseline);
     unset (files from before it existed) is the same as "" (any type).
     """
-    ignore = {*WORLD_KEYS, *NOT_COMPARED}
+    # What may differ inside a group: the geometry being scaled (WORLD_KEYS), and the settings
+    # whose kind is not compared (the run's name, bookkeeping; `preflight`: recorded, always
+    # false, by versions whose TrainConfig had it). Everything else must be identical.
+    ignore = {*WORLD_KEYS, *declarations().not_compared()}
     settings = {k: _canonical(v) for k, v in config.items() if k not in ignore}
     if not settings.get("gpu_type", True):
         del settings["gpu_type"]

@@ -46,7 +46,7 @@ from typing import Any
 from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.provenance import code_version
-from imagenet_ddp.setting_kinds import digest, weight_settings
+from imagenet_ddp.settings import digest, weight_settings
 
 RECORD = "attempts.json"
 EXIT_REQUEUE = 75  # imagenet_ddp.signals.EXIT_REQUEUE (that module imports torch)

@@ -15,7 +15,7 @@ from typing import Any
 
 from imagenet_ddp import epoch_end
 from imagenet_ddp.geometry import world_size
-from imagenet_ddp.setting_kinds import BOOKKEEPING
+from imagenet_ddp.settings import declarations
 
 REPORT = "preflight.json"
 PREFLIGHT_SPEC = "preflight_spec.json"  # beside preflight.json
@@ -157,7 +157,8 @@ def allocations_needed(work_seconds: float, setup_seconds: float, runtime_minute
 
 
 def _not_bookkeeping(settings: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in settings.items() if k not in BOOKKEEPING}
+    not_compared = declarations().not_compared()  # change neither the speed nor the work
+    return {k: v for k, v in settings.items() if k not in not_compared}
 
 
 def known_projection_problem(

@@ -30,25 +30,23 @@ from imagenet_ddp.preflight_report import known_projection_problems
 from imagenet_ddp.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
 from imagenet_ddp.run_checks import container_problem, user_cache_dir
 from imagenet_ddp.runs import RunsError, resolve_runs, written_settings
-from imagenet_ddp.setting_kinds import NOT_HYPERPARAMETERS
+from imagenet_ddp.settings import declarations
 from imagenet_ddp.training.presets import scaled_lr
 
 # Validation fills in the schema's defaults, the one home of every setting's default: the rules
 # read config[...] directly. Runs resolve from their entries as written (imagenet_ddp.runs).
 _WRITTEN = written_settings(config)
 validate(config, "../schemas/config.schema.yaml")
+_SCHEMA = os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml")
+# Each run setting's kind (x-kind in the schema): what a change of it reruns.
+SETTINGS = declarations(_SCHEMA)
 
 # Every run, resolved (sweeps, presets, train_defaults) and checked: what would fail on the GPU
 # node fails here, at the dry-run, one line per problem. Raised here, not in the module, so
 # Snakemake shows no traceback beyond this line. torchvision's model names are cached per user
 # (importing torch takes seconds).
 try:
-    RUNS = resolve_runs(
-        config,
-        _WRITTEN,
-        os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml"),
-        cache_dir=user_cache_dir(),
-    )
+    RUNS = resolve_runs(config, _WRITTEN, _SCHEMA, cache_dir=user_cache_dir())
 except RunsError as error:
     raise WorkflowError(str(error)) from None
 
@@ -68,21 +66,21 @@ def archive_paths():
 
 
 def training_settings(name):
-    """The run's settings as the worker reads them, geometry included: every figure of a run
-    is measured under its geometry, so a changed geometry retrains (and never resumes).
-    """
-    settings = dict(RUNS[name])
-    settings["run"] = settings.pop("name")
-    settings.pop(
-        "evaluate", None
-    )  # where the run is evaluated does not change its weights
-    # Whether the run is checked first does not change its weights either.
-    settings.pop("preflight", None)
-    return settings
+    """The run's settings as the worker reads them, geometry included (no `evaluate` or
+    `preflight`: the workflow's, imagenet_ddp.settings)."""
+    return SETTINGS.rank_settings(RUNS[name])
 
 
 def run_training_json(wildcards):
     return json.dumps(training_settings(wildcards.run), sort_keys=True)
+
+
+def run_rerun_key(wildcards):
+    """What reruns the run's train (and preflight) when it changes: its rule param. The
+    settings of its checkpoint key (kinds weights, numerics, geometry: imagenet_ddp.settings),
+    a setting added later left out at the value earlier runs had (x-earlier)."""
+    rerun = SETTINGS.rerun_settings(RUNS[wildcards.run])
+    return json.dumps(rerun, sort_keys=True, separators=(",", ":"))
 
 
 def preflight_input(wildcards):
@@ -184,9 +182,8 @@ def run_hyperparameters(wildcards):
     """The run's resolved hyperparameters, one `key=value` each (shown by `snakemake -n -p`):
     review a preset's values before spending GPU hours."""
     run = RUNS[wildcards.run]
-    # Not weights: how it is executed or logged (the geometry is shown under resources); the
-    # checkpoint fingerprint's list and the difference (imagenet_ddp.setting_kinds).
-    values = {k: v for k, v in sorted(run.items()) if k not in NOT_HYPERPARAMETERS}
+    # The kinds shown (imagenet_ddp.settings.KINDS): the geometry is under resources.
+    values = dict(sorted(SETTINGS.shown_settings(run).items()))
     values["lr_used"] = round(scaled_lr(run), 8)  # after lr_scaling
     return " ".join(
         f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in values.items()

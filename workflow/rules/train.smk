@@ -25,7 +25,7 @@ rule train:
     resources:
         # One SLURM task per GPU (rank) on every node; the rule launches them itself with srun,
         # which the SLURM executor requires to be declared with the `mpi` resource. The
-        # geometry itself is a result (params.run_config), these only size the job.
+        # geometry itself is a result (params.rerun_on), these only size the job.
         # A retry that will refuse (max_allocations, or no progress twice in a row) asks for
         # one task without GPUs instead (common.smk train_resource).
         nodes=train_resource("nodes"),
@@ -45,12 +45,19 @@ rule train:
         stage_cleanup=("cleanup" if site_setting("stage", "cleanup") else "no-cleanup"),
         checkpoint_root=lambda wildcards: f"{CHECKPOINT_DIR}/{wildcards.run}",
         snakemake_attempt=lambda wildcards, attempt: attempt,  # 2, 3, ...: a resubmission
-    params:
-        # The run's settings, geometry included; `imagenet-ddp train` writes them with the
-        # paths and the resources above into the job spec (<run dir>/job_spec.json), the one
-        # file every process of the job reads.
+        # The run's settings, geometry included, and its resolved hyperparameters (shown by
+        # `snakemake -n -p`): a resource, not a param, because a param's every change reruns
+        # the finished job (a new GPU allocation that resumes its final checkpoint and changes
+        # nothing) and bookkeeping such as log_interval changes no result. As a resource it
+        # still reaches every job that starts: a run in progress gets the new value at its next
+        # job. `imagenet-ddp train` writes it with the paths and the resources above into the
+        # job spec (<run dir>/job_spec.json), the one file every process of the job reads.
+        settings=run_training_json,
         hyperparameters=run_hyperparameters,
-        run_config=run_training_json,
+    params:
+        # What reruns the training: the settings of the run's checkpoint key (kinds weights,
+        # numerics, geometry: imagenet_ddp.settings; docs/configuration.md "Reruns").
+        rerun_on=run_rerun_key,
         run_dir=lambda wildcards, output: os.path.dirname(output.model),
         split_dir=lambda wildcards, input: os.path.dirname(input.split_train),
     # exec: the launcher replaces the rule's shell, which a stop signal would kill (SLURM
@@ -66,8 +73,8 @@ rule train:
         'ln -sfn "$attempt_log" {log:q}; '
         'echo "== job $job, Snakemake attempt {resources.snakemake_attempt}, started $started ==" '
         '> "$attempt_log"; '
-        'echo hyperparameters: {params.hyperparameters:q} >> "$attempt_log"; '
-        "exec imagenet-ddp train --run-config-json {params.run_config:q}"
+        'echo hyperparameters: {resources.hyperparameters:q} >> "$attempt_log"; '
+        "exec imagenet-ddp train --run-config-json {resources.settings:q}"
         " --prepared-train {input.prepared:q} --split-dir {params.split_dir:q}"
         " --run-dir {params.run_dir:q} --checkpoint-root {resources.checkpoint_root:q}"
         " --launcher {resources.launcher} --launch-prefix={resources.launch_prefix:q}"
@@ -172,11 +179,12 @@ rule preflight_run:
         train_runtime=train_runtime_minutes,
         # Where train writes its checkpoints: the preflight measures the write rate there.
         checkpoint_root=lambda wildcards: f"{CHECKPOINT_DIR}/{wildcards.run}",
+        settings=run_training_json,  # a resource, as train's (see there)
     params:
-        run_config=run_training_json,
+        rerun_on=run_rerun_key,
         split_dir=lambda wildcards, input: os.path.dirname(input.split_train),
     shell:
-        "exec imagenet-ddp preflight --run-config-json {params.run_config:q}"
+        "exec imagenet-ddp preflight --run-config-json {resources.settings:q}"
         " --prepared-train {input.prepared:q} --split-dir {params.split_dir:q}"
         " --out {output.report:q} --train-runtime-minutes {resources.train_runtime}"
         " --launcher {resources.launcher} --launch-prefix={resources.launch_prefix:q}"

@@ -1,100 +1,33 @@
 """A run's settings (:class:`TrainConfig`) and the geometry of the job that trains it.
 
-Every key of :class:`TrainConfig` is a key of ``train_defaults``/``runs`` in config.yaml. Its
-default has one home, the schema (workflow/schemas/config.schema.yaml): the workflow resolves
-every run over it and passes every key, so the class states none (tests/test_single_default.py).
+Every field of :class:`TrainConfig` is a run setting of ``train_defaults``/``runs`` in
+config.yaml, derived from its declaration in the schema (workflow/schemas/config.schema.yaml,
+:mod:`imagenet_ddp.settings`): a setting added there reaches the rank without a line here. Its
+default has one home, the schema: the workflow resolves every run over it and passes every key,
+so the class states none (tests/test_single_default.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 import torch
 
 from imagenet_ddp import distributed as D
 from imagenet_ddp.epoch_end import evaluates
-from imagenet_ddp.geometry import Geometry, loader_workers
-from imagenet_ddp.setting_kinds import digest, weight_settings
+from imagenet_ddp.geometry import GEOMETRY_KEYS, Geometry, loader_workers
+from imagenet_ddp.settings import EXTRA, declarations, digest, weight_settings
 
 
-@dataclass
-class TrainConfig:
-    """One run's hyperparameters and execution choices (validated by the workflow's schema).
-    Every setting is required: its default is the schema's (the workflow fills it in)."""
-
-    run: str
-    model: str
-    epochs: int
-    batch_size: int  # per rank; global batch = batch_size * world size
-    lr: float
-    momentum: float
-    weight_decay: float
-    label_smoothing: float
-    warmup_epochs: float
-    precision: str  # fp32 | bf16 | fp16 (autocast)
-    crop_size: int
-    eval_resize: int
-    workers: int | str  # DataLoader workers per rank; auto = CPUs per task - 1
-    seed: int
-    device: str  # auto | cpu | cuda
-    backend: str  # auto | gloo | nccl
-    channels_last: bool
-    compile: bool
-    deterministic: bool
-    log_interval: int  # steps between progress lines (rank 0)
-    timeout_minutes: float  # process-group timeout: how long a hung rank holds the job
-    max_allocations: int  # jobs one run may use (the launcher enforces it, the preflight checks)
-    checkpoint_interval_minutes: float  # mid-epoch checkpoints; 0: epoch ends only
-    eval_interval: int | str  # holdout evaluated every this many epochs (and the last); auto
-    synthetic: bool  # measure the model alone on a fixed random batch
-    keep_checkpoints: int  # newest checkpoints kept per run (older ones are deleted)
-    throughput_warmup_steps: int  # steps per epoch left out of the steady-state img/s
-    # --- recipe (docs/configuration.md "Recipes"; training/recipe.py); extras off by default.
-    recipe: str  # a preset's name (training/presets.py); resolved by the workflow
-    optimizer: str  # sgd | adamw
-    nesterov: bool  # SGD with momentum > 0 only
-    lr_scaling: str  # linear: lr per 256 images x global batch | none: lr as given
-    norm_weight_decay: float | None  # None: weight_decay; e.g. 0: no decay on norms
-    bias_weight_decay: float | None  # None: weight_decay (biases of other layers)
-    grad_clip_norm: float  # max global gradient norm; 0: no clipping
-    lr_schedule: str  # cosine | linear | step | constant, per step, after warm-up
-    lr_min_ratio: float  # cosine/linear end at lr x this
-    lr_step_epochs: list[int]  # step: milestones (epochs)
-    lr_step_gamma: float  # step: LR factor at each milestone
-    warmup_start_factor: float  # warm-up rises linearly from lr x this
-    # RandomResizedCrop's area share and aspect ranges, flip probability (torchvision's, timm's)
-    crop_scale: list[float]
-    crop_ratio: list[float]
-    hflip: float
-    auto_augment: str  # none | randaugment | trivialaugment | autoaugment
-    random_erasing: float  # probability per image
-    mixup_alpha: float  # 0: off
-    cutmix_alpha: float  # 0: off (both on: one of the two per batch)
-    ema_decay: float  # model EMA decay per update (torchvision's convention); 0: off
-    ema_steps: int  # optimizer steps between EMA updates
-    sync_bn: bool  # SyncBatchNorm across ranks (GPUs only)
-    zero_init_residual: bool  # last BN of each residual block starts at 0 (ResNets)
-    progressive_min_crop: int  # 0: off; else the crop rises from this to crop_size
-    progressive_start_epoch: int  # ... from this epoch
-    progressive_end_epoch: int  # ... to this one
-    progressive_multiple: int  # crop sizes in between are rounded to multiples of this
-    eval_crop_size: int  # 0: crop_size; evaluation's centre crop (after eval_resize)
-    gpu_type: str  # the GPU type SLURM was asked for (gres gpu:<type>:<n>); "": any
-    mlflow_uri: str  # rank 0 also logs to this MLflow file store (imagenet_ddp.mlflow_log)
-    wandb_project: str  # rank 0 also logs to this W&B project (imagenet_ddp.wandb_log)
-    wandb_mode: str  # offline (no network needed) or online
-    # The job's geometry as the workflow asked SLURM for it; None: read from the environment.
-    nodes: int | None = None
-    tasks_per_node: int | None = None
-    cpus_per_task: int | None = None
-    gpus_per_node: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+class _TrainConfig:
+    """One run's settings as a rank reads them: a field per setting that reaches the rank,
+    taken from its declaration (:func:`_fields`); these are its methods."""
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+    def from_dict(cls, data: dict[str, Any]) -> _TrainConfig:
         """The run of ``data`` (a job spec's ``run``: every setting, the workflow passes them);
         unknown keys are kept in ``extra``."""
         fields = dataclasses.fields(cls)
@@ -142,6 +75,41 @@ class TrainConfig:
             return low
         size = low + (self.crop_size - low) * (epoch - start) / (end - start)
         return int(round(size / self.progressive_multiple)) * self.progressive_multiple
+
+
+_TYPES = {"integer": int, "number": float, "boolean": bool, "string": str, "array": list}
+
+
+def _annotation(spec: dict[str, Any]) -> Any:
+    """The Python type a declaration's JSON-schema type says (documentation only)."""
+    kinds = spec.get("type")
+    if kinds is None:  # an enum (strings) or anyOf (workers: an integer or "auto")
+        return str if "enum" in spec else Any
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    types = [type(None) if k == "null" else _TYPES[k] for k in kinds]
+    return types[0] if len(types) == 1 else types[0] | types[1]
+
+
+def _fields() -> list[tuple]:
+    """TrainConfig's fields: every declared setting that reaches the rank, in the schema's
+    order, none with a default (the schema's is the one; the workflow passes every setting),
+    but the job's geometry: None there means "as the ranks started" (a rank started by hand,
+    torchrun); and ``extra``, the keys the declarations do not know."""
+    settings = declarations()
+    fields: list[tuple] = [("run", str)]
+    fields += [
+        (name, _annotation(settings.properties[name]))
+        for name in settings.rank_fields()
+        if name != "run" and name not in GEOMETRY_KEYS
+    ]
+    fields += [(name, int | None, field(default=None)) for name in GEOMETRY_KEYS]
+    fields.append((EXTRA, dict[str, Any], field(default_factory=dict)))
+    return fields
+
+
+TrainConfig = dataclasses.make_dataclass("TrainConfig", _fields(), bases=(_TrainConfig,))
+TrainConfig.__module__ = __name__  # pickled by name, like a class written here
+TrainConfig.__doc__ = _TrainConfig.__doc__
 
 
 def resolve_geometry(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> Geometry:

@@ -155,10 +155,13 @@ def preset(name: str) -> dict[str, Any]:
     return {"recipe": name, **PRESETS[name]}
 
 
-def scaled_lr(run: Mapping[str, Any]) -> float:
-    """The LR the optimizer uses: ``lr`` x global batch / 256 with ``lr_scaling: linear`` (the
-    schema's default), else ``lr``."""
+def scaled_lr(run: Mapping[str, Any], world_size: int | None = None) -> float:
+    """The LR the optimizer uses (its one computation: the dry-run's `lr_used`, the rank's
+    optimizer): ``lr`` x global batch / 256 with ``lr_scaling: linear`` (the schema's default),
+    else ``lr``. ``world_size``: the ranks that started (a rank); else the run's nodes x
+    tasks_per_node."""
     if run["lr_scaling"] != "linear":
         return float(run["lr"])
-    world = run.get("nodes", 1) * run.get("tasks_per_node", 1)
-    return float(run["lr"]) * run["batch_size"] * world / 256
+    if world_size is None:
+        world_size = run.get("nodes", 1) * run.get("tasks_per_node", 1)
+    return float(run["lr"]) * run["batch_size"] * world_size / 256

@@ -17,6 +17,7 @@ from torchvision.transforms import v2
 
 from imagenet_ddp.dataset import IMAGENET_MEAN, train_transform
 from imagenet_ddp.training.config import TrainConfig
+from imagenet_ddp.training.presets import scaled_lr
 
 # torchvision.references.classification.utils.set_weight_decay's normalization layers.
 NORM_LAYERS = (
@@ -29,13 +30,6 @@ NORM_LAYERS = (
 
 
 # --------------------------------------------------------------------------- optimizer
-
-
-def peak_lr(cfg: TrainConfig, world_size: int) -> float:
-    """``lr``, or with ``lr_scaling: linear`` lr per 256 images x the global batch / 256."""
-    if cfg.lr_scaling == "linear":
-        return cfg.lr * cfg.batch_size * world_size / 256
-    return cfg.lr
 
 
 def parameter_groups(cfg: TrainConfig, model: torch.nn.Module) -> list[dict]:
@@ -66,7 +60,7 @@ def parameter_groups(cfg: TrainConfig, model: torch.nn.Module) -> list[dict]:
 def build_optimizer(
     cfg: TrainConfig, model: torch.nn.Module, world_size: int = 1
 ) -> torch.optim.Optimizer:
-    groups, lr = parameter_groups(cfg, model), peak_lr(cfg, world_size)
+    groups, lr = parameter_groups(cfg, model), scaled_lr(vars(cfg), world_size)
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=lr)
     return torch.optim.SGD(
