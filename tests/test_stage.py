@@ -231,3 +231,15 @@ def test_a_lease_left_by_a_killed_job_is_reclaimed_by_the_next_stager(prepared_d
     assert not lease.exists() and dest.is_dir()
     (lease.parent / "alive").write_text(json.dumps({**owner, "pid": int(dead)}))
     assert reclaim_stale_leases(tmp_path) == [dest] and not dest.exists()
+
+
+def test_the_dry_run_refuses_a_relative_or_network_scratch_dir(tmp_path):
+    from imagenet_ddp.stage import configured_scratch_problem
+
+    info = tmp_path / "mountinfo"
+    info.write_text(MOUNTINFO.replace(" /home ", f" {tmp_path} "))  # tmp_path "on nfs4"
+    assert "is relative" in configured_scratch_problem("scratch", info)
+    assert "on nfs4 (nas:/export/home)" in configured_scratch_problem(str(tmp_path), info)
+    assert configured_scratch_problem(str(tmp_path / "missing-here"), info) is None  # node's
+    assert configured_scratch_problem("", info) is None
+    assert configured_scratch_problem("/dev/shm", info) is None

@@ -71,8 +71,10 @@ TINY_CONFIG_OVERRIDES = {
 }
 
 
-def copy_workflow(dest: Path, *, runs: list[dict] | None = None) -> Path:
-    """Copy Snakefile, config, workflow/ and profiles/ to ``dest`` with a tiny demo config."""
+def copy_workflow(dest: Path, *, runs: list[dict] | None = None, stage: dict | None = None) -> Path:
+    """Copy Snakefile, config, workflow/ and profiles/ to ``dest`` with a tiny demo config.
+    ``stage``: the config's ``stage`` section (on the local SLURM cluster: its nodes' scratch,
+    ``Cluster.node_scratch_config()``, as a site user sets their node-local disk)."""
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy(REPO / "Snakefile", dest / "Snakefile")
     for name in ("workflow", "profiles"):
@@ -83,6 +85,8 @@ def copy_workflow(dest: Path, *, runs: list[dict] | None = None) -> Path:
     config["train_defaults"].update(TINY_CONFIG_OVERRIDES["train_defaults_update"])
     if runs is not None:
         config["runs"] = runs
+    if stage is not None:
+        config["stage"] = stage
     write_config(dest, config)
     return dest
 

@@ -30,6 +30,7 @@ import uuid
 from pathlib import Path
 
 from imagenet_ddp import attempts
+from imagenet_ddp.errors import InputError
 from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.job_spec import geometry_of, read_spec, staging_report_path
@@ -39,6 +40,7 @@ from imagenet_ddp.stage import (
     in_place_report,
     reclaim_stale_leases,
     refuse_shared_scratch,
+    scratch_info,
     scratch_problem,
     scratch_root,
     stage_dataset,
@@ -70,6 +72,7 @@ def stage_this_node(spec: dict) -> dict:
         reclaim_stale_leases(scratch)  # copies pinned by jobs killed before their cleanup
         report = stage_dataset(src, scratch, verify=execution["stage_verify"], lease=lease)
         report["lease"] = lease
+    report["scratch"] = scratch_info(scratch, origin)  # a site's node-local disk shows here
     # An earlier attempt of this run (requeued, or killed before its cleanup) left its lease:
     # give it up now that this attempt holds its own.
     if previous.get("lease") and not previous.get("cleaned"):
@@ -436,10 +439,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", type=Path, required=True, help="the job spec file")
     args = parser.parse_args(argv)
     spec = read_spec(args.spec, STAGED_KINDS)
-    if args.command == "stage-node":
-        stage_this_node(spec)
-    else:
-        unstage_this_node(spec)
+    try:
+        if args.command == "stage-node":
+            stage_this_node(spec)
+        else:
+            unstage_this_node(spec)
+    except InputError as error:  # one line per node in the job's log, as the CLI prints it
+        print(f"{args.command} on {socket.gethostname()}: error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

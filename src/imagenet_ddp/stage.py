@@ -86,6 +86,38 @@ def scratch_problem(
     return None
 
 
+def scratch_info(root: Path, origin: str) -> dict:
+    """The scratch root, what chose it and the filesystem holding it (for the report)."""
+    mount = mount_of(root)
+    return {
+        "root": str(root),
+        "from": origin,
+        "fs_type": mount.fs_type if mount else None,
+        "source": mount.source if mount else None,
+    }
+
+
+def configured_scratch_problem(scratch_dir: str, mountinfo: Path = MOUNTINFO) -> str | None:
+    """What the dry-run can already tell about ``stage.scratch_dir`` (the node's own view is
+    checked again when it stages): a relative path (in the workdir, which every node shares),
+    or a path that exists here on a network filesystem (the same path on the nodes)."""
+    if not scratch_dir:
+        return None
+    if not os.path.isabs(scratch_dir):
+        return (
+            f"{SCRATCH_KEY} {scratch_dir!r} is relative, i.e. in the workdir that every node "
+            "shares: set an absolute node-local path, or leave it empty ($SLURM_TMPDIR, "
+            "$TMPDIR, /tmp)"
+        )
+    mount = mount_of(Path(scratch_dir), mountinfo) if Path(scratch_dir).exists() else None
+    if mount is not None and mount.is_network:
+        return (
+            f"{SCRATCH_KEY} {scratch_dir!r} is on {mount.fs_type} ({mount.source}), which "
+            "every node shares: set a node-local path (e.g. /local/scratch or /dev/shm)"
+        )
+    return None
+
+
 def refuse_shared_scratch(root: Path, origin: str, problem: str) -> InputError:
     return InputError(
         f"scratch {root} (from {origin}) is {problem}: every node would stage into one shared "
