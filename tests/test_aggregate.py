@@ -232,3 +232,30 @@ def test_markdown_leaves_missing_figures_empty(tmp_path):
     assert "nan" not in text.lower()
     assert BASELINE_NOTE in text and "relative to a-1x1" in text
     assert re.search(r"\|\s+0\.95 \|", text)
+
+
+def test_ema_accuracy_and_the_published_figure_it_compares_with(tmp_path):
+    """A v2-recipe run's published top-1 is its EMA model's: the table names test_top1_ema
+    as the column to compare; a run without a preset or EMA leaves all of it empty."""
+    v2 = write_run_dir(tmp_path, "v2", nodes=2, tasks_per_node=8, steady_per_worker=2000.0,
+                       recipe="torchvision-resnet50-v2")  # fmt: skip
+    v1 = write_run_dir(tmp_path, "v1", nodes=1, tasks_per_node=8, steady_per_worker=2000.0,
+                       recipe="torchvision-resnet50-v1")  # fmt: skip
+    plain = write_run_dir(tmp_path, "plain", nodes=1, tasks_per_node=1, steady_per_worker=9.0)
+    evaluation = json.loads((v2 / "eval.json").read_text())
+    evaluation["ema"] = {
+        "holdout": {"top1": 0.7, "top5": 0.9},
+        "test": {"top1": 0.69, "top5": 0.88},
+    }
+    (v2 / "eval.json").write_text(json.dumps(evaluation))
+    table = aggregate_runs([v2, v1, plain]).set_index("run")
+    row = table.loc["v2"]
+    assert (row["test_top1_ema"], row["holdout_top5_ema"]) == (0.69, 0.9)
+    assert row["published_top1"] == pytest.approx(0.80858)
+    assert row["published_compare_with"] == "test_top1_ema"
+    assert table.loc["v1", "published_compare_with"] == "test_top1"
+    assert table.loc["v1", "published_top1"] == pytest.approx(0.7613)
+    assert math.isnan(table.loc["v1", "test_top1_ema"])
+    assert pd.isna(table.loc["plain", "published_compare_with"])
+    assert math.isnan(table.loc["plain", "published_top1"])
+    assert " test_top1_ema " in to_markdown(table.reset_index()).splitlines()[0]

@@ -147,6 +147,52 @@ def test_two_local_ranks_give_the_same_result_as_one(
     assert one.read_bytes() == two.read_bytes()
 
 
+def test_a_run_with_ema_is_evaluated_with_both_weights_and_names_the_published_one(
+    eval_inputs, prepared_demo, demo_split, tmp_path
+):
+    """The v2 recipe's published figure is its EMA model's: eval.json carries the EMA's
+    accuracy beside the raw weights', each exactly what a model.pt holding only those weights
+    gives, and says which of the two the preset reports; per_class.csv has both."""
+    from imagenet_ddp.training.model import build_model, read_model_file, save_model
+
+    state = read_model_file(eval_inputs["model"])
+    torch.manual_seed(1)
+    averaged = build_model("resnet18", 4)
+    with torch.no_grad():
+        for _ in range(3):
+            averaged(torch.rand(8, 3, 16, 16))
+    config = {**state["config"], "recipe": "torchvision-resnet50-v2"}
+    raw = build_model("resnet18", 4)
+    raw.load_state_dict(state["model"])
+    for name, model, extra in (
+        ("both", raw, {"ema": averaged.state_dict()}),
+        ("ema-alone", averaged, {}),
+    ):
+        (tmp_path / name).mkdir()
+        save_model(tmp_path / name / "model.pt", model, arch="resnet18", num_classes=4,
+                   config=config, extra=extra)  # fmt: skip
+    inputs = {**eval_inputs, "model": tmp_path / "both" / "model.pt"}
+    both = evaluate_cli(inputs, prepared_demo, demo_split, tmp_path / "both")
+    inputs["model"] = tmp_path / "ema-alone" / "model.pt"
+    alone = evaluate_cli(inputs, prepared_demo, demo_split, tmp_path / "ema-alone")
+    (tmp_path / "raw").mkdir()
+    plain = evaluate_cli(eval_inputs, prepared_demo, demo_split, tmp_path / "raw")
+    assert both["reported_model"] == "ema" and plain["reported_model"] is None
+    assert plain["ema"] is None and alone["ema"] is None
+    assert both["evaluation"]["models"] == ["model", "ema"]
+    for split in ("holdout", "test"):
+        assert both[split] == plain[split]  # the raw weights, as without EMA
+        assert both["ema"][split] == alone[split]  # the EMA weights, as loaded alone
+    assert both["ema"]["test"]["top1"] != both["test"]["top1"]  # two different models
+    assert both["evaluation"]["images"] == 2 * plain["evaluation"]["images"]
+    import pandas as pd
+
+    per_class = pd.read_csv(tmp_path / "both" / "per_class.csv")
+    only = pd.read_csv(tmp_path / "ema-alone" / "per_class.csv")
+    assert list(per_class["test_ema_top1"]) == list(only["test_top1"])
+    assert list(per_class["holdout_ema_top1"]) == list(only["holdout_top1"])
+
+
 def test_a_rank_count_that_disagrees_with_the_geometry_is_refused(
     eval_inputs, prepared_demo, demo_split, monkeypatch
 ):

@@ -165,22 +165,25 @@ def test_a_slow_network_fails_multi_node_gpu_runs_only():
 
 
 def test_the_gpu_a_cpu_rank_would_use_is_the_one_training_would_choose(monkeypatch):
-    """preflight_rank.placement asks distributed.gpu_index, as select_device does: one GPU
-    visible per task -> that one; all visible -> the local rank's; none of its own -> the error
-    training would raise."""
+    """preflight_rank.placement records the choice of distributed.select_device (the test
+    cluster's fake GPUs): one GPU visible per task -> that one; all visible -> the local
+    rank's; none of its own -> the error training would raise."""
     import torch
 
-    from imagenet_ddp.distributed import DistInfo
+    from imagenet_ddp import distributed as D
     from imagenet_ddp.preflight_rank import placement
     from tests.workflow_helpers import train_config
 
     cfg, cpu = train_config(gpus_per_node=2), torch.device("cpu")
+    monkeypatch.setenv(D.FAKE_GPUS, "1")
+    monkeypatch.setattr(D, "WOULD_SELECT", [])
 
     def would_use(local_rank: int, visible: str) -> str:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-        return placement(cfg, DistInfo(local_rank, 2, local_rank, 2, "h"), cpu)["gpu"]
+        assert D.select_device("auto", local_rank, 2, 2).type == "cpu"
+        return placement(cfg, D.DistInfo(local_rank, 2, local_rank, 2, "h"), cpu)["gpu"]
 
     assert would_use(1, "5") == "5" and would_use(0, "5") == "5"
     assert would_use(1, "4,6") == "6"
-    with pytest.raises(RuntimeError, match="local rank 2 of 2 ranks has no GPU of its own"):
+    with pytest.raises(RuntimeError, match="local rank 2 has no GPU of its own"):
         would_use(2, "4,6")

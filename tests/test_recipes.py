@@ -34,15 +34,42 @@ def test_step_schedule_multiplies_by_gamma_at_each_milestone():
 
 def test_cosine_ends_at_the_minimum_and_warm_up_starts_at_its_factor():
     f = lrs(epochs=5, warmup_epochs=1, warmup_start_factor=0.01, lr_min_ratio=0.1)
-    assert f[0] == pytest.approx(0.01 + 0.99 / 10) and f[9] == 1.0  # linear warm-up
+    assert f[0] == 0.01 and f[5] == pytest.approx(0.01 + 0.99 / 2)  # linear warm-up
     assert f[10] == 1.0
     assert f[30] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert f[50] == pytest.approx(0.1)
 
 
+def test_v2_schedule_is_torchvisions_at_every_epoch_start():
+    """torchvision's reference steps LinearLR(start_factor=0.01, total_iters=5) then
+    CosineAnnealingLR(T_max=epochs - 5) once per epoch; ours steps per optimizer step and
+    agrees at each epoch's first step (in between it interpolates)."""
+    cfg = train_config(**PRESETS["torchvision-resnet50-v2"])
+    f = recipe.lr_lambda(3, cfg)
+    for epoch in range(600):
+        if epoch < 5:
+            expected = 0.01 + 0.99 * epoch / 5
+        else:
+            expected = 0.5 * (1 + math.cos(math.pi * (epoch - 5) / 595))
+        assert f(3 * epoch) == pytest.approx(expected, abs=1e-12), epoch
+
+
+def test_ffcv_schedule_is_its_per_step_interpolation():
+    """train_imagenet.py: np.interp(epoch, [0, lr_peak_epoch, epochs], [1e-4 x lr, lr, 0]),
+    and within an epoch interpolated per step from its value to the next epoch's."""
+    import numpy as np
+
+    cfg = train_config(**PRESETS["ffcv-resnet50"])
+    steps = 7
+    f = recipe.lr_lambda(steps, cfg)
+    for step in range(88 * steps):
+        expected = np.interp(step / steps, [0, 2, 88], [1e-4, 1.0, 0.0])
+        assert f(step) == pytest.approx(expected, abs=1e-12), step
+
+
 def test_linear_schedule_is_ffcvs_triangle():
     f = lrs(epochs=4, warmup_epochs=2, lr_schedule="linear")
-    assert f[19] == 1.0 and f[30] == pytest.approx(0.5) and f[40] == 0.0
+    assert f[20] == 1.0 and f[30] == pytest.approx(0.5) and f[40] == 0.0
 
 
 def test_linear_scaling_rule_uses_the_global_batch():
@@ -118,6 +145,52 @@ def test_ema_equals_its_formula():
             model.weight.detach().clone() if step == 1 else 0.9 * expected + 0.1 * model.weight
         )
         assert torch.allclose(ema.module.weight, expected)
+
+
+def test_every_interpolation_is_bilinear_as_the_reference_passes_it():
+    """torchvision's reference passes --interpolation (bilinear) to RandomResizedCrop, each
+    auto-augment policy and the eval Resize; the policies' own default is NEAREST."""
+    from torchvision.transforms import v2
+
+    from imagenet_ddp.dataset import eval_transform
+
+    bilinear = v2.InterpolationMode.BILINEAR
+
+    def mode(transform):  # some transforms keep the string they were given
+        return v2.InterpolationMode(transform.interpolation)
+
+    assert mode(v2.TrivialAugmentWide()) != bilinear  # why it must be passed
+    for policy in ("trivialaugment", "randaugment", "autoaugment"):
+        steps = recipe.sample_transform(train_config(auto_augment=policy), 16).transforms
+        crop, augment = steps[0].transforms[0], steps[1]
+        assert (mode(crop), mode(augment)) == (bilinear, bilinear), policy
+        assert crop.antialias
+    resize, center = eval_transform(232, 224).transforms[:2]
+    assert (resize.size, mode(resize), resize.antialias) == ([232], bilinear, True)
+    assert center.size == (224, 224)
+    randaugment = recipe.sample_transform(train_config(auto_augment="randaugment"), 16)
+    assert randaugment.transforms[1].magnitude == 9  # the reference's --ra-magnitude default
+
+
+def test_v2_ema_is_torchvisions_adjusted_decay_every_32_steps():
+    """train.py: adjust = world_size x batch_size x model_ema_steps / epochs, alpha =
+    min(1, (1 - model_ema_decay) x adjust); updated every model_ema_steps steps, and copied
+    (n_averaged reset) during the warm-up epochs."""
+    cfg = train_config(**PRESETS["torchvision-resnet50-v2"])
+    model = torch.nn.Linear(1, 1, bias=False)
+    ema = recipe.build_ema(cfg, model, world_size=8, device=torch.device("cpu"))
+    decay = 1 - (1 - 0.99998) * 8 * 128 * 32 / 600
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    recipe.update_ema(cfg, ema, model, 32, epoch=4)  # in warm-up: a copy, count reset
+    assert ema.module.weight.item() == 1.0 and ema.n_averaged.item() == 0
+    recipe.update_ema(cfg, ema, model, 64, epoch=5)  # first after warm-up: still a copy
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    recipe.update_ema(cfg, ema, model, 65, epoch=5)  # not a multiple of 32: nothing
+    assert ema.module.weight.item() == 1.0
+    recipe.update_ema(cfg, ema, model, 96, epoch=5)
+    assert ema.module.weight.item() == pytest.approx(decay * 1.0 + (1 - decay) * 2.0)
 
 
 def test_progressive_crop_sizes_per_epoch_follow_ffcv():

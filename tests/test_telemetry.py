@@ -93,7 +93,66 @@ def test_the_jobs_gpus_are_found_by_uuid_not_by_index():
     assert 4.0 < peak[0] < 4.01 and 3.0 < peak[1] < 3.01  # in the ranks' order
     other = GpuSampler(gpus=1, nvml=FakeNvml(gpus=2), uuids=["ffffffff-0"]).start().stop()
     assert other["available"] is False
-    assert "CUDA device(s) ffffffff-0 not among NVML's devices" in other["reason"]
+    assert other["reason"] == (
+        "NVML could open none of this node's GPUs: ffffffff-0 (LookupError: not among the GPUs "
+        "NVML could open)"
+    )
+
+
+class NVMLError_NoPermission(Exception):  # noqa: N801 (pynvml's naming)
+    pass
+
+
+class NVMLError_NotSupported(Exception):  # noqa: N801
+    pass
+
+
+def test_gpus_nvml_cannot_open_are_named_and_the_others_sampled():
+    """Per-task device cgroups: rank 0's NVML lists the node's 4 GPUs but may open only its
+    own; the node's ranks use GPUs 0 and 2. GPU 2 refuses: GPU 0 is sampled, GPU 2 named."""
+    nvml = FakeNvml(gpus=4, watts=(100.0, 200.0, 300.0, 400.0))
+    opened = nvml.nvmlDeviceGetHandleByIndex
+
+    def open_own(i):
+        if i != 0:
+            raise NVMLError_NoPermission("Insufficient Permissions")
+        return opened(i)
+
+    nvml.nvmlDeviceGetHandleByIndex = open_own
+    uuids = ["00000000-aaaa-bbbb-cccc-dddddddddddd", "00000002-aaaa-bbbb-cccc-dddddddddddd"]
+    summary = GpuSampler(gpus=2, interval=10, nvml=nvml, uuids=uuids).start().stop()
+    assert summary["available"] and summary["reason"] is None
+    assert summary["gpus"] == 1 and summary["mean_power_watts"] == pytest.approx(100.0)
+    assert summary["unsampled"] == [
+        {"gpu": uuids[1], "reason": "LookupError: not among the GPUs NVML could open"}
+    ]
+    # By index (no UUIDs): the handle's own error is kept.
+    nvml = FakeNvml(gpus=2)
+    nvml.nvmlDeviceGetHandleByIndex = open_own
+    summary = GpuSampler(gpus=2, interval=10, nvml=nvml).start().stop()
+    assert summary["gpus"] == 1
+    assert summary["unsampled"] == [
+        {"gpu": "1", "reason": "NVMLError_NoPermission: Insufficient Permissions"}
+    ]
+
+
+def test_a_gpu_nvml_cannot_read_mig_is_left_out_not_all():
+    """A MIG instance: NVML opens it but reports no utilization; the other GPU is sampled."""
+    nvml = FakeNvml(gpus=2)
+    read = nvml.nvmlDeviceGetUtilizationRates
+
+    def utilization(h):
+        if h == 1:
+            raise NVMLError_NotSupported("Not Supported")
+        return read(h)
+
+    nvml.nvmlDeviceGetUtilizationRates = utilization
+    sampler = GpuSampler(gpus=2, interval=0.01, nvml=nvml).start()
+    time.sleep(0.05)
+    summary = sampler.stop()
+    assert summary["reason"] is None and summary["samples"] >= 2  # sampling went on
+    assert summary["gpus"] == 1 and summary["mean_utilization_percent"] == 90.0
+    assert summary["unsampled"] == [{"gpu": "1", "reason": "NVMLError_NotSupported: Not Supported"}]
 
 
 def test_without_energy_counter_power_is_integrated_over_time():
@@ -169,6 +228,13 @@ def test_cost_block_without_gpus_or_after_a_resume_has_no_made_up_figures():
                          resumed=True, slurm_job_id=None)  # fmt: skip
     assert resumed["gpu_telemetry"]["energy_wh_per_1k_images"] is None
     assert "resumed" in resumed["gpu_telemetry"]["energy_per_image_reason"]
+    partial = {"available": True, "energy_kwh": 0.1, "unsampled": [{"gpu": "1", "reason": "x"}]}
+    part = cost_block(GEOMETRY, 1.0, EPOCHS, partial, resumed=False, slurm_job_id=None)
+    assert part["gpu_telemetry"]["energy_kwh_all_nodes"] is None  # not node energy x nodes
+    assert part["gpu_telemetry"]["energy_wh_per_1k_images"] is None
+    assert (
+        "1 GPU(s) of rank 0's node not sampled" in part["gpu_telemetry"]["energy_per_image_reason"]
+    )
 
 
 class FakeMeter:

@@ -46,7 +46,7 @@ def test_augmentation_depends_on_seed_epoch_and_index_only():
 def test_lr_schedule_warms_up_then_decays_to_zero():
     cfg = train_config(epochs=4, warmup_epochs=1)
     f = lr_lambda(steps_per_epoch=10, cfg=cfg)
-    assert f(0) == 0.1 and f(9) == 1.0
+    assert f(0) == 0.0 and f(5) == 0.5 and f(9) == 0.9  # from warmup_start_factor (0)
     assert f(10) == 1.0 and 0 < f(25) < 1.0
     assert abs(f(40)) < 1e-12
 

@@ -375,10 +375,20 @@ def test_each_recipe_preset_and_all_components_train(local_run):
     assert v2["config"]["compile"] is True and v2["world_size"] == 2
     evaluation = json.loads((runs / "recipe-tv-v2/eval.json").read_text())
     assert evaluation["evaluation"]["precision"] == "bf16" and evaluation["test"]["samples"] > 0
+    # The v2 recipe's published figure is its EMA model's: evaluated beside the raw weights.
+    assert evaluation["reported_model"] == "ema" and evaluation["evaluation"]["models"] == [
+        "model",
+        "ema",
+    ]
+    assert evaluation["ema"]["test"]["samples"] == evaluation["test"]["samples"]
     everything = json.loads((runs / "recipe-all/train_metrics.json").read_text())
     assert [e["crop_size"] for e in everything["epochs"]] == [8, 16]
     assert everything["epochs"][1]["lr_end"] == pytest.approx(0.002 * 32 / 256 * 0.1)
     assert all(0 <= e["holdout_ema_top1"] <= 1 for e in everything["epochs"])
+    import torchvision
+
     from imagenet_ddp.training.model import read_model_file
 
-    assert "ema" in read_model_file(runs / "recipe-all/model.pt")
+    state = read_model_file(runs / "recipe-all/model.pt")
+    plain = torchvision.models.get_model(state["arch"], num_classes=state["num_classes"])
+    plain.load_state_dict(state["ema"])  # the EMA loads into plain torchvision too

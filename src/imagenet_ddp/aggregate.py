@@ -18,6 +18,7 @@ from imagenet_ddp.geometry import WORLD_KEYS
 from imagenet_ddp.io import write_csv_atomic, write_text_atomic
 from imagenet_ddp.provenance import provenance_path, write_provenance
 from imagenet_ddp.setting_kinds import BOOKKEEPING
+from imagenet_ddp.training.presets import REPORTED_MODEL, REPORTED_TOP1
 
 # What a run cost (imagenet_ddp.cost, imagenet_ddp.telemetry, imagenet_ddp.accounting); empty
 # where not measured (no GPU, no SLURM, files from before), never zero. docs/results.md "Cost
@@ -55,6 +56,19 @@ PREFLIGHT_COLUMNS = [
     "epoch_seconds_over_preflight",
 ]
 
+# The EMA model's accuracy (runs with ema_decay > 0; empty otherwise), and what the run's
+# preset's source published: its top-1 (a fraction, as test_top1) and which of this table's
+# columns it is to be compared with (test_top1, or test_top1_ema where the source reports its
+# EMA model: presets.REPORTED_MODEL). Empty for a run without a preset.
+EMA_COLUMNS = [
+    "holdout_top1_ema",
+    "holdout_top5_ema",
+    "test_top1_ema",
+    "test_top5_ema",
+    "published_top1",
+    "published_compare_with",
+]
+
 COLUMNS = [
     "run",
     "model",
@@ -81,6 +95,7 @@ COLUMNS = [
     "holdout_top5",
     "test_top1",
     "test_top5",
+    *EMA_COLUMNS,
     "wall_seconds",
     *PREFLIGHT_COLUMNS,
     *COST_COLUMNS,
@@ -192,6 +207,7 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         "holdout_top5": evaluation["holdout"]["top5"],
         "test_top1": evaluation["test"]["top1"],
         "test_top5": evaluation["test"]["top5"],
+        **published_columns(cfg.get("recipe"), evaluation),
         "wall_seconds": job["wall_seconds"],
         **preflight_row(
             _read_optional(run_dir.parent.parent / "preflight" / run_dir.name / "preflight.json"),
@@ -200,6 +216,21 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         **cost_row(train.get("cost"), _read_optional(run_dir / "accounting.json")),
         "git_commit": provenance["code"].get("git_commit", "unknown"),
     }
+
+
+def published_columns(recipe: str | None, evaluation: dict[str, Any]) -> dict[str, Any]:
+    """EMA_COLUMNS of one run (eval.json files from before the EMA was evaluated: NaN)."""
+    ema = evaluation.get("ema") or {}
+    row = {
+        f"{split}_{k}_ema": _float(ema.get(split, {}).get(k))
+        for split in ("holdout", "test")
+        for k in ("top1", "top5")
+    }
+    reported = REPORTED_TOP1.get(recipe or "none")
+    row["published_top1"] = _float(None if reported is None else reported / 100)
+    which = REPORTED_MODEL.get(recipe or "none")
+    row["published_compare_with"] = {"ema": "test_top1_ema", "model": "test_top1"}.get(which)
+    return row
 
 
 def preflight_row(report: dict[str, Any] | None, epoch_seconds: float | None) -> dict[str, Any]:

@@ -68,6 +68,12 @@ def energy_figures(
     if not telemetry.get("available"):
         return out
     out["note"] = ENERGY_NOTE
+    if telemetry.get("unsampled"):  # energy_kwh covers only the GPUs NVML could read
+        out["energy_kwh_all_nodes"] = out["energy_wh_per_1k_images"] = None
+        out["energy_per_image_reason"] = (
+            f"{len(telemetry['unsampled'])} GPU(s) of rank 0's node not sampled (unsampled)"
+        )
+        return out
     out["energy_kwh_all_nodes"] = telemetry["energy_kwh"] * nodes
     if resumed:
         # This job's sampler saw only its own part; earlier jobs' energy was not kept.

@@ -47,11 +47,25 @@ def dist_info_from_env() -> DistInfo:
         rank=_env_int("RANK", "SLURM_PROCID", default=0),
         world_size=_env_int("WORLD_SIZE", "SLURM_NTASKS", default=1),
         local_rank=_env_int("LOCAL_RANK", "SLURM_LOCALID", default=0),
-        local_world_size=_env_int(
-            "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", default=1
+        local_world_size=_env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", default=0)
+        or tasks_on_this_node(
+            os.environ.get("SLURM_STEP_TASKS_PER_NODE", ""), _env_int("SLURM_NODEID", default=0)
         ),
         host=socket.gethostname(),
     )
+
+
+def tasks_on_this_node(counts: str, node_id: int) -> int:
+    """This node's entry of SLURM's per-node task counts (``SLURM_STEP_TASKS_PER_NODE``:
+    ``8(x2)``, ``2,1`` or ``3(x2),1``; set without ``--ntasks-per-node``, where
+    ``SLURM_NTASKS_PER_NODE`` is not); 1 when unset."""
+    expanded: list[int] = []
+    for part in filter(None, counts.split(",")):
+        count, _, repeat = part.partition("(x")
+        expanded += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    if not expanded:
+        return 1
+    return expanded[min(node_id, len(expanded) - 1)]
 
 
 def select_device(
@@ -59,6 +73,7 @@ def select_device(
     local_rank: int,
     gpus_per_node: int | None = None,
     local_world_size: int | None = None,
+    timeout_minutes: float = 10.0,
 ) -> torch.device:
     """``auto`` picks this rank's GPU when the run asked for GPUs (``gpus_per_node > 0``),
     else the CPU, even where CUDA is available (a CPU run on a GPU node stays a CPU run).
@@ -66,19 +81,24 @@ def select_device(
     A job that asked SLURM for GPUs never falls back to the CPU: on a node where CUDA is
     unusable (driver, ``CUDA_VISIBLE_DEVICES``, a CPU build of torch) that would burn the GPU
     allocation at CPU speed and report CPU figures as the run's.
-    SLURM binds GPUs in one of two ways (docs/slurm-notes.md, checked with fake GPUs): every
-    task sees all GPUs of the node (``--gres=gpu:N``: ``cuda:SLURM_LOCALID``) or only its own
-    (``--gpus-per-task=1``, or ``--gres-flags`` defaults on newer Slurm: ``cuda:0``). A rank
-    whose index is beyond the visible GPUs would share another rank's GPU: refused here.
+    Sites bind GPUs to tasks in several ways (docs/slurm-notes.md): every task sees all GPUs
+    of the node (``--gres=gpu:N``), only its own (``--gpus-per-task=1``, a MIG instance), or
+    a subset it shares with some other tasks (``--gpu-bind=closest``: a socket's GPUs, each
+    renumbered from 0). A rank takes the GPU at its position among the ranks of its node that
+    see the same GPUs (:func:`gpu_index`, learned through the rendezvous store:
+    :func:`ranks_sharing_my_gpus`), which gives each rank its own in every one of these.
     ``torch.cuda.set_device`` comes first, before the process group and any CUDA tensor, so
-    NCCL and the caching allocator never touch GPU 0 from every rank.
+    NCCL and the caching allocator never touch GPU 0 from every rank. ``timeout_minutes``:
+    how long to wait for the other ranks at the store (the run's, as the process group's).
     """
     wants_gpu = requested == "cuda" or (requested == "auto" and (gpus_per_node or 0) > 0)
     if requested == "cpu" or not wants_gpu:
         return torch.device("cpu")
     if os.environ.get(FAKE_GPUS) == "1":  # the test cluster: choose as below, compute on CPU
-        visible = len([d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d])
-        WOULD_SELECT[:] = [f"cuda:{gpu_index(local_rank, visible, local_world_size)}"]
+        ids = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+        key = lambda: ",".join(ids)  # noqa: E731 - the physical indices stand for UUIDs here
+        index = _choose_gpu(local_rank, len(ids), local_world_size, key, timeout_minutes)
+        WOULD_SELECT[:] = [f"cuda:{index}"]
         return torch.device("cpu")
     if not torch.cuda.is_available():
         why = f"gpus_per_node is {gpus_per_node}" if gpus_per_node else "device is 'cuda'"
@@ -88,9 +108,33 @@ def select_device(
             f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
             "check the node's driver and the job's GPU request, or set gpus_per_node: 0"
         )
-    index = gpu_index(local_rank, torch.cuda.device_count(), local_world_size)
+    count = torch.cuda.device_count()
+    key = lambda: visible_gpus_key(count)  # noqa: E731
+    index = _choose_gpu(local_rank, count, local_world_size, key, timeout_minutes)
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def visible_gpus_key(count: int) -> str:
+    """The physical GPUs this process sees (their UUIDs): equal for two ranks exactly when
+    they see the same GPUs, however each numbers them. Reads properties only: no CUDA
+    context is created on any GPU (only a real GPU shows it; docs/proven.md)."""
+    return ",".join(str(torch.cuda.get_device_properties(i).uuid) for i in range(count))
+
+
+def _choose_gpu(
+    local_rank: int, visible: int, local_world_size: int | None, key, minutes: float
+) -> int:
+    """:func:`gpu_index` with the ranks sharing this rank's GPUs: from the rendezvous store
+    when there are several ranks, else this rank alone (one GPU) or all local ranks."""
+    info = dist_info_from_env()
+    if info.world_size > 1 and visible > 0:
+        sharing = ranks_sharing_my_gpus(rendezvous_store(info, minutes), info, key())
+    elif visible == 1:
+        sharing = [local_rank]
+    else:
+        sharing = list(range(max(local_world_size or 1, local_rank + 1)))
+    return gpu_index(local_rank, visible, sharing)
 
 
 # Tests only: the local SLURM cluster's GPUs are device files (tests/slurm_cluster). With this
@@ -100,19 +144,33 @@ FAKE_GPUS = "IMAGENET_DDP_FAKE_GPUS"
 WOULD_SELECT: list[str] = []
 
 
-def gpu_index(local_rank: int, visible: int, local_world_size: int | None) -> int:
-    """The index, among the ``visible`` GPUs, of this rank's GPU: the one choice that training,
-    evaluation and the preflight (what a rank would use) all make."""
-    if visible == 1:  # this task's own GPU
-        return 0
-    if local_rank < visible:
-        return local_rank
+def gpu_index(local_rank: int, visible: int, sharing: list[int]) -> int:
+    """The index, among the ``visible`` GPUs, of this rank's GPU: its position among
+    ``sharing``, the local ranks of its node that see the same GPUs (itself included). The
+    one choice that training, evaluation and the preflight (what a rank would use) all make.
+
+    All GPUs visible to every rank: the local rank. One each: 0. A per-socket subset shared by
+    some ranks: the rank's position among them, whatever order the site's distribution gives
+    them (block: 0-3 and 4-7; cyclic: even and odd)."""
+    position = sorted(sharing).index(local_rank)
+    if position < visible:
+        return position
+    devices = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
     raise RuntimeError(
-        f"host {socket.gethostname()}: local rank {local_rank} of "
-        f"{local_world_size or '?'} ranks has no GPU of its own ({visible} GPUs visible, "
-        f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
-        "set tasks_per_node to gpus_per_node"
+        f"host {socket.gethostname()}: local ranks {', '.join(map(str, sorted(sharing)))} "
+        f"see the same {visible} GPU(s) (CUDA_VISIBLE_DEVICES={devices}), so local rank "
+        f"{local_rank} has no GPU of its own; set tasks_per_node to gpus_per_node, and where "
+        "the site binds GPUs per task (--gpu-bind, --gpus-per-task, MIG) give each task its "
+        "own GPU or at least as many as the tasks that share them"
     )
+
+
+def ranks_sharing_my_gpus(store, info: DistInfo, key: str) -> list[int]:
+    """The local ranks of this node whose visible GPUs are the same as this rank's (``key``:
+    :func:`visible_gpus_key`), from every rank's entry in the rendezvous ``store``."""
+    store.set(f"imagenet_ddp/visible/{info.rank}", json.dumps([info.host, info.local_rank, key]))
+    entries = [json.loads(store.get(f"imagenet_ddp/visible/{r}")) for r in range(info.world_size)]
+    return sorted(local for host, local, k in entries if host == info.host and k == key)
 
 
 def placement(info: DistInfo, device: torch.device) -> dict[str, object]:
@@ -159,7 +217,11 @@ def _check_gpus_not_shared(store, info: DistInfo, device: torch.device) -> None:
     ]
     problems = shared_gpus(placements)
     if problems:
-        raise RuntimeError("; ".join(problems) + ": give each rank its own GPU")
+        raise RuntimeError(
+            "; ".join(problems) + ": give each rank its own GPU (tasks_per_node equal to "
+            "gpus_per_node; where the site binds GPUs per task, --gpu-bind or --gpus-per-task "
+            "that leave no two tasks one GPU or MIG instance)"
+        )
     _PLACEMENTS[:] = placements
 
 
@@ -254,14 +316,11 @@ def init_process_group(
     """
     if info.world_size == 1:
         return
-    if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:  # an srun task
-        rendezvous_from_slurm_env()
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(minutes=timeout_minutes)
-    # The store env:// makes (MASTER_ADDR/PORT; torchrun's agent store under torchrun), taken
-    # here so that the ranks can compare their GPUs before NCCL starts.
-    store, _, _ = next(dist.rendezvous("env://", info.rank, info.world_size, timeout=timeout))
+    store = rendezvous_store(info)
+    store.set_timeout(timeout)
     _check_gpus_not_shared(store, info, device)
     if backend == "nccl":
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
@@ -277,7 +336,25 @@ def init_process_group(
     )
 
 
+def rendezvous_store(info: DistInfo, minutes: float = 10.0):
+    """The job's rendezvous store (env://: MASTER_ADDR/PORT, or torchrun's agent store), made
+    once per process: :func:`select_device` compares the ranks' GPUs through it before it picks
+    one, and :func:`init_process_group` then builds the process group on it."""
+    if not _STORE:
+        if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:  # an srun task
+            rendezvous_from_slurm_env()
+        timeout = datetime.timedelta(minutes=minutes)
+        _STORE.append(
+            next(dist.rendezvous("env://", info.rank, info.world_size, timeout=timeout))[0]
+        )
+    return _STORE[0]
+
+
+_STORE: list = []  # this process's rendezvous store, once made
+
+
 def destroy_process_group() -> None:
+    _STORE.clear()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -1,5 +1,10 @@
 """The evaluation stage: a trained run's model on the holdout split and the test set.
 
+A run with EMA (``ema_decay`` > 0) is evaluated twice: its trained weights (``holdout``,
+``test``) and its averaged weights (``ema``), because sources report one or the other
+(``presets.REPORTED_MODEL``: torchvision's v2 recipe reports its EMA model); ``reported_model``
+in eval.json says which of the two the run's preset's published figure is of.
+
 One process per rank (:func:`main`), started by ``imagenet-ddp evaluate`` through
 :func:`imagenet_ddp.launch.launch_ranks`, like the training workers; the counting is
 :func:`imagenet_ddp.accuracy.evaluate_dataset`.
@@ -18,13 +23,16 @@ from imagenet_ddp.accuracy import evaluate_dataset
 from imagenet_ddp.eval_settings import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS
 from imagenet_ddp.geometry import world_size
 from imagenet_ddp.training.config import loader_workers
-from imagenet_ddp.training.model import load_model
+from imagenet_ddp.training.model import model_from_state, read_model_file
+from imagenet_ddp.training.presets import REPORTED_MODEL
 
 TIMING_NOTE = (
     "wall_seconds: rank 0's time from all ranks ready (model loaded, process group up) to the "
     "end of the last set's reduction: loader start-up, reading and decoding, forward passes and "
-    "reductions of holdout and test; process start-up, imports and model loading excluded "
-    "(job_wall_seconds, written by the launcher, includes them)"
+    "reductions of holdout and test, for each model evaluated (models: the trained weights, "
+    "and the EMA's where the run kept one; images counts each model's pass); process start-up, "
+    "imports and model loading excluded (job_wall_seconds, written by the launcher, includes "
+    "them)"
 )
 
 
@@ -58,12 +66,16 @@ def evaluate_run(
 
     info = D.dist_info_from_env()
     _check_world(geometry, info.world_size)
-    dev = D.select_device(device, info.local_rank, geometry["gpus_per_node"], info.local_world_size)
+    gpus = geometry["gpus_per_node"]
+    dev = D.select_device(device, info.local_rank, gpus, info.local_world_size, 30)
     D.init_process_group(info, dev, "auto", timeout_minutes=30)
     try:
         if dev.type == "cuda":
             torch.backends.cudnn.benchmark = True  # one input shape throughout
-        model, state = load_model(model_path, dev)
+        state = read_model_file(Path(model_path))
+        models = {"model": model_from_state(state, dev, path=model_path)}
+        if state.get("ema") is not None:  # the averaged weights, where the run kept them
+            models["ema"] = model_from_state(state, dev, weights="ema", path=model_path)
         cfg, num_classes = state["config"], state["num_classes"]
         settings = {
             "num_classes": num_classes,
@@ -78,7 +90,10 @@ def evaluate_run(
         sets = _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv)
         D.barrier()
         started = time.perf_counter()
-        results = {name: evaluate_dataset(model, ds, **settings) for name, ds in sets.items()}
+        results = {
+            weights: {name: evaluate_dataset(model, ds, **settings) for name, ds in sets.items()}
+            for weights, model in models.items()
+        }
         seconds = time.perf_counter() - started
         backend = torch.distributed.get_backend() if D.is_distributed() else "none"
         ranks = D.all_gather_objects(D.placement(info, dev))
@@ -87,7 +102,19 @@ def evaluate_run(
         D.destroy_process_group()
     evaluation = _evaluation_block(geometry, settings, backend, hosts, results, seconds)
     evaluation["ranks"] = ranks
-    return {"run": cfg.get("run"), "evaluation": evaluation, **results}
+    return {
+        "run": cfg.get("run"),
+        "evaluation": evaluation,
+        **results["model"],
+        "ema": results.get("ema"),  # None: the run kept no EMA
+        "reported_model": reported_model(cfg),
+    }
+
+
+def reported_model(cfg: dict[str, Any]) -> str | None:
+    """Which weights the run's preset's published figure is of ("model" or "ema"); None
+    without a preset."""
+    return REPORTED_MODEL.get(cfg.get("recipe") or "none")
 
 
 def _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv) -> dict[str, Dataset]:
@@ -108,7 +135,7 @@ def _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv) -> dict[str, D
 
 
 def _evaluation_block(geometry, settings, backend, hosts, results, seconds) -> dict[str, Any]:
-    images = sum(r["samples"] for r in results.values())
+    images = sum(r["samples"] for sets in results.values() for r in sets.values())
     world = settings["world_size"]
     return {
         "nodes": geometry["nodes"],
@@ -122,6 +149,7 @@ def _evaluation_block(geometry, settings, backend, hosts, results, seconds) -> d
         "precision": settings["precision"],
         "channels_last": settings["channels_last"],
         "batch_size": settings["batch_size"],
+        "models": list(results),
         "hosts": hosts,
         "images": images,
         "wall_seconds": seconds,
@@ -144,6 +172,10 @@ def write_outputs(result: dict[str, Any], *, classes, out, per_class_csv, proven
         per_class[f"{name}_top1"] = result[name].pop("per_class_top1")
         per_class[f"{name}_total"] = result[name].pop("per_class_total")
         result[name].pop("per_class_correct")
+        if result.get("ema"):  # same images and totals: only the accuracy differs
+            per_class[f"{name}_ema_top1"] = result["ema"][name].pop("per_class_top1")
+            result["ema"][name].pop("per_class_total")
+            result["ema"][name].pop("per_class_correct")
     write_csv_atomic(per_class_csv, per_class)
     write_json_atomic(out, result)
     write_provenance(provenance_path(out), "evaluate", provenance)

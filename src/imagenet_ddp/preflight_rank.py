@@ -56,9 +56,9 @@ SIZE_FACTORS = (1 / 16, 1 / 4, 1, 2)  # all-reduce sizes around the run's gradie
 
 
 def placement(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> dict:
-    """Where this rank runs and which GPU it uses (on a GPU node) or would use (CPU compute on
-    a node with GPUs: the visible GPU that :func:`imagenet_ddp.distributed.gpu_index` picks,
-    as training would; a rank without a GPU of its own fails as training would)."""
+    """Where this rank runs and which GPU it uses (on a GPU node) or would use (the test
+    cluster's fake GPUs: the visible GPU :func:`imagenet_ddp.distributed.select_device` chose,
+    as training would; a rank without a GPU of its own failed there, as training would)."""
     visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
     record = {
         "rank": info.rank,
@@ -80,9 +80,9 @@ def placement(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> dict:
             gpu=str(props.uuid), gpu_name=props.name, gpu_memory_gb=props.total_memory / 1e9,
             gpu_uuid=str(props.uuid),
         )  # fmt: skip
-    elif (cfg.gpus_per_node or 0) > 0:
+    elif (cfg.gpus_per_node or 0) > 0 and D.WOULD_SELECT:  # fake GPUs: select_device's choice
         ids = visible or [str(i) for i in range(cfg.gpus_per_node)]
-        record["gpu"] = ids[D.gpu_index(info.local_rank, len(ids), info.local_world_size)]
+        record["gpu"] = ids[int(D.WOULD_SELECT[0].split(":")[1])]
     return record
 
 
@@ -252,7 +252,9 @@ def staging_reports(run_dir: Path) -> list[dict]:
 def run(spec: dict) -> int:
     cfg = TrainConfig.from_dict(spec["run"])
     info = D.dist_info_from_env()
-    device = D.select_device(cfg.device, info.local_rank, cfg.gpus_per_node, info.local_world_size)
+    device = D.select_device(
+        cfg.device, info.local_rank, cfg.gpus_per_node, info.local_world_size, cfg.timeout_minutes
+    )
     D.init_process_group(info, device, cfg.backend, cfg.timeout_minutes)
     try:
         mine = measure(spec, cfg, info, device)

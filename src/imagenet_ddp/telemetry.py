@@ -14,6 +14,11 @@ Which GPUs: the ones the ranks of rank 0's node use, found in NVML by UUID
 their GPUs too: indices 0..N-1 would sample someone else's. Without ``uuids`` (unit tests),
 the first ``gpus`` NVML lists.
 
+A GPU that NVML cannot open or read (a per-task device cgroup hiding another task's GPU from
+rank 0, a MIG instance whose utilization NVML does not report) is left out and named in
+``unsampled`` with NVML's error; the others are sampled. Their figures then cover only the
+sampled GPUs (``gpus``), and the cost block gives no all-node energy (imagenet_ddp.cost).
+
 Optional by design: without the package, without the NVIDIA driver, or on a CPU run nothing
 is sampled and the summary says why (``available: false`` and ``reason``); figures are then
 absent, never zero. The thread only reads NVML; it takes no lock the training loop holds, and
@@ -56,6 +61,7 @@ class GpuSampler:
     ):
         self.gpus, self.interval, self._nvml, self.uuids = gpus, interval, nvml, uuids
         self.reason: str | None = None
+        self.unsampled: list[dict[str, str]] = []  # GPUs NVML could not open or read, and why
         self._handles: list = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -85,7 +91,11 @@ class GpuSampler:
             self.reason = f"NVML unavailable: {type(error).__name__}: {error}"
             return self
         if not self._handles:
-            self.reason = "NVML lists no GPU on this node"
+            self.reason = (
+                "NVML could open none of this node's GPUs: " + _named(self.unsampled)
+                if self.unsampled
+                else "NVML lists no GPU on this node"
+            )
             nvml.nvmlShutdown()
             return self
         self._nvml = nvml
@@ -108,19 +118,29 @@ class GpuSampler:
         return self.summary()
 
     def _open(self, nvml) -> list:
-        """NVML handles of the GPUs to watch: by UUID where given, else the first ``gpus``."""
+        """NVML handles of the GPUs to watch (by UUID where given, else the first ``gpus``)
+        that answer a first read; the others go to ``unsampled`` with NVML's error."""
         count = nvml.nvmlDeviceGetCount()
         if self.uuids is None:
-            return [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(min(count, self.gpus))]
-        by_uuid = {}
-        for i in range(count):
-            handle = nvml.nvmlDeviceGetHandleByIndex(i)
-            by_uuid[_bare_uuid(nvml.nvmlDeviceGetUUID(handle))] = handle
-        wanted = [_bare_uuid(u) for u in self.uuids]
-        missing = [u for u in wanted if u not in by_uuid]
-        if missing:
-            raise LookupError(f"CUDA device(s) {', '.join(missing)} not among NVML's devices")
-        return [by_uuid[u] for u in wanted]
+            wanted = [str(i) for i in range(min(count, self.gpus))]
+            found = {i: _try(nvml.nvmlDeviceGetHandleByIndex, int(i)) for i in wanted}
+        else:
+            found = {}
+            for i in range(count):  # another task's GPU may refuse to open: skip it here
+                handle = _try(nvml.nvmlDeviceGetHandleByIndex, i)
+                uuid = _try(nvml.nvmlDeviceGetUUID, handle) if _ok(handle) else None
+                if _ok(handle) and _ok(uuid):
+                    found[_bare_uuid(uuid)] = handle
+            wanted = [_bare_uuid(u) for u in self.uuids]
+        handles = []
+        for gpu in wanted:
+            handle = found.get(gpu, LookupError("not among the GPUs NVML could open"))
+            error = handle if not _ok(handle) else _first_read(nvml, handle)
+            if error is None:
+                handles.append(handle)
+            else:
+                self.unsampled.append({"gpu": gpu, "reason": f"{type(error).__name__}: {error}"})
+        return handles
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -184,7 +204,8 @@ class GpuSampler:
         return {
             "available": True,
             "reason": self.reason,  # set if sampling ended early
-            "gpus": len(self._handles),
+            "gpus": len(self._handles),  # sampled; the figures below are theirs
+            "unsampled": self.unsampled,
             "samples": len(samples),
             "interval_seconds": self.interval,
             "seconds": seconds,
@@ -196,3 +217,33 @@ class GpuSampler:
             "energy_kwh": joules / 3.6e6,
             "energy_source": source,
         }
+
+
+def _try(function, *args):
+    """``function(*args)``, or the exception it raised (NVMLError_NoPermission, NotFound, ...)."""
+    try:
+        return function(*args)
+    except Exception as error:  # noqa: BLE001 - NVML's errors are many classes; each is named
+        return error
+
+
+def _ok(value) -> bool:
+    return not isinstance(value, Exception)
+
+
+def _first_read(nvml, handle) -> Exception | None:
+    """The error of reading what every sample reads, or None: a GPU that cannot be read at
+    the start is left out instead of ending sampling for all."""
+    for read in (
+        nvml.nvmlDeviceGetUtilizationRates,
+        nvml.nvmlDeviceGetMemoryInfo,
+        nvml.nvmlDeviceGetPowerUsage,
+    ):
+        result = _try(read, handle)
+        if not _ok(result):
+            return result
+    return None
+
+
+def _named(unsampled: list[dict[str, str]]) -> str:
+    return "; ".join(f"{u['gpu']} ({u['reason']})" for u in unsampled)

@@ -1,6 +1,7 @@
 """The model: one factory for training and evaluation, and the ``model.pt`` file format.
 
-``model.pt`` has exactly one writer (:func:`save_model`) and one reader (:func:`load_model`).
+``model.pt`` has exactly one writer (:func:`save_model`) and one reader (:func:`read_model_file`;
+:func:`load_model` and :func:`model_from_state` build the model from it).
 It is a ``torch.save`` dict::
 
     format_version  MODEL_FORMAT_VERSION
@@ -8,6 +9,8 @@ It is a ``torch.save`` dict::
     num_classes     output classes
     model           state_dict of the trained model (a torchvision model, no DDP prefix)
     config          the run's settings and geometry (TrainConfig + geometry.Geometry fields)
+    ema             runs with ``ema_decay`` > 0 only: state_dict of the averaged model (the
+                    same torchvision model, weights and BatchNorm buffers averaged)
 
 Loading into torchvision without this package (docs/results.md "Loading a trained model")::
 
@@ -77,6 +80,13 @@ def load_model(
     """The trained model on ``device`` (channels_last if the run trained so) and the file's
     contents. ``weights``: ``"model"``, or ``"ema"`` for the averaged weights when present."""
     state = read_model_file(path)
+    return model_from_state(state, device, weights=weights, path=path), state
+
+
+def model_from_state(
+    state: dict[str, Any], device: torch.device | str = "cpu", *, weights: str = "model", path=""
+) -> torch.nn.Module:
+    """The model of ``state`` (:func:`read_model_file`'s) with its ``weights`` on ``device``."""
     if weights not in state or state[weights] is None:
         raise ValueError(f"{path}: has no {weights!r} weights (the run did not keep them)")
     model = build_model(state["arch"], state["num_classes"])
@@ -84,4 +94,4 @@ def load_model(
     model.to(device)
     if state["config"].get("channels_last"):
         model = model.to(memory_format=torch.channels_last)
-    return model, state
+    return model

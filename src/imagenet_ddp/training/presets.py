@@ -117,6 +117,16 @@ REPORTED_TOP1 = {
     "ffcv-resnet50": 78.4,
 }
 
+# Which weights the reported figure is of: "ema", the averaged model (torchvision's reference
+# evaluates model_ema with --test-only when the run has --model-ema, and IMAGENET1K_V2 are
+# those weights), or "model", the trained weights themselves. The runs table compares like
+# with like (aggregate.published_columns).
+REPORTED_MODEL = {
+    "torchvision-resnet50-v1": "model",
+    "torchvision-resnet50-v2": "ema",
+    "ffcv-resnet50": "model",
+}
+
 
 def resolve_run(
     defaults: Mapping[str, Any], train_defaults: Mapping[str, Any], run: Mapping[str, Any]

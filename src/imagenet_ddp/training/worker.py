@@ -81,7 +81,9 @@ def train(
     if cfg.deterministic:  # cuBLAS reads it when its first handle is created
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     info = D.dist_info_from_env()
-    device = D.select_device(cfg.device, info.local_rank, cfg.gpus_per_node, info.local_world_size)
+    device = D.select_device(
+        cfg.device, info.local_rank, cfg.gpus_per_node, info.local_world_size, cfg.timeout_minutes
+    )
     D.init_process_group(info, device, cfg.backend, cfg.timeout_minutes)
     stop = StopFlag(SIGNAL_CHECK_STEPS, checkpoint_seconds=cfg.checkpoint_interval_minutes * 60)
     stop.install()
