@@ -30,9 +30,9 @@ import _common as C  # noqa: E402
 
 from imagenet_ddp.preflight_rank import (  # noqa: E402
     ALLREDUCE_OPS,
-    LOADER_BATCHES,
     MODEL_STEPS,
     SIZE_FACTORS,
+    loader_batches,
 )
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
@@ -43,7 +43,8 @@ ASSUMED = {
     "startup_seconds": 45,  # srun steps, imports, process group, model build
     "compile_seconds": 90,  # torch.compile of ResNet-50 (0 without compile)
     "gpu_images_per_s": 2500,  # ResNet-50 bf16 channels_last step on one A100, batch 256
-    "loader_images_per_s": 1500,  # per rank with 15 workers (cpus_per_task 16)
+    "workers": 15,  # per rank (cpus_per_task 16)
+    "loader_images_per_s": 1500,  # per rank with those workers
     "gradient_bytes": 25.6e6 * 4,  # ResNet-50's fp32 gradients
     "busbw_bytes_per_s": 40e9,  # 4 nodes over InfiniBand
     "batch": 256,
@@ -54,7 +55,7 @@ ASSUMED = {
 def projected_preflight_seconds(a: dict) -> float:
     """The preflight at ImageNet scale: staging, start-up, compile, and its fixed steps."""
     steps = sum(MODEL_STEPS.values()) * a["batch"] / a["gpu_images_per_s"]
-    loader = sum(LOADER_BATCHES.values()) * a["batch"] / a["loader_images_per_s"]
+    loader = sum(loader_batches(a["workers"]).values()) * a["batch"] / a["loader_images_per_s"]
     world = 32
     per_byte = 2 * (world - 1) / world / a["busbw_bytes_per_s"]
     ops = sum(ALLREDUCE_OPS.values())

@@ -54,6 +54,24 @@ def test_ranks_get_their_tasks_thread_count_not_snakemakes(monkeypatch):
     assert "MKL_NUM_THREADS" in THREAD_COUNT_VARIABLES
 
 
+def test_inductor_compiles_with_a_few_workers_per_rank_not_32(monkeypatch):
+    """torch's own default is min(32, the CPUs it sees): 8 ranks x 32 compile processes per
+    node. Each rank gets its CPUs, at most 4, and torch's own reader of the variable
+    (torch._inductor.config.decide_compile_threads) takes it; a value already set stays."""
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    assert worker_env(Geometry(1, 8, 16))["TORCHINDUCTOR_COMPILE_THREADS"] == "4"
+    env = worker_env(Geometry(1, 2, 3))
+    assert env["TORCHINDUCTOR_COMPILE_THREADS"] == "3"
+    read = "from torch._inductor.config import decide_compile_threads as d; print(d())"
+    out = subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "3", out.stderr
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # a site's or user's choice
+    assert worker_env(Geometry(1, 8, 16))["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+
+
 def test_evaluation_and_training_ranks_start_as_one_srun_step(monkeypatch):
     from imagenet_ddp import launch
 

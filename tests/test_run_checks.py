@@ -44,6 +44,10 @@ def demo_config(**run) -> dict:
     return with_schema_defaults(config)
 
 
+# A GPU run's ranks need loader workers (run_checks.MIN_GPU_LOADER_WORKERS): 2 with auto.
+FED = {"cpus_per_task": 3}
+
+
 def problems(config: dict, models, tmp_path) -> list[str]:
     return check_runs(resolved(config), config, workdir=tmp_path, models=models)
 
@@ -180,13 +184,30 @@ def test_gpus_with_device_cpu(models, tmp_path):
 def test_a_gpu_type_without_gpus(models, tmp_path):
     [line] = problems(demo_config(gpu_type="a100"), models, tmp_path)
     assert line.startswith("config.yaml: run 'r': gpu_type 'a100' with gpus_per_node 0")
-    one_rank_per_gpu = {"gpus_per_node": 1, "tasks_per_node": 1}
+    one_rank_per_gpu = {"gpus_per_node": 1, "tasks_per_node": 1, **FED}
     assert problems(demo_config(gpu_type="a100", **one_rank_per_gpu), models, tmp_path) == []
+
+
+def test_a_gpu_run_that_would_decode_in_its_training_thread_is_refused(models, tmp_path):
+    """cpus_per_task 1 (the default) gives workers auto = 0: every image is decoded between
+    the GPU's steps. One line naming both keys and what to set; CPU runs are not judged."""
+    gpu = {"gpus_per_node": 2, "tasks_per_node": 2}
+    [line] = problems(demo_config(**gpu, workers="auto"), models, tmp_path)
+    assert line.startswith(
+        "config.yaml: run 'r': workers auto (0) with cpus_per_task 1 on a GPU run "
+        "(gpus_per_node 2): fewer than 2 DataLoader workers per rank cannot feed a GPU"
+    )
+    assert "set cpus_per_task: 3 or more" in line and "or workers >= 2" in line
+    [line] = problems(demo_config(**gpu, cpus_per_task=8, workers=1), models, tmp_path)
+    assert line.startswith("config.yaml: run 'r': workers 1 with cpus_per_task 8 on a GPU run")
+    assert problems(demo_config(**gpu, cpus_per_task=3, workers="auto"), models, tmp_path) == []
+    assert problems(demo_config(**gpu, workers=2), models, tmp_path) == []
+    assert problems(demo_config(tasks_per_node=2, workers="auto"), models, tmp_path) == []
 
 
 @pytest.mark.parametrize("device", ["auto", "cuda"])
 def test_gpus_with_a_gpu_device_pass(models, tmp_path, device):
-    config = demo_config(gpus_per_node=4, tasks_per_node=4, device=device)
+    config = demo_config(gpus_per_node=4, tasks_per_node=4, device=device, **FED)
     assert problems(config, models, tmp_path) == []
 
 
@@ -200,14 +221,14 @@ def test_gpus_with_a_gpu_device_pass(models, tmp_path, device):
     ids=["more-ranks", "fewer-ranks", "evaluation"],
 )
 def test_one_rank_per_gpu(models, tmp_path, tasks, evaluate, expected):
-    run = {"gpus_per_node": 4, "tasks_per_node": tasks}
+    run = {"gpus_per_node": 4, "tasks_per_node": tasks, **FED}
     [line] = problems(demo_config(**run, **({"evaluate": evaluate} if evaluate else {})),
                       models, tmp_path)  # fmt: skip
     assert expected in line
 
 
 def test_deterministic_without_a_deterministic_cuda_kernel(models, tmp_path):
-    run = {"gpus_per_node": 2, "tasks_per_node": 2, "deterministic": True}
+    run = {"gpus_per_node": 2, "tasks_per_node": 2, "deterministic": True, **FED}
     [line] = problems(demo_config(model="vgg11", **run), models, tmp_path)
     assert "deterministic true with model 'vgg11' on GPUs" in line
     assert problems(demo_config(model="resnet18", **run), models, tmp_path) == []
@@ -294,8 +315,9 @@ def test_expected_split_sizes_are_exact(fraction):
         ),
         ({"gpus_per_node": 2, "tasks_per_node": 1}, "tasks_per_node 1 with gpus_per_node 2"),
         ({"batch_size": 400}, "global batch 800 is larger than the 324 training images"),
+        ({"gpus_per_node": 2}, "workers 0 with cpus_per_task 1 on a GPU run (gpus_per_node 2)"),
     ],
-    ids=["model", "image-size", "device", "gpus-vs-tasks", "global-batch"],
+    ids=["model", "image-size", "device", "gpus-vs-tasks", "global-batch", "loader-workers"],
 )
 def test_dry_run_refuses_with_one_line(tmp_path, override, expected):
     workdir = copy_workflow(tmp_path / "wf")  # 6 classes x 60 images, holdout 0.1: 324 train

@@ -45,8 +45,10 @@ LONG = {key: CONFIG[key] for key in CONFIG if key != "run"} | {
 
 
 # Fails at start on every node: a GPU run where CUDA is unusable (a broken driver); its
-# invocation's only run, so the rule's retries are max_allocations - 1 = 2.
-CRASH = {**LONG, "name": "crash", "epochs": 1, "gpus_per_node": 1, "max_allocations": 3}
+# invocation's only run, so the rule's retries are max_allocations - 1 = 2. Two loader workers:
+# fewer on a GPU run is refused at the dry-run (run_checks.MIN_GPU_LOADER_WORKERS).
+CRASH = {**LONG, "name": "crash", "epochs": 1, "gpus_per_node": 1, "max_allocations": 3,
+         "workers": 2}  # fmt: skip
 SLURM = ["--profile", "profiles/slurm", "--workflow-profile", str(TEST_PROFILE)]
 
 
@@ -108,7 +110,7 @@ def test_a_run_longer_than_its_time_limit_finishes_in_one_invocation(slurm_clust
         crashing = pool.submit(crash_invocation, workdir)
         result = snakemake(
             workdir, "results/runs/long/accounting.json", *SLURM,
-            "--set-resources", "train:runtime=1", "train:mem_mb=1000", timeout=1500,
+            "--set-resources", "train:runtime=1", "train:mem_mb=4000", timeout=1500,
         )  # fmt: skip
         reference, crashing = reference.result(), crashing.result()
     log = result.stdout + result.stderr

@@ -44,6 +44,7 @@ RUNS = [
         "tasks_per_node": 2,
         "gpus_per_node": 2,
         "batch_size": 8,
+        "workers": 2,  # fewer on a GPU run is refused at the dry-run (run_checks)
         "preflight": True,
     },
     {"name": "resnet18-1x1", "nodes": 1, "tasks_per_node": 1},

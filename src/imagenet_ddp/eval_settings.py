@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 DEFAULT_BATCH_SIZE = 128
-DEFAULT_WORKERS = "auto"  # cpus_per_task - 1, as in training (training.config.loader_workers)
+DEFAULT_WORKERS = "auto"  # cpus_per_task - 1, as in training (geometry.loader_workers)
 
 
 def eval_settings(evaluate: dict[str, Any] | None, run: dict[str, Any]) -> dict[str, Any]:

@@ -21,8 +21,7 @@ from torch.utils.data import Dataset
 
 from imagenet_ddp.accuracy import evaluate_dataset
 from imagenet_ddp.eval_settings import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS
-from imagenet_ddp.geometry import world_size
-from imagenet_ddp.training.config import loader_workers
+from imagenet_ddp.geometry import loader_workers, world_size
 from imagenet_ddp.training.model import model_from_state, read_model_file
 from imagenet_ddp.training.presets import REPORTED_MODEL
 

@@ -49,6 +49,13 @@ class Geometry:
         )
 
 
+def loader_workers(setting: int | str, cpus_per_task: int) -> int:
+    """``auto``: one DataLoader worker per CPU of this task but one (the training loop's)."""
+    if setting != "auto":
+        return int(setting)
+    return max(0, cpus_per_task - 1)
+
+
 def world_size(settings: Mapping[str, Any]) -> int:
     """Ranks of the job that ``settings`` (nodes, tasks_per_node) describes."""
     return int(settings["nodes"]) * int(settings["tasks_per_node"])

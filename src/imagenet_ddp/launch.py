@@ -34,6 +34,7 @@ from imagenet_ddp.errors import InputError
 from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.job_spec import geometry_of, read_spec, staging_report_path
+from imagenet_ddp.node_memory import compile_threads_env
 from imagenet_ddp.signals import EXIT_REQUEUE, ForwardStopSignals
 from imagenet_ddp.stage import (
     cleanup_staged,
@@ -109,9 +110,11 @@ THREAD_COUNT_VARIABLES = (
 
 
 def worker_env(geometry: Geometry) -> dict[str, str]:
-    """Environment of the ranks: each gets its task's CPUs as its thread count."""
+    """Environment of the ranks: each gets its task's CPUs as its thread count, and a few
+    inductor compile workers (node_memory.compile_threads; harmless without compile)."""
     env = dict(os.environ)
     env.update(dict.fromkeys(THREAD_COUNT_VARIABLES, str(geometry.cpus_per_task)))
+    env.update(compile_threads_env(geometry.cpus_per_task))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 

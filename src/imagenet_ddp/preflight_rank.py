@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import Sampler
 
 from imagenet_ddp import distributed as D
 from imagenet_ddp.dataset import PreparedImageDataset
@@ -50,7 +51,12 @@ from imagenet_ddp.training.worker import build_job, seed_everything
 # The first warm-up step holds torch.compile; "timed" steps with DDP, then as many without
 # its all-reduce (a rank's own speed).
 MODEL_STEPS = {"warmup": 3, "timed": 10}
-LOADER_BATCHES = {"warmup": 2, "timed": 10}
+# The loader in rounds of one batch per worker (workers 0: one batch): iter() hands every
+# worker prefetch_factor batches at once, so a fixed count of batches after a short warm-up
+# was decoded during the warm-up and times only the copy (with 12+ workers all of them).
+# The warm-up round ends when the slowest worker's first batch arrives; every worker then
+# stays busy (the queue refills as batches are taken), so the timed rounds are steady state.
+LOADER_ROUNDS = {"warmup": 1, "timed": 4}
 ALLREDUCE_OPS = {"warmup": 2, "timed": 5}
 SIZE_FACTORS = (1 / 16, 1 / 4, 1, 2)  # all-reduce sizes around the run's gradient size
 
@@ -167,51 +173,84 @@ def collectives(gradient_bytes: int, device: torch.device, hosts: list[str], ran
     }
 
 
-def _cycle(loader, sampler):
-    """The loader's batches, epoch after epoch (a small sample runs out within the budget)."""
-    epoch = 0
-    while True:
-        sampler.set_epoch(epoch)
-        with stop_signals_blocked():  # workers are forked here; see imagenet_ddp.signals
-            iterator = iter(loader)
-        yield from iterator
-        epoch += 1
+class _Epochs(Sampler):
+    """``epochs`` epochs of ``sampler`` in one pass: one iter() of the loader, so no epoch
+    boundary (where the last batches run out of work for the workers) falls in the timing."""
+
+    def __init__(self, sampler: EpochSampler, epochs: int):
+        self.sampler, self.epochs = sampler, epochs
+
+    def __iter__(self):
+        for epoch in range(self.epochs):
+            self.sampler.set_epoch(epoch)
+            yield from self.sampler
+
+    def __len__(self) -> int:
+        return self.epochs * len(self.sampler)
 
 
-def loader_rate(cfg: TrainConfig, base, info: D.DistInfo, workers: int, device) -> dict:
-    """img/s of this rank's DataLoader with the run's augmentation and workers; start-up (the
-    workers' fork and first batch) apart."""
-    dataset = SeededAugmentation(base, recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
-    sampler = EpochSampler(len(dataset), info.world_size, info.rank, cfg.seed)
-    if len(sampler) < cfg.batch_size:
+def loader_batches(workers: int) -> dict[str, int]:
+    """Batches of the loader's warm-up and of its timing: whole rounds of the workers."""
+    per_round = max(1, workers)
+    return {key: rounds * per_round for key, rounds in LOADER_ROUNDS.items()}
+
+
+def preflight_loader(dataset, info: D.DistInfo, seed: int, batch_size: int, workers: int, pin):
+    """The run's DataLoader (:func:`train_loader`) over as many epochs of this rank's share
+    as the measurement takes."""
+    sampler = EpochSampler(len(dataset), info.world_size, info.rank, seed)
+    if len(sampler) < batch_size:
         raise ValueError(
-            f"run {cfg.run!r}: batch_size {cfg.batch_size} x {info.world_size} ranks exceeds the "
-            f"{len(dataset)} sampled training images; lower batch_size"
+            f"batch_size {batch_size} x {info.world_size} ranks exceeds the {len(dataset)} "
+            "sampled training images; lower batch_size"
         )
-    loader = train_loader(dataset, sampler, cfg.batch_size, workers, pin=device.type == "cuda")
-    batches = _cycle(loader, sampler)
+    needed = sum(loader_batches(workers).values()) * batch_size
+    epochs = -(-needed // (len(sampler) // batch_size * batch_size))
+    return train_loader(dataset, _Epochs(sampler, epochs), batch_size, workers, pin=pin)
+
+
+def steady_loader_rate(loader, workers: int, batch_size: int, device) -> dict:
+    """img/s of ``loader`` once its pipeline is full (:data:`LOADER_ROUNDS`), each batch
+    copied to ``device`` as training does; start-up (the workers' fork and first round)
+    apart."""
+    counts = loader_batches(workers)
     started = time.perf_counter()
-    for _ in range(LOADER_BATCHES["warmup"]):
-        images, _ = next(batches)
+    with stop_signals_blocked():  # workers are forked here; see imagenet_ddp.signals
+        batches = iter(loader)
+    for _ in range(counts["warmup"]):
+        next(batches)
     startup = time.perf_counter() - started
     started = time.perf_counter()
-    for _ in range(LOADER_BATCHES["timed"]):
+    for _ in range(counts["timed"]):
         images, _ = next(batches)
         images = images.to(device, non_blocking=True)
     synchronize(device)
     seconds = time.perf_counter() - started
-    batches.close()
+    del batches
     shutdown_loader_workers(loader)
     return {
-        "loader_images_per_s": LOADER_BATCHES["timed"] * cfg.batch_size / seconds,
+        "loader_images_per_s": counts["timed"] * batch_size / seconds,
         "loader_startup_seconds": startup,
         "workers": workers,
     }
 
 
-def sample_ids(ids: list[int], world: int, batch: int, seed: int) -> list[int]:
+def loader_rate(cfg: TrainConfig, base, info: D.DistInfo, workers: int, device) -> dict:
+    """img/s of this rank's DataLoader with the run's augmentation and workers, in steady
+    state (:func:`steady_loader_rate`)."""
+    dataset = SeededAugmentation(base, recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
+    try:
+        loader = preflight_loader(
+            dataset, info, cfg.seed, cfg.batch_size, workers, pin=device.type == "cuda"
+        )
+    except ValueError as error:
+        raise ValueError(f"run {cfg.run!r}: {error}") from None
+    return steady_loader_rate(loader, workers, cfg.batch_size, device)
+
+
+def sample_ids(ids: list[int], world: int, batch: int, seed: int, workers: int) -> list[int]:
     """A seeded sample of the training ids, enough for every rank's loader batches."""
-    wanted = world * batch * (LOADER_BATCHES["warmup"] + LOADER_BATCHES["timed"] + 1)
+    wanted = world * batch * (sum(loader_batches(workers).values()) + 1)
     if wanted >= len(ids):
         return list(ids)
     return sorted(np.random.default_rng(seed).choice(ids, size=wanted, replace=False).tolist())
@@ -226,7 +265,9 @@ def measure(spec: dict, cfg: TrainConfig, info: D.DistInfo, device: torch.device
     train_ids = read_ids(split / "train.csv")
     base = PreparedImageDataset(
         staged_copy(paths["run_dir"], info.host),
-        sample_ids=sample_ids(train_ids, info.world_size, cfg.batch_size, cfg.seed),
+        sample_ids=sample_ids(
+            train_ids, info.world_size, cfg.batch_size, cfg.seed, geometry.workers
+        ),
         decode=False,
     )
     record = placement(cfg, info, device)
@@ -267,7 +308,7 @@ def run(spec: dict) -> int:
                 spec["preflight"],
             )  # fmt: skip
             report["budget"] = {
-                "model_steps": MODEL_STEPS, "loader_batches": LOADER_BATCHES,
+                "model_steps": MODEL_STEPS, "loader_rounds": LOADER_ROUNDS,
                 "allreduce_ops": ALLREDUCE_OPS, "size_factors": list(SIZE_FACTORS),
             }  # fmt: skip
             write_json_atomic(Path(spec["paths"]["out"]), report)

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from imagenet_ddp.eval_settings import eval_settings
-from imagenet_ddp.geometry import world_size
+from imagenet_ddp.geometry import loader_workers, world_size
 
 # Images in the ILSVRC2012 train archive (what `index` lists from the real archive).
 ILSVRC2012_TRAIN_IMAGES = 1_281_167
@@ -54,6 +54,7 @@ def check_runs(
             _model_problem(run, models),
             *_image_size_problems(run, short_side),
             _device_problem(run),
+            _loader_workers_problem(run),
             _gpu_tasks_problem("", run),
             _gpu_tasks_problem("evaluation: ", eval_settings(config.get("evaluate"), run)),
             _determinism_problem(run),
@@ -151,6 +152,31 @@ def _device_problem(run: Mapping) -> str | None:
             "and train on the CPU; set device: auto (or cuda), or gpus_per_node: 0"
         )
     return None
+
+
+# DataLoader workers a GPU rank needs at the least: ResNet-50 on one A100 steps 2,470 img/s
+# (bf16; NVIDIA DeepLearningExamples), one worker decodes and augments ~1,500 img/s at crop
+# 224 (benchmarks/README.md, bench_loader: 1,573 per core). Faster GPUs and smaller models
+# need more; the preflight measures the run's own need (its "loader" check).
+MIN_GPU_LOADER_WORKERS = 2
+
+
+def _loader_workers_problem(run: Mapping) -> str | None:
+    """A GPU run whose ranks would decode in the training thread (0 workers: cpus_per_task 1,
+    the default) or with too few workers leaves its GPUs idle most of each step."""
+    gpus, cpus, setting = run["gpus_per_node"], run["cpus_per_task"], run["workers"]
+    workers = loader_workers(setting, cpus)
+    if gpus == 0 or run["device"] == "cpu" or workers >= MIN_GPU_LOADER_WORKERS:
+        return None
+    given = f"workers {workers}" if setting != "auto" else f"workers auto ({workers})"
+    return (
+        f"{given} with cpus_per_task {cpus} on a GPU run (gpus_per_node {gpus}): fewer than "
+        f"{MIN_GPU_LOADER_WORKERS} DataLoader workers per rank cannot feed a GPU (one decodes "
+        "~1,500 img/s, ResNet-50 on an A100 steps ~2,500); set cpus_per_task: "
+        f"{MIN_GPU_LOADER_WORKERS + 1} or more (workers auto = cpus_per_task - 1; a GPU node "
+        "has ~12-16 CPUs per GPU) or workers >= "
+        f"{MIN_GPU_LOADER_WORKERS}"
+    )
 
 
 def _gpu_tasks_problem(where: str, geometry: Mapping) -> str | None:

@@ -4,6 +4,7 @@
 import functools
 import json
 import os
+import re
 import sys
 
 from snakemake.exceptions import WorkflowError
@@ -24,6 +25,7 @@ from imagenet_ddp.archive_names import (
 from imagenet_ddp.attempts import refusal_ahead
 from imagenet_ddp.eval_settings import eval_settings
 from imagenet_ddp.geometry import slurm_resources
+from imagenet_ddp.node_memory import node_memory_problems
 from imagenet_ddp.preflight_report import known_projection_problems
 from imagenet_ddp.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
 from imagenet_ddp.run_checks import container_problem, user_cache_dir
@@ -137,6 +139,46 @@ _problems = known_projection_problems(
 )
 if _problems:
     raise WorkflowError("\n".join(_problems))
+
+
+def _first_attempt_mb(resource):
+    """A mem_mb resource at the first attempt: a number, or `<number> * attempt`; None for
+    any other expression (not checked)."""
+    if resource is None:
+        return None
+    if not resource.is_evaluable():
+        value = resource.value
+        return value if isinstance(value, (int, float)) else None
+    match = re.fullmatch(
+        r"\s*['\"]?\s*(\d+(?:\.\d+)?)\s*(?:\*\s*attempt)?\s*['\"]?\s*",
+        str(resource.raw),
+    )
+    return float(match.group(1)) if match else None
+
+
+def _train_mem_mb():
+    """The train job's memory per node (sbatch --mem) in MB: set-resources (`mem` is given
+    as mem_mb by Snakemake), else default-resources; None where neither sets it (a local
+    run: nothing enforces it)."""
+    overwrite = workflow.resource_settings.overwrite_resources
+    if "train" in overwrite and "mem_mb" in overwrite["train"]:
+        return _first_attempt_mb(overwrite["train"]["mem_mb"])
+    defaults = workflow.resource_settings.default_resources
+    if defaults is not None and "mem_mb" in defaults.keys():
+        return _first_attempt_mb(defaults["mem_mb"])
+    return None
+
+
+# Memory per node: each run's training job against train's mem_mb, from the measured and
+# estimated per-process figures of imagenet_ddp.node_memory. Above the measured part alone it
+# is refused; above measured + estimated (CUDA, compile workers) it is a warning. Checked by
+# the Snakemake that submits (a job's own Snakemake has passed it already).
+if workflow.is_main_process:
+    _refusals, _warnings = node_memory_problems(RUNS, _train_mem_mb())
+    for _line in _warnings:
+        print(f"warning: {_line}", file=sys.stderr)
+    if _refusals:
+        raise WorkflowError("\n".join(_refusals))
 
 
 def run_hyperparameters(wildcards):

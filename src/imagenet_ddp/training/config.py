@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from imagenet_ddp import distributed as D
-from imagenet_ddp.geometry import Geometry
+from imagenet_ddp.geometry import Geometry, loader_workers
 from imagenet_ddp.setting_kinds import digest, weight_settings
 
 
@@ -134,13 +134,6 @@ class TrainConfig:
             return low
         size = low + (self.crop_size - low) * (epoch - start) / (end - start)
         return int(round(size / self.progressive_multiple)) * self.progressive_multiple
-
-
-def loader_workers(setting: int | str, cpus_per_task: int) -> int:
-    """``auto``: one DataLoader worker per CPU of this task but one (the training loop's)."""
-    if setting != "auto":
-        return int(setting)
-    return max(0, cpus_per_task - 1)
 
 
 def resolve_geometry(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> Geometry:

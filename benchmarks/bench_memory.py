@@ -1,0 +1,160 @@
+"""Host memory of a training rank's processes: the figures the dry-run's memory check uses
+(imagenet_ddp.node_memory).
+
+    .venv/bin/python benchmarks/bench_memory.py [--batch 256 --crop 224 --workers 2] [--compile]
+
+Memory, not time: one measurement, no repeats, no ratio (not in run_all.py or the smoke test).
+
+What a node's memory cgroup is charged is each page once: what a process holds of its own
+(USS: ``Private_Clean + Private_Dirty`` of /proc/<pid>/smaps_rollup) plus what it shares,
+charged once. So this reports, after a few batches:
+
+* **rank**: a CPU process with torch and torchvision imported and the run's DataLoader
+  started (RSS and USS). On a GPU the CUDA context and libraries add to it: not measured here.
+* **loader worker**: USS of one DataLoader worker of the run's loader (forkserver with torch
+  preloaded, :func:`imagenet_ddp.training.data.train_loader`) producing uint8 crops, and the
+  shared memory its in-flight batches hold (prefetch_factor x batch bytes; arithmetic).
+* **compile worker**: RSS and USS of one inductor compile worker (``torch.compile`` of a small
+  model on the CPU with ``TORCHINDUCTOR_COMPILE_THREADS=2``), its pool still alive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402, F401  (sys.path: the package from this checkout)
+
+
+def memory_mb(pid: int) -> dict[str, float]:
+    """RSS and USS of ``pid`` in MB, from /proc/<pid>/smaps_rollup."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        key, value = line.split(":", 1)
+        fields[key] = int(value.split()[0]) / 1024  # kB -> MiB
+    uss = fields["Private_Clean"] + fields["Private_Dirty"]
+    command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80]
+    return {"rss_mb": round(fields["Rss"], 1), "uss_mb": round(uss, 1), "command": command}
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        out += [int(c) for c in text]
+    return out
+
+
+class Crops:
+    """uint8 crops as the training transform outputs them (normalized later, on the device)."""
+
+    def __init__(self, length: int, crop: int):
+        self.length, self.crop = length, crop
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key):
+        import torch
+
+        return torch.randint(0, 255, (3, self.crop, self.crop), dtype=torch.uint8), 0
+
+
+def loader_figures(batch: int, crop: int, workers: int) -> dict:
+    import torch
+
+    from imagenet_ddp.training.data import EpochSampler, shutdown_loader_workers, train_loader
+
+    sampler = EpochSampler(batch * workers * 8, 1, 0, 0)
+    loader = train_loader(Crops(len(sampler), crop), sampler, batch, workers, pin=False)
+    batches = iter(loader)
+    for _ in range(workers * 2):
+        next(batches)
+    rank = memory_mb(os.getpid())
+    server = children(os.getpid())
+    workers_mem = [memory_mb(w) for s in server for w in children(s)]
+    figures = {
+        "rank": rank,
+        "forkservers": [memory_mb(s) for s in server],
+        "loader_workers": workers_mem,
+        "batch_mb": batch * 3 * crop * crop / 2**20,
+        "torch": torch.__version__,
+    }
+    del batches
+    shutdown_loader_workers(loader)
+    return figures
+
+
+def _tree(pid: int) -> list[int]:
+    out = []
+    for child in children(pid):
+        out += [child, *_tree(child)]
+    return out
+
+
+def compile_figures() -> dict:
+    """The compile workers' memory, sampled every 0.2 s while ResNet-18 compiles (the pool is
+    gone when compile returns); the largest total of USS seen, and that sample's processes."""
+    import threading
+    import time
+
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "2"
+    os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"  # a cached graph compiles nothing
+    import torch
+    import torchvision
+
+    samples, done = [], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            with contextlib.suppress(OSError, ValueError):
+                samples.append([memory_mb(p) for p in _tree(os.getpid())])
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    model = torch.compile(torchvision.models.resnet18(num_classes=10))
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    done.set()
+    thread.join()
+    peak = max(samples, key=lambda s: sum(p["uss_mb"] for p in s), default=[])
+    largest = {}  # per command: the sample with the largest USS
+    for process in (p for s in samples for p in s):
+        key = process["command"].split(" ")[0] + " " + process["command"][-40:]
+        if process["uss_mb"] > largest.get(key, {"uss_mb": -1})["uss_mb"]:
+            largest[key] = process
+    return {
+        "processes_at_peak": peak,
+        "largest": list(largest.values()),
+        "torch": torch.__version__,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--crop", type=int, default=224)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--compile", action="store_true", help="the compile workers instead")
+    parser.add_argument("--quick", action="store_true", help="batch 16, crop 64")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batch, args.crop = 16, 64
+    if args.compile:
+        figures = compile_figures()
+    else:
+        figures = loader_figures(args.batch, args.crop, args.workers)
+    print(json.dumps(figures, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

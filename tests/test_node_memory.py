@@ -1,0 +1,100 @@
+"""Memory per node, checked at the dry-run against the train job's mem_mb
+(imagenet_ddp.node_memory): its arithmetic, and real Snakemake dry-runs in a temporary copy."""
+
+from __future__ import annotations
+
+import pytest
+
+from imagenet_ddp.node_memory import (
+    COMPILE_WORKER_MB,
+    CUDA_RANK_EXTRA_MB,
+    FORKSERVER_MB,
+    LOADER_WORKER_MB,
+    RANK_MB,
+    estimate_mb,
+    memory_problem,
+)
+from tests.workflow_helpers import copy_workflow, snakemake
+
+# The issue's case: 8 ranks per node, 15 workers each (cpus_per_task 16), batch 256 at 224.
+NODE = {
+    "tasks_per_node": 8, "gpus_per_node": 8, "cpus_per_task": 16, "workers": "auto",
+    "batch_size": 256, "crop_size": 224, "eval_crop_size": 0, "compile": False,
+}  # fmt: skip
+
+
+def test_the_estimate_adds_up_what_each_process_holds():
+    batch = 256 * 3 * 224 * 224 / 2**20  # uint8 crops, MiB
+    worker = LOADER_WORKER_MB + 4 * batch  # its own memory and 4 batches in flight
+    per_rank = RANK_MB + FORKSERVER_MB + 15 * 2 * worker  # training and holdout loaders
+    figures = estimate_mb(NODE)
+    assert figures["measured"] == pytest.approx(8 * per_rank)
+    assert figures["estimated"] == pytest.approx(8 * CUDA_RANK_EXTRA_MB)
+    compiled = estimate_mb({**NODE, "compile": True})["estimated"]
+    assert compiled == pytest.approx(8 * (CUDA_RANK_EXTRA_MB + 4 * COMPILE_WORKER_MB))
+    cpu = estimate_mb({**NODE, "gpus_per_node": 0, "tasks_per_node": 2, "cpus_per_task": 1})
+    assert cpu == {"measured": 2 * RANK_MB, "estimated": 0, "workers": 0}  # no forkserver
+
+
+def test_measured_too_much_is_refused_estimated_too_much_warned():
+    figures = estimate_mb(NODE)
+    measured, total = figures["measured"], figures["measured"] + figures["estimated"]
+    refusal, warning = memory_problem("r", NODE, measured - 1)
+    assert warning == "" and refusal.startswith(
+        f"config.yaml: run 'r': train's mem_mb {measured - 1:.0f} per node is below the "
+        f"{measured:.0f} MiB that 8 rank(s) per node with 15 loader worker(s) each hold"
+    )
+    assert "raise mem_mb to" in refusal and "\n" not in refusal
+    refusal, warning = memory_problem("r", NODE, total - 1)
+    assert refusal == "" and "are estimated to hold (CUDA estimated)" in warning
+    _, warning = memory_problem("r", {**NODE, "compile": True}, total + 1)
+    assert "are estimated to hold (CUDA and compile workers estimated)" in warning
+    assert memory_problem("r", NODE, total) == ("", "")
+    assert memory_problem("r", NODE, None) == ("", "")  # no mem_mb: nothing to check
+    assert memory_problem("r", NODE, 128_000) == ("", "")  # the profile's 128 GB fits
+
+
+GPU_RUN = {"name": "gpu", "gpus_per_node": 2, "tasks_per_node": 2, "workers": 2}
+CPU_RUN = {"name": "cpu", "tasks_per_node": 2}
+
+
+def dry_run(workdir, *args):
+    result = snakemake(workdir, "-n", *args, check=False)
+    return result.returncode, result.stdout + result.stderr
+
+
+def test_the_dry_run_checks_trains_mem_mb_wherever_it_is_set(tmp_path):
+    """Real Snakemake: train's mem_mb from set-resources (a number, `mem`, `N * attempt`) or
+    default-resources; the workflow's own profile fits; a local run sets none."""
+    workdir = copy_workflow(tmp_path / "wf", runs=[GPU_RUN, CPU_RUN])
+    gpu = estimate_mb({**_resolved(), **GPU_RUN})
+    code, out = dry_run(workdir)
+    assert code == 0 and "mem_mb" not in out  # nothing sets it: not checked
+    code, out = dry_run(workdir, "--set-resources", "train:mem_mb=2000")
+    lines = [line for line in out.splitlines() if line.startswith("config.yaml: ")]
+    assert code != 0 and lines == [
+        f"config.yaml: run 'gpu': train's mem_mb 2000 per node is below the "
+        f"{gpu['measured']:.0f} MiB that 2 rank(s) per node with 2 loader worker(s) each hold "
+        "(measured figures); raise mem_mb to 8000 (set-resources train: mem_mb), or lower "
+        "tasks_per_node, workers or batch_size (docs/configuration.md, memory per node)"
+    ]
+    assert "Traceback" not in out and "Job stats" not in out
+    code, out = dry_run(workdir, "--set-resources", "train:mem_mb=5000")
+    assert code == 0 and "warning: config.yaml: run 'gpu': train's mem_mb 5000" in out
+    assert "are estimated to hold (CUDA estimated)" in out and "run 'cpu'" not in out
+    code, out = dry_run(workdir, "--set-resources", "train:mem=8G")
+    assert code == 0 and "warning" not in out
+    code, out = dry_run(workdir, "--default-resources", "mem_mb=1000*attempt")
+    assert code != 0 and "run 'cpu': train's mem_mb 1000 per node" in out
+    code, out = dry_run(workdir, "--profile", "profiles/slurm")  # 128000 per node
+    assert code == 0 and "mem_mb 128000 per node" not in out
+
+
+def _resolved() -> dict:
+    """The tiny test config's train settings as the estimate reads them."""
+    from tests.workflow_helpers import TINY_CONFIG_OVERRIDES
+
+    return {
+        "cpus_per_task": 1, "eval_crop_size": 0, "compile": False,
+        **TINY_CONFIG_OVERRIDES["train_defaults_update"],
+    }  # fmt: skip
