@@ -243,3 +243,30 @@ def test_the_dry_run_refuses_a_relative_or_network_scratch_dir(tmp_path):
     assert configured_scratch_problem(str(tmp_path / "missing-here"), info) is None  # node's
     assert configured_scratch_problem("", info) is None
     assert configured_scratch_problem("/dev/shm", info) is None
+
+
+def test_the_rules_pass_the_scratch_setting_and_the_dry_run_refuses_a_relative_one(tmp_path):
+    """An unset stage.scratch_dir reaches `imagenet-ddp train`/`preflight` as an empty value
+    (once `--scratch-dir ''` lost its argument and the local demo failed), a set one as is;
+    a relative one stops the dry-run naming the key."""
+    import shlex
+
+    from imagenet_ddp.cli import build_parser
+    from tests.workflow_helpers import copy_workflow, snakemake
+
+    runs = [{"name": "r", "tasks_per_node": 1, "preflight": True}]
+    workdir = copy_workflow(tmp_path / "wf", runs=runs)
+    target = "results/runs/r/model.pt"
+    cases = [(["data={dir: /x}"], ""), (["data={dir: /x}", "stage={scratch_dir: /l/s}"], "/l/s")]
+    for config, expected in cases:
+        text = snakemake(workdir, "-n", "-p", "-c1", target, "--config", *config).stdout
+        for command in ("train", "preflight"):
+            line = next(ln for ln in text.splitlines() if f"imagenet-ddp {command} " in ln)
+            words = shlex.split(line.split(f"imagenet-ddp {command} ", 1)[1].split(" >", 1)[0])
+            args = build_parser().parse_args([command, *words])
+            assert args.scratch_dir == expected, (command, config)
+    bad = snakemake(workdir, "-n", "-c1", target, "--config", "stage={scratch_dir: scratch}",
+                    check=False)  # fmt: skip
+    assert (
+        bad.returncode != 0 and "stage.scratch_dir 'scratch' is relative" in bad.stdout + bad.stderr
+    )
