@@ -1,4 +1,4 @@
-"""Run the seven CPU benchmarks one after another and print one summary table.
+"""Run the eight CPU benchmarks one after another and print one summary table.
 
     .venv/bin/python benchmarks/run_all.py            # ~10 min on 2 cores
     .venv/bin/python benchmarks/run_all.py --quick    # ~1.5 min, tiny sizes
@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-CPU = ["staging", "loader", "index_split", "train_step", "workflow", "eval", "monitor"]
+CPU = [
+    "staging", "loader", "index_split", "train_step", "workflow", "eval", "monitor", "epoch_end",
+]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

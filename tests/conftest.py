@@ -6,7 +6,9 @@ Tests must treat these directories as read-only; use ``writable_archives`` to da
 from __future__ import annotations
 
 import faulthandler
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,70 @@ import pytest
 from tests.slurm_cluster.fixture import slurm_cluster  # noqa: F401  (session: local SLURM)
 
 HANG_SECONDS = 1200  # the slowest test takes ~6 min on 2 cores
+
+# What the workflow writes in the checkout it runs in (the demo's outputs, Snakemake's state). A
+# test that reads them passes or fails by what the user ran before; one that writes them damages
+# the user's results: every test works in its own temporary directory instead.
+REPO = Path(__file__).resolve().parents[1]
+CHECKOUT_OUTPUTS = tuple(
+    str(REPO / name) for name in ("results", "resources", "logs", ".snakemake")
+)
+_outputs_read: list[str] = []
+_recording = [False]  # off while the fixture lists the outputs itself
+
+
+def _under_outputs(path) -> bool:
+    path = os.path.abspath(os.fsdecode(path))
+    return any(path == top or path.startswith(top + os.sep) for top in CHECKOUT_OUTPUTS)
+
+
+def _record_reads(event: str, args: tuple) -> None:
+    """Audit hook: this process opening or listing anything under the checkout's outputs (reads
+    in subprocesses show only when they write; Snakemake always writes .snakemake/)."""
+    if not _recording[0] or event not in ("open", "os.listdir", "os.scandir"):
+        return
+    if not isinstance(args[0], (str, bytes, os.PathLike)):
+        return  # a file descriptor
+    if os.fsdecode(args[0]) in sys.path:
+        return  # the import system (and importlib.metadata) scanning a sys.path entry: importing
+        # Snakemake adds the relative .snakemake/pip-deployments; not the test reading outputs
+    if _under_outputs(args[0]):
+        _outputs_read.append(os.fsdecode(args[0]))
+
+
+sys.addaudithook(_record_reads)  # hooks cannot be removed: it records for the whole session
+
+
+def _outputs_listing() -> dict[str, tuple[int, int]]:
+    """Every path under the checkout's outputs with its mtime and size (os.lstat: a link is not
+    followed)."""
+    listing = {}
+    for top in CHECKOUT_OUTPUTS:
+        for dirpath, dirnames, filenames in os.walk(top):
+            for name in dirnames + filenames:
+                stat = os.lstat(os.path.join(dirpath, name))
+                listing[os.path.join(dirpath, name)] = (stat.st_mtime_ns, stat.st_size)
+    return listing
+
+
+@pytest.fixture(autouse=True)
+def _checkout_outputs_untouched():
+    """Fails the test that read or wrote the checkout's results/, resources/, logs/ or
+    .snakemake/ (CI runs the demo in its checkout first, so that there is something to read)."""
+    before = _outputs_listing()
+    del _outputs_read[:]
+    _recording[0] = True
+    yield
+    _recording[0] = False
+    read = sorted(set(_outputs_read))
+    after = _outputs_listing()
+    changed = sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
+    if read or changed:
+        pytest.fail(
+            "the test touched the checkout's outputs instead of its temporary directory: "
+            f"read {read[:5]}, created, changed or removed {changed[:5]}",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ import re
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from imagenet_ddp import attempts
@@ -219,7 +220,8 @@ def test_a_retry_that_will_refuse_is_submitted_without_gpus(tmp_path):
     until two attempts in a row failed without progress, then one task without GPUs."""
     from tests.workflow_helpers import copy_workflow, snakemake
 
-    run = {"name": "r", "nodes": 2, "tasks_per_node": 2, "gpus_per_node": 2}
+    # 2 loader workers: the dry-run refuses fewer on a GPU run
+    run = {"name": "r", "nodes": 2, "tasks_per_node": 2, "gpus_per_node": 2, "workers": 2}
     workdir = copy_workflow(tmp_path / "wf", runs=[run])
     target = "results/runs/r/model.pt"
 
@@ -262,3 +264,75 @@ def test_a_step_that_exits_0_without_finishing_the_run_is_stopped(tmp_path, monk
     (tmp_path / "run" / "train_metrics.json").write_text("{}")  # rank 0 finished the run
     assert launch.run_training(spec, tmp_path / "spec.json") == 0
     assert attempts.load(tmp_path / "ckpt")[-1]["outcome"] == "completed"
+
+
+def test_each_attempt_records_the_code_it_ran(tmp_path):
+    from imagenet_ddp.provenance import code_version
+
+    entry, _ = attempts.begin(tmp_path, RUN, attempt=1, gpus=0, cores=2)
+    code = code_version()
+    assert entry["code"]["git_commit"] == code["git_commit"] != "unknown"
+    assert entry["code"]["git_dirty"] == code["git_dirty"]
+    assert attempts.load(tmp_path)[0]["code"] == entry["code"]
+
+
+def _code(commit: str, dirty: bool = False, digest: str | None = None) -> dict:
+    return {"git_commit": commit, "git_dirty": dirty,
+            **({"git_diff_sha256": digest} if digest else {})}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("codes", "versions", "changed"),
+    [
+        ([_code("aaa"), None, _code("aaa")], ["aaa"], False),  # None: an entry from before
+        ([_code("aaa"), _code("bbb")], ["aaa", "bbb"], True),
+        ([_code("aaa", True, "d1"), _code("aaa", True, "d1")], ["aaa+dirty:d1"], False),
+        (
+            [_code("aaa", True, "d1"), _code("aaa", True, "d2")],
+            ["aaa+dirty:d1", "aaa+dirty:d2"],
+            True,
+        ),  # fmt: skip
+        ([_code("aaa"), _code("unknown", None)], ["aaa"], False),  # no git in the container
+    ],
+    ids=["same", "two-commits", "same-changes", "other-changes", "unknown"],
+)
+def test_attempts_that_ran_different_code_are_flagged(tmp_path, codes, versions, changed):
+    record = [
+        {"attempt": i + 1, "key": "k", "outcome": "stopped", "started": 100.0 * i,
+         "ended": 100.0 * i + 50, "gpus": 0, "cores": 2, "last_checkpoint": None,
+         **({"code": code} if code else {})}
+        for i, code in enumerate(codes)
+    ]  # fmt: skip
+    (tmp_path / attempts.RECORD).write_text(json.dumps({"attempts": record}))
+    summed = attempts.cost_over_attempts(tmp_path, "k", now=1000.0)
+    assert (summed["code_versions"], summed["code_changed"]) == (versions, changed)
+
+
+def test_an_attempt_record_with_two_commits_marks_the_run_in_the_table(tmp_path):
+    """The run's two allocations ran commits aaa and bbb: runs.csv (which the HTML report
+    shows) says so in code_changed/code_versions, runs.md marks the run and names both."""
+    from imagenet_ddp.aggregate import write_aggregate
+    from tests.fake_runs import write_run_dir
+
+    record = [
+        {"attempt": i + 1, "key": "k", "outcome": outcome, "started": 100.0 * i,
+         "ended": 100.0 * i + 50, "gpus": 4, "cores": 8, "last_checkpoint": None,
+         "code": _code(commit)}
+        for i, (outcome, commit) in enumerate([("stopped", "aaa"), ("completed", "bbb")])
+    ]  # fmt: skip
+    (tmp_path / attempts.RECORD).write_text(json.dumps({"attempts": record}))
+    this_job = {"wall_seconds": 50.0, "gpu_hours": 0.05, "core_hours": 0.1}
+    cost = over_attempts(this_job, attempts.cost_over_attempts(tmp_path, "k", now=1000.0))
+    dirs = []
+    for run, run_cost in (("moved", cost), ("steady", {**cost, "code_changed": False})):
+        dirs.append(write_run_dir(tmp_path, run, nodes=1, tasks_per_node=4,
+                                  steady_per_worker=100.0))  # fmt: skip
+        metrics = json.loads((dirs[-1] / "train_metrics.json").read_text())
+        (dirs[-1] / "train_metrics.json").write_text(json.dumps({**metrics, "cost": run_cost}))
+    write_aggregate(dirs, tmp_path / "runs.csv", tmp_path / "runs.md")
+    table = pd.read_csv(tmp_path / "runs.csv").set_index("run")
+    assert list(table["code_changed"]) == [True, False]
+    assert table.loc["moved", "code_versions"] == "aaa bbb"
+    text = (tmp_path / "runs.md").read_text()
+    assert re.search(r"^\| moved \* +\|", text, re.M) and re.search(r"^\| steady +\|", text, re.M)
+    assert "ran different code" in text and "moved (aaa bbb)" in text and "steady (" not in text

@@ -13,7 +13,17 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-NAMES = ["staging", "loader", "index_split", "train_step", "workflow", "gpu", "eval", "monitor"]
+NAMES = [
+    "staging",
+    "loader",
+    "index_split",
+    "train_step",
+    "workflow",
+    "gpu",
+    "eval",
+    "monitor",
+    "epoch_end",
+]
 RATIO_LINE = re.compile(r"\s\d+\.\d\dx\s.*\s(PASS|MISS|-)\s*$", re.MULTILINE)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,13 @@ SNAKEFILES = [
     ],
     ids=["ruff", "ruff-format", "snakefmt", "snakemake-lint"],
 )
-def test_clean(argv):
-    result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+def test_clean(argv, tmp_path):
+    cwd = REPO
+    if "snakemake" in argv:  # on a copy: Snakemake writes .snakemake/ where it runs, and the
+        cwd = tmp_path  # workflow reads results/ (the preflight's records) while it parses
+        shutil.copy(REPO / "Snakefile", cwd / "Snakefile")
+        shutil.copy(REPO / "config.yaml", cwd / "config.yaml")
+        for name in ("workflow", "profiles"):
+            shutil.copytree(REPO / name, cwd / name, ignore=shutil.ignore_patterns("__pycache__"))
+    result = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

@@ -71,7 +71,9 @@ def test_every_figure_follows_from_its_definition():
     p = out["projection"]
     assert p["steps_per_epoch"] == 128_000 // 4 // 32
     assert p["epoch_seconds"] == pytest.approx(1000 * 32 / 100.0)
-    assert p["total_seconds"] == pytest.approx(10.0 + 90 * (320 + 12_800 / 4 / 300))
+    # eval_interval auto: 18 of 90 epochs evaluate the holdout (estimated: no measured rate)
+    assert p["epoch_end"]["evaluations"] == 18
+    assert p["total_seconds"] == pytest.approx(10.0 + 90 * 320 + 18 * 12_800 / 4 / 300)
     assert p["gpu_hours"] == pytest.approx(p["total_seconds"] / 3600 * 4)
     assert p["allocations"] == 9  # 90 x 330 s in allocations of 3600 - 10 s of staging
     assert "problems: none" in table(out)
@@ -89,7 +91,7 @@ def test_two_ranks_on_one_gpu_fail_with_one_line():
 def test_more_allocations_than_allowed_fail_with_one_line():
     out = report(ranks(), runtime=60.0, max_allocations=3)
     assert out["problems"] == [
-        "allocations: 8.27 h projected needs 9 allocation(s) of the train rule's runtime "
+        "allocations: 8.06 h projected needs 9 allocation(s) of the train rule's runtime "
         "60 min, max_allocations is 3; raise the runtime or max_allocations, or use more nodes"
     ]
     assert report(ranks(), runtime=None)["projection"]["allocations"] == 1  # no time limit

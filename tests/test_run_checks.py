@@ -256,12 +256,13 @@ def test_global_batch_larger_than_the_holdout_only_passes(models, tmp_path):
     assert problems(demo_config(batch_size=100, tasks_per_node=2), models, tmp_path) == []
 
 
-def test_split_sizes_from_the_config():
+def test_split_sizes_from_the_config(tmp_path):
+    """No split on disk (a workdir of its own: the checkout's may hold the demo's)."""
     config = demo_config()
-    assert split_sizes(config)[:2] == (900, 100)
+    assert split_sizes(config, tmp_path)[:2] == (900, 100)
     config["demo"]["enabled"] = False
     holdout = round(ILSVRC2012_TRAIN_IMAGES * 0.1)
-    assert split_sizes(config)[:2] == (ILSVRC2012_TRAIN_IMAGES - holdout, holdout)
+    assert split_sizes(config, tmp_path)[:2] == (ILSVRC2012_TRAIN_IMAGES - holdout, holdout)
 
 
 def _write_split(tmp_path, train: int, holdout: int) -> None:

@@ -62,7 +62,7 @@ def test_presets_train_defaults_and_sweeps_resolve_in_order(tmp_path):
 def test_the_repo_config_resolves_to_its_two_runs(tmp_path):
     runs = resolve(repo_config(), tmp_path)
     assert list(runs) == ["resnet18-1x2", "resnet18-1x1"]
-    assert runs["resnet18-1x1"]["tasks_per_node"] == 1 and runs["resnet18-1x2"]["epochs"] == 3
+    assert runs["resnet18-1x1"]["tasks_per_node"] == 1 and runs["resnet18-1x2"]["epochs"] == 4
 
 
 def test_a_sweep_that_cannot_expand_is_one_error(tmp_path):

@@ -314,6 +314,87 @@ def test_mlflow_gets_tensorboards_scalars_and_a_resumed_job_continues_its_run(tm
     assert len(client.search_runs([experiment.experiment_id])) == 2
 
 
+def wandb_records(path):
+    """The records of a W&B run file (``run-<id>.wandb``): LevelDB's log format, as W&B's
+    datastore writes it (7-byte file header, 32 KiB blocks, 7-byte chunk headers: CRC, length,
+    type; FULL=1, FIRST=2, MIDDLE=3, LAST=4), each record a protobuf ``Record``."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, records, pending = path.read_bytes(), 32768, [], b""
+    assert data[:4] == b":W&B"
+    pos = 7
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # the rest of a block is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def test_wandb_offline_gets_tensorboards_scalars_and_a_resumed_job_continues_its_run(
+    tmp_path, monkeypatch
+):
+    """W&B in offline mode (no network, no account): each job writes its own offline run
+    directory under the run dir, both with the run id kept beside the checkpoints."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "home" / name))  # not the user's ~/.config
+    checkpoints = tmp_path / "ckpt"
+    wandb = {"project": "p", "mode": "offline", "run_name": "r", "run_dir": tmp_path,
+             "state_dir": checkpoints, "params": {"lr": 0.1}}  # fmt: skip
+
+    def job(resumed: bool, epoch: int, *, finish: bool):
+        monitor = RunMonitor(
+            active=True, run_dir=tmp_path, geometry={**GEOMETRY, "nodes": 1}, steps_per_epoch=4,
+            log_interval=2, world_size=2, batch_size=8, resumed=resumed, wandb=wandb,
+            sampler=GpuSampler(gpus=1, interval=0.01, nvml=FakeNvml(gpus=1)),
+        )  # fmt: skip
+        assert monitor.wandb is not None
+        meter = FakeMeter()
+        for step in range(1, 5):
+            meter.steps = step
+            monitor.step(epoch, step, meter, lr=0.1)
+        monitor.epoch(epoch, {"train_loss": 2.4, "steady_images_per_s": None, "lr_end": 0.05})
+        monitor.finish(EPOCHS) if finish else monitor.close()  # close: stopped by a signal
+
+    job(resumed=False, epoch=0, finish=False)
+    job(resumed=True, epoch=1, finish=True)
+    run_id = (checkpoints / "wandb_run_id").read_text().strip()
+    files = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2  # one per job
+    history, configs = {}, []
+    for path in files:
+        records = {}
+        for record in wandb_records(path):
+            records.setdefault(record.WhichOneof("record_type"), []).append(record)
+        assert {r.run.run_id for r in records["run"]} == {run_id}
+        configs += [r.run.config for r in records["run"]] + [
+            r.config for r in records.get("config", [])
+        ]
+        for record in (r.history for r in records["history"]):
+            values = {i.key or "/".join(i.nested_key): i.value_json for i in record.item}
+            for key in values:
+                if not key.startswith("_") and key != "global_step":
+                    history.setdefault(key, []).append(int(values["global_step"]))
+    assert "lr" in {item.key for config in configs for item in config.update}  # the params
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert set(history) == set(events.Tags()["scalars"])  # the same scalars
+    assert sorted(history["train/loss"]) == [2, 4, 6, 8]  # both jobs, one x axis
+    job(resumed=False, epoch=0, finish=True)  # a fresh start is a new W&B run
+    assert (checkpoints / "wandb_run_id").read_text().strip() != run_id
+
+
 def test_monitor_on_other_ranks_does_nothing(tmp_path):
     monitor = RunMonitor(
         active=False, run_dir=tmp_path, geometry=GEOMETRY, steps_per_epoch=4, log_interval=1,

@@ -141,6 +141,14 @@ def test_preflight_ran_first_and_its_figures_follow_their_definitions(local_run)
     assert table.loc["resnet18-1x2", "preflight_epoch_seconds"] == pytest.approx(
         projection["epoch_seconds"]
     )
+    # The epoch ends, measured by the preflight and by training (its checkpoint root: the run's)
+    end = projection["epoch_end"]
+    assert end["basis"].startswith("measured") and end["epoch_end_seconds"] > 0
+    main = report["ranks"][0]
+    assert main["checkpoint_write_mb_per_s"] > 0 and main["eval_images_per_s"] > 0
+    assert not list((local_run / "results/checkpoints").glob("*/.preflight-write-rate-*"))
+    assert trained["epoch_end_share"] == pytest.approx(table.loc["resnet18-1x2", "epoch_end_share"])
+    assert trained["epoch_end_share"] > 0
 
 
 def test_preflight_fails_with_one_line_per_problem(local_run, tmp_path):

@@ -63,6 +63,7 @@ TINY_CONFIG_OVERRIDES = {
         "batch_size": 16,
         "lr": 0.05,
         "lr_scaling": "none",  # the tiny runs' tuned LR, whatever their global batch
+        "warmup_epochs": 0,  # tuned without the demo's warm-up
         "crop_size": 32,
         "eval_resize": 36,
         "workers": 0,
@@ -71,14 +72,24 @@ TINY_CONFIG_OVERRIDES = {
 }
 
 
-def copy_workflow(dest: Path, *, runs: list[dict] | None = None, stage: dict | None = None) -> Path:
-    """Copy Snakefile, config, workflow/ and profiles/ to ``dest`` with a tiny demo config.
+def copy_workflow(
+    dest: Path,
+    *,
+    runs: list[dict] | None = None,
+    as_shipped: bool = False,
+    stage: dict | None = None,
+) -> Path:
+    """Copy Snakefile, config, workflow/ and profiles/ to ``dest`` with a tiny demo config
+    (``as_shipped``: the repository's config.yaml unchanged, the demo a new user runs).
     ``stage``: the config's ``stage`` section (on the local SLURM cluster: its nodes' scratch,
     ``Cluster.node_scratch_config()``, as a site user sets their node-local disk)."""
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy(REPO / "Snakefile", dest / "Snakefile")
     for name in ("workflow", "profiles"):
         shutil.copytree(REPO / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+    if as_shipped:
+        shutil.copy(REPO / "config.yaml", dest / "config.yaml")
+        return dest
     config = yaml.safe_load((REPO / "config.yaml").read_text())
     config["demo"] = dict(TINY_CONFIG_OVERRIDES["demo"])
     config["prepare"] = dict(TINY_CONFIG_OVERRIDES["prepare"])

@@ -2,7 +2,8 @@
 
 Unlike ``DistributedSampler`` (which pads the last shard with duplicates), rank r evaluates
 indices ``r, r + W, r + 2W, ...`` and the counts are summed, so results do not depend on the
-number of ranks. Used by training (holdout at each epoch's end) and by the evaluation stage.
+number of ranks. Used by training (the holdout, every ``eval_interval`` epochs) and by the
+evaluation stage.
 """
 
 from __future__ import annotations
@@ -19,7 +20,37 @@ from imagenet_ddp.precision import autocast
 from imagenet_ddp.signals import ignore_stop_signals, loader_context, stop_signals_blocked
 
 
-@torch.no_grad()
+def shard_loader(
+    dataset: Dataset,
+    *,
+    device: torch.device,
+    batch_size: int,
+    workers: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    persistent: bool = False,
+) -> DataLoader:
+    """This rank's share of ``dataset`` (indices rank, rank + W, ...), in order.
+
+    ``persistent``: the workers outlive a pass, so a loader made once serves every evaluation of
+    a training run (no fork and warm-up per pass). Its own generator: a DataLoader's iterator
+    draws its workers' base seed from ``generator``, else from torch's global one, which would
+    make the training's random streams depend on how often the holdout is evaluated."""
+    shard = Subset(dataset, range(rank, len(dataset), world_size))
+    return DataLoader(
+        shard,
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=workers,
+        pin_memory=device.type == "cuda",
+        prefetch_factor=4 if workers > 0 else None,
+        persistent_workers=persistent and workers > 0,
+        generator=torch.Generator().manual_seed(0),
+        worker_init_fn=ignore_stop_signals,  # a stop signal is the rank's to handle
+        multiprocessing_context=loader_context() if workers > 0 else None,
+    )
+
+
 def evaluate_dataset(
     model: torch.nn.Module,
     dataset: Dataset,
@@ -34,19 +65,37 @@ def evaluate_dataset(
     world_size: int = 1,
 ) -> dict[str, Any]:
     """Evaluate ``dataset`` split across ranks; every rank returns the global result."""
+    loader = shard_loader(
+        dataset,
+        device=device,
+        batch_size=batch_size,
+        workers=workers,
+        rank=rank,
+        world_size=world_size,
+    )
+    return evaluate_loader(
+        model,
+        loader,
+        num_classes=num_classes,
+        device=device,
+        precision=precision,
+        channels_last=channels_last,
+    )
+
+
+@torch.no_grad()
+def evaluate_loader(
+    model: torch.nn.Module,
+    loader: DataLoader,
+    *,
+    num_classes: int,
+    device: torch.device,
+    precision: str = "fp32",
+    channels_last: bool = False,
+) -> dict[str, Any]:
+    """Evaluate this rank's :func:`shard_loader`; every rank returns the global result."""
     was_training = model.training
     model.eval()
-    shard = Subset(dataset, range(rank, len(dataset), world_size))
-    loader = DataLoader(
-        shard,
-        batch_size=batch_size,
-        shuffle=False,
-        num_workers=workers,
-        pin_memory=device.type == "cuda",
-        prefetch_factor=4 if workers > 0 else None,
-        worker_init_fn=ignore_stop_signals,  # a stop signal is the rank's to handle
-        multiprocessing_context=loader_context() if workers > 0 else None,
-    )
     # Counted on the device and read once per pass (_summarize): no host sync per batch.
     # scatter_add_ into fixed-size counters, not bincount (which reads the max on the host).
     correct1 = torch.zeros(num_classes, dtype=torch.int64, device=device)

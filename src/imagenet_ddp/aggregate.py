@@ -82,6 +82,7 @@ COLUMNS = [
     "staging_seconds",
     "staging_gb_per_s",
     "mean_epoch_seconds",
+    "epoch_end_share",
     "images_per_s",
     "images_per_s_per_worker",
     "throughput_warmup_steps",
@@ -100,6 +101,8 @@ COLUMNS = [
     *PREFLIGHT_COLUMNS,
     *COST_COLUMNS,
     "git_commit",
+    "code_changed",
+    "code_versions",
 ]
 
 # What may differ inside a scaling group: the geometry being scaled (WORLD_KEYS), the run's
@@ -196,6 +199,8 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         "staging_seconds": stage_seconds,
         "staging_gb_per_s": stage_bytes / stage_seconds / 1e9 if stage_seconds else float("nan"),
         "mean_epoch_seconds": train["mean_epoch_seconds"],
+        # holdout evaluations and checkpoint holds / training time (metrics.EPOCH_END_NOTE)
+        "epoch_end_share": _float(train.get("epoch_end_share")),
         "images_per_s": train["images_per_s"],
         "images_per_s_per_worker": train["images_per_s_per_worker"],
         # Files written before the steady-state window existed lack these: NaN, never guessed.
@@ -215,7 +220,18 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         ),
         **cost_row(train.get("cost"), _read_optional(run_dir / "accounting.json")),
         "git_commit": provenance["code"].get("git_commit", "unknown"),
+        **code_row(train.get("cost")),
     }
+
+
+def code_row(cost: dict[str, Any] | None) -> dict[str, Any]:
+    """Whether the run's allocations ran different code (a run resubmitted over days runs what
+    is checked out at each submission) and each one's code; empty for runs trained before the
+    attempt record kept it."""
+    versions = (cost or {}).get("code_versions")
+    if versions is None:
+        return {"code_changed": None, "code_versions": None}
+    return {"code_changed": bool(cost.get("code_changed")), "code_versions": " ".join(versions)}
 
 
 def published_columns(recipe: str | None, evaluation: dict[str, Any]) -> dict[str, Any]:
@@ -325,10 +341,78 @@ def aggregate_runs(run_dirs: list[Path]) -> pd.DataFrame:
     return table[COLUMNS].sort_values(["scaling_group", "workers", "run"]).reset_index(drop=True)
 
 
+# runs.md: the figures a person compares first, as (heading, alignment, how to show a row),
+# numbers right-aligned. Every other figure stays in runs.csv and the HTML report; the note
+# under the table says so.
+def _percent(value: Any) -> str:
+    return "" if pd.isna(value) else f"{100 * value:.1f} %"
+
+
+def _number(fmt: str) -> Any:
+    return lambda value: "" if pd.isna(value) else format(value, fmt)
+
+
+def _code_changed(row: pd.Series) -> bool:
+    return not pd.isna(row["code_changed"]) and bool(row["code_changed"])
+
+
+def _efficiency(row: pd.Series) -> str:
+    """A group's baseline says so; a group's only run stays empty (runs.csv: scaling_note)."""
+    if row["scaling_note"] == BASELINE_NOTE:
+        return "baseline"
+    return _percent(row["scaling_efficiency"])
+
+
+def _wall(seconds: Any) -> str:
+    if pd.isna(seconds):
+        return ""
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
+
+
+SHORT_COLUMNS: list[tuple[str, str, Any]] = [
+    ("run", "left", lambda row: row["run"] + (" *" if _code_changed(row) else "")),
+    ("model", "left", lambda row: row["model"]),
+    ("nodes x ranks", "right", lambda row: f"{row['nodes']} x {row['workers'] // row['nodes']}"),
+    ("GPUs", "right", lambda row: str(row["gpus"])),
+    ("global batch", "right", lambda row: str(row["global_batch"])),
+    ("precision", "left", lambda row: row["precision"]),
+    ("epochs", "right", lambda row: str(row["epochs"])),
+    ("img/s (steady)", "right", lambda row: _number(".0f")(row["steady_images_per_s"])),
+    ("scaling eff.", "right", lambda row: _efficiency(row)),
+    ("holdout top-1", "right", lambda row: _percent(row["holdout_top1"])),
+    ("test top-1", "right", lambda row: _percent(row["test_top1"])),
+    ("GPU-h", "right", lambda row: _number(".3g")(row["gpu_hours"])),
+    ("wall h:mm:ss", "right", lambda row: _wall(row["wall_seconds"])),
+]
+
+CODE_CHANGED = "\\* allocations of the run ran different code (checked out at each submission): "
+
+MORE_FIGURES = (
+    "Every figure of these runs (end-to-end and per-worker throughput, scaling groups and "
+    "baselines, staging, top-5, the EMA model's accuracy and the published figure, preflight, "
+    "cost and SLURM accounting, git commit, code changed between allocations) is in "
+    "runs.csv beside this file and in the HTML report (`snakemake --report report.html`, "
+    "under Tables); docs/results.md says what each includes."
+)
+
+
 def to_markdown(table: pd.DataFrame) -> str:
-    # Empty cells, not "nan": a baseline has no efficiency, an old run no steady figure.
-    cells = table.astype(object).where(table.notna(), None)
-    return cells.to_markdown(index=False, floatfmt=".4g", missingval="") + "\n"
+    """runs.md: :data:`SHORT_COLUMNS` of every run, then where the rest is. Empty cells, not
+    "nan": a group's only run has no efficiency, an old run no steady figure."""
+    rows = [[show(row) for *_, show in SHORT_COLUMNS] for _, row in table.iterrows()]
+    headings = [heading for heading, *_ in SHORT_COLUMNS]
+    align = [side for _, side, _ in SHORT_COLUMNS]
+    short = pd.DataFrame(rows, columns=headings, dtype=object)
+    text = short.to_markdown(index=False, disable_numparse=True, colalign=align)
+    changed = [row for _, row in table.iterrows() if _code_changed(row)]
+    if changed:
+        text += (
+            "\n\n"
+            + CODE_CHANGED
+            + ", ".join(f"{row['run']} ({row['code_versions']})" for row in changed)
+        )
+    return text + "\n\n" + MORE_FIGURES + "\n"
 
 
 def write_aggregate(run_dirs: list[Path], csv: Path, markdown: Path) -> None:

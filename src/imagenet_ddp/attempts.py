@@ -13,7 +13,10 @@ An entry: ``attempt`` (1, 2, ... per line of checkpoints: :func:`settings_key`),
 ``outcome`` (completed, stopped: exit 75 after a checkpoint, failed, killed: no end recorded,
 refused), ``start`` (the checkpoint it resumed from: epoch, step, path, or epoch 0 step 0),
 ``last_checkpoint`` (the newest it wrote, with its mtime), ``error`` (the first rank's error
-line), ``gpus``, ``cores``.
+line), ``gpus``, ``cores``, ``code`` (the commit the launcher ran, whether the checkout had
+uncommitted changes and their digest: :func:`imagenet_ddp.provenance.code_version`). A run
+resubmitted over days runs whatever is checked out at each submission; :func:`code_versions`
+says whether its attempts ran different code.
 
 Two rules use it (:func:`refusal`): a Snakemake retry (``attempt`` > 1 in this invocation)
 after two attempts in a row that failed without writing a checkpoint refuses at once with the
@@ -42,6 +45,7 @@ from typing import Any
 
 from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.io import write_json_atomic
+from imagenet_ddp.provenance import code_version
 from imagenet_ddp.setting_kinds import digest, weight_settings
 
 RECORD = "attempts.json"
@@ -210,6 +214,7 @@ def begin(
         "error": None,
         "gpus": gpus,
         "cores": cores,
+        "code": {k: v for k, v in code_version().items() if k.startswith("git_")},
     }
     why = refusal(mine, attempt, int(run.get("max_allocations", 10)))
     if why:
@@ -339,6 +344,24 @@ class Heartbeat:
 # ------------------------------------------------------------------------ the cost sum
 
 
+def code_label(code: dict[str, Any] | None) -> str | None:
+    """One attempt's code as one word: the commit, `+dirty:<digest>` for uncommitted changes;
+    None where not known (an entry from before it was recorded, no git, no commit)."""
+    commit = (code or {}).get("git_commit")
+    if not commit or commit == "unknown":
+        return None
+    if code.get("git_dirty"):
+        return f"{commit}+dirty:{code.get('git_diff_sha256', 'unknown')}"
+    return commit
+
+
+def code_versions(attempts: list[dict[str, Any]]) -> tuple[list[str], bool]:
+    """(the code labels of the attempts, each once, in order; whether they ran different code).
+    Attempts of unknown code are left out: they neither flag a run nor clear it."""
+    labels = list(dict.fromkeys(filter(None, (code_label(a.get("code")) for a in attempts))))
+    return labels, len(labels) > 1
+
+
 def cost_over_attempts(checkpoint_root, key: str, now: float) -> dict[str, Any]:
     """Allocations, wall time and GPU-/core-hours summed over the run's attempts (this one,
     still running, up to ``now``), and the GPU-hours lost after the last checkpoint of each
@@ -364,14 +387,18 @@ def cost_over_attempts(checkpoint_root, key: str, now: float) -> dict[str, Any]:
                 "lost_seconds": lost,
                 "gpu_hours_lost": a["gpus"] * lost / 3600,
                 "core_hours_lost": a["cores"] * lost / 3600,
+                "code": code_label(a.get("code")),
                 "start": {k: (a.get("start") or {}).get(k) for k in ("epoch", "step")},
                 "last_checkpoint": None if not last else {k: last[k] for k in ("epoch", "step")},
             }
         )
     summed = ("wall_seconds", "gpu_hours", "core_hours", "gpu_hours_lost", "core_hours_lost")
     total = {k: sum(r[k] for r in rows) for k in summed}
+    versions, changed = code_versions(mine)
     return {
         "allocations": len(rows),
+        "code_versions": versions,
+        "code_changed": changed,
         "slurm_job_ids": [r["slurm_job_id"] for r in rows if r["slurm_job_id"]],
         **total,
         "attempts": rows,

@@ -153,6 +153,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         args.run_config_json,
         out=args.out,
         train_runtime_minutes=args.train_runtime_minutes,
+        checkpoint_root=args.checkpoint_root,
         **_staged_job(args),
     )
 
@@ -339,6 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=lambda v: None if v == "none" else float(v),
         required=True,
         help="the train rule's time limit per allocation, or 'none'",
+    )
+    p.add_argument(
+        "--checkpoint-root",
+        type=Path,
+        default=None,
+        help="where the run's checkpoints go: a probe checkpoint is written there (and removed) "
+        "to measure the write rate (default: beside --out)",
     )
     p.set_defaults(func=cmd_preflight)
 

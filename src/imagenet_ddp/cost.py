@@ -93,7 +93,9 @@ OVER_ATTEMPTS_SCOPE = (
     "written; gpu_hours_lost, core_hours_lost: work after the newest checkpoint of each "
     "interrupted attempt (redone by the next); this_job: the old single-job figures (rank 0, "
     "start of training to outputs written); gpu_hours_per_epoch and core_hours_per_epoch: "
-    "allocated GPUs or cores x mean epoch time (holdout evaluation and checkpoints excluded)"
+    "allocated GPUs or cores x mean epoch time (holdout evaluation and checkpoints excluded); "
+    "code_versions: the code each allocation ran (commit, +dirty:<digest of uncommitted "
+    "changes>), each once; code_changed: true where the allocations ran different code"
 )
 
 
@@ -107,6 +109,6 @@ def over_attempts(cost: Mapping[str, Any], attempts: Mapping[str, Any]) -> dict[
         scope=OVER_ATTEMPTS_SCOPE,
         **{k: attempts[k] for k in ("allocations", "slurm_job_ids", "wall_seconds", "gpu_hours",
                                     "core_hours", "gpu_hours_lost", "core_hours_lost",
-                                    "attempts")},
+                                    "code_versions", "code_changed", "attempts")},
     )  # fmt: skip
     return out

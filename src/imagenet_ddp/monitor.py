@@ -1,10 +1,11 @@
-"""Rank 0's watch over a training job: TensorBoard (and MLflow with ``mlflow_uri``), NVML
+"""Rank 0's watch over a training job: TensorBoard (and MLflow with ``mlflow_uri``, W&B with
+``wandb_project``), NVML
 telemetry and the cost block.
 
 The training loop calls four methods (:meth:`RunMonitor.step` at every step, :meth:`epoch`
 after each epoch, :meth:`finish` for ``train_metrics.json``, :meth:`close` in a ``finally``);
 on every rank but 0 they do nothing, so the loop needs no rank test and no collective runs
-here. Failures to write TensorBoard files or MLflow records never end a training: they are
+here. Failures to write TensorBoard files, MLflow or W&B records never end a training: they are
 printed once and that part is switched off.
 """
 
@@ -40,13 +41,14 @@ class RunMonitor:
         sampler: GpuSampler | None = None,
         tensorboard: bool = True,
         mlflow: dict[str, Any] | None = None,
+        wandb: dict[str, Any] | None = None,
     ):
         self.active, self.geometry, self.resumed = active, geometry, resumed
         self.steps_per_epoch, self.interval = steps_per_epoch, log_interval
         self.world_size, self.batch_size = world_size, batch_size
         self.started = time.monotonic()
         self.mark: tuple[float, int] | None = None  # (perf_counter, meter.steps) of last line
-        self.sampler = self.board = self.tracker = None
+        self.sampler = self.board = self.tracker = self.wandb = None
         if not active:
             return
         self.sampler = (sampler or GpuSampler(geometry["gpus_per_node"])).start()
@@ -64,6 +66,13 @@ class RunMonitor:
                 self.tracker = MlflowLog(**mlflow, fresh=not resumed)
             except Exception as error:  # e.g. mlflow not installed: train without it
                 print(f"MLflow off: {type(error).__name__}: {error}", flush=True)
+        if wandb:  # WandbLog's keyword arguments (project, mode, run_name, run_dir, ...)
+            try:
+                from imagenet_ddp.wandb_log import WandbLog
+
+                self.wandb = WandbLog(**wandb, fresh=not resumed)
+            except Exception as error:  # e.g. wandb not installed: train without it
+                print(f"W&B off: {type(error).__name__}: {error}", flush=True)
 
     @classmethod
     def for_job(cls, job, run_dir: Path, steps_per_epoch: int, *, resumed: bool) -> RunMonitor:
@@ -71,14 +80,20 @@ class RunMonitor:
         on rank 0 only. The MLflow run's id is kept beside the job's checkpoints: a resumed
         job continues it."""
         cfg = job.cfg
-        mlflow = None
+        mlflow = wandb = None
+        params = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"}
         if cfg.mlflow_uri:
-            params = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"}
             mlflow = dict(
                 uri=cfg.mlflow_uri, run_name=cfg.run, state_dir=job.checkpoint_dir, params=params
             )
+        if cfg.wandb_project:
+            wandb = dict(
+                project=cfg.wandb_project, mode=cfg.wandb_mode, run_name=cfg.run,
+                run_dir=run_dir, state_dir=job.checkpoint_dir, params=params,
+            )  # fmt: skip
         return cls(
             mlflow=mlflow,
+            wandb=wandb,
             active=job.info.is_main,
             run_dir=run_dir,
             geometry=dataclasses.asdict(job.geometry),
@@ -99,7 +114,7 @@ class RunMonitor:
     def _write(self, method: str, *args) -> None:
         """``method`` of TensorBoard's log and of MLflow's, each switched off on its own
         failure: a full disk or an unreachable store must not end hours of training."""
-        for attribute, name in (("board", "TensorBoard"), ("tracker", "MLflow")):
+        for attribute, name in (("board", "TensorBoard"), ("tracker", "MLflow"), ("wandb", "W&B")):
             sink = getattr(self, attribute)
             if sink is None:
                 continue
@@ -111,7 +126,7 @@ class RunMonitor:
 
     def step(self, epoch: int, step: int, meter, lr: float) -> None:
         """Every step; logs every ``log_interval`` steps (reads the loss from the device)."""
-        idle = self.board is None and self.tracker is None
+        idle = self.board is None and self.tracker is None and self.wandb is None
         if idle or (step % self.interval and step != self.steps_per_epoch):
             return
         # Images since the last line (or since this job's start of the epoch): host time, as
@@ -163,3 +178,9 @@ class RunMonitor:
             except Exception as error:
                 print(f"MLflow off: {type(error).__name__}: {error}", flush=True)
             self.tracker = None
+        if self.wandb is not None:
+            try:
+                self.wandb.close(finished=finished)
+            except Exception as error:
+                print(f"W&B off: {type(error).__name__}: {error}", flush=True)
+            self.wandb = None

@@ -9,8 +9,8 @@ benchmarks/README.md "Memory"); ESTIMATED ones could not be measured without a G
 Two sums, two outcomes (docs/configuration.md "the dry-run checks"):
 
 * the measured part (a CPU rank, its loader's forkserver and workers with their in-flight
-  batches, the holdout loader's workers at each epoch's end) above ``mem_mb`` is refused:
-  the job would be killed on the node whatever the GPU;
+  batches, the holdout loader's workers, kept from the first evaluation on) above ``mem_mb``
+  is refused: the job would be killed on the node whatever the GPU;
 * the measured part plus the estimated one (a GPU rank's CUDA context and libraries,
   inductor's compile workers under ``compile: true``) above ``mem_mb`` is a warning.
 
@@ -37,7 +37,7 @@ RANK_MB = 550
 FORKSERVER_MB = 700
 LOADER_WORKER_MB = 50
 # Batches a loader worker holds in flight (DataLoader prefetch_factor, training.data and
-# accuracy.evaluate_dataset): shared memory, or pinned once the main process takes them.
+# accuracy.shard_loader): shared memory, or pinned once the main process takes them.
 PREFETCH_BATCHES = 4
 # ESTIMATED, not measured (no GPU here): a CUDA rank's host memory beyond a CPU rank's
 # (the CUDA context, cuDNN/cuBLAS host allocations, pinned staging buffers); 2-3 GiB is
@@ -67,8 +67,8 @@ def estimate_mb(run: Mapping[str, Any]) -> dict[str, float]:
     """Per node: ``measured`` and ``estimated`` MiB of a run's training job (see module)."""
     workers = loader_workers(run["workers"], run["cpus_per_task"])
     eval_crop = run.get("eval_crop_size") or run["crop_size"]
-    # At an epoch's end the holdout's loader (as many workers, the same batch size) runs
-    # beside the training loader's persistent workers.
+    # The holdout's loader (as many workers, the same batch size) keeps its workers from the
+    # first evaluation on, beside the training loader's persistent workers.
     batch = run["batch_size"]
     train_worker = LOADER_WORKER_MB + PREFETCH_BATCHES * _batch_mb(batch, run["crop_size"])
     holdout_worker = LOADER_WORKER_MB + PREFETCH_BATCHES * _batch_mb(batch, eval_crop)

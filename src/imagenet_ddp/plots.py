@@ -343,8 +343,12 @@ def plot_curves(histories: dict[str, pd.DataFrame], out: Path) -> None:
             x = history["epoch"] + 1  # history counts from 0; plot epochs completed
             color = colors[run]
             ax_loss.plot(x, history["train_loss"], color=color, **train)
-            ax_loss.plot(x, history["holdout_loss"], color=color, **holdout)
-            ax_acc.plot(x, history["holdout_top1"] * 100, color=color, **holdout_acc)
+            # Epochs that eval_interval skips have no holdout figures: join the evaluated ones.
+            evaluated = history["holdout_top1"].notna()
+            ax_loss.plot(x[evaluated], history["holdout_loss"][evaluated], color=color, **holdout)
+            ax_acc.plot(
+                x[evaluated], history["holdout_top1"][evaluated] * 100, color=color, **holdout_acc
+            )
             ax_acc.plot(x, history["train_top1"] * 100, color=color, **train_acc)
         for ax in (ax_loss, ax_acc):
             ax.set_xlabel("Epochs completed")

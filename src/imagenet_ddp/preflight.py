@@ -28,11 +28,13 @@ def preflight_job(
     out: Path,
     execution: dict[str, Any],
     train_runtime_minutes: float | None,
+    checkpoint_root: Path | None = None,
 ) -> int:
     """Preflight ``run`` (its settings as the train rule passes them); 0 when it may go.
 
     ``train_runtime_minutes``: the train rule's SLURM time limit (None: none, e.g. locally);
-    the projection counts the allocations of that length the run needs."""
+    the projection counts the allocations of that length the run needs. ``checkpoint_root``:
+    the run's checkpoint directory, whose write rate the projection uses (None: ``out``'s)."""
     from imagenet_ddp.launch import run_staged
 
     out = Path(out)
@@ -47,6 +49,7 @@ def preflight_job(
             "split_dir": str(split_dir),
             "run_dir": str(out.parent),
             "out": str(out),
+            "checkpoint_root": str(checkpoint_root or out.parent),
         },
         "execution": execution,
         "preflight": {

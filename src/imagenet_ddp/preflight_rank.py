@@ -17,8 +17,10 @@ import argparse
 import contextlib
 import os
 import resource
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,12 +31,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Sampler
 
 from imagenet_ddp import distributed as D
-from imagenet_ddp.dataset import PreparedImageDataset
-from imagenet_ddp.io import write_json_atomic
+from imagenet_ddp.accuracy import evaluate_loader, shard_loader
+from imagenet_ddp.dataset import PreparedImageDataset, eval_transform
+from imagenet_ddp.io import atomic_path, write_json_atomic
 from imagenet_ddp.job_spec import STAGING_DIR, read_spec, staged_copy
 from imagenet_ddp.preflight_report import build_report, collective_figures, table
 from imagenet_ddp.signals import stop_signals_blocked
 from imagenet_ddp.training import recipe
+from imagenet_ddp.training.checkpoint import cpu_copy, job_state
 from imagenet_ddp.training.config import TrainConfig, resolve_geometry
 from imagenet_ddp.training.data import (
     EpochSampler,
@@ -58,6 +62,7 @@ MODEL_STEPS = {"warmup": 3, "timed": 10}
 # stays busy (the queue refills as batches are taken), so the timed rounds are steady state.
 LOADER_ROUNDS = {"warmup": 1, "timed": 4}
 ALLREDUCE_OPS = {"warmup": 2, "timed": 5}
+EVAL_BATCHES = 8  # per rank: the holdout sample each evaluation pass reads
 SIZE_FACTORS = (1 / 16, 1 / 4, 1, 2)  # all-reduce sizes around the run's gradient size
 
 
@@ -235,6 +240,62 @@ def steady_loader_rate(loader, workers: int, batch_size: int, device) -> dict:
     }
 
 
+def eval_rate(cfg: TrainConfig, job, holdout, info: D.DistInfo, workers: int, device) -> dict:
+    """img/s of this rank's holdout evaluation as training runs it (imagenet_ddp.training.loop):
+    a persistent loader of its shard, the run's model, a first pass to start the workers and
+    tune the kernels, then one whole pass timed, pipeline fill included (every evaluation of a
+    training run refills it). ``holdout``: a sample of the holdout, EVAL_BATCHES per rank."""
+    loader = shard_loader(
+        holdout,
+        device=device,
+        batch_size=cfg.batch_size,
+        workers=workers,
+        rank=info.rank,
+        world_size=info.world_size,
+        persistent=True,
+    )
+    settings = {"num_classes": holdout.num_classes, "device": device, "precision": cfg.precision}
+    settings["channels_last"] = cfg.channels_last
+    try:
+        evaluate_loader(job.model, loader, **settings)
+        started = time.perf_counter()
+        result = evaluate_loader(job.model, loader, **settings)  # ends with a collective
+        seconds = time.perf_counter() - started
+    finally:
+        shutdown_loader_workers(loader)
+    return {"eval_images_per_s": result["samples"] / info.world_size / seconds}
+
+
+def checkpoint_cost(job, directory: Path) -> dict:
+    """Rank 0: how long a checkpoint holds it (the ranks' RNG gather, the copy to the CPU) and
+    how long the background write of that copy takes into ``directory`` (the run's checkpoint
+    root, whose filesystem the checkpoints use); the file is removed. Collective."""
+    began = time.perf_counter()
+    state = job_state(job, 0, 0, None)
+    if not job.info.is_main:
+        return {}
+    snapshot = cpu_copy(state)
+    hold = time.perf_counter() - began
+    directory.mkdir(parents=True, exist_ok=True)
+    # Not named checkpoint-*: nothing may take it for one (attempts reads their times).
+    probe = Path(tempfile.mkdtemp(prefix=".preflight-write-rate-", dir=directory))
+    try:
+        began = time.perf_counter()
+        with atomic_path(probe / "write-rate.pt") as tmp:  # as save_checkpoint writes
+            torch.save(snapshot, tmp)
+        write = time.perf_counter() - began
+        path = probe / "write-rate.pt"
+        size = path.stat().st_size
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+    return {
+        "checkpoint_hold_seconds": hold,
+        "checkpoint_write_seconds": write,
+        "checkpoint_mb": size / 1e6,
+        "checkpoint_write_mb_per_s": size / 1e6 / write,
+    }
+
+
 def loader_rate(cfg: TrainConfig, base, info: D.DistInfo, workers: int, device) -> dict:
     """img/s of this rank's DataLoader with the run's augmentation and workers, in steady
     state (:func:`steady_loader_rate`)."""
@@ -250,7 +311,11 @@ def loader_rate(cfg: TrainConfig, base, info: D.DistInfo, workers: int, device) 
 
 def sample_ids(ids: list[int], world: int, batch: int, seed: int, workers: int) -> list[int]:
     """A seeded sample of the training ids, enough for every rank's loader batches."""
-    wanted = world * batch * (sum(loader_batches(workers).values()) + 1)
+    return seeded_sample(ids, world * batch * (sum(loader_batches(workers).values()) + 1), seed)
+
+
+def seeded_sample(ids: list[int], wanted: int, seed: int) -> list[int]:
+    """``wanted`` of ``ids`` drawn with ``seed``, in order (all of them when fewer)."""
     if wanted >= len(ids):
         return list(ids)
     return sorted(np.random.default_rng(seed).choice(ids, size=wanted, replace=False).tolist())
@@ -280,7 +345,17 @@ def measure(spec: dict, cfg: TrainConfig, info: D.DistInfo, device: torch.device
     record["allreduce_seconds"] = collectives(gradient_bytes, device, hosts, info.rank)
     record.update(model_step(job, cfg, base.num_classes))
     record.update(loader_rate(cfg, base, info, geometry.workers, device))
-    sizes = {"train": len(train_ids), "holdout": len(read_ids(split / "holdout.csv"))}
+    holdout_ids = read_ids(split / "holdout.csv")
+    holdout = PreparedImageDataset(
+        staged_copy(paths["run_dir"], info.host),
+        sample_ids=seeded_sample(
+            holdout_ids, info.world_size * cfg.batch_size * EVAL_BATCHES, cfg.seed
+        ),
+        transform=eval_transform(cfg.eval_resize, cfg.eval_crop, normalize=False),
+    )
+    record.update(eval_rate(cfg, job, holdout, info, geometry.workers, device))
+    record.update(checkpoint_cost(job, Path(paths["checkpoint_root"])))
+    sizes = {"train": len(train_ids), "holdout": len(holdout_ids)}
     return {"record": record, "gradient_bytes": gradient_bytes, "sizes": sizes}
 
 
@@ -310,6 +385,7 @@ def run(spec: dict) -> int:
             report["budget"] = {
                 "model_steps": MODEL_STEPS, "loader_rounds": LOADER_ROUNDS,
                 "allreduce_ops": ALLREDUCE_OPS, "size_factors": list(SIZE_FACTORS),
+                "eval_batches": EVAL_BATCHES,
             }  # fmt: skip
             write_json_atomic(Path(spec["paths"]["out"]), report)
             print(table(report), flush=True)

@@ -13,6 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from imagenet_ddp import epoch_end
 from imagenet_ddp.geometry import world_size
 from imagenet_ddp.setting_kinds import BOOKKEEPING
 
@@ -28,7 +29,8 @@ NCCL_HINT = (
     "check NCCL_IB_HCA / NCCL_SOCKET_IFNAME / NCCL_NET_GDR_LEVEL, and that NCCL_DEBUG=INFO "
     "shows 'NET/IB' rather than 'NET/Socket'"
 )
-# Evaluation's forward pass is about a third of a training step's cost (forward + backward).
+# Evaluation's forward pass is about a third of a training step's cost (forward + backward):
+# the estimate where a report has no measured evaluation rate.
 EVAL_COST_RATIO = 1 / 3
 
 
@@ -87,32 +89,61 @@ def projection(
 ) -> dict[str, Any]:
     """Epoch and total time of the run at the measured rates, its GPU-hours and allocations.
 
-    ``rates``: the slowest rank's model and loader img/s, compile and staging seconds;
-    ``sizes``: train and holdout samples; ``limits``: train_runtime_minutes (None: no limit).
+    ``rates``: the slowest rank's model and loader img/s, compile and staging seconds, and for
+    the epoch ends (:func:`epoch_end_figures`) its holdout evaluation img/s and rank 0's
+    checkpoint hold and write seconds; ``sizes``: train and holdout samples;
+    ``limits``: train_runtime_minutes (None: no limit).
     A synchronous step waits for the slowest rank, and a rank for its loader.
     """
     world = world_size(run)
     per_rank = min(rates["model"], rates["loader"])
     steps = sizes["train"] // world // run["batch_size"]
     epoch = steps * run["batch_size"] / per_rank
-    holdout = sizes["holdout"] / world / (rates["model"] / EVAL_COST_RATIO)
+    end = epoch_end_figures(run, rates, sizes["holdout"], epoch)
     setup = rates["staging_seconds"] + rates["compile_seconds"]  # again in every allocation
-    total = setup + run["epochs"] * (epoch + holdout)
+    work = run["epochs"] * epoch + end["epoch_end_seconds"]
     runtime = limits["train_runtime_minutes"]
-    allocations = allocations_needed(run["epochs"] * (epoch + holdout), setup, runtime)
     return {
         "steps_per_epoch": steps,
         "images_per_s": per_rank * world,
         "epoch_seconds": epoch,
-        "holdout_seconds_per_epoch": holdout,
+        "holdout_seconds_per_epoch": end["eval_seconds"] / run["epochs"],
+        "epoch_end": end,
         "setup_seconds": setup,
-        "total_seconds": total,
-        "gpu_hours": total / 3600 * run["nodes"] * run["gpus_per_node"],
-        "rank_hours": total / 3600 * world,
+        "total_seconds": setup + work,
+        "gpu_hours": (setup + work) / 3600 * run["nodes"] * run["gpus_per_node"],
+        "rank_hours": (setup + work) / 3600 * world,
         "train_runtime_minutes": runtime,
-        "allocations": allocations,
+        "allocations": allocations_needed(work, setup, runtime),
         "max_allocations": limits["max_allocations"],
     }
+
+
+def epoch_end_figures(
+    run: dict[str, Any], rates: dict[str, float], holdout: int, epoch_seconds: float
+) -> dict[str, Any]:
+    """The run's holdout evaluations and checkpoint holds (imagenet_ddp.epoch_end), at the
+    measured rates; a report without them (an older rank) estimates the evaluation from the
+    step and counts no checkpoint time, and ``basis`` says so."""
+    measured = rates.get("eval") is not None
+    figures = epoch_end.projection(
+        epochs=run["epochs"],
+        eval_interval=run.get("eval_interval", "auto"),
+        ema=run.get("ema_decay", 0.0) > 0,
+        holdout_images=holdout,
+        world=world_size(run),
+        eval_images_per_s=rates["eval"] if measured else rates["model"] / EVAL_COST_RATIO,
+        epoch_seconds=epoch_seconds,
+        checkpoint_hold_seconds=rates.get("checkpoint_hold_seconds") or 0.0,
+        checkpoint_write_seconds=rates.get("checkpoint_write_seconds") or 0.0,
+    )
+    figures["basis"] = (
+        "measured: holdout evaluation img/s of the slowest rank (its loader and forward pass), "
+        "rank 0's checkpoint hold and write to the checkpoint directory"
+        if measured
+        else "estimated: evaluation at 3x the step's img/s, checkpoints not counted"
+    )
+    return figures
 
 
 def allocations_needed(work_seconds: float, setup_seconds: float, runtime_minutes) -> int | None:
@@ -285,6 +316,7 @@ def table(report: dict[str, Any]) -> str:
         f"model step: {report['model']['images_per_s']:.1f} img/s per rank (median), compile "
         f"{report['model']['compile_seconds']:.1f} s; loader {report['loader']['images_per_s']:.1f}"
         f" img/s per rank; loader/model {report['loader_over_model']:.2f}",
+        _epoch_end_line(p["epoch_end"]),
         f"projection: epoch {p['epoch_seconds']:.1f} s, total {p['total_seconds'] / 3600:.3f} h, "
         f"{p['gpu_hours']:.2f} GPU-h, {p['allocations']} allocation(s) of "
         f"{_limit(p['train_runtime_minutes'])} (max {p['max_allocations']})",
@@ -292,6 +324,15 @@ def table(report: dict[str, Any]) -> str:
         *(f"  - {line}" for line in report["problems"]),
     ]
     return "\n".join(lines)
+
+
+def _epoch_end_line(end: dict[str, Any]) -> str:
+    return (
+        f"epoch ends: {end['evaluations']} holdout evaluation(s) x "
+        f"{end['seconds_per_evaluation']:.1f} s ({end['passes_per_evaluation']} pass(es)), "
+        f"checkpoint hold {end['checkpoint_seconds_per_epoch']:.2f} s per epoch: "
+        f"{100 * end['epoch_end_share']:.1f} % of training time ({end['basis'].split(':')[0]})"
+    )
 
 
 def build_report(
@@ -336,11 +377,24 @@ def build_report(
         "loader": min(loader.values()),
         "compile_seconds": report["model"]["compile_seconds"],
         "staging_seconds": max(n["staging"]["seconds"] for n in nodes.values()),
+        **epoch_end_rates(ranks),
     }
     report["projection"] = projection(run, rates, sizes, limits)
     gpu_problems = placement_problems(ranks, run["gpus_per_node"])
     report["problems"] = gpu_problems + speed_problems(report, run)
     return report
+
+
+def epoch_end_rates(ranks: list[dict]) -> dict[str, float | None]:
+    """The slowest rank's holdout evaluation img/s, rank 0's checkpoint hold and write seconds
+    (None where the ranks did not measure them)."""
+    evals = [r["eval_images_per_s"] for r in ranks if r.get("eval_images_per_s")]
+    main = next(r for r in ranks if r["rank"] == 0)
+    return {
+        "eval": min(evals) if evals else None,
+        "checkpoint_hold_seconds": main.get("checkpoint_hold_seconds"),
+        "checkpoint_write_seconds": main.get("checkpoint_write_seconds"),
+    }
 
 
 def _nodes(ranks: list[dict], staging: list[dict]) -> dict[str, dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import subprocess
@@ -35,26 +36,25 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(root), *args], capture_output=True, text=True, check=True, timeout=10
+    ).stdout
+
+
 def code_version() -> dict[str, Any]:
-    """Git commit of the workflow checkout (and whether it had uncommitted changes)."""
+    """Git commit of the workflow checkout, whether it had uncommitted changes to tracked files
+    and, if so, a digest of them (``git diff HEAD``): two dirty runs of one commit ran the same
+    code only if their digests agree."""
     root = Path(__file__).resolve().parents[2]
     info: dict[str, Any] = {"package_version": library_versions()["imagenet-ddp"]}
     try:
-        commit = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
-        info.update(git_commit=commit, git_dirty=bool(dirty))
+        commit = _git(root, "rev-parse", "HEAD").strip()
+        dirty = bool(_git(root, "status", "--porcelain", "--untracked-files=no").strip())
+        info.update(git_commit=commit, git_dirty=dirty)
+        if dirty:
+            diff = _git(root, "diff", "--no-ext-diff", "--binary", "HEAD").encode()
+            info["git_diff_sha256"] = hashlib.sha256(diff).hexdigest()[:16]
     except (OSError, subprocess.SubprocessError):
         info.update(git_commit=os.environ.get("IMAGENET_DDP_GIT_COMMIT", "unknown"), git_dirty=None)
     return info

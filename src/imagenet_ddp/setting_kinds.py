@@ -24,6 +24,8 @@ BOOKKEEPING = (
     "keep_checkpoints",
     "extra",
     "mlflow_uri",
+    "wandb_project",
+    "wandb_mode",
     "preflight",
 )
 
@@ -34,6 +36,9 @@ NOT_WEIGHTS = (
     *BOOKKEEPING,
     "workers",
     "throughput_warmup_steps",
+    # Which epochs are evaluated: the history's holdout columns and the run's wall time change,
+    # the weights and RNG streams do not (evaluation draws from no shared generator: accuracy).
+    "eval_interval",
     "recipe",  # its values are the other keys
     "gpu_type",  # where it trains, like the geometry
     *GEOMETRY_KEYS,

@@ -170,6 +170,8 @@ rule preflight_run:
         stage_cleanup=("cleanup" if site_setting("stage", "cleanup") else "no-cleanup"),
         # What train's allocations are measured in (not a result: no rerun when it changes).
         train_runtime=train_runtime_minutes,
+        # Where train writes its checkpoints: the preflight measures the write rate there.
+        checkpoint_root=lambda wildcards: f"{CHECKPOINT_DIR}/{wildcards.run}",
     params:
         run_config=run_training_json,
         split_dir=lambda wildcards, input: os.path.dirname(input.split_train),
@@ -179,7 +181,8 @@ rule preflight_run:
         " --out {output.report:q} --train-runtime-minutes {resources.train_runtime}"
         " --launcher {resources.launcher} --launch-prefix={resources.launch_prefix:q}"
         " --srun-extra={resources.srun_extra:q} --scratch-dir={resources.scratch_dir:q}"
-        " --stage-verify {resources.stage_verify} --{resources.stage_cleanup} > {log:q} 2>&1"
+        " --stage-verify {resources.stage_verify} --{resources.stage_cleanup}"
+        " --checkpoint-root {resources.checkpoint_root:q} > {log:q} 2>&1"
 
 
 # `snakemake preflight`: the preflight of every run (a target; nothing trains).

@@ -13,13 +13,19 @@ Both parts of the name matter:
   (:func:`other_geometries`).
 
 What a checkpoint holds and how a job resumes from it: :func:`save_job`, :func:`resume_job`.
+Rank 0 writes from a CPU copy in a background thread (:class:`CheckpointWriter`): the other
+ranks never wait for the disk, rank 0 only for the copy (and for a previous write still under
+way). Rank 0 alone chooses the checkpoint a job resumes from (:func:`agreed_checkpoint`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,12 +89,51 @@ def load_latest_checkpoint(directory: Path) -> dict[str, Any] | None:
         return None
     for path in sorted(directory.glob("checkpoint-*.pt"), reverse=True):
         try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-            state["path"] = str(path)
-            return state
+            return load_checkpoint(path)
         except Exception as exc:  # noqa: BLE001 - any unreadable file is skipped, not fatal
             print(f"warning: ignoring unreadable checkpoint {path}: {exc}", file=sys.stderr)
     return None
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    state["path"] = str(path)
+    return state
+
+
+class ResumeDisagreement(RuntimeError):
+    """A rank cannot read the checkpoint rank 0 resumes from; every rank raises it."""
+
+
+def agreed_checkpoint(directory: Path) -> dict[str, Any] | None:
+    """The checkpoint every rank resumes from: the one rank 0 chooses (the newest that loads
+    there), read by name by every rank. Collective.
+
+    Each rank choosing its own newest file could mix states or hang the first collective: after
+    a fast requeue a shared filesystem's attribute cache (NFS ``acdirmax``) can show one node a
+    directory listing without the newest file. A rank that cannot read rank 0's choice makes
+    every rank raise :class:`ResumeDisagreement` (they agree on it first, so none waits on the
+    others for ever)."""
+    main = not D.is_distributed() or torch.distributed.get_rank() == 0
+    state = load_latest_checkpoint(directory) if main else None
+    name = D.all_gather_objects(None if state is None else Path(state["path"]).name)[0]
+    if name is None:
+        return None
+    error = None
+    if not main:
+        try:
+            state = load_checkpoint(directory / name)
+        except Exception as exc:  # noqa: BLE001 - reported by every rank below
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    failed = [(rank, e) for rank, e in enumerate(D.all_gather_objects(error)) if e]
+    if failed:
+        rank, e = failed[0]
+        raise ResumeDisagreement(
+            f"rank {rank} (of {len(failed)} failing) cannot read {directory / name}, the "
+            f"checkpoint rank 0 resumes from ({e}); if the file exists, this node's view of the "
+            "shared filesystem is stale (attribute cache after a fast requeue): rerun to resume"
+        )
+    return state
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -131,14 +176,88 @@ def job_state(job: TrainingState, epoch: int, step: int, partial: list | None) -
     }
 
 
-def save_job(job: TrainingState, epoch: int, step: int, partial: list | None = None) -> Path | None:
-    """Checkpoint the job at (epoch, step); collective, rank 0 writes. Returns the path."""
+def cpu_copy(obj: Any) -> Any:
+    """A copy of a state with every tensor on the CPU and nothing shared with the live job
+    (on a CPU device ``state_dict()`` returns the parameters themselves)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {key: cpu_copy(value) for key, value in obj.items()}
+    if isinstance(obj, list | tuple):
+        copied = [cpu_copy(value) for value in obj]
+        return copied if isinstance(obj, list) else type(obj)(copied)
+    return copy.deepcopy(obj)
+
+
+class CheckpointWriter:
+    """Rank 0's checkpoint writes, one at a time in a background thread. :meth:`submit`
+    waits for the previous write, so at most one copy is held and the newest file on disk is
+    never older than the previous save; :meth:`wait` re-raises a failed write
+    (:class:`CheckpointWriteError`) in the training thread."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.path: Path | None = None  # the newest checkpoint written
+        self.write_seconds: float | None = None  # of the newest write
+
+    def submit(self, directory: Path, state: dict[str, Any], keep: int) -> Path:
+        self.wait()
+
+        def write() -> None:
+            began = time.perf_counter()
+            try:
+                self.path = save_checkpoint(directory, state, keep)
+                self.write_seconds = time.perf_counter() - began
+            except BaseException as error:  # noqa: BLE001 - re-raised by wait()
+                self._error = error
+
+        # Not a daemon: an interpreter that exits mid-write finishes the file first.
+        self._thread = threading.Thread(target=write, name="checkpoint-writer")
+        self._thread.start()
+        return directory / checkpoint_name(state["epoch"], state["step_in_epoch"])
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+def save_job(
+    job: TrainingState,
+    epoch: int,
+    step: int,
+    partial: list | None = None,
+    *,
+    record: dict[str, Any] | None = None,
+) -> Path | None:
+    """Checkpoint the job at (epoch, step); collective, rank 0 writes it in the background.
+    Returns the path (rank 0) the write will have. ``record``: this epoch's history row; its
+    ``checkpoint_seconds`` (in the written copy too) is how long the save held rank 0 (the
+    copy to the CPU, and a previous write still under way)."""
+    began = time.perf_counter()
     state = job_state(job, epoch, step, partial)
-    path = None
-    if job.info.is_main:
-        path = save_checkpoint(job.checkpoint_dir, state, job.cfg.keep_checkpoints)
+    if not job.info.is_main:
+        return None
+    if job.checkpoint_writer is None:
+        job.checkpoint_writer = CheckpointWriter()
+    job.checkpoint_writer.wait()  # the previous write: at most one copy held
+    snapshot = cpu_copy(state)
+    if record is not None:
+        record["checkpoint_seconds"] = time.perf_counter() - began
+        snapshot["history"][-1]["checkpoint_seconds"] = record["checkpoint_seconds"]
+    return job.checkpoint_writer.submit(job.checkpoint_dir, snapshot, job.cfg.keep_checkpoints)
+
+
+def settle_checkpoints(job: TrainingState) -> None:
+    """Collective: every rank returns once rank 0's last checkpoint is complete on disk (a
+    rank that exits for requeue must leave a checkpoint to resume from)."""
+    if job.checkpoint_writer is not None:
+        job.checkpoint_writer.wait()
     D.barrier()
-    return path
 
 
 @dataclass(frozen=True)
@@ -153,8 +272,9 @@ class ResumePoint:
 
 
 def resume_job(job: TrainingState) -> ResumePoint:
-    """Load the newest checkpoint of this run and geometry into ``job``: where it resumes."""
-    state = load_latest_checkpoint(job.checkpoint_dir)
+    """Load the checkpoint of this run and geometry that rank 0 chose (the newest that loads)
+    into ``job``: where it resumes. Collective."""
+    state = agreed_checkpoint(job.checkpoint_dir)
     if state is None:
         root, tag = job.checkpoint_dir.parent, job.geometry.tag
         others = other_geometries(root, job.cfg.fingerprint(), tag)

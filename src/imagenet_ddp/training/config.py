@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from imagenet_ddp import distributed as D
+from imagenet_ddp.epoch_end import evaluates
 from imagenet_ddp.geometry import Geometry, loader_workers
 from imagenet_ddp.setting_kinds import digest, weight_settings
 
@@ -47,6 +48,7 @@ class TrainConfig:
     timeout_minutes: float  # process-group timeout: how long a hung rank holds the job
     max_allocations: int  # jobs one run may use (the launcher enforces it, the preflight checks)
     checkpoint_interval_minutes: float  # mid-epoch checkpoints; 0: epoch ends only
+    eval_interval: int | str  # holdout evaluated every this many epochs (and the last); auto
     synthetic: bool  # measure the model alone on a fixed random batch
     keep_checkpoints: int  # newest checkpoints kept per run (older ones are deleted)
     throughput_warmup_steps: int  # steps per epoch left out of the steady-state img/s
@@ -82,6 +84,8 @@ class TrainConfig:
     eval_crop_size: int  # 0: crop_size; evaluation's centre crop (after eval_resize)
     gpu_type: str  # the GPU type SLURM was asked for (gres gpu:<type>:<n>); "": any
     mlflow_uri: str  # rank 0 also logs to this MLflow file store (imagenet_ddp.mlflow_log)
+    wandb_project: str  # rank 0 also logs to this W&B project (imagenet_ddp.wandb_log)
+    wandb_mode: str  # offline (no network needed) or online
     # The job's geometry as the workflow asked SLURM for it; None: read from the environment.
     nodes: int | None = None
     tasks_per_node: int | None = None
@@ -117,6 +121,10 @@ class TrainConfig:
         """Hash of everything that changes the trained weights (not logging or geometry: the
         geometry is the checkpoint key's second part)."""
         return digest(weight_settings(dataclasses.asdict(self)))
+
+    def evaluates(self, epoch: int) -> bool:
+        """Whether the holdout is evaluated after ``epoch`` (0-based; imagenet_ddp.epoch_end)."""
+        return evaluates(epoch, self.epochs, self.eval_interval)
 
     @property
     def eval_crop(self) -> int:

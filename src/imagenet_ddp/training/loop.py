@@ -3,11 +3,17 @@
 A stop signal (SIGTERM, SIGUSR1, SIGINT: time limit, scancel, preemption, Ctrl-C) makes every
 rank stop at the same step; rank 0 writes a checkpoint and the job exits with EXIT_REQUEUE
 (:mod:`imagenet_ddp.signals`). Events: :func:`train_step` (each step), :func:`end_epoch`.
+
+An epoch's end is kept short: the holdout is evaluated every ``eval_interval`` epochs with a
+loader made once (:class:`Holdout`), and rank 0 writes the checkpoint in the
+background (:class:`imagenet_ddp.training.checkpoint.CheckpointWriter`). Its times are columns
+of history.csv (``eval_seconds``, ``checkpoint_seconds``; metrics.EPOCH_END_NOTE).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
@@ -15,12 +21,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from imagenet_ddp import distributed as D
-from imagenet_ddp.accuracy import evaluate_dataset
+from imagenet_ddp.accuracy import evaluate_loader
 from imagenet_ddp.dataset import normalize_batch
 from imagenet_ddp.precision import autocast
 from imagenet_ddp.signals import EXIT_REQUEUE, stop_signals_blocked
 from imagenet_ddp.training import recipe
-from imagenet_ddp.training.checkpoint import save_job
+from imagenet_ddp.training.checkpoint import save_job, settle_checkpoints
 from imagenet_ddp.training.data import batch_seed
 from imagenet_ddp.training.discipline import check_device_discipline
 from imagenet_ddp.training.metrics import EpochMeter, Progress, log_epoch
@@ -62,6 +68,7 @@ def run_epochs(
             if (test_stop or stop.poll(steps_done)) and step < steps_per_epoch:
                 progress.close()
                 path = save_job(job, epoch, step, D.all_gather_objects(meter.partial()))
+                settle_checkpoints(job)  # on disk before any rank exits for requeue
                 if info.is_main:
                     print(
                         f"interrupted at epoch {epoch} step {step}: wrote {path}; rerun to resume",
@@ -77,9 +84,11 @@ def run_epochs(
         if monitor is not None:  # TensorBoard epoch scalars
             monitor.epoch(epoch, job.history[-1])
         if stop.agreed():  # signalled during the epoch: its checkpoint is written
+            settle_checkpoints(job)
             if info.is_main:
                 print(f"interrupted after epoch {epoch}: checkpoint written; rerun to resume")
             return EXIT_REQUEUE
+    settle_checkpoints(job)
     return 0
 
 
@@ -141,35 +150,57 @@ def train_step(job: TrainingState, images: torch.Tensor, targets, epoch: int):
     return loss, logits, hard
 
 
-def evaluate_holdout(job: TrainingState, model: torch.nn.Module, holdout) -> dict[str, Any]:
-    return evaluate_dataset(
+@dataclass
+class Holdout:
+    """The holdout as the epoch ends evaluate it: its class count and this rank's loader of
+    its shard, made once (persistent workers) and reused by every evaluation of the job."""
+
+    num_classes: int
+    loader: DataLoader
+
+
+def evaluate_holdout(job: TrainingState, model: torch.nn.Module, holdout: Holdout) -> dict:
+    return evaluate_loader(
         model,
-        holdout,
+        holdout.loader,
         num_classes=holdout.num_classes,
         device=job.device,
-        batch_size=job.cfg.batch_size,
-        workers=job.geometry.workers,
         precision=job.cfg.precision,
         channels_last=job.cfg.channels_last,
-        rank=job.info.rank,
-        world_size=job.info.world_size,
     )
 
 
-def end_epoch(job: TrainingState, epoch: int, meter: EpochMeter, holdout) -> None:
-    """Combine the ranks' counters, evaluate the holdout, record and checkpoint the epoch."""
-    record = {"epoch": epoch, **meter.reduce(), "lr_end": job.scheduler.get_last_lr()[0]}
-    D.broadcast_buffers(job.model)  # every rank evaluates the model that is saved
+def evaluate_epoch(job: TrainingState, epoch: int, holdout: Holdout) -> dict[str, Any]:
+    """The holdout columns of the epoch's row: raw weights and, when the recipe keeps them,
+    the EMA weights; None (NaN in history.csv) on an epoch ``eval_interval`` skips. Evaluation
+    draws from no shared random generator (accuracy.shard_loader), so skipping it changes
+    neither the weights nor the random streams that follow."""
+    ema = job.ema is not None
+    if not job.cfg.evaluates(epoch):
+        keys = ["holdout_top1", "holdout_top5", "holdout_loss"]
+        return dict.fromkeys(keys + (["holdout_ema_top1", "holdout_ema_top5"] if ema else []))
     result = evaluate_holdout(job, job.model, holdout)
-    record.update(
-        holdout_top1=result["top1"], holdout_top5=result["top5"], holdout_loss=result["loss"]
-    )
-    if job.ema is not None:  # the averaged weights, evaluated like the raw ones
+    row = {"holdout_top1": result["top1"], "holdout_top5": result["top5"]}
+    row["holdout_loss"] = result["loss"]
+    if ema:  # the averaged weights, evaluated like the raw ones
+        result = evaluate_holdout(job, job.ema.module, holdout)
+        row.update(holdout_ema_top1=result["top1"], holdout_ema_top5=result["top5"])
+    return row
+
+
+def end_epoch(job: TrainingState, epoch: int, meter: EpochMeter, holdout: Holdout) -> None:
+    """Combine the ranks' counters, evaluate the holdout (every ``eval_interval`` epochs),
+    record and checkpoint the epoch."""
+    record = {"epoch": epoch, **meter.reduce(), "lr_end": job.scheduler.get_last_lr()[0]}
+    # Every epoch, evaluated or not: every rank continues from the state that is saved.
+    D.broadcast_buffers(job.model)
+    if job.ema is not None:
         D.broadcast_buffers(job.ema)
-        ema = evaluate_holdout(job, job.ema.module, holdout)
-        record.update(holdout_ema_top1=ema["top1"], holdout_ema_top5=ema["top5"])
+    began = time.perf_counter()
+    record.update(evaluate_epoch(job, epoch, holdout))
+    record["eval_seconds"] = time.perf_counter() - began  # ends with a collective: all ranks
     record["crop_size"] = job.cfg.crop_for_epoch(epoch)
     job.history.append(record)
+    save_job(job, epoch + 1, 0, record=record)  # sets checkpoint_seconds on rank 0
     if job.info.is_main:
         log_epoch(record)
-    save_job(job, epoch + 1, 0)

@@ -161,15 +161,41 @@ class Progress:
 
 def log_epoch(record: dict[str, Any]) -> None:
     """One line per epoch (rank 0): loss, accuracies, throughput."""
-    steady = record["steady_images_per_s"]
+    steady, top1 = record["steady_images_per_s"], record["holdout_top1"]
     print(
         f"epoch {record['epoch']} done: loss {record['train_loss']:.4f} "
-        f"train top1 {record['train_top1']:.3f} holdout top1 {record['holdout_top1']:.3f} "
+        f"train top1 {record['train_top1']:.3f} holdout top1 "
+        f"{'not evaluated' if top1 is None else f'{top1:.3f}'} "
         f"{record['images_per_s']:.1f} img/s end to end, "
         f"{'n/a' if steady is None else f'{steady:.1f}'} img/s steady "
-        f"({record['epoch_seconds']:.1f} s)",
+        f"({record['epoch_seconds']:.1f} s; epoch end: evaluation {record['eval_seconds']:.1f} s, "
+        f"checkpoint {record.get('checkpoint_seconds', 0.0):.1f} s)",
         flush=True,
     )
+
+
+EPOCH_END_NOTE = (
+    "eval_seconds: the epoch end's holdout evaluation (raw and EMA weights; 0 on epochs "
+    "eval_interval skips); checkpoint_seconds: how long rank 0 was held by the checkpoint (RNG "
+    "gather, copy to the CPU, a previous write still under way; the write itself runs in the "
+    "background); epoch_end_share: their sum / epoch_seconds (training time)."
+)
+
+
+def epoch_end_share(history: list[dict[str, Any]]) -> float | None:
+    """Epoch-end work (evaluation, checkpoint hold) over training time, the whole run."""
+    train = sum(h["epoch_seconds"] for h in history)
+    work = sum(h.get("eval_seconds", 0.0) + (h.get("checkpoint_seconds") or 0.0) for h in history)
+    return work / train if history and train > 0 else None
+
+
+def history_frame(history: list[dict[str, Any]]) -> pd.DataFrame:
+    """history.csv: one row per epoch, ``epoch_end_share`` derived (EPOCH_END_NOTE)."""
+    frame = pd.DataFrame([{k: v for k, v in h.items() if not isinstance(v, list)} for h in history])
+    if "eval_seconds" in frame:  # absent in a history from before these columns
+        work = frame["eval_seconds"].fillna(0) + frame.get("checkpoint_seconds", 0.0)
+        frame["epoch_end_share"] = work / frame["epoch_seconds"]
+    return frame
 
 
 THROUGHPUT_NOTE = (
@@ -199,10 +225,7 @@ def write_run_metrics(
 ) -> None:
     """history.csv (one row per epoch) and train_metrics.json (the run's summary)."""
     cfg, history, world = job.cfg, job.history, job.info.world_size
-    write_csv_atomic(
-        out_dir / "history.csv",
-        pd.DataFrame([{k: v for k, v in h.items() if not isinstance(v, list)} for h in history]),
-    )
+    write_csv_atomic(out_dir / "history.csv", history_frame(history))
     epoch_seconds = [h["epoch_seconds"] for h in history]
     images_per_s = _median([h["images_per_s"] for h in history])
     steady = _median([h.get("steady_images_per_s") for h in history])
@@ -227,6 +250,9 @@ def write_run_metrics(
             "steady_images_per_s_per_worker": None if steady is None else steady / world,
             "throughput_warmup_steps": cfg.throughput_warmup_steps,
             "throughput_note": THROUGHPUT_NOTE,
+            "epoch_end_share": epoch_end_share(history),
+            "eval_interval": cfg.eval_interval,
+            "epoch_end_note": EPOCH_END_NOTE,
             "resumed_from": resumed_from,
             "cost": cost,  # imagenet_ddp.cost: wall, GPU-/core-hours, NVML telemetry
             "checkpoint_dir": str(job.checkpoint_dir),

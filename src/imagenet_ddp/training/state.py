@@ -36,4 +36,5 @@ class TrainingState:
     ema: torch.optim.swa_utils.AveragedModel | None = None  # model EMA (recipe), or None
     mixer: Any = None  # mixup/cutmix on each batch (recipe), or None
     history: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint_writer: Any = None  # checkpoint.CheckpointWriter (rank 0, from its first save)
     progress: Any = None  # attempts.RankProgress: this rank's last step, for the watchdog line

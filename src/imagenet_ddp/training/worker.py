@@ -26,6 +26,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from imagenet_ddp import distributed as D
+from imagenet_ddp.accuracy import shard_loader
 from imagenet_ddp.attempts import (
     RankProgress,
     cost_over_attempts,
@@ -49,7 +50,7 @@ from imagenet_ddp.training.data import (
     train_loader,
 )
 from imagenet_ddp.training.discipline import check_device_discipline
-from imagenet_ddp.training.loop import run_epochs
+from imagenet_ddp.training.loop import Holdout, run_epochs
 from imagenet_ddp.training.metrics import run_config, write_run_metrics
 from imagenet_ddp.training.model import build_model, save_model
 from imagenet_ddp.training.state import TrainingState
@@ -131,10 +132,23 @@ def _train(
     base = PreparedImageDataset(
         train_data, sample_ids=read_ids(split_dir / "train.csv"), decode=False
     )
-    holdout = PreparedImageDataset(
+    holdout_data = PreparedImageDataset(
         train_data,
         sample_ids=read_ids(split_dir / "holdout.csv"),
         transform=eval_transform(cfg.eval_resize, cfg.eval_crop, normalize=False),
+    )
+    # Made once: its workers (forked at the first evaluation) serve every evaluation.
+    holdout = Holdout(
+        holdout_data.num_classes,
+        shard_loader(
+            holdout_data,
+            device=device,
+            batch_size=cfg.batch_size,
+            workers=geometry.workers,
+            rank=info.rank,
+            world_size=info.world_size,
+            persistent=True,
+        ),
     )
     transforms = recipe.EpochTransforms(cfg)  # the crop size may change per epoch
     dataset = SeededAugmentation(base, transforms, cfg.seed, per_epoch=True)
@@ -161,6 +175,9 @@ def _train(
     finally:
         monitor.close()  # idempotent; finish() below already closed it on success
         shutdown_loader_workers(loader)
+        shutdown_loader_workers(holdout.loader)
+        if job.checkpoint_writer is not None:  # run_epochs settled it, unless it raised
+            job.checkpoint_writer.wait()
     if code != 0:
         return code
     ranks = D.all_gather_objects(D.placement(info, device))
