@@ -13,9 +13,10 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 # What this Snakemake process itself needs, here because no job's command can do it for it:
-# Inside a SLURM job a warning signal (--signal=USR1@120) reaches every process of the step,
-# this Snakemake included when it runs a one-rank job in the executor's own step; by default
-# it would end Snakemake and with it the launcher. The ranks handle it (checkpoint, exit 75).
+# Inside a SLURM job a warning signal (profiles/slurm: --signal=USR1@300) reaches every process
+# of every step but the batch step, this Snakemake included when it runs a one-rank job in the
+# executor's own step; by default it would end Snakemake and with it the launcher. The ranks
+# handle it (checkpoint, exit 75).
 if "SLURM_JOB_ID" in os.environ:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 

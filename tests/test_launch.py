@@ -180,3 +180,43 @@ def test_the_dry_run_shows_the_mpi_prefix_and_refuses_one_that_is_not_srun(tmp_p
     )
     assert bad.returncode != 0
     assert "the ranks are started with srun" in bad.stdout + bad.stderr
+
+
+def test_a_stop_while_staging_finishes_the_copy_and_starts_no_ranks(monkeypatch, tmp_path):
+    """A node's staging step signalled (a `--signal` warning, SIGUSR1 from the launcher)
+    finishes its copy and exits 75; the launcher then starts no ranks and returns 75, as it
+    does when it was signalled itself during the staging step."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from imagenet_ddp import launch
+
+    node_step = tmp_path / "node_step.py"
+    node_step.write_text(
+        textwrap.dedent(
+            """
+            import os, signal, sys
+            from imagenet_ddp import launch
+            launch.read_spec = lambda path, kinds: {}
+            def stage(spec):  # signalled half-way through its copy, which it finishes
+                os.kill(os.getpid(), signal.SIGUSR1)
+                print("copy finished")
+            launch.stage_this_node = stage
+            sys.exit(launch.main(["stage-node", "--spec", "x.json"]))
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, str(node_step)], capture_output=True, text=True)
+    assert done.returncode == 75, done.stdout + done.stderr
+    assert "copy finished" in done.stdout and "SIGUSR1 while stage-node" in done.stdout
+
+    spec = {"kind": "train", "run": {"nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1},
+            "execution": {"launcher": "srun", "srun_extra": "", "cleanup": True}}  # fmt: skip
+    for result in ((75, False), (0, True)):  # a node's step was signalled; the launcher was
+        steps: list[list[str]] = []
+        monkeypatch.setattr(
+            launch, "_run_step", lambda argv, g, r=result, s=steps: s.append(argv) or r
+        )
+        assert launch.run_staged(spec, "/nowhere/spec.json") == 75
+        assert len(steps) == 1 and "stage-node" in steps[0]  # no ranks, no unstage step

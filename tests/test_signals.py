@@ -129,3 +129,54 @@ def test_forwarding_restores_the_previous_handlers():
     with ForwardStopSignals():
         assert signal.getsignal(signal.SIGTERM) != before
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+# Stands in for srun (unit test only; tests/test_slurm_stops.py runs the real one): records
+# every signal it gets and, like srun, would kill its step on SIGTERM/SIGHUP (exit 137 here)
+# and passes SIGUSR1 on (exit 75 here, as its tasks would after their checkpoint).
+FAKE_SRUN = """
+import os, signal, sys, time
+log = sys.argv[1]
+def note(signum, frame):
+    with open(log, "a") as f:
+        f.write(f"{signal.Signals(signum).name} sid={os.getsid(0)}\\n")
+    if signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        os._exit(137)
+    if signum == signal.SIGUSR1:
+        os._exit(75)
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
+    signal.signal(sig, note)
+open(log + ".ready", "w").close()
+while True:
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_the_launcher_never_sends_srun_a_signal_that_kills_the_step(tmp_path, sig):
+    """A stop signal to the launcher's whole process group (`kill -- -<pgid>`, Ctrl-C under
+    salloc) reaches srun only as SIGUSR1 from the launcher: srun runs in its own session."""
+    fake, log = tmp_path / "srun.py", tmp_path / "srun.log"
+    fake.write_text(FAKE_SRUN)
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            from imagenet_ddp.geometry import Geometry
+            from imagenet_ddp.launch import _run_step
+            code, signalled = _run_step([sys.executable, {str(fake)!r}, {str(log)!r}],
+                                        Geometry(1, 1, 1))
+            sys.exit(code if signalled else 1)
+            """
+        )
+    )
+    proc = subprocess.Popen([sys.executable, str(launcher)], start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "srun.log.ready").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.killpg(proc.pid, sig)  # the launcher's process group, as a terminal's Ctrl-C
+    assert proc.wait(timeout=60) == EXIT_REQUEUE
+    received = log.read_text().splitlines()
+    assert [line.split()[0] for line in received] == ["SIGUSR1"], received
+    assert received[0].split("sid=")[1] != str(proc.pid)  # a session of its own

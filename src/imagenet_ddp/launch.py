@@ -35,7 +35,7 @@ from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.job_spec import geometry_of, read_spec, staging_report_path
 from imagenet_ddp.node_memory import compile_threads_env
-from imagenet_ddp.signals import EXIT_REQUEUE, ForwardStopSignals
+from imagenet_ddp.signals import EXIT_REQUEUE, STOP_SIGNALS, ForwardStopSignals
 from imagenet_ddp.stage import (
     cleanup_staged,
     in_place_report,
@@ -263,6 +263,11 @@ def run_staged(spec: dict, spec_path: Path) -> int:
     extra = _srun_extra(spec)
     stage = [*srun_argv(geometry, per_node=True, extra=extra), *node_step, "stage-node", *on_spec]
     code, signalled = _run_step(stage, geometry)
+    # Stopped while staging (the launcher was signalled, or a node's step was: exit 75 after
+    # finishing its copy): no ranks, rerun to resume.
+    if code == EXIT_REQUEUE or (code == 0 and signalled):
+        print("stop signal while staging: the ranks are not started", flush=True)
+        return EXIT_REQUEUE
     if code != 0:
         return code
     try:
@@ -326,15 +331,36 @@ def _run(argv: list[str], geometry: Geometry) -> int:
 def _run_step(argv: list[str], geometry: Geometry) -> tuple[int, bool]:
     """Run an srun step to its end, surviving stop signals: (exit code, signalled).
 
-    srun gets the signal from SLURM too and passes it to its tasks; it then exits with their
-    code (EXIT_REQUEUE after a checkpoint). Killing it early would lose the checkpoint.
+    A stop signal to the launcher reaches srun as SIGUSR1, which srun passes on to its tasks
+    unchanged (:class:`ForwardStopSignals`); srun then exits with their code (EXIT_REQUEUE
+    after a checkpoint). Never SIGTERM or SIGINT: srun would kill its step (SIGKILL). srun runs
+    in a session of its own, so a signal to the launcher's process group (Ctrl-C under
+    ``salloc``, ``kill -- -<pgid>``) does not reach it directly either. SLURM's own SIGTERM at
+    the job's end still reaches srun (it is in the batch step): srun then asks slurmctld to
+    kill the step, which refuses (the job is already ending), and the ranks have ``KillWait``
+    seconds (docs/slurm-notes.md section 7).
     """
     print("+ " + shlex.join(argv), flush=True)
-    with ForwardStopSignals() as forward:
-        proc = subprocess.Popen(argv, env=worker_env(geometry))
+    with ForwardStopSignals(srun=True) as forward:
+        proc = subprocess.Popen(
+            argv, env=worker_env(geometry), stdin=subprocess.DEVNULL, start_new_session=True
+        )
         forward.children.append(proc)
-        code = proc.wait()
+        while True:
+            try:
+                code = proc.wait(timeout=RELAY_SECONDS)
+                break
+            except subprocess.TimeoutExpired:
+                if forward.received:  # again: srun drops a signal while it launches the step
+                    forward.relay()
+    if forward.received:
+        name = signal.Signals(forward.received).name
+        print(f"stop signal {name}: passed on to srun as SIGUSR1; srun exited {code}", flush=True)
     return code, bool(forward.received)
+
+
+# While the ranks' step runs after a stop signal, srun gets SIGUSR1 again this often.
+RELAY_SECONDS = 5.0
 
 
 def _free_port() -> int:
@@ -441,6 +467,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["stage-node", "unstage-node"])
     parser.add_argument("--spec", type=Path, required=True, help="the job spec file")
     args = parser.parse_args(argv)
+    # A stop signal (the launcher's SIGUSR1 through srun, --signal=USR1@N) must not kill a
+    # copy half-way: the step finishes it (SIGKILL still ends it), then exits 75 and the
+    # launcher starts no ranks (they would never hear of a warning that came before them).
+    received: list[int] = []
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, frame: received.append(signum))
     spec = read_spec(args.spec, STAGED_KINDS)
     try:
         if args.command == "stage-node":
@@ -450,6 +482,10 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as error:  # one line per node in the job's log, as the CLI prints it
         print(f"{args.command} on {socket.gethostname()}: error: {error}", file=sys.stderr)
         return 2
+    if received:
+        print(f"{socket.gethostname()}: {signal.Signals(received[0]).name} while "
+              f"{args.command}: finished it, exit {EXIT_REQUEUE}", flush=True)  # fmt: skip
+        return EXIT_REQUEUE
     return 0
 
 

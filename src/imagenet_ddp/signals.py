@@ -15,8 +15,11 @@ workers, the launcher and ``srun`` at once. The rules here:
   evaluation worker stuck at start, its rank waiting for its first batch). The server ignores
   the stop signals from its start (:mod:`imagenet_ddp.loader_server`), and workers are started
   with the signals blocked (:func:`stop_signals_blocked`).
-- The launcher survives the signal, forwards it to the ranks it started, waits for them and
-  returns their exit code (:class:`ForwardStopSignals`).
+- The launcher survives the signal, passes it on to the ranks, waits for them and returns
+  their exit code (:class:`ForwardStopSignals`). Ranks it started itself get the signal;
+  ``srun`` gets SIGUSR1 and nothing else: srun answers SIGTERM, SIGHUP and SIGQUIT by killing
+  its step (SIGKILL), and a second SIGINT within a second too, whereas it passes SIGUSR1 on to
+  its tasks unchanged (SLURM's ``src/srun`` signal handling; docs/slurm-notes.md section 7).
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ import torch.distributed as dist
 
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: interrupted after writing a checkpoint; rerun to resume
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# The launcher also stops on SIGHUP (the terminal of an interactive allocation closed).
+LAUNCHER_SIGNALS = (*STOP_SIGNALS, signal.SIGHUP)
+# What srun passes on to its tasks unchanged (and the ranks take for a stop).
+SRUN_STOP_SIGNAL = signal.SIGUSR1
 
 
 def ignore_stop_signals(_worker_id: int | None = None) -> None:
@@ -89,10 +96,16 @@ class StopFlag:
         self._group = None
         self._pending: tuple[torch.Tensor, object] | None = None
 
-    def install(self) -> None:
-        """Catch the stop signals; call after the process group is up (all ranks: collective)."""
+    def catch(self) -> None:
+        """Record the stop signals from now on: call first thing in a rank, so a signal that
+        comes while it starts up (e.g. ``--signal=USR1@N`` early) stops it at its first step
+        instead of killing it (their default action)."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handler)
+
+    def install(self) -> None:
+        """Catch the stop signals; call after the process group is up (all ranks: collective)."""
+        self.catch()
         if dist.is_available() and dist.is_initialized() and self._group is None:
             # NCCL only reduces GPU tensors; a CPU group keeps the flag off the GPU's stream.
             gloo = dist.get_backend() == "gloo"
@@ -100,6 +113,11 @@ class StopFlag:
 
     def _handler(self, signum, frame) -> None:
         self.signalled = signum
+
+    def cause(self) -> str:
+        """' by SIGUSR1' (the signal this rank got) for its log; '' if it got none (another
+        rank's signal, or a test's stop)."""
+        return f" by {signal.Signals(self.signalled).name}" if self.signalled else ""
 
     def checkpointed(self) -> None:
         """A checkpoint was just written: the interval starts again."""
@@ -151,17 +169,24 @@ class ForwardStopSignals:
     """While active, a stop signal to this process is recorded and passed on to ``children``.
 
     The launcher must outlive the signal: it waits for the ranks to write their checkpoint and
-    returns their exit code. SIGINT is passed on as SIGTERM: two SIGINTs within a second make
-    ``srun`` kill its step at once, and a terminal's Ctrl-C already sent one.
+    returns their exit code. ``srun=False`` (ranks started here): SIGTERM and SIGUSR1 are
+    passed on as they came, SIGINT and SIGHUP as SIGTERM. ``srun=True`` (the child is srun):
+    whatever came is passed on as SIGUSR1, which srun forwards to its tasks unchanged; SIGTERM
+    or SIGHUP would make srun kill the step, SIGINT only print its status (twice within a
+    second: kill it). :meth:`relay` sends it again (a signal srun gets while it is still
+    launching its step is not forwarded).
     """
 
-    def __init__(self, children: Sequence[subprocess.Popen] | None = None) -> None:
+    def __init__(
+        self, children: Sequence[subprocess.Popen] | None = None, *, srun: bool = False
+    ) -> None:
         self.children = list(children or [])
         self.received = 0
+        self.srun = srun
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> ForwardStopSignals:
-        for sig in STOP_SIGNALS:
+        for sig in LAUNCHER_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._forward)
         return self
 
@@ -171,7 +196,17 @@ class ForwardStopSignals:
 
     def _forward(self, signum, frame) -> None:
         self.received = self.received or signum
-        forwarded = signal.SIGTERM if signum == signal.SIGINT else signum
+        self.relay(signum)
+
+    def relay(self, signum: int | None = None) -> None:
+        """Pass a stop on to the children still running (``signum``: the one received)."""
+        signum = signum or self.received
+        if self.srun:
+            forwarded = SRUN_STOP_SIGNAL
+        elif signum in (signal.SIGINT, signal.SIGHUP):
+            forwarded = signal.SIGTERM
+        else:
+            forwarded = signum
         for child in self.children:
             if child.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

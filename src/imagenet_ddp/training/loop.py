@@ -71,7 +71,8 @@ def run_epochs(
                 settle_checkpoints(job)  # on disk before any rank exits for requeue
                 if info.is_main:
                     print(
-                        f"interrupted at epoch {epoch} step {step}: wrote {path}; rerun to resume",
+                        f"interrupted{stop.cause()} at epoch {epoch} step {step}: wrote {path}; "
+                        "rerun to resume",
                         flush=True,
                     )
                 return EXIT_REQUEUE
@@ -86,7 +87,10 @@ def run_epochs(
         if stop.agreed():  # signalled during the epoch: its checkpoint is written
             settle_checkpoints(job)
             if info.is_main:
-                print(f"interrupted after epoch {epoch}: checkpoint written; rerun to resume")
+                print(
+                    f"interrupted{stop.cause()} after epoch {epoch}: checkpoint written; "
+                    "rerun to resume"
+                )
             return EXIT_REQUEUE
     settle_checkpoints(job)
     return 0

@@ -38,7 +38,7 @@ from imagenet_ddp.cost import over_attempts
 from imagenet_ddp.dataset import PreparedImageDataset, eval_transform
 from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.monitor import RunMonitor
-from imagenet_ddp.signals import EXIT_REQUEUE, StopFlag
+from imagenet_ddp.signals import EXIT_REQUEUE, StopFlag, ignore_stop_signals
 from imagenet_ddp.training import recipe
 from imagenet_ddp.training.checkpoint import checkpoint_dir, resume_job
 from imagenet_ddp.training.config import TrainConfig, resolve_geometry
@@ -81,12 +81,13 @@ def train(
     allocations the cost block sums; None: this job's cost alone."""
     if cfg.deterministic:  # cuBLAS reads it when its first handle is created
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    stop = StopFlag(SIGNAL_CHECK_STEPS, checkpoint_seconds=cfg.checkpoint_interval_minutes * 60)
+    stop.catch()  # a signal while the process group starts stops at the first step
     info = D.dist_info_from_env()
     device = D.select_device(
         cfg.device, info.local_rank, cfg.gpus_per_node, info.local_world_size, cfg.timeout_minutes
     )
     D.init_process_group(info, device, cfg.backend, cfg.timeout_minutes)
-    stop = StopFlag(SIGNAL_CHECK_STEPS, checkpoint_seconds=cfg.checkpoint_interval_minutes * 60)
     stop.install()
     try:
         return _train(
@@ -281,6 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # the attempt record names it; a retry repeats it (attempts)
         record_error(paths["checkpoint_root"], info.rank, info.host, error)
         raise
+    finally:
+        # Done: a stop signal from now on must not turn the exit code into "killed by signal".
+        # srun's --kill-on-bad-exit sends SIGTERM to the other ranks as soon as one exits 75
+        # (seen: rank 0 "Terminated" after writing the checkpoint, its job recorded failed),
+        # and Python restores the default handlers while it shuts down; ignored ones it keeps.
+        ignore_stop_signals()
 
 
 if __name__ == "__main__":

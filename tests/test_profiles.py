@@ -1,0 +1,65 @@
+"""The profiles leave the GPU type to each run's `gpu_type` (`--gres=gpu:<type>:<n>`).
+
+A GPU model in a profile's `constraint` (sbatch -C) applies to every job of its rule whatever
+the run asks: `constraint: "a100"` on `preflight_run` kept the preflight of an H100 run from
+ever being scheduled on an H100-only site, and training waited for it for ever.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILES = sorted(ROOT.glob("profiles/*/config.yaml")) + sorted(
+    ROOT.glob("tests/slurm_cluster/profile/config.yaml")
+)
+# GPU models as sites name them in node features (NVIDIA, AMD, Intel), case-insensitive.
+GPU_MODEL = re.compile(
+    r"(?i)\b(?:[a-z]*[_-]?)?(?:[abhklpvt]\d{1,3}|l40s?|gh200|gb200|rtx\w*|titan\w*|"
+    r"mi\d{2,3}\w*|max\d*|pvc|quadro\w*|tesla\w*|geforce\w*)\b"
+)
+
+
+def resource_sets(profile: dict) -> list[tuple[str, dict]]:
+    sets = [("default-resources", profile.get("default-resources") or {})]
+    for rule, resources in (profile.get("set-resources") or {}).items():
+        sets.append((f"set-resources: {rule}", resources or {}))
+    return sets
+
+
+def gpu_models_in(resources: dict) -> list[str]:
+    """GPU models that a rule's resources ask for as node features."""
+    found = []
+    for key, value in resources.items():
+        text = str(value)
+        if key == "constraint":
+            found += GPU_MODEL.findall(text)
+        elif key == "slurm_extra":  # -C X, --constraint=X, --constraint X
+            for features in re.findall(r"(?:-C\s*|--constraint[=\s]+)(\S+)", text):
+                found += GPU_MODEL.findall(features)
+    return found
+
+
+def test_the_pattern_finds_gpu_models_and_leaves_other_features():
+    assert gpu_models_in({"constraint": "a100"}) == ["a100"]
+    assert gpu_models_in({"constraint": "ib&H100"}) == ["H100"]
+    assert gpu_models_in({"constraint": "gpu_v100|gpu_a40"}) == ["gpu_v100", "gpu_a40"]
+    assert gpu_models_in({"slurm_extra": "--exclusive -C mi250x"}) == ["mi250x"]
+    assert gpu_models_in({"slurm_extra": "--constraint=l40s --signal=USR1@300"}) == ["l40s"]
+    assert gpu_models_in({"constraint": "ib&skylake&nvme"}) == []
+    assert gpu_models_in({"slurm_extra": "--signal=USR1@300 --exclusive"}) == []
+
+
+@pytest.mark.parametrize("path", PROFILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_profile_constrains_a_gpu_model(path):
+    profile = yaml.safe_load(path.read_text()) or {}
+    for where, resources in resource_sets(profile):
+        models = gpu_models_in(resources)
+        assert not models, (
+            f"{path.relative_to(ROOT)}: {where} asks for GPU model(s) {models} as node "
+            "features; the GPU type is each run's `gpu_type` (config.yaml), not the profile's"
+        )
