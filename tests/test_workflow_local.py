@@ -111,7 +111,7 @@ def test_training_used_the_configured_ranks_and_recorded_throughput(local_run):
     assert report["bytes"] > 0 and report["cleaned"] is True
     if report.get("in_place"):  # scratch (/tmp here) on the disk of the data: no copy
         assert report["dest"] == report["src"] and "lease" not in report, report
-        assert Path(report["src"], "prepared.json").is_file(), "the data must stay"
+        assert (local_run / report["src"] / "prepared.json").is_file(), "the data must stay"
     else:
         assert not Path(report["dest"]).exists(), "staged copy was not cleaned up"
 
