@@ -247,7 +247,7 @@ def _rehearse(args, workdir: Path, per_class: int, val_per_class: int) -> dict:
     if result.returncode != 0:
         raise RuntimeError(f"snakemake failed:\n{result.stdout[-5000:]}\n{result.stderr[-5000:]}")
     bench = workdir / "results/benchmarks"
-    staged = stage_dataset(workdir / "results/prepared/train", workdir / "scratch")
+    staged = stage_dataset(workdir / "results/prepared/train", workdir / "scratch", verify="size")
     both = train_n + val_n
     stages = {
         "verify": (both, "results/verify"),

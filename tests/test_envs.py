@@ -75,6 +75,31 @@ def test_apptainer_image_installs_through_the_constraints_on_the_same_python():
     assert re.search(r"apt-get install .*\bgcc\b", text) and "gcc --version" in text
 
 
+def test_image_has_the_verbs_libraries_nccl_needs_for_infiniband():
+    """Without libibverbs and a provider for the HCA, NCCL falls back to TCP between nodes
+    (issue 26). Only a real InfiniBand site shows NCCL using them (docs/proven.md)."""
+    text = DEF_FILE.read_text()
+    install = re.search(r"apt-get install (?:[^\n]*\\\n)*[^\n]*", text).group(0)
+    for package in ("libibverbs1", "ibverbs-providers", "librdmacm1"):
+        assert re.search(rf"\b{package}\b", install), package
+    # %test fails the build where the library or the mlx5 provider's config is missing.
+    test = text.split("%test", 1)[1].split("%labels", 1)[0]
+    assert "libibverbs.so.1" in test and "/etc/libibverbs.d/mlx5.driver" in test
+
+
+def test_profile_binds_what_srun_needs_inside_the_container():
+    """The launcher calls srun inside the rule's container: the example binds its config, the
+    munge socket, the directory of libslurmfull.so and the plugins, and libmunge; no rank
+    needs scontrol any more (imagenet_ddp.hostlist)."""
+    text = (REPO / "profiles/slurm/config.yaml").read_text()
+    args = re.search(r'^# apptainer-args: "([^"]*)"', text, re.M).group(1)
+    binds = args.split("--bind ", 1)[1].split(",")
+    for needed in ("/etc/slurm", "/run/munge", "/usr/bin/srun", "/usr/bin/squeue"):
+        assert needed in binds, needed
+    assert any(b.endswith("slurm-wlm") or b.endswith("lib64/slurm") for b in binds), binds
+    assert any("libmunge.so" in b for b in binds) and "/usr/bin/scontrol" not in binds
+
+
 def test_every_rule_with_a_shell_names_its_conda_env_and_container():
     for smk in sorted((REPO / "workflow/rules").glob("*.smk")):
         for rule in re.split(r"^rule ", smk.read_text(), flags=re.M)[1:]:

@@ -96,7 +96,7 @@ def sacct_jobs(cluster, log: str, fields: str) -> list[list[str]]:
 
 
 def test_a_run_longer_than_its_time_limit_finishes_in_one_invocation(slurm_cluster, tmp_path):
-    workdir = copy_workflow(tmp_path / "wf", runs=[LONG])
+    workdir = copy_workflow(tmp_path / "wf", runs=[LONG], stage=slurm_cluster.node_scratch_config())
     config = read_config(workdir)
     target = f"{config['prepare'].get('dir', 'results/prepared')}/train"
     prepared = workdir / target

@@ -5,6 +5,7 @@ The `slurm_cluster` fixture comes from tests/slurm_cluster/fixture.py (imported 
 
 from __future__ import annotations
 
+import os
 import socket
 import textwrap
 
@@ -15,19 +16,22 @@ pytestmark = pytest.mark.slurm
 
 @pytest.fixture(scope="module")
 def two_node_job(slurm_cluster, tmp_path_factory):
-    """One sbatch job on both nodes: hostnames, SLURM_TMPDIR, a marker in each scratch, and
-    the fake GPUs SLURM binds to 2 tasks per node (whole node's GPUs, and one per task)."""
+    """One sbatch job on both nodes: hostnames, the scratch filesystem and a marker in each
+    node's scratch, what SLURM sets TMPDIR to, and the fake GPUs SLURM binds to 2 tasks per
+    node (whole node's GPUs, and one per task)."""
     work = tmp_path_factory.mktemp("two-node-job")
     script = work / "job.sh"
+    scratch = slurm_cluster.scratch
     script.write_text(
-        textwrap.dedent("""\
+        textwrap.dedent(f"""\
         #!/bin/bash
         set -euo pipefail
         one="srun --ntasks=2 --ntasks-per-node=1"
         $one hostname > hostnames.txt
-        $one bash -c 'echo "$(hostname) $SLURM_TMPDIR"; touch "$SLURM_TMPDIR/from-$(hostname)"' \\
-            > tmpdirs.txt
-        $one bash -c 'echo "$(hostname) $(ls "$SLURM_TMPDIR" | tr "\\n" " ")"' > listings.txt
+        $one bash -c 'echo "$(hostname) ${{SLURM_TMPDIR:-unset}} $TMPDIR"' > tmpdirs.txt
+        $one bash -c 'echo "$(hostname) $(findmnt -n -o FSTYPE,SOURCE --target {scratch})"; \\
+            touch {scratch}/from-$(hostname)' > mounts.txt
+        $one bash -c 'echo "$(hostname) $(ls {scratch} | tr "\\n" " ")"' > listings.txt
         echo "batch $CUDA_VISIBLE_DEVICES" > gpus-batch.txt
         show='echo "$(hostname) $SLURM_LOCALID $CUDA_VISIBLE_DEVICES"'
         srun bash -c "$show" > gpus-node.txt
@@ -53,19 +57,23 @@ def test_srun_runs_on_both_nodes_with_their_own_hostnames(slurm_cluster, two_nod
 
 
 def test_each_node_has_its_own_private_scratch(slurm_cluster, two_node_job):
-    job_dir = slurm_cluster.scratch / f"job_{two_node_job['id']}"
-    assert lines(two_node_job["dir"] / "tmpdirs.txt") == [
-        ["node1", str(job_dir)],
-        ["node2", str(job_dir)],
-    ]  # the same path on both nodes ...
-    assert lines(two_node_job["dir"] / "listings.txt") == [
+    """Each node's own tmpfs at one path, seen only in its namespace; nothing exports a
+    scratch variable (slurmstepd's TMPDIR default, /tmp, is the host's disk)."""
+    d, scratch = two_node_job["dir"], slurm_cluster.scratch
+    tmpdir = os.environ.get("TMPDIR") or "/tmp"  # sbatch exports ours; else slurmstepd's /tmp
+    assert lines(d / "tmpdirs.txt") == [["node1", "unset", tmpdir], ["node2", "unset", tmpdir]]
+    assert lines(d / "mounts.txt") == [
+        ["node1", "tmpfs", "scratch-node1"],
+        ["node2", "tmpfs", "scratch-node2"],
+    ]  # the same path on both nodes, each its own filesystem ...
+    assert lines(d / "listings.txt") == [
         ["node1", "from-node1"],
         ["node2", "from-node2"],
-    ]  # ... but each node sees only its own files
+    ]  # ... so each node sees only its own files
     for node in slurm_cluster.node_names:
-        host_view = slurm_cluster.node_scratch(node) / f"job_{two_node_job['id']}"
-        assert sorted(p.name for p in host_view.iterdir()) == [f"from-{node}"]
-    assert not any(slurm_cluster.scratch.iterdir())  # the mount point itself stays empty here
+        assert slurm_cluster.node_files(node) == [str(scratch / f"from-{node}")]
+        slurm_cluster.on_node(node, "rm", str(scratch / f"from-{node}"))
+    assert not any(scratch.iterdir())  # the host's view: the empty mount point
 
 
 def test_fake_gpus_are_bound_like_real_ones(slurm_cluster, two_node_job):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -52,7 +53,9 @@ RUNS = [
 
 @pytest.fixture(scope="module")
 def slurm_run(slurm_cluster, tmp_path_factory):
-    workdir = copy_workflow(tmp_path_factory.mktemp("slurm-e2e"), runs=RUNS)
+    # Staging into each node's own tmpfs, set as a site user sets their node-local disk.
+    stage = slurm_cluster.node_scratch_config()
+    workdir = copy_workflow(tmp_path_factory.mktemp("slurm-e2e"), runs=RUNS, stage=stage)
     os.environ[FAKE_GPUS] = "1"  # sbatch exports it to the jobs (and srun to the ranks)
     try:
         result = snakemake(
@@ -165,10 +168,10 @@ def test_training_used_srun_in_the_allocation(slurm_run):
 
 
 def test_each_node_staged_its_own_copy_into_its_scratch_and_cleaned_it(slurm_run):
+    """Every node of every staged job copied into its own tmpfs (stage.scratch_dir, the
+    same path on each node) and the last job on a node removed the copy."""
     cluster = slurm_run.cluster
     for run in RUNS:
-        job_id = slurm_run.jobs[f"rule_train_wildcards_{run['name']}"]["id"]
-        job_scratch = cluster.scratch / f"job_{job_id}"
         reports = {
             p.stem: json.loads(p.read_text())
             for p in (slurm_run.dir / f"results/runs/{run['name']}/staging").glob("*.json")
@@ -177,15 +180,80 @@ def test_each_node_staged_its_own_copy_into_its_scratch_and_cleaned_it(slurm_run
         for host, report in reports.items():
             assert host in cluster.node_names
             assert report["host"] == host and report["bytes"] > 0 and report["files"] > 0
-            assert Path(report["dest"]).is_relative_to(job_scratch), report  # $SLURM_TMPDIR
-            assert report["cleaned"] is True
-            host_view = cluster.node_scratch(host) / f"job_{job_id}"
-            assert host_view.is_dir()  # the prolog made it on this node ...
-            assert not [p for p in host_view.rglob("*") if p.is_file()]  # ... and it is empty
-    # Nothing was staged into the workflow's fallback scratch dir instead.
-    assert not (slurm_run.dir / "scratch").exists() or not any(
-        (slurm_run.dir / "scratch").iterdir()
+            assert Path(report["dest"]).is_relative_to(cluster.scratch / "imagenet_ddp"), report
+            assert "in_place" not in report and report["cleaned"] is True, report
+            assert report["scratch"] == {
+                "root": str(cluster.scratch), "from": "stage.scratch_dir",
+                "fs_type": "tmpfs", "source": f"scratch-{host}",  # this node's own tmpfs
+            }, report  # fmt: skip
+    for node in cluster.node_names:  # nothing left on any node, nothing ever on the host
+        assert cluster.node_files(node) == [], node
+    assert not any(cluster.scratch.iterdir())
+
+
+def _stage_step_job(cluster, work: Path, specs: dict[str, dict]) -> dict[str, str]:
+    """One sbatch job on both nodes running the launcher's staging step (one srun task per
+    node, as training's first step) once per spec: {name: that step's output}."""
+    lines = ["#!/bin/bash"]
+    for name, spec in specs.items():
+        (work / f"{name}.json").write_text(json.dumps(spec))
+        lines.append(
+            f"srun --nodes=2 --ntasks=2 --ntasks-per-node=1 {sys.executable} -m "
+            f"imagenet_ddp.launch stage-node --spec {name}.json > {name}.out 2>&1; "
+            f"echo exit $? >> {name}.out"
+        )
+    (work / "job.sh").write_text("\n".join(lines) + "\n")
+    job_id = cluster.sbatch("--nodes=2", "--ntasks-per-node=1", "--time=5",
+                            f"--output={work}/slurm-%j.out", f"--chdir={work}",
+                            str(work / "job.sh"))  # fmt: skip
+    assert cluster.wait_job(job_id, timeout=180) == "COMPLETED"
+    return {name: (work / f"{name}.out").read_text() for name in specs}
+
+
+def test_staging_under_srun_refuses_shared_scratch_and_copies_into_each_nodes_own(
+    slurm_cluster, prepared_demo, tmp_path
+):
+    """The strict cluster (nothing exports a scratch variable): without stage.scratch_dir,
+    staging would land in /tmp, the disk of the prepared copy and workdir: refused on every
+    node with one line, nothing copied. With it, each node holds its own copy at the same
+    path, seen inside that node's namespace only."""
+    cluster, src = slurm_cluster, prepared_demo["train"]
+
+    def spec(name: str, scratch_dir: str) -> dict:
+        return {
+            "kind": "train",
+            "run": {"nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1},
+            "paths": {"prepared_train": str(src), "run_dir": str(tmp_path / name)},
+            "execution": {
+                "launcher": "srun",
+                "scratch_dir": scratch_dir,
+                "stage_verify": "size",
+                "cleanup": True,
+            },  # fmt: skip
+        }
+
+    out = _stage_step_job(
+        cluster,
+        tmp_path,
+        {"unset": spec("unset", ""), "local": spec("local", str(cluster.scratch))},
     )
+    refusals = sorted(line for line in out["unset"].splitlines() if "stage-node on" in line)
+    # slurmstepd set TMPDIR=/tmp (the job inherited none): the host's disk, refused.
+    nodes = [line.split(":")[0] for line in refusals]
+    assert nodes == ["stage-node on node1", "stage-node on node2"], out["unset"]
+    tmpdir = os.environ.get("TMPDIR") or "/tmp"  # sbatch exports ours, if any
+    expected = f"scratch {tmpdir} (from $TMPDIR) is on the same filesystem as prepare.dir"
+    assert all(expected in line for line in refusals), refusals
+    assert "exit 0" not in out["unset"] and "Traceback" not in out["unset"], out["unset"]
+    assert out["local"].strip().endswith("exit 0"), out["local"]
+    reports = [json.loads(p.read_text()) for p in (tmp_path / "local" / "staging").glob("*.json")]
+    assert sorted(r["scratch"]["source"] for r in reports) == ["scratch-node1", "scratch-node2"]
+    (dest,) = {r["dest"] for r in reports}  # the same path on both nodes ...
+    marker = str(Path(dest) / ".staged.json")
+    for node in cluster.node_names:  # ... each holding its own copy there
+        assert marker in cluster.node_files(node), node
+        cluster.on_node(node, "rm", "-rf", str(cluster.scratch / "imagenet_ddp"))
+    assert not Path(dest).exists() and not any(cluster.scratch.iterdir())  # host: empty
 
 
 def test_results_are_as_good_as_a_local_run(slurm_run):

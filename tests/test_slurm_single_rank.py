@@ -56,7 +56,7 @@ def train_job_id(cluster) -> int:
 def test_scancel_of_a_single_rank_job_inside_snakemakes_step_checkpoints_and_resumes(
     slurm_cluster, tmp_path
 ):
-    workdir = copy_workflow(tmp_path / "wf", runs=[RUN])
+    workdir = copy_workflow(tmp_path / "wf", runs=[RUN], stage=slurm_cluster.node_scratch_config())
     profile = ["--profile", "profiles/slurm", "--workflow-profile", str(TEST_PROFILE)]
     target = "results/runs/single/train_metrics.json"
     run = subprocess.Popen(

@@ -84,7 +84,8 @@ def launcher_pid(workdir: Path) -> int:
 
 
 def test_every_way_of_stopping_a_job_checkpoints_and_records_stopped(slurm_cluster, tmp_path):
-    workdir = copy_workflow(tmp_path / "wf", runs=[RUN]).resolve()
+    stage = slurm_cluster.node_scratch_config()  # the nodes' own tmpfs, as a site user sets it
+    workdir = copy_workflow(tmp_path / "wf", runs=[RUN], stage=stage).resolve()
     snakemake(
         workdir, "--profile", "profiles/local", "results/prepared/train", "results/split/train.csv"
     )  # fmt: skip  (the data steps are not what is tested)

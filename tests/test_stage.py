@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import tempfile
 from collections import namedtuple
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from imagenet_ddp import stage
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.stage import cleanup_staged, scratch_root_from_env, stage_dataset
+from imagenet_ddp.stage import cleanup_staged, scratch_problem, scratch_root, stage_dataset
 
 
 def _tree(root):
@@ -55,14 +56,27 @@ def test_train_and_val_stage_side_by_side(prepared_demo, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_shared_copy_is_removed_by_the_last_job_that_leaves(prepared_demo, tmp_path):
+@pytest.fixture
+def node_local():
+    """A scratch dir on another filesystem than the tests' tmp dirs (the prepared data, the
+    workdir): /dev/shm, a tmpfs, as a node-local disk would be."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == Path(tempfile.gettempdir()).stat().st_dev:
+        pytest.skip("needs /dev/shm on its own filesystem")
+    path = Path(tempfile.mkdtemp(dir=shm, prefix="test-stage-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_shared_copy_is_removed_by_the_last_job_that_leaves(prepared_demo, tmp_path, node_local):
     """Two runs on one node share the scratch copy: the first to finish must not delete the
     data the other is still reading (local launcher; clusters without a per-job scratch)."""
     from imagenet_ddp.launch import stage_this_node, unstage_this_node
 
     def spec(run):
         paths = {"prepared_train": str(prepared_demo["val"]), "run_dir": str(tmp_path / run)}
-        execution = {"scratch_dir": str(tmp_path / "scratch"), "stage_verify": "size"}
+        execution = {"launcher": "srun", "scratch_dir": str(node_local / "scratch"),
+                     "stage_verify": "size"}  # fmt: skip
         return {"paths": paths, "execution": execution}
 
     first, second = stage_this_node(spec("a")), stage_this_node(spec("b"))
@@ -77,7 +91,7 @@ def test_a_shared_copy_is_removed_by_the_last_job_that_leaves(prepared_demo, tmp
     again = stage_this_node(spec("b"))
     assert again["reused"] is True and len(list(dest.parent.glob("*.leases/*"))) == 1
     unstage_this_node(spec("b"))
-    assert list((tmp_path / "scratch").iterdir()) == [], "the last run removes the copy"
+    assert list((node_local / "scratch").iterdir()) == [], "the last run removes the copy"
 
 
 def test_incomplete_copy_is_replaced(prepared_demo, tmp_path):
@@ -98,7 +112,7 @@ def test_scratch_too_small(prepared_demo, tmp_path, monkeypatch):
         stage_dataset(prepared_demo["train"], tmp_path / "scratch", verify="size")
     message = str(info.value)
     assert "has 1000.0 B free, needs" in message
-    assert "set stage.scratch_dir / ask for more $SLURM_TMPDIR" in message
+    assert "set stage.scratch_dir to a larger node-local disk" in message
     assert not list((tmp_path / "scratch").rglob("*.tar"))
 
 
@@ -128,11 +142,71 @@ def test_not_a_prepared_dir(tmp_path):
     # A bad stage.verify is refused by the schema (tests/test_single_default.py).
 
 
-def test_scratch_root_from_env(monkeypatch, tmp_path):
-    monkeypatch.delenv("SLURM_TMPDIR", raising=False)
-    assert scratch_root_from_env(tmp_path / "default") == tmp_path / "default"
-    monkeypatch.setenv("SLURM_TMPDIR", str(tmp_path / "job"))
-    assert scratch_root_from_env(tmp_path / "default") == tmp_path / "job"
+def test_scratch_root_is_the_setting_else_slurm_tmpdir_else_tmpdir_else_tmp(tmp_path):
+    env = {"SLURM_TMPDIR": str(tmp_path / "job"), "TMPDIR": str(tmp_path / "tmp")}
+    assert scratch_root("/local/scratch", env) == (Path("/local/scratch"), "stage.scratch_dir")
+    assert scratch_root("", env) == (tmp_path / "job", "$SLURM_TMPDIR")
+    assert scratch_root(None, {**env, "SLURM_TMPDIR": ""}) == (tmp_path / "tmp", "$TMPDIR")
+    assert scratch_root(None, {}) == (Path("/tmp"), "the default /tmp")
+
+
+MOUNTINFO = """\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+30 22 0:40 / /dev/shm rw,nosuid,nodev shared:2 - tmpfs tmpfs rw
+41 22 0:51 / /gpfs/work rw,relatime shared:20 - gpfs work rw
+42 22 0:52 / /lustre rw,relatime - lustre 10.0.0.1@o2ib:/fs rw,flock
+43 22 0:53 / /home rw,relatime shared:21 - nfs4 nas:/export/home rw,vers=4.2
+44 22 0:54 / /mnt/my\\040data rw,relatime - fuse.sshfs user@host:/d rw
+45 42 8:17 / /lustre/local rw,relatime - xfs /dev/sdb1 rw
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "fs"),
+    [("/home/me/scratch", "nfs4"), ("/lustre/proj/tmp", "lustre"), ("/gpfs/work", "gpfs"),
+     ("/mnt/my data/x", "fuse.sshfs")],
+)  # fmt: skip
+def test_a_scratch_root_on_a_network_filesystem_is_refused(tmp_path, path, fs):
+    info = tmp_path / "mountinfo"
+    info.write_text(MOUNTINFO)
+    kind, text = scratch_problem(Path(path), {}, mountinfo=info)
+    assert kind == "network" and text.startswith(f"on {fs} "), text
+    # A node-local filesystem mounted below a network one is not refused for its parent's type.
+    assert scratch_problem(Path("/lustre/local/x"), {}, mountinfo=info) is None
+    assert scratch_problem(Path("/dev/shm/x"), {}, mountinfo=info) is None
+
+
+def test_a_scratch_root_on_the_filesystem_of_the_data_or_workdir_is_refused(
+    prepared_demo, tmp_path, monkeypatch
+):
+    """Under srun the refusal holds and nothing is copied; the local launcher reads the
+    prepared copy in place instead (one machine: a copy onto its own disk buys nothing)."""
+    from imagenet_ddp.launch import stage_this_node, unstage_this_node
+
+    src = prepared_demo["val"]
+    assert scratch_problem(tmp_path / "not-yet" / "x", {"prepare.dir": src})[0] == "shared"
+    assert scratch_problem(tmp_path, {"the workdir": tmp_path})[1] == (
+        f"on the same filesystem as the workdir ({tmp_path})"
+    )
+    monkeypatch.chdir(tmp_path)
+
+    def spec(launcher):
+        paths = {"prepared_train": str(src), "run_dir": str(tmp_path / launcher)}
+        execution = {"launcher": launcher, "scratch_dir": "scratch", "stage_verify": "size"}
+        return {"paths": paths, "execution": execution}
+
+    with pytest.raises(InputError) as info:
+        stage_this_node(spec("srun"))
+    message = str(info.value)
+    assert "\n" not in message and "(from stage.scratch_dir)" in message
+    assert "on the same filesystem as prepare.dir" in message
+    assert "set stage.scratch_dir to a node-local disk" in message
+    assert not (tmp_path / "scratch").exists() and not (tmp_path / "srun").exists()
+    report = stage_this_node(spec("local"))
+    assert report["dest"] == str(src) and "is on the same filesystem" in report["in_place"]
+    assert not (tmp_path / "scratch").exists() and "lease" not in report
+    unstage_this_node(spec("local"))
+    assert _tree(src) and (src / stage.PREPARED_JSON).is_file(), "the data must stay"
 
 
 def test_a_lease_left_by_a_killed_job_is_reclaimed_by_the_next_stager(prepared_demo, tmp_path):
@@ -157,3 +231,42 @@ def test_a_lease_left_by_a_killed_job_is_reclaimed_by_the_next_stager(prepared_d
     assert not lease.exists() and dest.is_dir()
     (lease.parent / "alive").write_text(json.dumps({**owner, "pid": int(dead)}))
     assert reclaim_stale_leases(tmp_path) == [dest] and not dest.exists()
+
+
+def test_the_dry_run_refuses_a_relative_or_network_scratch_dir(tmp_path):
+    from imagenet_ddp.stage import configured_scratch_problem
+
+    info = tmp_path / "mountinfo"
+    info.write_text(MOUNTINFO.replace(" /home ", f" {tmp_path} "))  # tmp_path "on nfs4"
+    assert "is relative" in configured_scratch_problem("scratch", info)
+    assert "on nfs4 (nas:/export/home)" in configured_scratch_problem(str(tmp_path), info)
+    assert configured_scratch_problem(str(tmp_path / "missing-here"), info) is None  # node's
+    assert configured_scratch_problem("", info) is None
+    assert configured_scratch_problem("/dev/shm", info) is None
+
+
+def test_the_rules_pass_the_scratch_setting_and_the_dry_run_refuses_a_relative_one(tmp_path):
+    """An unset stage.scratch_dir reaches `imagenet-ddp train`/`preflight` as an empty value
+    (once `--scratch-dir ''` lost its argument and the local demo failed), a set one as is;
+    a relative one stops the dry-run naming the key."""
+    import shlex
+
+    from imagenet_ddp.cli import build_parser
+    from tests.workflow_helpers import copy_workflow, snakemake
+
+    runs = [{"name": "r", "tasks_per_node": 1, "preflight": True}]
+    workdir = copy_workflow(tmp_path / "wf", runs=runs)
+    target = "results/runs/r/model.pt"
+    cases = [(["data={dir: /x}"], ""), (["data={dir: /x}", "stage={scratch_dir: /l/s}"], "/l/s")]
+    for config, expected in cases:
+        text = snakemake(workdir, "-n", "-p", "-c1", target, "--config", *config).stdout
+        for command in ("train", "preflight"):
+            line = next(ln for ln in text.splitlines() if f"imagenet-ddp {command} " in ln)
+            words = shlex.split(line.split(f"imagenet-ddp {command} ", 1)[1].split(" >", 1)[0])
+            args = build_parser().parse_args([command, *words])
+            assert args.scratch_dir == expected, (command, config)
+    bad = snakemake(workdir, "-n", "-c1", target, "--config", "stage={scratch_dir: scratch}",
+                    check=False)  # fmt: skip
+    assert (
+        bad.returncode != 0 and "stage.scratch_dir 'scratch' is relative" in bad.stdout + bad.stderr
+    )

@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -109,7 +110,11 @@ def test_training_used_the_configured_ranks_and_recorded_throughput(local_run):
     assert len(staging) == 1
     report = json.loads(staging[0].read_text())
     assert report["bytes"] > 0 and report["cleaned"] is True
-    assert not any((local_run / "scratch").rglob("*.tar")), "staged copy was not cleaned up"
+    if report.get("in_place"):  # scratch (/tmp here) on the disk of the data: no copy
+        assert report["dest"] == report["src"] and "lease" not in report, report
+        assert (local_run / report["src"] / "prepared.json").is_file(), "the data must stay"
+    else:
+        assert not Path(report["dest"]).exists(), "staged copy was not cleaned up"
 
 
 # The demo's projection against the training that followed it, on a 2-core machine that other

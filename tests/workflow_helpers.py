@@ -74,9 +74,17 @@ TINY_CONFIG_OVERRIDES = {
 }
 
 
-def copy_workflow(dest: Path, *, runs: list[dict] | None = None, as_shipped: bool = False) -> Path:
+def copy_workflow(
+    dest: Path,
+    *,
+    runs: list[dict] | None = None,
+    as_shipped: bool = False,
+    stage: dict | None = None,
+) -> Path:
     """Copy Snakefile, config, workflow/ and profiles/ to ``dest`` with a tiny demo config
-    (``as_shipped``: the repository's config.yaml unchanged, the demo a new user runs)."""
+    (``as_shipped``: the repository's config.yaml unchanged, the demo a new user runs).
+    ``stage``: the config's ``stage`` section (on the local SLURM cluster: its nodes' scratch,
+    ``Cluster.node_scratch_config()``, as a site user sets their node-local disk)."""
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy(REPO / "Snakefile", dest / "Snakefile")
     for name in ("workflow", "profiles"):
@@ -90,6 +98,8 @@ def copy_workflow(dest: Path, *, runs: list[dict] | None = None, as_shipped: boo
     config["train_defaults"].update(TINY_CONFIG_OVERRIDES["train_defaults_update"])
     if runs is not None:
         config["runs"] = runs
+    if stage is not None:
+        config["stage"] = stage
     write_config(dest, config)
     return dest
 

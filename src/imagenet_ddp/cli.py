@@ -170,7 +170,11 @@ def _add_staged_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prepared-train", type=Path, required=True)
     p.add_argument("--split-dir", type=Path, required=True)
     _add_launcher_arguments(p)
-    p.add_argument("--scratch-dir", type=Path, required=True)
+    p.add_argument(
+        "--scratch-dir",
+        required=True,
+        help="stage.scratch_dir; empty: $SLURM_TMPDIR, else $TMPDIR, else /tmp",
+    )
     p.add_argument("--stage-verify", choices=["size", "sha256"], required=True)
     p.add_argument("--cleanup", action=argparse.BooleanOptionalAction, required=True)
 

@@ -13,11 +13,12 @@ import datetime
 import json
 import os
 import socket
-import subprocess
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from imagenet_ddp.hostlist import expand_hostlist
 
 
 @dataclass(frozen=True)
@@ -247,11 +248,9 @@ def master_port(job_id: int) -> int:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """SLURM hostlist expression -> host names, via ``scontrol show hostnames``."""
-    out = subprocess.run(
-        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
-    ).stdout
-    return out.split()
+    """SLURM hostlist expression -> host names, parsed here: no ``scontrol`` in a rank (a
+    container image has no SLURM client)."""
+    return expand_hostlist(nodelist)
 
 
 def rendezvous_from_slurm_env() -> None:

@@ -30,6 +30,7 @@ import uuid
 from pathlib import Path
 
 from imagenet_ddp import attempts
+from imagenet_ddp.errors import InputError
 from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.job_spec import geometry_of, read_spec, staging_report_path
@@ -37,8 +38,12 @@ from imagenet_ddp.node_memory import compile_threads_env
 from imagenet_ddp.signals import EXIT_REQUEUE, STOP_SIGNALS, ForwardStopSignals
 from imagenet_ddp.stage import (
     cleanup_staged,
+    in_place_report,
     reclaim_stale_leases,
-    scratch_root_from_env,
+    refuse_shared_scratch,
+    scratch_info,
+    scratch_problem,
+    scratch_root,
     stage_dataset,
 )
 
@@ -46,16 +51,29 @@ STAGED_KINDS = ("train", "preflight")  # jobs that stage the prepared copy on ev
 
 
 def stage_this_node(spec: dict) -> dict:
+    """Copy the prepared data into this node's scratch (or, with the local launcher, read it in
+    place where a copy would land on its own filesystem); write the node's staging report.
+    A scratch root that every node shares (or on a network filesystem) is refused before any
+    copy, under srun always: that is the multi-node case staging exists for."""
     paths, execution = spec["paths"], spec["execution"]
     path = staging_report_path(paths["run_dir"], socket.gethostname())
     previous = json.loads(path.read_text()) if path.is_file() else {}
-    lease = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    scratch = scratch_root_from_env(Path(execution["scratch_dir"]))
-    reclaim_stale_leases(scratch)  # copies pinned by jobs killed before their cleanup
-    report = stage_dataset(
-        Path(paths["prepared_train"]), scratch, verify=execution["stage_verify"], lease=lease
-    )
-    report["lease"] = lease
+    src = Path(paths["prepared_train"])
+    scratch, origin = scratch_root(execution.get("scratch_dir") or None)
+    local = execution.get("launcher") == "local"
+    shared = {"prepare.dir": src} if local else {"prepare.dir": src, "the workdir": Path.cwd()}
+    kind, problem = scratch_problem(scratch, shared) or (None, None)
+    if kind == "shared" and local:  # one machine, one disk: a copy would buy nothing
+        report = in_place_report(src, f"scratch {scratch} (from {origin}) is {problem}")
+        print(f"staging: reading {src} in place: {report['in_place']}", flush=True)
+    elif problem:
+        raise refuse_shared_scratch(scratch, origin, problem)
+    else:
+        lease = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        reclaim_stale_leases(scratch)  # copies pinned by jobs killed before their cleanup
+        report = stage_dataset(src, scratch, verify=execution["stage_verify"], lease=lease)
+        report["lease"] = lease
+    report["scratch"] = scratch_info(scratch, origin)  # a site's node-local disk shows here
     # An earlier attempt of this run (requeued, or killed before its cleanup) left its lease:
     # give it up now that this attempt holds its own.
     if previous.get("lease") and not previous.get("cleaned"):
@@ -66,11 +84,14 @@ def stage_this_node(spec: dict) -> dict:
 
 def unstage_this_node(spec: dict) -> None:
     """Give up this run's lease on the node's copy; the copy goes with the last lease (another
-    run on this node may still read it)."""
+    run on this node may still read it). A copy read in place is left alone."""
     path = staging_report_path(spec["paths"]["run_dir"], socket.gethostname())
     report = json.loads(path.read_text())
     # cleaned: this run gave up its copy; removed: the copy is gone (no other run holds it)
-    report["removed"] = cleanup_staged(Path(report["dest"]), report.get("lease"))
+    if report.get("in_place"):
+        report["removed"] = False
+    else:
+        report["removed"] = cleanup_staged(Path(report["dest"]), report.get("lease"))
     report["cleaned"] = True
     write_json_atomic(path, report)
 
@@ -453,10 +474,14 @@ def main(argv: list[str] | None = None) -> int:
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, frame: received.append(signum))
     spec = read_spec(args.spec, STAGED_KINDS)
-    if args.command == "stage-node":
-        stage_this_node(spec)
-    else:
-        unstage_this_node(spec)
+    try:
+        if args.command == "stage-node":
+            stage_this_node(spec)
+        else:
+            unstage_this_node(spec)
+    except InputError as error:  # one line per node in the job's log, as the CLI prints it
+        print(f"{args.command} on {socket.gethostname()}: error: {error}", file=sys.stderr)
+        return 2
     if received:
         print(f"{socket.gethostname()}: {signal.Signals(received[0]).name} while "
               f"{args.command}: finished it, exit {EXIT_REQUEUE}", flush=True)  # fmt: skip

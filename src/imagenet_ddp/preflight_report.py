@@ -237,7 +237,7 @@ def _limit(minutes: float | None) -> str:
 
 
 def _rate(gb_per_s: float | None) -> str:
-    return "a copy already there, reused" if gb_per_s is None else f"{gb_per_s:.3f} GB/s"
+    return "no copy: reused, or read in place" if gb_per_s is None else f"{gb_per_s:.3f} GB/s"
 
 
 def _visible(ranks: list[dict], rank: int) -> str:
@@ -412,8 +412,9 @@ def _nodes(ranks: list[dict], staging: list[dict]) -> dict[str, dict]:
                 "bytes": s["bytes"],
                 "seconds": s["seconds"],
                 "reused": s["reused"],
-                # A reused copy measured no copy: its rate is unknown, not zero.
-                "gb_per_s": None if s["reused"] else s["bytes_per_s"] / 1e9,
+                "in_place": s.get("in_place"),  # local launcher: read where it is, no copy
+                # A reused copy (or none) measured no copy: its rate is unknown, not zero.
+                "gb_per_s": None if s["reused"] or s.get("in_place") else s["bytes_per_s"] / 1e9,
                 "projected_full_copy_seconds": s["seconds"],
             },
         }

@@ -8,8 +8,16 @@ to a temporary sibling directory renamed into place, under an exclusive lock, so
 stagers on one node (e.g. two jobs sharing a scratch dir) never see or make a partial copy.
 Works for any prepared directory (train or val).
 
+Scratch root (:func:`scratch_root`): ``stage.scratch_dir`` when set, else ``$SLURM_TMPDIR``,
+else ``$TMPDIR``, else ``/tmp``. Before any copy, a root on a network/parallel filesystem
+(:mod:`imagenet_ddp.mounts`) or on the filesystem of the prepared copy or the workdir is
+refused (:func:`scratch_problem`): every node would copy into one shared place, serialized by
+a cross-node lock, and train over the shared filesystem after all. The local launcher (one
+machine) reads the prepared copy in place instead where a copy would land on its own disk
+(launch.py ``stage_this_node``).
+
 Jobs that share a copy (several runs on one node with the same scratch dir: the local launcher,
-or a cluster without a per-job ``$SLURM_TMPDIR``) each hold a lease on it
+or a cluster without a per-job scratch dir) each hold a lease on it
 (``<fp>/<name>.leases/<lease>``); cleanup removes the copy only when the last lease goes, so one
 job's cleanup never deletes the data another is still reading. A lease left by a job killed
 before its cleanup (SIGKILL, node failure, a run never retried) is reclaimed by the next job
@@ -35,16 +43,106 @@ from imagenet_ddp.io import (
     lock_path_for,
     write_json_atomic,
 )
+from imagenet_ddp.mounts import MOUNTINFO, existing_ancestor, mount_of
 from imagenet_ddp.prepared_layout import PREPARED_JSON, SHARD_DIR
 
 STAGE_DIR = "imagenet_ddp"
 MARKER = ".staged.json"
 
 
-def scratch_root_from_env(default: Path) -> Path:
-    """$SLURM_TMPDIR (the job's node-local scratch) when set, else ``default``."""
-    value = os.environ.get("SLURM_TMPDIR")
-    return Path(value) if value else Path(default)
+SCRATCH_KEY = "stage.scratch_dir"
+# Where a node stages when stage.scratch_dir is unset, in this order. SLURM itself sets neither
+# variable to anything node-local: slurmstepd keeps the TMPDIR the job inherited (from the
+# submitting shell, or a site's prolog/plugin) and sets TMPDIR=/tmp only where none is set.
+SCRATCH_VARIABLES = ("SLURM_TMPDIR", "TMPDIR")
+
+
+def scratch_root(configured: str | None, environ=None) -> tuple[Path, str]:
+    """Where this node stages, and what chose it: ``configured`` (stage.scratch_dir) when
+    set, else $SLURM_TMPDIR, else $TMPDIR, else /tmp."""
+    environ = os.environ if environ is None else environ
+    if configured:
+        return Path(configured), SCRATCH_KEY
+    for variable in SCRATCH_VARIABLES:
+        if environ.get(variable):
+            return Path(environ[variable]), f"${variable}"
+    return Path("/tmp"), "the default /tmp"
+
+
+def scratch_problem(
+    root: Path, shared: dict[str, Path], mountinfo: Path = MOUNTINFO
+) -> tuple[str, str] | None:
+    """Why ``root`` cannot hold a node-local copy, as (kind, text), or None. Kind ``network``:
+    it is on a network/parallel filesystem; ``shared``: on the same filesystem (st_dev) as
+    one of ``shared`` ({what: path}, e.g. the prepared copy and the workdir, which every node
+    sees). A root that does not exist yet is judged by the ancestor it will be created in."""
+    mount = mount_of(root, mountinfo)
+    if mount is not None and mount.is_network:
+        return "network", f"on {mount.fs_type} ({mount.source} at {mount.mount_point})"
+    device = existing_ancestor(root).stat().st_dev
+    for what, path in shared.items():
+        if Path(path).exists() and Path(path).stat().st_dev == device:
+            return "shared", f"on the same filesystem as {what} ({path})"
+    return None
+
+
+def scratch_info(root: Path, origin: str) -> dict:
+    """The scratch root, what chose it and the filesystem holding it (for the report)."""
+    mount = mount_of(root)
+    return {
+        "root": str(root),
+        "from": origin,
+        "fs_type": mount.fs_type if mount else None,
+        "source": mount.source if mount else None,
+    }
+
+
+def configured_scratch_problem(scratch_dir: str, mountinfo: Path = MOUNTINFO) -> str | None:
+    """What the dry-run can already tell about ``stage.scratch_dir`` (the node's own view is
+    checked again when it stages): a relative path (in the workdir, which every node shares),
+    or a path that exists here on a network filesystem (the same path on the nodes)."""
+    if not scratch_dir:
+        return None
+    if not os.path.isabs(scratch_dir):
+        return (
+            f"{SCRATCH_KEY} {scratch_dir!r} is relative, i.e. in the workdir that every node "
+            "shares: set an absolute node-local path, or leave it empty ($SLURM_TMPDIR, "
+            "$TMPDIR, /tmp)"
+        )
+    mount = mount_of(Path(scratch_dir), mountinfo) if Path(scratch_dir).exists() else None
+    if mount is not None and mount.is_network:
+        return (
+            f"{SCRATCH_KEY} {scratch_dir!r} is on {mount.fs_type} ({mount.source}), which "
+            "every node shares: set a node-local path (e.g. /local/scratch or /dev/shm)"
+        )
+    return None
+
+
+def refuse_shared_scratch(root: Path, origin: str, problem: str) -> InputError:
+    return InputError(
+        f"scratch {root} (from {origin}) is {problem}: every node would stage into one shared "
+        f"place; set {SCRATCH_KEY} to a node-local disk (e.g. /local/scratch or /dev/shm)"
+    )
+
+
+def in_place_report(src: Path, why: str) -> dict:
+    """The staging report of a prepared copy read where it is (no copy made): ``dest`` is
+    ``src``, ``in_place`` says why; there is nothing to clean up."""
+    src = Path(src)
+    files = _files(src)
+    return {
+        "host": socket.gethostname(),
+        "src": str(src),
+        "dest": str(src),
+        "bytes": sum(size for _, size in files),
+        "files": len(files),
+        "verify": None,
+        "fingerprint": fingerprint(src),
+        "seconds": 0.0,
+        "bytes_per_s": 0.0,
+        "reused": False,
+        "in_place": why,
+    }
 
 
 def fingerprint(src: Path) -> str:
@@ -153,8 +251,8 @@ def stage_dataset(src: Path, scratch_root: Path, *, verify: str, lease: str | No
             free += sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
         if free < total:
             raise InputError(
-                f"scratch {dest.parent} has {_human(free)} free, needs {_human(total)}; set "
-                "stage.scratch_dir / ask for more $SLURM_TMPDIR"
+                f"scratch {dest.parent} has {_human(free)} free, needs {_human(total)}; free "
+                "it, or set stage.scratch_dir to a larger node-local disk"
             )
         with atomic_path(dest, is_dir=True) as tmp:
             for rel, _ in files:

@@ -14,9 +14,12 @@ is the host's (same paths, same files: the repo and any test copy under /tmp) ex
 - ``/etc/hosts``: adds the node names, so ``MASTER_ADDR=node1`` resolves inside jobs;
 - ``/etc/slurm``: this cluster's config, so ``srun``/``scontrol`` inside jobs find it even
   where SLURM_CONF was removed from the environment (the jobstep plugin strips SLURM_*);
-- ``<root>/scratch``: a per-node directory (``<root>/nodes/<name>/scratch`` seen from the
-  host), configured as TmpFS; a prolog creates ``job_<id>`` in it and a task prolog exports
-  it as ``SLURM_TMPDIR``.
+- ``<root>/scratch``: each node's own tmpfs (source ``scratch-<name>``), mounted in its own
+  mount namespace only: the same path on every node, different content per node, and an
+  empty directory on the host, as node-local disks are on a real cluster (slurm.conf TmpFS).
+  As strict as a site that sets nothing: no prolog exports ``SLURM_TMPDIR`` or ``TMPDIR``
+  (slurmstepd sets TMPDIR=/tmp, on the host's disk, where the job inherited none), so a job
+  stages there only when configured to (``stage.scratch_dir``, :meth:`Cluster.node_scratch_config`).
 
 Every node also declares ``Gres=gpu:<gpus_per_node>`` fake GPUs: character devices
 ``<root>/dev/fakegpu<i>`` (major 1, minor 3, i.e. what /dev/null is) named in ``gres.conf``,
@@ -91,7 +94,6 @@ class Node:
     addr: str
     holder: subprocess.Popen
     netns: str = ""  # readlink of /proc/<holder>/ns/net, identifies our processes
-    scratch: Path | None = None  # host view of this node's scratch directory
 
 
 @dataclass
@@ -120,9 +122,17 @@ class Cluster:
     def node_names(self) -> list[str]:
         return [n.name for n in self.nodes]
 
-    def node_scratch(self, name: str) -> Path:
-        """Host view of a node's scratch (what jobs on that node see at :attr:`scratch`)."""
-        return self.root / "nodes" / name / "scratch"
+    def node_files(self, name: str, under: Path | None = None) -> list[str]:
+        """The regular files under ``under`` (default: the scratch mount) as node ``name``
+        sees them, sorted: the host cannot see a node's tmpfs."""
+        top = str(under or self.scratch)
+        out = self.on_node(name, "find", top, "-type", "f", check=False).stdout
+        return sorted(out.split())
+
+    def node_scratch_config(self) -> dict:
+        """The config a user of this cluster sets, as a site user sets their node-local disk:
+        ``stage: {scratch_dir: <the nodes' tmpfs>}``."""
+        return {"scratch_dir": str(self.scratch)}
 
     def run(self, *argv: str, check: bool = True, timeout: float = 60, **kwargs):
         """Run a client command on the host against this cluster."""
@@ -191,15 +201,15 @@ def start_cluster(
     *,
     gpus_per_node: int = 2,
     name: str = "ci",
-    epilog_cleans_scratch: bool = False,
+    scratch_mb: int = 512,
     keep_files: bool = False,
     timeout: float = 90,
 ) -> Cluster:
     """Start munged, mariadbd, slurmdbd, slurmctld and ``nodes`` slurmds; wait until idle.
 
     Files go to ``workdir/slurm`` (removed by :meth:`Cluster.stop` unless ``keep_files``).
-    ``epilog_cleans_scratch``: an epilog removes each job's scratch dir (real sites do; off by
-    default so tests can check that the workflow cleaned up itself).
+    ``scratch_mb``: the size of each node's tmpfs at :attr:`Cluster.scratch` (memory, used only
+    as far as it is filled).
     """
     reason = unavailable_reason()
     if reason:
@@ -222,7 +232,7 @@ def start_cluster(
     )  # fmt: skip
     try:
         _start(cluster, nodes, cpus_per_node, mem_per_node_mb, gpus_per_node,
-               epilog_cleans_scratch, timeout)  # fmt: skip
+               scratch_mb, timeout)  # fmt: skip
     except BaseException as exc:
         cluster.keep_files = True  # keep the logs for the error message / post-mortem
         logs = cluster.logs()
@@ -238,7 +248,7 @@ def start_cluster(
     return cluster
 
 
-def _start(cluster: Cluster, n_nodes: int, cpus: int, mem_mb: int, gpus: int, epilog: bool,
+def _start(cluster: Cluster, n_nodes: int, cpus: int, mem_mb: int, gpus: int, scratch_mb: int,
            timeout):  # fmt: skip
     root, subnet = cluster.root, cluster.subnet
     for i in range(gpus):  # fake GPUs: any character device will do for slurmd
@@ -260,11 +270,11 @@ def _start(cluster: Cluster, n_nodes: int, cpus: int, mem_mb: int, gpus: int, ep
         "munge_socket": str(root / "munge" / "munge.socket"),
         "scratch": str(cluster.scratch),
         "cpus": cpus,
+        "scratch_mb": scratch_mb,  # TmpDisk: slurmd measures TmpFS, a node with less is INVAL
         "mem_mb": mem_mb,
         "gres_line": f"Gres=gpu:{gpus}" if gpus else "",
         "gres_conf": f"Name=gpu File={root}/dev/fakegpu[0-{gpus - 1}]" if gpus else "",
         "node_lines": "\n".join(f"NodeName={n.name} NodeAddr={n.addr}" for n in cluster.nodes),
-        "epilog_line": f"Epilog={root}/etc/epilog.sh" if epilog else "",
     }
     etc = root / "etc"
     for template in TEMPLATES.iterdir():
@@ -280,7 +290,7 @@ def _start(cluster: Cluster, n_nodes: int, cpus: int, mem_mb: int, gpus: int, ep
     )
     (etc / "hosts").write_text(hosts)
     for node in [cluster.ctl, *cluster.nodes]:
-        _configure_namespace(cluster, node)
+        _configure_namespace(cluster, node, scratch_mb)
 
     # munged on the host; its socket file is visible in every mount namespace.
     key = root / "munge" / "munge.key"
@@ -408,9 +418,6 @@ def _make_namespace(name: str, addr: str, cluster: Cluster) -> Node:
     # unshare execs sleep once the namespaces exist; only then may we nsenter into them.
     _wait(lambda: _netns(holder.pid) not in (None, mine), 10, f"namespaces of {name}", None)
     node.netns = _netns(holder.pid) or ""
-    if name != "slurmctl":
-        node.scratch = cluster.root / "nodes" / name / "scratch"
-        node.scratch.mkdir(parents=True)
     # veth pair: one end on the bridge, the other moved into the namespace as eth0.
     k, idx = cluster.subnet.rsplit(".", 1)[1], addr.rsplit(".", 1)[1]
     host_end, peer = f"stb{k}v{idx}", f"stb{k}p{idx}"
@@ -428,11 +435,12 @@ def _make_namespace(name: str, addr: str, cluster: Cluster) -> Node:
     return node
 
 
-def _configure_namespace(cluster: Cluster, node: Node) -> None:
+def _configure_namespace(cluster: Cluster, node: Node, scratch_mb: int) -> None:
     etc = cluster.root / "etc"
     mounts = f"mount --bind {etc}/hosts /etc/hosts\nmount --bind {etc} /etc/slurm\n"
-    if node.scratch is not None:
-        mounts += f"mount --bind {node.scratch} {cluster.scratch}\n"
+    if node is not cluster.ctl:  # its own tmpfs, seen only in its mount namespace
+        mounts += (f"mount -t tmpfs -o size={scratch_mb}m,mode=1777 scratch-{node.name} "
+                   f"{cluster.scratch}\n")  # fmt: skip
     _run(_nsenter(node, "sh", "-ec", mounts))
 
 

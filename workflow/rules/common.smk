@@ -31,6 +31,7 @@ from imagenet_ddp.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSI
 from imagenet_ddp.run_checks import container_problem, user_cache_dir
 from imagenet_ddp.runs import RunsError, resolve_runs, written_settings
 from imagenet_ddp.settings import declarations
+from imagenet_ddp.stage import configured_scratch_problem
 from imagenet_ddp.training.presets import scaled_lr
 
 # Validation fills in the schema's defaults, the one home of every setting's default: the rules
@@ -323,6 +324,11 @@ _APPTAINER = (
     DeploymentMethod.APPTAINER in workflow.deployment_settings.deployment_method
 )
 _problem = container_problem(CONTAINER, apptainer=_APPTAINER)
+if _problem:
+    raise WorkflowError(_problem)
+# A scratch dir every node would share fails here, at the dry-run (each node checks its own
+# view again before it copies: src/imagenet_ddp/stage.py).
+_problem = configured_scratch_problem(site_setting("stage", "scratch_dir"))
 if _problem:
     raise WorkflowError(_problem)
 

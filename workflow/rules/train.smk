@@ -78,7 +78,7 @@ rule train:
         " --prepared-train {input.prepared:q} --split-dir {params.split_dir:q}"
         " --run-dir {params.run_dir:q} --checkpoint-root {resources.checkpoint_root:q}"
         " --launcher {resources.launcher} --launch-prefix={resources.launch_prefix:q}"
-        " --srun-extra={resources.srun_extra:q} --scratch-dir {resources.scratch_dir:q}"
+        " --srun-extra={resources.srun_extra:q} --scratch-dir={resources.scratch_dir:q}"
         " --stage-verify {resources.stage_verify} --{resources.stage_cleanup}"
         ' --attempt {resources.snakemake_attempt} >> "$attempt_log" 2>&1'
 
@@ -188,7 +188,7 @@ rule preflight_run:
         " --prepared-train {input.prepared:q} --split-dir {params.split_dir:q}"
         " --out {output.report:q} --train-runtime-minutes {resources.train_runtime}"
         " --launcher {resources.launcher} --launch-prefix={resources.launch_prefix:q}"
-        " --srun-extra={resources.srun_extra:q} --scratch-dir {resources.scratch_dir:q}"
+        " --srun-extra={resources.srun_extra:q} --scratch-dir={resources.scratch_dir:q}"
         " --stage-verify {resources.stage_verify} --{resources.stage_cleanup}"
         " --checkpoint-root {resources.checkpoint_root:q} > {log:q} 2>&1"
 
