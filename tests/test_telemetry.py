@@ -271,6 +271,25 @@ def test_monitor_logs_every_interval_and_each_epoch_to_tensorboard(tmp_path):
     assert [e.step for e in events.Scalars("epoch/train_loss")] == [4]
 
 
+def monitored_job(tmp_path, *, resumed: bool, epoch: int, finish: bool, **tracker) -> bool:
+    """One training job's monitor on rank 0 (4 steps, one epoch) logging to ``tracker``
+    (``mlflow=`` or ``wandb=``); ``finish`` False: it closes as a job stopped by a signal.
+    Returns whether W&B logging was active (it is let go at the end)."""
+    monitor = RunMonitor(
+        active=True, run_dir=tmp_path, geometry={**GEOMETRY, "nodes": 1}, steps_per_epoch=4,
+        log_interval=2, world_size=2, batch_size=8, resumed=resumed,
+        sampler=GpuSampler(gpus=1, interval=0.01, nvml=FakeNvml(gpus=1)), **tracker,
+    )  # fmt: skip
+    wandb_active = monitor.wandb is not None
+    meter = FakeMeter()
+    for step in range(1, 5):
+        meter.steps = step
+        monitor.step(epoch, step, meter, lr=0.1)
+    monitor.epoch(epoch, {"train_loss": 2.4, "steady_images_per_s": None, "lr_end": 0.05})
+    monitor.finish(EPOCHS) if finish else monitor.close()
+    return wandb_active
+
+
 def test_mlflow_gets_tensorboards_scalars_and_a_resumed_job_continues_its_run(tmp_path):
     """MLflow's own file store (no server); the run id lives beside the checkpoints."""
     pytest.importorskip("tensorboard")
@@ -282,17 +301,7 @@ def test_mlflow_gets_tensorboards_scalars_and_a_resumed_job_continues_its_run(tm
     mlflow = {"uri": str(store), "run_name": "r", "state_dir": checkpoints, "params": {"lr": 0.1}}
 
     def job(resumed: bool, epoch: int, *, finish: bool):
-        monitor = RunMonitor(
-            active=True, run_dir=tmp_path, geometry={**GEOMETRY, "nodes": 1}, steps_per_epoch=4,
-            log_interval=2, world_size=2, batch_size=8, resumed=resumed, mlflow=mlflow,
-            sampler=GpuSampler(gpus=1, interval=0.01, nvml=FakeNvml(gpus=1)),
-        )  # fmt: skip
-        meter = FakeMeter()
-        for step in range(1, 5):
-            meter.steps = step
-            monitor.step(epoch, step, meter, lr=0.1)
-        monitor.epoch(epoch, {"train_loss": 2.4, "steady_images_per_s": None, "lr_end": 0.05})
-        monitor.finish(EPOCHS) if finish else monitor.close()  # close: stopped by a signal
+        monitored_job(tmp_path, resumed=resumed, epoch=epoch, finish=finish, mlflow=mlflow)
 
     job(resumed=False, epoch=0, finish=False)
     run_id = (checkpoints / "mlflow_run_id").read_text().strip()
@@ -354,18 +363,7 @@ def test_wandb_offline_gets_tensorboards_scalars_and_a_resumed_job_continues_its
              "state_dir": checkpoints, "params": {"lr": 0.1}}  # fmt: skip
 
     def job(resumed: bool, epoch: int, *, finish: bool):
-        monitor = RunMonitor(
-            active=True, run_dir=tmp_path, geometry={**GEOMETRY, "nodes": 1}, steps_per_epoch=4,
-            log_interval=2, world_size=2, batch_size=8, resumed=resumed, wandb=wandb,
-            sampler=GpuSampler(gpus=1, interval=0.01, nvml=FakeNvml(gpus=1)),
-        )  # fmt: skip
-        assert monitor.wandb is not None
-        meter = FakeMeter()
-        for step in range(1, 5):
-            meter.steps = step
-            monitor.step(epoch, step, meter, lr=0.1)
-        monitor.epoch(epoch, {"train_loss": 2.4, "steady_images_per_s": None, "lr_end": 0.05})
-        monitor.finish(EPOCHS) if finish else monitor.close()  # close: stopped by a signal
+        assert monitored_job(tmp_path, resumed=resumed, epoch=epoch, finish=finish, wandb=wandb)
 
     job(resumed=False, epoch=0, finish=False)
     job(resumed=True, epoch=1, finish=True)
