@@ -91,9 +91,14 @@ def placement(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> dict:
             gpu=str(props.uuid), gpu_name=props.name, gpu_memory_gb=props.total_memory / 1e9,
             gpu_uuid=str(props.uuid),
         )  # fmt: skip
-    elif (cfg.gpus_per_node or 0) > 0 and D.WOULD_SELECT:  # fake GPUs: select_device's choice
+    elif (cfg.gpus_per_node or 0) > 0:
         ids = visible or [str(i) for i in range(cfg.gpus_per_node)]
-        record["gpu"] = ids[int(D.WOULD_SELECT[0].split(":")[1])]
+        if D.WOULD_SELECT:  # fake GPUs: select_device's choice
+            index = int(D.WOULD_SELECT[0].split(":")[1])
+        else:  # a CPU rehearsal (device: cpu) chose none: its place among the node's ranks,
+            # wrapped where they outnumber the GPUs, so placement_problems names the sharing
+            index = info.local_rank % len(ids)
+        record["gpu"] = ids[index]
     return record
 
 
