@@ -24,6 +24,10 @@ from imagenet_ddp.telemetry import GpuSampler, unavailable
 __all__ = ["RunMonitor"]
 
 
+# The experiment trackers beside TensorBoard: (attribute of RunMonitor, name in messages).
+TRACKERS = (("tracker", "MLflow"), ("wandb", "W&B"))
+
+
 class RunMonitor:
     """Inactive (every method a no-op) unless ``active``; see the module docstring."""
 
@@ -114,7 +118,7 @@ class RunMonitor:
     def _write(self, method: str, *args) -> None:
         """``method`` of TensorBoard's log and of MLflow's, each switched off on its own
         failure: a full disk or an unreachable store must not end hours of training."""
-        for attribute, name in (("board", "TensorBoard"), ("tracker", "MLflow"), ("wandb", "W&B")):
+        for attribute, name in (("board", "TensorBoard"), *TRACKERS):
             sink = getattr(self, attribute)
             if sink is None:
                 continue
@@ -172,15 +176,12 @@ class RunMonitor:
         if self.board is not None:
             self.board.close()
             self.board = None
-        if self.tracker is not None:
+        for attribute, name in TRACKERS:  # each closed even if another fails
+            tracker = getattr(self, attribute)
+            if tracker is None:
+                continue
             try:
-                self.tracker.close(finished=finished)
+                tracker.close(finished=finished)
             except Exception as error:
-                print(f"MLflow off: {type(error).__name__}: {error}", flush=True)
-            self.tracker = None
-        if self.wandb is not None:
-            try:
-                self.wandb.close(finished=finished)
-            except Exception as error:
-                print(f"W&B off: {type(error).__name__}: {error}", flush=True)
-            self.wandb = None
+                print(f"{name} off: {type(error).__name__}: {error}", flush=True)
+            setattr(self, attribute, None)
