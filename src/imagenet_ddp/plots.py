@@ -379,23 +379,14 @@ def _loss_scale(ax_loss, histories: dict[str, pd.DataFrame]) -> None:
 def _curve_legends(fig, axes, styles: dict, colors: dict) -> None:
     """The line styles' legends in each panel, the runs' colors below both."""
     ax_loss, ax_acc = axes
-    gray = {"color": "0.3"}
-    ax_loss.legend(
-        handles=[
-            Line2D([], [], **gray, **styles["train"], label="train (mean over epoch)"),
-            Line2D([], [], **gray, **styles["holdout"], label="holdout (end of epoch)"),
-        ],
-        loc="upper right",
-        frameon=False,
-    )
-    ax_acc.legend(
-        handles=[
-            Line2D([], [], **gray, **styles["holdout_acc"], label="holdout (end of epoch)"),
-            Line2D([], [], **gray, **styles["train_acc"], label="train (mean over epoch)"),
-        ],
-        loc="upper left",
-        frameon=False,
-    )
+    labels = {"train": "train (mean over epoch)", "holdout": "holdout (end of epoch)"}
+    labels |= {"train_acc": labels["train"], "holdout_acc": labels["holdout"]}
+    for ax, keys, loc in (
+        (ax_loss, ("train", "holdout"), "upper right"),
+        (ax_acc, ("holdout_acc", "train_acc"), "upper left"),
+    ):
+        handles = [Line2D([], [], color="0.3", **styles[k], label=labels[k]) for k in keys]
+        ax.legend(handles=handles, loc=loc, frameon=False)
     run_handles = [Line2D([], [], color=c, linewidth=2, label=r) for r, c in colors.items()]
     ncol = min(len(run_handles), 5)
     fig.legend(
