@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.workflow_helpers import SNAKEMAKE, copy_workflow
+from tests.workflow_helpers import SNAKEMAKE, copy_workflow, read_config, snakemake
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
@@ -59,6 +59,9 @@ def test_scancel_of_a_single_rank_job_inside_snakemakes_step_checkpoints_and_res
     workdir = copy_workflow(tmp_path / "wf", runs=[RUN], stage=slurm_cluster.node_scratch_config())
     profile = ["--profile", "profiles/slurm", "--workflow-profile", str(TEST_PROFILE)]
     target = "results/runs/single/train_metrics.json"
+    # The data steps here (they are not what is tested; test_slurm_e2e submits them).
+    prepared = f"{read_config(workdir)['prepare'].get('dir', 'results/prepared')}/train"
+    snakemake(workdir, "--profile", "profiles/local", prepared, "results/split/train.csv")
     run = subprocess.Popen(
         [*SNAKEMAKE, *profile, target], cwd=workdir, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
