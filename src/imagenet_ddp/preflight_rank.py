@@ -208,7 +208,7 @@ def loader_batches(workers: int) -> dict[str, int]:
 def preflight_loader(dataset, info: D.DistInfo, seed: int, batch_size: int, workers: int, pin):
     """The run's DataLoader (:func:`train_loader`) over as many epochs of this rank's share
     as the measurement takes."""
-    sampler = EpochSampler(len(dataset), info.world_size, info.rank, seed)
+    sampler = EpochSampler(len(dataset), info.world_size, info.rank, seed, batch_size)
     if len(sampler) < batch_size:
         raise ValueError(
             f"batch_size {batch_size} x {info.world_size} ranks exceeds the {len(dataset)} "
