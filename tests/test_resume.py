@@ -379,7 +379,11 @@ def test_a_finished_run_under_a_new_global_batch_trains_afresh(
     output = two.stdout + two.stderr
     assert two.returncode == 0, output
     assert "resuming from" not in output
-    assert "not resuming" in output and "another global batch" in output and "(b4-o2)" in output
+    assert (
+        "not resuming" in output
+        and "another global batch" in output
+        and "(b4-o2-c1-g0-w0)" in output
+    )
     metrics = json.loads((out / "train_metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["global_batch"] == 8
     assert_bitwise_equal(weights(out), weights(uninterrupted))  # a true 2-rank run
@@ -443,7 +447,9 @@ def test_a_run_resumes_from_2_ranks_on_1_and_from_1_rank_on_2_with_the_same_glob
     assert "written on 1 ranks, now 2 with accumulation 1" in output, output[-3000:]
     metrics = json.loads((out / "train_metrics.json").read_text())
     reference = json.loads((elastic_reference / "train_metrics.json").read_text())
-    assert [p.name for p in ckpt.iterdir() if p.is_dir()] == [f"{reference['fingerprint']}-b8-o2"]
+    assert [p.name for p in ckpt.iterdir() if p.is_dir()] == [
+        f"{reference['fingerprint']}-b8-o2-c1-g0-w0"
+    ]
     assert_bitwise_equal(weights(out), weights(elastic_reference))
     assert [e["train_loss"] for e in metrics["epochs"]] == [
         e["train_loss"] for e in reference["epochs"]

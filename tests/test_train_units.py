@@ -143,27 +143,30 @@ def test_geometry_is_checked_against_the_ranks_that_started():
 
 
 def test_checkpoints_are_keyed_by_settings_and_global_batch_not_rank_count(tmp_path):
+    from imagenet_ddp.geometry import Geometry
     from imagenet_ddp.training.checkpoint import checkpoint_dir, checkpoint_tag, other_geometries
 
     fingerprint = train_config(lr=0.1).fingerprint()
     # Geometry and bookkeeping do not change the settings' hash; a weight-changing key does.
     assert train_config(lr=0.1, nodes=4, workers=3, log_interval=1).fingerprint() == fingerprint
     assert train_config(lr=0.2).fingerprint() != fingerprint
-    # The tag: the global batch (batch_size x ranks x accumulation) and the order's version.
+    # The tag: the global batch (batch_size x ranks x accumulation), the order's version and
+    # the geometry but the rank count.
     cfg, doubled = train_config(batch_size=4), train_config(batch_size=4, accumulation=2)
-    assert checkpoint_tag(cfg, 2) == checkpoint_tag(doubled, 1) == "b8-o2"
-    assert checkpoint_tag(cfg, 1) == "b4-o2"
+    two_ranks, one_rank = Geometry(2, 1, 2, 0, 1), Geometry(1, 1, 2, 0, 1)
+    assert checkpoint_tag(cfg, two_ranks) == checkpoint_tag(doubled, one_rank) == "b8-o2-c2-g0-w1"
+    assert checkpoint_tag(cfg, one_rank) == "b4-o2-c2-g0-w1"
+    assert checkpoint_tag(doubled, Geometry(1, 1, 4, 0, 3)) == "b8-o2-c4-g0-w3"
     # sync_bn's batch statistics span the ranks of a micro-step: keyed by the rank count too.
     synced = train_config(batch_size=4, sync_bn=True)
-    assert checkpoint_tag(synced, 2) == "b8-o2-r2"
-    assert checkpoint_tag(train_config(batch_size=4, sync_bn=True, accumulation=2), 1) == "b8-o2-r1"
+    assert checkpoint_tag(synced, two_ranks) == "b8-o2-c2-g0-w1-r2"
     one = checkpoint_dir(tmp_path, fingerprint, "n1x1-c2-g0-w1")  # an earlier version's name
-    two = checkpoint_dir(tmp_path, fingerprint, "b8-o2")
+    two = checkpoint_dir(tmp_path, fingerprint, "b8-o2-c2-g0-w1")
     assert one != two
     save_checkpoint(one, {"epoch": 3, "step_in_epoch": 0}, keep=2)
-    assert other_geometries(tmp_path, fingerprint, "b8-o2") == [one]
+    assert other_geometries(tmp_path, fingerprint, "b8-o2-c2-g0-w1") == [one]
     assert other_geometries(tmp_path, fingerprint, "n1x1-c2-g0-w1") == []
-    assert other_geometries(tmp_path, train_config(lr=0.2).fingerprint(), "b8-o2") == []
+    assert other_geometries(tmp_path, train_config(lr=0.2).fingerprint(), "b8-o2-c2-g0-w1") == []
 
 
 def test_a_resumed_epochs_counts_are_shared_out_on_another_rank_count():

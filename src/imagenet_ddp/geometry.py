@@ -66,6 +66,13 @@ def world_size(settings: Mapping[str, Any]) -> int:
     return int(settings.get("nodes") or 1) * int(settings.get("tasks_per_node") or 1)
 
 
+# The sample order's version in the checkpoint key (training.checkpoint.checkpoint_tag) and the
+# attempt record's (attempts.settings_key): "o2" is global batches cut into micro-batch groups
+# (training.data.EpochSampler). Before it each rank read a strided share of the epoch, so a
+# multi-rank checkpoint of an earlier version would resume under another order: never resumed.
+SAMPLE_ORDER = "o2"
+
+
 def global_batch(settings: Mapping[str, Any], world: int | None = None) -> int:
     """Samples per optimizer step: batch_size x ranks x accumulation. ``world``: the ranks that
     started (a rank); else the settings' nodes x tasks_per_node. What a checkpoint keys on

@@ -6,13 +6,14 @@ Both parts of the name matter:
 
 - the fingerprint hashes every setting that changes the weights: a changed ``lr`` never resumes
   a stale run;
-- the tag (:func:`checkpoint_tag`) is the global batch and the sample order's version, not the
-  rank count: the order and the micro-batch groups of each step are the same on any rank count
-  with the same global batch (training.data.EpochSampler), so a run checkpointed on N ranks
-  resumes on M ranks with N x accumulation = M x accumulation' (an elastic resume; the epoch
-  rows and figures say the shape each ran on). Checkpoints of another global batch, or of
-  versions before this order (their directories were named by the geometry), are not resumed:
-  one line says so and the run starts fresh (:func:`other_geometries`).
+- the tag (:func:`checkpoint_tag`) is the global batch, the sample order's version and the
+  geometry but the rank count: the order and the micro-batch groups of each step are the same
+  on any rank count with the same global batch (training.data.EpochSampler), so a run
+  checkpointed on N ranks resumes on M ranks with N x accumulation = M x accumulation' (an
+  elastic resume; the epoch rows and figures say the shape each ran on). Checkpoints of
+  another global batch or geometry, or of versions before this order (their directories were
+  named by the geometry alone), are not resumed: one line says so and the run starts fresh
+  (:func:`other_geometries`).
 
 What a checkpoint holds and how a job resumes from it: :func:`save_job`, :func:`resume_job`.
 Rank 0 writes from a CPU copy in a background thread (:class:`CheckpointWriter`): the other
@@ -36,21 +37,20 @@ import numpy as np
 import torch
 
 from imagenet_ddp import distributed as D
-from imagenet_ddp.geometry import global_batch
+from imagenet_ddp.geometry import SAMPLE_ORDER, Geometry, global_batch
 from imagenet_ddp.io import atomic_path
 from imagenet_ddp.training.state import TrainingState
 
-# The sample order's version in the checkpoint key: "o2" is global batches cut into
-# micro-batch groups (data.EpochSampler); before it each rank read a strided share, so a
-# multi-rank checkpoint of an earlier version would resume under another order.
-ORDER = "o2"
 
-
-def checkpoint_tag(cfg, world: int) -> str:
-    """The checkpoint key's second part: the global batch and the order, not the rank count.
-    With ``sync_bn`` the batch statistics span the ranks of each micro-step, so the rank
-    count changes the weights: such a run keys on it too (and resumes on it only)."""
-    tag = f"b{global_batch(vars(cfg), world)}-{ORDER}"
+def checkpoint_tag(cfg, geometry: Geometry) -> str:
+    """The checkpoint key's second part: the global batch, the sample order's version and the
+    geometry but its rank count (CPUs per rank, GPUs per node, loader workers: every figure
+    is measured under them), e.g. ``b1024-o2-c16-g8-w15``. With ``sync_bn`` the batch
+    statistics span the ranks of each micro-step, so the rank count changes the weights: such
+    a run keys on it too (``-r32``) and resumes on it only."""
+    world, g = geometry.world_size, geometry
+    tag = f"b{global_batch(vars(cfg), world)}-{SAMPLE_ORDER}"
+    tag += f"-c{g.cpus_per_task}-g{g.gpus_per_node}-w{g.workers}"
     return f"{tag}-r{world}" if cfg.sync_bn else tag
 
 
@@ -60,7 +60,7 @@ def checkpoint_dir(root: Path, fingerprint: str, geometry_tag: str) -> Path:
 
 def other_geometries(root: Path, fingerprint: str, geometry_tag: str) -> list[Path]:
     """Checkpoint directories of the same settings written under another tag: another global
-    batch, or an earlier version's order (named by the geometry then)."""
+    batch or geometry, or an earlier version's order (named by the geometry alone then)."""
     if not root.is_dir():
         return []
     mine = checkpoint_dir(root, fingerprint, geometry_tag)
@@ -297,9 +297,9 @@ def resume_job(job: TrainingState) -> ResumePoint:
         others = other_geometries(root, job.cfg.fingerprint(), tag)
         if others and job.info.is_main:
             print(
-                f"not resuming {others[-1]}: written under another global batch or an earlier "
-                f"version's sample order ({others[-1].name.split('-', 1)[1]}), this job's is "
-                f"{tag}; the batch order and LR schedule would mix; starting fresh",
+                f"not resuming {others[-1]}: written under another global batch or geometry, "
+                f"or an earlier version's sample order ({others[-1].name.split('-', 1)[1]}), "
+                f"this job's is {tag}; the batch order and LR schedule would mix; starting fresh",
                 flush=True,
             )
         return ResumePoint()

@@ -169,7 +169,7 @@ def _train(
         )
     job = build_job(cfg, info, device, geometry, base.num_classes, steps_per_epoch)
     job.checkpoint_dir = checkpoint_dir(
-        checkpoint_root, cfg.fingerprint(), checkpoint_tag(cfg, info.world_size)
+        checkpoint_root, cfg.fingerprint(), checkpoint_tag(cfg, geometry)
     )
     if attempt_key is not None:  # launched by the launcher, which names a hung rank at the end
         job.progress = RankProgress(checkpoint_root, info.rank, info.host)
