@@ -279,3 +279,32 @@ def test_ema_accuracy_and_the_published_figure_it_compares_with(tmp_path):
     assert pd.isna(table.loc["plain", "published_compare_with"])
     assert math.isnan(table.loc["plain", "published_top1"])
     assert "test_top1_ema" in COLUMNS and "published_top1" in COLUMNS  # runs.csv, the report
+
+
+def test_an_elastic_run_lists_its_allocations_shapes_and_each_shapes_throughput(tmp_path):
+    """A run resumed on fewer nodes (issue 28): the table says which allocation ran on which
+    shape, and its throughput is per shape (the last job's), never an average across them."""
+    run_dir = write_run_dir(tmp_path, "e", nodes=1, tasks_per_node=2, steady_per_worker=50.0)
+    metrics = json.loads((run_dir / "train_metrics.json").read_text())
+    metrics["shape"] = "1x2"
+    metrics["throughput_by_shape"] = {
+        "2x2": {"epochs": 3, "images_per_s": 380.0, "steady_images_per_s": 400.0},
+        "1x2": {"epochs": 2, "images_per_s": 90.0, "steady_images_per_s": 100.0},
+    }
+    metrics["cost"] = {
+        "attempts": [
+            {"attempt": 1, "shape": "2x2"},
+            {"attempt": 2, "shape": "1x2"},
+            {"attempt": 3, "shape": "1x2"},
+        ]  # fmt: skip
+    }
+    (run_dir / "train_metrics.json").write_text(json.dumps(metrics))
+    table = aggregate_runs([run_dir])
+    row = table.iloc[0]
+    assert row["shape"] == "1x2" and row["allocation_shapes"] == "2x2: 1; 1x2: 2, 3"
+    assert row["throughput_by_shape"] == (
+        "2x2: 400 img/s steady, 380 end to end (3 epochs); "
+        "1x2: 100 img/s steady, 90 end to end (2 epochs)"
+    )
+    assert row["steady_images_per_s"] == 100.0  # the last job's shape's (write_run_dir: 50 x 2)
+    assert "| 1 x 2 (+ 2 x 2) |" in to_markdown(table)

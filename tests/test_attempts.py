@@ -15,8 +15,8 @@ import pytest
 from imagenet_ddp import attempts
 from imagenet_ddp.cost import over_attempts
 
-RUN = {"run": "r", "lr": 0.1, "nodes": 1, "tasks_per_node": 2, "cpus_per_task": 1,
-       "max_allocations": 3}  # fmt: skip
+RUN = {"run": "r", "lr": 0.1, "batch_size": 4, "nodes": 1, "tasks_per_node": 2,
+       "cpus_per_task": 1, "max_allocations": 3}  # fmt: skip
 
 
 def checkpoint(root: Path, epoch: int, step: int) -> Path:
@@ -45,13 +45,34 @@ def test_each_attempt_is_recorded_with_its_start_and_newest_checkpoint(tmp_path)
 
 def test_the_count_follows_the_checkpoints_key():
     """Settings that resume the checkpoints continue the count; the others start both afresh
-    (training.checkpoint: the weights' settings, the geometry and the loader's workers)."""
+    (training.checkpoint: the weights' settings, the global batch and the geometry but the
+    rank count)."""
     key = attempts.settings_key
     for same in ({"gpu_type": "h100"}, {"mlflow_uri": "http://m"}, {"log_interval": 7},
-                 {"throughput_warmup_steps": 9}, {"recipe": "named"}):  # fmt: skip
+                 {"throughput_warmup_steps": 9}, {"recipe": "named"},
+                 {"tasks_per_node": 1, "accumulation": 2},  # the same global batch, 8
+                 {"nodes": 2, "tasks_per_node": 1}):  # fmt: skip
         assert key({**RUN, **same}) == key(RUN), same
-    for other in ({"lr": 0.2}, {"nodes": 2}, {"cpus_per_task": 4}, {"workers": 3}, {"seed": 1}):
+    for other in ({"lr": 0.2}, {"nodes": 2}, {"accumulation": 2}, {"cpus_per_task": 4},
+                  {"workers": 3}, {"seed": 1}):  # fmt: skip
         assert key({**RUN, **other}) != key(RUN), other
+    synced = {**RUN, "sync_bn": True}  # keyed by the rank count too
+    assert key({**synced, "tasks_per_node": 1, "accumulation": 2}) != key(synced)
+
+
+def test_each_attempt_records_the_shape_it_ran_on(tmp_path):
+    from imagenet_ddp.geometry import Geometry
+
+    two = Geometry(2, 1, 1)
+    first, _ = attempts.begin(tmp_path, RUN, attempt=1, gpus=0, cores=2, shape=two)
+    attempts.end(tmp_path, first, 75)
+    smaller = {**RUN, "tasks_per_node": 1, "accumulation": 2}
+    second, _ = attempts.begin(tmp_path, smaller, attempt=2, gpus=0, cores=1,
+                               shape=Geometry(1, 1, 1))  # fmt: skip
+    assert second["attempt"] == 2  # the same line of checkpoints
+    cost = attempts.cost_over_attempts(tmp_path, attempts.settings_key(RUN), time.time())
+    assert [(a["shape"], a["attempt"]) for a in cost["attempts"]] == [("2x1", 1), ("1x1", 2)]
+    assert [a["accumulation"] for a in attempts.load(tmp_path)] == [1, 2]
 
 
 def test_a_record_from_before_the_checkpoint_key_continues_its_count(tmp_path):
@@ -163,7 +184,9 @@ def test_a_crash_that_repeats_at_start_uses_at_most_two_jobs(prepared_demo, demo
                    extra=["--attempt", "3"])  # fmt: skip
     output = output_within(retry, 120)
     assert retry.returncode == 1 and "not retrying" in output, output[-3000:]
-    assert "batch_size 100000 x 2 ranks exceeds" in output and "+ " not in output, output
+    assert (
+        "batch_size 100000 x 2 ranks x accumulation 1, exceeds" in output and "+ " not in output
+    ), output
     assert time.monotonic() - begun < 60
     outcomes = [a["outcome"] for a in attempts.load(tmp_path / "ckpt")]
     assert outcomes == ["failed", "failed", "refused"]

@@ -43,7 +43,7 @@ def test_all_state_stays_on_the_device_the_job_was_built_for(optimizer):
     check_device_discipline(job, "after setup")
     images = torch.empty(2, 3, 16, 16, device=META)
     targets = torch.zeros(2, dtype=torch.long, device=META)
-    train_step(job, images, targets, epoch=1)  # after warm-up: the EMA is updated
+    train_step(job, [(images, targets)], epoch=1)  # after warm-up: the EMA is updated
     assert job.optimizer.state  # momentum / Adam moments exist now ...
     assert misplaced_tensors(job) == []  # ... and are on the meta device too
     assert "ema.n_averaged" in {

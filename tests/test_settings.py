@@ -130,5 +130,7 @@ def test_train_reruns_exactly_when_its_checkpoint_key_changes():
     run = resolve_run(run_defaults(load_schema(SCHEMA)), TRAIN_DEFAULTS, {"name": "r"})
     rerun = set(settings.rerun_settings(run))
     keyed = set(settings.weight_settings(settings.rank_settings(run))) - {"run"}
-    assert rerun == keyed | set(settings.keys("geometry"))
+    # accumulation, at the value of every earlier run (x-earlier 1), reruns nothing
+    assert rerun == keyed | set(settings.keys("geometry")) - {"accumulation"}
+    assert "accumulation" in settings.rerun_settings({**run, "accumulation": 2})
     assert not rerun & {"log_interval", "max_allocations", "gpu_type", "recipe", "preflight"}

@@ -13,12 +13,12 @@ from tests.workflow_helpers import train_config
 
 
 def test_epoch_sampler_skips_exactly_the_steps_already_done():
-    full = EpochSampler(100, world_size=2, rank=1, seed=3)
+    full = EpochSampler(100, world_size=2, rank=1, seed=3, batch_size=5)
     full.set_epoch(4)
-    resumed = EpochSampler(100, world_size=2, rank=1, seed=3)
-    resumed.set_epoch(4, skip_samples=20)
+    resumed = EpochSampler(100, world_size=2, rank=1, seed=3, batch_size=5)
+    resumed.set_epoch(4, skip_steps=4)
     assert list(resumed) == list(full)[20:]
-    assert len(resumed) == len(full) - 20
+    assert len(resumed) == len(full) - 20 == 30
     assert all(epoch == 4 for epoch, _ in full)
 
 
@@ -30,6 +30,38 @@ def test_ranks_see_disjoint_samples_and_epochs_reshuffle():
     first = [i for _, i in a]
     a.set_epoch(1)
     assert [i for _, i in a] != first
+
+
+def steps_by_group(world: int, accumulation: int, skip: int = 0) -> dict:
+    """{(step, group): the sample ids of that micro-batch group} over every rank."""
+    groups = {}
+    for rank in range(world):
+        sampler = EpochSampler(103, world, rank, seed=5, batch_size=3, accumulation=accumulation)
+        sampler.set_epoch(2, skip_steps=skip)
+        ids = [index for _, index in sampler]
+        for n, start in enumerate(range(0, len(ids), 3)):
+            step, micro = skip + n // accumulation, n % accumulation
+            groups[(step, sampler.group(micro))] = ids[start : start + 3]
+    return groups
+
+
+def test_every_step_takes_the_same_samples_in_the_same_groups_on_any_rank_count():
+    """Global batch 12 (4 groups of 3) on 4 ranks, 2 ranks x 2 micro-batches, 1 rank x 4: the
+    same sample ids in the same groups at every step, from a resume point too; 103 samples
+    make 8 steps on every shape (the last 7 left out, whatever the rank count)."""
+    reference = steps_by_group(4, 1)
+    assert len(reference) == 8 * 4 and {step for step, _ in reference} == set(range(8))
+    assert steps_by_group(2, 2) == reference == steps_by_group(1, 4)
+    resumed = {k: v for k, v in reference.items() if k[0] >= 5}
+    assert steps_by_group(2, 2, skip=5) == resumed == steps_by_group(1, 4, skip=5)
+    used = [i for ids in reference.values() for i in ids]
+    assert len(set(used)) == len(used) == 96
+    # One rank, one micro-batch: the order of earlier versions (DistributedSampler's).
+    old = torch.utils.data.DistributedSampler(range(103), 1, 0, shuffle=True, seed=5)
+    old.set_epoch(2)
+    one = EpochSampler(103, 1, 0, seed=5, batch_size=3)
+    one.set_epoch(2)
+    assert [i for _, i in one] == list(old)[:102]
 
 
 def test_augmentation_depends_on_seed_epoch_and_index_only():
@@ -110,20 +142,48 @@ def test_geometry_is_checked_against_the_ranks_that_started():
         resolve_geometry(cfg, DistInfo(0, 4, 0, 4, "h"), torch.device("cpu"))
 
 
-def test_checkpoints_are_keyed_by_settings_and_geometry(tmp_path):
-    from imagenet_ddp.training.checkpoint import checkpoint_dir, other_geometries
+def test_checkpoints_are_keyed_by_settings_and_global_batch_not_rank_count(tmp_path):
+    from imagenet_ddp.geometry import Geometry
+    from imagenet_ddp.training.checkpoint import checkpoint_dir, checkpoint_tag, other_geometries
 
     fingerprint = train_config(lr=0.1).fingerprint()
     # Geometry and bookkeeping do not change the settings' hash; a weight-changing key does.
     assert train_config(lr=0.1, nodes=4, workers=3, log_interval=1).fingerprint() == fingerprint
     assert train_config(lr=0.2).fingerprint() != fingerprint
-    one = checkpoint_dir(tmp_path, fingerprint, "n1x1-c2-g0-w1")
-    two = checkpoint_dir(tmp_path, fingerprint, "n1x2-c2-g0-w1")
+    # The tag: the global batch (batch_size x ranks x accumulation), the order's version and
+    # the geometry but the rank count.
+    cfg, doubled = train_config(batch_size=4), train_config(batch_size=4, accumulation=2)
+    two_ranks, one_rank = Geometry(2, 1, 2, 0, 1), Geometry(1, 1, 2, 0, 1)
+    assert checkpoint_tag(cfg, two_ranks) == checkpoint_tag(doubled, one_rank) == "b8-o2-c2-g0-w1"
+    assert checkpoint_tag(cfg, one_rank) == "b4-o2-c2-g0-w1"
+    assert checkpoint_tag(doubled, Geometry(1, 1, 4, 0, 3)) == "b8-o2-c4-g0-w3"
+    # sync_bn's batch statistics span the ranks of a micro-step: keyed by the rank count too.
+    synced = train_config(batch_size=4, sync_bn=True)
+    assert checkpoint_tag(synced, two_ranks) == "b8-o2-c2-g0-w1-r2"
+    one = checkpoint_dir(tmp_path, fingerprint, "n1x1-c2-g0-w1")  # an earlier version's name
+    two = checkpoint_dir(tmp_path, fingerprint, "b8-o2-c2-g0-w1")
     assert one != two
     save_checkpoint(one, {"epoch": 3, "step_in_epoch": 0}, keep=2)
-    assert other_geometries(tmp_path, fingerprint, "n1x2-c2-g0-w1") == [one]
+    assert other_geometries(tmp_path, fingerprint, "b8-o2-c2-g0-w1") == [one]
     assert other_geometries(tmp_path, fingerprint, "n1x1-c2-g0-w1") == []
-    assert other_geometries(tmp_path, train_config(lr=0.2).fingerprint(), "n1x1-c2-g0-w1") == []
+    assert other_geometries(tmp_path, train_config(lr=0.2).fingerprint(), "b8-o2-c2-g0-w1") == []
+
+
+def test_a_resumed_epochs_counts_are_shared_out_on_another_rank_count():
+    from imagenet_ddp.training.loop import carried_partial
+
+    same = {"segments": 1, "shape": "1x2"}
+    two = [
+        {"loss_sum": 3.0, "correct": 2.0, "samples": 8, "seconds": 5.0, **same},
+        {"loss_sum": 5.0, "correct": 4.0, "samples": 8, "seconds": 6.0, **same},
+    ]
+    assert carried_partial(two, 1, 2) == two[1]
+    assert carried_partial(None, 0, 1) is None
+    one = carried_partial(two, 0, 1)
+    assert one == {"loss_sum": 8.0, "correct": 6.0, "samples": 16, "seconds": 6.0,
+                   "segments": 1, "shape": "1x2"}  # fmt: skip
+    four = [carried_partial(two, rank, 4) for rank in range(4)]
+    assert sum(p["samples"] for p in four) == 16 and sum(p["loss_sum"] for p in four) == 8.0
 
 
 def test_steady_state_window_leaves_out_the_warmup_steps():

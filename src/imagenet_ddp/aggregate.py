@@ -77,6 +77,9 @@ COLUMNS = [
     "gpus",
     "gpu_type",
     "global_batch",
+    "shape",
+    "allocation_shapes",
+    "throughput_by_shape",
     "precision",
     "epochs",
     "staging_seconds",
@@ -193,6 +196,7 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         "gpus": gpus,
         "gpu_type": cfg.get("gpu_type", ""),  # asked of SLURM (gres); "": any type
         "global_batch": train["global_batch"],
+        **shape_columns(train),
         "precision": cfg["precision"],
         "epochs": cfg["epochs"],
         "staging_seconds": stage_seconds,
@@ -220,6 +224,26 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         **cost_row(train.get("cost"), _read_optional(run_dir / "accounting.json")),
         "git_commit": provenance["code"].get("git_commit", "unknown"),
         **code_row(train.get("cost")),
+    }
+
+
+def shape_columns(train: dict[str, Any]) -> dict[str, Any]:
+    """Which shape (nodes x ranks per node) each allocation of the run ran on, from its cost
+    block's attempts, and each shape's own throughput: the run's throughput columns are its
+    last job's shape's (``shape``), never an average across shapes (an elastic resume)."""
+    allocations: dict[str, list[str]] = {}
+    for attempt in (train.get("cost") or {}).get("attempts") or []:
+        shape = attempt.get("shape") or "?"  # "?": recorded before shapes were
+        allocations.setdefault(shape, []).append(str(attempt["attempt"]))
+    figures = train.get("throughput_by_shape") or {}
+    return {
+        "shape": train.get("shape", ""),
+        "allocation_shapes": "; ".join(f"{s}: {', '.join(a)}" for s, a in allocations.items()),
+        "throughput_by_shape": "; ".join(
+            f"{s}: {_number('.0f')(_float(f['steady_images_per_s']))} img/s steady, "
+            f"{_number('.0f')(_float(f['images_per_s']))} end to end ({f['epochs']} epochs)"
+            for s, f in figures.items()
+        ),
     }
 
 
@@ -351,6 +375,16 @@ def _number(fmt: str) -> Any:
     return lambda value: "" if pd.isna(value) else format(value, fmt)
 
 
+def _shapes(row: pd.Series) -> str:
+    """The last job's nodes x ranks, then (an elastic run) each other shape its allocations
+    ran on."""
+    mine = f"{row['nodes']} x {row['workers'] // row['nodes']}"
+    listed = row.get("allocation_shapes")
+    others = [] if pd.isna(listed) or not listed else [p.split(":")[0] for p in listed.split("; ")]
+    others = [s.replace("x", " x ") for s in others if s not in ("?", mine.replace(" ", ""))]
+    return mine + "".join(f" (+ {s})" for s in others)
+
+
 def _code_changed(row: pd.Series) -> bool:
     return not pd.isna(row["code_changed"]) and bool(row["code_changed"])
 
@@ -372,7 +406,7 @@ def _wall(seconds: Any) -> str:
 SHORT_COLUMNS: list[tuple[str, str, Any]] = [
     ("run", "left", lambda row: row["run"] + (" *" if _code_changed(row) else "")),
     ("model", "left", lambda row: row["model"]),
-    ("nodes x ranks", "right", lambda row: f"{row['nodes']} x {row['workers'] // row['nodes']}"),
+    ("nodes x ranks", "right", lambda row: _shapes(row)),
     ("GPUs", "right", lambda row: str(row["gpus"])),
     ("global batch", "right", lambda row: str(row["global_batch"])),
     ("precision", "left", lambda row: row["precision"]),

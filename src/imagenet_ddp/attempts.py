@@ -33,7 +33,6 @@ Torch-free: the launcher reads and writes it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import re
@@ -43,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from imagenet_ddp.geometry import Geometry
+from imagenet_ddp.geometry import SAMPLE_ORDER, Geometry, global_batch, world_size
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.provenance import code_version
 from imagenet_ddp.settings import digest, weight_settings
@@ -65,13 +64,17 @@ def record_path(checkpoint_root: str | os.PathLike[str]) -> Path:
 
 def settings_key(run: dict[str, Any]) -> str:
     """Which entries belong together: the attempts that train one line of checkpoints, keyed
-    as the checkpoints are (the settings that change the weights, and the geometry with the
-    loader's `workers`: geometry.Geometry.tag). A changed `max_allocations` or `gpu_type`
-    resumes the checkpoints and continues the count; a changed `lr` or node count starts both
-    afresh."""
+    as the checkpoints are (training.checkpoint.checkpoint_tag: the settings that change the
+    weights, the global batch, the sample order's version and the geometry but its rank
+    count). A changed `max_allocations` or `gpu_type`, or another node count with the same
+    global batch (`accumulation`), resumes the checkpoints and continues the count; a changed
+    `lr` or global batch starts both afresh."""
     # The tag's fields, as the run states them (workers may say "auto").
-    geometry = {f.name: run.get(f.name) for f in dataclasses.fields(Geometry)}
-    return digest({**weight_settings(run), "geometry": geometry})
+    geometry = {k: run.get(k) for k in ("cpus_per_task", "gpus_per_node", "workers")}
+    if run.get("sync_bn"):  # its checkpoints key on the rank count too
+        geometry["world"] = world_size(run)
+    order = {"global_batch": global_batch(run), "order": SAMPLE_ORDER}
+    return digest({**weight_settings(run), "geometry": geometry, **order})
 
 
 def _legacy_key(run: dict[str, Any]) -> str:
@@ -190,7 +193,13 @@ def refusal_ahead(checkpoint_root, run: dict[str, Any], attempt: int) -> str | N
 
 
 def begin(
-    checkpoint_root, run: dict[str, Any], *, attempt: int, gpus: int, cores: int
+    checkpoint_root,
+    run: dict[str, Any],
+    *,
+    attempt: int,
+    gpus: int,
+    cores: int,
+    shape: Geometry | None = None,
 ) -> tuple[dict[str, Any], str | None]:
     """Close a killed predecessor, append this attempt; returns (entry, refusal reason)."""
     attempts, key = load(checkpoint_root), settings_key(run)
@@ -214,6 +223,10 @@ def begin(
         "error": None,
         "gpus": gpus,
         "cores": cores,
+        # nodes x ranks per node this attempt ran on, and its micro-batches per rank and step:
+        # an elastic run's attempts may differ (docs/reliability.md)
+        "shape": None if shape is None else shape.shape,
+        "accumulation": int(run.get("accumulation") or 1),
         "code": {k: v for k, v in code_version().items() if k.startswith("git_")},
     }
     why = refusal(mine, attempt, int(run.get("max_allocations", 10)))
@@ -388,6 +401,7 @@ def cost_over_attempts(checkpoint_root, key: str, now: float) -> dict[str, Any]:
                 "gpu_hours_lost": a["gpus"] * lost / 3600,
                 "core_hours_lost": a["cores"] * lost / 3600,
                 "code": code_label(a.get("code")),
+                "shape": a.get("shape"),  # None: recorded before shapes were
                 "start": {k: (a.get("start") or {}).get(k) for k in ("epoch", "step")},
                 "last_checkpoint": None if not last else {k: last[k] for k in ("epoch", "step")},
             }

@@ -41,6 +41,11 @@ class Geometry:
         return self.nodes * self.tasks_per_node
 
     @property
+    def shape(self) -> str:
+        """Nodes x ranks per node: what each epoch row and attempt says it ran on."""
+        return f"{self.nodes}x{self.tasks_per_node}"
+
+    @property
     def tag(self) -> str:
         """The checkpoint key's geometry part: a changed geometry never resumes."""
         return (
@@ -58,7 +63,22 @@ def loader_workers(setting: int | str, cpus_per_task: int) -> int:
 
 def world_size(settings: Mapping[str, Any]) -> int:
     """Ranks of the job that ``settings`` (nodes, tasks_per_node) describes."""
-    return int(settings["nodes"]) * int(settings["tasks_per_node"])
+    return int(settings.get("nodes") or 1) * int(settings.get("tasks_per_node") or 1)
+
+
+# The sample order's version in the checkpoint key (training.checkpoint.checkpoint_tag) and the
+# attempt record's (attempts.settings_key): "o2" is global batches cut into micro-batch groups
+# (training.data.EpochSampler). Before it each rank read a strided share of the epoch, so a
+# multi-rank checkpoint of an earlier version would resume under another order: never resumed.
+SAMPLE_ORDER = "o2"
+
+
+def global_batch(settings: Mapping[str, Any], world: int | None = None) -> int:
+    """Samples per optimizer step: batch_size x ranks x accumulation. ``world``: the ranks that
+    started (a rank); else the settings' nodes x tasks_per_node. What a checkpoint keys on
+    instead of the rank count (training.checkpoint), and what the LR scales with."""
+    world = world_size(settings) if world is None else world
+    return int(settings["batch_size"]) * world * int(settings.get("accumulation") or 1)
 
 
 def slurm_resources(settings: Mapping[str, Any]) -> dict[str, Any]:

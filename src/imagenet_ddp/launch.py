@@ -210,6 +210,7 @@ def run_training(spec: dict, spec_path: Path) -> int:
         attempt=int(spec["execution"].get("attempt", 1)),
         gpus=geometry.nodes * int(run.get("gpus_per_node") or 0),
         cores=geometry.world_size * geometry.cpus_per_task,
+        shape=geometry,
     )
     print(f"run {run.get('run')!r}: attempt {entry['attempt']} (job "
           f"{entry['slurm_job_id'] or 'local'}), from epoch {entry['start']['epoch']} step "

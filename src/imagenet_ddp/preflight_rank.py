@@ -110,11 +110,12 @@ def _peak_memory_gb(device: torch.device) -> float:
 
 
 def _step_seconds(job, images, targets, steps: int) -> list[float]:
-    """Seconds of each of ``steps`` training steps, the device synchronized after each."""
+    """Seconds of each of ``steps`` training steps (``accumulation`` micro-batches each), the
+    device synchronized after each."""
     times = []
     for _ in range(steps):
         started = time.perf_counter()
-        train_step(job, images, targets, 0)
+        train_step(job, [(images, targets)] * job.cfg.accumulation, 0)
         synchronize(job.device)
         times.append(time.perf_counter() - started)
     return times
@@ -141,9 +142,10 @@ def model_step(job, cfg: TrainConfig, num_classes: int) -> dict:
     step = statistics.median(_step_seconds(job, images, targets, MODEL_STEPS["timed"]))
     with _without_allreduce(job):
         compute = statistics.median(_step_seconds(job, images, targets, MODEL_STEPS["timed"]))
+    per_step = cfg.batch_size * cfg.accumulation  # a rank's images per optimizer step
     return {
-        "model_images_per_s": cfg.batch_size / step,
-        "compute_images_per_s": cfg.batch_size / compute,
+        "model_images_per_s": per_step / step,
+        "compute_images_per_s": per_step / compute,
         "compile_seconds": max(0.0, first - step) if cfg.compile else 0.0,
         "peak_memory_gb": _peak_memory_gb(job.device),
         "peak_memory_kind": "device" if job.device.type == "cuda" else "host RSS",
@@ -208,7 +210,7 @@ def loader_batches(workers: int) -> dict[str, int]:
 def preflight_loader(dataset, info: D.DistInfo, seed: int, batch_size: int, workers: int, pin):
     """The run's DataLoader (:func:`train_loader`) over as many epochs of this rank's share
     as the measurement takes."""
-    sampler = EpochSampler(len(dataset), info.world_size, info.rank, seed)
+    sampler = EpochSampler(len(dataset), info.world_size, info.rank, seed, batch_size)
     if len(sampler) < batch_size:
         raise ValueError(
             f"batch_size {batch_size} x {info.world_size} ranks exceeds the {len(dataset)} "

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from imagenet_ddp import epoch_end
-from imagenet_ddp.geometry import world_size
+from imagenet_ddp.geometry import global_batch, world_size
 from imagenet_ddp.settings import declarations
 
 REPORT = "preflight.json"
@@ -97,8 +97,8 @@ def projection(
     """
     world = world_size(run)
     per_rank = min(rates["model"], rates["loader"])
-    steps = sizes["train"] // world // run["batch_size"]
-    epoch = steps * run["batch_size"] / per_rank
+    steps = sizes["train"] // global_batch(run)  # optimizer steps (training.data.EpochSampler)
+    epoch = steps * global_batch(run) / world / per_rank
     end = epoch_end_figures(run, rates, sizes["holdout"], epoch)
     setup = rates["staging_seconds"] + rates["compile_seconds"]  # again in every allocation
     work = run["epochs"] * epoch + end["epoch_end_seconds"]

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from imagenet_ddp.eval_settings import eval_settings
-from imagenet_ddp.geometry import loader_workers, world_size
+from imagenet_ddp.geometry import global_batch, loader_workers
 
 # Images in the ILSVRC2012 train archive (what `index` lists from the real archive).
 ILSVRC2012_TRAIN_IMAGES = 1_281_167
@@ -221,19 +221,21 @@ def _gpu_type_problem(run: Mapping) -> str | None:
 
 
 def _batch_problem(run: Mapping, sizes: tuple[int, int, str]) -> str | None:
-    """Training drops the last partial batch twice (DistributedSampler and DataLoader, both
-    ``drop_last=True``): each rank gets floor(train / world) samples and floor(that / batch)
-    steps, which is zero exactly when batch_size x world > train."""
+    """Training drops an epoch's last partial global batch (training.data.EpochSampler): an
+    epoch has floor(train / global batch) steps, zero exactly when the global batch (batch_size
+    x world x accumulation) > train."""
     train, _holdout, source = sizes
-    world = world_size(run)
-    global_batch = run["batch_size"] * world
-    if global_batch <= train:
+    batch = global_batch(run)
+    if batch <= train:
         return None
+    accumulation = (
+        f" x accumulation {run['accumulation']}" if run.get("accumulation", 1) > 1 else ""
+    )
     return (
         f"batch_size {run['batch_size']} x nodes {run['nodes']} x tasks_per_node "
-        f"{run['tasks_per_node']} = global batch {global_batch} is larger than the {train} "
-        f"training images ({source}): with the last partial batch dropped an epoch has no "
-        "step; lower batch_size or the number of ranks"
+        f"{run['tasks_per_node']}{accumulation} = global batch {batch} is larger than the "
+        f"{train} training images ({source}): with the last partial batch dropped an epoch "
+        "has no step; lower batch_size, accumulation or the number of ranks"
     )
 
 

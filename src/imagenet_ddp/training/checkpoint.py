@@ -1,15 +1,18 @@
 """Training checkpoints: where they live, atomic writes, finding the newest that loads.
 
-A run's checkpoints live in ``<root>/<settings fingerprint>-<geometry>/``, outside the rule's
+A run's checkpoints live in ``<root>/<settings fingerprint>-<tag>/``, outside the rule's
 outputs, so Snakemake's cleanup of a failed attempt keeps them and the next attempt resumes.
 Both parts of the name matter:
 
 - the fingerprint hashes every setting that changes the weights: a changed ``lr`` never resumes
   a stale run;
-- the geometry (nodes, ranks per node, CPUs per rank, GPUs per node, loader workers) is part of
-  the key because every figure of a run is measured under the geometry its row states. A run
-  resumed under another world size would also change the batch order and the LR schedule's
-  steps per epoch. Such a resume is refused with one line and the run starts fresh
+- the tag (:func:`checkpoint_tag`) is the global batch, the sample order's version and the
+  geometry but the rank count: the order and the micro-batch groups of each step are the same
+  on any rank count with the same global batch (training.data.EpochSampler), so a run
+  checkpointed on N ranks resumes on M ranks with N x accumulation = M x accumulation' (an
+  elastic resume; the epoch rows and figures say the shape each ran on). Checkpoints of
+  another global batch or geometry, or of versions before this order (their directories were
+  named by the geometry alone), are not resumed: one line says so and the run starts fresh
   (:func:`other_geometries`).
 
 What a checkpoint holds and how a job resumes from it: :func:`save_job`, :func:`resume_job`.
@@ -34,8 +37,21 @@ import numpy as np
 import torch
 
 from imagenet_ddp import distributed as D
+from imagenet_ddp.geometry import SAMPLE_ORDER, Geometry, global_batch
 from imagenet_ddp.io import atomic_path
 from imagenet_ddp.training.state import TrainingState
+
+
+def checkpoint_tag(cfg, geometry: Geometry) -> str:
+    """The checkpoint key's second part: the global batch, the sample order's version and the
+    geometry but its rank count (CPUs per rank, GPUs per node, loader workers: every figure
+    is measured under them), e.g. ``b1024-o2-c16-g8-w15``. With ``sync_bn`` the batch
+    statistics span the ranks of each micro-step, so the rank count changes the weights: such
+    a run keys on it too (``-r32``) and resumes on it only."""
+    world, g = geometry.world_size, geometry
+    tag = f"b{global_batch(vars(cfg), world)}-{SAMPLE_ORDER}"
+    tag += f"-c{g.cpus_per_task}-g{g.gpus_per_node}-w{g.workers}"
+    return f"{tag}-r{world}" if cfg.sync_bn else tag
 
 
 def checkpoint_dir(root: Path, fingerprint: str, geometry_tag: str) -> Path:
@@ -43,7 +59,8 @@ def checkpoint_dir(root: Path, fingerprint: str, geometry_tag: str) -> Path:
 
 
 def other_geometries(root: Path, fingerprint: str, geometry_tag: str) -> list[Path]:
-    """Checkpoint directories of the same settings written under another geometry."""
+    """Checkpoint directories of the same settings written under another tag: another global
+    batch or geometry, or an earlier version's order (named by the geometry alone then)."""
     if not root.is_dir():
         return []
     mine = checkpoint_dir(root, fingerprint, geometry_tag)
@@ -276,13 +293,13 @@ def resume_job(job: TrainingState) -> ResumePoint:
     into ``job``: where it resumes. Collective."""
     state = agreed_checkpoint(job.checkpoint_dir)
     if state is None:
-        root, tag = job.checkpoint_dir.parent, job.geometry.tag
+        root, tag = job.checkpoint_dir.parent, job.checkpoint_dir.name.split("-", 1)[1]
         others = other_geometries(root, job.cfg.fingerprint(), tag)
         if others and job.info.is_main:
             print(
-                f"not resuming {others[-1]}: written under another geometry "
-                f"({others[-1].name.split('-', 1)[1]}), this job is {job.geometry.tag}; the "
-                "batch order, LR schedule and measured figures would mix; starting fresh",
+                f"not resuming {others[-1]}: written under another global batch or geometry, "
+                f"or an earlier version's sample order ({others[-1].name.split('-', 1)[1]}), "
+                f"this job's is {tag}; the batch order and LR schedule would mix; starting fresh",
                 flush=True,
             )
         return ResumePoint()
@@ -293,11 +310,19 @@ def resume_job(job: TrainingState) -> ResumePoint:
     if job.ema is not None:
         job.ema.load_state_dict(state["ema"])
     job.history = state["history"]
-    restore_rng_state(state["rng"][job.info.rank], job.device)
+    # Written on another rank count (an elastic resume): rank r takes rank r mod N's streams.
+    # Sampling and augmentation draw from none of them (training.data); only a model that
+    # draws during training (dropout, stochastic depth) differs from the unbroken run.
+    restore_rng_state(state["rng"][job.info.rank % len(state["rng"])], job.device)
     if job.info.is_main:
+        written = state.get("world_size", job.info.world_size)
+        elastic = "" if written == job.info.world_size else (
+            f", written on {written} ranks, now {job.info.world_size} with accumulation "
+            f"{job.cfg.accumulation}"
+        )  # fmt: skip
         print(
             f"resuming from {state['path']} (epoch {state['epoch']}, step "
-            f"{state['step_in_epoch']})",
+            f"{state['step_in_epoch']}{elastic})",
             flush=True,
         )
     return ResumePoint(

@@ -3,6 +3,13 @@
 Augmentation is seeded per (seed, epoch, sample), not per worker process, so results do not
 depend on the DataLoader's worker count and a run resumed mid-epoch replays exactly the same
 batches.
+
+The sample order does not depend on the world size either (:class:`EpochSampler`): an epoch
+is one permutation of (seed, epoch); each optimizer step takes the next global batch, cut into
+fixed micro-batch groups of ``batch_size``; the ranks share the groups out, each accumulating
+several when there are fewer ranks. So every step sees the same samples in the same micro-batch
+groups on any number of ranks, and a checkpoint resumes on another rank count
+(docs/reliability.md, "Elastic resume").
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from imagenet_ddp.signals import ignore_stop_signals, loader_context
 
@@ -20,9 +27,11 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return ((seed * 1_000_003 + epoch) * 10_000_019 + index) % (2**63 - 1)
 
 
-def batch_seed(seed: int, epoch: int, step: int, rank: int) -> int:
-    """Seed of one rank's batch-level augmentation (mixup/cutmix); never a sample's seed."""
-    return sample_seed(seed, epoch, 2**40 + (step << 16) + rank)
+def batch_seed(seed: int, epoch: int, step: int, group: int) -> int:
+    """Seed of one micro-batch group's batch-level augmentation (mixup/cutmix); never a
+    sample's seed. By group, not rank: the same on any rank count (with one micro-batch per
+    rank, group = rank, the seed of earlier versions)."""
+    return sample_seed(seed, epoch, 2**40 + (step << 16) + group)
 
 
 class SeededAugmentation(Dataset):
@@ -51,30 +60,52 @@ class SeededAugmentation(Dataset):
 
 
 class EpochSampler(Sampler):
-    """DistributedSampler that yields (epoch, index) and can skip the steps already done."""
+    """This rank's (epoch, index) keys, micro-batch after micro-batch, from a given step on.
 
-    def __init__(self, length: int, world_size: int, rank: int, seed: int):
-        self.inner = DistributedSampler(
-            range(length),
-            num_replicas=world_size,
-            rank=rank,
-            shuffle=True,
-            seed=seed,
-            drop_last=True,
-        )
+    The epoch's order is ``torch.randperm`` seeded by seed + epoch (DistributedSampler's, so a
+    one-rank run keeps the order of earlier versions). Optimizer step ``s`` takes positions
+    ``[s * G, (s + 1) * G)`` of it, G the global batch (``batch_size`` x ranks x
+    ``accumulation``), cut into G / batch_size groups; micro-batch ``a`` of the step on rank
+    ``r`` is group ``a * world_size + r``. The tail of an epoch shorter than a global batch is
+    left out (drop_last), whatever the rank count: :attr:`steps` is ``length // G``."""
+
+    def __init__(
+        self,
+        length: int,
+        world_size: int,
+        rank: int,
+        seed: int,
+        batch_size: int = 1,
+        accumulation: int = 1,
+    ):
+        self.length, self.world_size, self.rank, self.seed = length, world_size, rank, seed
+        self.batch_size, self.accumulation = batch_size, accumulation
+        self.global_batch = batch_size * world_size * accumulation
+        self.steps = length // self.global_batch  # optimizer steps per epoch
         self.epoch, self.skip = 0, 0
 
-    def set_epoch(self, epoch: int, skip_samples: int = 0) -> None:
-        self.inner.set_epoch(epoch)
-        self.epoch, self.skip = epoch, skip_samples
+    def set_epoch(self, epoch: int, skip_steps: int = 0) -> None:
+        self.epoch, self.skip = epoch, skip_steps
+
+    def order(self) -> list[int]:
+        """The epoch's permutation: a function of (seed, epoch) only."""
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.length, generator=generator).tolist()
+
+    def group(self, micro: int) -> int:
+        """The micro-batch group of this rank's ``micro``-th micro-batch of a step."""
+        return micro * self.world_size + self.rank
 
     def __iter__(self):
-        for position, index in enumerate(self.inner):
-            if position >= self.skip:
-                yield (self.epoch, index)
+        order, size = self.order(), self.batch_size
+        for step in range(self.skip, self.steps):
+            for micro in range(self.accumulation):
+                first = step * self.global_batch + self.group(micro) * size
+                for index in order[first : first + size]:
+                    yield (self.epoch, index)
 
     def __len__(self) -> int:
-        return len(self.inner) - self.skip
+        return (self.steps - self.skip) * self.accumulation * self.batch_size
 
 
 def read_ids(path: Path) -> list[int]:

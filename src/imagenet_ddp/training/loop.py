@@ -13,8 +13,9 @@ of history.csv (``eval_seconds``, ``checkpoint_seconds``; metrics.EPOCH_END_NOTE
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import islice, repeat
 from typing import Any
 
 import torch
@@ -39,21 +40,23 @@ def run_epochs(
     """Train from the resume point to the last epoch: 0, or EXIT_REQUEUE when stopped.
     ``monitor`` (imagenet_ddp.monitor.RunMonitor): TensorBoard events on rank 0."""
     cfg, info = job.cfg, job.info
-    steps_per_epoch = len(sampler) // cfg.batch_size
+    steps_per_epoch = sampler.steps  # optimizer steps: global batches, whatever the ranks
     start_epoch, start_step, partial = resume.epoch, resume.step, resume.partial
     steps_done = 0
     for epoch in range(start_epoch, cfg.epochs):
         first = epoch == start_epoch
         skip = start_step if first else 0
-        sampler.set_epoch(epoch, skip_samples=skip * cfg.batch_size)
-        carried = partial[info.rank] if first and partial else None  # a resumed epoch's counts
+        sampler.set_epoch(epoch, skip_steps=skip)
+        # a resumed epoch's counts, shared out again if it ran on another rank count
+        carried = carried_partial(partial, info.rank, info.world_size) if first else None
         meter = EpochMeter(job.device, cfg.throughput_warmup_steps, carried)
+        meter.shape_of(job.geometry.shape)
         progress = Progress(info.is_main, epoch, steps_per_epoch, cfg.log_interval, meter)
         job.step_model.train()
         step = skip
-        for images, targets in batches(job, loader, holdout.num_classes, epoch, step):
-            loss, logits, labels = train_step(job, images, targets, epoch)
-            meter.update(loss, logits, labels)
+        for micro_batches in batches(job, loader, sampler, holdout.num_classes, epoch, step):
+            for index, (loss, logits, labels) in enumerate(train_step(job, micro_batches, epoch)):
+                meter.update(loss, logits, labels, step_end=index == cfg.accumulation - 1)
             step += 1
             steps_done += 1
             if steps_done == 1:  # optimizer state exists now
@@ -106,8 +109,36 @@ def interval_checkpoint(job: TrainingState, epoch: int, step: int, meter: EpochM
         print(f"interval checkpoint at epoch {epoch} step {step}: wrote {path}", flush=True)
 
 
-def batches(job: TrainingState, loader: DataLoader, num_classes: int, epoch: int, step: int):
-    """The epoch's batches on the device, from step ``step`` on: (images, targets) where
+def carried_partial(partial: list | None, rank: int, world: int) -> dict | None:
+    """This rank's share of a resumed epoch's counts (checkpoint ``partial_epoch``: one entry
+    per rank that wrote it). Written on another rank count (an elastic resume), the sums are
+    shared out evenly and the time is the slowest rank's, so the epoch's totals stay true."""
+    if not partial:
+        return None
+    if len(partial) == world:
+        return partial[rank]
+    total = {key: sum(p[key] for p in partial) for key in ("loss_sum", "correct", "samples")}
+    return {
+        "loss_sum": total["loss_sum"] / world,
+        "correct": total["correct"] / world,
+        "samples": total["samples"] // world,  # whole global batches: divisible
+        "seconds": max(p["seconds"] for p in partial),
+        "segments": max(p["segments"] for p in partial),
+        "shape": partial[0].get("shape"),
+    }
+
+
+def batches(job: TrainingState, loader: DataLoader, sampler, num_classes: int, epoch, step):
+    """The epoch's optimizer steps from step ``step`` on: for each, an iterator over this
+    rank's ``accumulation`` micro-batches of it (taken lazily: one micro-batch on the device
+    at a time), each (images, targets) as :func:`micro_batches` yields them."""
+    flat = micro_batches(job, loader, sampler, num_classes, epoch, step)
+    for _ in range(len(loader) // job.cfg.accumulation):
+        yield islice(flat, job.cfg.accumulation)
+
+
+def micro_batches(job: TrainingState, loader: DataLoader, sampler, num_classes: int, epoch, step):
+    """This rank's micro-batches on the device, from step ``step`` on: (images, targets) where
     targets are class indices, or (indices, mixed label distributions) with mixup/cutmix.
     Synthetic mode measures the model alone (one fixed random batch, the loader untouched)."""
     cfg, device = job.cfg, job.device
@@ -122,28 +153,41 @@ def batches(job: TrainingState, loader: DataLoader, num_classes: int, epoch: int
         return
     with stop_signals_blocked():  # workers are forked here; see imagenet_ddp.signals
         iterator = iter(loader)
-    for images, targets in iterator:  # uint8 crops from the loader; normalized on the device
+    for micro, (images, targets) in enumerate(iterator):  # uint8 crops, normalized here
         images = normalize_batch(images.to(device, non_blocking=True))
         targets = targets.to(device, non_blocking=True)
-        if job.mixer is not None:  # seeded by (seed, epoch, step, rank): a resume replays it
-            seed = batch_seed(cfg.seed, epoch, step, job.info.rank)
+        if job.mixer is not None:  # seeded by (seed, epoch, step, group): any rank count
+            at_step, group = (
+                step + micro // cfg.accumulation,
+                sampler.group(micro % cfg.accumulation),
+            )
+            seed = batch_seed(cfg.seed, epoch, at_step, group)
             images, mixed = recipe.mix_batch(job.mixer, images, targets, seed)
             targets = (targets, mixed)
-        step += 1
         yield images, targets
 
 
-def train_step(job: TrainingState, images: torch.Tensor, targets, epoch: int):
-    """One optimizer step; returns the loss and logits (targets: see :func:`batches`)."""
-    cfg = job.cfg
-    hard, soft = targets if isinstance(targets, tuple) else (targets, targets)
-    if cfg.channels_last:
-        images = images.contiguous(memory_format=torch.channels_last)
-    with autocast(job.device, cfg.precision):
-        logits = job.step_model(images)
-        loss = job.criterion(logits, soft)
+def train_step(job: TrainingState, micro_batches, epoch: int) -> list[tuple]:
+    """One optimizer step over this rank's micro-batches (targets: see :func:`micro_batches`);
+    returns (loss, logits, class targets) of each. DDP all-reduces the gradients after the
+    last one only (``no_sync`` before it), and each loss is divided by their count: the
+    gradient is the mean over the global batch, as with one micro-batch per rank on more
+    ranks (float summation order apart). BatchNorm's running statistics keep the first
+    micro-batch's update only: on more ranks, DDP broadcasts rank 0's buffers (group 0's
+    update) at each step's first forward, so they match whatever the rank count."""
+    cfg, count = job.cfg, job.cfg.accumulation
     job.optimizer.zero_grad(set_to_none=True)
-    job.scaler.scale(loss).backward()
+    results, kept = [], None
+    for index, (images, targets) in enumerate(micro_batches):
+        sync = index == count - 1 or not hasattr(job.step_model, "no_sync")
+        with nullcontext() if sync else job.step_model.no_sync():
+            results.append(forward_backward(job, images, targets, count))
+        if index == 0 and count > 1:
+            kept = [buffer.detach().clone() for buffer in job.model.buffers()]
+    if kept is not None:
+        with torch.no_grad():
+            for buffer, value in zip(job.model.buffers(), kept, strict=True):
+                buffer.copy_(value)
     if cfg.grad_clip_norm > 0:
         job.scaler.unscale_(job.optimizer)  # clip the true gradients, not the scaled ones
         torch.nn.utils.clip_grad_norm_(job.model.parameters(), cfg.grad_clip_norm)
@@ -151,6 +195,19 @@ def train_step(job: TrainingState, images: torch.Tensor, targets, epoch: int):
     job.scaler.update()
     job.scheduler.step()
     recipe.update_ema(cfg, job.ema, job.model, job.scheduler.last_epoch, epoch)
+    return results
+
+
+def forward_backward(job: TrainingState, images: torch.Tensor, targets, count: int):
+    """One micro-batch's forward and backward, its loss divided by ``count`` (micro-batches
+    per step) for the gradient; returns the undivided loss, logits and class targets."""
+    hard, soft = targets if isinstance(targets, tuple) else (targets, targets)
+    if job.cfg.channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+    with autocast(job.device, job.cfg.precision):
+        logits = job.step_model(images)
+        loss = job.criterion(logits, soft)
+    job.scaler.scale(loss / count if count > 1 else loss).backward()
     return loss, logits, hard
 
 
@@ -204,6 +261,7 @@ def end_epoch(job: TrainingState, epoch: int, meter: EpochMeter, holdout: Holdou
     record.update(evaluate_epoch(job, epoch, holdout))
     record["eval_seconds"] = time.perf_counter() - began  # ends with a collective: all ranks
     record["crop_size"] = job.cfg.crop_for_epoch(epoch)
+    record["shape"] = meter.shape  # nodes x ranks per node, or mixed (EpochMeter.shape_of)
     job.history.append(record)
     save_job(job, epoch + 1, 0, record=record)  # sets checkpoint_seconds on rank 0
     if job.info.is_main:

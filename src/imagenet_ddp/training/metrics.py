@@ -53,15 +53,19 @@ class EpochMeter:
         self.segments = int(partial.get("segments", 0)) + 1
         self.steps = 0  # steps of this segment
         self.window: tuple[float, int] | None = None  # (start time, samples at start)
+        self.shape = partial.get("shape")  # the shape of the epoch so far (see shape_of)
         self.started = time.perf_counter()
 
-    def update(self, loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
+    def update(
+        self, loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, step_end=True
+    ) -> None:
+        """Count one micro-batch; ``step_end``: the last of its optimizer step."""
         n = targets.shape[0]
         self.loss_sum += loss.detach().double() * n
         self.correct += (logits.detach().argmax(1) == targets).sum()
         self.samples += n
-        self.steps += 1
-        if self.steps == self.warmup_steps:
+        self.steps += step_end
+        if step_end and self.steps == self.warmup_steps:
             synchronize(self.device)
             self.window = (time.perf_counter(), self.samples)
 
@@ -86,7 +90,15 @@ class EpochMeter:
             "samples": self.samples,
             "seconds": self.seconds(),
             "segments": self.segments,
+            "shape": self.shape,
         }
+
+    def shape_of(self, shape: str) -> str:
+        """The epoch's shape: ``shape`` (this job's nodes x ranks per node), or ``mixed`` when
+        an earlier job ran part of it on another shape (an elastic resume): its end-to-end
+        figures then mix two shapes and are no shape's (aggregate keeps them apart)."""
+        self.shape = shape if self.shape in (None, shape) else "mixed"
+        return self.shape
 
     def reduce(self) -> dict[str, Any]:
         """Close the epoch: every rank's counters combined (collective; call on every rank)."""
@@ -211,6 +223,23 @@ def _median(values: list) -> float | None:
     return float(np.median(values)) if values else None
 
 
+def throughput_by_shape(history: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per shape (nodes x ranks per node) the run's epochs ran on: their count and median
+    throughputs. An epoch of a mixed shape (begun on one, finished on another) is in none."""
+    shapes: dict[str, list[dict[str, Any]]] = {}
+    for row in history:
+        shapes.setdefault(row.get("shape", "mixed"), []).append(row)
+    return {
+        shape: {
+            "epochs": len(rows),
+            "images_per_s": _median([h["images_per_s"] for h in rows]),
+            "steady_images_per_s": _median([h.get("steady_images_per_s") for h in rows]),
+        }
+        for shape, rows in shapes.items()
+        if shape != "mixed"
+    }
+
+
 def run_config(job: TrainingState) -> dict[str, Any]:
     """The run's settings and geometry, as recorded beside its results and in model.pt."""
     return {**dataclasses.asdict(job.cfg), **dataclasses.asdict(job.geometry)}
@@ -227,8 +256,10 @@ def write_run_metrics(
     cfg, history, world = job.cfg, job.history, job.info.world_size
     write_csv_atomic(out_dir / "history.csv", history_frame(history))
     epoch_seconds = [h["epoch_seconds"] for h in history]
-    images_per_s = _median([h["images_per_s"] for h in history])
-    steady = _median([h.get("steady_images_per_s") for h in history])
+    by_shape = throughput_by_shape(history)
+    # The run's figures are those of this job's shape: never averaged across shapes.
+    mine = by_shape.get(job.geometry.shape, {})
+    images_per_s, steady = mine.get("images_per_s"), mine.get("steady_images_per_s")
     write_json_atomic(
         out_dir / "train_metrics.json",
         {
@@ -240,12 +271,15 @@ def write_run_metrics(
             "nodes": len({r["host"] for r in ranks}),
             "hosts": sorted({r["host"] for r in ranks}),
             "ranks": ranks,
-            "global_batch": cfg.batch_size * world,
+            "global_batch": cfg.batch_size * world * cfg.accumulation,
+            "accumulation": cfg.accumulation,
+            "shape": job.geometry.shape,
+            "throughput_by_shape": by_shape,
             "lr_used": job.optimizer.defaults["lr"],  # lr after lr_scaling (the peak)
             "epochs": history,
             "mean_epoch_seconds": float(np.mean(epoch_seconds)) if epoch_seconds else None,
             "images_per_s": images_per_s,
-            "images_per_s_per_worker": images_per_s / world,
+            "images_per_s_per_worker": None if images_per_s is None else images_per_s / world,
             "steady_images_per_s": steady,
             "steady_images_per_s_per_worker": None if steady is None else steady / world,
             "throughput_warmup_steps": cfg.throughput_warmup_steps,

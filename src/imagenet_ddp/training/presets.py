@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from imagenet_ddp.geometry import global_batch
+
 PRESETS: dict[str, dict[str, Any]] = {
     # torchvision references/classification README, "ResNet" (torchrun --nproc_per_node=8
     # train.py --model resnet50, the script's defaults): 90 epochs, batch 32 x 8 GPUs, SGD lr
@@ -158,10 +160,9 @@ def preset(name: str) -> dict[str, Any]:
 def scaled_lr(run: Mapping[str, Any], world_size: int | None = None) -> float:
     """The LR the optimizer uses (its one computation: the dry-run's `lr_used`, the rank's
     optimizer): ``lr`` x global batch / 256 with ``lr_scaling: linear`` (the schema's default),
-    else ``lr``. ``world_size``: the ranks that started (a rank); else the run's nodes x
-    tasks_per_node."""
+    else ``lr``. The global batch (geometry.global_batch) counts ``accumulation``, so a run
+    resumed on fewer ranks with more accumulation keeps its LR. ``world_size``: the ranks that
+    started (a rank); else the run's nodes x tasks_per_node."""
     if run["lr_scaling"] != "linear":
         return float(run["lr"])
-    if world_size is None:
-        world_size = run.get("nodes", 1) * run.get("tasks_per_node", 1)
-    return float(run["lr"]) * run["batch_size"] * world_size / 256
+    return float(run["lr"]) * global_batch(run, world_size) / 256

@@ -184,10 +184,11 @@ def build_ema(cfg: TrainConfig, model: torch.nn.Module, world_size: int, device:
     CPU, and broadcasting the EMA's buffers over NCCL fails at the end of the first epoch.
 
     As torchvision's reference: the decay is per image seen, so it is adjusted for the global
-    batch and ``ema_steps`` (alpha = (1 - decay) x global batch x ema_steps / epochs)."""
+    batch (``accumulation`` counted) and ``ema_steps`` (alpha = (1 - decay) x global batch x
+    ema_steps / epochs)."""
     if cfg.ema_decay <= 0:
         return None
-    adjust = world_size * cfg.batch_size * cfg.ema_steps / cfg.epochs
+    adjust = cfg.batch_size * world_size * cfg.accumulation * cfg.ema_steps / cfg.epochs
     alpha = min(1.0, (1.0 - cfg.ema_decay) * adjust)
     return AveragedModel(
         model, device=device, multi_avg_fn=get_ema_multi_avg_fn(1.0 - alpha), use_buffers=True

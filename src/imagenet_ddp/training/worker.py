@@ -3,8 +3,9 @@
 Design choices that matter for users:
 - Augmentation is seeded per (seed, epoch, sample) (:mod:`.data`), so a run resumed mid-epoch
   replays exactly the same batches.
-- Checkpoints are keyed by the run's settings and its geometry (:mod:`.checkpoint`): a retry
-  or a SLURM requeue resumes; a changed setting or geometry starts fresh.
+- Checkpoints are keyed by the run's settings and its global batch (:mod:`.checkpoint`): a
+  retry or a SLURM requeue resumes, on another rank count too (``accumulation`` keeping the
+  global batch); a changed setting or global batch starts fresh.
 - A stop signal makes every rank stop at the same step (:mod:`.loop`).
 - Throughput is measured end to end and in a steady-state window per epoch (:mod:`.metrics`),
   without a host sync per step.
@@ -40,7 +41,7 @@ from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.monitor import RunMonitor
 from imagenet_ddp.signals import EXIT_REQUEUE, StopFlag, ignore_stop_signals
 from imagenet_ddp.training import recipe
-from imagenet_ddp.training.checkpoint import checkpoint_dir, resume_job
+from imagenet_ddp.training.checkpoint import checkpoint_dir, checkpoint_tag, resume_job
 from imagenet_ddp.training.config import TrainConfig, resolve_geometry
 from imagenet_ddp.training.data import (
     EpochSampler,
@@ -153,18 +154,23 @@ def _train(
     )
     transforms = recipe.EpochTransforms(cfg)  # the crop size may change per epoch
     dataset = SeededAugmentation(base, transforms, cfg.seed, per_epoch=True)
-    sampler = EpochSampler(len(dataset), info.world_size, info.rank, cfg.seed)
+    sampler = EpochSampler(
+        len(dataset), info.world_size, info.rank, cfg.seed, cfg.batch_size, cfg.accumulation
+    )
     loader = train_loader(
         dataset, sampler, cfg.batch_size, geometry.workers, pin=device.type == "cuda"
     )
-    steps_per_epoch = len(sampler) // cfg.batch_size
+    steps_per_epoch = sampler.steps
     if steps_per_epoch == 0:
         raise ValueError(
-            f"run {cfg.run!r}: batch_size {cfg.batch_size} x {info.world_size} ranks exceeds the "
-            f"{len(dataset)} training samples; lower batch_size"
+            f"run {cfg.run!r}: the global batch, batch_size {cfg.batch_size} x "
+            f"{info.world_size} ranks x accumulation {cfg.accumulation}, exceeds the "
+            f"{len(dataset)} training samples; lower batch_size or accumulation"
         )
     job = build_job(cfg, info, device, geometry, base.num_classes, steps_per_epoch)
-    job.checkpoint_dir = checkpoint_dir(checkpoint_root, cfg.fingerprint(), geometry.tag)
+    job.checkpoint_dir = checkpoint_dir(
+        checkpoint_root, cfg.fingerprint(), checkpoint_tag(cfg, geometry)
+    )
     if attempt_key is not None:  # launched by the launcher, which names a hung rank at the end
         job.progress = RankProgress(checkpoint_root, info.rank, info.host)
     resume = resume_job(job)
