@@ -28,7 +28,7 @@ import torch
 from imagenet_ddp import attempts
 from tests.test_resume import CONFIG, assert_bitwise_equal, torchrun, weights
 from tests.test_slurm_e2e import TEST_PROFILE
-from tests.workflow_helpers import copy_workflow, read_config, snakemake
+from tests.workflow_helpers import copy_workflow, read_config, shown_specs, snakemake
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
@@ -105,7 +105,7 @@ def test_a_run_longer_than_its_time_limit_finishes_in_one_invocation(slurm_clust
     # The data steps here (they are not what is tested).
     snakemake(workdir, "--profile", "profiles/local", target, "results/split/train.csv")
     shown = snakemake(workdir, "-n", "-p", "results/runs/long/model.pt").stdout
-    settings = json.loads(re.search(r"--run-config-json '([^']*)'", shown).group(1))
+    settings = shown_specs(shown, "train")[0]["run"]
 
     with ThreadPoolExecutor(2) as pool:
         reference = pool.submit(reference_run, prepared, workdir, tmp_path / "ref", settings)

@@ -75,7 +75,7 @@ def launcher_pid(workdir: Path) -> int:
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
-            ours = b"--run-config-json" in argv and (proc / "cwd").resolve() == workdir
+            ours = b"--job" in argv and (proc / "cwd").resolve() == workdir
             if ours and b"train" in argv and any(a.endswith(b"imagenet-ddp") for a in argv):
                 return int(proc.name)
         except OSError:

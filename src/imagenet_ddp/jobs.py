@@ -44,6 +44,7 @@ def train_job(job: TrainJob) -> int:
     """
     from imagenet_ddp.launch import run_training
 
+    _ = job.geometry  # a run without its geometry is refused before anything is written
     job = with_launcher(job, resolve_launcher(job.execution.launcher))
     run_dir = job.paths.run_dir
     spec_path = write_spec(run_dir / TRAIN_SPEC, job)

@@ -28,6 +28,7 @@ def preflight_job(job: PreflightJob) -> int:
     from imagenet_ddp.jobs import resolve_launcher
     from imagenet_ddp.launch import run_staged
 
+    _ = job.geometry  # a run without its geometry is refused before anything is written
     job = with_launcher(job, resolve_launcher(job.execution.launcher))
     out, run = job.paths.out, job.run
     failed = out.with_name(FAILED)

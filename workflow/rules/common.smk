@@ -297,13 +297,13 @@ def launch_prefix(rule):
     return value
 
 
-def _execution(rule, wildcards, attempt, staged):
+def _execution(rule_name, wildcards, attempt, staged):
     """A job spec's execution block (imagenet_ddp.job_spec.Execution): where and how the job
     runs, from the site's settings and the rule's `mpi` resource (launch_prefix). Not results:
     it travels in a resource, so no change of it reruns a finished job."""
     block = {
         "launcher": site_setting("execution", "launcher"),
-        "launch_prefix": launch_prefix(rule)(wildcards),
+        "launch_prefix": launch_prefix(rule_name)(wildcards),
         "srun_extra": site_setting("execution", "srun_extra"),
         "attempt": attempt,  # 2, 3, ...: a resubmission (imagenet_ddp.attempts)
     }
@@ -317,9 +317,9 @@ def _execution(rule, wildcards, attempt, staged):
     return block
 
 
-def _output(rule, key, wildcards):
-    """Rule `rule`'s output `key` for this run: the output's one home is the rule."""
-    return expand(getattr(rules, rule).output[key], run=wildcards.run)[0]
+def _output(rule_name, key, wildcards):
+    """Rule `rule_name`'s output `key` for this run: the output's one home is the rule."""
+    return expand(getattr(rules, rule_name).output[key], run=wildcards.run)[0]
 
 
 def _train_paths(wildcards, input):
@@ -365,28 +365,29 @@ def _job_parts(kind, wildcards, input):
     return parts
 
 
-def job_spec(kind, rule):
+def job_spec(kind, mpi_rule):
     """A resource: the rule's whole job spec (imagenet_ddp.job_spec) as one JSON value for the
     shell's `imagenet-ddp <kind> --job`: the run's settings (or the evaluation's geometry and
     settings), its paths and the execution block, built here once and checked here (a spec the
     job would refuse fails at the dry-run). A resource, not a param: the run's settings hold
     bookkeeping too (log_interval: no rerun of a finished job, imagenet_ddp.settings); what
     reruns a job is params.rerun_on. As a resource it still reaches every job that starts, so
-    a run in progress gets a changed value at its next job."""
+    a run in progress gets a changed value at its next job. `mpi_rule`: the rule whose `mpi`
+    resource starts the ranks (the preflight's are started as train's)."""
 
     def value(wildcards, input, attempt):
         spec = {
             "kind": kind,
             **_job_parts(kind, wildcards, input),
             "execution": _execution(
-                rule, wildcards, attempt, staged=kind != "evaluate"
+                mpi_rule, wildcards, attempt, staged=kind != "evaluate"
             ),
         }
         try:
             spec = to_dict(from_dict(spec, kind))
         except SpecError as error:
             raise WorkflowError(
-                f"rule {rule}, run {wildcards.run!r}: job spec: {error}"
+                f"{kind} job of run {wildcards.run!r}: job spec: {error}"
             )
         return json.dumps(spec)  # kind, run (or geometry), paths, execution
 
