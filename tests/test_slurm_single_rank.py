@@ -28,7 +28,7 @@ RUN = {
     "tasks_per_node": 1,
     "cpus_per_task": 2,  # workers: auto -> one loader worker
     "workers": "auto",
-    "epochs": 6,  # still training when scancel lands after "epoch 1 step"
+    "epochs": 4,  # still training when scancel lands after "epoch 1 step"
 }
 
 

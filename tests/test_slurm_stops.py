@@ -1,6 +1,9 @@
-"""Every way a running training job is told to stop, on the real local SLURM cluster, through
-`snakemake --profile profiles/slurm`: each writes a checkpoint, exits for requeue (75) and its
-attempt is recorded `stopped`; the next job resumes from it.
+"""A run longer than its allocations, through `snakemake --profile profiles/slurm` on the real
+local SLURM cluster: every way a running training job is told to stop writes a checkpoint,
+exits for requeue (75) and is recorded `stopped`; one invocation resubmits the run until it is
+done (imagenet_ddp.attempts), its cost and accounting count every allocation, and its final
+weights are bitwise those of an uninterrupted run (deterministic mode, CPU, gloo, one thread
+per rank), trained meanwhile at the lowest CPU priority.
 
 One invocation trains a 2-node run (its ranks are an srun step started by the launcher in the
 batch step, as every multi-rank job) and the test stops four of its jobs in turn:
@@ -11,37 +14,57 @@ batch step, as every multi-rank job) and the test stops four of its jobs in turn
 3. `scancel -s TERM --batch <job>`: SIGTERM to the batch shell alone, which dies of it, so the
    job ends and SLURM sends the ranks SIGTERM;
 4. the time limit: sbatch `--signal=USR1@30` (as profiles/slurm asks, with a shorter warning
-   for a 3-minute limit) sends SIGUSR1 to the ranks' step 30-60 s before the limit.
+   for a 2-minute limit) sends SIGUSR1 to the ranks' step 30-60 s before the limit;
 
-What SLURM does in each case, read in its source: docs/slurm-notes.md section 7.
+then lets it finish (a job the warning stops again is resubmitted the same way).
+
+Meanwhile a second invocation in the same directory trains a run whose ranks fail at start on
+every node (it asks for a GPU; the nodes' fake GPUs have no CUDA behind them, as a node with a
+broken driver): it is retried once with its GPUs, and its next retry, which refuses, is
+submitted as one task without GPUs.
+
+What SLURM does in each case, read in its source: docs/slurm-notes.md section 7. The time limit
+without `--signal` (SIGTERM at the limit, state TIMEOUT) delivers the signal as `scancel` does;
+docs/slurm-notes.md says what was shown of it on this cluster.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from imagenet_ddp import attempts
-from tests.test_resume import CONFIG
+from tests.test_resume import CONFIG, assert_bitwise_equal, torchrun, weights
 from tests.test_slurm_e2e import TEST_PROFILE
-from tests.workflow_helpers import SNAKEMAKE, copy_workflow, snakemake
+from tests.workflow_helpers import SNAKEMAKE, copy_workflow, read_config, shown_specs, snakemake
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
-# 2 nodes x 1 rank, ~11 s per epoch on an idle 2-core machine (tests/test_slurm_allocations.py):
-# far more epochs than the four stopped jobs train.
+# 2 nodes x 1 rank, one loader worker, batch 2, crop 24, fp32: 81 steps, ~11 s per epoch on an
+# idle 2-core machine (measured in CI). The first three jobs are stopped as soon as they train;
+# the fourth trains until its warning, 60-90 s after its start (30-60 s before its 2-minute
+# limit: slurmctld checks every 30 s), 3-6 epochs after start-up; the next finishes, or is
+# warned and resubmitted on a loaded machine (max_allocations leaves room for that).
 RUN = {key: CONFIG[key] for key in CONFIG if key != "run"} | {
-    "name": "stops", "nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1, "epochs": 60,
-    "max_allocations": 8, "batch_size": 2, "crop_size": 24, "eval_resize": 24, "workers": 1,
-    "precision": "fp32", "deterministic": False,
+    "name": "stops", "nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1, "epochs": 8,
+    "max_allocations": 12, "batch_size": 2, "crop_size": 24, "eval_resize": 24, "workers": 1,
+    "precision": "fp32",  # deterministic CPU bf16 runs without oneDNN (~25x slower per step)
 }  # fmt: skip
-RUNTIME_MINUTES = 3  # the warning comes 2-2.5 min after the start, the ranks long trained
+# Fails at start on every node: a GPU run where CUDA is unusable (a broken driver); its
+# invocation's only run, so the rule's retries are max_allocations - 1 = 2. Two loader workers:
+# fewer on a GPU run is refused at the dry-run (run_checks.MIN_GPU_LOADER_WORKERS).
+CRASH = {**RUN, "name": "crash", "epochs": 1, "gpus_per_node": 1, "max_allocations": 3,
+         "workers": 2}  # fmt: skip
+RUNTIME_MINUTES = 2  # the warning comes 60-90 s after the start, the ranks long trained
 WARNING_SECONDS = 30  # slurmctld sends it 30-60 s before the limit (its 30 s check)
 SLURM = ["--profile", "profiles/slurm", "--workflow-profile", str(TEST_PROFILE)]
 PROGRESS = re.compile(r"epoch \d+ step \d+/\d+")
@@ -83,66 +106,170 @@ def launcher_pid(workdir: Path) -> int:
     raise AssertionError("launcher process not found")
 
 
-def test_every_way_of_stopping_a_job_checkpoints_and_records_stopped(slurm_cluster, tmp_path):
+def reference_run(prepared, workdir, out, settings) -> subprocess.CompletedProcess:
+    """The run uninterrupted, at nice 19 (it trains while the SLURM run waits)."""
+    proc = torchrun(prepared, workdir / "results/split", out / "out", out / "ckpt",
+                    config=settings, popen=True)  # fmt: skip
+    os.setpriority(os.PRIO_PROCESS, proc.pid, 19)  # before it starts its ranks (inherited)
+    stdout, _ = proc.communicate(timeout=1500)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, "")
+
+
+def crash_invocation(workdir) -> subprocess.CompletedProcess:
+    """The run that fails at start, in its own invocation (beside the other: --nolock; the
+    outputs differ) with a config of its own: its runs alone. A --set-resources on the command
+    line replaces the profile's set-resources whole, so mem_mb is restated (without it the job
+    asks default-resources' 500 MB, which the dry-run's memory check refuses)."""
+    (workdir / "crash.yaml").write_text(json.dumps({"runs": [CRASH]}))  # YAML
+    return snakemake(
+        workdir, "results/runs/crash/model.pt", *SLURM, "--nolock", "--configfile", "crash.yaml",
+        "--set-resources", "train:runtime=5", "train:mem_mb=4000", check=False, timeout=1500,
+    )  # fmt: skip
+
+
+def sacct_jobs(cluster, log: str, fields: str) -> list[list[str]]:
+    """The train jobs of the invocation whose output is ``log``: ``fields`` of each."""
+    run_uuid = re.search(r"SLURM run ID: (\S+)", log).group(1)
+    # -S: without it (and without -j) sacct lists only jobs since today's midnight.
+    out = cluster.run(
+        "sacct", "-X", "-n", "-P", "-S", "2000-01-01", "--name", run_uuid, "-o", fields
+    ).stdout
+    return [line.split("|") for line in out.splitlines() if "rule_train" in line]
+
+
+def stop_four_ways(cluster, workdir: Path, run: subprocess.Popen) -> dict[str, tuple[int, str]]:
+    """Each way of stopping, on the next train job once it trains: its job id and final state."""
+    stops = {
+        "kill": lambda job: os.kill(launcher_pid(workdir), signal.SIGTERM),
+        "scancel": lambda job: cluster.run("scancel", str(job)),
+        "scancel --batch": lambda job: cluster.run("scancel", "-s", "TERM", "--batch", str(job)),
+        "time limit": lambda job: None,  # its --signal warning comes by itself
+    }
+    stopped: dict[str, tuple[int, str]] = {}
+    for how, stop in stops.items():
+        job = running_train_job(cluster, workdir, {j for j, _ in stopped.values()}, run)
+        stop(job)
+        stopped[how] = (job, cluster.wait_job(job, timeout=RUNTIME_MINUTES * 60 + 120))
+    return stopped
+
+
+def assert_crash_retried_once_then_refused_without_gpus(cluster, workdir, crashing) -> None:
+    """Two jobs with its GPUs, then one task without GPUs that refuses with their error; no
+    more (its retries end there)."""
+    crash_log = crashing.stdout + crashing.stderr
+    assert crashing.returncode != 0, crash_log[-4000:]
+    jobs = sacct_jobs(cluster, crash_log, "JobID,State,NNodes,ReqTRES,Comment")
+    shapes = [(state, nnodes, "gres/gpu=2" in tres) for _, state, nnodes, tres, _ in jobs]
+    assert shapes == [("FAILED", "2", True)] * 2 + [("FAILED", "1", False)], jobs
+    record = attempts.load(workdir / "results/checkpoints/crash")
+    assert [a["outcome"] for a in record] == ["failed", "failed", "refused"], record
+    assert "CUDA is unusable" in record[0]["error"], record[0]
+    assert record[2]["error"].startswith("not retrying") and "CUDA is unusable" in crash_log
+
+
+def test_every_way_of_stopping_a_job_checkpoints_and_the_run_finishes_in_one_invocation(
+    slurm_cluster, tmp_path
+):
     stage = slurm_cluster.node_scratch_config()  # the nodes' own tmpfs, as a site user sets it
     workdir = copy_workflow(tmp_path / "wf", runs=[RUN], stage=stage).resolve()
+    target = f"{read_config(workdir)['prepare'].get('dir', 'results/prepared')}/train"
+    prepared = workdir / target
     snakemake(
-        workdir, "--profile", "profiles/local", "results/prepared/train", "results/split/train.csv"
+        workdir, "--profile", "profiles/local", target, "results/split/train.csv"
     )  # fmt: skip  (the data steps are not what is tested)
+    shown = snakemake(workdir, "-n", "-p", "results/runs/stops/model.pt").stdout
+    settings = shown_specs(shown, "train")[0]["run"]
+
     # Its output goes to a file: a pipe nobody reads fills up (64 KB: the shell commands it
     # prints at each resubmission) and blocks Snakemake before it notices a job's end.
     out = (tmp_path / "snakemake.out").open("w")
-    run = subprocess.Popen(
-        [*SNAKEMAKE, *SLURM, "results/runs/stops/train_metrics.json", "--set-resources",
-         f"train:runtime={RUNTIME_MINUTES}", "train:mem_mb=2000",
-         f"train:slurm_extra='--signal=USR1@{WARNING_SECONDS}'"],
-        cwd=workdir, stdout=out, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    jobs: list[int] = []
-    stops = {
-        "kill": lambda job: os.kill(launcher_pid(workdir), signal.SIGTERM),
-        "scancel": lambda job: slurm_cluster.run("scancel", str(job)),
-        "scancel --batch": lambda job: slurm_cluster.run(
-            "scancel", "-s", "TERM", "--batch", str(job)
-        ),
-        "time limit": lambda job: None,  # its --signal warning comes by itself
-    }
-    states = {}
-    try:
-        for how, stop in stops.items():
-            job = running_train_job(slurm_cluster, workdir, set(jobs), run)
-            jobs.append(job)
-            stop(job)
-            states[how] = slurm_cluster.wait_job(job, timeout=RUNTIME_MINUTES * 60 + 120)
-    finally:
-        run.send_signal(signal.SIGINT)  # cancels its jobs
+    with ThreadPoolExecutor(2) as pool:
+        reference = pool.submit(reference_run, prepared, workdir, tmp_path / "ref", settings)
+        crashing = pool.submit(crash_invocation, workdir)
+        run = subprocess.Popen(
+            [*SNAKEMAKE, *SLURM, "results/runs/stops/accounting.json", "--set-resources",
+             f"train:runtime={RUNTIME_MINUTES}", "train:mem_mb=2000",
+             f"train:slurm_extra='--signal=USR1@{WARNING_SECONDS}'"],
+            cwd=workdir, stdout=out, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
         try:
-            run.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            run.kill()
-            run.wait()
-        out.close()
-        for line in slurm_cluster.run("squeue", "-h", "-o", "%i|%k").stdout.splitlines():
-            if line.split("|")[1].startswith("rule_train"):
-                slurm_cluster.run("scancel", line.split("|")[0], check=False)
-
+            stopped = stop_four_ways(slurm_cluster, workdir, run)
+            run.wait(timeout=900)  # then it runs to the end
+        finally:
+            if run.poll() is None:
+                run.send_signal(signal.SIGINT)  # cancels its jobs
+                try:
+                    run.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    run.kill()
+                    run.wait()
+            out.close()
+            for line in slurm_cluster.run("squeue", "-h", "-o", "%i|%k").stdout.splitlines():
+                if line.split("|")[1].startswith("rule_train") and "crash" not in line:
+                    slurm_cluster.run("scancel", line.split("|")[0], check=False)
+        reference, crashing = reference.result(), crashing.result()
     output = (tmp_path / "snakemake.out").read_text(errors="replace")
+    assert run.returncode == 0, output[-4000:]
+    assert_each_stop_checkpointed_and_the_next_job_resumed(workdir, stopped, output)
+    assert_every_allocation_counted(slurm_cluster, workdir, output)
+
+    # The run as the workflow resolved it (train_defaults, schema defaults): the same settings.
+    run_dir = workdir / "results/runs/stops"
+    assert json.loads((run_dir / "job_spec.json").read_text())["run"] == settings
+    assert reference.returncode == 0, reference.stdout[-3000:]
+    assert_bitwise_equal(weights(run_dir), weights(tmp_path / "ref" / "out"))
+    assert torch.load(run_dir / "model.pt", weights_only=False)["config"]["epochs"] == RUN["epochs"]
+
+    assert_crash_retried_once_then_refused_without_gpus(slurm_cluster, workdir, crashing)
+
+
+def assert_each_stop_checkpointed_and_the_next_job_resumed(workdir, stopped, output) -> None:
     record = attempts.load(workdir / "results/checkpoints/stops")
-    mine = [a for a in record if a.get("slurm_job_id") in {str(j) for j in jobs}]
-    outcomes = {how: a["outcome"] for how, a in zip(stops, mine, strict=True)}
-    assert outcomes == dict.fromkeys(stops, "stopped"), (outcomes, states, output[-4000:])
-    assert all(a["exit_code"] == 75 and a["last_checkpoint"] for a in mine), mine
-    starts = [(a["start"]["epoch"], a["start"]["step"]) for a in mine]
-    assert starts == sorted(set(starts)), starts  # each job resumed from the one before
-    logs = {
-        how: job_log(workdir, job).read_text(errors="replace")
-        for how, job in zip(stops, jobs, strict=True)
-    }
+    ids = [str(job) for job, _ in stopped.values()]
+    assert [a.get("slurm_job_id") for a in record[:4]] == ids, (record, output[-4000:])
+    outcomes = {how: a["outcome"] for how, a in zip(stopped, record, strict=False)}
+    assert outcomes == dict.fromkeys(stopped, "stopped"), (outcomes, stopped, output[-4000:])
+    # Every job but the last was stopped (a later one by its warning again, on a loaded
+    # machine), wrote a checkpoint and exited 75; the last completed the run.
+    assert [a["outcome"] for a in record[4:]][-1:] == ["completed"], record
+    assert all(a["outcome"] == "stopped" and a["exit_code"] == 75 for a in record[:-1]), record
+    assert all(a["last_checkpoint"] for a in record[:-1]), record
+    starts = [(a["start"]["epoch"], a["start"]["step"]) for a in record]
+    # Each of the four trained before its stop, so the next resumed further on.
+    assert starts[:5] == sorted(set(starts[:5])) and starts == sorted(starts), starts
+    logs = {how: job_log(workdir, job).read_text(errors="replace")
+            for how, (job, _) in stopped.items()}  # fmt: skip
     for how, text in logs.items():
         assert "killed by signal" not in text and "task 0: Killed" not in text, (how, text)
         assert re.search(r"interrupted( by SIG\w+)? (at|after) epoch", text), (how, text[-3000:])
     # The launcher passed its SIGTERM on as SIGUSR1; the time limit's warning reached the ranks.
     assert "stop signal SIGTERM: passed on to srun as SIGUSR1" in logs["kill"], logs["kill"]
     assert "interrupted by SIGUSR1" in logs["time limit"], logs["time limit"][-3000:]
-    assert states["scancel"].startswith("CANCELLED"), states
-    assert states["time limit"] == "FAILED", states  # exit 75 before the limit, not TIMEOUT
+    assert stopped["scancel"][1].startswith("CANCELLED"), stopped
+    assert stopped["time limit"][1] == "FAILED", stopped  # exit 75 before the limit, not TIMEOUT
+
+
+def assert_every_allocation_counted(cluster, workdir, output) -> None:
+    """The cost record and the accounting (sacct) count every job; each job's log is kept."""
+    train = [fields[:2] for fields in sacct_jobs(cluster, output, "JobID,State,Comment")]
+    assert len(train) >= 5 and train[-1][1] == "COMPLETED", (train, output[-4000:])
+    run_dir = workdir / "results/runs/stops"
+    cost = json.loads((run_dir / "train_metrics.json").read_text())["cost"]
+    assert cost["allocations"] == len(train)
+    assert cost["slurm_job_ids"] == [job_id for job_id, _ in train]
+    assert cost["core_hours"] == pytest.approx(sum(a["core_hours"] for a in cost["attempts"]))
+    assert cost["core_hours_lost"] >= 0 and cost["this_job"]["core_hours"] < cost["core_hours"]
+    accounting = json.loads((run_dir / "accounting.json").read_text())
+    assert accounting["available"] and accounting["allocations"] == len(train)
+    assert accounting["job_ids"] == cost["slurm_job_ids"]
+    assert accounting["core_hours"] == pytest.approx(
+        sum(job["core_hours"] for job in accounting["jobs"])
+    )
+    assert [job["state"] for job in accounting["jobs"]] == [state for _, state in train]
+    # Every job's log kept (logs/train/<run>/), the run's log linking to the last.
+    job_of = {int(re.match(r"job-(\d+)-", p.name).group(1)): p
+              for p in (workdir / "logs/train/stops").glob("job-*.log")}  # fmt: skip
+    assert sorted(job_of) == [int(j) for j, _ in train], sorted(job_of)
+    logs = [job_of[int(j)] for j, _ in train]
+    assert (workdir / "logs/train/stops.log").resolve() == logs[-1].resolve()
+    assert all("resuming from" in log.read_text() for log in logs[1:]), logs
