@@ -100,15 +100,24 @@ def run_ours(data: dict, model: Path, out: Path, ranks: int, threads: int, args)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(C.REPO / "src"), env.get("PYTHONPATH", "")])
-    argv = [
-        sys.executable, "-m", "imagenet_ddp.cli", "evaluate", "--launcher", "local",
-        "--model", str(model), "--prepared-train", str(data["train"]),
-        "--prepared-val", str(data["val"]), "--split-dir", str(data["split"]),
-        "--classes", str(data["classes"]), "--out", str(out / "eval.json"),
-        "--per-class", str(out / "per_class.csv"), "--batch-size", str(args.batch),
-        "--device", args.device, "--tasks-per-node", str(ranks), "--cpus-per-task", str(threads),
-        "--gpus-per-node", str(ranks if args.device == "cuda" else 0),
-    ]  # fmt: skip
+    from imagenet_ddp.job_spec import from_dict, to_dict
+
+    gpus = ranks if args.device == "cuda" else 0
+    job = {
+        "kind": "evaluate",
+        "geometry": {"nodes": 1, "tasks_per_node": ranks, "cpus_per_task": threads,
+                     "gpus_per_node": gpus},
+        "settings": {"batch_size": args.batch, "workers": "auto", "device": args.device},
+        "paths": {
+            "model": str(model), "prepared_train": str(data["train"]),
+            "prepared_val": str(data["val"]), "split_dir": str(data["split"]),
+            "classes": str(data["classes"]), "out": str(out / "eval.json"),
+            "per_class": str(out / "per_class.csv"),
+        },
+        "execution": {"launcher": "local", "launch_prefix": "srun", "srun_extra": ""},
+    }  # fmt: skip
+    spec = json.dumps(to_dict(from_dict(job, "evaluate")))  # checked before anything starts
+    argv = [sys.executable, "-m", "imagenet_ddp.cli", "evaluate", "--job", spec]
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1200)
     if result.returncode != 0:
         raise RuntimeError(f"evaluate failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")

@@ -90,18 +90,27 @@ def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def run_ours(tmp: Path, prepared: Path, split: Path, cfg: dict, tag: str) -> list[float]:
-    from imagenet_ddp.job_spec import write_spec
+    from imagenet_ddp.job_spec import from_dict, write_spec
     from tests.workflow_helpers import run_settings
 
     out_dir = tmp / f"ours-{tag}"
-    paths = {
-        "split_dir": str(split),
-        "run_dir": str(out_dir),
-        "checkpoint_root": str(tmp / f"ckpt-{tag}"),  # fresh: never resume
+    job = {
+        "kind": "train",
+        "run": run_settings(**cfg),
+        "paths": {
+            "prepared_train": str(prepared),  # read directly: --train-data below
+            "split_dir": str(split),
+            "run_dir": str(out_dir),
+            "checkpoint_root": str(tmp / f"ckpt-{tag}"),  # fresh: never resume
+        },
+        "execution": {
+            "launcher": "local",
+            "launch_prefix": "srun",
+            "srun_extra": "",
+            "stage": {"scratch_dir": "", "verify": "size", "cleanup": True},
+        },  # fmt: skip
     }
-    spec = write_spec(
-        tmp / f"spec-{tag}.json", {"kind": "train", "run": run_settings(**cfg), "paths": paths}
-    )
+    spec = write_spec(tmp / f"spec-{tag}.json", from_dict(job, "train"))
     worker = ["-m", "imagenet_ddp.training.worker", "--spec", str(spec)]
     torchrun([*worker, "--train-data", str(prepared)], tmp)
     metrics = json.loads((out_dir / "train_metrics.json").read_text())

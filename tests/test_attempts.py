@@ -176,12 +176,12 @@ def test_a_crash_that_repeats_at_start_uses_at_most_two_jobs(prepared_demo, demo
     config = {**CONFIG, "batch_size": 100_000}  # larger than the training set: fails at start
     for attempt in (1, 2):
         job = launch(prepared_demo["train"], demo_split, tmp_path, config, tasks=2, cpus=1,
-                     extra=["--attempt", str(attempt)])  # fmt: skip
+                     attempt=attempt)  # fmt: skip
         output = output_within(job, 180)
         assert job.returncode == 1 and "exceeds" in output, output[-3000:]
     begun = time.monotonic()
     retry = launch(prepared_demo["train"], demo_split, tmp_path, config, tasks=2, cpus=1,
-                   extra=["--attempt", "3"])  # fmt: skip
+                   attempt=3)  # fmt: skip
     output = output_within(retry, 120)
     assert retry.returncode == 1 and "not retrying" in output, output[-3000:]
     assert (
@@ -253,9 +253,9 @@ def test_a_retry_that_will_refuse_is_submitted_without_gpus(tmp_path):
                           "--attempt", str(attempt))  # fmt: skip
         text = shown.stdout + shown.stderr
         job = text[text.index("rule train:") :]
-        # The job's shape; its settings and hyperparameters follow (resources too, not params).
-        resources = re.search(r"resources: (.*)", job).group(1).split(", settings=")[0]
-        settings = json.loads(re.search(r"--run-config-json '([^']*)'", job).group(1))
+        # The job's shape; its spec and hyperparameters follow (resources too, not params).
+        resources = re.search(r"resources: (.*)", job).group(1).split(", job=")[0]
+        settings = json.loads(re.search(r"--job '([^']*)'", job).group(1))["run"]
         return resources, settings
 
     resources, settings = train_job(3)
@@ -268,7 +268,7 @@ def test_a_retry_that_will_refuse_is_submitted_without_gpus(tmp_path):
     # a new invocation's first job tries again with its GPUs (the user may have fixed it)
     assert train_job(1)[0] == resources.replace("snakemake_attempt=3", "snakemake_attempt=1")
     refused = train_job(3)[0]
-    assert "nodes=1, cpus_per_task=1, tasks_per_gpu=0, launcher=auto" in refused, refused
+    assert "nodes=1, cpus_per_task=1, tasks_per_gpu=0, snakemake_attempt=3" in refused, refused
     assert "gres=" not in refused and "mpi=" not in refused and "tasks_per_node" not in refused
 
 
@@ -278,10 +278,9 @@ def test_a_step_that_exits_0_without_finishing_the_run_is_stopped(tmp_path, monk
     from imagenet_ddp import launch
 
     monkeypatch.setattr(launch, "run_staged", lambda spec, path: 0)
-    spec = {
-        "kind": "train", "run": RUN, "execution": {"attempt": 1},
-        "paths": {"checkpoint_root": str(tmp_path / "ckpt"), "run_dir": str(tmp_path / "run")},
-    }  # fmt: skip
+    from tests.workflow_helpers import make_job
+
+    spec = make_job("train", RUN, checkpoint_root=tmp_path / "ckpt", run_dir=tmp_path / "run")
     assert launch.run_training(spec, tmp_path / "spec.json") == attempts.EXIT_REQUEUE
     assert attempts.load(tmp_path / "ckpt")[0]["outcome"] == "stopped"
     (tmp_path / "run").mkdir()

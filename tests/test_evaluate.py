@@ -15,6 +15,7 @@ from torch.utils.data import TensorDataset
 from imagenet_ddp.accuracy import evaluate_dataset
 from imagenet_ddp.eval_settings import eval_settings
 from imagenet_ddp.evaluate import evaluate_run
+from imagenet_ddp.geometry import Geometry
 
 
 class Lookup(torch.nn.Module):
@@ -109,14 +110,20 @@ def eval_inputs(demo_archives, demo_index, tmp_path_factory) -> dict[str, Path]:
     return {"model": root / "model.pt", "classes": root / "classes.csv"}
 
 
-def evaluate_cli(inputs, prepared, split_dir, out: Path, *flags: str):
-    argv = [
-        sys.executable, "-m", "imagenet_ddp.cli", "evaluate",
-        "--model", str(inputs["model"]), "--classes", str(inputs["classes"]),
-        "--prepared-train", str(prepared["train"]), "--prepared-val", str(prepared["val"]),
-        "--split-dir", str(split_dir), "--batch-size", "3", "--device", "cpu", "--launcher", "auto",
-        "--out", str(out / "eval.json"), "--per-class", str(out / "per_class.csv"), *flags,
-    ]  # fmt: skip
+def evaluate_cli(inputs, prepared, split_dir, out: Path, tasks: int = 1, **given):
+    """`imagenet-ddp evaluate --job FILE`: a spec file written as a user would (by hand)."""
+    from imagenet_ddp.job_spec import write_spec
+    from tests.workflow_helpers import make_job
+
+    geometry = {"nodes": 1, "tasks_per_node": tasks, "cpus_per_task": 1, "gpus_per_node": 0}
+    job = make_job(
+        "evaluate", geometry, model=inputs["model"], classes=inputs["classes"],
+        prepared_train=prepared["train"], prepared_val=prepared["val"], split_dir=split_dir,
+        out=out / "eval.json", per_class=out / "per_class.csv",
+        **{"launcher": "auto", "workers": "auto", **given},
+    )  # fmt: skip
+    spec = write_spec(out / "my_eval_spec.json", job)
+    argv = [sys.executable, "-m", "imagenet_ddp.cli", "evaluate", "--job", str(spec)]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads((out / "eval.json").read_text())
@@ -130,7 +137,7 @@ def test_two_local_ranks_give_the_same_result_as_one(
     a = evaluate_cli(eval_inputs, prepared_demo, demo_split, tmp_path / "one")
     b = evaluate_cli(
         eval_inputs, prepared_demo, demo_split, tmp_path / "two",
-        "--launcher=local", "--tasks-per-node", "2", "--workers", "1",
+        tasks=2, launcher="local", workers=1,
     )  # fmt: skip
     ea, eb = a["evaluation"], b["evaluation"]
     assert (ea["world_size"], ea["backend"], ea["loader_workers"]) == (1, "none", 0)
@@ -203,7 +210,7 @@ def test_a_rank_count_that_disagrees_with_the_geometry_is_refused(
             prepared_train=prepared_demo["train"],
             prepared_val=prepared_demo["val"],
             holdout_ids_csv=demo_split / "holdout.csv",
-            geometry={"nodes": 1, "tasks_per_node": 2, "cpus_per_task": 1, "gpus_per_node": 0},
+            geometry=Geometry(nodes=1, tasks_per_node=2, cpus_per_task=1, gpus_per_node=0),
         )
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 from imagenet_ddp.distributed import master_port
 from imagenet_ddp.geometry import slurm_resources
 from imagenet_ddp.launch import (
@@ -10,6 +13,7 @@ from imagenet_ddp.launch import (
     srun_argv,
     worker_env,
 )
+from tests.workflow_helpers import make_job
 
 
 def test_master_port_is_below_the_ephemeral_range_and_follows_the_job():
@@ -137,8 +141,7 @@ def test_ranks_start_as_their_kinds_module_and_nodes_run_the_staging_steps(monke
     steps = []
     monkeypatch.setattr(launch, "_run_step", lambda argv, geometry: steps.append(argv) or (0, 0))
     run = {"nodes": 2, "tasks_per_node": 2, "cpus_per_task": 3}
-    execution = {"launcher": "srun", "srun_extra": "", "cleanup": True}
-    spec = {"kind": "preflight", "run": run, "execution": execution}
+    spec = make_job("preflight", run, launcher="srun")
     assert launch.run_staged(spec, "/nowhere/spec.json") == 0
     stage, ranks, unstage = steps
     assert stage[-4:] == ["imagenet_ddp.launch", "stage-node", "--spec", "/nowhere/spec.json"]
@@ -147,7 +150,7 @@ def test_ranks_start_as_their_kinds_module_and_nodes_run_the_staging_steps(monke
                           "/nowhere/spec.json"]  # fmt: skip
     assert unstage[-3] == "unstage-node"
     steps.clear()
-    evaluation = {"kind": "evaluate", "geometry": run, "execution": execution}
+    evaluation = make_job("evaluate", run, launcher="srun")
     assert launch.run_evaluation(evaluation, "/e.json") == 0
     assert steps[0][-4:] == ["-m", "imagenet_ddp.evaluate", "--spec", "/e.json"]
     for module in launch.RANK_MODULES.values():  # each is a rank's entry point
@@ -174,7 +177,9 @@ def test_the_dry_run_shows_the_mpi_prefix_and_refuses_one_that_is_not_srun(tmp_p
     # train's ranks, and its preflight's: they are measured as they will run
     for rule in ("train", "preflight_run"):
         job = text[text.index(f"rule {rule}:") :]
-        assert "--launcher auto --launch-prefix='srun --mpi=pmix'" in job[: job.index("\n\n")], rule
+        spec = json.loads(re.search(r"--job '([^']*)'", job).group(1))
+        assert spec["execution"]["launch_prefix"] == "srun --mpi=pmix", rule
+        assert spec["execution"]["launcher"] == "auto", rule
     bad = snakemake(
         workdir, "-n", "-c2", target, "--set-resources", "train:mpi=mpirun -np 2", check=False
     )
@@ -198,7 +203,7 @@ def test_a_stop_while_staging_finishes_the_copy_and_starts_no_ranks(monkeypatch,
             """
             import os, signal, sys
             from imagenet_ddp import launch
-            launch.read_spec = lambda path, kinds: {}
+            launch.read_spec = lambda path, kinds: None
             def stage(spec):  # signalled half-way through its copy, which it finishes
                 os.kill(os.getpid(), signal.SIGUSR1)
                 print("copy finished")
@@ -211,8 +216,7 @@ def test_a_stop_while_staging_finishes_the_copy_and_starts_no_ranks(monkeypatch,
     assert done.returncode == 75, done.stdout + done.stderr
     assert "copy finished" in done.stdout and "SIGUSR1 while stage-node" in done.stdout
 
-    spec = {"kind": "train", "run": {"nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1},
-            "execution": {"launcher": "srun", "srun_extra": "", "cleanup": True}}  # fmt: skip
+    spec = make_job("train", {"nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1}, launcher="srun")
     for result in ((75, False), (0, True)):  # a node's step was signalled; the launcher was
         steps: list[list[str]] = []
         monkeypatch.setattr(

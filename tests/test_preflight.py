@@ -4,7 +4,6 @@ no ranks. The real preflight runs in the end-to-end tests (test_workflow_local, 
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
@@ -98,8 +97,11 @@ def test_more_allocations_than_allowed_fail_with_one_line():
 
 
 def write_preflight(folder, settings, out) -> None:
+    from imagenet_ddp.job_spec import write_spec
+    from tests.workflow_helpers import make_job
+
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "preflight_spec.json").write_text(json.dumps({"kind": "preflight", "run": settings}))
+    write_spec(folder / "preflight_spec.json", make_job("preflight", settings))
     (folder / "preflight.json").write_text(json.dumps(out))
 
 
@@ -124,12 +126,12 @@ def test_a_known_projection_is_checked_against_todays_runtime_and_bound(tmp_path
 
 def test_the_dry_run_refuses_a_run_its_known_projection_does_not_fit(tmp_path):
     """Real Snakemake: the projection of the run's last preflight, today's train runtime."""
-    from tests.workflow_helpers import copy_workflow, snakemake
+    from tests.workflow_helpers import copy_workflow, shown_specs, snakemake
 
     workdir = copy_workflow(tmp_path / "wf", runs=[{"name": "r", "epochs": 90}])
     shown = snakemake(workdir, "-n", "-p", "results/runs/r/model.pt")
     text = shown.stdout + shown.stderr
-    settings = json.loads(re.search(r"--run-config-json '([^']*)'", text).group(1))
+    (settings,) = [spec["run"] for spec in shown_specs(text, "train")]
     write_preflight(workdir / "results/preflight/r", settings, report(ranks()))
     fits = snakemake(workdir, "-n", "--set-resources", "train:runtime=60")
     assert fits.returncode == 0

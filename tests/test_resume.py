@@ -22,10 +22,10 @@ import pandas as pd
 import pytest
 import torch
 
-from imagenet_ddp.job_spec import write_spec
+from imagenet_ddp.job_spec import to_dict, write_spec
 from imagenet_ddp.signals import EXIT_REQUEUE
 from imagenet_ddp.training.model import read_model_file
-from tests.workflow_helpers import output_within, run_settings
+from tests.workflow_helpers import make_job, output_within, run_settings
 
 CONFIG = {
     "run": "resume",
@@ -81,11 +81,10 @@ def torchrun(
     nproc: int = 2,
     threads: int = 1,
 ):
-    spec = {
-        "kind": "train",
-        "run": run_settings(**(config or CONFIG)),
-        "paths": {"split_dir": str(split), "run_dir": str(out), "checkpoint_root": str(ckpt)},
-    }
+    spec = make_job(
+        "train", run_settings(**(config or CONFIG)), split_dir=split, run_dir=out,
+        checkpoint_root=ckpt, prepared_train=prepared,
+    )  # fmt: skip
     spec_path = write_spec(out.parent / f"{out.name}-job_spec.json", spec)
     argv = [
         sys.executable,
@@ -265,17 +264,17 @@ def test_synthetic_mode_trains_on_a_fixed_batch(prepared_demo, split_dir, tmp_pa
 
 
 def launch(
-    prepared: Path, split: Path, work: Path, config: dict, *, tasks: int, cpus: int, extra=()
+    prepared: Path, split: Path, work: Path, config: dict, *, tasks: int, cpus: int, attempt=1
 ):
-    """The real launcher (`imagenet-ddp train --launcher local`), in its own process group."""
+    """The real launcher (`imagenet-ddp train --job`, launcher local), in its own process
+    group; ``attempt``: Snakemake's attempt number of this job."""
     geometry = {"nodes": 1, "tasks_per_node": tasks, "cpus_per_task": cpus}
-    argv = [
-        sys.executable, "-m", "imagenet_ddp.cli", "train", "--launcher", "local",
-        "--run-config-json", json.dumps(run_settings(**config, **geometry)),
-        "--prepared-train", str(prepared), "--split-dir", str(split),
-        "--run-dir", str(work / "run"), "--checkpoint-root", str(work / "ckpt"),
-        "--scratch-dir", str(work / "scratch"), "--stage-verify", "size", "--cleanup", *extra,
-    ]  # fmt: skip
+    job = make_job(
+        "train", run_settings(**config, **geometry), prepared_train=prepared, split_dir=split,
+        run_dir=work / "run", checkpoint_root=work / "ckpt", scratch_dir=str(work / "scratch"),
+        attempt=attempt,
+    )  # fmt: skip
+    argv = [sys.executable, "-m", "imagenet_ddp.cli", "train", "--job", json.dumps(to_dict(job))]
     return subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )

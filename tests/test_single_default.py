@@ -90,10 +90,14 @@ CLI_SETTINGS = {
         "workers": "prepare.workers",
         "on_corrupt": "prepare.on_corrupt",
     },
-    "train": {
-        "launcher": "execution.launcher",
+}
+# Job spec fields that carry a schema setting (imagenet_ddp.job_spec): the rule passes each
+# (workflow/rules/common.smk job_spec), so none has a default of its own.
+SPEC_SETTINGS = {
+    "Execution": {"launcher": "execution.launcher", "srun_extra": "execution.srun_extra"},
+    "Stage": {
         "scratch_dir": "stage.scratch_dir",
-        "stage_verify": "stage.verify",
+        "verify": "stage.verify",
         "cleanup": "stage.cleanup",
     },
 }
@@ -120,13 +124,30 @@ def test_cli_options_for_schema_settings_have_no_default_of_their_own():
             assert action.required and action.default is None, (command, dest, defaults)
 
 
-def test_evaluate_cli_defaults_are_eval_settings():
-    """Evaluation defaults follow the run, so their home is imagenet_ddp.eval_settings."""
-    from imagenet_ddp.eval_settings import eval_settings
+def test_job_spec_fields_for_schema_settings_have_no_default_of_their_own():
+    import dataclasses
 
-    actions = {a.dest: a for a in _subparsers()["evaluate"]._actions}
-    for key, value in eval_settings(None, {}).items():
-        assert actions[key].default == value, key
+    from imagenet_ddp import job_spec
+
+    for name, options in SPEC_SETTINGS.items():
+        fields = {f.name: f for f in dataclasses.fields(getattr(job_spec, name))}
+        for field, key in options.items():
+            section, setting = key.split(".")
+            assert setting in schema()["properties"][section]["properties"], key
+            assert fields[field].default is dataclasses.MISSING, (name, field)
+
+
+def test_the_evaluation_spec_has_no_default_of_eval_settings():
+    """Evaluation defaults follow the run, so their home is imagenet_ddp.eval_settings: the
+    rule passes them (common.smk job_spec), the spec states none."""
+    import dataclasses
+
+    from imagenet_ddp.eval_settings import eval_settings
+    from imagenet_ddp.job_spec import EvalSettings
+
+    fields = {f.name: f for f in dataclasses.fields(EvalSettings)}
+    for key in set(eval_settings(None, {})) & set(fields):
+        assert fields[key].default is dataclasses.MISSING, key
 
 
 def test_config_yaml_sets_no_key_to_its_default():

@@ -220,17 +220,14 @@ def test_staging_under_srun_refuses_shared_scratch_and_copies_into_each_nodes_ow
     cluster, src = slurm_cluster, prepared_demo["train"]
 
     def spec(name: str, scratch_dir: str) -> dict:
-        return {
-            "kind": "train",
-            "run": {"nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1},
-            "paths": {"prepared_train": str(src), "run_dir": str(tmp_path / name)},
-            "execution": {
-                "launcher": "srun",
-                "scratch_dir": scratch_dir,
-                "stage_verify": "size",
-                "cleanup": True,
-            },  # fmt: skip
-        }
+        from imagenet_ddp.job_spec import to_dict
+        from tests.workflow_helpers import make_job
+
+        run = {"nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1}
+        return to_dict(
+            make_job("train", run, prepared_train=src, run_dir=tmp_path / name,
+                     launcher="srun", scratch_dir=scratch_dir)
+        )  # fmt: skip
 
     out = _stage_step_job(
         cluster,

@@ -45,7 +45,7 @@ import torch
 from imagenet_ddp import attempts
 from tests.test_resume import CONFIG, assert_bitwise_equal, torchrun, weights
 from tests.test_slurm_e2e import TEST_PROFILE
-from tests.workflow_helpers import SNAKEMAKE, copy_workflow, read_config, snakemake
+from tests.workflow_helpers import SNAKEMAKE, copy_workflow, read_config, shown_specs, snakemake
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
@@ -98,7 +98,7 @@ def launcher_pid(workdir: Path) -> int:
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
-            ours = b"--run-config-json" in argv and (proc / "cwd").resolve() == workdir
+            ours = b"--job" in argv and (proc / "cwd").resolve() == workdir
             if ours and b"train" in argv and any(a.endswith(b"imagenet-ddp") for a in argv):
                 return int(proc.name)
         except OSError:
@@ -178,7 +178,7 @@ def test_every_way_of_stopping_a_job_checkpoints_and_the_run_finishes_in_one_inv
         workdir, "--profile", "profiles/local", target, "results/split/train.csv"
     )  # fmt: skip  (the data steps are not what is tested)
     shown = snakemake(workdir, "-n", "-p", "results/runs/stops/model.pt").stdout
-    settings = json.loads(re.search(r"--run-config-json '([^']*)'", shown).group(1))
+    settings = shown_specs(shown, "train")[0]["run"]
 
     # Its output goes to a file: a pipe nobody reads fills up (64 KB: the shell commands it
     # prints at each resubmission) and blocks Snakemake before it notices a job's end.

@@ -14,6 +14,7 @@ import pytest
 from imagenet_ddp import stage
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.stage import cleanup_staged, scratch_problem, scratch_root, stage_dataset
+from tests.workflow_helpers import make_job
 
 
 def _tree(root):
@@ -74,10 +75,10 @@ def test_a_shared_copy_is_removed_by_the_last_job_that_leaves(prepared_demo, tmp
     from imagenet_ddp.launch import stage_this_node, unstage_this_node
 
     def spec(run):
-        paths = {"prepared_train": str(prepared_demo["val"]), "run_dir": str(tmp_path / run)}
-        execution = {"launcher": "srun", "scratch_dir": str(node_local / "scratch"),
-                     "stage_verify": "size"}  # fmt: skip
-        return {"paths": paths, "execution": execution}
+        return make_job(
+            prepared_train=prepared_demo["val"], run_dir=tmp_path / run, launcher="srun",
+            scratch_dir=str(node_local / "scratch"),
+        )  # fmt: skip
 
     first, second = stage_this_node(spec("a")), stage_this_node(spec("b"))
     dest = Path(first["dest"])
@@ -191,9 +192,8 @@ def test_a_scratch_root_on_the_filesystem_of_the_data_or_workdir_is_refused(
     monkeypatch.chdir(tmp_path)
 
     def spec(launcher):
-        paths = {"prepared_train": str(src), "run_dir": str(tmp_path / launcher)}
-        execution = {"launcher": launcher, "scratch_dir": "scratch", "stage_verify": "size"}
-        return {"paths": paths, "execution": execution}
+        return make_job(prepared_train=src, run_dir=tmp_path / launcher, launcher=launcher,
+                        scratch_dir="scratch")  # fmt: skip
 
     with pytest.raises(InputError) as info:
         stage_this_node(spec("srun"))
@@ -252,6 +252,7 @@ def test_the_rules_pass_the_scratch_setting_and_the_dry_run_refuses_a_relative_o
     import shlex
 
     from imagenet_ddp.cli import build_parser
+    from imagenet_ddp.job_spec import load
     from tests.workflow_helpers import copy_workflow, snakemake
 
     runs = [{"name": "r", "tasks_per_node": 1, "preflight": True}]
@@ -263,8 +264,8 @@ def test_the_rules_pass_the_scratch_setting_and_the_dry_run_refuses_a_relative_o
         for command in ("train", "preflight"):
             line = next(ln for ln in text.splitlines() if f"imagenet-ddp {command} " in ln)
             words = shlex.split(line.split(f"imagenet-ddp {command} ", 1)[1].split(" >", 1)[0])
-            args = build_parser().parse_args([command, *words])
-            assert args.scratch_dir == expected, (command, config)
+            job = load(build_parser().parse_args([command, *words]).job, command)
+            assert job.execution.stage.scratch_dir == expected, (command, config)
     bad = snakemake(workdir, "-n", "-c1", target, "--config", "stage={scratch_dir: scratch}",
                     check=False)  # fmt: skip
     assert (

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -18,7 +17,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tests.workflow_helpers import planned_jobs, read_config, snakemake, write_config
+from tests.workflow_helpers import (
+    planned_jobs,
+    read_config,
+    shown_specs,
+    snakemake,
+    write_config,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -155,18 +160,24 @@ def test_preflight_ran_first_and_its_figures_follow_their_definitions(local_run)
 def test_preflight_fails_with_one_line_per_problem(local_run, tmp_path):
     """Two ranks forced onto one GPU (CUDA_VISIBLE_DEVICES=0 for both; CPU compute) and a run
     that needs more allocations than allowed: one `imagenet-ddp preflight`, exit 1."""
+    from imagenet_ddp.job_spec import to_dict
+    from tests.workflow_helpers import make_job
+
     run = json.loads((local_run / "results/preflight/resnet18-1x2/preflight_spec.json").read_text())
     settings = {**run["run"], "device": "cpu", "gpus_per_node": 1, "epochs": 5000}
     settings["max_allocations"] = 2
+    job = make_job(
+        "preflight",
+        settings,
+        prepared_train="results/prepared/train",
+        split_dir="results/split",
+        out=tmp_path / "preflight.json",
+        checkpoint_root=tmp_path,
+        train_runtime_minutes=1.0,
+        scratch_dir=str(tmp_path / "scratch"),
+    )
     result = subprocess.run(
-        [
-            sys.executable, "-m", "imagenet_ddp.cli", "preflight",
-            "--run-config-json", json.dumps(settings),
-            "--prepared-train", "results/prepared/train", "--split-dir", "results/split",
-            "--out", str(tmp_path / "preflight.json"), "--train-runtime-minutes", "1",
-            "--launcher", "local", "--scratch-dir", str(tmp_path / "scratch"),
-            "--stage-verify", "size", "--cleanup",
-        ],
+        [sys.executable, "-m", "imagenet_ddp.cli", "preflight", "--job", json.dumps(to_dict(job))],
         cwd=local_run, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -293,7 +304,7 @@ def test_bookkeeping_changes_and_a_new_setting_at_its_default_rerun_nothing(loca
     assert pd.read_csv(local_run / "results/aggregate/runs.csv")["allocations"].tolist() == (
         allocations
     )
-    sent = [json.loads(m) for m in re.findall(r"--run-config-json '([^']*)'", shown.stdout)]
+    sent = [spec["run"] for spec in shown_specs(shown.stdout, "train")]
     assert len(sent) == 2, shown.stdout[-3000:]
     for run in sent:  # the next job of a run gets the changed bookkeeping and the new setting
         assert run["log_interval"] == config["train_defaults"]["log_interval"]

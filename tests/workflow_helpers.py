@@ -42,6 +42,50 @@ def run_settings(**settings) -> dict:
     return {"run": "run", **passed, **settings}
 
 
+def shown_specs(text: str, kind: str) -> list[dict]:
+    """The job specs of ``kind`` that ``snakemake -n -p`` printed (each rule's `--job '...'`,
+    workflow/rules/common.smk job_spec), as JSON, in order."""
+    import json
+
+    specs = [json.loads(m) for m in re.findall(r"--job '([^']*)'", text)]
+    return [spec for spec in specs if spec["kind"] == kind]
+
+
+def make_job(kind: str = "train", run: dict | None = None, root="/nowhere", **given):
+    """A typed job spec (imagenet_ddp.job_spec) for a test: ``run`` (train, preflight) or its
+    geometry (evaluate), each path ``root/<name>`` unless given, a local launcher and default
+    staging unless ``launcher``, ``srun_extra``, ``scratch_dir``, ``verify``, ``cleanup``,
+    ``attempt``, ``batch_size``, ``workers``, ``device`` or ``train_runtime_minutes`` say
+    otherwise."""
+    import dataclasses
+
+    from imagenet_ddp import job_spec as J
+    from imagenet_ddp.geometry import Geometry
+
+    run = run if run is not None else {"nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1}
+    stage = J.Stage(given.pop("scratch_dir", ""), given.pop("verify", "size"),
+                    given.pop("cleanup", True))  # fmt: skip
+    execution = J.Execution(
+        given.pop("launcher", "local"), "srun", given.pop("srun_extra", ""),
+        attempt=given.pop("attempt", 1), stage=None if kind == "evaluate" else stage,
+    )  # fmt: skip
+    path_class = {"train": J.TrainPaths, "preflight": J.PreflightPaths, "evaluate": J.EvalPaths}
+    paths = path_class[kind](
+        **{f.name: Path(given.pop(f.name, Path(root) / f.name))
+           for f in dataclasses.fields(path_class[kind])}
+    )  # fmt: skip
+    if kind == "evaluate":
+        settings = J.EvalSettings(given.pop("batch_size", 3), given.pop("workers", 0),
+                                  given.pop("device", "cpu"))  # fmt: skip
+        job = J.EvalJob(Geometry.of(run), settings, paths, execution)
+    elif kind == "preflight":
+        job = J.PreflightJob(run, paths, execution, given.pop("train_runtime_minutes", None))
+    else:
+        job = J.TrainJob(run, paths, execution)
+    assert not given, f"make_job: unknown {sorted(given)}"
+    return job
+
+
 def train_config(**settings):
     """The worker's TrainConfig of :func:`run_settings`."""
     from imagenet_ddp.training.config import TrainConfig

@@ -11,15 +11,10 @@ printed as one line that names the file and what to do (exit 2)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.eval_settings import eval_settings
-
-# What an evaluation uses for a setting not given: one node, one CPU rank (eval_settings).
-EVAL_DEFAULTS = eval_settings(None, {})
 
 
 def cmd_demo_data(args: argparse.Namespace) -> None:
@@ -118,80 +113,38 @@ def _add_prepare_parsers(sub) -> None:
     p.set_defaults(func=cmd_prepare_join)
 
 
-def _staged_job(args: argparse.Namespace) -> dict:
-    """What train and its preflight share: the data and where/how the job runs."""
-    from imagenet_ddp.jobs import spec_execution
-
-    return {
-        "prepared_train": args.prepared_train,
-        "split_dir": args.split_dir,
-        "execution": spec_execution(
-            args.launcher,
-            args.srun_extra,
-            args.scratch_dir,
-            args.stage_verify,
-            args.cleanup,
-            launch_prefix=args.launch_prefix,
-        ),
-    }
-
-
 def cmd_train(args: argparse.Namespace) -> int:
+    from imagenet_ddp.job_spec import load
     from imagenet_ddp.jobs import train_job
 
-    job = _staged_job(args)
-    job["execution"]["attempt"] = args.attempt  # Snakemake's attempt: a resubmission if > 1
-    return train_job(
-        args.run_config_json, run_dir=args.run_dir, checkpoint_root=args.checkpoint_root, **job
-    )
+    return train_job(load(args.job, "train"))
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
+    from imagenet_ddp.job_spec import load
     from imagenet_ddp.preflight import preflight_job
 
-    return preflight_job(
-        args.run_config_json,
-        out=args.out,
-        train_runtime_minutes=args.train_runtime_minutes,
-        checkpoint_root=args.checkpoint_root,
-        **_staged_job(args),
-    )
-
-
-def _add_staged_job_arguments(p: argparse.ArgumentParser) -> None:
-    """A job that stages the prepared copy and runs a run's ranks: train and its preflight."""
-    p.add_argument(
-        "--run-config-json",
-        type=json.loads,
-        required=True,
-        help="the run's settings, geometry (nodes, tasks_per_node, cpus_per_task, "
-        "gpus_per_node) included",
-    )
-    p.add_argument("--prepared-train", type=Path, required=True)
-    p.add_argument("--split-dir", type=Path, required=True)
-    _add_launcher_arguments(p)
-    p.add_argument(
-        "--scratch-dir",
-        required=True,
-        help="stage.scratch_dir; empty: $SLURM_TMPDIR, else $TMPDIR, else /tmp",
-    )
-    p.add_argument("--stage-verify", choices=["size", "sha256"], required=True)
-    p.add_argument("--cleanup", action=argparse.BooleanOptionalAction, required=True)
+    return preflight_job(load(args.job, "preflight"))
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from imagenet_ddp.geometry import GEOMETRY_KEYS
-    from imagenet_ddp.jobs import evaluate_job, spec_execution
+    from imagenet_ddp.job_spec import load
+    from imagenet_ddp.jobs import evaluate_job
 
-    keys = {
-        "paths": ("model", "prepared_train", "prepared_val", "split_dir", "classes", "out"),
-        "geometry": GEOMETRY_KEYS,
-        "settings": ("batch_size", "workers", "device"),
-    }
-    parts = {part: {key: getattr(args, key) for key in names} for part, names in keys.items()}
-    parts["paths"]["per_class"] = args.per_class
-    execution = spec_execution(args.launcher, args.srun_extra, launch_prefix=args.launch_prefix)
-    return evaluate_job(**parts, execution=execution)
+    return evaluate_job(load(args.job, "evaluate"))
+
+
+def _add_job_parser(sub, name: str, help_text: str, func) -> None:
+    """A job that runs ranks (train, preflight, evaluate): its whole spec is one value."""
+    p = sub.add_parser(name, help=help_text)
+    p.add_argument(
+        "--job",
+        required=True,
+        metavar="JSON|FILE",
+        help=f"the {name} job spec (imagenet_ddp.job_spec), as JSON (the workflow's rule "
+        "passes it) or a file's path (e.g. one a job wrote, edited)",
+    )
+    p.set_defaults(func=func)
 
 
 def cmd_aggregate(args: argparse.Namespace) -> None:
@@ -241,50 +194,6 @@ def _add_plots_parser(sub) -> None:
     p.set_defaults(func=cmd_plots)
 
 
-def _add_evaluate_parser(sub) -> None:
-    p = sub.add_parser("evaluate", help="top-1/top-5 and per-class accuracy")
-    p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--prepared-train", type=Path, required=True)
-    p.add_argument("--prepared-val", type=Path, required=True)
-    p.add_argument("--split-dir", type=Path, required=True)
-    p.add_argument("--classes", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--per-class", type=Path, required=True)
-    # Defaults for use by hand: eval_settings' (the workflow passes every one of them).
-    for name, kind, text in (
-        ("batch-size", int, "images per rank and batch"),
-        ("workers", _workers, "loader workers per rank; auto = cpus - 1"),
-        ("nodes", int, "nodes"),
-        ("tasks-per-node", int, "ranks per node"),
-        ("cpus-per-task", int, "CPUs (threads) per rank"),
-        ("gpus-per-node", int, "GPUs per node; 0 = CPU"),
-    ):
-        default = EVAL_DEFAULTS[name.replace("-", "_")]
-        p.add_argument(f"--{name}", type=kind, default=default, help=f"{text} (default {default})")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    _add_launcher_arguments(p)
-    p.set_defaults(func=cmd_evaluate)
-
-
-def _add_launcher_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--launcher",
-        choices=["auto", "local", "srun"],
-        required=True,
-        help="auto: srun inside a SLURM allocation, else one process per rank here",
-    )
-    p.add_argument("--srun-extra", default="", help="extra srun flags, space separated")
-    p.add_argument(
-        "--launch-prefix",
-        default="srun",
-        help="command starting the ranks' step (the rule's mpi resource), e.g. 'srun --mpi=pmix'",
-    )
-
-
-def _workers(value: str) -> int | str:
-    return value if value == "auto" else int(value)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="imagenet-ddp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -317,40 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_prepare_parsers(sub)
 
-    p = sub.add_parser("train", help="stage data on every node and run DDP training")
-    _add_staged_job_arguments(p)
-    p.add_argument("--run-dir", type=Path, required=True)
-    p.add_argument("--checkpoint-root", type=Path, required=True)
-    p.add_argument(
-        "--attempt",
-        type=int,
-        default=1,
-        help="Snakemake's attempt number of this job (retries: 2, 3, ...); a retry after an "
-        "attempt that failed without progress is refused, and none above max_allocations runs",
+    _add_job_parser(sub, "train", "stage data on every node and run DDP training", cmd_train)
+    _add_job_parser(
+        sub,
+        "preflight",
+        "check a run's placement, network, step and loader speed; project it",
+        cmd_preflight,
     )
-    p.set_defaults(func=cmd_train)
-
-    p = sub.add_parser(
-        "preflight", help="check a run's placement, network, step and loader speed; project it"
-    )
-    _add_staged_job_arguments(p)
-    p.add_argument("--out", type=Path, required=True, help="preflight.json")
-    p.add_argument(
-        "--train-runtime-minutes",
-        type=lambda v: None if v == "none" else float(v),
-        required=True,
-        help="the train rule's time limit per allocation, or 'none'",
-    )
-    p.add_argument(
-        "--checkpoint-root",
-        type=Path,
-        default=None,
-        help="where the run's checkpoints go: a probe checkpoint is written there (and removed) "
-        "to measure the write rate (default: beside --out)",
-    )
-    p.set_defaults(func=cmd_preflight)
-
-    _add_evaluate_parser(sub)
+    _add_job_parser(sub, "evaluate", "top-1/top-5 and per-class accuracy", cmd_evaluate)
 
     p = sub.add_parser("aggregate", help="one table of all runs")
     p.add_argument("--run-dirs", type=Path, nargs="+", required=True)

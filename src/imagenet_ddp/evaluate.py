@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 
 from imagenet_ddp.accuracy import evaluate_dataset
 from imagenet_ddp.eval_settings import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS
-from imagenet_ddp.geometry import loader_workers, world_size
+from imagenet_ddp.geometry import Geometry, loader_workers
 from imagenet_ddp.training.model import model_from_state, read_model_file
 from imagenet_ddp.training.presets import REPORTED_MODEL
 
@@ -35,11 +35,11 @@ TIMING_NOTE = (
 )
 
 
-def _check_world(geometry: dict[str, int], started: int) -> None:
-    if world_size(geometry) != started:
+def _check_world(geometry: Geometry, started: int) -> None:
+    if geometry.world_size != started:
         raise RuntimeError(
-            f"evaluation configured for {geometry['nodes']} node(s) x "
-            f"{geometry['tasks_per_node']} task(s) per node, but {started} ranks started; "
+            f"evaluation configured for {geometry.nodes} node(s) x "
+            f"{geometry.tasks_per_node} task(s) per node, but {started} ranks started; "
             "check the launcher's geometry"
         )
 
@@ -50,7 +50,7 @@ def evaluate_run(
     prepared_train,
     prepared_val,
     holdout_ids_csv,
-    geometry: dict[str, int],
+    geometry: Geometry,
     batch_size: int = DEFAULT_BATCH_SIZE,
     workers: int | str = DEFAULT_WORKERS,
     device: str = "auto",
@@ -65,7 +65,7 @@ def evaluate_run(
 
     info = D.dist_info_from_env()
     _check_world(geometry, info.world_size)
-    gpus = geometry["gpus_per_node"]
+    gpus = geometry.gpus_per_node
     dev = D.select_device(device, info.local_rank, gpus, info.local_world_size, 30)
     D.init_process_group(info, dev, "auto", timeout_minutes=30)
     try:
@@ -80,7 +80,7 @@ def evaluate_run(
             "num_classes": num_classes,
             "device": dev,
             "batch_size": batch_size,
-            "workers": loader_workers(workers, geometry["cpus_per_task"]),
+            "workers": loader_workers(workers, geometry.cpus_per_task),
             "precision": cfg.get("precision", "fp32"),
             "channels_last": bool(cfg.get("channels_last")),
             "rank": info.rank,
@@ -137,11 +137,11 @@ def _evaluation_block(geometry, settings, backend, hosts, results, seconds) -> d
     images = sum(r["samples"] for sets in results.values() for r in sets.values())
     world = settings["world_size"]
     return {
-        "nodes": geometry["nodes"],
-        "tasks_per_node": geometry["tasks_per_node"],
+        "nodes": geometry.nodes,
+        "tasks_per_node": geometry.tasks_per_node,
         "world_size": world,
-        "cpus_per_task": geometry["cpus_per_task"],
-        "gpus_per_node": geometry["gpus_per_node"],
+        "cpus_per_task": geometry.cpus_per_task,
+        "gpus_per_node": geometry.gpus_per_node,
         "loader_workers": settings["workers"],
         "device": settings["device"].type,
         "backend": backend,
@@ -190,26 +190,25 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description="evaluation rank (one per device)")
     parser.add_argument("--spec", type=Path, required=True, help="the job spec file")
-    spec = read_spec(parser.parse_args(argv).spec, "evaluate")
-    paths, settings = spec["paths"], spec["settings"]
-    workers = settings["workers"]
+    job = read_spec(parser.parse_args(argv).spec, "evaluate")
+    paths, settings = job.paths, job.settings
     result = evaluate_run(
-        model_path=paths["model"],
-        prepared_train=paths["prepared_train"],
-        prepared_val=paths["prepared_val"],
-        holdout_ids_csv=Path(paths["split_dir"]) / "holdout.csv",
-        geometry=spec["geometry"],
-        batch_size=settings["batch_size"],
-        workers=workers if workers == "auto" else int(workers),
-        device=settings["device"],
+        model_path=paths.model,
+        prepared_train=paths.prepared_train,
+        prepared_val=paths.prepared_val,
+        holdout_ids_csv=paths.split_dir / "holdout.csv",
+        geometry=job.geometry,
+        batch_size=settings.batch_size,
+        workers=settings.workers,
+        device=settings.device,
     )
     if dist_info_from_env().rank == 0:
         write_outputs(
             result,
-            classes=paths["classes"],
-            out=Path(paths["out"]),
-            per_class_csv=paths["per_class"],
-            provenance={"model": paths["model"], "batch_size": settings["batch_size"]},
+            classes=paths.classes,
+            out=paths.out,
+            per_class_csv=paths.per_class,
+            provenance={"model": str(paths.model), "batch_size": settings.batch_size},
         )
     return 0
 

@@ -33,7 +33,7 @@ from imagenet_ddp import attempts
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.geometry import Geometry
 from imagenet_ddp.io import write_json_atomic
-from imagenet_ddp.job_spec import geometry_of, read_spec, staging_report_path
+from imagenet_ddp.job_spec import EvalJob, TrainJob, read_spec, staging_report_path
 from imagenet_ddp.node_memory import compile_threads_env
 from imagenet_ddp.signals import EXIT_REQUEUE, STOP_SIGNALS, ForwardStopSignals
 from imagenet_ddp.stage import (
@@ -50,17 +50,17 @@ from imagenet_ddp.stage import (
 STAGED_KINDS = ("train", "preflight")  # jobs that stage the prepared copy on every node
 
 
-def stage_this_node(spec: dict) -> dict:
+def stage_this_node(job: TrainJob) -> dict:
     """Copy the prepared data into this node's scratch (or, with the local launcher, read it in
     place where a copy would land on its own filesystem); write the node's staging report.
     A scratch root that every node shares (or on a network filesystem) is refused before any
     copy, under srun always: that is the multi-node case staging exists for."""
-    paths, execution = spec["paths"], spec["execution"]
-    path = staging_report_path(paths["run_dir"], socket.gethostname())
+    paths, stage = job.paths, job.execution.stage
+    path = staging_report_path(paths.run_dir, socket.gethostname())
     previous = json.loads(path.read_text()) if path.is_file() else {}
-    src = Path(paths["prepared_train"])
-    scratch, origin = scratch_root(execution.get("scratch_dir") or None)
-    local = execution.get("launcher") == "local"
+    src = paths.prepared_train
+    scratch, origin = scratch_root(stage.scratch_dir or None)
+    local = job.execution.launcher == "local"
     shared = {"prepare.dir": src} if local else {"prepare.dir": src, "the workdir": Path.cwd()}
     kind, problem = scratch_problem(scratch, shared) or (None, None)
     if kind == "shared" and local:  # one machine, one disk: a copy would buy nothing
@@ -71,21 +71,21 @@ def stage_this_node(spec: dict) -> dict:
     else:
         lease = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         reclaim_stale_leases(scratch)  # copies pinned by jobs killed before their cleanup
-        report = stage_dataset(src, scratch, verify=execution["stage_verify"], lease=lease)
+        report = stage_dataset(src, scratch, verify=stage.verify, lease=lease)
         report["lease"] = lease
     report["scratch"] = scratch_info(scratch, origin)  # a site's node-local disk shows here
     # An earlier attempt of this run (requeued, or killed before its cleanup) left its lease:
     # give it up now that this attempt holds its own.
     if previous.get("lease") and not previous.get("cleaned"):
         cleanup_staged(Path(previous["dest"]), previous["lease"])
-    write_json_atomic(staging_report_path(paths["run_dir"], report["host"]), report)
+    write_json_atomic(staging_report_path(paths.run_dir, report["host"]), report)
     return report
 
 
-def unstage_this_node(spec: dict) -> None:
+def unstage_this_node(job: TrainJob) -> None:
     """Give up this run's lease on the node's copy; the copy goes with the last lease (another
     run on this node may still read it). A copy read in place is left alone."""
-    path = staging_report_path(spec["paths"]["run_dir"], socket.gethostname())
+    path = staging_report_path(job.paths.run_dir, socket.gethostname())
     report = json.loads(path.read_text())
     # cleaned: this run gave up its copy; removed: the copy is gone (no other run holds it)
     if report.get("in_place"):
@@ -150,12 +150,12 @@ def srun_argv(
     ]
 
 
-def _srun_extra(spec: dict) -> list[str]:
-    return spec["execution"]["srun_extra"].split()
+def _srun_extra(job: TrainJob | EvalJob) -> list[str]:
+    return job.execution.srun_extra.split()
 
 
-def _prefix(spec: dict) -> str:
-    return spec["execution"].get("launch_prefix") or "srun"
+def _prefix(job: TrainJob | EvalJob) -> str:
+    return job.execution.launch_prefix or "srun"
 
 
 # Apptainer/Singularity export these inside a container: the image the rule's shell runs in.
@@ -189,25 +189,25 @@ RANK_MODULES = {
 }
 
 
-def rank_argv(spec: dict, spec_path: Path, python: list[str]) -> list[str]:
-    """The command of one rank of ``spec``'s job: its kind's module, given the spec's path."""
-    return [*python, "-m", RANK_MODULES[spec["kind"]], "--spec", str(spec_path)]
+def rank_argv(job: TrainJob | EvalJob, spec_path: Path, python: list[str]) -> list[str]:
+    """The command of one rank of ``job``: its kind's module, given the spec's path."""
+    return [*python, "-m", RANK_MODULES[job.kind], "--spec", str(spec_path)]
 
 
-def run_training(spec: dict, spec_path: Path) -> int:
+def run_training(job: TrainJob, spec_path: Path) -> int:
     """Stage on every node, run the ranks, clean up: the exit code of the job.
 
-    ``spec``: the job spec the caller wrote at ``spec_path`` (:mod:`imagenet_ddp.job_spec`);
+    ``job``: the job spec the caller wrote at ``spec_path`` (:mod:`imagenet_ddp.job_spec`);
     every step and rank gets only the path and reads the rest.
     The job is one attempt of the run (:mod:`imagenet_ddp.attempts`): recorded before staging,
     refused at once where a retry cannot help, closed with its exit code.
     """
-    run, root = spec["run"], spec["paths"]["checkpoint_root"]
-    geometry = geometry_of(spec)
+    run, root = job.run, job.paths.checkpoint_root
+    geometry = job.geometry
     entry, refused = attempts.begin(
         root,
         run,
-        attempt=int(spec["execution"].get("attempt", 1)),
+        attempt=job.execution.attempt,
         gpus=geometry.nodes * int(run.get("gpus_per_node") or 0),
         cores=geometry.world_size * geometry.cpus_per_task,
         shape=geometry,
@@ -221,7 +221,7 @@ def run_training(spec: dict, spec_path: Path) -> int:
     code = 1
     try:
         with attempts.Heartbeat(root, entry):
-            code = unfinished_is_stopped(run_staged(spec, spec_path), spec)
+            code = unfinished_is_stopped(run_staged(job, spec_path), job)
     except Exception as error:
         entry["error"] = f"launcher on {socket.gethostname()}: {type(error).__name__}: {error}"
         raise
@@ -230,38 +230,38 @@ def run_training(spec: dict, spec_path: Path) -> int:
     return code
 
 
-def unfinished_is_stopped(code: int, spec: dict) -> int:
+def unfinished_is_stopped(code: int, job: TrainJob) -> int:
     """The job's exit code: EXIT_REQUEUE where the ranks' step exited 0 but rank 0 wrote no
     ``train_metrics.json`` (it does after the last epoch only). srun exits 0 after a stop signal
     when it gives up waiting for the step ("srun: error: Timed out waiting for job step to
     complete", seen in CI at a time limit) although the ranks checkpointed and exited 75: the
     job must not be taken for complete, its attempt recorded "completed", its outputs written."""
-    if code == 0 and not (Path(spec["paths"]["run_dir"]) / "train_metrics.json").is_file():
+    if code == 0 and not (job.paths.run_dir / "train_metrics.json").is_file():
         print("the ranks' step exited 0 but the run did not finish (no train_metrics.json): "
               "stopped, the next job resumes from the newest checkpoint", flush=True)  # fmt: skip
         return EXIT_REQUEUE
     return code
 
 
-def run_staged(spec: dict, spec_path: Path) -> int:
-    """Stage on every node, run the ranks of ``spec``'s kind, clean up: the exit code.
-    Training and its preflight stage the same way."""
-    geometry, execution = geometry_of(spec), spec["execution"]
-    launcher, cleanup = execution["launcher"], execution["cleanup"]
+def run_staged(job: TrainJob, spec_path: Path) -> int:
+    """Stage on every node, run the ranks of ``job``'s kind, clean up: the exit code.
+    Training and its preflight (a TrainJob too) stage the same way."""
+    geometry = job.geometry
+    launcher, cleanup = job.execution.launcher, job.execution.stage.cleanup
     on_spec = ["--spec", str(spec_path)]
     if launcher == "local":
         _check_local(geometry)
-        stage_this_node(spec)
+        stage_this_node(job)
         try:
-            code, _ = launch_ranks(launcher, geometry, rank_argv(spec, spec_path, [sys.executable]))
+            code, _ = launch_ranks(launcher, geometry, rank_argv(job, spec_path, [sys.executable]))
         finally:
             if cleanup:
-                unstage_this_node(spec)
+                unstage_this_node(job)
         return code
 
     python = task_python()
     node_step = [*python, "-m", "imagenet_ddp.launch"]  # one task per node: stage, unstage
-    extra = _srun_extra(spec)
+    extra = _srun_extra(job)
     stage = [*srun_argv(geometry, per_node=True, extra=extra), *node_step, "stage-node", *on_spec]
     code, signalled = _run_step(stage, geometry)
     # Stopped while staging (the launcher was signalled, or a node's step was: exit 75 after
@@ -272,8 +272,8 @@ def run_staged(spec: dict, spec_path: Path) -> int:
     if code != 0:
         return code
     try:
-        ranks = rank_argv(spec, spec_path, python)
-        code, signalled = launch_ranks(launcher, geometry, ranks, extra, _prefix(spec))
+        ranks = rank_argv(job, spec_path, python)
+        code, signalled = launch_ranks(launcher, geometry, ranks, extra, _prefix(job))
     finally:
         if cleanup and signalled:
             # The job is ending (time limit, scancel, preemption): SLURM creates no new step
@@ -285,16 +285,16 @@ def run_staged(spec: dict, spec_path: Path) -> int:
     return code
 
 
-def run_evaluation(spec: dict, spec_path: Path) -> int:
+def run_evaluation(job: EvalJob, spec_path: Path) -> int:
     """The evaluation's ranks, through the same launcher (nothing staged): its exit code."""
-    launcher = spec["execution"]["launcher"]
+    launcher = job.execution.launcher
     python = [sys.executable] if launcher == "local" else task_python()
     code, _ = launch_ranks(
         launcher,
-        geometry_of(spec),
-        rank_argv(spec, spec_path, python),
-        _srun_extra(spec),
-        _prefix(spec),
+        job.geometry,
+        rank_argv(job, spec_path, python),
+        _srun_extra(job),
+        _prefix(job),
     )
     return code
 
@@ -474,12 +474,12 @@ def main(argv: list[str] | None = None) -> int:
     received: list[int] = []
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, frame: received.append(signum))
-    spec = read_spec(args.spec, STAGED_KINDS)
     try:
+        job = read_spec(args.spec, STAGED_KINDS)
         if args.command == "stage-node":
-            stage_this_node(spec)
+            stage_this_node(job)
         else:
-            unstage_this_node(spec)
+            unstage_this_node(job)
     except InputError as error:  # one line per node in the job's log, as the CLI prints it
         print(f"{args.command} on {socket.gethostname()}: error: {error}", file=sys.stderr)
         return 2

@@ -11,54 +11,31 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
-from typing import Any
 
 from imagenet_ddp.io import write_json_atomic
-from imagenet_ddp.job_spec import write_spec
-from imagenet_ddp.preflight_report import FAILED, PREFLIGHT_SPEC
+from imagenet_ddp.job_spec import PREFLIGHT_SPEC, PreflightJob, with_launcher, write_spec
+from imagenet_ddp.preflight_report import FAILED
 from imagenet_ddp.provenance import provenance_path, write_provenance
 
 
-def preflight_job(
-    run: dict[str, Any],
-    *,
-    prepared_train: Path,
-    split_dir: Path,
-    out: Path,
-    execution: dict[str, Any],
-    train_runtime_minutes: float | None,
-    checkpoint_root: Path | None = None,
-) -> int:
-    """Preflight ``run`` (its settings as the train rule passes them); 0 when it may go.
+def preflight_job(job: PreflightJob) -> int:
+    """Preflight ``job.run`` (its settings as the train rule passes them); 0 when it may go.
 
-    ``train_runtime_minutes``: the train rule's SLURM time limit (None: none, e.g. locally);
-    the projection counts the allocations of that length the run needs. ``checkpoint_root``:
-    the run's checkpoint directory, whose write rate the projection uses (None: ``out``'s)."""
+    ``job.train_runtime_minutes``: the train rule's SLURM time limit (None: none, e.g.
+    locally); the projection counts the allocations of that length the run needs.
+    ``job.paths.checkpoint_root``: the run's checkpoint directory, whose write rate the
+    projection uses."""
+    from imagenet_ddp.jobs import resolve_launcher
     from imagenet_ddp.launch import run_staged
 
-    out = Path(out)
+    _ = job.geometry  # a run without its geometry is refused before anything is written
+    job = with_launcher(job, resolve_launcher(job.execution.launcher))
+    out, run = job.paths.out, job.run
     failed = out.with_name(FAILED)
     for stale in (out, failed):  # a failed preflight leaves no report that looks complete
         stale.unlink(missing_ok=True)
-    spec = {
-        "kind": "preflight",
-        "run": run,
-        "paths": {
-            "prepared_train": str(prepared_train),
-            "split_dir": str(split_dir),
-            "run_dir": str(out.parent),
-            "out": str(out),
-            "checkpoint_root": str(checkpoint_root or out.parent),
-        },
-        "execution": execution,
-        "preflight": {
-            "train_runtime_minutes": train_runtime_minutes,
-            "max_allocations": run["max_allocations"],
-        },
-    }
     started = time.time()
-    code = run_staged(spec, write_spec(out.parent / PREFLIGHT_SPEC, spec))
+    code = run_staged(job, write_spec(out.parent / PREFLIGHT_SPEC, job))
     if code != 0:
         return code
     report = json.loads(out.read_text())

@@ -34,7 +34,7 @@ from imagenet_ddp import distributed as D
 from imagenet_ddp.accuracy import evaluate_loader, shard_loader
 from imagenet_ddp.dataset import PreparedImageDataset, eval_transform
 from imagenet_ddp.io import atomic_path, write_json_atomic
-from imagenet_ddp.job_spec import STAGING_DIR, read_spec, staged_copy
+from imagenet_ddp.job_spec import STAGING_DIR, PreflightJob, read_spec, staged_copy
 from imagenet_ddp.preflight_report import build_report, collective_figures, table
 from imagenet_ddp.signals import stop_signals_blocked
 from imagenet_ddp.training import recipe
@@ -328,15 +328,15 @@ def seeded_sample(ids: list[int], wanted: int, seed: int) -> list[int]:
     return sorted(np.random.default_rng(seed).choice(ids, size=wanted, replace=False).tolist())
 
 
-def measure(spec: dict, cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> dict:
+def measure(spec: PreflightJob, cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> dict:
     """Every figure of this rank; the sizes of the run's data for the projection."""
     seed_everything(cfg.seed)
     geometry = resolve_geometry(cfg, info, device)
-    paths = spec["paths"]
-    split = Path(paths["split_dir"])
+    paths = spec.paths
+    split = paths.split_dir
     train_ids = read_ids(split / "train.csv")
     base = PreparedImageDataset(
-        staged_copy(paths["run_dir"], info.host),
+        staged_copy(paths.run_dir, info.host),
         sample_ids=sample_ids(
             train_ids, info.world_size, cfg.batch_size, cfg.seed, geometry.workers
         ),
@@ -354,14 +354,14 @@ def measure(spec: dict, cfg: TrainConfig, info: D.DistInfo, device: torch.device
     record.update(loader_rate(cfg, base, info, geometry.workers, device))
     holdout_ids = read_ids(split / "holdout.csv")
     holdout = PreparedImageDataset(
-        staged_copy(paths["run_dir"], info.host),
+        staged_copy(paths.run_dir, info.host),
         sample_ids=seeded_sample(
             holdout_ids, info.world_size * cfg.batch_size * EVAL_BATCHES, cfg.seed
         ),
         transform=eval_transform(cfg.eval_resize, cfg.eval_crop, normalize=False),
     )
     record.update(eval_rate(cfg, job, holdout, info, geometry.workers, device))
-    record.update(checkpoint_cost(job, Path(paths["checkpoint_root"])))
+    record.update(checkpoint_cost(job, paths.checkpoint_root))
     sizes = {"train": len(train_ids), "holdout": len(holdout_ids)}
     return {"record": record, "gradient_bytes": gradient_bytes, "sizes": sizes}
 
@@ -372,29 +372,30 @@ def staging_reports(run_dir: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((run_dir / STAGING_DIR).glob("*.json"))]
 
 
-def run(spec: dict) -> int:
-    cfg = TrainConfig.from_dict(spec["run"])
+def run(job: PreflightJob) -> int:
+    cfg = TrainConfig.from_dict(job.run)
     info = D.dist_info_from_env()
     device = D.select_device(
         cfg.device, info.local_rank, cfg.gpus_per_node, info.local_world_size, cfg.timeout_minutes
     )
     D.init_process_group(info, device, cfg.backend, cfg.timeout_minutes)
     try:
-        mine = measure(spec, cfg, info, device)
+        mine = measure(job, cfg, info, device)
         ranks = D.all_gather_objects(mine["record"])
         if info.is_main:
-            run_settings = {**spec["run"], "name": spec["run"]["run"]}
+            run_settings = {**job.run, "name": job.name}
+            limits = {"train_runtime_minutes": job.train_runtime_minutes,
+                      "max_allocations": job.run["max_allocations"]}  # fmt: skip
             report = build_report(
                 run_settings, ranks, collective_figures(ranks, mine["gradient_bytes"]),
-                staging_reports(Path(spec["paths"]["run_dir"])), mine["sizes"],
-                spec["preflight"],
+                staging_reports(job.paths.run_dir), mine["sizes"], limits,
             )  # fmt: skip
             report["budget"] = {
                 "model_steps": MODEL_STEPS, "loader_rounds": LOADER_ROUNDS,
                 "allreduce_ops": ALLREDUCE_OPS, "size_factors": list(SIZE_FACTORS),
                 "eval_batches": EVAL_BATCHES,
             }  # fmt: skip
-            write_json_atomic(Path(spec["paths"]["out"]), report)
+            write_json_atomic(job.paths.out, report)
             print(table(report), flush=True)
         D.barrier()
     finally:

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from imagenet_ddp import epoch_end
+from imagenet_ddp.errors import InputError
 from imagenet_ddp.geometry import global_batch, world_size
+from imagenet_ddp.job_spec import PREFLIGHT_SPEC, read_spec
 from imagenet_ddp.settings import declarations
 
 REPORT = "preflight.json"
-PREFLIGHT_SPEC = "preflight_spec.json"  # beside preflight.json
 FAILED = "preflight.failed.json"  # the report of a preflight with problems (no preflight.json)
 
 STRAGGLER = 0.8  # a rank below this share of the median rank's rate is named as a straggler
@@ -170,12 +171,12 @@ def known_projection_problem(
     fits or no projection of these settings is known."""
     folder, max_allocations = Path(report_dir), settings["max_allocations"]
     try:
-        measured = json.loads((folder / PREFLIGHT_SPEC).read_text())["run"]
+        measured = read_spec(folder / PREFLIGHT_SPEC, "preflight").run
         report = next(
             json.loads(p.read_text()) for p in (folder / REPORT, folder / FAILED) if p.is_file()
         )
-    except (OSError, ValueError, KeyError, StopIteration):
-        return None
+    except (InputError, OSError, ValueError, KeyError, StopIteration):
+        return None  # none, or a spec of an earlier format: no projection known
     if _not_bookkeeping(measured) != _not_bookkeeping(settings):
         return None  # settings that change the speed or the work differ: the preflight reruns
     p = report["projection"]

@@ -24,7 +24,8 @@ from imagenet_ddp.archive_names import (
 )
 from imagenet_ddp.attempts import refusal_ahead
 from imagenet_ddp.eval_settings import eval_settings
-from imagenet_ddp.geometry import slurm_resources
+from imagenet_ddp.geometry import GEOMETRY_KEYS, slurm_resources
+from imagenet_ddp.job_spec import SpecError, from_dict, to_dict
 from imagenet_ddp.node_memory import node_memory_problems
 from imagenet_ddp.preflight_report import known_projection_problems
 from imagenet_ddp.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
@@ -72,10 +73,6 @@ def training_settings(name):
     return SETTINGS.rank_settings(RUNS[name])
 
 
-def run_training_json(wildcards):
-    return json.dumps(training_settings(wildcards.run), sort_keys=True)
-
-
 def run_rerun_key(wildcards):
     """What reruns the run's train (and preflight) when it changes: its rule param. The
     settings of its checkpoint key (kinds weights, numerics, geometry: imagenet_ddp.settings),
@@ -120,12 +117,6 @@ def _train_runtime():
     if minutes is None:
         minutes = _runtime_minutes(workflow.resource_settings.default_resources)
     return minutes
-
-
-def train_runtime_minutes(wildcards):
-    """train's time limit, for the preflight's projection ('none': no limit)."""
-    minutes = _train_runtime()
-    return "none" if minutes is None else minutes
 
 
 # A run whose last preflight on the same settings projected more allocations of today's train
@@ -302,6 +293,103 @@ def launch_prefix(rule):
                 " give srun and its flags, e.g. 'srun --mpi=pmix'"
             )
         return prefix
+
+    return value
+
+
+def _execution(rule_name, wildcards, attempt, staged):
+    """A job spec's execution block (imagenet_ddp.job_spec.Execution): where and how the job
+    runs, from the site's settings and the rule's `mpi` resource (launch_prefix). Not results:
+    it travels in a resource, so no change of it reruns a finished job."""
+    block = {
+        "launcher": site_setting("execution", "launcher"),
+        "launch_prefix": launch_prefix(rule_name)(wildcards),
+        "srun_extra": site_setting("execution", "srun_extra"),
+        "attempt": attempt,  # 2, 3, ...: a resubmission (imagenet_ddp.attempts)
+    }
+    if staged:  # train and its preflight copy the prepared train set to every node
+        stage = config["stage"]
+        block["stage"] = {
+            "scratch_dir": stage["scratch_dir"],
+            "verify": stage["verify"],
+            "cleanup": stage["cleanup"],
+        }
+    return block
+
+
+def _output(rule_name, key, wildcards):
+    """Rule `rule_name`'s output `key` for this run: the output's one home is the rule."""
+    return expand(getattr(rules, rule_name).output[key], run=wildcards.run)[0]
+
+
+def _train_paths(wildcards, input):
+    return {
+        "prepared_train": input.prepared,
+        "split_dir": os.path.dirname(input.split_train),
+        "run_dir": os.path.dirname(_output("train", "model", wildcards)),
+        "checkpoint_root": f"{CHECKPOINT_DIR}/{wildcards.run}",
+    }
+
+
+def _job_parts(kind, wildcards, input):
+    """A spec's parts but its execution block, per kind (imagenet_ddp.job_spec)."""
+    if kind == "evaluate":
+        settings = evaluation_settings(wildcards.run)
+        return {
+            "geometry": {key: settings[key] for key in GEOMETRY_KEYS},
+            "settings": {
+                "batch_size": settings["batch_size"],
+                "workers": settings["workers"],
+            },
+            "paths": {
+                "model": input.model,
+                "prepared_train": input.prepared_train,
+                "prepared_val": input.prepared_val,
+                "split_dir": os.path.dirname(input.holdout),
+                "classes": input.classes,
+                "out": _output("evaluate", "metrics", wildcards),
+                "per_class": _output("evaluate", "per_class", wildcards),
+            },
+        }
+    parts = {
+        "run": training_settings(wildcards.run),
+        "paths": _train_paths(wildcards, input),
+    }
+    if kind == "preflight":
+        paths = parts["paths"]
+        del paths["run_dir"]
+        paths["out"] = _output("preflight_run", "report", wildcards)
+        parts["train_runtime_minutes"] = (
+            _train_runtime()
+        )  # what train's allocations last
+    return parts
+
+
+def job_spec(kind, mpi_rule):
+    """A resource: the rule's whole job spec (imagenet_ddp.job_spec) as one JSON value for the
+    shell's `imagenet-ddp <kind> --job`: the run's settings (or the evaluation's geometry and
+    settings), its paths and the execution block, built here once and checked here (a spec the
+    job would refuse fails at the dry-run). A resource, not a param: the run's settings hold
+    bookkeeping too (log_interval: no rerun of a finished job, imagenet_ddp.settings); what
+    reruns a job is params.rerun_on. As a resource it still reaches every job that starts, so
+    a run in progress gets a changed value at its next job. `mpi_rule`: the rule whose `mpi`
+    resource starts the ranks (the preflight's are started as train's)."""
+
+    def value(wildcards, input, attempt):
+        spec = {
+            "kind": kind,
+            **_job_parts(kind, wildcards, input),
+            "execution": _execution(
+                mpi_rule, wildcards, attempt, staged=kind != "evaluate"
+            ),
+        }
+        try:
+            spec = to_dict(from_dict(spec, kind))
+        except SpecError as error:
+            raise WorkflowError(
+                f"{kind} job of run {wildcards.run!r}: job spec: {error}"
+            )
+        return json.dumps(spec)  # kind, run (or geometry), paths, execution
 
     return value
 

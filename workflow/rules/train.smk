@@ -35,31 +35,20 @@ rule train:
         gres=train_resource("gres"),
         tasks_per_gpu=0,  # else the plugin adds --ntasks-per-gpu=<all tasks> to GPU jobs
         mpi=train_resource("mpi"),
-        # Where and how it runs (not results, so not params): a profile may override these.
-        # auto: srun inside the SLURM allocation, else ranks spawned here (launch.py).
-        launcher=site_setting("execution", "launcher"),
-        launch_prefix=launch_prefix("train"),
-        srun_extra=site_setting("execution", "srun_extra"),
-        scratch_dir=site_setting("stage", "scratch_dir"),
-        stage_verify=site_setting("stage", "verify"),
-        stage_cleanup=("cleanup" if site_setting("stage", "cleanup") else "no-cleanup"),
-        checkpoint_root=lambda wildcards: f"{CHECKPOINT_DIR}/{wildcards.run}",
         snakemake_attempt=lambda wildcards, attempt: attempt,  # 2, 3, ...: a resubmission
-        # The run's settings, geometry included, and its resolved hyperparameters (shown by
-        # `snakemake -n -p`): a resource, not a param, because a param's every change reruns
-        # the finished job (a new GPU allocation that resumes its final checkpoint and changes
-        # nothing) and bookkeeping such as log_interval changes no result. As a resource it
-        # still reaches every job that starts: a run in progress gets the new value at its next
-        # job. `imagenet-ddp train` writes it with the paths and the resources above into the
-        # job spec (<run dir>/job_spec.json), the one file every process of the job reads.
-        settings=run_training_json,
+        # The whole job spec (imagenet_ddp.job_spec: the run's settings, geometry included, its
+        # paths, where and how it runs; common.smk job_spec), and the resolved hyperparameters
+        # (shown by `snakemake -n -p`): resources, not params, because a param's every change
+        # reruns the finished job (a new GPU allocation that resumes its final checkpoint and
+        # changes nothing) and bookkeeping such as log_interval or the launcher changes no
+        # result. `imagenet-ddp train` writes the spec once into <run dir>/job_spec.json, the
+        # one file every process of the job reads.
+        job=job_spec("train", "train"),
         hyperparameters=run_hyperparameters,
     params:
         # What reruns the training: the settings of the run's checkpoint key (kinds weights,
         # numerics, geometry: imagenet_ddp.settings; docs/configuration.md "Reruns").
         rerun_on=run_rerun_key,
-        run_dir=lambda wildcards, output: os.path.dirname(output.model),
-        split_dir=lambda wildcards, input: os.path.dirname(input.split_train),
     # exec: the launcher replaces the rule's shell, which a stop signal would kill (SLURM
     # signals every process of the step) before the ranks have written their checkpoint.
     # Every job (attempt) writes its own log, logs/train/<run>/job-<SLURM job id>-attempt<n>-
@@ -74,13 +63,7 @@ rule train:
         'echo "== job $job, Snakemake attempt {resources.snakemake_attempt}, started $started ==" '
         '> "$attempt_log"; '
         'echo hyperparameters: {resources.hyperparameters:q} >> "$attempt_log"; '
-        "exec imagenet-ddp train --run-config-json {resources.settings:q}"
-        " --prepared-train {input.prepared:q} --split-dir {params.split_dir:q}"
-        " --run-dir {params.run_dir:q} --checkpoint-root {resources.checkpoint_root:q}"
-        " --launcher {resources.launcher} --launch-prefix={resources.launch_prefix:q}"
-        " --srun-extra={resources.srun_extra:q} --scratch-dir={resources.scratch_dir:q}"
-        " --stage-verify {resources.stage_verify} --{resources.stage_cleanup}"
-        ' --attempt {resources.snakemake_attempt} >> "$attempt_log" 2>&1'
+        'exec imagenet-ddp train --job {resources.job:q} >> "$attempt_log" 2>&1'
 
 
 # Evaluation runs like training: DDP ranks on the GPUs of `evaluate` geometry (config.yaml
@@ -114,27 +97,16 @@ rule evaluate:
         gres=slurm_resource("gres", evaluation_settings),
         tasks_per_gpu=0,  # else the plugin adds --ntasks-per-gpu=<all tasks> to GPU jobs
         mpi=slurm_resource("mpi", evaluation_settings),
-        launcher=site_setting("execution", "launcher"),
-        launch_prefix=launch_prefix("evaluate"),
-        srun_extra=site_setting("execution", "srun_extra"),
-        eval_tasks_per_node=evaluation_setting("tasks_per_node"),
-        eval_gpus_per_node=evaluation_setting("gpus_per_node"),
-        eval_workers=evaluation_setting("workers"),
+        # The evaluation's job spec: its geometry, batch size, loader workers, paths and where
+        # it runs (common.smk job_spec; a resource: no rerun when it changes, see rule train).
+        job=job_spec("evaluate", "evaluate"),
     params:
+        # What reruns the evaluation, as before the job spec (the geometry does not).
         batch_size=evaluation_setting("batch_size"),
         split_dir=lambda wildcards, input: os.path.dirname(input.holdout),
     # exec: the launcher replaces the rule's shell (see rule train).
     shell:
-        "exec imagenet-ddp evaluate --launcher {resources.launcher}"
-        " --launch-prefix={resources.launch_prefix:q}"
-        " --srun-extra={resources.srun_extra:q} --model {input.model:q}"
-        " --prepared-train {input.prepared_train:q} --prepared-val {input.prepared_val:q}"
-        " --split-dir {params.split_dir:q} --classes {input.classes:q} --out {output.metrics:q}"
-        " --per-class {output.per_class:q} --batch-size {params.batch_size}"
-        " --workers {resources.eval_workers} --nodes {resources.nodes}"
-        " --tasks-per-node {resources.eval_tasks_per_node}"
-        " --cpus-per-task {resources.cpus_per_task}"
-        " --gpus-per-node {resources.eval_gpus_per_node} > {log:q} 2>&1"
+        "exec imagenet-ddp evaluate --job {resources.job:q} > {log:q} 2>&1"
 
 
 # The preflight of a run (imagenet_ddp.preflight): its exact geometry and SLURM shape, staging
@@ -168,29 +140,15 @@ rule preflight_run:
         tasks_per_gpu=0,
         mpi=slurm_resource("mpi"),
         runtime=30,
-        launcher=site_setting("execution", "launcher"),
-        # Its ranks start as train's do (--set-resources train:mpi="srun --mpi=pmix ...").
-        launch_prefix=launch_prefix("train"),
-        srun_extra=site_setting("execution", "srun_extra"),
-        scratch_dir=site_setting("stage", "scratch_dir"),
-        stage_verify=site_setting("stage", "verify"),
-        stage_cleanup=("cleanup" if site_setting("stage", "cleanup") else "no-cleanup"),
-        # What train's allocations are measured in (not a result: no rerun when it changes).
-        train_runtime=train_runtime_minutes,
-        # Where train writes its checkpoints: the preflight measures the write rate there.
-        checkpoint_root=lambda wildcards: f"{CHECKPOINT_DIR}/{wildcards.run}",
-        settings=run_training_json,  # a resource, as train's (see there)
+        # Its job spec (a resource, as train's, see there): train's run and staging; its ranks
+        # start as train's do (the launch prefix of train's `mpi`: --set-resources
+        # train:mpi="srun --mpi=pmix"); train's time limit, what the projection counts
+        # allocations of; train's checkpoint folder, where it measures the write rate.
+        job=job_spec("preflight", "train"),
     params:
         rerun_on=run_rerun_key,
-        split_dir=lambda wildcards, input: os.path.dirname(input.split_train),
     shell:
-        "exec imagenet-ddp preflight --run-config-json {resources.settings:q}"
-        " --prepared-train {input.prepared:q} --split-dir {params.split_dir:q}"
-        " --out {output.report:q} --train-runtime-minutes {resources.train_runtime}"
-        " --launcher {resources.launcher} --launch-prefix={resources.launch_prefix:q}"
-        " --srun-extra={resources.srun_extra:q} --scratch-dir={resources.scratch_dir:q}"
-        " --stage-verify {resources.stage_verify} --{resources.stage_cleanup}"
-        " --checkpoint-root {resources.checkpoint_root:q} > {log:q} 2>&1"
+        "exec imagenet-ddp preflight --job {resources.job:q} > {log:q} 2>&1"
 
 
 # `snakemake preflight`: the preflight of every run (a target; nothing trains).

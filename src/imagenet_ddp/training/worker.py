@@ -272,21 +272,21 @@ def main(argv: list[str] | None = None) -> int:
     # `kill -USR2 <pid>` (or `scancel --signal=USR2 <job>`) prints every thread's traceback:
     # where a rank of a job that seems stuck is waiting, without stopping it.
     faulthandler.register(signal.SIGUSR2, all_threads=True)
-    spec = read_spec(args.spec, "train")
-    paths, info = spec["paths"], D.dist_info_from_env()
+    job = read_spec(args.spec, "train")
+    paths, info = job.paths, D.dist_info_from_env()
     try:
         return train(
-            TrainConfig.from_dict(spec["run"]),
-            train_data=args.train_data or staged_copy(paths["run_dir"], info.host),
-            split_dir=Path(paths["split_dir"]),
-            out_dir=Path(paths["run_dir"]),
-            checkpoint_root=Path(paths["checkpoint_root"]),
+            TrainConfig.from_dict(job.run),
+            train_data=args.train_data or staged_copy(paths.run_dir, info.host),
+            split_dir=paths.split_dir,
+            out_dir=paths.run_dir,
+            checkpoint_root=paths.checkpoint_root,
             stop_after_steps=args.stop_after_steps,
             # the launcher keeps the record; a rank started by hand (tests) has none
-            attempt_key=settings_key(spec["run"]) if has_record(paths["checkpoint_root"]) else None,
+            attempt_key=settings_key(job.run) if has_record(paths.checkpoint_root) else None,
         )
     except Exception as error:  # the attempt record names it; a retry repeats it (attempts)
-        record_error(paths["checkpoint_root"], info.rank, info.host, error)
+        record_error(paths.checkpoint_root, info.rank, info.host, error)
         raise
     finally:
         # Done: a stop signal from now on must not turn the exit code into "killed by signal".
