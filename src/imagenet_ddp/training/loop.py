@@ -31,13 +31,23 @@ from imagenet_ddp.training.data import batch_seed
 from imagenet_ddp.training.discipline import check_device_discipline
 from imagenet_ddp.training.metrics import EpochMeter, Progress, log_epoch
 from imagenet_ddp.training.state import TrainingState
+from imagenet_ddp.training.step_timing import StepTimer, breakdown_row, timed_steps
 
 
 def run_epochs(
-    job: TrainingState, loader, sampler, holdout, resume, stop, stop_after_steps, monitor=None
+    job: TrainingState,
+    loader,
+    sampler,
+    holdout,
+    resume,
+    stop,
+    stop_after_steps,
+    monitor=None,
+    profile=None,
 ) -> int:
     """Train from the resume point to the last epoch: 0, or EXIT_REQUEUE when stopped.
-    ``monitor`` (imagenet_ddp.monitor.RunMonitor): TensorBoard events on rank 0."""
+    ``monitor`` (imagenet_ddp.monitor.RunMonitor): TensorBoard events on rank 0; ``profile``
+    (training.profile_window.ProfileWindow): the opt-in profiler window."""
     cfg, info = job.cfg, job.info
     steps_per_epoch = len(sampler) // cfg.batch_size
     start_epoch, start_step, partial = resume.epoch, resume.step, resume.partial
@@ -47,12 +57,18 @@ def run_epochs(
         skip = start_step if first else 0
         sampler.set_epoch(epoch, skip_samples=skip * cfg.batch_size)
         carried = partial[info.rank] if first and partial else None  # a resumed epoch's counts
+        # Opened before the meter starts: the profiler's start is not the epoch's time.
+        profiler = profile.open(epoch, job.device) if profile is not None else None
+        window = profile.window(epoch) if profile is not None else 0
+        timer = StepTimer(job.device, cfg.log_interval, window)  # the step-time breakdown
         meter = EpochMeter(job.device, cfg.throughput_warmup_steps, carried)
         progress = Progress(info.is_main, epoch, steps_per_epoch, cfg.log_interval, meter)
         job.step_model.train()
         step = skip
-        for images, targets in batches(job, loader, holdout.num_classes, epoch, step):
+        epoch_batches = batches(job, loader, holdout.num_classes, epoch, step)
+        for images, targets in timed_steps(epoch_batches, timer, profiler):
             loss, logits, labels = train_step(job, images, targets, epoch)
+            timer.done()
             meter.update(loss, logits, labels)
             step += 1
             steps_done += 1
@@ -62,7 +78,7 @@ def run_epochs(
             if job.progress is not None:
                 job.progress.mark(epoch, step)
             if monitor is not None:  # TensorBoard every log_interval steps
-                monitor.step(epoch, step, meter, job.scheduler.get_last_lr()[0])
+                monitor.step(epoch, step, meter, job.scheduler.get_last_lr()[0], timer)
             # Every rank polls at the same steps, so the agreement's collectives stay aligned.
             test_stop = stop_after_steps is not None and steps_done >= stop_after_steps
             if (test_stop or stop.poll(steps_done)) and step < steps_per_epoch:
@@ -80,7 +96,7 @@ def run_epochs(
                 interval_checkpoint(job, epoch, step, meter)
                 stop.checkpointed()
         progress.close()
-        end_epoch(job, epoch, meter, holdout)
+        end_epoch(job, epoch, meter, holdout, timer)
         stop.checkpointed()  # end_epoch wrote one
         if monitor is not None:  # TensorBoard epoch scalars
             monitor.epoch(epoch, job.history[-1])
@@ -192,10 +208,14 @@ def evaluate_epoch(job: TrainingState, epoch: int, holdout: Holdout) -> dict[str
     return row
 
 
-def end_epoch(job: TrainingState, epoch: int, meter: EpochMeter, holdout: Holdout) -> None:
+def end_epoch(
+    job: TrainingState, epoch: int, meter: EpochMeter, holdout: Holdout, timer: StepTimer
+) -> None:
     """Combine the ranks' counters, evaluate the holdout (every ``eval_interval`` epochs),
     record and checkpoint the epoch."""
     record = {"epoch": epoch, **meter.reduce(), "lr_end": job.scheduler.get_last_lr()[0]}
+    steady = record["steady_images_per_s"]  # breakdown: step_timing.BREAKDOWN_NOTE
+    record.update(breakdown_row(job, epoch, timer, steady, holdout.num_classes))
     # Every epoch, evaluated or not: every rank continues from the state that is saved.
     D.broadcast_buffers(job.model)
     if job.ema is not None:
