@@ -26,7 +26,7 @@ or a comm hook that would change DDP's code path. The profiler window (``profile
 
 Model FLOPs (:func:`flops_per_image`) are counted once per crop size with
 ``torch.utils.flop_counter.FlopCounterMode`` on the meta device (no memory, no compute): one
-forward and backward of one image, so the matrix multiplications and convolutions only (not
+forward and backward per image, so the matrix multiplications and convolutions only (not
 normalization, activations, the loss or the optimizer). MFU (:func:`mfu_percent`) compares
 them, at the epoch's steady throughput, with the device's dense peak (:data:`PEAK_TFLOPS`).
 """
@@ -74,13 +74,14 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 
 @functools.cache
 def flops_per_image(model_name: str, num_classes: int, crop: int) -> int:
-    """Model FLOPs of one training step per image (forward and backward, batch of 1)."""
+    """Model FLOPs of one training step per image (forward and backward). Counted on a batch
+    of 2 (BatchNorm in training mode refuses one value per channel, as a tiny crop gives)."""
     from imagenet_ddp.training.model import build_model
 
     with torch.device("meta"):
         model = build_model(model_name, num_classes)
-        images = torch.empty(1, 3, crop, crop)
-    return count_flops(model, images)
+        images = torch.empty(2, 3, crop, crop)
+    return count_flops(model, images) // 2
 
 
 def count_flops(model: torch.nn.Module, images: torch.Tensor) -> int:
