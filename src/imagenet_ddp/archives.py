@@ -484,17 +484,9 @@ def verify_archives(data_dir: Path, *, check_md5: bool = True) -> dict:
     }
 
 
-def build_index(data_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """(classes, train, val) tables, read from the archives' headers (no image is extracted).
-
-    classes: class_index, wnid, words. train/val: SAMPLE_COLUMNS, in torchvision's ImageNet order
-    (class index, then file name); val's member is "" (member_offset, member_size 0).
-    """
-    data_dir = Path(data_dir)
-    devkit, train_listing, val_entries = _read_consistent_archives(data_dir)
-
+def _class_table(devkit) -> pd.DataFrame:
     wnids = devkit.wnids
-    classes = pd.DataFrame(
+    return pd.DataFrame(
         {
             "class_index": np.arange(len(wnids), dtype=np.int64),
             "words": [devkit.wnid_to_words[w] for w in wnids],
@@ -502,37 +494,44 @@ def build_index(data_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFram
         }
     )[CLASS_COLUMNS]
 
-    counts = np.array([len(e) for e in train_listing.entries], dtype=np.int64)
+
+def _train_table(wnids: list[str], listing) -> pd.DataFrame:
+    """One row per image of the train archive's per-class members, in the listing's order."""
+    counts = np.array([len(e) for e in listing.entries], dtype=np.int64)
     class_of_sample = np.repeat(np.arange(len(wnids), dtype=np.int64), counts)
     n = int(counts.sum())
-    names = [name for entries in train_listing.entries for name, _, _ in entries]
+    names = [name for entries in listing.entries for name, _, _ in entries]
     sizes = np.fromiter(
-        (size for entries in train_listing.entries for _, size, _ in entries), np.int64, n
+        (size for entries in listing.entries for _, size, _ in entries), np.int64, n
     )
     absolute = np.fromiter(
-        (offset for entries in train_listing.entries for _, _, offset in entries), np.int64, n
+        (offset for entries in listing.entries for _, _, offset in entries), np.int64, n
     )
-    member_offsets = np.asarray(train_listing.member_offsets, dtype=np.int64)[class_of_sample]
-    train = pd.DataFrame(
+    member_offsets = np.asarray(listing.member_offsets, dtype=np.int64)[class_of_sample]
+    return pd.DataFrame(
         {
             "sample_id": np.arange(n, dtype=np.int64),
             "class_index": class_of_sample,
             "wnid": np.asarray(wnids, dtype=object)[class_of_sample],
-            "member": np.asarray(train_listing.members, dtype=object)[class_of_sample],
+            "member": np.asarray(listing.members, dtype=object)[class_of_sample],
             "name": names,
             "size": sizes,
             "member_offset": member_offsets,
-            "member_size": np.asarray(train_listing.member_sizes, dtype=np.int64)[class_of_sample],
+            "member_size": np.asarray(listing.member_sizes, dtype=np.int64)[class_of_sample],
             "offset": absolute - member_offsets,
         }
     )
 
+
+def _val_table(devkit, val_entries) -> pd.DataFrame:
+    """One row per val image, by class (the devkit's ground truth), then by file name."""
+    wnids = devkit.wnids
     wnid_index = {w: i for i, w in enumerate(wnids)}
     val_class = np.array(
         [wnid_index[devkit.idx_to_wnid[i]] for i in devkit.val_ids], dtype=np.int64
     )
     order = np.argsort(val_class, kind="stable")  # val_entries are sorted by name already
-    val = pd.DataFrame(
+    return pd.DataFrame(
         {
             "sample_id": np.arange(len(val_entries), dtype=np.int64),
             "class_index": val_class[order],
@@ -545,7 +544,18 @@ def build_index(data_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFram
             "offset": np.array([val_entries[i][2] for i in order], dtype=np.int64),
         }
     )
-    return classes, train[SAMPLE_COLUMNS], val[SAMPLE_COLUMNS]
+
+
+def build_index(data_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(classes, train, val) tables, read from the archives' headers (no image is extracted).
+
+    classes: class_index, wnid, words. train/val: SAMPLE_COLUMNS, in torchvision's ImageNet order
+    (class index, then file name); val's member is "" (member_offset, member_size 0).
+    """
+    devkit, train_listing, val_entries = _read_consistent_archives(Path(data_dir))
+    train = _train_table(devkit.wnids, train_listing)
+    val = _val_table(devkit, val_entries)
+    return _class_table(devkit), train[SAMPLE_COLUMNS], val[SAMPLE_COLUMNS]
 
 
 def header_matches(header: bytes, name: str, size: int) -> bool:

@@ -327,79 +327,132 @@ def plot_efficiency(table: pd.DataFrame, out: Path) -> None:
         _save(fig, out)
 
 
+def _curve_styles(max_epoch: int) -> dict[str, dict]:
+    """The four curves' line styles: train and holdout loss, train and holdout top-1."""
+    # Markers show where the measurements are; past a few dozen epochs they only add noise.
+    size = 3.5 if max_epoch <= 20 else 0
+    return {
+        "train": {"linestyle": "-", "marker": "o", "markersize": size},
+        "holdout": {"linestyle": "--", "marker": "s", "markersize": size},
+        "train_acc": {"linestyle": ":", "alpha": 0.8},
+        "holdout_acc": {"linestyle": "-", "marker": "s", "markersize": size},
+    }
+
+
+def _draw_curves(axes, histories: dict[str, pd.DataFrame], colors: dict, styles: dict) -> None:
+    ax_loss, ax_acc = axes
+    for run, history in histories.items():
+        x = history["epoch"] + 1  # history counts from 0; plot epochs completed
+        color = colors[run]
+        ax_loss.plot(x, history["train_loss"], color=color, **styles["train"])
+        # Epochs that eval_interval skips have no holdout figures: join the evaluated ones.
+        evaluated = history["holdout_top1"].notna()
+        holdout_loss = history["holdout_loss"][evaluated]
+        ax_loss.plot(x[evaluated], holdout_loss, color=color, **styles["holdout"])
+        holdout_top1 = history["holdout_top1"][evaluated] * 100
+        ax_acc.plot(x[evaluated], holdout_top1, color=color, **styles["holdout_acc"])
+        ax_acc.plot(x, history["train_top1"] * 100, color=color, **styles["train_acc"])
+
+
+def _epoch_axes(axes, max_epoch: int) -> None:
+    for ax in axes:
+        ax.set_xlabel("Epochs completed")
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True, min_n_ticks=1))
+        ax.set_xlim(0.7 if max_epoch <= 20 else 0, max_epoch + (0.3 if max_epoch <= 20 else 0))
+
+
+def _loss_scale(ax_loss, histories: dict[str, pd.DataFrame]) -> None:
+    """Linear from 0, or logarithmic where the losses span more than 20x."""
+    ax_loss.set_ylabel("Cross-entropy loss")
+    losses = pd.concat([h[["train_loss", "holdout_loss"]] for h in histories.values()])
+    losses = losses.to_numpy().ravel()
+    losses = losses[np.isfinite(losses) & (losses > 0)]
+    if len(losses) and losses.max() / losses.min() > 20:
+        # An early spike (e.g. unsettled batch norm on the holdout) would flatten the rest.
+        ax_loss.set_yscale("log")
+        ax_loss.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.6g}"))
+        ax_loss.set_ylabel("Cross-entropy loss (log scale)")
+    else:
+        ax_loss.set_ylim(bottom=0)
+
+
+def _curve_legends(fig, axes, styles: dict, colors: dict) -> None:
+    """The line styles' legends in each panel, the runs' colors below both."""
+    ax_loss, ax_acc = axes
+    labels = {"train": "train (mean over epoch)", "holdout": "holdout (end of epoch)"}
+    labels |= {"train_acc": labels["train"], "holdout_acc": labels["holdout"]}
+    for ax, keys, loc in (
+        (ax_loss, ("train", "holdout"), "upper right"),
+        (ax_acc, ("holdout_acc", "train_acc"), "upper left"),
+    ):
+        handles = [Line2D([], [], color="0.3", **styles[k], label=labels[k]) for k in keys]
+        ax.legend(handles=handles, loc=loc, frameon=False)
+    run_handles = [Line2D([], [], color=c, linewidth=2, label=r) for r, c in colors.items()]
+    ncol = min(len(run_handles), 5)
+    fig.legend(
+        handles=run_handles,
+        loc="lower center",
+        ncol=ncol,
+        frameon=False,
+        title="Run",
+        bbox_to_anchor=(0.5, -0.02),
+    )
+    fig.suptitle("Training curves")
+    rows = -(-len(run_handles) // ncol)
+    fig.tight_layout(rect=(0, 0.035 + 0.045 * rows, 1, 1))
+
+
 def plot_curves(histories: dict[str, pd.DataFrame], out: Path) -> None:
     """Loss (train, holdout) and top-1 accuracy (train, holdout) per epoch, one color per run."""
     max_epoch = max(int(h["epoch"].max()) + 1 for h in histories.values())
-    # Markers show where the measurements are; past a few dozen epochs they only add noise.
-    size = 3.5 if max_epoch <= 20 else 0
-    train = {"linestyle": "-", "marker": "o", "markersize": size}
-    holdout = {"linestyle": "--", "marker": "s", "markersize": size}
-    train_acc = {"linestyle": ":", "alpha": 0.8}
-    holdout_acc = {"linestyle": "-", "marker": "s", "markersize": size}
+    styles = _curve_styles(max_epoch)
     with plt.rc_context(STYLE):
-        fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.4))
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+        ax_loss, ax_acc = axes
         colors = _colors(list(histories))
-        for run, history in histories.items():
-            x = history["epoch"] + 1  # history counts from 0; plot epochs completed
-            color = colors[run]
-            ax_loss.plot(x, history["train_loss"], color=color, **train)
-            # Epochs that eval_interval skips have no holdout figures: join the evaluated ones.
-            evaluated = history["holdout_top1"].notna()
-            ax_loss.plot(x[evaluated], history["holdout_loss"][evaluated], color=color, **holdout)
-            ax_acc.plot(
-                x[evaluated], history["holdout_top1"][evaluated] * 100, color=color, **holdout_acc
-            )
-            ax_acc.plot(x, history["train_top1"] * 100, color=color, **train_acc)
-        for ax in (ax_loss, ax_acc):
-            ax.set_xlabel("Epochs completed")
-            ax.xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True, min_n_ticks=1))
-            ax.set_xlim(0.7 if max_epoch <= 20 else 0, max_epoch + (0.3 if max_epoch <= 20 else 0))
-        ax_loss.set_ylabel("Cross-entropy loss")
-        losses = pd.concat([h[["train_loss", "holdout_loss"]] for h in histories.values()])
-        losses = losses.to_numpy().ravel()
-        losses = losses[np.isfinite(losses) & (losses > 0)]
-        if len(losses) and losses.max() / losses.min() > 20:
-            # An early spike (e.g. unsettled batch norm on the holdout) would flatten the rest.
-            ax_loss.set_yscale("log")
-            ax_loss.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.6g}"))
-            ax_loss.set_ylabel("Cross-entropy loss (log scale)")
-        else:
-            ax_loss.set_ylim(bottom=0)
+        _draw_curves(axes, histories, colors, styles)
+        _epoch_axes(axes, max_epoch)
+        _loss_scale(ax_loss, histories)
         ax_loss.set_title("Loss per epoch")
         ax_acc.set_ylabel("Top-1 accuracy (%)")
         ax_acc.set_ylim(0, 100)
         ax_acc.set_title("Top-1 accuracy per epoch")
-        gray = {"color": "0.3"}
-        ax_loss.legend(
-            handles=[
-                Line2D([], [], **gray, **train, label="train (mean over epoch)"),
-                Line2D([], [], **gray, **holdout, label="holdout (end of epoch)"),
-            ],
-            loc="upper right",
-            frameon=False,
-        )
-        ax_acc.legend(
-            handles=[
-                Line2D([], [], **gray, **holdout_acc, label="holdout (end of epoch)"),
-                Line2D([], [], **gray, **train_acc, label="train (mean over epoch)"),
-            ],
-            loc="upper left",
-            frameon=False,
-        )
-        run_handles = [Line2D([], [], color=colors[r], linewidth=2, label=r) for r in histories]
-        ncol = min(len(run_handles), 5)
-        fig.legend(
-            handles=run_handles,
-            loc="lower center",
-            ncol=ncol,
-            frameon=False,
-            title="Run",
-            bbox_to_anchor=(0.5, -0.02),
-        )
-        fig.suptitle("Training curves")
-        rows = -(-len(run_handles) // ncol)
-        fig.tight_layout(rect=(0, 0.035 + 0.045 * rows, 1, 1))
+        _curve_legends(fig, axes, styles, colors)
         _save(fig, out)
+
+
+def _class_points(ax, positions, runs: list[str], values: list[np.ndarray]) -> None:
+    """Every class as a dot (fixed jitter), each run's mean over classes as a diamond."""
+    colors = _colors(runs)
+    rng = np.random.default_rng(0)  # fixed jitter: deterministic output
+    for pos, run, vals in zip(positions, runs, values, strict=True):
+        jitter = rng.uniform(-0.18, 0.18, size=len(vals))
+        alpha = 0.8 if len(vals) <= 100 else max(0.15, 60 / len(vals))
+        ax.scatter(pos + jitter, vals, s=12, color=colors[run], alpha=alpha, zorder=3, linewidths=0)
+        if len(vals):
+            ax.scatter(
+                pos, vals.mean(), marker="D", s=30, color="white", edgecolors="black", zorder=4
+            )
+
+
+def _per_class_legend(ax, chance: float) -> None:
+    handles = [
+        Line2D([], [], color="black", label="median (box: quartiles)"),
+        Line2D(
+            [],
+            [],
+            marker="D",
+            linestyle="",
+            markerfacecolor="white",
+            markeredgecolor="black",
+            label="mean over classes",
+        ),
+        Line2D([], [], marker="o", linestyle="", color="0.4", label="one class"),
+        Line2D([], [], color="firebrick", linestyle=":", label=f"chance ({chance:.3g} %)"),
+    ]
+    ax.legend(
+        handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False
+    )
 
 
 def plot_per_class(per_class: dict[str, pd.DataFrame], out: Path) -> None:
@@ -411,7 +464,6 @@ def plot_per_class(per_class: dict[str, pd.DataFrame], out: Path) -> None:
         values.append((frame.loc[frame["test_total"] > 0, "test_top1"].dropna() * 100).to_numpy())
     with plt.rc_context(STYLE):
         fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(runs) + 2.5), 4.6))
-        colors = _colors(runs)
         positions = np.arange(1, len(runs) + 1)
         ax.boxplot(
             values,
@@ -423,37 +475,11 @@ def plot_per_class(per_class: dict[str, pd.DataFrame], out: Path) -> None:
             whiskerprops={"color": "0.35"},
             capprops={"color": "0.35"},
         )
-        rng = np.random.default_rng(0)  # fixed jitter: deterministic output
-        for pos, run, vals in zip(positions, runs, values, strict=True):
-            jitter = rng.uniform(-0.18, 0.18, size=len(vals))
-            alpha = 0.8 if len(vals) <= 100 else max(0.15, 60 / len(vals))
-            ax.scatter(
-                pos + jitter, vals, s=12, color=colors[run], alpha=alpha, zorder=3, linewidths=0
-            )
-            if len(vals):
-                ax.scatter(
-                    pos, vals.mean(), marker="D", s=30, color="white", edgecolors="black", zorder=4
-                )
+        _class_points(ax, positions, runs, values)
         n_classes = max(len(f) for f in per_class.values())
         chance = 100 / n_classes
         ax.axhline(chance, color="firebrick", linestyle=":", linewidth=1)
-        handles = [
-            Line2D([], [], color="black", label="median (box: quartiles)"),
-            Line2D(
-                [],
-                [],
-                marker="D",
-                linestyle="",
-                markerfacecolor="white",
-                markeredgecolor="black",
-                label="mean over classes",
-            ),
-            Line2D([], [], marker="o", linestyle="", color="0.4", label="one class"),
-            Line2D([], [], color="firebrick", linestyle=":", label=f"chance ({chance:.3g} %)"),
-        ]
-        ax.legend(
-            handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False
-        )
+        _per_class_legend(ax, chance)
         ax.set_xticks(positions)
         ax.set_xticklabels(
             runs, rotation=20 if len(runs) > 3 else 0, ha="right" if len(runs) > 3 else "center"

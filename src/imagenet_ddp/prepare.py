@@ -298,26 +298,11 @@ def write_shard_parts(
     try:
         for position, (sample_id, data, error) in enumerate(converted):
             if data is None:
-                member, name = part["member"].iat[position], part["name"].iat[position]
-                place = f"{archive}:{member + '/' if member else ''}{name}"
-                if on_corrupt == "fail":
-                    raise InputError(
-                        f"{place} (sample {sample_id}) cannot be decoded ({error}); "
-                        "re-download the archive, or set prepare.on_corrupt: skip to leave "
-                        "such images out"
-                    )
-                skipped.append(
-                    {"sample_id": sample_id, "member": member, "name": name, "error": error}
-                )
+                row = part.iloc[position]
+                skipped.append(_undecodable(archive, row, sample_id, error, on_corrupt))
                 continue
             shard = (start + position) // shard_samples
-            writer = writers.get(shard)
-            if writer is None:
-                for previous in writers.values():
-                    previous.close()
-                (parts_dir / f"{shard:05d}").mkdir(parents=True)
-                # One shard per writer: a size limit it never reaches.
-                writer = writers[shard] = _ShardWriter(parts_dir / f"{shard:05d}", sys.maxsize)
+            writer = _shard_writer(writers, parts_dir, shard)
             label = class_index[position]
             _, offset = writer.write(data, key=sample_key(sample_id), label=label)
             rows.append((sample_id, label, shard, offset, len(data)))
@@ -330,6 +315,32 @@ def write_shard_parts(
         for s, w in sorted(writers.items())
     ]
     return rows, records, skipped
+
+
+def _undecodable(archive: Path, row: pd.Series, sample_id: int, error: str, on_corrupt: str):
+    """An image that cannot be decoded: the one-line error (``on_corrupt: fail``) or its
+    record among the skipped (``skip``)."""
+    member, name = row["member"], row["name"]
+    place = f"{archive}:{member + '/' if member else ''}{name}"
+    if on_corrupt == "fail":
+        raise InputError(
+            f"{place} (sample {sample_id}) cannot be decoded ({error}); "
+            "re-download the archive, or set prepare.on_corrupt: skip to leave "
+            "such images out"
+        )
+    return {"sample_id": sample_id, "member": member, "name": name, "error": error}
+
+
+def _shard_writer(writers: dict[int, _ShardWriter], parts_dir: Path, shard: int) -> _ShardWriter:
+    """The writer of ``shard``; a new shard closes the previous ones (images come in order)."""
+    writer = writers.get(shard)
+    if writer is None:
+        for previous in writers.values():
+            previous.close()
+        (parts_dir / f"{shard:05d}").mkdir(parents=True)
+        # One shard per writer: a size limit it never reaches.
+        writer = writers[shard] = _ShardWriter(parts_dir / f"{shard:05d}", sys.maxsize)
+    return writer
 
 
 def _place_file(src: Path, dest: Path, *, move: bool) -> None:

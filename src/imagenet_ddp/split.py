@@ -24,10 +24,8 @@ from imagenet_ddp.io import write_csv_atomic
 from imagenet_ddp.provenance import provenance_path, write_provenance
 
 
-def stratified_split(
-    train: pd.DataFrame, holdout_fraction: float, seed: int
-) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(train_part, holdout_part): row subsets of ``train`` (all columns), sorted by sample_id."""
+def _ordered_index(train: pd.DataFrame, holdout_fraction: float) -> pd.DataFrame:
+    """The train index in sample_id order, after the checks that need no counting."""
     if not 0.0 < float(holdout_fraction) < 1.0:
         raise InputError(
             f"split.holdout_fraction is {holdout_fraction}; it must be strictly between 0 and 1"
@@ -40,26 +38,31 @@ def stratified_split(
     ordered = train.sort_values("sample_id", kind="stable").reset_index(drop=True)
     if ordered["sample_id"].duplicated().any():
         raise InputError("the train index repeats sample_ids; rebuild it with `imagenet-ddp index`")
-    targets = ordered["class_index"].to_numpy()
-    n = len(targets)
-    n_valid = int(round(n * holdout_fraction))
+    return ordered
+
+
+def _describe(ordered: pd.DataFrame, classes) -> str:
+    """The first ten classes by wnid (where the index has it) and how many more."""
+    if "wnid" in ordered.columns:
+        names = ordered.groupby("class_index")["wnid"].first()
+        shown = [f"{names[c]} (class {c})" for c in sorted(classes)[:10]]
+    else:
+        shown = [f"class {c}" for c in sorted(classes)[:10]]
+    more = f" and {len(classes) - 10} more" if len(classes) > 10 else ""
+    return ", ".join(shown) + more
+
+
+def _check_counts(
+    ordered: pd.DataFrame, counts: pd.Series, holdout_fraction: float, n_valid: int
+) -> None:
+    """Every class can give at least one image to each side."""
+    n = len(ordered)
     n_train = n - n_valid
-    counts = pd.Series(targets).value_counts()
-
-    def describe(classes) -> str:
-        if "wnid" in ordered.columns:
-            names = ordered.groupby("class_index")["wnid"].first()
-            shown = [f"{names[c]} (class {c})" for c in sorted(classes)[:10]]
-        else:
-            shown = [f"class {c}" for c in sorted(classes)[:10]]
-        more = f" and {len(classes) - 10} more" if len(classes) > 10 else ""
-        return ", ".join(shown) + more
-
     too_small = counts.index[counts < 2].tolist()
     if too_small:
         raise InputError(
-            f"classes {describe(too_small)} have fewer than 2 training images, too few for a "
-            "stratified split; check the train archive (re-download it) or its index"
+            f"classes {_describe(ordered, too_small)} have fewer than 2 training images, too few "
+            "for a stratified split; check the train archive (re-download it) or its index"
         )
     if n_valid < len(counts) or n_train < len(counts):
         raise InputError(
@@ -68,6 +71,19 @@ def stratified_split(
             f"({len(counts)} classes) on each side; choose a fraction between "
             f"{len(counts) / n:.4g} and {1 - len(counts) / n:.4g}"
         )
+
+
+def stratified_split(
+    train: pd.DataFrame, holdout_fraction: float, seed: int
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(train_part, holdout_part): row subsets of ``train`` (all columns), sorted by sample_id."""
+    ordered = _ordered_index(train, holdout_fraction)
+    targets = ordered["class_index"].to_numpy()
+    n = len(targets)
+    n_valid = int(round(n * holdout_fraction))
+    n_train = n - n_valid
+    counts = pd.Series(targets).value_counts()
+    _check_counts(ordered, counts, holdout_fraction, n_valid)
     try:
         train_idx, valid_idx = train_test_split(
             np.arange(n),
@@ -80,7 +96,7 @@ def stratified_split(
     except ValueError as exc:  # anything the checks above did not anticipate
         raise InputError(
             f"stratified split with holdout_fraction {holdout_fraction} failed: {exc}; "
-            f"smallest classes: {describe(counts.nsmallest(5).index.tolist())}"
+            f"smallest classes: {_describe(ordered, counts.nsmallest(5).index.tolist())}"
         ) from None
     return (
         ordered.iloc[np.sort(train_idx)].reset_index(drop=True),
