@@ -21,6 +21,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 CPU = [
     "staging", "loader", "index_split", "train_step", "workflow", "eval", "monitor", "epoch_end",
+    "breakdown",
 ]  # fmt: skip
 
 

@@ -36,6 +36,10 @@ BASE_CONFIG: dict[str, Any] = {
 }
 
 
+BREAKDOWN = {"data_wait_ms": 3.0, "compute_ms": 80.0, "step_ms": 84.0, "input_bound_pct": 2.4,
+             "mfu_pct": 31.5}  # fmt: skip
+
+
 def write_run_dir(
     root: Path,
     run: str,
@@ -75,6 +79,8 @@ def write_run_dir(
         "steady_images_per_s": None if steady_per_worker is None else steady_per_worker * world,
         "steady_images_per_s_per_worker": steady_per_worker,
         "throughput_warmup_steps": config["throughput_warmup_steps"],
+        # the step-time breakdown (training.step_timing), medians over epochs
+        **BREAKDOWN,
     }
     if legacy:
         for key in ("nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node"):
@@ -84,6 +90,8 @@ def write_run_dir(
         for key in ("steady_images_per_s", "steady_images_per_s_per_worker"):
             metrics.pop(key)
         metrics.pop("throughput_warmup_steps")
+        for key in BREAKDOWN:
+            metrics.pop(key)
     run_dir = root / "results/runs" / run
     (run_dir / "staging").mkdir(parents=True)
     (run_dir / "train_metrics.json").write_text(json.dumps(metrics))

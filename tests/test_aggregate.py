@@ -177,6 +177,8 @@ def test_older_metrics_without_steady_figure_read_as_nan(tmp_path):
     )  # fmt: skip
     old = table.loc["old-1x2"]
     assert math.isnan(old["steady_images_per_s"]) and pd.isna(old["throughput_warmup_steps"])
+    assert old[["data_wait_ms", "input_bound_pct", "mfu_pct"]].isna().all()  # no breakdown yet
+    assert table.loc["new-1x1", "mfu_pct"] == pytest.approx(31.5)
     assert old["images_per_s_per_worker"] == pytest.approx(81.0)
     # Never silently replaced by the end-to-end figure.
     assert math.isnan(old["scaling_efficiency"])
@@ -247,9 +249,11 @@ def test_markdown_is_the_short_table_and_the_csv_keeps_every_figure(tmp_path):
     header, rule, *rows, blank, note = markdown.read_text().splitlines()
     assert [cell.strip() for cell in header.strip("|").split("|")] == [
         "run", "model", "nodes x ranks", "GPUs", "global batch", "precision", "epochs",
-        "img/s (steady)", "scaling eff.", "holdout top-1", "test top-1", "GPU-h", "wall h:mm:ss",
+        "img/s (steady)", "scaling eff.", "input-bound", "holdout top-1", "test top-1", "GPU-h",
+        "wall h:mm:ss",
     ]  # fmt: skip
     assert [row.split("|")[3].strip() for row in rows] == ["1 x 1", "2 x 2"]
+    assert [row.split("|")[10].strip() for row in rows] == ["2 %", "2 %"]  # input-bound
     assert blank == "" and "runs.csv" in note and "report" in note
     assert list(pd.read_csv(csv).columns) == COLUMNS
 

@@ -23,6 +23,7 @@ NAMES = [
     "eval",
     "monitor",
     "epoch_end",
+    "breakdown",
 ]
 RATIO_LINE = re.compile(r"\s\d+\.\d\dx\s.*\s(PASS|MISS|-)\s*$", re.MULTILINE)
 

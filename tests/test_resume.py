@@ -457,3 +457,32 @@ def test_a_run_resumes_from_2_ranks_on_1_and_from_1_rank_on_2_with_the_same_glob
     assert [e["shape"] for e in metrics["epochs"]] == ["mixed", "mixed"]
     assert metrics["throughput_by_shape"] == {} and metrics["images_per_s"] is None
     assert reference["throughput_by_shape"]["1x2"]["epochs"] == 2
+
+
+def test_the_profiler_window_writes_a_trace_and_changes_no_weight(
+    prepared_demo, split_dir, uninterrupted, tmp_path
+):
+    """profile: {epoch: 1, steps: 2, ranks: per_node}: a trace per node (one here) that
+    parses as torch.profiler's Chrome-trace JSON, and weights bitwise those of the run without
+    it. Also the step-time breakdown of a real 2-rank run (training.step_timing): its parts
+    add up to the step time, and the steps to the epoch's time, within 10 %."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    config = {**CONFIG, "profile": {"epoch": 1, "steps": 2, "ranks": "per_node"}}
+    result = torchrun(prepared_demo["train"], split_dir, out, ckpt, config=config)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert_bitwise_equal(weights(out), weights(uninterrupted))
+    (trace,) = (out / "tensorboard").glob("*-rank0.*.pt.trace.json")  # rank 0's node only
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#1", "ProfilerStep#2"}  # step 0: the profiler's warm-up
+    history = pd.read_csv(out / "history.csv")
+    assert history["profiled_steps"].tolist() == [0, 3]
+    steps_per_epoch = history["images"] / (2 * CONFIG["batch_size"])
+    for _, row in history.iterrows():
+        # each figure is the maximum over ranks on its own, so they add up within 10 %
+        parts = row["data_wait_ms"] + row["compute_ms"]
+        assert abs(parts - row["step_ms"]) <= 0.1 * row["step_ms"], row
+        assert 0 <= row["input_bound_pct"] <= 100
+        assert row["flops_per_image"] > 0 and np.isnan(row["mfu_pct"])  # CPU: no known peak
+    accounted = history["step_ms"] * steps_per_epoch / 1e3
+    assert ((accounted - history["epoch_seconds"]).abs() <= 0.1 * history["epoch_seconds"]).all()

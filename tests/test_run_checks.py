@@ -362,3 +362,12 @@ def test_recipe_keys_that_could_only_fail_are_refused(models, tmp_path):
     assert "zero_init_residual true with model 'mobilenet_v2'" in found[3]
     fine = demo_config(zero_init_residual=True, progressive_min_crop=16, progressive_end_epoch=2)
     assert problems(fine, models, tmp_path) == []
+
+
+def test_a_profiler_window_after_the_last_epoch_is_refused(models, tmp_path):
+    found = problems(demo_config(epochs=2, profile={"epoch": 2, "steps": 3}), models, tmp_path)
+    assert found == [
+        "config.yaml: run 'r': profile.epoch 2 is after the last epoch (2 epochs, counted from "
+        "0): no trace would be written; set profile.epoch below 2"
+    ]
+    assert problems(demo_config(epochs=2, profile={"epoch": 1, "steps": 3}), models, tmp_path) == []

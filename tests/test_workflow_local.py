@@ -227,6 +227,9 @@ def test_changing_one_runs_weights_or_geometry_reruns_only_that_run(local_run, k
 def _changed(spec: dict):
     """Another valid value of a setting, from its declaration (type, default)."""
     default = spec["default"]
+    if default is None:  # an opt-in block, off by default (profile): its smallest valid value
+        (block,) = [s for s in spec["anyOf"] if s.get("type") == "object"]
+        return {k: block["properties"][k].get("minimum", 0) for k in block["required"]}
     if "enum" in spec:
         return next(value for value in spec["enum"] if value != default)
     if isinstance(default, bool):

@@ -60,6 +60,10 @@ PREFLIGHT_COLUMNS = [
 # preset's source published: its top-1 (a fraction, as test_top1) and which of this table's
 # columns it is to be compared with (test_top1, or test_top1_ema where the source reports its
 # EMA model: presets.REPORTED_MODEL). Empty for a run without a preset.
+# The step-time breakdown's headline figures (medians over epochs of train_metrics.json); NaN
+# for a run trained before it, or (mfu_pct) on CPU or a GPU without a known peak.
+BREAKDOWN_COLUMNS = ["data_wait_ms", "compute_ms", "input_bound_pct", "mfu_pct"]
+
 EMA_COLUMNS = [
     "holdout_top1_ema",
     "holdout_top5_ema",
@@ -91,6 +95,7 @@ COLUMNS = [
     "throughput_warmup_steps",
     "steady_images_per_s",
     "steady_images_per_s_per_worker",
+    *BREAKDOWN_COLUMNS,
     "scaling_efficiency",
     "scaling_baseline",
     "scaling_note",
@@ -210,6 +215,8 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         "throughput_warmup_steps": train.get("throughput_warmup_steps"),
         "steady_images_per_s": _float(train.get("steady_images_per_s")),
         "steady_images_per_s_per_worker": _float(train.get("steady_images_per_s_per_worker")),
+        # Where the time went (training.step_timing.BREAKDOWN_NOTE): medians over epochs.
+        **{k: _float(train.get(k)) for k in BREAKDOWN_COLUMNS},
         "scaling_key": scaling_key(cfg),
         "holdout_top1": evaluation["holdout"]["top1"],
         "holdout_top5": evaluation["holdout"]["top5"],
@@ -372,7 +379,7 @@ def _percent(value: Any) -> str:
 
 
 def _number(fmt: str) -> Any:
-    return lambda value: "" if pd.isna(value) else format(value, fmt)
+    return lambda value, unit="": "" if pd.isna(value) else format(value, fmt) + unit
 
 
 def _shapes(row: pd.Series) -> str:
@@ -413,6 +420,8 @@ SHORT_COLUMNS: list[tuple[str, str, Any]] = [
     ("epochs", "right", lambda row: str(row["epochs"])),
     ("img/s (steady)", "right", lambda row: _number(".0f")(row["steady_images_per_s"])),
     ("scaling eff.", "right", lambda row: _efficiency(row)),
+    # the diagnosis of a slow run: the share of step time its most input-bound rank waited
+    ("input-bound", "right", lambda row: _number(".0f")(row["input_bound_pct"], " %")),
     ("holdout top-1", "right", lambda row: _percent(row["holdout_top1"])),
     ("test top-1", "right", lambda row: _percent(row["test_top1"])),
     ("GPU-h", "right", lambda row: _number(".3g")(row["gpu_hours"])),
@@ -423,7 +432,8 @@ CODE_CHANGED = "\\* allocations of the run ran different code (checked out at ea
 
 MORE_FIGURES = (
     "Every figure of these runs (end-to-end and per-worker throughput, scaling groups and "
-    "baselines, staging, top-5, the EMA model's accuracy and the published figure, preflight, "
+    "baselines, staging, the step-time breakdown and MFU, top-5, the EMA model's accuracy "
+    "and the published figure, preflight, "
     "cost and SLURM accounting, git commit, code changed between allocations) is in "
     "runs.csv beside this file and in the HTML report (`snakemake --report report.html`, "
     "under Tables); docs/results.md says what each includes."

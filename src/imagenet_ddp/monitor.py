@@ -128,8 +128,10 @@ class RunMonitor:
                 print(f"{name} off: {type(error).__name__}: {error}", flush=True)
                 setattr(self, attribute, None)
 
-    def step(self, epoch: int, step: int, meter, lr: float) -> None:
-        """Every step; logs every ``log_interval`` steps (reads the loss from the device)."""
+    def step(self, epoch: int, step: int, meter, lr: float, timer=None) -> None:
+        """Every step; logs every ``log_interval`` steps (reads the loss from the device).
+        ``timer`` (training.step_timing.StepTimer): rank 0's step-time breakdown since the
+        last line (on a GPU, of the steps whose CUDA events had completed)."""
         idle = self.board is None and self.tracker is None and self.wandb is None
         if idle or (step % self.interval and step != self.steps_per_epoch):
             return
@@ -142,6 +144,8 @@ class RunMonitor:
         rate = images / max(now - self.mark[0], 1e-9)
         self.mark = (now, meter.steps)
         values = {"loss": meter.mean_loss(), "images_per_s": rate, "lr": lr}
+        if timer is not None:
+            values.update(timer.read_interval())
         global_step = self._global_step(epoch, step)
         self._write("scalars", "train", values, global_step)
         self._gpu(global_step)

@@ -61,6 +61,7 @@ def check_runs(
             _gpu_type_problem(run),
             _batch_problem(run, sizes),
             *_recipe_problems(run),
+            _profile_problem(run),
         ]
         problems += [f"config.yaml: run {name!r}: {p}" for p in found if p]
     return problems
@@ -142,6 +143,17 @@ def _recipe_problems(run: Mapping) -> list[str]:
             "family (resnet*, resnext*, wide_resnet*) has it; set zero_init_residual: false"
         )
     return problems
+
+
+def _profile_problem(run: Mapping) -> str | None:
+    """A profiler window after the last epoch would record nothing, silently."""
+    profile, epochs = run.get("profile"), run["epochs"]
+    if profile and profile["epoch"] >= epochs:
+        return (
+            f"profile.epoch {profile['epoch']} is after the last epoch ({epochs} epochs, "
+            f"counted from 0): no trace would be written; set profile.epoch below {epochs}"
+        )
+    return None
 
 
 def _device_problem(run: Mapping) -> str | None:

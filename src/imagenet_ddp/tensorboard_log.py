@@ -5,10 +5,14 @@ Layout: ``results/runs/<run>/tensorboard/``. All scalars share one x axis, the g
 appends a new event file beside the earlier ones; a fresh start removes them (they belong to
 a training that no longer exists). Tags:
 
-- ``train/loss``, ``train/images_per_s``, ``train/lr`` every ``log_interval`` steps;
+- ``train/loss``, ``train/images_per_s``, ``train/lr`` every ``log_interval`` steps, and rank
+  0's step-time breakdown over the interval: ``train/data_wait_ms``, ``train/compute_ms``,
+  ``train/step_ms``, ``train/input_bound_pct`` (training.step_timing);
 - ``epoch/train_loss``, ``epoch/train_top1``, ``epoch/holdout_top1``, ``epoch/holdout_top5``,
   ``epoch/holdout_loss``, ``epoch/images_per_s``, ``epoch/steady_images_per_s``, ``epoch/lr``
-  at the end of every epoch;
+  and the epoch's breakdown over all ranks (``epoch/data_wait_ms``, ``epoch/compute_ms``,
+  ``epoch/step_ms``, ``epoch/input_bound_pct``, ``epoch/mfu_pct``) at the end of every epoch;
+- the profiler window's traces (``profile``, training.profile_window), ``*.pt.trace.json``;
 - ``gpu/utilization_percent``, ``gpu/memory_used_gb``, ``gpu/power_watts`` (rank 0's node,
   summed over its GPUs except utilization, the mean) when NVML telemetry is sampled.
 
@@ -30,6 +34,12 @@ EPOCH_TAGS = (
     "holdout_loss",
     "images_per_s",
     "steady_images_per_s",
+    # the step-time breakdown (training.step_timing.BREAKDOWN_NOTE)
+    "data_wait_ms",
+    "compute_ms",
+    "step_ms",
+    "input_bound_pct",
+    "mfu_pct",
 )
 
 

@@ -32,13 +32,23 @@ from imagenet_ddp.training.data import batch_seed
 from imagenet_ddp.training.discipline import check_device_discipline
 from imagenet_ddp.training.metrics import EpochMeter, Progress, log_epoch
 from imagenet_ddp.training.state import TrainingState
+from imagenet_ddp.training.step_timing import StepTimer, breakdown_row, timed_steps
 
 
 def run_epochs(
-    job: TrainingState, loader, sampler, holdout, resume, stop, stop_after_steps, monitor=None
+    job: TrainingState,
+    loader,
+    sampler,
+    holdout,
+    resume,
+    stop,
+    stop_after_steps,
+    monitor=None,
+    profile=None,
 ) -> int:
     """Train from the resume point to the last epoch: 0, or EXIT_REQUEUE when stopped.
-    ``monitor`` (imagenet_ddp.monitor.RunMonitor): TensorBoard events on rank 0."""
+    ``monitor`` (imagenet_ddp.monitor.RunMonitor): TensorBoard events on rank 0; ``profile``
+    (training.profile_window.ProfileWindow): the opt-in profiler window."""
     cfg, info = job.cfg, job.info
     steps_per_epoch = sampler.steps  # optimizer steps: global batches, whatever the ranks
     start_epoch, start_step, partial = resume.epoch, resume.step, resume.partial
@@ -49,14 +59,20 @@ def run_epochs(
         sampler.set_epoch(epoch, skip_steps=skip)
         # a resumed epoch's counts, shared out again if it ran on another rank count
         carried = carried_partial(partial, info.rank, info.world_size) if first else None
+        # Opened before the meter starts: the profiler's start is not the epoch's time.
+        profiler = profile.open(epoch, job.device) if profile is not None else None
+        window = profile.window(epoch) if profile is not None else 0
+        timer = StepTimer(job.device, cfg.log_interval, window)  # the step-time breakdown
         meter = EpochMeter(job.device, cfg.throughput_warmup_steps, carried)
         meter.shape_of(job.geometry.shape)
         progress = Progress(info.is_main, epoch, steps_per_epoch, cfg.log_interval, meter)
         job.step_model.train()
         step = skip
-        for micro_batches in batches(job, loader, sampler, holdout.num_classes, epoch, step):
+        epoch_batches = batches(job, loader, sampler, holdout.num_classes, epoch, step)
+        for micro_batches in timed_steps(epoch_batches, timer, profiler):
             for index, (loss, logits, labels) in enumerate(train_step(job, micro_batches, epoch)):
                 meter.update(loss, logits, labels, step_end=index == cfg.accumulation - 1)
+            timer.done()
             step += 1
             steps_done += 1
             if steps_done == 1:  # optimizer state exists now
@@ -65,7 +81,7 @@ def run_epochs(
             if job.progress is not None:
                 job.progress.mark(epoch, step)
             if monitor is not None:  # TensorBoard every log_interval steps
-                monitor.step(epoch, step, meter, job.scheduler.get_last_lr()[0])
+                monitor.step(epoch, step, meter, job.scheduler.get_last_lr()[0], timer)
             # Every rank polls at the same steps, so the agreement's collectives stay aligned.
             test_stop = stop_after_steps is not None and steps_done >= stop_after_steps
             if (test_stop or stop.poll(steps_done)) and step < steps_per_epoch:
@@ -83,7 +99,7 @@ def run_epochs(
                 interval_checkpoint(job, epoch, step, meter)
                 stop.checkpointed()
         progress.close()
-        end_epoch(job, epoch, meter, holdout)
+        end_epoch(job, epoch, meter, holdout, timer)
         stop.checkpointed()  # end_epoch wrote one
         if monitor is not None:  # TensorBoard epoch scalars
             monitor.epoch(epoch, job.history[-1])
@@ -129,12 +145,15 @@ def carried_partial(partial: list | None, rank: int, world: int) -> dict | None:
 
 
 def batches(job: TrainingState, loader: DataLoader, sampler, num_classes: int, epoch, step):
-    """The epoch's optimizer steps from step ``step`` on: for each, an iterator over this
-    rank's ``accumulation`` micro-batches of it (taken lazily: one micro-batch on the device
-    at a time), each (images, targets) as :func:`micro_batches` yields them."""
+    """The epoch's optimizer steps from step ``step`` on: for each, the list of this rank's
+    ``accumulation`` micro-batches of it, each (images, targets) as :func:`micro_batches`
+    yields them. Fetched together before the step computes, so that the step-time breakdown's
+    data wait (training.step_timing, around this generator's next()) holds every fetch of the
+    step; the cost is ``accumulation - 1`` more input batches on the device (uint8 crops
+    normalized: ~150 MB per 256 images at 224 px), small beside the activations."""
     flat = micro_batches(job, loader, sampler, num_classes, epoch, step)
     for _ in range(len(loader) // job.cfg.accumulation):
-        yield islice(flat, job.cfg.accumulation)
+        yield list(islice(flat, job.cfg.accumulation))
 
 
 def micro_batches(job: TrainingState, loader: DataLoader, sampler, num_classes: int, epoch, step):
@@ -249,10 +268,14 @@ def evaluate_epoch(job: TrainingState, epoch: int, holdout: Holdout) -> dict[str
     return row
 
 
-def end_epoch(job: TrainingState, epoch: int, meter: EpochMeter, holdout: Holdout) -> None:
+def end_epoch(
+    job: TrainingState, epoch: int, meter: EpochMeter, holdout: Holdout, timer: StepTimer
+) -> None:
     """Combine the ranks' counters, evaluate the holdout (every ``eval_interval`` epochs),
     record and checkpoint the epoch."""
     record = {"epoch": epoch, **meter.reduce(), "lr_end": job.scheduler.get_last_lr()[0]}
+    steady = record["steady_images_per_s"]  # breakdown: step_timing.BREAKDOWN_NOTE
+    record.update(breakdown_row(job, epoch, timer, steady, holdout.num_classes))
     # Every epoch, evaluated or not: every rank continues from the state that is saved.
     D.broadcast_buffers(job.model)
     if job.ema is not None:

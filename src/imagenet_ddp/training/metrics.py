@@ -32,6 +32,9 @@ import torch
 from imagenet_ddp import distributed as D
 from imagenet_ddp.io import write_csv_atomic, write_json_atomic
 from imagenet_ddp.training.state import TrainingState
+from imagenet_ddp.training.step_timing import BREAKDOWN_COLUMNS, BREAKDOWN_NOTE
+
+BREAKDOWN_SUMMARY = (*BREAKDOWN_COLUMNS, "mfu_pct")
 
 
 def synchronize(device: torch.device) -> None:
@@ -287,6 +290,10 @@ def write_run_metrics(
             "epoch_end_share": epoch_end_share(history),
             "eval_interval": cfg.eval_interval,
             "epoch_end_note": EPOCH_END_NOTE,
+            # The step-time breakdown: the median over epochs of each (per-epoch columns).
+            **{k: _median([h.get(k) for h in history]) for k in BREAKDOWN_SUMMARY},
+            "flops_per_image": history[-1].get("flops_per_image") if history else None,
+            "breakdown_note": BREAKDOWN_NOTE,
             "resumed_from": resumed_from,
             "cost": cost,  # imagenet_ddp.cost: wall, GPU-/core-hours, NVML telemetry
             "checkpoint_dir": str(job.checkpoint_dir),

@@ -54,6 +54,7 @@ from imagenet_ddp.training.discipline import check_device_discipline
 from imagenet_ddp.training.loop import Holdout, run_epochs
 from imagenet_ddp.training.metrics import run_config, write_run_metrics
 from imagenet_ddp.training.model import build_model, save_model
+from imagenet_ddp.training.profile_window import ProfileWindow
 from imagenet_ddp.training.state import TrainingState
 
 __all__ = ["EXIT_REQUEUE", "TrainConfig", "train", "main"]
@@ -177,8 +178,11 @@ def _train(
     check_device_discipline(job, "after setup")
     # Rank 0: TensorBoard events, the NVML sampler thread, the wall clock of the cost block.
     monitor = RunMonitor.for_job(job, out_dir, steps_per_epoch, resumed=resume.path is not None)
+    profile = ProfileWindow(cfg.profile, info, out_dir / "tensorboard")  # opt-in traces
     try:
-        code = run_epochs(job, loader, sampler, holdout, resume, stop, stop_after_steps, monitor)
+        code = run_epochs(
+            job, loader, sampler, holdout, resume, stop, stop_after_steps, monitor, profile
+        )
     finally:
         monitor.close()  # idempotent; finish() below already closed it on success
         shutdown_loader_workers(loader)
