@@ -158,13 +158,13 @@ def write_prepared(
     quality: int = 90,
     shard_bytes: int = 256 << 20,
 ) -> Path:
-    """Write a prepared directory (imagenet_ddp.prepared_layout) from already-converted JPEGs,
+    """Write a prepared directory (imagenet_ddp.data.prepared_layout) from already-converted JPEGs,
     using the product's shard writer, so PreparedImageDataset and stage_dataset accept it."""
     import hashlib
 
     import pandas as pd
 
-    from imagenet_ddp import prepare as P
+    from imagenet_ddp.data import prepare as P
     from imagenet_ddp.io import write_csv_atomic, write_json_atomic
 
     out_dir = Path(out_dir)

@@ -41,7 +41,7 @@ def main() -> int:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-    from imagenet_ddp.dataset import PreparedImageDataset, train_transform
+    from imagenet_ddp.data.dataset import PreparedImageDataset, train_transform
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-from imagenet_ddp import epoch_end  # noqa: E402
+from imagenet_ddp.settings import epoch_end  # noqa: E402
 
 GPU = {  # stated, not measured: the v2 recipe on 2 nodes x 8 H100 (SXM), cpus_per_task 16
     "epochs": 600,
@@ -52,8 +52,8 @@ def holdout_decode_rate(images: int, repeats: int) -> float:
     import numpy as np
     import torch
 
-    from imagenet_ddp.dataset import PreparedImageDataset, eval_transform
-    from imagenet_ddp.prepare import convert_image
+    from imagenet_ddp.data.dataset import PreparedImageDataset, eval_transform
+    from imagenet_ddp.data.prepare import convert_image
 
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
@@ -78,7 +78,7 @@ def loader_start_seconds(repeats: int) -> float:
     import torch
     from torch.utils.data import TensorDataset
 
-    from imagenet_ddp.accuracy import shard_loader
+    from imagenet_ddp.training.accuracy import shard_loader
     from imagenet_ddp.training.data import shutdown_loader_workers
 
     data = TensorDataset(torch.zeros(64, 3, 8, 8), torch.zeros(64, dtype=torch.long))

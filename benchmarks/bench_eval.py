@@ -19,7 +19,7 @@ Models: ResNet-50 and the model config.yaml trains (``train_defaults`` + first r
 (``--quick``: ResNet-18 at crop 64, a smoke test). The projection multiplies the measured
 per-rank cost of the first model by holdout (1,281,167 x ``split.holdout_fraction``) + test
 (50,000) images and divides by the ranks of the default evaluation geometry of config.yaml
-(``imagenet_ddp.eval_settings``). It is only a CPU figure when that geometry has no GPUs.
+(``imagenet_ddp.settings.evaluation``). It is only a CPU figure when that geometry has no GPUs.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def default_geometry() -> tuple[dict, float, str]:
     """(eval settings of config.yaml's first run, holdout fraction, its model)."""
     import yaml
 
-    from imagenet_ddp.eval_settings import eval_settings
+    from imagenet_ddp.settings.evaluation import eval_settings
 
     config = yaml.safe_load((C.REPO / "config.yaml").read_text())
     schema = yaml.safe_load((C.REPO / "workflow/schemas/config.schema.yaml").read_text())
@@ -57,7 +57,7 @@ def make_data(root: Path, count: int, side: int, small: bool = False) -> dict[st
     import numpy as np
     import pandas as pd
 
-    from imagenet_ddp.prepare import convert_image
+    from imagenet_ddp.data.prepare import convert_image
 
     rng = np.random.default_rng(0)
     images = [
@@ -100,7 +100,7 @@ def run_ours(data: dict, model: Path, out: Path, ranks: int, threads: int, args)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(C.REPO / "src"), env.get("PYTHONPATH", "")])
-    from imagenet_ddp.job_spec import from_dict, to_dict
+    from imagenet_ddp.jobs.spec import from_dict, to_dict
 
     gpus = ranks if args.device == "cuda" else 0
     job = {

@@ -80,7 +80,7 @@ def loader_only(args, device, prepared: Path) -> list[float]:
     import torch
     from torch.utils.data import DataLoader, RandomSampler
 
-    from imagenet_ddp.dataset import PreparedImageDataset, train_transform
+    from imagenet_ddp.data.dataset import PreparedImageDataset, train_transform
 
     dataset = PreparedImageDataset(prepared, transform=train_transform(args.crop))
     batches = args.steps
@@ -135,7 +135,7 @@ def make_prepared(root: Path, count: int, side: int) -> Path:
 def _one_image(item: tuple[int, int]) -> bytes:
     import numpy as np
 
-    from imagenet_ddp.prepare import convert_image
+    from imagenet_ddp.data.prepare import convert_image
 
     i, side = item
     rng = np.random.default_rng(i)

@@ -96,7 +96,7 @@ def child(phase: str, workdir: Path, num_classes: int, total: int) -> dict:
         write_csv_atomic(workdir / "index" / "train.csv", train)
         result["seconds"] = time.perf_counter() - started
     elif phase == "split":
-        from imagenet_ddp.split import split_index
+        from imagenet_ddp.data.split import split_index
 
         started = time.perf_counter()
         split_index(workdir / "index", workdir / "split", holdout_fraction=0.1, seed=0)
@@ -104,7 +104,7 @@ def child(phase: str, workdir: Path, num_classes: int, total: int) -> dict:
     elif phase == "stratified_split":
         import pandas as pd
 
-        from imagenet_ddp.split import stratified_split
+        from imagenet_ddp.data.split import stratified_split
 
         train = pd.read_csv(workdir / "index" / "train.csv", keep_default_na=False)
         started = time.perf_counter()

@@ -45,7 +45,7 @@ import _common as C  # noqa: E402
 def make_data(root: Path, count: int, short_sides: list[int]) -> dict:
     import numpy as np
 
-    from imagenet_ddp.prepare import convert_image
+    from imagenet_ddp.data.prepare import convert_image
 
     rng = np.random.default_rng(0)
     classes = 10
@@ -113,7 +113,7 @@ class TorchvisionDecoded:
 
         from torchvision.io import ImageReadMode, decode_jpeg
 
-        from imagenet_ddp.dataset import PreparedImageDataset
+        from imagenet_ddp.data.dataset import PreparedImageDataset
 
         self.base = PreparedImageDataset(root, decode=False)
         self.rgb = ImageReadMode.RGB if decode is None else "RGB"
@@ -193,7 +193,7 @@ def candidates_for(data: dict, crop: int, side: int, torchcodec_decode) -> dict:
     from torchvision import datasets, transforms
     from torchvision.transforms import v2
 
-    from imagenet_ddp.dataset import (
+    from imagenet_ddp.data.dataset import (
         IMAGENET_MEAN,
         IMAGENET_STD,
         PreparedImageDataset,

@@ -1,5 +1,5 @@
 """Host memory of a training rank's processes: the figures the dry-run's memory check uses
-(imagenet_ddp.node_memory).
+(imagenet_ddp.settings.node_memory).
 
     .venv/bin/python benchmarks/bench_memory.py [--batch 256 --crop 224 --workers 2] [--compile]
 

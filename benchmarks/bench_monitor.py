@@ -56,8 +56,8 @@ def per_step_us(make, steps: int, torch) -> float:
 def bench_monitor(steps: int, interval: int, repeats: int, tmp: Path) -> tuple[float, float]:
     import torch
 
-    from imagenet_ddp.monitor import RunMonitor
-    from imagenet_ddp.telemetry import GpuSampler
+    from imagenet_ddp.monitoring.monitor import RunMonitor
+    from imagenet_ddp.monitoring.telemetry import GpuSampler
     from imagenet_ddp.training.metrics import Progress
     from tests.test_telemetry import FakeNvml
 
@@ -106,7 +106,7 @@ def dry_run(workdir: Path) -> float:
 
 
 def bench_sweep(repeats: int, tmp: Path) -> tuple[float, float]:
-    from imagenet_ddp.sweeps import expand_runs
+    from imagenet_ddp.settings.sweeps import expand_runs
     from tests.workflow_helpers import copy_workflow, read_config, write_config
 
     sweep = {

@@ -11,7 +11,7 @@ projected time at ImageNet scale on 4 nodes x 8 GPUs.
   ``wall_seconds``). Target: the preflight <= the training it checks (on the demo both are
   dominated by process and torch start-up; on ImageNet the preflight is minutes, training days).
 * **projected, ImageNet on 4 x 8 GPUs**: the preflight's fixed step counts
-  (imagenet_ddp.preflight_rank) at stated rates (ASSUMED below: A100-class, ResNet-50 bf16,
+  (imagenet_ddp.preflight.rank) at stated rates (ASSUMED below: A100-class, ResNet-50 bf16,
   prepared copy at short side 256), beside the 90-epoch training it checks at the same rates.
   These are arithmetic on stated assumptions, not a GPU measurement.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-from imagenet_ddp.preflight_rank import (  # noqa: E402
+from imagenet_ddp.preflight.rank import (  # noqa: E402
     ALLREDUCE_OPS,
     MODEL_STEPS,
     SIZE_FACTORS,

@@ -42,8 +42,8 @@ def _generate(out: Path, *, classes: int, per_class: int, val_per_class: int, po
     """The archives in the real layout; returns (train images, val images, bytes written)."""
     import numpy as np
 
-    from imagenet_ddp import demo
-    from imagenet_ddp.archives import (
+    from imagenet_ddp.data import demo
+    from imagenet_ddp.data.archives import (
         DEVKIT_ARCHIVE,
         META_MAT,
         TRAIN_ARCHIVE,
@@ -99,7 +99,7 @@ def _pool_kinds(jpegs: list[bytes], *, workers: int, short_side: int, repeats: i
 
     from _common import median
 
-    from imagenet_ddp import prepare as P
+    from imagenet_ddp.data import prepare as P
 
     items = [(i, data, short_side, 90) for i, data in enumerate(jpegs)]
 
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _rehearse(args, workdir: Path, per_class: int, val_per_class: int) -> dict:
     """Generate the archives, run the workflow's data rules, stage; per-stage measurements."""
-    from imagenet_ddp.stage import stage_dataset
+    from imagenet_ddp.data.stage import stage_dataset
 
     data_dir = workdir / "ILSVRC2012"
     started = time.perf_counter()
@@ -369,7 +369,7 @@ def _run(args, workdir: Path) -> int:
 def _compare_pools(args, workdir: Path) -> list[dict]:
     import random
 
-    from imagenet_ddp.archives import TRAIN_ARCHIVE, list_train_archive
+    from imagenet_ddp.data.archives import TRAIN_ARCHIVE, list_train_archive
 
     data_dir = workdir / "ILSVRC2012"
     listing = list_train_archive(data_dir)

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_staging.py [--quick] [--size-mb 1024] [--repeats 5]
 
-Ours is ``imagenet_ddp.stage.stage_dataset`` (lock, fingerprint, free-space check, one
+Ours is ``imagenet_ddp.data.stage.stage_dataset`` (lock, fingerprint, free-space check, one
 ``shutil.copyfile`` per shard, size verification, marker, atomic rename): everything a training
 job pays before its first step. Baselines, on the same bytes in the same run:
 
@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-from imagenet_ddp.stage import stage_dataset  # noqa: E402
+from imagenet_ddp.data.stage import stage_dataset  # noqa: E402
 
 
 def make_source(root: Path, size_mb: int, shard_mb: int) -> tuple[Path, int, int]:

@@ -40,7 +40,7 @@ def make_data(root: Path, count: int, holdout: int, side: int) -> tuple[Path, Pa
     import numpy as np
     import pandas as pd
 
-    from imagenet_ddp.prepare import convert_image
+    from imagenet_ddp.data.prepare import convert_image
 
     rng = np.random.default_rng(0)
     classes = 10
@@ -90,7 +90,7 @@ def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def run_ours(tmp: Path, prepared: Path, split: Path, cfg: dict, tag: str) -> list[float]:
-    from imagenet_ddp.job_spec import from_dict, write_spec
+    from imagenet_ddp.jobs.spec import from_dict, write_spec
     from tests.workflow_helpers import run_settings
 
     out_dir = tmp / f"ours-{tag}"

@@ -107,7 +107,7 @@ DEMO_KWARGS = {
 @pytest.fixture(scope="session")
 def demo_archives(tmp_path_factory) -> Path:
     """Directory with the demo's three ILSVRC2012 archives and md5sums (4 classes, 32 px)."""
-    from imagenet_ddp.demo import make_demo_dataset
+    from imagenet_ddp.data.demo import make_demo_dataset
 
     out = tmp_path_factory.mktemp("demo") / "ILSVRC2012"
     make_demo_dataset(out, **DEMO_KWARGS)
@@ -117,7 +117,7 @@ def demo_archives(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def demo_index(demo_archives):
     """(classes, train, val) DataFrames of the demo archives."""
-    from imagenet_ddp.archives import build_index
+    from imagenet_ddp.data.archives import build_index
 
     return build_index(demo_archives)
 
@@ -125,7 +125,7 @@ def demo_index(demo_archives):
 @pytest.fixture(scope="session")
 def prepared_demo(demo_archives, demo_index, tmp_path_factory) -> dict[str, Path]:
     """{"train": dir, "val": dir}: the demo prepared at short_side 24 (16-image shards)."""
-    from imagenet_ddp.prepare import prepare_split
+    from imagenet_ddp.data.prepare import prepare_split
 
     root = tmp_path_factory.mktemp("prepared")
     classes, train, val = demo_index
@@ -148,8 +148,8 @@ def prepared_demo(demo_archives, demo_index, tmp_path_factory) -> dict[str, Path
 @pytest.fixture(scope="session")
 def demo_split(demo_index, tmp_path_factory) -> Path:
     """A split dir (train.csv, holdout.csv) of the demo: 25 % stratified holdout, seed 0."""
+    from imagenet_ddp.data.split import stratified_split
     from imagenet_ddp.io import write_csv_atomic
-    from imagenet_ddp.split import stratified_split
 
     train_part, holdout = stratified_split(demo_index[1], 0.25, seed=0)
     out = tmp_path_factory.mktemp("split")

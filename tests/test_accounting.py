@@ -11,9 +11,9 @@ import stat
 import pandas as pd
 import pytest
 
-from imagenet_ddp.accounting import parse_sacct, query_sacct, run_accounting
-from imagenet_ddp.aggregate import COST_COLUMNS, aggregate_runs
 from imagenet_ddp.cli import main
+from imagenet_ddp.report.accounting import parse_sacct, query_sacct, run_accounting
+from imagenet_ddp.report.aggregate import COST_COLUMNS, aggregate_runs
 from tests.fake_runs import write_run_dir
 
 SACCT = """\

@@ -10,7 +10,7 @@ import re
 import pandas as pd
 import pytest
 
-from imagenet_ddp.aggregate import (
+from imagenet_ddp.report.aggregate import (
     ALONE_NOTE,
     BASELINE_NOTE,
     COLUMNS,

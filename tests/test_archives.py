@@ -11,8 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from imagenet_ddp import archives
-from imagenet_ddp.archives import (
+from imagenet_ddp.data import archives
+from imagenet_ddp.data.archives import (
     DEVKIT_ARCHIVE,
     TRAIN_ARCHIVE,
     VAL_ARCHIVE,

@@ -1,4 +1,4 @@
-"""The attempt record (imagenet_ddp.attempts): every allocation of a run counted, a retry that
+"""The attempt record (imagenet_ddp.jobs.attempts): every allocation of a run counted, a retry that
 cannot help refused, the run's bound kept; with the real launcher where it matters."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from imagenet_ddp import attempts
-from imagenet_ddp.cost import over_attempts
+from imagenet_ddp.jobs import attempts
+from imagenet_ddp.monitoring.cost import over_attempts
 
 RUN = {"run": "r", "lr": 0.1, "batch_size": 4, "nodes": 1, "tasks_per_node": 2,
        "cpus_per_task": 1, "max_allocations": 3}  # fmt: skip
@@ -61,7 +61,7 @@ def test_the_count_follows_the_checkpoints_key():
 
 
 def test_each_attempt_records_the_shape_it_ran_on(tmp_path):
-    from imagenet_ddp.geometry import Geometry
+    from imagenet_ddp.settings.geometry import Geometry
 
     two = Geometry(2, 1, 1)
     first, _ = attempts.begin(tmp_path, RUN, attempt=1, gpus=0, cores=2, shape=two)
@@ -275,7 +275,7 @@ def test_a_retry_that_will_refuse_is_submitted_without_gpus(tmp_path):
 def test_a_step_that_exits_0_without_finishing_the_run_is_stopped(tmp_path, monkeypatch):
     """srun exits 0 when it gives up waiting for a signalled step (seen in CI at a time
     limit): the job is stopped (75), its attempt not "completed", no output is written."""
-    from imagenet_ddp import launch
+    from imagenet_ddp.jobs import launch
 
     monkeypatch.setattr(launch, "run_staged", lambda spec, path: 0)
     from tests.workflow_helpers import make_job
@@ -334,7 +334,7 @@ def test_attempts_that_ran_different_code_are_flagged(tmp_path, codes, versions,
 def test_an_attempt_record_with_two_commits_marks_the_run_in_the_table(tmp_path):
     """The run's two allocations ran commits aaa and bbb: runs.csv (which the HTML report
     shows) says so in code_changed/code_versions, runs.md marks the run and names both."""
-    from imagenet_ddp.aggregate import write_aggregate
+    from imagenet_ddp.report.aggregate import write_aggregate
     from tests.fake_runs import write_run_dir
 
     record = [

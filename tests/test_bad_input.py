@@ -16,8 +16,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from imagenet_ddp.archives import TRAIN_ARCHIVE, VAL_ARCHIVE
 from imagenet_ddp.cli import main
+from imagenet_ddp.data.archives import TRAIN_ARCHIVE, VAL_ARCHIVE
 from tests.workflow_helpers import copy_workflow, read_config, snakemake, write_config
 
 
@@ -197,7 +197,7 @@ def test_class_with_too_few_images_for_a_stratified_split(tmp_path, capsys):
 def test_scratch_too_small(prepared_demo, tmp_path, monkeypatch):
     import shutil
 
-    from imagenet_ddp import stage
+    from imagenet_ddp.data import stage
     from imagenet_ddp.errors import InputError
 
     usage = shutil.disk_usage(tmp_path)
@@ -208,7 +208,7 @@ def test_scratch_too_small(prepared_demo, tmp_path, monkeypatch):
 
 
 def test_odd_real_imagenet_images_load_as_rgb(prepared_demo):
-    from imagenet_ddp.dataset import PreparedImageDataset
+    from imagenet_ddp.data.dataset import PreparedImageDataset
 
     dataset = PreparedImageDataset(prepared_demo["train"])
     for i in range(len(dataset)):

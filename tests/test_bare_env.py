@@ -36,14 +36,14 @@ def test_parse_time_modules_import_without_heavy_packages():
     """Runs in the full environment, where numpy and pandas exist (the SLURM plugin pulls them
     into the bare one too): blocked here, so any import of them at parse time fails."""
     modules = parse_time_modules()
-    assert "imagenet_ddp.runs" in modules and "imagenet_ddp.run_checks" in modules
+    assert "imagenet_ddp.settings.runs" in modules and "imagenet_ddp.settings.run_checks" in modules
     code = (
         "import sys\n"
         f"for name in {HEAVY!r}: sys.modules[name] = None\n"
         f"sys.path.insert(0, {str(REPO / 'src')!r})\n"
         f"for module in {modules!r}: __import__(module)\n"
-        "assert 'imagenet_ddp.sweeps' in sys.modules\n"  # run resolution imports it
-        "from imagenet_ddp.run_checks import classification_models\n"
+        "assert 'imagenet_ddp.settings.sweeps' in sys.modules\n"  # run resolution imports it
+        "from imagenet_ddp.settings.run_checks import classification_models\n"
         "assert len(classification_models()) > 50\n"
     )
     # The installed (editable) package is on the path too, but src/ comes first, as in common.smk.

@@ -13,7 +13,7 @@ import pytest
 import scipy.io as sio
 from PIL import Image
 
-from imagenet_ddp.archives import (
+from imagenet_ddp.data.archives import (
     DEVKIT_ARCHIVE,
     META_MAT,
     TRAIN_ARCHIVE,
@@ -21,7 +21,7 @@ from imagenet_ddp.archives import (
     VAL_GROUND_TRUTH,
     build_index,
 )
-from imagenet_ddp.demo import make_demo_dataset
+from imagenet_ddp.data.demo import make_demo_dataset
 
 FILES = (TRAIN_ARCHIVE, VAL_ARCHIVE, DEVKIT_ARCHIVE, "md5sums")
 SMALL = {"num_classes": 3, "train_per_class": 5, "val_per_class": 2, "image_size": 16}
@@ -142,7 +142,7 @@ def test_torchvision_imagenet_sees_the_same_classes_and_order(
 
 def test_full_class_count_devkit(tmp_path):
     """1000 classes (ILSVRC2012_IDs 1..1000) fit the meta.mat field types and parse."""
-    from imagenet_ddp.archives import read_devkit
+    from imagenet_ddp.data.archives import read_devkit
 
     make_demo_dataset(tmp_path, num_classes=1000, train_per_class=1, val_per_class=1, image_size=8)
     devkit = read_devkit(tmp_path)

@@ -15,8 +15,8 @@ import os
 import pytest
 import torch
 
-from imagenet_ddp import distributed as D
-from imagenet_ddp.geometry import Geometry
+from imagenet_ddp.jobs import distributed as D
+from imagenet_ddp.settings.geometry import Geometry
 from imagenet_ddp.training.discipline import (
     check_device_discipline,
     misplaced_tensors,
@@ -183,7 +183,7 @@ def test_two_ranks_on_one_gpu_are_named_in_one_line():
 
 
 RANK_SCRIPT = """
-from imagenet_ddp import distributed as D
+from imagenet_ddp.jobs import distributed as D
 info = D.dist_info_from_env()
 device = D.select_device("auto", info.local_rank, 4, info.local_world_size)
 D.init_process_group(info, device, "auto", 1)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from imagenet_ddp.accuracy import evaluate_dataset, evaluate_loader, shard_loader
+from imagenet_ddp.training.accuracy import evaluate_dataset, evaluate_loader, shard_loader
 from imagenet_ddp.training.checkpoint import (
     CheckpointWriteError,
     CheckpointWriter,
@@ -180,7 +180,7 @@ def chosen_alone(tmp_path, epochs: list[int]) -> str:
 
 
 def test_the_projection_counts_evaluations_passes_and_a_write_that_outlasts_an_epoch():
-    from imagenet_ddp.epoch_end import projection
+    from imagenet_ddp.settings.epoch_end import projection
 
     base = dict(epochs=10, eval_interval=5, holdout_images=1600, world=4, eval_images_per_s=100.0,
                 epoch_seconds=20.0, checkpoint_hold_seconds=0.5)  # fmt: skip
@@ -195,7 +195,7 @@ def test_the_projection_counts_evaluations_passes_and_a_write_that_outlasts_an_e
 
 
 def test_the_preflight_projects_the_epoch_ends_from_what_its_ranks_measured():
-    from imagenet_ddp.preflight_report import build_report, collective_figures, table
+    from imagenet_ddp.preflight.report import build_report, collective_figures, table
     from tests.test_preflight import RUN, STAGING, ranks
 
     measured = ranks(

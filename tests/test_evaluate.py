@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from imagenet_ddp.accuracy import evaluate_dataset
-from imagenet_ddp.eval_settings import eval_settings
-from imagenet_ddp.evaluate import evaluate_run
-from imagenet_ddp.geometry import Geometry
+from imagenet_ddp.evaluation.evaluate import evaluate_run
+from imagenet_ddp.settings.evaluation import eval_settings
+from imagenet_ddp.settings.geometry import Geometry
+from imagenet_ddp.training.accuracy import evaluate_dataset
 
 
 class Lookup(torch.nn.Module):
@@ -52,7 +52,7 @@ def test_top1_top5_and_per_class_match_a_direct_computation():
 def test_uint8_batches_normalized_on_the_device_give_the_same_figures(prepared_demo):
     """Evaluation ships uint8 crops and normalizes on the device: bitwise what the float
     transform gave, with a quarter of the bytes through the loader."""
-    from imagenet_ddp.dataset import PreparedImageDataset, eval_transform
+    from imagenet_ddp.data.dataset import PreparedImageDataset, eval_transform
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -112,7 +112,7 @@ def eval_inputs(demo_archives, demo_index, tmp_path_factory) -> dict[str, Path]:
 
 def evaluate_cli(inputs, prepared, split_dir, out: Path, tasks: int = 1, **given):
     """`imagenet-ddp evaluate --job FILE`: a spec file written as a user would (by hand)."""
-    from imagenet_ddp.job_spec import write_spec
+    from imagenet_ddp.jobs.spec import write_spec
     from tests.workflow_helpers import make_job
 
     geometry = {"nodes": 1, "tasks_per_node": tasks, "cpus_per_task": 1, "gpus_per_node": 0}

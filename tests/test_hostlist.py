@@ -1,4 +1,4 @@
-"""SLURM hostlists expanded in Python (imagenet_ddp.hostlist), checked against SLURM's own
+"""SLURM hostlists expanded in Python (imagenet_ddp.jobs.hostlist), checked against SLURM's own
 parser: ``scontrol show hostnames`` needs no daemon, only a config file it can read (a minimal
 one here; without any it retries for 60 s, then fails)."""
 
@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
-from imagenet_ddp.distributed import expand_nodelist
-from imagenet_ddp.hostlist import expand_hostlist
+from imagenet_ddp.jobs.distributed import expand_nodelist
+from imagenet_ddp.jobs.hostlist import expand_hostlist
 
 EXPECTED = {
     "node[01-04]": ["node01", "node02", "node03", "node04"],

@@ -1,4 +1,4 @@
-"""The typed job spec (imagenet_ddp.job_spec): one parse, round trips, and errors that name
+"""The typed job spec (imagenet_ddp.jobs.spec): one parse, round trips, and errors that name
 the file and the key."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from imagenet_ddp import job_spec as J
 from imagenet_ddp.cli import main
+from imagenet_ddp.jobs import spec as J
 from tests.workflow_helpers import make_job
 
 RUN = {"run": "r", "nodes": 2, "tasks_per_node": 4, "cpus_per_task": 8, "lr": 0.1}

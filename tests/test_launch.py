@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import re
 
-from imagenet_ddp.distributed import master_port
-from imagenet_ddp.geometry import slurm_resources
-from imagenet_ddp.launch import (
+from imagenet_ddp.jobs.distributed import master_port
+from imagenet_ddp.jobs.launch import (
     THREAD_COUNT_VARIABLES,
     Geometry,
     srun_argv,
     worker_env,
 )
+from imagenet_ddp.settings.geometry import slurm_resources
 from tests.workflow_helpers import make_job
 
 
@@ -77,7 +77,7 @@ def test_inductor_compiles_with_a_few_workers_per_rank_not_32(monkeypatch):
 
 
 def test_evaluation_and_training_ranks_start_as_one_srun_step(monkeypatch):
-    from imagenet_ddp import launch
+    from imagenet_ddp.jobs import launch
 
     steps = []
     monkeypatch.setattr(launch, "_run_step", lambda argv, geometry: steps.append(argv) or (0, 0))
@@ -90,14 +90,14 @@ def test_evaluation_and_training_ranks_start_as_one_srun_step(monkeypatch):
 def test_local_launcher_refuses_several_nodes():
     import pytest
 
-    from imagenet_ddp.launch import launch_ranks
+    from imagenet_ddp.jobs.launch import launch_ranks
 
     with pytest.raises(ValueError, match="one node"):
         launch_ranks("local", Geometry(2, 1, 1), ["true"])
 
 
 def test_auto_launcher_is_decided_by_the_job_not_by_the_config():
-    from imagenet_ddp.jobs import resolve_launcher
+    from imagenet_ddp.jobs.stages import resolve_launcher
 
     assert resolve_launcher("auto", {"SLURM_JOB_ID": "42"}) == "srun"
     assert resolve_launcher("auto", {}) == "local"
@@ -107,7 +107,7 @@ def test_auto_launcher_is_decided_by_the_job_not_by_the_config():
 def test_the_ranks_step_starts_with_the_rules_mpi_prefix(monkeypatch):
     import pytest
 
-    from imagenet_ddp import launch
+    from imagenet_ddp.jobs import launch
 
     steps = []
     monkeypatch.setattr(launch, "_run_step", lambda argv, geometry: steps.append(argv) or (0, 0))
@@ -120,7 +120,7 @@ def test_the_ranks_step_starts_with_the_rules_mpi_prefix(monkeypatch):
 def test_srun_tasks_enter_the_rules_container_again():
     import sys
 
-    from imagenet_ddp.launch import task_python
+    from imagenet_ddp.jobs.launch import task_python
 
     assert task_python({}) == [sys.executable]
     image = "/images/imagenet-ddp.sif"
@@ -136,7 +136,7 @@ def test_ranks_start_as_their_kinds_module_and_nodes_run_the_staging_steps(monke
     import importlib
     import sys
 
-    from imagenet_ddp import launch
+    from imagenet_ddp.jobs import launch
 
     steps = []
     monkeypatch.setattr(launch, "_run_step", lambda argv, geometry: steps.append(argv) or (0, 0))
@@ -144,21 +144,21 @@ def test_ranks_start_as_their_kinds_module_and_nodes_run_the_staging_steps(monke
     spec = make_job("preflight", run, launcher="srun")
     assert launch.run_staged(spec, "/nowhere/spec.json") == 0
     stage, ranks, unstage = steps
-    assert stage[-4:] == ["imagenet_ddp.launch", "stage-node", "--spec", "/nowhere/spec.json"]
+    assert stage[-4:] == ["imagenet_ddp.jobs.launch", "stage-node", "--spec", "/nowhere/spec.json"]
     assert "--ntasks=4" in ranks and "--cpus-per-task=3" in ranks
-    assert ranks[-5:] == [sys.executable, "-m", "imagenet_ddp.preflight_rank", "--spec",
+    assert ranks[-5:] == [sys.executable, "-m", "imagenet_ddp.preflight.rank", "--spec",
                           "/nowhere/spec.json"]  # fmt: skip
     assert unstage[-3] == "unstage-node"
     steps.clear()
     evaluation = make_job("evaluate", run, launcher="srun")
     assert launch.run_evaluation(evaluation, "/e.json") == 0
-    assert steps[0][-4:] == ["-m", "imagenet_ddp.evaluate", "--spec", "/e.json"]
+    assert steps[0][-4:] == ["-m", "imagenet_ddp.evaluation.evaluate", "--spec", "/e.json"]
     for module in launch.RANK_MODULES.values():  # each is a rank's entry point
         assert callable(importlib.import_module(module).main)
 
 
 def test_the_gloo_interface_is_the_one_that_routes_to_the_other_nodes():
-    from imagenet_ddp.distributed import interface_towards
+    from imagenet_ddp.jobs.distributed import interface_towards
 
     assert interface_towards("127.0.0.1") == "lo"
 
@@ -195,14 +195,14 @@ def test_a_stop_while_staging_finishes_the_copy_and_starts_no_ranks(monkeypatch,
     import sys
     import textwrap
 
-    from imagenet_ddp import launch
+    from imagenet_ddp.jobs import launch
 
     node_step = tmp_path / "node_step.py"
     node_step.write_text(
         textwrap.dedent(
             """
             import os, signal, sys
-            from imagenet_ddp import launch
+            from imagenet_ddp.jobs import launch
             launch.read_spec = lambda path, kinds: None
             def stage(spec):  # signalled half-way through its copy, which it finishes
                 os.kill(os.getpid(), signal.SIGUSR1)

@@ -14,33 +14,18 @@ PACKAGE = REPO / "src" / "imagenet_ddp"
 
 # A unit is a module at the package's top level or a subpackage. A module may import its own
 # unit, any unit of its own layer, and any unit of a lower one: never a higher one.
-# LAYERS-BEGIN (the layout move rewrites this block: /work/layout_move.py, issue 30)
-# Before the move, one unit per top-level module; `runs` sits with training because it reads
-# training.presets (the move puts presets in settings/).
-TOP_LEVEL = {
-    "accounting", "accuracy", "aggregate", "archive_names", "archives", "attempts", "cli",
-    "cost", "dataset", "demo", "distributed", "epoch_end", "errors", "eval_settings",
-    "evaluate", "geometry", "hostlist", "io", "job_spec", "jobs", "jpeg", "launch",
-    "loader_server", "mlflow_log", "monitor", "mounts", "node_memory", "plots", "precision",
-    "preflight", "preflight_rank", "preflight_report", "prepare", "prepared_layout",
-    "provenance", "run_checks", "runs", "settings", "signals", "split", "stage", "sweeps",
-    "telemetry", "tensorboard_log", "torchvision_models", "wandb_log",
-}  # fmt: skip
+# LAYERS-BEGIN (written by the layout move: /work/layout_move.py, issue 30)
+TOP_LEVEL = {"cli", "errors", "io", "precision", "provenance"}
 LAYERS = [
     ("foundations", {"errors", "io", "precision", "provenance"}),
-    ("settings", {"eval_settings", "epoch_end", "geometry", "node_memory", "run_checks",
-                  "settings", "sweeps", "torchvision_models"}),
-    ("data", {"archive_names", "archives", "dataset", "demo", "jpeg", "mounts", "prepare",
-              "prepared_layout", "split", "stage"}),
-    ("jobs", {"attempts", "distributed", "hostlist", "job_spec", "jobs", "launch",
-              "loader_server", "signals"}),
-    ("monitoring", {"cost", "mlflow_log", "monitor", "telemetry", "tensorboard_log",
-                    "wandb_log"}),
-    ("training", {"training", "accuracy", "runs"}),
-    ("stages above training", {"evaluate", "preflight", "preflight_rank", "preflight_report",
-                               "aggregate", "accounting", "plots"}),
+    ("settings", {"settings"}),
+    ("data", {"data"}),
+    ("jobs", {"jobs"}),
+    ("monitoring", {"monitoring"}),
+    ("training", {"training"}),
+    ("stages above training", {"evaluation", "preflight", "report"}),
     ("entry point", {"cli"}),
-]  # fmt: skip
+]
 # LAYERS-END
 
 

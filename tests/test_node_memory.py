@@ -1,11 +1,12 @@
 """Memory per node, checked at the dry-run against the train job's mem_mb
-(imagenet_ddp.node_memory): its arithmetic, and real Snakemake dry-runs in a temporary copy."""
+(imagenet_ddp.settings.node_memory): its arithmetic, and real Snakemake dry-runs in a temporary
+copy."""
 
 from __future__ import annotations
 
 import pytest
 
-from imagenet_ddp.node_memory import (
+from imagenet_ddp.settings.node_memory import (
     COMPILE_WORKER_MB,
     CUDA_RANK_EXTRA_MB,
     FORKSERVER_MB,

@@ -10,10 +10,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from imagenet_ddp import cli, plots
-from imagenet_ddp.aggregate import COLUMNS, aggregate_runs
+from imagenet_ddp import cli
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import write_csv_atomic
+from imagenet_ddp.report import plots
+from imagenet_ddp.report.aggregate import COLUMNS, aggregate_runs
 from tests.fake_runs import write_run_dir
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,4 @@
-"""The preflight's definitions (imagenet_ddp.preflight_report) on synthetic rank records: fast,
+"""The preflight's definitions (imagenet_ddp.preflight.report) on synthetic rank records: fast,
 no ranks. The real preflight runs in the end-to-end tests (test_workflow_local, test_slurm_e2e)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from imagenet_ddp.preflight_report import (
+from imagenet_ddp.preflight.report import (
     allreduce_figures,
     build_report,
     bus_bandwidth,
@@ -97,7 +97,7 @@ def test_more_allocations_than_allowed_fail_with_one_line():
 
 
 def write_preflight(folder, settings, out) -> None:
-    from imagenet_ddp.job_spec import write_spec
+    from imagenet_ddp.jobs.spec import write_spec
     from tests.workflow_helpers import make_job
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -174,8 +174,8 @@ def test_the_gpu_a_cpu_rank_would_use_is_the_one_training_would_choose(monkeypat
     rank's; none of its own -> the error training would raise."""
     import torch
 
-    from imagenet_ddp import distributed as D
-    from imagenet_ddp.preflight_rank import placement
+    from imagenet_ddp.jobs import distributed as D
+    from imagenet_ddp.preflight.rank import placement
     from tests.workflow_helpers import train_config
 
     cfg, cpu = train_config(gpus_per_node=2), torch.device("cpu")
@@ -222,8 +222,8 @@ def test_the_loader_figure_is_its_steady_rate_not_the_prefetched_queue(workers):
     during the warm-up (issue 26, item 5)."""
     import torch
 
-    from imagenet_ddp.distributed import DistInfo
-    from imagenet_ddp.preflight_rank import preflight_loader, steady_loader_rate
+    from imagenet_ddp.jobs.distributed import DistInfo
+    from imagenet_ddp.preflight.rank import preflight_loader, steady_loader_rate
 
     seconds, batch = 0.02, 4  # 80 ms per batch and worker
     dataset = SleepyImages(200, seconds)

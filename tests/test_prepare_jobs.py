@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 
 from imagenet_ddp.cli import main
+from imagenet_ddp.data.prepare import join_chunks, prepare_split
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.prepare import join_chunks, prepare_split
 from tests.conftest import PREPARE_SETTINGS
 
 

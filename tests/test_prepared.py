@@ -14,15 +14,15 @@ import pytest
 import torch
 from PIL import Image
 
-from imagenet_ddp.archives import VAL_ARCHIVE, build_index
-from imagenet_ddp.dataset import (
+from imagenet_ddp.data.archives import VAL_ARCHIVE, build_index
+from imagenet_ddp.data.dataset import (
     IMAGENET_MEAN,
     PreparedImageDataset,
     eval_transform,
     train_transform,
 )
+from imagenet_ddp.data.prepare import prepare_split
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.prepare import prepare_split
 from tests.conftest import PREPARE_SETTINGS
 
 SMALL = {"num_classes": 4, "shard_samples": 8}  # the demo's classes; several shards
@@ -224,7 +224,7 @@ def _jpeg(height: int, width: int) -> np.ndarray:
 def test_decoder_matches_pil_and_the_crop_first_path_matches_decode_then_crop():
     from torchvision.transforms import v2
 
-    from imagenet_ddp.jpeg import RandomResizedCropDecode, decode_jpeg
+    from imagenet_ddp.data.jpeg import RandomResizedCropDecode, decode_jpeg
 
     data = _jpeg(64, 96)
     image = decode_jpeg(data)
@@ -244,7 +244,7 @@ def test_decoder_matches_pil_and_the_crop_first_path_matches_decode_then_crop():
 def test_crop_first_decode_uses_a_reduced_dct_scale_when_the_box_allows(monkeypatch):
     from torchvision.transforms import v2
 
-    from imagenet_ddp import jpeg
+    from imagenet_ddp.data import jpeg
 
     data = _jpeg(256, 384)
     decode = jpeg.decode_jpeg

@@ -8,8 +8,8 @@ import pytest
 import torch
 import yaml
 
+from imagenet_ddp.settings.presets import PRESETS, resolve_run, scaled_lr
 from imagenet_ddp.training import recipe
-from imagenet_ddp.training.presets import PRESETS, resolve_run, scaled_lr
 from tests.workflow_helpers import REPO, train_config
 
 SCHEMA = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
@@ -155,7 +155,7 @@ def test_every_interpolation_is_bilinear_as_the_reference_passes_it():
     auto-augment policy and the eval Resize; the policies' own default is NEAREST."""
     from torchvision.transforms import v2
 
-    from imagenet_ddp.dataset import eval_transform
+    from imagenet_ddp.data.dataset import eval_transform
 
     bilinear = v2.InterpolationMode.BILINEAR
 

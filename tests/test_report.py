@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from imagenet_ddp.aggregate import COLUMNS, SHORT_COLUMNS
+from imagenet_ddp.report.aggregate import COLUMNS, SHORT_COLUMNS
 from tests.workflow_helpers import REPO, copy_workflow, planned_jobs, snakemake
 
 pytestmark = pytest.mark.e2e

@@ -22,8 +22,8 @@ import pandas as pd
 import pytest
 import torch
 
-from imagenet_ddp.job_spec import to_dict, write_spec
-from imagenet_ddp.signals import EXIT_REQUEUE
+from imagenet_ddp.jobs.signals import EXIT_REQUEUE
+from imagenet_ddp.jobs.spec import to_dict, write_spec
 from imagenet_ddp.training.model import read_model_file
 from tests.workflow_helpers import make_job, output_within, run_settings
 
@@ -353,7 +353,7 @@ def test_a_stop_signal_to_every_process_checkpoints_exits_75_and_resumes_bitwise
     assert_bitwise_equal(weights(tmp_path / "run"), weights(reference))
     metrics = json.loads((tmp_path / "run" / "train_metrics.json").read_text())
     assert metrics["geometry"]["workers"] == 1 and metrics["world_size"] == 2
-    cost = metrics["cost"]  # every local attempt counted (imagenet_ddp.attempts)
+    cost = metrics["cost"]  # every local attempt counted (imagenet_ddp.jobs.attempts)
     assert cost["allocations"] == allocations and not cost["slurm_job_ids"]
     assert cost["wall_seconds"] == pytest.approx(sum(a["wall_seconds"] for a in cost["attempts"]))
     assert cost["core_hours"] == pytest.approx(2 * cost["wall_seconds"] / 3600)

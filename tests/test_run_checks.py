@@ -1,6 +1,6 @@
 """Runs that could only fail (or train on upsampled/padded images) are refused at the dry-run.
 
-Unit tests of imagenet_ddp.run_checks per check, then one real `snakemake -n` per category:
+Unit tests of imagenet_ddp.settings.run_checks per check, then one real `snakemake -n` per category:
 non-zero exit and one line per problem naming the run and the key.
 """
 
@@ -13,9 +13,9 @@ import pandas as pd
 import pytest
 import yaml
 
-from imagenet_ddp import run_checks
-from imagenet_ddp.run_checks import ILSVRC2012_TRAIN_IMAGES, check_runs, split_sizes
-from imagenet_ddp.split import stratified_split
+from imagenet_ddp.data.split import stratified_split
+from imagenet_ddp.settings import run_checks
+from imagenet_ddp.settings.run_checks import ILSVRC2012_TRAIN_IMAGES, check_runs, split_sizes
 from tests.workflow_helpers import (
     REPO,
     copy_workflow,
@@ -32,7 +32,7 @@ def models():
 
 
 def resolved(config: dict) -> dict[str, dict]:
-    """The runs as imagenet_ddp.runs.resolve_runs resolves them where no preset is used."""
+    """The runs as imagenet_ddp.settings.runs.resolve_runs resolves them where no preset is used."""
     return {e["name"]: {**config["train_defaults"], **e} for e in config["runs"]}
 
 
@@ -84,14 +84,14 @@ def test_the_kept_model_list_is_the_pinned_torchvisions(models):
     """The list a bare Snakemake environment checks names against (no torchvision there)."""
     import torchvision
 
-    from imagenet_ddp.torchvision_models import CLASSIFICATION_MODELS, TORCHVISION_VERSION
+    from imagenet_ddp.settings.torchvision_models import CLASSIFICATION_MODELS, TORCHVISION_VERSION
 
     assert torchvision.__version__.split("+")[0] == TORCHVISION_VERSION
     assert models == CLASSIFICATION_MODELS
 
 
 def test_without_torchvision_the_kept_list_is_used(monkeypatch, tmp_path):
-    from imagenet_ddp.torchvision_models import CLASSIFICATION_MODELS
+    from imagenet_ddp.settings.torchvision_models import CLASSIFICATION_MODELS
 
     real_find_spec = run_checks.importlib.util.find_spec
     monkeypatch.setattr(

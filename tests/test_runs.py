@@ -1,4 +1,5 @@
-"""Run resolution (imagenet_ddp.runs.resolve_runs), the one path from config.yaml to the runs
+"""Run resolution (imagenet_ddp.settings.runs.resolve_runs), the one path from config.yaml to the
+runs
 the rules use: hand-written runs then sweeps, schema defaults < presets / train_defaults < the
 run, and every problem refused with one line. In-process: no Snakemake run."""
 
@@ -9,8 +10,8 @@ import copy
 import pytest
 import yaml
 
-from imagenet_ddp.runs import RunsError, resolve_runs, run_defaults, written_settings
-from imagenet_ddp.training.presets import PRESETS
+from imagenet_ddp.settings.presets import PRESETS
+from imagenet_ddp.settings.runs import RunsError, resolve_runs, run_defaults, written_settings
 from tests.workflow_helpers import REPO, SCHEMA
 
 MODELS = frozenset({"resnet18", "resnet50"})

@@ -1,6 +1,6 @@
 """Each run setting is declared once, with its kind (workflow/schemas/config.schema.yaml,
 x-kind), and what the code and the docs say about settings derives from that declaration
-(imagenet_ddp.settings). Fast: reads files; no workflow runs."""
+(imagenet_ddp.settings.kinds). Fast: reads files; no workflow runs."""
 
 from __future__ import annotations
 
@@ -9,14 +9,20 @@ import re
 import pytest
 import yaml
 
-from imagenet_ddp.settings import KINDS, DeclarationError, Declarations, declarations, load_schema
+from imagenet_ddp.settings.kinds import (
+    KINDS,
+    DeclarationError,
+    Declarations,
+    declarations,
+    load_schema,
+)
 from tests.workflow_helpers import REPO, SCHEMA
 
 
 def test_the_packaged_schema_is_the_workflows():
     """A rank keys its checkpoints by the package's copy (imagenet_ddp/config.schema.yaml, a
     link in the source tree); the workflow validates with its own."""
-    from imagenet_ddp import settings
+    from imagenet_ddp.settings import kinds as settings
 
     assert settings.SCHEMA.read_text() == SCHEMA.read_text()
 
@@ -92,9 +98,9 @@ FINGERPRINTS = {
 
 @pytest.mark.parametrize("name", sorted(FINGERPRINTS))
 def test_checkpoint_fingerprints_stay_those_of_earlier_versions(name):
-    from imagenet_ddp.runs import run_defaults
+    from imagenet_ddp.settings.presets import resolve_run
+    from imagenet_ddp.settings.runs import run_defaults
     from imagenet_ddp.training.config import TrainConfig
-    from imagenet_ddp.training.presets import resolve_run
 
     entry, fingerprint = FINGERPRINTS[name]
     run = resolve_run(run_defaults(load_schema(SCHEMA)), TRAIN_DEFAULTS, {"name": name, **entry})
@@ -123,8 +129,8 @@ def test_a_new_setting_at_its_earlier_value_changes_no_key():
 def test_train_reruns_exactly_when_its_checkpoint_key_changes():
     """The rerun params hold the settings of the checkpoint key: the fingerprint's (but the
     run's name, the wildcard) and the geometry's; no bookkeeping, speed, site or preset."""
-    from imagenet_ddp.runs import run_defaults
-    from imagenet_ddp.training.presets import resolve_run
+    from imagenet_ddp.settings.presets import resolve_run
+    from imagenet_ddp.settings.runs import run_defaults
 
     settings = declarations(SCHEMA)
     run = resolve_run(run_defaults(load_schema(SCHEMA)), TRAIN_DEFAULTS, {"name": "r"})

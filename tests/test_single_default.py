@@ -12,7 +12,7 @@ import re
 
 import yaml
 
-from imagenet_ddp.geometry import GEOMETRY_KEYS
+from imagenet_ddp.settings.geometry import GEOMETRY_KEYS
 from tests.workflow_helpers import REPO, SCHEMA
 
 # TrainConfig's geometry is None when not given: "as the ranks started" for a worker started by
@@ -49,13 +49,13 @@ def section_defaults() -> dict[str, dict]:
 def test_train_config_states_no_default_and_refuses_a_run_that_lacks_a_setting():
     import pytest
 
-    from imagenet_ddp.settings import declarations
+    from imagenet_ddp.settings.kinds import declarations
     from tests.workflow_helpers import run_settings
 
     fields = {f.name: f for f in dataclasses.fields(train_config_class())}
     settings = set(fields) - NOT_SETTINGS
     # Every setting the worker reads is declared, and every run key it gets is read (the
-    # declared kinds say which the rule passes: imagenet_ddp.settings).
+    # declared kinds say which the rule passes: imagenet_ddp.settings.kinds).
     assert settings == set(declarations(SCHEMA).rank_fields())
     assert set(run_defaults()) >= settings - {"run"}, "every run setting needs its schema default"
     for name in settings - FROM_THE_RANKS:
@@ -91,7 +91,7 @@ CLI_SETTINGS = {
         "on_corrupt": "prepare.on_corrupt",
     },
 }
-# Job spec fields that carry a schema setting (imagenet_ddp.job_spec): the rule passes each
+# Job spec fields that carry a schema setting (imagenet_ddp.jobs.spec): the rule passes each
 # (workflow/rules/common.smk job_spec), so none has a default of its own.
 SPEC_SETTINGS = {
     "Execution": {"launcher": "execution.launcher", "srun_extra": "execution.srun_extra"},
@@ -127,7 +127,7 @@ def test_cli_options_for_schema_settings_have_no_default_of_their_own():
 def test_job_spec_fields_for_schema_settings_have_no_default_of_their_own():
     import dataclasses
 
-    from imagenet_ddp import job_spec
+    from imagenet_ddp.jobs import spec as job_spec
 
     for name, options in SPEC_SETTINGS.items():
         fields = {f.name: f for f in dataclasses.fields(getattr(job_spec, name))}
@@ -138,12 +138,12 @@ def test_job_spec_fields_for_schema_settings_have_no_default_of_their_own():
 
 
 def test_the_evaluation_spec_has_no_default_of_eval_settings():
-    """Evaluation defaults follow the run, so their home is imagenet_ddp.eval_settings: the
+    """Evaluation defaults follow the run, so their home is imagenet_ddp.settings.evaluation: the
     rule passes them (common.smk job_spec), the spec states none."""
     import dataclasses
 
-    from imagenet_ddp.eval_settings import eval_settings
-    from imagenet_ddp.job_spec import EvalSettings
+    from imagenet_ddp.jobs.spec import EvalSettings
+    from imagenet_ddp.settings.evaluation import eval_settings
 
     fields = {f.name: f for f in dataclasses.fields(EvalSettings)}
     for key in set(eval_settings(None, {})) & set(fields):
@@ -200,7 +200,7 @@ def _schema_keys() -> dict[str, object]:
 
 
 def test_configuration_doc_lists_every_key_with_the_schemas_default():
-    from imagenet_ddp.eval_settings import eval_settings
+    from imagenet_ddp.settings.evaluation import eval_settings
 
     rows = _readme_settings()
     problems = []

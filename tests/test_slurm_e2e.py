@@ -22,9 +22,9 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from imagenet_ddp.distributed import FAKE_GPUS
-from imagenet_ddp.geometry import Geometry
-from imagenet_ddp.launch import srun_argv
+from imagenet_ddp.jobs.distributed import FAKE_GPUS
+from imagenet_ddp.jobs.launch import srun_argv
+from imagenet_ddp.settings.geometry import Geometry
 from tests.workflow_helpers import TINY_CONFIG_OVERRIDES, copy_workflow, snakemake
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
@@ -199,7 +199,7 @@ def _stage_step_job(cluster, work: Path, specs: dict[str, dict]) -> dict[str, st
         (work / f"{name}.json").write_text(json.dumps(spec))
         lines.append(
             f"srun --nodes=2 --ntasks=2 --ntasks-per-node=1 {sys.executable} -m "
-            f"imagenet_ddp.launch stage-node --spec {name}.json > {name}.out 2>&1; "
+            f"imagenet_ddp.jobs.launch stage-node --spec {name}.json > {name}.out 2>&1; "
             f"echo exit $? >> {name}.out"
         )
     (work / "job.sh").write_text("\n".join(lines) + "\n")
@@ -220,7 +220,7 @@ def test_staging_under_srun_refuses_shared_scratch_and_copies_into_each_nodes_ow
     cluster, src = slurm_cluster, prepared_demo["train"]
 
     def spec(name: str, scratch_dir: str) -> dict:
-        from imagenet_ddp.job_spec import to_dict
+        from imagenet_ddp.jobs.spec import to_dict
         from tests.workflow_helpers import make_job
 
         run = {"nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1}

@@ -1,7 +1,7 @@
 """A run longer than its allocations, through `snakemake --profile profiles/slurm` on the real
 local SLURM cluster: every way a running training job is told to stop writes a checkpoint,
 exits for requeue (75) and is recorded `stopped`; one invocation resubmits the run until it is
-done (imagenet_ddp.attempts), its cost and accounting count every allocation, and its final
+done (imagenet_ddp.jobs.attempts), its cost and accounting count every allocation, and its final
 weights are bitwise those of an uninterrupted run (deterministic mode, CPU, gloo, one thread
 per rank), trained meanwhile at the lowest CPU priority.
 
@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from imagenet_ddp import attempts
+from imagenet_ddp.jobs import attempts
 from tests.test_resume import CONFIG, assert_bitwise_equal, torchrun, weights
 from tests.test_slurm_e2e import TEST_PROFILE
 from tests.workflow_helpers import SNAKEMAKE, copy_workflow, read_config, shown_specs, snakemake

@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 from sklearn.model_selection import train_test_split
 
+from imagenet_ddp.data.split import stratified_split
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.split import stratified_split
 
 
 def recipe(targets, holdout_fraction, seed):

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from imagenet_ddp import stage
+from imagenet_ddp.data import stage
+from imagenet_ddp.data.stage import cleanup_staged, scratch_problem, scratch_root, stage_dataset
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.stage import cleanup_staged, scratch_problem, scratch_root, stage_dataset
 from tests.workflow_helpers import make_job
 
 
@@ -72,7 +72,7 @@ def node_local():
 def test_a_shared_copy_is_removed_by_the_last_job_that_leaves(prepared_demo, tmp_path, node_local):
     """Two runs on one node share the scratch copy: the first to finish must not delete the
     data the other is still reading (local launcher; clusters without a per-job scratch)."""
-    from imagenet_ddp.launch import stage_this_node, unstage_this_node
+    from imagenet_ddp.jobs.launch import stage_this_node, unstage_this_node
 
     def spec(run):
         return make_job(
@@ -182,7 +182,7 @@ def test_a_scratch_root_on_the_filesystem_of_the_data_or_workdir_is_refused(
 ):
     """Under srun the refusal holds and nothing is copied; the local launcher reads the
     prepared copy in place instead (one machine: a copy onto its own disk buys nothing)."""
-    from imagenet_ddp.launch import stage_this_node, unstage_this_node
+    from imagenet_ddp.jobs.launch import stage_this_node, unstage_this_node
 
     src = prepared_demo["val"]
     assert scratch_problem(tmp_path / "not-yet" / "x", {"prepare.dir": src})[0] == "shared"
@@ -215,7 +215,7 @@ def test_a_lease_left_by_a_killed_job_is_reclaimed_by_the_next_stager(prepared_d
     import subprocess
     import sys
 
-    from imagenet_ddp.stage import reclaim_stale_leases
+    from imagenet_ddp.data.stage import reclaim_stale_leases
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()  # fmt: skip
@@ -234,7 +234,7 @@ def test_a_lease_left_by_a_killed_job_is_reclaimed_by_the_next_stager(prepared_d
 
 
 def test_the_dry_run_refuses_a_relative_or_network_scratch_dir(tmp_path):
-    from imagenet_ddp.stage import configured_scratch_problem
+    from imagenet_ddp.data.stage import configured_scratch_problem
 
     info = tmp_path / "mountinfo"
     info.write_text(MOUNTINFO.replace(" /home ", f" {tmp_path} "))  # tmp_path "on nfs4"
@@ -252,7 +252,7 @@ def test_the_rules_pass_the_scratch_setting_and_the_dry_run_refuses_a_relative_o
     import shlex
 
     from imagenet_ddp.cli import build_parser
-    from imagenet_ddp.job_spec import load
+    from imagenet_ddp.jobs.spec import load
     from tests.workflow_helpers import copy_workflow, snakemake
 
     runs = [{"name": "r", "tasks_per_node": 1, "preflight": True}]

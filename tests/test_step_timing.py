@@ -142,7 +142,7 @@ def test_mfu_only_against_a_known_peak(monkeypatch):
 
 
 def test_the_profile_setting_keeps_the_checkpoints_and_reruns_nothing():
-    from imagenet_ddp.settings import declarations
+    from imagenet_ddp.settings.kinds import declarations
 
     plain = train_config()
     profiled = train_config(profile={"epoch": 1, "steps": 5, "ranks": "per_node"})

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from imagenet_ddp.cost import cost_block
-from imagenet_ddp.monitor import RunMonitor
-from imagenet_ddp.telemetry import GpuSampler
+from imagenet_ddp.monitoring.cost import cost_block
+from imagenet_ddp.monitoring.monitor import RunMonitor
+from imagenet_ddp.monitoring.telemetry import GpuSampler
 
 
 class FakeNvml:

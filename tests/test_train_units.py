@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from imagenet_ddp import distributed as D
+from imagenet_ddp.jobs import distributed as D
 from imagenet_ddp.training.checkpoint import load_latest_checkpoint, save_checkpoint
 from imagenet_ddp.training.data import EpochSampler, SeededAugmentation
 from imagenet_ddp.training.recipe import lr_lambda
@@ -118,7 +118,7 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
 
 
 def test_auto_loader_workers_follow_the_tasks_cpus(monkeypatch):
-    from imagenet_ddp.distributed import DistInfo
+    from imagenet_ddp.jobs.distributed import DistInfo
     from imagenet_ddp.training.config import resolve_geometry
 
     info, cpu = DistInfo(0, 1, 0, 1, "h"), torch.device("cpu")
@@ -132,7 +132,7 @@ def test_auto_loader_workers_follow_the_tasks_cpus(monkeypatch):
 
 
 def test_geometry_is_checked_against_the_ranks_that_started():
-    from imagenet_ddp.distributed import DistInfo
+    from imagenet_ddp.jobs.distributed import DistInfo
     from imagenet_ddp.training.config import resolve_geometry
 
     cfg = train_config(nodes=2, tasks_per_node=4, cpus_per_task=8, gpus_per_node=4)
@@ -143,7 +143,7 @@ def test_geometry_is_checked_against_the_ranks_that_started():
 
 
 def test_checkpoints_are_keyed_by_settings_and_global_batch_not_rank_count(tmp_path):
-    from imagenet_ddp.geometry import Geometry
+    from imagenet_ddp.settings.geometry import Geometry
     from imagenet_ddp.training.checkpoint import checkpoint_dir, checkpoint_tag, other_geometries
 
     fingerprint = train_config(lr=0.1).fingerprint()
@@ -219,7 +219,7 @@ def test_a_resumed_epochs_counters_continue_exactly():
 def test_gpus_asked_but_cuda_unusable_is_an_error_naming_the_host(monkeypatch):
     import socket
 
-    from imagenet_ddp.distributed import select_device
+    from imagenet_ddp.jobs.distributed import select_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match=f"host {socket.gethostname()}: gpus_per_node is 4"):

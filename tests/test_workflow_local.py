@@ -160,7 +160,7 @@ def test_preflight_ran_first_and_its_figures_follow_their_definitions(local_run)
 def test_preflight_fails_with_one_line_per_problem(local_run, tmp_path):
     """Two ranks forced onto one GPU (CUDA_VISIBLE_DEVICES=0 for both; CPU compute) and a run
     that needs more allocations than allowed: one `imagenet-ddp preflight`, exit 1."""
-    from imagenet_ddp.job_spec import to_dict
+    from imagenet_ddp.jobs.spec import to_dict
     from tests.workflow_helpers import make_job
 
     run = json.loads((local_run / "results/preflight/resnet18-1x2/preflight_spec.json").read_text())
@@ -270,7 +270,7 @@ def test_bookkeeping_changes_and_a_new_setting_at_its_default_rerun_nothing(loca
     """Each bookkeeping setting changed in turn, then all at once with a setting that a newer
     version adds at its default (x-earlier): the dry-run plans no job, a real run rewrites no
     artifact and adds no allocation. A train job that does start gets the new values."""
-    from imagenet_ddp.settings import declarations
+    from imagenet_ddp.settings.kinds import declarations
 
     schema_path = local_run / "workflow/schemas/config.schema.yaml"
     settings = declarations(schema_path)
@@ -464,7 +464,7 @@ def test_each_recipe_preset_and_all_components_train(local_run):
         dry = snakemake(local_run, "--profile", "profiles/local", "-n", *targets)
         shown = dry.stdout + dry.stderr
         # Train jobs run side by side and share the node's staged copy: each holds a lease,
-        # and only the last to finish removes it (imagenet_ddp.stage).
+        # and only the last to finish removes it (imagenet_ddp.data.stage).
         snakemake(local_run, "--profile", "profiles/local", *targets)
     finally:
         write_config(local_run, original)

@@ -31,8 +31,8 @@ def run_settings(**settings) -> dict:
     """A run's settings as the train rule passes them to the worker (every key, the schema's
     defaults filled in), then ``settings``. The geometry is left out unless given: a rank
     started by hand (torchrun) reads it from the ranks that started."""
-    from imagenet_ddp.geometry import GEOMETRY_KEYS
-    from imagenet_ddp.settings import declarations
+    from imagenet_ddp.settings.geometry import GEOMETRY_KEYS
+    from imagenet_ddp.settings.kinds import declarations
 
     properties = yaml.safe_load(SCHEMA.read_text())["definitions"]["run_settings"]["properties"]
     defaults = {k: v["default"] for k, v in properties.items() if "default" in v}
@@ -52,15 +52,15 @@ def shown_specs(text: str, kind: str) -> list[dict]:
 
 
 def make_job(kind: str = "train", run: dict | None = None, root="/nowhere", **given):
-    """A typed job spec (imagenet_ddp.job_spec) for a test: ``run`` (train, preflight) or its
+    """A typed job spec (imagenet_ddp.jobs.spec) for a test: ``run`` (train, preflight) or its
     geometry (evaluate), each path ``root/<name>`` unless given, a local launcher and default
     staging unless ``launcher``, ``srun_extra``, ``scratch_dir``, ``verify``, ``cleanup``,
     ``attempt``, ``batch_size``, ``workers``, ``device`` or ``train_runtime_minutes`` say
     otherwise."""
     import dataclasses
 
-    from imagenet_ddp import job_spec as J
-    from imagenet_ddp.geometry import Geometry
+    from imagenet_ddp.jobs import spec as J
+    from imagenet_ddp.settings.geometry import Geometry
 
     run = run if run is not None else {"nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1}
     stage = J.Stage(given.pop("scratch_dir", ""), given.pop("verify", "size"),

@@ -18,7 +18,7 @@ from imagenet_ddp.errors import InputError
 
 
 def cmd_demo_data(args: argparse.Namespace) -> None:
-    from imagenet_ddp.demo import write_demo_dataset
+    from imagenet_ddp.data.demo import write_demo_dataset
 
     write_demo_dataset(
         args.out,
@@ -31,19 +31,19 @@ def cmd_demo_data(args: argparse.Namespace) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> None:
-    from imagenet_ddp.archives import write_verify_report
+    from imagenet_ddp.data.archives import write_verify_report
 
     write_verify_report(args.data_dir, args.report, check_md5=args.check_md5)
 
 
 def cmd_index(args: argparse.Namespace) -> None:
-    from imagenet_ddp.archives import write_index
+    from imagenet_ddp.data.archives import write_index
 
     write_index(args.data_dir, args.out_dir)
 
 
 def cmd_split(args: argparse.Namespace) -> None:
-    from imagenet_ddp.split import split_index
+    from imagenet_ddp.data.split import split_index
 
     split_index(args.index_dir, args.out_dir, args.holdout_fraction, args.seed)
 
@@ -59,14 +59,14 @@ def _prepare_settings(args: argparse.Namespace) -> dict:
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
-    from imagenet_ddp.prepare import prepare
+    from imagenet_ddp.data.prepare import prepare
 
     if prepare(args.data_dir, args.index_dir, args.which, args.out, **_prepare_settings(args)):
         print(f"{args.out} is already prepared from the same index and settings; reusing")
 
 
 def cmd_prepare_chunk(args: argparse.Namespace) -> None:
-    from imagenet_ddp.prepare import prepare_chunk
+    from imagenet_ddp.data.prepare import prepare_chunk
 
     prepare_chunk(
         args.data_dir,
@@ -80,7 +80,7 @@ def cmd_prepare_chunk(args: argparse.Namespace) -> None:
 
 
 def cmd_prepare_join(args: argparse.Namespace) -> None:
-    from imagenet_ddp.prepare import join_chunks
+    from imagenet_ddp.data.prepare import join_chunks
 
     if join_chunks(args.chunk_dirs, args.out):
         print(f"{args.out} is already prepared from the same index and settings; reusing")
@@ -114,22 +114,22 @@ def _add_prepare_parsers(sub) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from imagenet_ddp.job_spec import load
-    from imagenet_ddp.jobs import train_job
+    from imagenet_ddp.jobs.spec import load
+    from imagenet_ddp.jobs.stages import train_job
 
     return train_job(load(args.job, "train"))
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from imagenet_ddp.job_spec import load
-    from imagenet_ddp.preflight import preflight_job
+    from imagenet_ddp.jobs.spec import load
+    from imagenet_ddp.preflight.job import preflight_job
 
     return preflight_job(load(args.job, "preflight"))
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from imagenet_ddp.job_spec import load
-    from imagenet_ddp.jobs import evaluate_job
+    from imagenet_ddp.jobs.spec import load
+    from imagenet_ddp.jobs.stages import evaluate_job
 
     return evaluate_job(load(args.job, "evaluate"))
 
@@ -141,26 +141,26 @@ def _add_job_parser(sub, name: str, help_text: str, func) -> None:
         "--job",
         required=True,
         metavar="JSON|FILE",
-        help=f"the {name} job spec (imagenet_ddp.job_spec), as JSON (the workflow's rule "
+        help=f"the {name} job spec (imagenet_ddp.jobs.spec), as JSON (the workflow's rule "
         "passes it) or a file's path (e.g. one a job wrote, edited)",
     )
     p.set_defaults(func=func)
 
 
 def cmd_aggregate(args: argparse.Namespace) -> None:
-    from imagenet_ddp.aggregate import write_aggregate
+    from imagenet_ddp.report.aggregate import write_aggregate
 
     write_aggregate(args.run_dirs, args.csv, args.markdown)
 
 
 def cmd_accounting(args: argparse.Namespace) -> None:
-    from imagenet_ddp.accounting import write_accounting
+    from imagenet_ddp.report.accounting import write_accounting
 
     write_accounting(args.run_dirs)
 
 
 def cmd_plots(args: argparse.Namespace) -> None:
-    from imagenet_ddp.plots import make_plots
+    from imagenet_ddp.report.plots import make_plots
 
     make_plots(
         args.runs_csv,

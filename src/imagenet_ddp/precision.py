@@ -1,7 +1,7 @@
 """Mixed precision: the ``precision`` setting's dtypes and the autocast context of a forward pass.
 
 Training's step (:mod:`imagenet_ddp.training.loop`) and evaluation
-(:mod:`imagenet_ddp.accuracy`: training's holdout and the evaluation stage) both run their
+(:mod:`imagenet_ddp.training.accuracy`: training's holdout and the evaluation stage) both run their
 forward passes under :func:`autocast`; neither reaches into the other's package for it.
 """
 

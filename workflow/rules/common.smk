@@ -1,5 +1,5 @@
 # The rules' helpers: input functions, params and resource helpers. What runs are and whether they
-# can train is decided in the package (imagenet_ddp.runs), process settings in the Snakefile.
+# can train is decided in the package (imagenet_ddp.settings.runs), process settings in the Snakefile.
 
 import functools
 import json
@@ -16,27 +16,27 @@ from snakemake.utils import validate
 # works from a login node's bare Snakemake environment, the package not installed there.
 sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 
-from imagenet_ddp.archive_names import (
+from imagenet_ddp.data.archive_names import (
     DEVKIT_ARCHIVE,
     INDEX_FORMAT_VERSION,
     TRAIN_ARCHIVE,
     VAL_ARCHIVE,
 )
-from imagenet_ddp.attempts import refusal_ahead
-from imagenet_ddp.eval_settings import eval_settings
-from imagenet_ddp.geometry import GEOMETRY_KEYS, slurm_resources
-from imagenet_ddp.job_spec import SpecError, from_dict, to_dict
-from imagenet_ddp.node_memory import node_memory_problems
-from imagenet_ddp.preflight_report import known_projection_problems
-from imagenet_ddp.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
-from imagenet_ddp.run_checks import container_problem, user_cache_dir
-from imagenet_ddp.runs import RunsError, resolve_runs, written_settings
-from imagenet_ddp.settings import declarations
-from imagenet_ddp.stage import configured_scratch_problem
-from imagenet_ddp.training.presets import scaled_lr
+from imagenet_ddp.jobs.attempts import refusal_ahead
+from imagenet_ddp.settings.evaluation import eval_settings
+from imagenet_ddp.settings.geometry import GEOMETRY_KEYS, slurm_resources
+from imagenet_ddp.jobs.spec import SpecError, from_dict, to_dict
+from imagenet_ddp.settings.node_memory import node_memory_problems
+from imagenet_ddp.preflight.report import known_projection_problems
+from imagenet_ddp.data.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
+from imagenet_ddp.settings.run_checks import container_problem, user_cache_dir
+from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
+from imagenet_ddp.settings.kinds import declarations
+from imagenet_ddp.data.stage import configured_scratch_problem
+from imagenet_ddp.settings.presets import scaled_lr
 
 # Validation fills in the schema's defaults, the one home of every setting's default: the rules
-# read config[...] directly. Runs resolve from their entries as written (imagenet_ddp.runs).
+# read config[...] directly. Runs resolve from their entries as written (imagenet_ddp.settings.runs).
 _WRITTEN = written_settings(config)
 validate(config, "../schemas/config.schema.yaml")
 _SCHEMA = os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml")
@@ -69,13 +69,13 @@ def archive_paths():
 
 def training_settings(name):
     """The run's settings as the worker reads them, geometry included (no `evaluate` or
-    `preflight`: the workflow's, imagenet_ddp.settings)."""
+    `preflight`: the workflow's, imagenet_ddp.settings.kinds)."""
     return SETTINGS.rank_settings(RUNS[name])
 
 
 def run_rerun_key(wildcards):
     """What reruns the run's train (and preflight) when it changes: its rule param. The
-    settings of its checkpoint key (kinds weights, numerics, geometry: imagenet_ddp.settings),
+    settings of its checkpoint key (kinds weights, numerics, geometry: imagenet_ddp.settings.kinds),
     a setting added later left out at the value earlier runs had (x-earlier)."""
     rerun = SETTINGS.rerun_settings(RUNS[wildcards.run])
     return json.dumps(rerun, sort_keys=True, separators=(",", ":"))
@@ -159,7 +159,7 @@ def _train_mem_mb():
 
 
 # Memory per node: each run's training job against train's mem_mb, from the measured and
-# estimated per-process figures of imagenet_ddp.node_memory. Above the measured part alone it
+# estimated per-process figures of imagenet_ddp.settings.node_memory. Above the measured part alone it
 # is refused; above measured + estimated (CUDA, compile workers) it is a warning. Checked by
 # the Snakemake that submits (a job's own Snakemake has passed it already).
 if workflow.is_main_process:
@@ -174,7 +174,7 @@ def run_hyperparameters(wildcards):
     """The run's resolved hyperparameters, one `key=value` each (shown by `snakemake -n -p`):
     review a preset's values before spending GPU hours."""
     run = RUNS[wildcards.run]
-    # The kinds shown (imagenet_ddp.settings.KINDS): the geometry is under resources.
+    # The kinds shown (imagenet_ddp.settings.kinds.KINDS): the geometry is under resources.
     values = dict(sorted(SETTINGS.shown_settings(run).items()))
     values["lr_used"] = round(scaled_lr(run), 8)  # after lr_scaling
     return " ".join(
@@ -184,7 +184,7 @@ def run_hyperparameters(wildcards):
 
 # A training job stopped by its time limit, scancel or preemption is resubmitted (Snakemake's
 # retries, one rule-wide number); the job itself holds each run to its own max_allocations and
-# refuses a retry after two attempts without progress (imagenet_ddp.attempts). Only the
+# refuses a retry after two attempts without progress (imagenet_ddp.jobs.attempts). Only the
 # Snakemake that submits retries: inside a SLURM job the jobstep's Snakemake would honour a
 # rule's retries too and rerun a failed attempt in the same allocation (seen on the test
 # cluster: six attempts in one job).
@@ -196,12 +196,12 @@ TRAIN_RETRIES = (
 
 
 def run_setting(key):
-    """An input function: the run's setting `key` (its resolved value, imagenet_ddp.runs)."""
+    """An input function: the run's setting `key` (its resolved value, imagenet_ddp.settings.runs)."""
     return lambda wildcards: RUNS[wildcards.run][key]
 
 
 def evaluation_setting(key):
-    """An input function: one of the run's evaluation settings (imagenet_ddp.eval_settings:
+    """An input function: one of the run's evaluation settings (imagenet_ddp.settings.evaluation:
     geometry, loader)."""
     return lambda wildcards: evaluation_settings(wildcards.run)[key]
 
@@ -226,7 +226,7 @@ def evaluation_settings(run_name):
 def slurm_resource(key, settings=run_settings):
     """An input function: the SLURM resource `key` of the run's `train` job (with
     evaluation_settings: of its `evaluate` job); None drops the resource
-    (imagenet_ddp.geometry.slurm_resources).
+    (imagenet_ddp.settings.geometry.slurm_resources).
     """
 
     def value(wildcards):
@@ -235,7 +235,7 @@ def slurm_resource(key, settings=run_settings):
     return value
 
 
-# A retry that its job will refuse (imagenet_ddp.attempts: two attempts in a row without
+# A retry that its job will refuse (imagenet_ddp.jobs.attempts: two attempts in a row without
 # progress, or max_allocations reached) only prints why and exits: Snakemake's retries are one
 # rule-wide count, so it is still submitted, but as one task on one node without GPUs.
 _REFUSED_SHAPE = {"nodes": 1, "cpus_per_task": 1, "tasks_per_node": None, "tasks": None,
@@ -298,14 +298,14 @@ def launch_prefix(rule):
 
 
 def _execution(rule_name, wildcards, attempt, staged):
-    """A job spec's execution block (imagenet_ddp.job_spec.Execution): where and how the job
+    """A job spec's execution block (imagenet_ddp.jobs.spec.Execution): where and how the job
     runs, from the site's settings and the rule's `mpi` resource (launch_prefix). Not results:
     it travels in a resource, so no change of it reruns a finished job."""
     block = {
         "launcher": site_setting("execution", "launcher"),
         "launch_prefix": launch_prefix(rule_name)(wildcards),
         "srun_extra": site_setting("execution", "srun_extra"),
-        "attempt": attempt,  # 2, 3, ...: a resubmission (imagenet_ddp.attempts)
+        "attempt": attempt,  # 2, 3, ...: a resubmission (imagenet_ddp.jobs.attempts)
     }
     if staged:  # train and its preflight copy the prepared train set to every node
         stage = config["stage"]
@@ -332,7 +332,7 @@ def _train_paths(wildcards, input):
 
 
 def _job_parts(kind, wildcards, input):
-    """A spec's parts but its execution block, per kind (imagenet_ddp.job_spec)."""
+    """A spec's parts but its execution block, per kind (imagenet_ddp.jobs.spec)."""
     if kind == "evaluate":
         settings = evaluation_settings(wildcards.run)
         return {
@@ -366,11 +366,11 @@ def _job_parts(kind, wildcards, input):
 
 
 def job_spec(kind, mpi_rule):
-    """A resource: the rule's whole job spec (imagenet_ddp.job_spec) as one JSON value for the
+    """A resource: the rule's whole job spec (imagenet_ddp.jobs.spec) as one JSON value for the
     shell's `imagenet-ddp <kind> --job`: the run's settings (or the evaluation's geometry and
     settings), its paths and the execution block, built here once and checked here (a spec the
     job would refuse fails at the dry-run). A resource, not a param: the run's settings hold
-    bookkeeping too (log_interval: no rerun of a finished job, imagenet_ddp.settings); what
+    bookkeeping too (log_interval: no rerun of a finished job, imagenet_ddp.settings.kinds); what
     reruns a job is params.rerun_on. As a resource it still reaches every job that starts, so
     a run in progress gets a changed value at its next job. `mpi_rule`: the rule whose `mpi`
     resource starts the ranks (the preflight's are started as train's)."""
@@ -415,7 +415,7 @@ _problem = container_problem(CONTAINER, apptainer=_APPTAINER)
 if _problem:
     raise WorkflowError(_problem)
 # A scratch dir every node would share fails here, at the dry-run (each node checks its own
-# view again before it copies: src/imagenet_ddp/stage.py).
+# view again before it copies: src/imagenet_ddp/data/stage.py).
 _problem = configured_scratch_problem(site_setting("stage", "scratch_dir"))
 if _problem:
     raise WorkflowError(_problem)
@@ -436,7 +436,7 @@ def md5sums_input(wildcards):
 
 
 # prepare: one job, or prepare.jobs independent jobs over ranges of shards and a join that
-# places their whole shard files (byte for byte the one-job result; src/imagenet_ddp/prepare.py).
+# places their whole shard files (byte for byte the one-job result; src/imagenet_ddp/data/prepare.py).
 PREPARE = config["prepare"]
 PREPARE_JOBS = PREPARE["jobs"]
 

@@ -17,7 +17,7 @@ REPORT_TARGETS = [
 
 
 # SLURM's accounting of every run's training job (sacct, once for all runs, with a timeout:
-# imagenet_ddp.accounting); runs not trained in a SLURM job get the reason instead.
+# imagenet_ddp.report.accounting); runs not trained in a SLURM job get the reason instead.
 rule accounting:
     input:
         metrics=expand("results/runs/{run}/train_metrics.json", run=RUNS),

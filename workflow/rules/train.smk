@@ -36,7 +36,7 @@ rule train:
         tasks_per_gpu=0,  # else the plugin adds --ntasks-per-gpu=<all tasks> to GPU jobs
         mpi=train_resource("mpi"),
         snakemake_attempt=lambda wildcards, attempt: attempt,  # 2, 3, ...: a resubmission
-        # The whole job spec (imagenet_ddp.job_spec: the run's settings, geometry included, its
+        # The whole job spec (imagenet_ddp.jobs.spec: the run's settings, geometry included, its
         # paths, where and how it runs; common.smk job_spec), and the resolved hyperparameters
         # (shown by `snakemake -n -p`): resources, not params, because a param's every change
         # reruns the finished job (a new GPU allocation that resumes its final checkpoint and
@@ -47,7 +47,7 @@ rule train:
         hyperparameters=run_hyperparameters,
     params:
         # What reruns the training: the settings of the run's checkpoint key (kinds weights,
-        # numerics, geometry: imagenet_ddp.settings; docs/configuration.md "Reruns").
+        # numerics, geometry: imagenet_ddp.settings.kinds; docs/configuration.md "Reruns").
         rerun_on=run_rerun_key,
     # exec: the launcher replaces the rule's shell, which a stop signal would kill (SLURM
     # signals every process of the step) before the ranks have written their checkpoint.
@@ -109,7 +109,7 @@ rule evaluate:
         "exec imagenet-ddp evaluate --job {resources.job:q} > {log:q} 2>&1"
 
 
-# The preflight of a run (imagenet_ddp.preflight): its exact geometry and SLURM shape, staging
+# The preflight of a run (imagenet_ddp.preflight.job): its exact geometry and SLURM shape, staging
 # as training does, then per rank placement, all-reduce, the training step and the loader, and
 # the run's projection; it fails with one line per problem. `snakemake preflight` checks
 # every run; `preflight: true` makes the run's `train` wait for a passing one.

@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from imagenet_ddp import distributed as D
-from imagenet_ddp.geometry import SAMPLE_ORDER, Geometry, global_batch
 from imagenet_ddp.io import atomic_path
+from imagenet_ddp.jobs import distributed as D
+from imagenet_ddp.settings.geometry import SAMPLE_ORDER, Geometry, global_batch
 from imagenet_ddp.training.state import TrainingState
 
 

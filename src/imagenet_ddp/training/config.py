@@ -2,7 +2,7 @@
 
 Every field of :class:`TrainConfig` is a run setting of ``train_defaults``/``runs`` in
 config.yaml, derived from its declaration in the schema (workflow/schemas/config.schema.yaml,
-:mod:`imagenet_ddp.settings`): a setting added there reaches the rank without a line here. Its
+:mod:`imagenet_ddp.settings.kinds`): a setting added there reaches the rank without a line here. Its
 default has one home, the schema: the workflow resolves every run over it and passes every key,
 so the class states none (tests/test_single_default.py).
 """
@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from imagenet_ddp import distributed as D
-from imagenet_ddp.epoch_end import evaluates
-from imagenet_ddp.geometry import GEOMETRY_KEYS, Geometry, loader_workers
-from imagenet_ddp.settings import EXTRA, declarations, digest, weight_settings
+from imagenet_ddp.jobs import distributed as D
+from imagenet_ddp.settings.epoch_end import evaluates
+from imagenet_ddp.settings.geometry import GEOMETRY_KEYS, Geometry, loader_workers
+from imagenet_ddp.settings.kinds import EXTRA, declarations, digest, weight_settings
 
 
 class _TrainConfig:
@@ -56,7 +56,8 @@ class _TrainConfig:
         return digest(weight_settings(dataclasses.asdict(self)))
 
     def evaluates(self, epoch: int) -> bool:
-        """Whether the holdout is evaluated after ``epoch`` (0-based; imagenet_ddp.epoch_end)."""
+        """Whether the holdout is evaluated after ``epoch`` (0-based;
+        imagenet_ddp.settings.epoch_end)."""
         return evaluates(epoch, self.epochs, self.eval_interval)
 
     @property

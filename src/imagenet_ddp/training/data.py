@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from imagenet_ddp.signals import ignore_stop_signals, loader_context
+from imagenet_ddp.jobs.signals import ignore_stop_signals, loader_context
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -130,7 +130,7 @@ def train_loader(
 
 
 def shutdown_loader_workers(loader: DataLoader) -> None:
-    """Loader workers ignore stop signals (imagenet_ddp.signals), so the terminate() that
+    """Loader workers ignore stop signals (imagenet_ddp.jobs.signals), so the terminate() that
     multiprocessing sends its daemons at exit cannot end persistent ones: stop them here."""
     iterator = getattr(loader, "_iterator", None)  # persistent workers live in it
     if iterator is not None and hasattr(iterator, "_shutdown_workers"):

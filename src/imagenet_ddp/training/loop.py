@@ -2,7 +2,7 @@
 
 A stop signal (SIGTERM, SIGUSR1, SIGINT: time limit, scancel, preemption, Ctrl-C) makes every
 rank stop at the same step; rank 0 writes a checkpoint and the job exits with EXIT_REQUEUE
-(:mod:`imagenet_ddp.signals`). Events: :func:`train_step` (each step), :func:`end_epoch`.
+(:mod:`imagenet_ddp.jobs.signals`). Events: :func:`train_step` (each step), :func:`end_epoch`.
 
 An epoch's end is kept short: the holdout is evaluated every ``eval_interval`` epochs with a
 loader made once (:class:`Holdout`), and rank 0 writes the checkpoint in the
@@ -21,12 +21,12 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from imagenet_ddp import distributed as D
-from imagenet_ddp.accuracy import evaluate_loader
-from imagenet_ddp.dataset import normalize_batch
+from imagenet_ddp.data.dataset import normalize_batch
+from imagenet_ddp.jobs import distributed as D
+from imagenet_ddp.jobs.signals import EXIT_REQUEUE, stop_signals_blocked
 from imagenet_ddp.precision import autocast
-from imagenet_ddp.signals import EXIT_REQUEUE, stop_signals_blocked
 from imagenet_ddp.training import recipe
+from imagenet_ddp.training.accuracy import evaluate_loader
 from imagenet_ddp.training.checkpoint import save_job, settle_checkpoints
 from imagenet_ddp.training.data import batch_seed
 from imagenet_ddp.training.discipline import check_device_discipline
@@ -47,7 +47,8 @@ def run_epochs(
     profile=None,
 ) -> int:
     """Train from the resume point to the last epoch: 0, or EXIT_REQUEUE when stopped.
-    ``monitor`` (imagenet_ddp.monitor.RunMonitor): TensorBoard events on rank 0; ``profile``
+    ``monitor`` (imagenet_ddp.monitoring.monitor.RunMonitor): TensorBoard events on rank 0;
+    ``profile``
     (training.profile_window.ProfileWindow): the opt-in profiler window."""
     cfg, info = job.cfg, job.info
     steps_per_epoch = sampler.steps  # optimizer steps: global batches, whatever the ranks
@@ -170,7 +171,7 @@ def micro_batches(job: TrainingState, loader: DataLoader, sampler, num_classes: 
         )
         yield from repeat(batch, len(loader))
         return
-    with stop_signals_blocked():  # workers are forked here; see imagenet_ddp.signals
+    with stop_signals_blocked():  # workers are forked here; see imagenet_ddp.jobs.signals
         iterator = iter(loader)
     for micro, (images, targets) in enumerate(iterator):  # uint8 crops, normalized here
         images = normalize_batch(images.to(device, non_blocking=True))

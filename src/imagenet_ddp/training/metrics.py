@@ -29,8 +29,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from imagenet_ddp import distributed as D
 from imagenet_ddp.io import write_csv_atomic, write_json_atomic
+from imagenet_ddp.jobs import distributed as D
 from imagenet_ddp.training.state import TrainingState
 from imagenet_ddp.training.step_timing import BREAKDOWN_COLUMNS, BREAKDOWN_NOTE
 
@@ -295,7 +295,7 @@ def write_run_metrics(
             "flops_per_image": history[-1].get("flops_per_image") if history else None,
             "breakdown_note": BREAKDOWN_NOTE,
             "resumed_from": resumed_from,
-            "cost": cost,  # imagenet_ddp.cost: wall, GPU-/core-hours, NVML telemetry
+            "cost": cost,  # imagenet_ddp.monitoring.cost: wall, GPU-/core-hours, NVML telemetry
             "checkpoint_dir": str(job.checkpoint_dir),
             "torch": torch.__version__,
             "cuda": torch.version.cuda if torch.cuda.is_available() else None,

@@ -12,7 +12,7 @@ The profiler only observes: the weights are bitwise those of the same run withou
 (tests/test_step_timing.py). The recorded steps run slower (the profiler's overhead), so the
 profiled epoch's throughput and step times include it: history.csv's ``profiled_steps`` says
 how many steps of an epoch were profiled. A bookkeeping setting: changing it reruns nothing
-and keeps the checkpoints (imagenet_ddp.settings).
+and keeps the checkpoints (imagenet_ddp.settings.kinds).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from imagenet_ddp import distributed as D
+from imagenet_ddp.jobs import distributed as D
 
 
 class ProfileWindow:

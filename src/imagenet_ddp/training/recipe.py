@@ -15,9 +15,9 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchvision.transforms import v2
 
-from imagenet_ddp.dataset import IMAGENET_MEAN, train_transform
+from imagenet_ddp.data.dataset import IMAGENET_MEAN, train_transform
+from imagenet_ddp.settings.presets import scaled_lr
 from imagenet_ddp.training.config import TrainConfig
-from imagenet_ddp.training.presets import scaled_lr
 
 # torchvision.references.classification.utils.set_weight_decay's normalization layers.
 NORM_LAYERS = (

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from imagenet_ddp import distributed as D
-from imagenet_ddp.geometry import Geometry
+from imagenet_ddp.jobs import distributed as D
+from imagenet_ddp.settings.geometry import Geometry
 from imagenet_ddp.training.config import TrainConfig
 
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from imagenet_ddp import distributed as D
+from imagenet_ddp.jobs import distributed as D
 
 # Dense (no sparsity) peak tensor-core TFLOP/s per GPU from NVIDIA's data sheets, by precision:
 # fp32 runs use TF32 tensor cores for convolutions (torch.backends.cudnn.allow_tf32 is on by

@@ -26,21 +26,21 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from imagenet_ddp import distributed as D
-from imagenet_ddp.accuracy import shard_loader
-from imagenet_ddp.attempts import (
+from imagenet_ddp.data.dataset import PreparedImageDataset, eval_transform
+from imagenet_ddp.jobs import distributed as D
+from imagenet_ddp.jobs.attempts import (
     RankProgress,
     cost_over_attempts,
     has_record,
     record_error,
     settings_key,
 )
-from imagenet_ddp.cost import over_attempts
-from imagenet_ddp.dataset import PreparedImageDataset, eval_transform
-from imagenet_ddp.geometry import Geometry
-from imagenet_ddp.monitor import RunMonitor
-from imagenet_ddp.signals import EXIT_REQUEUE, StopFlag, ignore_stop_signals
+from imagenet_ddp.jobs.signals import EXIT_REQUEUE, StopFlag, ignore_stop_signals
+from imagenet_ddp.monitoring.cost import over_attempts
+from imagenet_ddp.monitoring.monitor import RunMonitor
+from imagenet_ddp.settings.geometry import Geometry
 from imagenet_ddp.training import recipe
+from imagenet_ddp.training.accuracy import shard_loader
 from imagenet_ddp.training.checkpoint import checkpoint_dir, checkpoint_tag, resume_job
 from imagenet_ddp.training.config import TrainConfig, resolve_geometry
 from imagenet_ddp.training.data import (
@@ -79,7 +79,7 @@ def train(
     attempt_key: str | None = None,
 ) -> int:
     """Run training in this process (one rank). Returns the process exit code.
-    ``attempt_key``: the run's key in the attempt record (imagenet_ddp.attempts), whose
+    ``attempt_key``: the run's key in the attempt record (imagenet_ddp.jobs.attempts), whose
     allocations the cost block sums; None: this job's cost alone."""
     if cfg.deterministic:  # cuBLAS reads it when its first handle is created
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -131,7 +131,7 @@ def _train(
 ) -> int:
     _set_determinism(cfg, device)
     geometry = resolve_geometry(cfg, info, device)
-    # decode=False: the transform decodes, after drawing its crop box (imagenet_ddp.jpeg)
+    # decode=False: the transform decodes, after drawing its crop box (imagenet_ddp.data.jpeg)
     base = PreparedImageDataset(
         train_data, sample_ids=read_ids(split_dir / "train.csv"), decode=False
     )
@@ -255,8 +255,8 @@ def build_job(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """One rank of a training job: all it needs is in the job spec (imagenet_ddp.job_spec)."""
-    from imagenet_ddp.job_spec import read_spec, staged_copy
+    """One rank of a training job: all it needs is in the job spec (imagenet_ddp.jobs.spec)."""
+    from imagenet_ddp.jobs.spec import read_spec, staged_copy
 
     parser = argparse.ArgumentParser(description="DDP training worker (one per device)")
     parser.add_argument("--spec", type=Path, required=True, help="the job spec file")

@@ -1,0 +1,1 @@
+"""The data stages: archives, split, the prepared copy, the dataset, node staging."""

@@ -1,0 +1,600 @@
+"""The ILSVRC2012 archives: check them, and index them without extracting a single image.
+
+Input contract: one directory holding the files as downloaded from image-net.org::
+
+    ILSVRC2012_img_train.tar       outer tar of 1000 per-class tars nXXXXXXXX.tar
+    ILSVRC2012_img_val.tar         flat ILSVRC2012_val_000NNNNN.JPEG
+    ILSVRC2012_devkit_t12.tar.gz   ILSVRC2012_devkit_t12/data/{meta.mat, ..._ground_truth.txt}
+    md5sums                        optional, ``md5sum`` format: "<hex>  <file name>"
+
+Class indices and sample order equal ``torchvision.datasets.ImageNet``'s: classes are the leaf
+synsets of ``meta.mat`` sorted by wnid; samples are sorted by class index, then by file name.
+
+Listing is fast enough for the full train set (1,281,167 images in 1000 inner tars): the outer
+tar is read with :mod:`tarfile` (1000 headers), the inner tars' headers are read in place with
+``os.pread`` (about 1 us per header instead of ~15 us for :mod:`tarfile`), skipping image data.
+Anything but a plain ustar/GNU regular-file header falls back to :mod:`tarfile`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import os
+import re
+import tarfile
+import tempfile
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from imagenet_ddp.data.archive_names import (  # noqa: F401 (re-exported)
+    ARCHIVES,
+    DEVKIT_ARCHIVE,
+    INDEX_FORMAT_VERSION,
+    MD5SUMS,
+    TRAIN_ARCHIVE,
+    VAL_ARCHIVE,
+)
+from imagenet_ddp.errors import InputError
+from imagenet_ddp.io import file_digest, write_csv_atomic, write_json_atomic
+from imagenet_ddp.provenance import provenance_path, write_provenance
+
+DEVKIT_ROOT = "ILSVRC2012_devkit_t12"
+META_MAT = f"{DEVKIT_ROOT}/data/meta.mat"
+VAL_GROUND_TRUTH = f"{DEVKIT_ROOT}/data/ILSVRC2012_validation_ground_truth.txt"
+
+CLASS_COLUMNS = ["class_index", "wnid", "words"]
+# member_offset/member_size: where the per-class tar lies in the outer train tar (val: 0, 0);
+# offset: where the image's data starts inside that member (val: inside the val tar); size: its
+# bytes. prepare reads an image with one pread at member_offset + offset, nothing is re-listed.
+SAMPLE_COLUMNS = [
+    "sample_id",
+    "class_index",
+    "wnid",
+    "member",
+    "name",
+    "size",
+    "member_offset",
+    "member_size",
+    "offset",
+]
+# INDEX_FORMAT_VERSION (archive_names) is bumped when SAMPLE_COLUMNS change.
+
+_WNID = re.compile(r"n\d{8}")
+_INNER_TAR = re.compile(r"(n\d{8})\.tar")
+_VAL_IMAGE = re.compile(r"ILSVRC2012_val_\d{8}\.JPEG")
+# What torchvision's ImageFolder accepts (torchvision.datasets.folder.IMG_EXTENSIONS).
+_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+_BLOCK = 512
+_ZERO_BLOCK = bytes(_BLOCK)
+_TAR_ERRORS = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, ValueError)
+
+# An archive member: (file name, size in bytes, absolute offset of its data in the archive file).
+Entry = tuple[str, int, int]
+
+
+def _redownload(path: Path) -> str:
+    return f"re-download {path.name} from image-net.org (or regenerate the demo data)"
+
+
+def _corrupt(path: Path, detail: str) -> InputError:
+    return InputError(f"{path}: corrupt or truncated archive ({detail}); {_redownload(path)}")
+
+
+def require_archives(data_dir: Path, names: tuple[str, ...] = ARCHIVES) -> None:
+    """Raise one InputError naming every missing archive."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise InputError(
+            f"data directory {data_dir} does not exist; set data.dir to the directory holding "
+            f"{', '.join(ARCHIVES)} (or enable demo data)"
+        )
+    missing = [name for name in names if not (data_dir / name).is_file()]
+    if missing:
+        raise InputError(
+            f"{', '.join(str(data_dir / n) for n in missing)} not found; download "
+            f"{'it' if len(missing) == 1 else 'them'} from https://image-net.org "
+            f"(ILSVRC2012) into {data_dir}, or enable demo data"
+        )
+
+
+# ----------------------------------------------------------------------------- tar listing
+
+
+def _scan_plain_tar(
+    fd: int, base: int, length: int, path: Path, *, require_end: bool = False
+) -> list[Entry] | None:
+    """Headers of a plain ustar/GNU tar stored at ``[base, base + length)`` of ``fd``.
+
+    Returns None when a header needs the general parser (long names, pax, links, dirs...).
+    ``require_end``: a missing end-of-archive (zero) block means the file was cut short.
+    """
+    entries: list[Entry] = []
+    pread = os.pread
+    off = 0
+    while off + _BLOCK <= length:
+        header = pread(fd, _BLOCK, base + off)
+        if len(header) < _BLOCK:
+            raise _corrupt(path, f"header at byte {base + off} is cut short")
+        if header == _ZERO_BLOCK:
+            return entries
+        if header[257:262] != b"ustar" or header[156:157] not in (b"0", b"\0"):
+            return None
+        if header[257:263] == b"ustar\x00" and header[345:346] != b"\0":  # POSIX name prefix
+            return None
+        size_field = header[124:136]
+        if size_field[0] & 0x80:  # base-256 size (> 8 GiB)
+            return None
+        try:
+            size = int(size_field.split(b"\0", 1)[0].strip() or b"0", 8)
+        except ValueError:
+            raise _corrupt(path, f"bad header at byte {base + off}") from None
+        data = off + _BLOCK
+        if data + size > length:
+            raise _corrupt(path, f"member at byte {base + off} runs past the end")
+        name = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        entries.append((name, size, base + data))
+        off = data + ((size + _BLOCK - 1) // _BLOCK) * _BLOCK
+    if require_end:
+        raise _corrupt(path, "no end-of-archive block: the file was cut short")
+    return entries
+
+
+def _require_end_block(f, offset: int, path: Path) -> None:
+    """After tarfile listed all members: the next block must be the end-of-archive marker."""
+    f.seek(offset)
+    if f.read(_BLOCK) != _ZERO_BLOCK:
+        raise _corrupt(path, "no end-of-archive block: the file was cut short")
+
+
+def _scan_with_tarfile(
+    fileobj, base: int, length: int, path: Path, *, require_end: bool = False
+) -> list[Entry]:
+    entries: list[Entry] = []
+    with tarfile.open(fileobj=fileobj, mode="r:") as tar:
+        for member in tar:
+            if not member.isreg():
+                raise InputError(
+                    f"{path}: unexpected {'directory' if member.isdir() else 'non-file'} member "
+                    f"{member.name!r}; {_redownload(path)}"
+                )
+            if member.offset_data + member.size > length:
+                raise _corrupt(path, f"member {member.name} runs past the end")
+            entries.append((member.name, member.size, base + member.offset_data))
+        if require_end:
+            _require_end_block(fileobj, tar.offset, path)
+    return entries
+
+
+def _list_flat_tar(path: Path) -> list[Entry]:
+    """All regular-file members of the (uncompressed) tar at ``path``."""
+    try:
+        length = path.stat().st_size
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            entries = _scan_plain_tar(fd, 0, length, path, require_end=True)
+        finally:
+            os.close(fd)
+        if entries is None:
+            with open(path, "rb") as f:
+                entries = _scan_with_tarfile(f, 0, length, path, require_end=True)
+    except _TAR_ERRORS as exc:
+        raise _corrupt(path, str(exc) or type(exc).__name__) from None
+    if not entries:
+        raise _corrupt(path, "no members")
+    return entries
+
+
+@dataclass(frozen=True)
+class TrainListing:
+    """The train archive: per wnid (sorted), its inner tar name and its entries (sorted)."""
+
+    path: Path
+    wnids: list[str]
+    members: list[str]
+    member_offsets: list[int]  # where each inner tar's data starts in the outer tar
+    member_sizes: list[int]
+    entries: list[list[Entry]]  # offsets absolute in the outer tar
+
+    @property
+    def num_images(self) -> int:
+        return sum(len(e) for e in self.entries)
+
+
+def list_train_archive(data_dir: Path) -> TrainListing:
+    """List the outer train tar and every inner per-class tar, reading headers only."""
+    path = Path(data_dir) / TRAIN_ARCHIVE
+    require_archives(data_dir, (TRAIN_ARCHIVE,))
+    length = path.stat().st_size
+    per_wnid: dict[str, tuple[str, int, int, list[Entry]]] = {}
+    try:
+        with open(path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as outer:
+            inner_tars = []
+            for member in outer:
+                match = _INNER_TAR.fullmatch(member.name)
+                if not member.isreg() or match is None:
+                    raise InputError(
+                        f"{path}: unexpected member {member.name!r} (the train archive must hold "
+                        f"only per-class tars nXXXXXXXX.tar); {_redownload(path)}"
+                    )
+                if member.offset_data + member.size > length:
+                    raise _corrupt(path, f"member {member.name} runs past the end")
+                inner_tars.append(member)
+            if not inner_tars:
+                raise _corrupt(path, "no members")
+            _require_end_block(f, outer.offset, path)
+            fd = f.fileno()
+            for member in inner_tars:
+                label = Path(f"{path}:{member.name}")
+                entries = _scan_plain_tar(fd, member.offset_data, member.size, label)
+                if entries is None:
+                    entries = _scan_with_tarfile(
+                        outer.extractfile(member), member.offset_data, member.size, label
+                    )
+                wnid = member.name[: -len(".tar")]
+                for name, _, _ in entries:
+                    if "/" in name or not name.lower().endswith(_IMAGE_SUFFIXES):
+                        raise InputError(
+                            f"{label}: unexpected member {name!r} (expected flat image files "
+                            f"like {wnid}_1234.JPEG); {_redownload(path)}"
+                        )
+                if wnid in per_wnid:
+                    raise InputError(f"{path}: {member.name} occurs twice; {_redownload(path)}")
+                entries.sort()
+                per_wnid[wnid] = (member.name, member.offset_data, member.size, entries)
+    except _TAR_ERRORS as exc:
+        raise _corrupt(path, str(exc) or type(exc).__name__) from None
+    wnids = sorted(per_wnid)
+    return TrainListing(
+        path,
+        wnids,
+        [per_wnid[w][0] for w in wnids],
+        [per_wnid[w][1] for w in wnids],
+        [per_wnid[w][2] for w in wnids],
+        [per_wnid[w][3] for w in wnids],
+    )
+
+
+def list_val_archive(data_dir: Path) -> list[Entry]:
+    """The val tar's images, sorted by name."""
+    path = Path(data_dir) / VAL_ARCHIVE
+    require_archives(data_dir, (VAL_ARCHIVE,))
+    entries = sorted(_list_flat_tar(path))
+    for name, _, _ in entries:
+        if not _VAL_IMAGE.fullmatch(name):
+            raise InputError(
+                f"{path}: unexpected member {name!r} (the val archive must hold only "
+                f"ILSVRC2012_val_NNNNNNNN.JPEG); {_redownload(path)}"
+            )
+    return entries
+
+
+# ----------------------------------------------------------------------------- devkit
+
+
+# The two parsers are torchvision's (torchvision.datasets.imagenet.parse_devkit_archive), copied
+# because torchvision defines them as closures: they cannot be imported on their own, and the
+# public parse_devkit_archive insists on the official devkit's md5. tests/test_archives.py checks
+# that they agree with torchvision.datasets.ImageNet on the demo devkit.
+def parse_meta_mat(devkit_root: str) -> tuple[dict[int, str], dict[str, tuple[str, ...]]]:
+    import scipy.io as sio
+
+    metafile = os.path.join(devkit_root, "data", "meta.mat")
+    meta = sio.loadmat(metafile, squeeze_me=True)["synsets"]
+    nums_children = list(zip(*meta, strict=True))[4]
+    meta = [meta[idx] for idx, num_children in enumerate(nums_children) if num_children == 0]
+    idcs, wnids, classes = list(zip(*meta, strict=True))[:3]
+    classes = [tuple(clss.split(", ")) for clss in classes]
+    idx_to_wnid = {idx: wnid for idx, wnid in zip(idcs, wnids, strict=True)}
+    wnid_to_classes = {wnid: clss for wnid, clss in zip(wnids, classes, strict=True)}
+    return idx_to_wnid, wnid_to_classes
+
+
+def parse_val_groundtruth_txt(devkit_root: str) -> list[int]:
+    file = os.path.join(devkit_root, "data", "ILSVRC2012_validation_ground_truth.txt")
+    with open(file) as txtfh:
+        val_idcs = txtfh.readlines()
+    return [int(val_idx) for val_idx in val_idcs]
+
+
+@dataclass(frozen=True)
+class Devkit:
+    idx_to_wnid: dict[int, str]  # ILSVRC2012_ID -> wnid (leaf classes only)
+    wnid_to_words: dict[str, str]  # wnid -> "tench, Tinca tinca"
+    val_ids: list[int]  # ILSVRC2012_ID per val image, in val file name order
+
+    @property
+    def wnids(self) -> list[str]:
+        return sorted(self.wnid_to_words)
+
+
+@contextlib.contextmanager
+def _extracted_devkit(path: Path) -> Iterator[Path]:
+    """Extract only meta.mat and the ground truth into a temporary devkit root."""
+    wanted = {META_MAT, VAL_GROUND_TRUTH}
+    with tempfile.TemporaryDirectory(prefix="imagenet_ddp-devkit-") as tmp:
+        found = set()
+        try:
+            # The devkit is small (2.5 MB): decompress all of it, so that a cut-off or damaged
+            # .gz fails on its CRC/length trailer even where the tar inside looks complete.
+            with gzip.open(path, "rb") as gz:
+                data = gz.read()
+            with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+                for member in tar:
+                    name = member.name.removeprefix("./")
+                    if name in wanted and member.isreg():
+                        target = Path(tmp) / name
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        target.write_bytes(tar.extractfile(member).read())
+                        found.add(name)
+        except (*_TAR_ERRORS, OSError) as exc:
+            raise _corrupt(path, str(exc) or type(exc).__name__) from None
+        missing = sorted(wanted - found)
+        if missing:
+            raise InputError(
+                f"{path}: {', '.join(missing)} missing from the devkit; {_redownload(path)}"
+            )
+        yield Path(tmp) / DEVKIT_ROOT
+
+
+def read_devkit(data_dir: Path) -> Devkit:
+    """Leaf classes and val labels from the devkit, parsed as torchvision parses them."""
+    path = Path(data_dir) / DEVKIT_ARCHIVE
+    require_archives(data_dir, (DEVKIT_ARCHIVE,))
+    with _extracted_devkit(path) as root:
+        try:
+            idx_to_wnid, wnid_to_classes = parse_meta_mat(str(root))
+        except Exception as exc:  # scipy raises many kinds on a bad .mat
+            raise InputError(
+                f"{path}: {META_MAT} is not a valid ILSVRC2012 meta.mat ({exc}); "
+                f"{_redownload(path)}"
+            ) from None
+        try:
+            val_ids = parse_val_groundtruth_txt(str(root))
+        except ValueError as exc:
+            raise InputError(
+                f"{path}: {VAL_GROUND_TRUTH} must hold one class id per line ({exc}); "
+                f"{_redownload(path)}"
+            ) from None
+    idx_to_wnid = {int(i): str(w) for i, w in idx_to_wnid.items()}
+    if len(set(idx_to_wnid.values())) != len(idx_to_wnid):
+        raise InputError(f"{path}: meta.mat lists a wnid twice; {_redownload(path)}")
+    bad = sorted(w for w in idx_to_wnid.values() if not _WNID.fullmatch(w))
+    if bad:
+        raise InputError(f"{path}: meta.mat has malformed wnids {bad[:5]}; {_redownload(path)}")
+    unknown = sorted(set(val_ids) - set(idx_to_wnid))
+    if unknown:
+        raise InputError(
+            f"{path}: the val ground truth uses class ids {unknown[:5]} that meta.mat does not "
+            f"define as leaf classes; {_redownload(path)}"
+        )
+    wnid_to_words = {str(w): ", ".join(c) for w, c in wnid_to_classes.items()}
+    return Devkit(idx_to_wnid, wnid_to_words, val_ids)
+
+
+# ----------------------------------------------------------------------------- consistency
+
+
+def _check_consistent(data_dir: Path, devkit: Devkit, train: TrainListing, val) -> None:
+    data_dir = Path(data_dir)
+    if train.wnids != devkit.wnids:
+        only_train = sorted(set(train.wnids) - set(devkit.wnids))
+        only_devkit = sorted(set(devkit.wnids) - set(train.wnids))
+        raise InputError(
+            f"{data_dir / TRAIN_ARCHIVE} and {data_dir / DEVKIT_ARCHIVE} disagree on the classes "
+            f"({len(train.wnids)} vs {len(devkit.wnids)}; only in train: {only_train[:5]}, only "
+            f"in devkit: {only_devkit[:5]}); the train archive may be truncated: re-download it"
+        )
+    empty = [w for w, e in zip(train.wnids, train.entries, strict=True) if not e]
+    if empty:
+        raise InputError(
+            f"{data_dir / TRAIN_ARCHIVE}: classes {empty[:5]} have no images; "
+            f"{_redownload(data_dir / TRAIN_ARCHIVE)}"
+        )
+    if val is not None and len(val) != len(devkit.val_ids):
+        raise InputError(
+            f"{data_dir / VAL_ARCHIVE} holds {len(val)} images but the ground truth in "
+            f"{data_dir / DEVKIT_ARCHIVE} has {len(devkit.val_ids)} lines; one of them is "
+            "truncated or from another release: re-download both"
+        )
+
+
+# ----------------------------------------------------------------------------- md5
+
+
+def read_md5sums(path: Path) -> dict[str, str]:
+    """``md5sum`` output -> {file name: hex digest}."""
+    sums = {}
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        match = re.fullmatch(r"\\?([0-9a-fA-F]{32}) [ *](.+)", line.strip())
+        if match is None:
+            raise InputError(
+                f'{path}:{number}: not md5sum format ("<md5>  <file name>"); fix or delete it'
+            )
+        sums[Path(match.group(2)).name] = match.group(1).lower()
+    return sums
+
+
+def md5_file(path: Path) -> str:
+    return file_digest(path, "md5")
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _read_consistent_archives(data_dir: Path) -> tuple[Devkit, TrainListing, list[Entry]]:
+    """The devkit and both listings, after checking they describe the same classes/images."""
+    require_archives(data_dir)
+    devkit = read_devkit(data_dir)
+    val = list_val_archive(data_dir)
+    train = list_train_archive(data_dir)
+    _check_consistent(data_dir, devkit, train, val)
+    return devkit, train, val
+
+
+def verify_archives(data_dir: Path, *, check_md5: bool = True) -> dict:
+    """Check presence, structure (headers read to the end) and md5 of the three archives.
+
+    Structure is checked first (fast), md5 last (reads every byte). Raises InputError on the
+    first problem; returns a JSON-able report.
+    """
+    data_dir = Path(data_dir)
+    devkit, train, val = _read_consistent_archives(data_dir)
+
+    md5sums_path = data_dir / MD5SUMS
+    expected = read_md5sums(md5sums_path) if md5sums_path.is_file() else None
+    files = {}
+    for name in ARCHIVES:
+        path = data_dir / name
+        record = {"size": path.stat().st_size, "md5": None, "md5_expected": None}
+        if not check_md5:
+            record["md5_status"] = "skipped"
+        elif expected is None:
+            record["md5_status"] = "no md5sums file"
+        elif name not in expected:
+            record["md5_status"] = "not listed in md5sums"
+        else:
+            record["md5"] = md5_file(path)
+            record["md5_expected"] = expected[name]
+            if record["md5"] != expected[name]:
+                raise InputError(
+                    f"{path}: md5 mismatch (expected {expected[name]} from {md5sums_path}, "
+                    f"actual {record['md5']}); the file is damaged: {_redownload(path)}"
+                )
+            record["md5_status"] = "ok"
+        files[name] = record
+    return {
+        "data_dir": str(data_dir),
+        "md5sums": str(md5sums_path) if expected is not None else None,
+        "check_md5": check_md5,
+        "files": files,
+        "counts": {
+            "classes": len(devkit.wnids),
+            "train_images": train.num_images,
+            "val_images": len(val),
+        },
+    }
+
+
+def _class_table(devkit) -> pd.DataFrame:
+    wnids = devkit.wnids
+    return pd.DataFrame(
+        {
+            "class_index": np.arange(len(wnids), dtype=np.int64),
+            "words": [devkit.wnid_to_words[w] for w in wnids],
+            "wnid": wnids,
+        }
+    )[CLASS_COLUMNS]
+
+
+def _train_table(wnids: list[str], listing) -> pd.DataFrame:
+    """One row per image of the train archive's per-class members, in the listing's order."""
+    counts = np.array([len(e) for e in listing.entries], dtype=np.int64)
+    class_of_sample = np.repeat(np.arange(len(wnids), dtype=np.int64), counts)
+    n = int(counts.sum())
+    names = [name for entries in listing.entries for name, _, _ in entries]
+    sizes = np.fromiter(
+        (size for entries in listing.entries for _, size, _ in entries), np.int64, n
+    )
+    absolute = np.fromiter(
+        (offset for entries in listing.entries for _, _, offset in entries), np.int64, n
+    )
+    member_offsets = np.asarray(listing.member_offsets, dtype=np.int64)[class_of_sample]
+    return pd.DataFrame(
+        {
+            "sample_id": np.arange(n, dtype=np.int64),
+            "class_index": class_of_sample,
+            "wnid": np.asarray(wnids, dtype=object)[class_of_sample],
+            "member": np.asarray(listing.members, dtype=object)[class_of_sample],
+            "name": names,
+            "size": sizes,
+            "member_offset": member_offsets,
+            "member_size": np.asarray(listing.member_sizes, dtype=np.int64)[class_of_sample],
+            "offset": absolute - member_offsets,
+        }
+    )
+
+
+def _val_table(devkit, val_entries) -> pd.DataFrame:
+    """One row per val image, by class (the devkit's ground truth), then by file name."""
+    wnids = devkit.wnids
+    wnid_index = {w: i for i, w in enumerate(wnids)}
+    val_class = np.array(
+        [wnid_index[devkit.idx_to_wnid[i]] for i in devkit.val_ids], dtype=np.int64
+    )
+    order = np.argsort(val_class, kind="stable")  # val_entries are sorted by name already
+    return pd.DataFrame(
+        {
+            "sample_id": np.arange(len(val_entries), dtype=np.int64),
+            "class_index": val_class[order],
+            "wnid": np.asarray(wnids, dtype=object)[val_class[order]],
+            "member": "",
+            "name": [val_entries[i][0] for i in order],
+            "size": np.array([val_entries[i][1] for i in order], dtype=np.int64),
+            "member_offset": 0,
+            "member_size": 0,
+            "offset": np.array([val_entries[i][2] for i in order], dtype=np.int64),
+        }
+    )
+
+
+def build_index(data_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(classes, train, val) tables, read from the archives' headers (no image is extracted).
+
+    classes: class_index, wnid, words. train/val: SAMPLE_COLUMNS, in torchvision's ImageNet order
+    (class index, then file name); val's member is "" (member_offset, member_size 0).
+    """
+    devkit, train_listing, val_entries = _read_consistent_archives(Path(data_dir))
+    train = _train_table(devkit.wnids, train_listing)
+    val = _val_table(devkit, val_entries)
+    return _class_table(devkit), train[SAMPLE_COLUMNS], val[SAMPLE_COLUMNS]
+
+
+def header_matches(header: bytes, name: str, size: int) -> bool:
+    """Whether ``header`` (the 512 bytes before a member's data) describes ``name``, ``size``.
+
+    prepare reads each image's header and data in one pread and checks this, so an index that
+    no longer matches its archive (re-downloaded, replaced) fails instead of being misread.
+    A long (GNU/pax) name is stored cut to 100 bytes in this header; a prefix match suffices.
+    """
+    if len(header) != _BLOCK:
+        return False
+    size_field = header[124:136]
+    if not size_field[0] & 0x80:  # base-256 sizes (> 8 GiB) are not images: skip the check
+        try:
+            if int(size_field.split(b"\0", 1)[0].strip() or b"0", 8) != size:
+                return False
+        except ValueError:
+            return False
+    stored = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+    return bool(stored) and name.startswith(stored)
+
+
+def write_verify_report(data_dir: Path, report: Path, *, check_md5: bool) -> None:
+    """The ``verify`` stage: the report of :func:`verify_archives` and its provenance."""
+    write_json_atomic(report, verify_archives(data_dir, check_md5=check_md5))
+    write_provenance(
+        provenance_path(report), "verify", {"data_dir": str(data_dir), "check_md5": check_md5}
+    )
+
+
+def write_index(data_dir: Path, out_dir: Path) -> None:
+    """The ``index`` stage: classes.csv, train.csv and val.csv of :func:`build_index`."""
+    classes, train, val = build_index(data_dir)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    for name, frame in (("classes", classes), ("train", train), ("val", val)):
+        write_csv_atomic(Path(out_dir) / f"{name}.csv", frame)
+    write_provenance(
+        provenance_path(out_dir),
+        "index",
+        {"data_dir": str(data_dir)},
+        extra={"counts": {"classes": len(classes), "train": len(train), "val": len(val)}},
+    )

@@ -1,0 +1,617 @@
+"""Writing the prepared copy (its format: :mod:`imagenet_ddp.data.prepared_layout`): the prepare
+stage.
+
+One job (:func:`prepare`) or K jobs (:func:`prepare_chunk` for each k, then :func:`join_chunks`)
+give the same directory byte for byte: job k converts the shard range :func:`chunk_shards` of
+the fixed shard plan into its own chunk directory, and the join places the whole shard files
+(hard link, else copy) and rebuilds samples.csv and prepared.json from the chunks' rows,
+exactly as the one-job path does with its own parts.
+
+The final copy may live on storage shared by several workflows: writers hold a lock beside it,
+it appears by an atomic rename, and a complete copy made from the same index, classes and
+settings (its provenance says so) is reused instead of rebuilt.
+
+Preparation reads the image bytes straight out of the archives (one ``os.pread`` each at the
+offsets the index holds; nothing is extracted or listed again) in sample_id order, converts them
+in a process pool of ``workers`` (ordered, bounded in flight), and writes the shards in order.
+Which images go to which shard depends on the index alone (:func:`num_shards`), so the output
+is byte-identical for any ``workers`` and for any split into independent jobs joined by
+:func:`join_chunks`. It writes into a temporary directory renamed into place at the end: an
+interrupted run leaves nothing that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import tarfile
+import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pandas as pd
+from PIL import Image
+
+from imagenet_ddp.data.prepared_layout import (
+    FORMAT,
+    FORMAT_VERSION,
+    PREPARED_JSON,
+    SAMPLES_CSV,
+    SHARD_DIR,
+)
+from imagenet_ddp.errors import InputError
+from imagenet_ddp.io import (
+    atomic_path,
+    exclusive_lock,
+    lock_path_for,
+    write_csv_atomic,
+    write_json_atomic,
+)
+from imagenet_ddp.provenance import write_provenance
+
+_TAR_END = bytes(2 * tarfile.BLOCKSIZE)
+_CHUNK = 16  # images per task sent to a worker
+
+
+def shard_name(number: int) -> str:
+    return f"shard-{number:05d}.tar"
+
+
+# ----------------------------------------------------------------------------- conversion
+
+
+def convert_image(data: bytes, short_side: int, quality: int) -> bytes:
+    """Decode any image PIL reads, to RGB, shorter side -> ``short_side``, baseline JPEG."""
+    with Image.open(io.BytesIO(data)) as image:
+        w, h = image.size
+        scale = short_side / min(w, h)
+        size = (max(1, round(w * scale)), max(1, round(h * scale)))
+        if image.format == "JPEG" and scale < 1:
+            image.draft(image.mode, size)  # DCT-domain downscale: decodes big JPEGs much faster
+        rgb = image.convert("RGB")
+    if rgb.size != size:
+        rgb = rgb.resize(size, Image.Resampling.BICUBIC, reducing_gap=None)
+    out = io.BytesIO()
+    rgb.save(out, format="JPEG", quality=quality, optimize=False, progressive=False)
+    return out.getvalue()
+
+
+def _convert_one(item: tuple[int, bytes, int, int]) -> tuple[int, bytes | None, str | None]:
+    sample_id, data, short_side, quality = item
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. "Corrupt EXIF data": the pixels are fine
+            return sample_id, convert_image(data, short_side, quality), None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        return sample_id, None, f"{type(exc).__name__}: {exc}"
+
+
+def _convert_chunk(items: list) -> list:
+    return [_convert_one(item) for item in items]
+
+
+INDEX_COLUMNS = ("sample_id", "class_index", "member", "name", "size", "member_offset", "offset")
+
+
+def check_index(index: pd.DataFrame, which: str) -> pd.DataFrame:
+    """The index sorted by sample_id; a clear error for one written without archive offsets."""
+    missing = sorted(set(INDEX_COLUMNS) - set(index.columns))
+    if missing:
+        raise InputError(
+            f"the {which} index lacks columns {missing} (it was written by an older version, "
+            "without archive offsets); rebuild it: `imagenet-ddp index` (Snakemake reruns the "
+            "index rule by itself)"
+        )
+    index = index.sort_values("sample_id", kind="stable").reset_index(drop=True)
+    index["member"] = index["member"].fillna("").astype(str)
+    return index
+
+
+def _read_items(archive: Path, index: pd.DataFrame, short_side: int, quality: int):
+    """Yield (sample_id, raw bytes, short_side, quality) in index order.
+
+    One pread per image at the index's offsets, header included: the header must name the
+    same file and size, so an archive changed since indexing fails here, never decodes wrong.
+    """
+    from imagenet_ddp.data.archives import header_matches
+
+    block = 512
+    fd = os.open(archive, os.O_RDONLY)
+    try:
+        for sample_id, member, name, size, member_offset, offset in zip(
+            *(index[c].tolist() for c in INDEX_COLUMNS if c != "class_index"), strict=True
+        ):
+            start = member_offset + offset - block
+            raw = os.pread(fd, block + size, start) if start >= 0 else b""
+            if len(raw) != block + size or not header_matches(raw[:block], name, size):
+                raise InputError(
+                    f"{archive}: {member + '/' if member else ''}{name} has another size or "
+                    "place in the archive than the index says (the archive changed since the "
+                    "index was built); rebuild the index (`imagenet-ddp index`)"
+                )
+            yield sample_id, raw[block:], short_side, quality
+    finally:
+        os.close(fd)
+
+
+def _converted(items: Iterator, workers: int) -> Iterator[tuple[int, bytes | None, str | None]]:
+    """Converted images in input order; at most 4 chunks per worker read ahead."""
+    if workers <= 1:
+        for item in items:
+            yield _convert_one(item)
+        return
+    slots = threading.Semaphore(4 * workers)
+    stop = threading.Event()
+
+    def chunks() -> Iterator[list]:  # runs in the pool's feeder thread; blocks when enough ahead
+        chunk = []
+        for item in items:
+            chunk.append(item)
+            if len(chunk) == _CHUNK:
+                slots.acquire()
+                if stop.is_set():
+                    return
+                yield chunk
+                chunk = []
+        if chunk:
+            slots.acquire()
+            if not stop.is_set():
+                yield chunk
+
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else None)
+    with context.Pool(workers) as pool:
+        try:
+            for results in pool.imap(_convert_chunk, chunks()):
+                slots.release()
+                yield from results
+        finally:  # unblock the feeder so that the pool can shut down
+            stop.set()
+            slots.release(4 * workers + 1)
+
+
+def sample_key(sample_id: int) -> str:
+    """The shard member stem of a sample: ``<key>.jpg`` and ``<key>.cls`` (WebDataset groups
+    members by the name up to the first dot)."""
+    return f"{sample_id:010d}"
+
+
+def _tar_member(name: str, data: bytes) -> bytes:
+    """One ustar member: 512-byte header, the data, zero padding to a 512-byte boundary.
+    Fixed owner, mode and mtime, so that a shard's bytes depend on its samples only."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(data), 0o444, 0
+    header = info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "strict")
+    return header + data + bytes(-len(data) % tarfile.BLOCKSIZE)
+
+
+class _ShardWriter:
+    """Shards as POSIX (ustar) tar files: per sample ``<key>.jpg`` then ``<key>.cls`` (the class
+    index in decimal), ended by the two zero blocks, so ``tar``, ``webdataset``/``wids`` and
+    DALI's webdataset reader read them as they are; ``write`` returns the JPEG's offset inside
+    the shard for samples.csv. A shard is closed before a sample would take it past
+    ``shard_bytes`` (a larger first sample gets a shard of its own)."""
+
+    def __init__(self, directory: Path, shard_bytes: int):
+        self.directory, self.shard_bytes = directory, shard_bytes
+        self.shards: list[dict] = []
+        self._file = None
+        self._hash = None
+        self._offset = 0
+
+    def _open(self) -> None:
+        self._close()
+        name = shard_name(len(self.shards))
+        self._file = open(self.directory / name, "wb")  # noqa: SIM115 (closed in _close)
+        self._hash = hashlib.sha256()
+        self._offset = 0
+        self.shards.append({"name": name, "bytes": 0, "samples": 0, "sha256": None})
+
+    def _append(self, block: bytes) -> None:
+        self._file.write(block)
+        self._hash.update(block)
+        self._offset += len(block)
+        self.shards[-1]["bytes"] = self._offset
+
+    def _close(self) -> None:
+        if self._file is not None:
+            self._append(_TAR_END)
+            self._file.close()
+            self.shards[-1]["sha256"] = self._hash.hexdigest()
+            self._file = None
+
+    def write(self, data: bytes, *, key: str, label: int) -> tuple[int, int]:
+        jpg = _tar_member(f"{key}.jpg", data)
+        cls = _tar_member(f"{key}.cls", str(int(label)).encode())
+        size = len(jpg) + len(cls)
+        if self._file is None or (
+            self.shards[-1]["samples"] and self._offset + size + len(_TAR_END) > self.shard_bytes
+        ):
+            self._open()
+        offset = self._offset + tarfile.BLOCKSIZE
+        self._append(jpg + cls)
+        self.shards[-1]["samples"] += 1
+        return len(self.shards) - 1, offset
+
+    def close(self) -> None:
+        self._close()
+
+
+def num_shards(num_samples: int, shard_samples: int) -> int:
+    """Shard ``s`` holds index positions ``[s * shard_samples, (s + 1) * shard_samples)``.
+
+    Fixed by the index alone (not by converted sizes), so any range of shards can be written
+    by an independent job and the joined result equals the one-job result byte for byte.
+    """
+    return -(-num_samples // shard_samples)
+
+
+def chunk_shards(total_shards: int, chunk: int, chunks: int) -> range:
+    """The shards of job ``chunk`` of ``chunks``: contiguous, sizes differ by at most one."""
+    return range(total_shards * chunk // chunks, total_shards * (chunk + 1) // chunks)
+
+
+def archive_of(data_dir: Path, which: str) -> Path:
+    """The archive holding the ``which`` images; InputError naming it when it is missing."""
+    from imagenet_ddp.data.archives import TRAIN_ARCHIVE, VAL_ARCHIVE, require_archives
+
+    if which not in ("train", "val"):
+        raise ValueError(f"which must be 'train' or 'val', not {which!r}")
+    name = TRAIN_ARCHIVE if which == "train" else VAL_ARCHIVE
+    require_archives(data_dir, (name,))
+    return Path(data_dir) / name
+
+
+def write_shard_parts(
+    data_dir: Path,
+    index: pd.DataFrame,
+    parts_dir: Path,
+    shards: range,
+    *,
+    which: str,
+    short_side: int,
+    quality: int,
+    shard_samples: int,
+    workers: int,
+    on_corrupt: str,
+) -> tuple[list[tuple[int, int, int, int, int]], list[dict], list[dict]]:
+    """Convert the images of ``shards`` (of a ``check_index``-ed index) into ``parts_dir``.
+
+    Each shard is written by its own ``_ShardWriter`` into ``parts_dir/<s>/`` (so the shard
+    format stays the writer's business). Returns rows (sample_id, class_index, shard s, offset,
+    length), one record per non-empty shard (the writer's, plus ``shard`` s and ``part``: its
+    file relative to parts_dir) and the skipped images.
+    """
+    archive = archive_of(data_dir, which)
+    start = shards.start * shard_samples
+    part = index.iloc[start : min(len(index), shards.stop * shard_samples)]
+    class_index = part["class_index"].tolist()
+    rows: list[tuple[int, int, int, int, int]] = []
+    skipped: list[dict] = []
+    writers: dict[int, _ShardWriter] = {}
+    converted = _converted(_read_items(archive, part, short_side, quality), workers)
+    try:
+        for position, (sample_id, data, error) in enumerate(converted):
+            if data is None:
+                row = part.iloc[position]
+                skipped.append(_undecodable(archive, row, sample_id, error, on_corrupt))
+                continue
+            shard = (start + position) // shard_samples
+            writer = _shard_writer(writers, parts_dir, shard)
+            label = class_index[position]
+            _, offset = writer.write(data, key=sample_key(sample_id), label=label)
+            rows.append((sample_id, label, shard, offset, len(data)))
+    finally:
+        converted.close()  # stops the pool now, also on error
+        for writer in writers.values():
+            writer.close()
+    records = [
+        {**w.shards[0], "shard": s, "part": f"{s:05d}/{w.shards[0]['name']}"}
+        for s, w in sorted(writers.items())
+    ]
+    return rows, records, skipped
+
+
+def _undecodable(archive: Path, row: pd.Series, sample_id: int, error: str, on_corrupt: str):
+    """An image that cannot be decoded: the one-line error (``on_corrupt: fail``) or its
+    record among the skipped (``skip``)."""
+    member, name = row["member"], row["name"]
+    place = f"{archive}:{member + '/' if member else ''}{name}"
+    if on_corrupt == "fail":
+        raise InputError(
+            f"{place} (sample {sample_id}) cannot be decoded ({error}); "
+            "re-download the archive, or set prepare.on_corrupt: skip to leave "
+            "such images out"
+        )
+    return {"sample_id": sample_id, "member": member, "name": name, "error": error}
+
+
+def _shard_writer(writers: dict[int, _ShardWriter], parts_dir: Path, shard: int) -> _ShardWriter:
+    """The writer of ``shard``; a new shard closes the previous ones (images come in order)."""
+    writer = writers.get(shard)
+    if writer is None:
+        for previous in writers.values():
+            previous.close()
+        (parts_dir / f"{shard:05d}").mkdir(parents=True)
+        # One shard per writer: a size limit it never reaches.
+        writer = writers[shard] = _ShardWriter(parts_dir / f"{shard:05d}", sys.maxsize)
+    return writer
+
+
+def _place_file(src: Path, dest: Path, *, move: bool) -> None:
+    """Move, hard-link (same file system) or copy ``src`` to ``dest``: whole files, any format."""
+    if move:
+        os.replace(src, dest)
+        return
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copyfile(src, dest)
+
+
+def finish_prepared(
+    tmp: Path,
+    parts: list[tuple[Path, dict]],
+    rows: list[tuple[int, int, int, int, int]],
+    skipped: list[dict],
+    settings: dict,
+    *,
+    move: bool,
+) -> dict:
+    """Place the shard files as ``shards/shard_name(i)`` (i: position among non-empty shards),
+    write samples.csv and prepared.json into ``tmp``; return prepared.json's content.
+
+    ``parts``: (parts_dir, record) per non-empty shard, in shard order; ``rows`` in sample_id
+    order with the planned shard number, renumbered here.
+    """
+    (tmp / SHARD_DIR).mkdir(exist_ok=True)
+    position = {}
+    shards = []
+    for i, (parts_dir, record) in enumerate(parts):
+        position[record["shard"]] = i
+        name = shard_name(i)
+        _place_file(parts_dir / record["part"], tmp / SHARD_DIR / name, move=move)
+        shards.append(
+            {**{k: v for k, v in record.items() if k not in ("shard", "part")}, "name": name}
+        )
+    samples = pd.DataFrame(
+        rows, columns=["sample_id", "class_index", "shard", "offset", "length"]
+    ).astype("int64")
+    samples["shard"] = samples["shard"].map(position).astype("int64")
+    write_csv_atomic(tmp / SAMPLES_CSV, samples)
+    info = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "which": settings["which"],
+        "short_side": settings["short_side"],
+        "quality": settings["quality"],
+        "num_classes": settings["num_classes"],
+        "num_samples": len(rows),
+        "num_skipped": len(skipped),
+        "skipped": skipped,
+        "total_bytes": sum(s["bytes"] for s in shards),
+        "shard_samples": settings["shard_samples"],
+        "shards": shards,
+        "samples_csv_sha256": hashlib.sha256((tmp / SAMPLES_CSV).read_bytes()).hexdigest(),
+    }
+    write_json_atomic(tmp / PREPARED_JSON, info)
+    return info
+
+
+def prepare_split(
+    data_dir: Path,
+    index: pd.DataFrame,
+    out_dir: Path,
+    *,
+    which: str,
+    short_side: int,
+    num_classes: int,
+    shard_samples: int,
+    quality: int,
+    workers: int,
+    on_corrupt: str,
+) -> dict:
+    """Write the prepared copy of ``index`` (a train/val table from ``build_index``) to out_dir.
+
+    ``num_classes``: from classes.csv. Returns a summary: prepared.json's content plus
+    ``out_dir``. With ``on_corrupt="skip"`` undecodable images are left out and listed under
+    ``skipped``. No lock, no reuse: :func:`imagenet_ddp.data.prepare.prepare` adds those. The
+    settings' defaults and allowed values are the workflow schema's, checked there once.
+    """
+    archive_of(data_dir, which)  # checks ``which``
+    index = check_index(index, which)
+    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    settings = {
+        "which": which,
+        "short_side": short_side,
+        "quality": quality,
+        "num_classes": num_classes,
+        "shard_samples": shard_samples,
+    }
+    with atomic_path(out_dir, is_dir=True) as tmp:
+        parts_dir = tmp / ".parts"
+        rows, records, skipped = write_shard_parts(
+            data_dir,
+            index,
+            parts_dir,
+            range(num_shards(len(index), shard_samples)),
+            which=which,
+            short_side=short_side,
+            quality=quality,
+            shard_samples=shard_samples,
+            workers=workers,
+            on_corrupt=on_corrupt,
+        )
+        info = finish_prepared(
+            tmp, [(parts_dir, r) for r in records], rows, skipped, settings, move=True
+        )
+        shutil.rmtree(parts_dir, ignore_errors=True)
+    return {**info, "out_dir": str(out_dir)}
+
+
+# ----------------------------------------------------------------------------- the stage
+
+CLASSES_CSV = "classes.csv"
+CHUNK_JSON = "chunk.json"
+CHUNK_ROWS = "rows.csv"
+CHUNK_PARTS = "parts"
+
+
+def provenance_file(out: Path) -> Path:
+    """Beside the prepared directory, not inside: the directory holds exactly the data (staged
+    to every node and fingerprinted), and is replaced as a whole by an atomic rename."""
+    out = Path(out)
+    return out.with_name(out.name + ".provenance.json")
+
+
+def _sha256(path: Path) -> str:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except FileNotFoundError:
+        raise InputError(f"{path} not found; run `imagenet-ddp index` first") from None
+
+
+def identity(index_dir: Path, which: str, settings: dict) -> dict:
+    """What a prepared copy is made from: the settings and the index and classes files."""
+    index_dir = Path(index_dir)
+    return {
+        "which": which,
+        **{k: settings[k] for k in ("short_side", "quality", "on_corrupt", "shard_samples")},
+        "index_sha256": _sha256(index_dir / f"{which}.csv"),
+        "classes_sha256": _sha256(index_dir / CLASSES_CSV),
+        "format_version": FORMAT_VERSION,  # a copy in an older format is rebuilt, not reused
+    }
+
+
+def _read_inputs(index_dir: Path, which: str) -> tuple[pd.DataFrame, int]:
+    """The sorted, checked index and the class count of classes.csv."""
+    index = pd.read_csv(Path(index_dir) / f"{which}.csv", keep_default_na=False)
+    classes = pd.read_csv(Path(index_dir) / CLASSES_CSV, keep_default_na=False)
+    return check_index(index, which), len(classes)
+
+
+def is_prepared(out: Path, wanted: dict) -> bool:
+    """A complete copy at ``out`` made from ``wanted`` (see :func:`identity`)."""
+    provenance = provenance_file(out)
+    if not ((Path(out) / PREPARED_JSON).is_file() and provenance.is_file()):
+        return False
+    try:
+        return json.loads(provenance.read_text()).get("config") == wanted
+    except json.JSONDecodeError:
+        return False
+
+
+def prepare(data_dir: Path, index_dir: Path, which: str, out: Path, **settings) -> bool:
+    """Build ``out`` in this job unless an identical copy is there. True if it was reused.
+
+    settings: short_side, quality, on_corrupt, shard_samples, workers.
+    """
+    wanted = identity(index_dir, which, settings)
+    with exclusive_lock(lock_path_for(out)):
+        if is_prepared(out, wanted):
+            return True
+        index, num_classes = _read_inputs(index_dir, which)
+        summary = prepare_split(
+            data_dir, index, out, which=which, num_classes=num_classes, **settings
+        )
+        write_provenance(
+            provenance_file(out), "prepare", wanted, extra={"summary": summary, "jobs": 1}
+        )
+    return False
+
+
+def prepare_chunk(
+    data_dir: Path,
+    index_dir: Path,
+    which: str,
+    chunk_dir: Path,
+    *,
+    chunk: int,
+    chunks: int,
+    workers: int,
+    **settings,
+) -> dict:
+    """Job ``chunk`` of ``chunks``: convert its shard range into ``chunk_dir`` (atomically)."""
+    if not 0 <= chunk < chunks:
+        raise InputError(f"chunk {chunk} of {chunks}: use 0 <= chunk < chunks (prepare.jobs)")
+    archive_of(data_dir, which)
+    wanted = identity(index_dir, which, settings)
+    index, num_classes = _read_inputs(index_dir, which)
+    shards = chunk_shards(num_shards(len(index), settings["shard_samples"]), chunk, chunks)
+    with atomic_path(chunk_dir, is_dir=True) as tmp:
+        rows, records, skipped = write_shard_parts(
+            data_dir, index, tmp / CHUNK_PARTS, shards, which=which, workers=workers, **settings
+        )
+        columns = ["sample_id", "class_index", "shard", "offset", "length"]
+        write_csv_atomic(tmp / CHUNK_ROWS, pd.DataFrame(rows, columns=columns))
+        record = {
+            "identity": wanted,
+            "num_classes": num_classes,
+            "chunk": chunk,
+            "chunks": chunks,
+            "shards": [shards.start, shards.stop],
+            "records": records,
+            "skipped": skipped,
+        }
+        write_json_atomic(tmp / CHUNK_JSON, record)
+    return record
+
+
+def _read_chunks(chunk_dirs: list[Path]) -> list[dict]:
+    chunks = []
+    for chunk_dir in chunk_dirs:
+        path = Path(chunk_dir) / CHUNK_JSON
+        try:
+            chunks.append({**json.loads(path.read_text()), "dir": Path(chunk_dir)})
+        except (FileNotFoundError, json.JSONDecodeError) as exc:
+            raise InputError(f"{path}: not a finished prepare chunk ({exc}); rerun it") from None
+    chunks.sort(key=lambda c: c["chunk"])
+    count = chunks[0]["chunks"] if chunks else 0
+    if [c["chunk"] for c in chunks] != list(range(count)) or any(
+        c["chunks"] != count for c in chunks
+    ):
+        raise InputError(
+            f"the chunks {[str(d) for d in chunk_dirs]} are not jobs 0..K-1 of one K; "
+            "rerun prepare with the same prepare.jobs"
+        )
+    if any(c["identity"] != chunks[0]["identity"] for c in chunks):
+        raise InputError(
+            f"the chunks in {chunks[0]['dir'].parent} were made from different indexes or "
+            "settings; delete them and rerun prepare"
+        )
+    return chunks
+
+
+def join_chunks(chunk_dirs: list[Path], out: Path) -> bool:
+    """Join finished chunks into ``out`` (as :func:`prepare` would have written it) unless an
+    identical copy is there. True if it was reused. The chunks are left as they are."""
+    chunks = _read_chunks(chunk_dirs)
+    wanted = chunks[0]["identity"]
+    with exclusive_lock(lock_path_for(out)):
+        if is_prepared(out, wanted):
+            return True
+        rows = pd.concat(
+            [pd.read_csv(c["dir"] / CHUNK_ROWS, dtype="int64") for c in chunks],
+            ignore_index=True,
+        )
+        settings = {
+            **{k: wanted[k] for k in ("which", "short_side", "quality", "shard_samples")},
+            "num_classes": chunks[0]["num_classes"],
+        }
+        parts = [(c["dir"] / CHUNK_PARTS, r) for c in chunks for r in c["records"]]
+        skipped = [s for c in chunks for s in c["skipped"]]
+        with atomic_path(out, is_dir=True) as tmp:
+            info = finish_prepared(
+                tmp, parts, list(rows.itertuples(index=False)), skipped, settings, move=False
+            )
+        summary = {**info, "out_dir": str(out)}
+        write_provenance(
+            provenance_file(out), "prepare", wanted, extra={"summary": summary, "jobs": len(chunks)}
+        )
+    return False

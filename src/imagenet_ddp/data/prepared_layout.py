@@ -1,0 +1,45 @@
+"""The prepared copy's format: its layout, file names and version, and why it is so.
+
+Written by :mod:`imagenet_ddp.data.prepare`, read by :mod:`imagenet_ddp.data.dataset`.
+
+Torch-free: the rules (a format change reruns ``prepare``) and the staging steps import it.
+
+Layout of a prepared directory::
+
+    shards/shard-00000.tar ...   POSIX tar files (``shard_samples`` images each) of baseline
+                                 JPEGs, members <key>.jpg and <key>.cls (class index) per
+                                 sample, WebDataset style (key = sample_id, 10 digits): `tar -t`,
+                                 webdataset/wids and DALI's webdataset reader read them as they are
+    samples.csv                  sample_id, class_index, shard, offset, length (sample_id order;
+                                 offset is that of the JPEG's bytes inside the tar)
+    prepared.json                format version, short_side, quality, counts, per-shard bytes
+                                 and sha256, skipped images
+
+Why this format (what ``benchmarks/`` measures against reading the archives or an extracted
+ImageFolder):
+
+* **Sequential, few files.** 1.28M small files are slow on parallel file systems (one metadata
+  lookup per image) and slow to copy to node-local scratch; a few hundred 256 MiB shards copy at
+  disk bandwidth (see :mod:`imagenet_ddp.data.stage`) and are read through the page cache via
+  ``np.memmap``. ``samples.csv`` gives each image's (shard, offset, length): random access, no
+  tar parsing at train time. The tar framing costs ~1.5 KB per image (headers, padding, the
+  .cls member), ~3 % of a 43 KB image.
+* **Decoded once, pre-resized.** Every image is decoded once at preparation (PIL,
+  ``convert("RGB")``, so grayscale, CMYK and PNG-named-.JPEG all become RGB), resized so its
+  shorter side is ``short_side`` and re-encoded as a baseline JPEG. An average ImageNet JPEG
+  is ~400x350; at ``short_side`` 160 the per-epoch decode is ~5x cheaper and the data ~4x
+  smaller.
+* **Fast decode.** Training decodes with :mod:`imagenet_ddp.data.jpeg` (libjpeg-turbo through
+  simplejpeg) straight into a uint8 tensor, no PIL round trip, drawing the random crop box
+  before decoding so that a box much larger than the output is decoded at a reduced DCT scale;
+  it augments with ``transforms.v2`` on tensors.
+"""
+
+# The value stays "imagenet_ddp.prepared" (the module that wrote it first): it is recorded in
+# every prepared.json, and a copy of another format is rebuilt.
+FORMAT = "imagenet_ddp.prepared"
+# 2: shards are tar files with WebDataset member names (1: bare concatenated JPEGs, .bin)
+FORMAT_VERSION = 2
+SHARD_DIR = "shards"
+SAMPLES_CSV = "samples.csv"
+PREPARED_JSON = "prepared.json"

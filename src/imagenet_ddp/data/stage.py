@@ -1,0 +1,348 @@
+"""Copy a prepared directory to node-local scratch, once per node, and remove it afterwards.
+
+Destination: ``<scratch_root>/imagenet_ddp/<fingerprint>/<src.name>``, where the fingerprint is
+the first 16 hex digits of the sha256 of ``src/prepared.json`` (which holds every shard's
+sha256, so equal fingerprints mean equal content). A copy is complete only once its marker
+``.staged.json`` exists (written last, after verification); a complete copy is reused. Copies go
+to a temporary sibling directory renamed into place, under an exclusive lock, so concurrent
+stagers on one node (e.g. two jobs sharing a scratch dir) never see or make a partial copy.
+Works for any prepared directory (train or val).
+
+Scratch root (:func:`scratch_root`): ``stage.scratch_dir`` when set, else ``$SLURM_TMPDIR``,
+else ``$TMPDIR``, else ``/tmp``. Before any copy, a root on a network/parallel filesystem
+(:mod:`imagenet_ddp.data.mounts`) or on the filesystem of the prepared copy or the workdir is
+refused (:func:`scratch_problem`): every node would copy into one shared place, serialized by
+a cross-node lock, and train over the shared filesystem after all. The local launcher (one
+machine) reads the prepared copy in place instead where a copy would land on its own disk
+(launch.py ``stage_this_node``).
+
+Jobs that share a copy (several runs on one node with the same scratch dir: the local launcher,
+or a cluster without a per-job scratch dir) each hold a lease on it
+(``<fp>/<name>.leases/<lease>``); cleanup removes the copy only when the last lease goes, so one
+job's cleanup never deletes the data another is still reading. A lease left by a job killed
+before its cleanup (SIGKILL, node failure, a run never retried) is reclaimed by the next job
+that stages on the node (:func:`reclaim_stale_leases`): the copy does not stay pinned until
+scratch is purged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+from imagenet_ddp.data.mounts import MOUNTINFO, existing_ancestor, mount_of
+from imagenet_ddp.data.prepared_layout import PREPARED_JSON, SHARD_DIR
+from imagenet_ddp.errors import InputError
+from imagenet_ddp.io import (
+    atomic_path,
+    exclusive_lock,
+    file_digest,
+    lock_path_for,
+    write_json_atomic,
+)
+
+STAGE_DIR = "imagenet_ddp"
+MARKER = ".staged.json"
+
+
+SCRATCH_KEY = "stage.scratch_dir"
+# Where a node stages when stage.scratch_dir is unset, in this order. SLURM itself sets neither
+# variable to anything node-local: slurmstepd keeps the TMPDIR the job inherited (from the
+# submitting shell, or a site's prolog/plugin) and sets TMPDIR=/tmp only where none is set.
+SCRATCH_VARIABLES = ("SLURM_TMPDIR", "TMPDIR")
+
+
+def scratch_root(configured: str | None, environ=None) -> tuple[Path, str]:
+    """Where this node stages, and what chose it: ``configured`` (stage.scratch_dir) when
+    set, else $SLURM_TMPDIR, else $TMPDIR, else /tmp."""
+    environ = os.environ if environ is None else environ
+    if configured:
+        return Path(configured), SCRATCH_KEY
+    for variable in SCRATCH_VARIABLES:
+        if environ.get(variable):
+            return Path(environ[variable]), f"${variable}"
+    return Path("/tmp"), "the default /tmp"
+
+
+def scratch_problem(
+    root: Path, shared: dict[str, Path], mountinfo: Path = MOUNTINFO
+) -> tuple[str, str] | None:
+    """Why ``root`` cannot hold a node-local copy, as (kind, text), or None. Kind ``network``:
+    it is on a network/parallel filesystem; ``shared``: on the same filesystem (st_dev) as
+    one of ``shared`` ({what: path}, e.g. the prepared copy and the workdir, which every node
+    sees). A root that does not exist yet is judged by the ancestor it will be created in."""
+    mount = mount_of(root, mountinfo)
+    if mount is not None and mount.is_network:
+        return "network", f"on {mount.fs_type} ({mount.source} at {mount.mount_point})"
+    device = existing_ancestor(root).stat().st_dev
+    for what, path in shared.items():
+        if Path(path).exists() and Path(path).stat().st_dev == device:
+            return "shared", f"on the same filesystem as {what} ({path})"
+    return None
+
+
+def scratch_info(root: Path, origin: str) -> dict:
+    """The scratch root, what chose it and the filesystem holding it (for the report)."""
+    mount = mount_of(root)
+    return {
+        "root": str(root),
+        "from": origin,
+        "fs_type": mount.fs_type if mount else None,
+        "source": mount.source if mount else None,
+    }
+
+
+def configured_scratch_problem(scratch_dir: str, mountinfo: Path = MOUNTINFO) -> str | None:
+    """What the dry-run can already tell about ``stage.scratch_dir`` (the node's own view is
+    checked again when it stages): a relative path (in the workdir, which every node shares),
+    or a path that exists here on a network filesystem (the same path on the nodes)."""
+    if not scratch_dir:
+        return None
+    if not os.path.isabs(scratch_dir):
+        return (
+            f"{SCRATCH_KEY} {scratch_dir!r} is relative, i.e. in the workdir that every node "
+            "shares: set an absolute node-local path, or leave it empty ($SLURM_TMPDIR, "
+            "$TMPDIR, /tmp)"
+        )
+    mount = mount_of(Path(scratch_dir), mountinfo) if Path(scratch_dir).exists() else None
+    if mount is not None and mount.is_network:
+        return (
+            f"{SCRATCH_KEY} {scratch_dir!r} is on {mount.fs_type} ({mount.source}), which "
+            "every node shares: set a node-local path (e.g. /local/scratch or /dev/shm)"
+        )
+    return None
+
+
+def refuse_shared_scratch(root: Path, origin: str, problem: str) -> InputError:
+    return InputError(
+        f"scratch {root} (from {origin}) is {problem}: every node would stage into one shared "
+        f"place; set {SCRATCH_KEY} to a node-local disk (e.g. /local/scratch or /dev/shm)"
+    )
+
+
+def in_place_report(src: Path, why: str) -> dict:
+    """The staging report of a prepared copy read where it is (no copy made): ``dest`` is
+    ``src``, ``in_place`` says why; there is nothing to clean up."""
+    src = Path(src)
+    files = _files(src)
+    return {
+        "host": socket.gethostname(),
+        "src": str(src),
+        "dest": str(src),
+        "bytes": sum(size for _, size in files),
+        "files": len(files),
+        "verify": None,
+        "fingerprint": fingerprint(src),
+        "seconds": 0.0,
+        "bytes_per_s": 0.0,
+        "reused": False,
+        "in_place": why,
+    }
+
+
+def fingerprint(src: Path) -> str:
+    path = Path(src) / PREPARED_JSON
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    except FileNotFoundError:
+        raise InputError(
+            f"{path} not found: {src} is not a prepared directory; run `imagenet-ddp prepare`"
+        ) from None
+
+
+def staged_path(src: Path, scratch_root: Path) -> Path:
+    return Path(scratch_root) / STAGE_DIR / fingerprint(src) / Path(src).name
+
+
+def _files(src: Path) -> list[tuple[str, int]]:
+    """(relative path, size) of every regular file under src, sorted."""
+    out = []
+    for root, dirs, names in os.walk(src):
+        dirs.sort()
+        for name in sorted(names):
+            path = Path(root) / name
+            if path.is_file():
+                out.append((path.relative_to(src).as_posix(), path.stat().st_size))
+    return sorted(out)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _verify(src: Path, dest: Path, files: list[tuple[str, int]], verify: str) -> None:
+    for rel, size in files:
+        actual = (dest / rel).stat().st_size if (dest / rel).is_file() else None
+        if actual != size:
+            raise InputError(
+                f"staged copy {dest / rel} has {actual} bytes, {src / rel} has {size}; the "
+                "scratch disk may be full or failing: free it or set stage.scratch_dir"
+            )
+    if verify == "sha256":
+        info = json.loads((dest / PREPARED_JSON).read_text())
+        for shard in info["shards"]:
+            path = dest / SHARD_DIR / shard["name"]
+            if file_digest(path, "sha256") != shard["sha256"]:
+                raise InputError(
+                    f"staged copy {path} does not match the sha256 in {src / PREPARED_JSON}; "
+                    "the source or the scratch disk is damaged: rerun prepare or change "
+                    "stage.scratch_dir"
+                )
+
+
+def _is_complete(dest: Path, fp: str, files: list[tuple[str, int]]) -> bool:
+    try:
+        marker = json.loads((dest / MARKER).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+    if marker.get("fingerprint") != fp or marker.get("files") != [list(f) for f in files]:
+        return False
+    return all(
+        (dest / rel).is_file() and (dest / rel).stat().st_size == size for rel, size in files
+    )
+
+
+def _leases(dest: Path) -> Path:
+    return dest.parent / f"{dest.name}.leases"
+
+
+def stage_dataset(src: Path, scratch_root: Path, *, verify: str, lease: str | None = None) -> dict:
+    """Copy ``src`` (a prepared dir) under ``scratch_root`` unless a verified copy is there.
+
+    ``verify``: ``size`` or ``sha256`` (stage.verify; the workflow's schema checks it).
+    ``lease``: a name unique to the staging job; :func:`cleanup_staged` with the same name
+    removes the copy only if no other job holds a lease on it."""
+    src, scratch_root = Path(src), Path(scratch_root)
+    fp = fingerprint(src)
+    dest = scratch_root / STAGE_DIR / fp / src.name
+    files = _files(src)
+    total = sum(size for _, size in files)
+    started = time.perf_counter()
+    report = {
+        "host": socket.gethostname(),
+        "src": str(src),
+        "dest": str(dest),
+        "bytes": total,
+        "files": len(files),
+        "verify": verify,
+        "fingerprint": fp,
+    }
+    with exclusive_lock(lock_path_for(dest)):
+        if lease is not None:  # taken before the copy: a concurrent cleanup must keep it
+            _leases(dest).mkdir(parents=True, exist_ok=True)
+            # Whose it is: a lease whose job is gone is reclaimed (reclaim_stale_leases).
+            owner = {"host": socket.gethostname(), "pid": os.getpid(),
+                     "job_id": os.environ.get("SLURM_JOB_ID")}  # fmt: skip
+            (_leases(dest) / lease).write_text(json.dumps(owner))
+        if _is_complete(dest, fp, files):
+            seconds = time.perf_counter() - started
+            return {**report, "seconds": seconds, "bytes_per_s": 0.0, "reused": True}
+        free = shutil.disk_usage(dest.parent).free
+        if dest.exists():  # an incomplete copy: its space is about to be freed
+            free += sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
+        if free < total:
+            raise InputError(
+                f"scratch {dest.parent} has {_human(free)} free, needs {_human(total)}; free "
+                "it, or set stage.scratch_dir to a larger node-local disk"
+            )
+        with atomic_path(dest, is_dir=True) as tmp:
+            for rel, _ in files:
+                target = tmp / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src / rel, target)  # copy_file_range/sendfile fast path
+            _verify(src, tmp, files, verify)
+            write_json_atomic(
+                tmp / MARKER,
+                {"fingerprint": fp, "src": str(src), "files": [list(f) for f in files]},
+            )
+    seconds = time.perf_counter() - started
+    return {
+        **report,
+        "seconds": seconds,
+        "bytes_per_s": total / seconds if seconds > 0 else 0.0,
+        "reused": False,
+    }
+
+
+def cleanup_staged(dest: Path, lease: str | None = None) -> bool:
+    """Give up ``lease`` on a staged copy; remove the copy if no other lease remains, then its
+    fingerprint dir and ``imagenet_ddp/`` if left empty. Returns whether the copy is gone."""
+    dest = Path(dest)
+    if dest.parent.parent.name != STAGE_DIR:
+        raise ValueError(f"{dest} is not a staged copy (<scratch>/{STAGE_DIR}/<fp>/<name>)")
+    lock = lock_path_for(dest)
+    if not (dest.exists() or lock.exists()):
+        return True
+    with exclusive_lock(lock):
+        leases = _leases(dest)
+        if lease is not None:
+            (leases / lease).unlink(missing_ok=True)
+        if leases.is_dir() and any(leases.iterdir()):
+            return False  # another job still reads it; the last one removes it
+        shutil.rmtree(leases, ignore_errors=True)
+        shutil.rmtree(dest, ignore_errors=True)
+    lock.unlink(missing_ok=True)
+    for parent in (dest.parent, dest.parent.parent):
+        try:
+            parent.rmdir()
+        except OSError:  # not empty (another copy or a stager still there) or already gone
+            break
+    return True
+
+
+def _owner_gone(lease: Path) -> bool:
+    """Whether the job that took ``lease`` has ended: its SLURM job is no longer known to
+    ``squeue``, or (no SLURM) its process on this host is gone. Unknown: not gone."""
+    try:
+        owner = json.loads(lease.read_text() or "{}")
+    except (OSError, ValueError):
+        return False
+    if owner.get("job_id"):
+        import subprocess
+
+        try:
+            result = subprocess.run(
+                ["squeue", "-h", "-j", str(owner["job_id"]), "-o", "%T"],
+                capture_output=True, text=True, timeout=20,
+            )  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        if result.returncode == 0:
+            return not result.stdout.strip()
+        return "Invalid job id" in result.stderr  # purged from slurmctld: long gone
+    if owner.get("host") != socket.gethostname() or not owner.get("pid"):
+        return False
+    try:
+        os.kill(int(owner["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def reclaim_stale_leases(scratch_root: Path, *, keep: str | None = None) -> list[Path]:
+    """Remove the leases of ended jobs under ``scratch_root``, and each copy no live lease
+    holds any more. ``keep``: a lease never touched (the caller's). Returns removed copies."""
+    removed = []
+    for leases in sorted((Path(scratch_root) / STAGE_DIR).glob("*/*.leases")):
+        stale = [p for p in leases.iterdir() if p.name != keep and _owner_gone(p)]
+        if not stale:
+            continue
+        dest = leases.with_name(leases.name[: -len(".leases")])
+        with exclusive_lock(lock_path_for(dest)):
+            for lease in stale:
+                lease.unlink(missing_ok=True)
+        print(f"reclaimed {len(stale)} stale staging lease(s) on {dest}", flush=True)
+        if cleanup_staged(dest):  # removed only if no live lease remains
+            removed.append(dest)
+    return removed

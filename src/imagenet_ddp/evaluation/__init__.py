@@ -1,0 +1,1 @@
+"""The evaluate stage: one rank's evaluation of a trained model."""

@@ -1,0 +1,219 @@
+"""The evaluation stage: a trained run's model on the holdout split and the test set.
+
+A run with EMA (``ema_decay`` > 0) is evaluated twice: its trained weights (``holdout``,
+``test``) and its averaged weights (``ema``), because sources report one or the other
+(``presets.REPORTED_MODEL``: torchvision's v2 recipe reports its EMA model); ``reported_model``
+in eval.json says which of the two the run's preset's published figure is of.
+
+One process per rank (:func:`main`), started by ``imagenet-ddp evaluate`` through
+:func:`imagenet_ddp.jobs.launch.launch_ranks`, like the training workers; the counting is
+:func:`imagenet_ddp.training.accuracy.evaluate_dataset`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from imagenet_ddp.settings.evaluation import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS
+from imagenet_ddp.settings.geometry import Geometry, loader_workers
+from imagenet_ddp.settings.presets import REPORTED_MODEL
+from imagenet_ddp.training.accuracy import evaluate_dataset
+from imagenet_ddp.training.model import model_from_state, read_model_file
+
+TIMING_NOTE = (
+    "wall_seconds: rank 0's time from all ranks ready (model loaded, process group up) to the "
+    "end of the last set's reduction: loader start-up, reading and decoding, forward passes and "
+    "reductions of holdout and test, for each model evaluated (models: the trained weights, "
+    "and the EMA's where the run kept one; images counts each model's pass); process start-up, "
+    "imports and model loading excluded (job_wall_seconds, written by the launcher, includes "
+    "them)"
+)
+
+
+def _check_world(geometry: Geometry, started: int) -> None:
+    if geometry.world_size != started:
+        raise RuntimeError(
+            f"evaluation configured for {geometry.nodes} node(s) x "
+            f"{geometry.tasks_per_node} task(s) per node, but {started} ranks started; "
+            "check the launcher's geometry"
+        )
+
+
+def evaluate_run(
+    *,
+    model_path,
+    prepared_train,
+    prepared_val,
+    holdout_ids_csv,
+    geometry: Geometry,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    workers: int | str = DEFAULT_WORKERS,
+    device: str = "auto",
+) -> dict[str, Any]:
+    """Evaluate a trained model on the holdout split and on the test set (official val).
+
+    One rank of ``geometry`` (nodes, tasks_per_node, cpus_per_task, gpus_per_node), started by
+    :mod:`imagenet_ddp.jobs.launch`; every rank returns the summed counts. Precision and
+    channels_last are the run's (from the checkpoint's config).
+    """
+    from imagenet_ddp.jobs import distributed as D
+
+    info = D.dist_info_from_env()
+    _check_world(geometry, info.world_size)
+    gpus = geometry.gpus_per_node
+    dev = D.select_device(device, info.local_rank, gpus, info.local_world_size, 30)
+    D.init_process_group(info, dev, "auto", timeout_minutes=30)
+    try:
+        if dev.type == "cuda":
+            torch.backends.cudnn.benchmark = True  # one input shape throughout
+        state = read_model_file(Path(model_path))
+        models = {"model": model_from_state(state, dev, path=model_path)}
+        if state.get("ema") is not None:  # the averaged weights, where the run kept them
+            models["ema"] = model_from_state(state, dev, weights="ema", path=model_path)
+        cfg, num_classes = state["config"], state["num_classes"]
+        settings = {
+            "num_classes": num_classes,
+            "device": dev,
+            "batch_size": batch_size,
+            "workers": loader_workers(workers, geometry.cpus_per_task),
+            "precision": cfg.get("precision", "fp32"),
+            "channels_last": bool(cfg.get("channels_last")),
+            "rank": info.rank,
+            "world_size": info.world_size,
+        }
+        sets = _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv)
+        D.barrier()
+        started = time.perf_counter()
+        results = {
+            weights: {name: evaluate_dataset(model, ds, **settings) for name, ds in sets.items()}
+            for weights, model in models.items()
+        }
+        seconds = time.perf_counter() - started
+        backend = torch.distributed.get_backend() if D.is_distributed() else "none"
+        ranks = D.all_gather_objects(D.placement(info, dev))
+        hosts = sorted({r["host"] for r in ranks})
+    finally:
+        D.destroy_process_group()
+    evaluation = _evaluation_block(geometry, settings, backend, hosts, results, seconds)
+    evaluation["ranks"] = ranks
+    return {
+        "run": cfg.get("run"),
+        "evaluation": evaluation,
+        **results["model"],
+        "ema": results.get("ema"),  # None: the run kept no EMA
+        "reported_model": reported_model(cfg),
+    }
+
+
+def reported_model(cfg: dict[str, Any]) -> str | None:
+    """Which weights the run's preset's published figure is of ("model" or "ema"); None
+    without a preset."""
+    return REPORTED_MODEL.get(cfg.get("recipe") or "none")
+
+
+def _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv) -> dict[str, Dataset]:
+    # Read from the shared prepared copy directly (no node-local staging): evaluation reads
+    # every image exactly once, so staging a copy first would only double the reads.
+    import pandas as pd
+
+    from imagenet_ddp.data.dataset import PreparedImageDataset, eval_transform
+
+    # eval_crop_size 0 (or a model.pt from before it existed): the training crop.
+    crop = cfg.get("eval_crop_size") or cfg["crop_size"]
+    transform = eval_transform(cfg["eval_resize"], crop, normalize=False)  # uint8: see accuracy
+    holdout_ids = pd.read_csv(holdout_ids_csv, usecols=["sample_id"])["sample_id"].tolist()
+    return {
+        "holdout": PreparedImageDataset(Path(prepared_train), holdout_ids, transform),
+        "test": PreparedImageDataset(Path(prepared_val), None, transform),
+    }
+
+
+def _evaluation_block(geometry, settings, backend, hosts, results, seconds) -> dict[str, Any]:
+    images = sum(r["samples"] for sets in results.values() for r in sets.values())
+    world = settings["world_size"]
+    return {
+        "nodes": geometry.nodes,
+        "tasks_per_node": geometry.tasks_per_node,
+        "world_size": world,
+        "cpus_per_task": geometry.cpus_per_task,
+        "gpus_per_node": geometry.gpus_per_node,
+        "loader_workers": settings["workers"],
+        "device": settings["device"].type,
+        "backend": backend,
+        "precision": settings["precision"],
+        "channels_last": settings["channels_last"],
+        "batch_size": settings["batch_size"],
+        "models": list(results),
+        "hosts": hosts,
+        "images": images,
+        "wall_seconds": seconds,
+        "images_per_s": images / seconds if seconds > 0 else None,
+        "images_per_s_per_rank": images / seconds / world if seconds > 0 else None,
+        "timing_note": TIMING_NOTE,
+    }
+
+
+def write_outputs(result: dict[str, Any], *, classes, out, per_class_csv, provenance) -> None:
+    """eval.json, per_class.csv and the provenance beside eval.json (rank 0 calls this)."""
+    import pandas as pd
+
+    from imagenet_ddp.io import write_csv_atomic, write_json_atomic
+    from imagenet_ddp.provenance import provenance_path, write_provenance
+
+    table = pd.read_csv(classes, keep_default_na=False)
+    per_class = table[["class_index", "wnid", "words"]].copy()
+    for name in ("holdout", "test"):
+        per_class[f"{name}_top1"] = result[name].pop("per_class_top1")
+        per_class[f"{name}_total"] = result[name].pop("per_class_total")
+        result[name].pop("per_class_correct")
+        if result.get("ema"):  # same images and totals: only the accuracy differs
+            per_class[f"{name}_ema_top1"] = result["ema"][name].pop("per_class_top1")
+            result["ema"][name].pop("per_class_total")
+            result["ema"][name].pop("per_class_correct")
+    write_csv_atomic(per_class_csv, per_class)
+    write_json_atomic(out, result)
+    write_provenance(provenance_path(out), "evaluate", provenance)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One evaluation rank (started by ``imagenet-ddp evaluate`` through the launcher); all it
+    needs is in the job spec (:mod:`imagenet_ddp.jobs.spec`)."""
+    import argparse
+
+    from imagenet_ddp.jobs.distributed import dist_info_from_env
+    from imagenet_ddp.jobs.spec import read_spec
+
+    parser = argparse.ArgumentParser(description="evaluation rank (one per device)")
+    parser.add_argument("--spec", type=Path, required=True, help="the job spec file")
+    job = read_spec(parser.parse_args(argv).spec, "evaluate")
+    paths, settings = job.paths, job.settings
+    result = evaluate_run(
+        model_path=paths.model,
+        prepared_train=paths.prepared_train,
+        prepared_val=paths.prepared_val,
+        holdout_ids_csv=paths.split_dir / "holdout.csv",
+        geometry=job.geometry,
+        batch_size=settings.batch_size,
+        workers=settings.workers,
+        device=settings.device,
+    )
+    if dist_info_from_env().rank == 0:
+        write_outputs(
+            result,
+            classes=paths.classes,
+            out=paths.out,
+            per_class_csv=paths.per_class,
+            provenance={"model": str(paths.model), "batch_size": settings.batch_size},
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""How a job's ranks start, meet, stop and are recorded."""

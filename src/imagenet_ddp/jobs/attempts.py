@@ -1,0 +1,419 @@
+"""Every allocation of a run: the attempt record kept beside its checkpoints.
+
+A run that outlives its time limit trains in several jobs (Snakemake resubmits a stopped
+job: the rule's ``retries``). Each job (an *attempt*; on SLURM one allocation) appends one
+entry to ``<checkpoint_root>/attempts.json``, outside the rule's outputs, so Snakemake's
+cleanup of a failed attempt keeps it. The launcher writes the entry (:func:`begin`) before
+staging and closes it (:func:`end`) when its ranks are gone; a heartbeat (:class:`Heartbeat`)
+keeps ``alive`` current, so an attempt killed with the launcher (SIGKILL after KillWait, a
+node failure) is closed by the next one at its last sign of life.
+
+An entry: ``attempt`` (1, 2, ... per line of checkpoints: :func:`settings_key`),
+``slurm_job_id``, ``host``, ``started``/``alive``/``ended`` (Unix seconds), ``exit_code``,
+``outcome`` (completed, stopped: exit 75 after a checkpoint, failed, killed: no end recorded,
+refused), ``start`` (the checkpoint it resumed from: epoch, step, path, or epoch 0 step 0),
+``last_checkpoint`` (the newest it wrote, with its mtime), ``error`` (the first rank's error
+line), ``gpus``, ``cores``, ``code`` (the commit the launcher ran, whether the checkout had
+uncommitted changes and their digest: :func:`imagenet_ddp.provenance.code_version`). A run
+resubmitted over days runs whatever is checked out at each submission; :func:`code_versions`
+says whether its attempts ran different code.
+
+Two rules use it (:func:`refusal`): a Snakemake retry (``attempt`` > 1 in this invocation)
+after two attempts in a row that failed without writing a checkpoint refuses at once with the
+error (one real retry: a bad node or a transient start-up failure gets a second chance; a crash
+that repeats at start uses two jobs), and no invocation runs more than ``max_allocations`` jobs
+of a run. The workflow asks the same question before it submits a retry
+(:func:`refusal_ahead`) and submits a retry that will refuse as a one-CPU job, so it holds no
+GPU and no queue slot of the run's size. The cost block sums all attempts
+(:func:`cost_over_attempts`).
+
+Torch-free: the launcher reads and writes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from imagenet_ddp.io import write_json_atomic
+from imagenet_ddp.provenance import code_version
+from imagenet_ddp.settings.geometry import SAMPLE_ORDER, Geometry, global_batch, world_size
+from imagenet_ddp.settings.kinds import digest, weight_settings
+
+RECORD = "attempts.json"
+EXIT_REQUEUE = 75  # imagenet_ddp.jobs.signals.EXIT_REQUEUE (that module imports torch)
+HEARTBEAT_SECONDS = 30.0
+_CHECKPOINT = re.compile(r"checkpoint-e(\d+)-s(\d+)\.pt$")
+# Until 2026-11-24 an entry's key hashed every setting but these, so a changed `gpu_type` or
+# `mlflow_uri` started a new count while training resumed; begin() moves the entries of today's
+# settings under that key to the current one, so a run in flight keeps its count.
+_LEGACY_NOT_IN_KEY = ("max_allocations", "checkpoint_interval_minutes", "log_interval",
+                      "timeout_minutes", "keep_checkpoints", "throughput_warmup_steps")  # fmt: skip
+
+
+def record_path(checkpoint_root: str | os.PathLike[str]) -> Path:
+    return Path(checkpoint_root) / RECORD
+
+
+def settings_key(run: dict[str, Any]) -> str:
+    """Which entries belong together: the attempts that train one line of checkpoints, keyed
+    as the checkpoints are (training.checkpoint.checkpoint_tag: the settings that change the
+    weights, the global batch, the sample order's version and the geometry but its rank
+    count). A changed `max_allocations` or `gpu_type`, or another node count with the same
+    global batch (`accumulation`), resumes the checkpoints and continues the count; a changed
+    `lr` or global batch starts both afresh."""
+    # The tag's fields, as the run states them (workers may say "auto").
+    geometry = {k: run.get(k) for k in ("cpus_per_task", "gpus_per_node", "workers")}
+    if run.get("sync_bn"):  # its checkpoints key on the rank count too
+        geometry["world"] = world_size(run)
+    order = {"global_batch": global_batch(run), "order": SAMPLE_ORDER}
+    return digest({**weight_settings(run), "geometry": geometry, **order})
+
+
+def _legacy_key(run: dict[str, Any]) -> str:
+    return digest({k: v for k, v in run.items() if k not in _LEGACY_NOT_IN_KEY})
+
+
+def _of_settings(attempts: list[dict[str, Any]], run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The entries of ``run``'s checkpoints, those recorded under the legacy key included."""
+    keys = {settings_key(run), _legacy_key(run)}
+    return [a for a in attempts if a.get("key") in keys]
+
+
+def has_record(checkpoint_root: str | os.PathLike[str]) -> bool:
+    return record_path(checkpoint_root).is_file()
+
+
+def load(checkpoint_root: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    path = record_path(checkpoint_root)
+    if not path.is_file():
+        return []
+    return json.loads(path.read_text())["attempts"]
+
+
+def _save(checkpoint_root, attempts: list[dict[str, Any]]) -> None:
+    path = record_path(checkpoint_root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {"attempts": attempts})
+
+
+def of_run(attempts: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    return [a for a in attempts if a.get("key") == key]
+
+
+def newest_checkpoint(checkpoint_root: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The newest checkpoint file under the run's checkpoint root (any geometry directory):
+    epoch, step, path, mtime. Names sort by (epoch, step) (training.checkpoint)."""
+    root = Path(checkpoint_root)
+    found = []
+    for path in root.glob("*/checkpoint-*.pt") if root.is_dir() else []:
+        match = _CHECKPOINT.search(path.name)
+        if match:
+            found.append((int(match.group(1)), int(match.group(2)), path))
+    if not found:
+        return None
+    epoch, step, path = max(found)
+    try:
+        mtime = path.stat().st_mtime
+    except FileNotFoundError:  # pruned meanwhile
+        return None
+    return {"epoch": epoch, "step": step, "path": str(path), "written": mtime}
+
+
+def made_progress(entry: dict[str, Any]) -> bool:
+    """Whether the attempt wrote a checkpoint past the point it started from."""
+    last, start = entry.get("last_checkpoint"), entry.get("start") or {}
+    return bool(last) and (last["epoch"], last["step"]) > (
+        start.get("epoch", 0),
+        start.get("step", 0),
+    )
+
+
+def _close_killed(entry: dict[str, Any], checkpoint_root) -> None:
+    """An entry its launcher never closed: it ended at its last heartbeat."""
+    entry["outcome"], entry["ended"] = "killed", entry.get("alive") or entry["started"]
+    last = newest_checkpoint(checkpoint_root)
+    if last and last["written"] >= entry["started"]:
+        entry["last_checkpoint"] = last
+
+
+def _failed_without_progress(entry: dict[str, Any]) -> bool:
+    return entry["outcome"] in ("failed", "killed") and not made_progress(entry)
+
+
+def refusal(mine: list[dict[str, Any]], attempt: int, max_allocations: int) -> str | None:
+    """Why this job must not train (None: it may). ``mine``: the run's earlier attempts, oldest
+    first, the newest closed; ``attempt``: Snakemake's attempt number in this invocation (1: not
+    a retry)."""
+    if attempt > max_allocations:
+        return (
+            f"this is job {attempt} of the run in this invocation, above its max_allocations "
+            f"({max_allocations}); raise max_allocations or rerun to continue from the newest "
+            "checkpoint"
+        )
+    if attempt == 1 or not mine:
+        return None
+    previous = mine[-1]
+    if previous["outcome"] == "refused":  # the same reason, not nested
+        return previous["error"]
+    # One retry after a failure without progress (a bad node, a transient start-up error);
+    # none after the second in a row: the cause is the run's, and a retry cannot help.
+    if len(mine) < 2 or not all(_failed_without_progress(a) for a in mine[-2:]):
+        return None
+    where = previous.get("start") or {}
+    return (
+        f"not retrying: the previous two attempts made no progress; the last (job "
+        f"{previous.get('slurm_job_id') or 'local'}, exit code {previous.get('exit_code')}, "
+        f"{previous['outcome']}) from epoch {where.get('epoch', 0)} step {where.get('step', 0)}: "
+        f"{previous.get('error') or 'see its log'}; fix the cause and rerun"
+    )
+
+
+def _closed(mine: list[dict[str, Any]], checkpoint_root) -> list[dict[str, Any]]:
+    """``mine`` with a newest entry its launcher never closed closed as killed (in place)."""
+    if mine and mine[-1].get("ended") is None:
+        _close_killed(mine[-1], checkpoint_root)
+    return mine
+
+
+def refusal_ahead(checkpoint_root, run: dict[str, Any], attempt: int) -> str | None:
+    """What :func:`begin` of this attempt will refuse, read without writing: the workflow asks
+    before it submits a retry (a refused retry needs no GPU)."""
+    if attempt == 1:
+        return None
+    mine = _closed(_of_settings(load(checkpoint_root), run), checkpoint_root)
+    return refusal(mine, attempt, int(run.get("max_allocations", 10)))
+
+
+def begin(
+    checkpoint_root,
+    run: dict[str, Any],
+    *,
+    attempt: int,
+    gpus: int,
+    cores: int,
+    shape: Geometry | None = None,
+) -> tuple[dict[str, Any], str | None]:
+    """Close a killed predecessor, append this attempt; returns (entry, refusal reason)."""
+    attempts, key = load(checkpoint_root), settings_key(run)
+    mine = _closed(_of_settings(attempts, run), checkpoint_root)
+    for entry in mine:
+        entry["key"] = key  # a legacy key's entries join the current one (saved below)
+    now = time.time()
+    entry = {
+        "attempt": len(mine) + 1,
+        "key": key,
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "snakemake_attempt": attempt,
+        "host": socket.gethostname(),
+        "started": now,
+        "alive": now,
+        "ended": None,
+        "exit_code": None,
+        "outcome": "running",
+        "start": newest_checkpoint(checkpoint_root) or {"epoch": 0, "step": 0, "path": None},
+        "last_checkpoint": None,
+        "error": None,
+        "gpus": gpus,
+        "cores": cores,
+        # nodes x ranks per node this attempt ran on, and its micro-batches per rank and step:
+        # an elastic run's attempts may differ (docs/reliability.md)
+        "shape": None if shape is None else shape.shape,
+        "accumulation": int(run.get("accumulation") or 1),
+        "code": {k: v for k, v in code_version().items() if k.startswith("git_")},
+    }
+    why = refusal(mine, attempt, int(run.get("max_allocations", 10)))
+    if why:
+        entry.update(outcome="refused", ended=now, exit_code=1, error=why)
+    attempts.append(entry)
+    _save(checkpoint_root, attempts)
+    return entry, why
+
+
+def _update(checkpoint_root, entry: dict[str, Any], **changes) -> None:
+    attempts = load(checkpoint_root)
+    for i, other in enumerate(attempts):
+        if other["key"] == entry["key"] and other["attempt"] == entry["attempt"]:
+            attempts[i] = {**other, **changes}
+    entry.update(changes)
+    _save(checkpoint_root, attempts)
+
+
+def end(checkpoint_root, entry: dict[str, Any], exit_code: int) -> None:
+    """Close this attempt: its end, exit code, outcome, newest checkpoint and first error."""
+    last = newest_checkpoint(checkpoint_root)
+    if last and last["written"] < entry["started"]:
+        last = None  # written by an earlier attempt
+    outcome = {0: "completed", EXIT_REQUEUE: "stopped"}.get(exit_code, "failed")
+    error = entry.get("error") or first_error(checkpoint_root, entry)
+    hung = hung_rank(checkpoint_root, entry["started"]) if outcome == "failed" else None
+    if hung:
+        print(f"watchdog: {hung}", flush=True)
+        error = f"{hung}; {error}" if error else hung
+    _update(
+        checkpoint_root, entry, ended=time.time(), exit_code=exit_code, outcome=outcome,
+        last_checkpoint=last, error=error,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------ errors of the ranks
+
+ERRORS_DIR = "errors"
+
+
+def record_error(checkpoint_root, rank: int, host: str, error: BaseException) -> None:
+    """A rank's uncaught error, one line, for the attempt record (worker.main calls it)."""
+    folder = Path(checkpoint_root) / ERRORS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    line = f"rank {rank} on {host}: {type(error).__name__}: {error}".splitlines()[0][:500]
+    (folder / f"rank{rank}.txt").write_text(f"{time.time()}\n{line}\n")
+
+
+def first_error(checkpoint_root, entry: dict[str, Any]) -> str | None:
+    """The earliest error a rank recorded during this attempt."""
+    found = []
+    for path in sorted((Path(checkpoint_root) / ERRORS_DIR).glob("rank*.txt")):
+        stamp, _, line = path.read_text().partition("\n")
+        if float(stamp) >= entry["started"]:
+            found.append((float(stamp), line.strip()))
+    return min(found)[1] if found else None
+
+
+PROGRESS_DIR = "progress"
+PROGRESS_SECONDS = 15.0
+HUNG_SECONDS = 60.0  # a rank this far behind the others at the end is named as hung
+
+
+class RankProgress:
+    """Each rank's last step, written every ``seconds`` from its training loop (the main
+    thread: a rank stopped or stuck in I/O stops writing), so the end of a job that a hung rank
+    ended through the process-group timeout names that rank and its host (:func:`hung_rank`)."""
+
+    def __init__(self, checkpoint_root, rank: int, host: str, seconds: float = PROGRESS_SECONDS):
+        self.path = Path(checkpoint_root) / PROGRESS_DIR / f"rank{rank}.json"
+        self.rank, self.host, self.seconds, self.last = rank, host, seconds, 0.0
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def mark(self, epoch: int, step: int) -> None:
+        now = time.time()
+        if now - self.last >= self.seconds:
+            self.last = now
+            mark = {"rank": self.rank, "host": self.host, "epoch": epoch, "step": step}
+            with contextlib.suppress(OSError):
+                write_json_atomic(self.path, {**mark, "time": now})
+
+
+def hung_rank(checkpoint_root, since: float) -> str | None:
+    """The rank whose last step lies more than HUNG_SECONDS before the others' (this attempt's
+    marks only), as one line; None when no rank fell behind."""
+    marks = []
+    for path in (Path(checkpoint_root) / PROGRESS_DIR).glob("rank*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            mark = json.loads(path.read_text())
+            if mark["time"] >= since:
+                marks.append(mark)
+    if len(marks) < 2:
+        return None
+    marks.sort(key=lambda m: m["time"])
+    behind = marks[-1]["time"] - marks[0]["time"]
+    if behind < HUNG_SECONDS:
+        return None
+    m = marks[0]
+    return (
+        f"rank {m['rank']} on {m['host']} made no step for {behind:.0f} s while the others "
+        f"trained (hung or stopped; last at epoch {m['epoch']} step {m['step']})"
+    )
+
+
+class Heartbeat:
+    """Keeps the entry's ``alive`` current while the attempt runs (a daemon thread)."""
+
+    def __init__(self, checkpoint_root, entry: dict[str, Any], seconds: float = HEARTBEAT_SECONDS):
+        self.root, self.entry, self.seconds = checkpoint_root, entry, seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.seconds):
+            with contextlib.suppress(OSError):  # a full disk: the end record says more
+                _update(self.root, self.entry, alive=time.time())
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# ------------------------------------------------------------------------ the cost sum
+
+
+def code_label(code: dict[str, Any] | None) -> str | None:
+    """One attempt's code as one word: the commit, `+dirty:<digest>` for uncommitted changes;
+    None where not known (an entry from before it was recorded, no git, no commit)."""
+    commit = (code or {}).get("git_commit")
+    if not commit or commit == "unknown":
+        return None
+    if code.get("git_dirty"):
+        return f"{commit}+dirty:{code.get('git_diff_sha256', 'unknown')}"
+    return commit
+
+
+def code_versions(attempts: list[dict[str, Any]]) -> tuple[list[str], bool]:
+    """(the code labels of the attempts, each once, in order; whether they ran different code).
+    Attempts of unknown code are left out: they neither flag a run nor clear it."""
+    labels = list(dict.fromkeys(filter(None, (code_label(a.get("code")) for a in attempts))))
+    return labels, len(labels) > 1
+
+
+def cost_over_attempts(checkpoint_root, key: str, now: float) -> dict[str, Any]:
+    """Allocations, wall time and GPU-/core-hours summed over the run's attempts (this one,
+    still running, up to ``now``), and the GPU-hours lost after the last checkpoint of each
+    interrupted attempt. ``key``: :func:`settings_key` of the run."""
+    mine = [a for a in of_run(load(checkpoint_root), key) if a["outcome"] != "refused"]
+    rows = []
+    for a in mine:
+        ended = a["ended"] if a.get("ended") is not None else now
+        wall = max(0.0, ended - a["started"])
+        interrupted = a["outcome"] in ("stopped", "failed", "killed")
+        last = a.get("last_checkpoint")
+        lost = 0.0
+        if interrupted:  # work after its newest checkpoint (all of it without one) is redone
+            lost = max(0.0, ended - (last["written"] if last else a["started"]))
+        rows.append(
+            {
+                "attempt": a["attempt"],
+                "slurm_job_id": a.get("slurm_job_id"),
+                "outcome": a["outcome"] if a.get("ended") is not None else "running",
+                "wall_seconds": wall,
+                "gpu_hours": a["gpus"] * wall / 3600,
+                "core_hours": a["cores"] * wall / 3600,
+                "lost_seconds": lost,
+                "gpu_hours_lost": a["gpus"] * lost / 3600,
+                "core_hours_lost": a["cores"] * lost / 3600,
+                "code": code_label(a.get("code")),
+                "shape": a.get("shape"),  # None: recorded before shapes were
+                "start": {k: (a.get("start") or {}).get(k) for k in ("epoch", "step")},
+                "last_checkpoint": None if not last else {k: last[k] for k in ("epoch", "step")},
+            }
+        )
+    summed = ("wall_seconds", "gpu_hours", "core_hours", "gpu_hours_lost", "core_hours_lost")
+    total = {k: sum(r[k] for r in rows) for k in summed}
+    versions, changed = code_versions(mine)
+    return {
+        "allocations": len(rows),
+        "code_versions": versions,
+        "code_changed": changed,
+        "slurm_job_ids": [r["slurm_job_id"] for r in rows if r["slurm_job_id"]],
+        **total,
+        "attempts": rows,
+    }

@@ -1,0 +1,403 @@
+"""Process-group setup shared by training, evaluation and preflight ranks: rank, GPU, rendezvous.
+
+Ranks come from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK) or, when launched by
+``srun``, from SLURM's per-task variables (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID). Local
+ranks get MASTER_ADDR/MASTER_PORT from the launcher (:mod:`imagenet_ddp.jobs.launch`); srun tasks
+derive them from the job (:func:`rendezvous_from_slurm_env`) before they join the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from imagenet_ddp.jobs.hostlist import expand_hostlist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    host: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(*names: str, default: int) -> int:
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            return int(value)
+    return default
+
+
+def dist_info_from_env() -> DistInfo:
+    return DistInfo(
+        rank=_env_int("RANK", "SLURM_PROCID", default=0),
+        world_size=_env_int("WORLD_SIZE", "SLURM_NTASKS", default=1),
+        local_rank=_env_int("LOCAL_RANK", "SLURM_LOCALID", default=0),
+        local_world_size=_env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", default=0)
+        or tasks_on_this_node(
+            os.environ.get("SLURM_STEP_TASKS_PER_NODE", ""), _env_int("SLURM_NODEID", default=0)
+        ),
+        host=socket.gethostname(),
+    )
+
+
+def tasks_on_this_node(counts: str, node_id: int) -> int:
+    """This node's entry of SLURM's per-node task counts (``SLURM_STEP_TASKS_PER_NODE``:
+    ``8(x2)``, ``2,1`` or ``3(x2),1``; set without ``--ntasks-per-node``, where
+    ``SLURM_NTASKS_PER_NODE`` is not); 1 when unset."""
+    expanded: list[int] = []
+    for part in filter(None, counts.split(",")):
+        count, _, repeat = part.partition("(x")
+        expanded += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    if not expanded:
+        return 1
+    return expanded[min(node_id, len(expanded) - 1)]
+
+
+def select_device(
+    requested: str,
+    local_rank: int,
+    gpus_per_node: int | None = None,
+    local_world_size: int | None = None,
+    timeout_minutes: float = 10.0,
+) -> torch.device:
+    """``auto`` picks this rank's GPU when the run asked for GPUs (``gpus_per_node > 0``),
+    else the CPU, even where CUDA is available (a CPU run on a GPU node stays a CPU run).
+
+    A job that asked SLURM for GPUs never falls back to the CPU: on a node where CUDA is
+    unusable (driver, ``CUDA_VISIBLE_DEVICES``, a CPU build of torch) that would burn the GPU
+    allocation at CPU speed and report CPU figures as the run's.
+    Sites bind GPUs to tasks in several ways (docs/slurm-notes.md): every task sees all GPUs
+    of the node (``--gres=gpu:N``), only its own (``--gpus-per-task=1``, a MIG instance), or
+    a subset it shares with some other tasks (``--gpu-bind=closest``: a socket's GPUs, each
+    renumbered from 0). A rank takes the GPU at its position among the ranks of its node that
+    see the same GPUs (:func:`gpu_index`, learned through the rendezvous store:
+    :func:`ranks_sharing_my_gpus`), which gives each rank its own in every one of these.
+    ``torch.cuda.set_device`` comes first, before the process group and any CUDA tensor, so
+    NCCL and the caching allocator never touch GPU 0 from every rank. ``timeout_minutes``:
+    how long to wait for the other ranks at the store (the run's, as the process group's).
+    """
+    wants_gpu = requested == "cuda" or (requested == "auto" and (gpus_per_node or 0) > 0)
+    if requested == "cpu" or not wants_gpu:
+        return torch.device("cpu")
+    if os.environ.get(FAKE_GPUS) == "1":  # the test cluster: choose as below, compute on CPU
+        ids = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+        key = lambda: ",".join(ids)  # noqa: E731 - the physical indices stand for UUIDs here
+        index = _choose_gpu(local_rank, len(ids), local_world_size, key, timeout_minutes)
+        WOULD_SELECT[:] = [f"cuda:{index}"]
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        why = f"gpus_per_node is {gpus_per_node}" if gpus_per_node else "device is 'cuda'"
+        raise RuntimeError(
+            f"host {socket.gethostname()}: {why} but CUDA is unusable here "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda}, "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
+            "check the node's driver and the job's GPU request, or set gpus_per_node: 0"
+        )
+    count = torch.cuda.device_count()
+    key = lambda: visible_gpus_key(count)  # noqa: E731
+    index = _choose_gpu(local_rank, count, local_world_size, key, timeout_minutes)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def visible_gpus_key(count: int) -> str:
+    """The physical GPUs this process sees (their UUIDs): equal for two ranks exactly when
+    they see the same GPUs, however each numbers them. Reads properties only: no CUDA
+    context is created on any GPU (only a real GPU shows it; docs/proven.md)."""
+    return ",".join(str(torch.cuda.get_device_properties(i).uuid) for i in range(count))
+
+
+def _choose_gpu(
+    local_rank: int, visible: int, local_world_size: int | None, key, minutes: float
+) -> int:
+    """:func:`gpu_index` with the ranks sharing this rank's GPUs: from the rendezvous store
+    when there are several ranks, else this rank alone (one GPU) or all local ranks."""
+    info = dist_info_from_env()
+    if info.world_size > 1 and visible > 0:
+        sharing = ranks_sharing_my_gpus(rendezvous_store(info, minutes), info, key())
+    elif visible == 1:
+        sharing = [local_rank]
+    else:
+        sharing = list(range(max(local_world_size or 1, local_rank + 1)))
+    return gpu_index(local_rank, visible, sharing)
+
+
+# Tests only: the local SLURM cluster's GPUs are device files (tests/slurm_cluster). With this
+# set to 1, a rank that would use a GPU chooses it from CUDA_VISIBLE_DEVICES exactly as on a
+# GPU node, records the choice in WOULD_SELECT, and computes on the CPU (gloo).
+FAKE_GPUS = "IMAGENET_DDP_FAKE_GPUS"
+WOULD_SELECT: list[str] = []
+
+
+def gpu_index(local_rank: int, visible: int, sharing: list[int]) -> int:
+    """The index, among the ``visible`` GPUs, of this rank's GPU: its position among
+    ``sharing``, the local ranks of its node that see the same GPUs (itself included). The
+    one choice that training, evaluation and the preflight (what a rank would use) all make.
+
+    All GPUs visible to every rank: the local rank. One each: 0. A per-socket subset shared by
+    some ranks: the rank's position among them, whatever order the site's distribution gives
+    them (block: 0-3 and 4-7; cyclic: even and odd)."""
+    position = sorted(sharing).index(local_rank)
+    if position < visible:
+        return position
+    devices = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+    raise RuntimeError(
+        f"host {socket.gethostname()}: local ranks {', '.join(map(str, sorted(sharing)))} "
+        f"see the same {visible} GPU(s) (CUDA_VISIBLE_DEVICES={devices}), so local rank "
+        f"{local_rank} has no GPU of its own; set tasks_per_node to gpus_per_node, and where "
+        "the site binds GPUs per task (--gpu-bind, --gpus-per-task, MIG) give each task its "
+        "own GPU or at least as many as the tasks that share them"
+    )
+
+
+def ranks_sharing_my_gpus(store, info: DistInfo, key: str) -> list[int]:
+    """The local ranks of this node whose visible GPUs are the same as this rank's (``key``:
+    :func:`visible_gpus_key`), from every rank's entry in the rendezvous ``store``."""
+    store.set(f"imagenet_ddp/visible/{info.rank}", json.dumps([info.host, info.local_rank, key]))
+    entries = [json.loads(store.get(f"imagenet_ddp/visible/{r}")) for r in range(info.world_size)]
+    return sorted(local for host, local, k in entries if host == info.host and k == key)
+
+
+def placement(info: DistInfo, device: torch.device) -> dict[str, object]:
+    """Where this rank ran: recorded per rank in train_metrics.json and eval.json."""
+    return {
+        "rank": info.rank,
+        "local_rank": info.local_rank,
+        "host": info.host,
+        "device": str(device),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        **({"would_select": WOULD_SELECT[0]} if WOULD_SELECT else {}),
+        "gloo_socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+        "pid": os.getpid(),
+    }
+
+
+def gpu_identity(device: torch.device) -> str:
+    """The physical GPU behind ``device`` (its UUID): the same for two ranks sharing it."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def shared_gpus(placements: list[dict]) -> list[str]:
+    """One line per GPU that more than one rank uses ({rank, host, gpu} per rank)."""
+    users: dict[tuple[str, str], list[int]] = {}
+    for p in placements:
+        if p.get("gpu"):
+            users.setdefault((p["host"], p["gpu"]), []).append(p["rank"])
+    return [
+        f"host {host}: ranks {', '.join(map(str, ranks))} share GPU {gpu}"
+        for (host, gpu), ranks in sorted(users.items())
+        if len(ranks) > 1
+    ]
+
+
+def _check_gpus_not_shared(store, info: DistInfo, device: torch.device) -> None:
+    """Fail every rank at start, in one line, if another rank uses its GPU (two ranks on one
+    GPU: NCCL refuses or hangs, and the run's throughput would be half of what it states).
+    Through the rendezvous store, before NCCL exists; CPU ranks publish no GPU."""
+    gpu = gpu_identity(device) if device.type == "cuda" else None
+    mine = {"rank": info.rank, "host": info.host, "gpu": gpu}
+    store.set(f"imagenet_ddp/placement/{info.rank}", json.dumps(mine))
+    placements = [
+        json.loads(store.get(f"imagenet_ddp/placement/{r}")) for r in range(info.world_size)
+    ]
+    problems = shared_gpus(placements)
+    if problems:
+        raise RuntimeError(
+            "; ".join(problems) + ": give each rank its own GPU (tasks_per_node equal to "
+            "gpus_per_node; where the site binds GPUs per task, --gpu-bind or --gpus-per-task "
+            "that leave no two tasks one GPU or MIG instance)"
+        )
+    _PLACEMENTS[:] = placements
+
+
+_PLACEMENTS: list[dict] = []  # every rank's {rank, host, gpu}, from the rendezvous
+
+
+def node_gpu_uuids(info: DistInfo, device: torch.device) -> list[str]:
+    """UUIDs of the GPUs the ranks on this rank's node use, in rank order (what telemetry
+    samples: NVML ignores CUDA_VISIBLE_DEVICES, so indices would name other jobs' GPUs)."""
+    if device.type != "cuda":
+        return []
+    if not _PLACEMENTS:  # one process: no rendezvous
+        return [gpu_identity(device)]
+    return [p["gpu"] for p in _PLACEMENTS if p["host"] == info.host and p["gpu"]]
+
+
+# Below Linux's default ephemeral range (32768-60999), so it cannot collide with client ports.
+MASTER_PORT_BASE, MASTER_PORT_SPAN = 15000, 15000
+
+
+def master_port(job_id: int) -> int:
+    """A port derived from the job id: concurrent jobs sharing a node rarely collide."""
+    return MASTER_PORT_BASE + job_id % MASTER_PORT_SPAN
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM hostlist expression -> host names, parsed here: no ``scontrol`` in a rank (a
+    container image has no SLURM client)."""
+    return expand_hostlist(nodelist)
+
+
+def rendezvous_from_slurm_env() -> None:
+    """Set MASTER_ADDR/MASTER_PORT in an srun task from the variables srun gives every task
+    (the first node of the step, a port from the job id), and GLOO_SOCKET_IFNAME on several
+    nodes. What a variable set by the user or by torchrun says wins."""
+    if "MASTER_ADDR" not in os.environ:
+        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ["SLURM_JOB_NODELIST"]
+        os.environ["MASTER_ADDR"] = expand_nodelist(nodelist)[0]
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(master_port(int(os.environ["SLURM_JOB_ID"])))
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+        others = [h for h in expand_nodelist(nodelist) if h != socket.gethostname()]
+        if others:  # several nodes: the gloo group beside NCCL must not bind loopback
+            with contextlib.suppress(OSError):
+                os.environ["GLOO_SOCKET_IFNAME"] = interface_towards(others[0])
+
+
+def interface_towards(host: str) -> str:
+    """The network interface this node uses to reach ``host``.
+
+    Gloo (the CPU group that carries the stop-signal agreement beside NCCL) binds the address
+    its own hostname resolves to; where that is 127.0.1.1 (Debian's /etc/hosts default) ranks
+    on other nodes cannot connect. The kernel's route to another node of the job names the
+    right interface; GLOO_SOCKET_IFNAME set by the user wins.
+    """
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(host), 9))  # UDP: nothing is sent
+        local = probe.getsockname()[0]
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                request = struct.pack("256s", name[:15].encode())
+                address = fcntl.ioctl(s.fileno(), 0x8915, request)[20:24]  # SIOCGIFADDR
+            except OSError:  # no IPv4 address on this interface
+                continue
+        if socket.inet_ntoa(address) == local:
+            return name
+    raise OSError(f"no interface holds {local}, the address towards {host}")
+
+
+def init_process_group(
+    info: DistInfo, device: torch.device, backend: str, timeout_minutes: float
+) -> None:
+    """Join the job's process group (a no-op for a single process).
+
+    ``timeout_minutes`` (the run's ``timeout_minutes``, default 10) bounds how long a rank
+    waits in one collective for the others: a rank that hangs (stopped, stuck in I/O) ends the
+    job after this long. A rank that *dies* (SIGKILL, OOM killer) ends it sooner: the launcher
+    stops the others at once (``srun --kill-on-bad-exit=1``; locally
+    :func:`imagenet_ddp.jobs.launch.spawn_local_ranks`), and gloo's peers see its sockets close.
+    The longest legitimate wait is rank 0 writing a checkpoint while the others wait at the
+    barrier after it; staging is its own step before the ranks start.
+    NCCL (GPU only, not run here): a collective with a dead or hung peer never returns by
+    itself; the process group's watchdog thread aborts it after the timeout and, with
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (set below unless the site set it), tears the process
+    down ("Watchdog caught collective operation timeout" in the log, naming the collective's
+    sequence number), so the job ends instead of holding its GPUs.
+    """
+    if info.world_size == 1:
+        return
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    store = rendezvous_store(info)
+    store.set_timeout(timeout)
+    _check_gpus_not_shared(store, info, device)
+    if backend == "nccl":
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    # device_id: NCCL's communicator is created now, on this rank's GPU (not lazily on
+    # whatever device is current at the first collective), and barrier() knows the device.
+    dist.init_process_group(
+        backend=backend,
+        store=store,
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def rendezvous_store(info: DistInfo, minutes: float = 10.0):
+    """The job's rendezvous store (env://: MASTER_ADDR/PORT, or torchrun's agent store), made
+    once per process: :func:`select_device` compares the ranks' GPUs through it before it picks
+    one, and :func:`init_process_group` then builds the process group on it."""
+    if not _STORE:
+        if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:  # an srun task
+            rendezvous_from_slurm_env()
+        timeout = datetime.timedelta(minutes=minutes)
+        _STORE.append(
+            next(dist.rendezvous("env://", info.rank, info.world_size, timeout=timeout))[0]
+        )
+    return _STORE[0]
+
+
+_STORE: list = []  # this process's rendezvous store, once made
+
+
+def destroy_process_group() -> None:
+    _STORE.clear()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def broadcast_buffers(module: torch.nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running statistics).
+
+    DDP broadcasts them at the start of each forward pass, so after the last training step each
+    rank holds the statistics of its own last batch; rank 0's are the ones saved.
+    """
+    if is_distributed():
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=0)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def all_gather_objects(obj: object) -> list[object]:
+    if not is_distributed():
+        return [obj]
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()

@@ -1,0 +1,213 @@
+"""Stop signals: how a job that SLURM (or a user) ends keeps its progress.
+
+SLURM sends SIGTERM to *every* process of every step at the time limit, on ``scancel`` and on
+preemption (and ``--signal=USR1@N`` sends SIGUSR1 the same way); a terminal's Ctrl-C sends SIGINT
+to the whole foreground process group. So the signal reaches each rank, each rank's DataLoader
+workers, the launcher and ``srun`` at once. The rules here:
+
+- A rank only records the signal (:class:`StopFlag`); all ranks agree on it at a step boundary,
+  rank 0 writes a checkpoint and every rank exits with :data:`EXIT_REQUEUE`.
+- DataLoader workers ignore the stop signals (:func:`ignore_stop_signals`, their
+  ``worker_init_fn``): a worker killed by SIGTERM makes its rank raise "DataLoader worker is
+  killed by signal" before any checkpoint. They are started by a fork server
+  (:func:`loader_context`), not forked from the rank: a rank has gloo's and the loaders'
+  threads, and a child forked while one of them held a lock can hang for ever (seen: an
+  evaluation worker stuck at start, its rank waiting for its first batch). The server ignores
+  the stop signals from its start (:mod:`imagenet_ddp.jobs.loader_server`), and workers are started
+  with the signals blocked (:func:`stop_signals_blocked`).
+- The launcher survives the signal, passes it on to the ranks, waits for them and returns
+  their exit code (:class:`ForwardStopSignals`). Ranks it started itself get the signal;
+  ``srun`` gets SIGUSR1 and nothing else: srun answers SIGTERM, SIGHUP and SIGQUIT by killing
+  its step (SIGKILL), and a second SIGINT within a second too, whereas it passes SIGUSR1 on to
+  its tasks unchanged (SLURM's ``src/srun`` signal handling; docs/slurm-notes.md section 7).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+EXIT_REQUEUE = 75  # EX_TEMPFAIL: interrupted after writing a checkpoint; rerun to resume
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# The launcher also stops on SIGHUP (the terminal of an interactive allocation closed).
+LAUNCHER_SIGNALS = (*STOP_SIGNALS, signal.SIGHUP)
+# What srun passes on to its tasks unchanged (and the ranks take for a stop).
+SRUN_STOP_SIGNAL = signal.SIGUSR1
+
+
+def ignore_stop_signals(_worker_id: int | None = None) -> None:
+    """DataLoader ``worker_init_fn``: the rank decides when to stop; its workers never die of
+    a stop signal (they exit when the rank shuts them down, or when it is gone)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def loader_context() -> multiprocessing.context.BaseContext:
+    """The ``multiprocessing_context`` of every DataLoader with workers (see the module doc)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["imagenet_ddp.jobs.loader_server"])
+    return context
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Block the stop signals in this thread while DataLoader workers are forked.
+
+    A forked worker inherits the mask, so a signal sent between its fork and its
+    ``worker_init_fn`` stays pending until :func:`ignore_stop_signals` discards it. In this
+    process a signal that arrives meanwhile is delivered when the block ends.
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class StopFlag:
+    """Set by a stop signal; checked at step boundaries and agreed on by all ranks.
+
+    :meth:`poll` agrees without ever synchronizing the GPU: each rank's flag goes into an
+    asynchronous all-reduce (max) on a CPU (gloo) group, started at one check and read at the
+    next, ``interval`` steps later, when it has long finished. All ranks call :meth:`poll` at the
+    same steps and read the same reduced value, so they stop at the same step: at most two
+    intervals after the first rank was signalled.
+
+    The same reduction carries a second flag: a checkpoint is due (``checkpoint_seconds`` since
+    the last one on any rank's clock, :meth:`checkpointed` resets it). After :meth:`poll`,
+    ``checkpoint_due`` says whether all ranks agreed to write one now (a SIGKILL gives no
+    warning: this bounds the work it loses).
+    """
+
+    def __init__(self, interval: int, checkpoint_seconds: float = 0.0) -> None:
+        self.interval = interval
+        self.signalled = 0
+        self.checkpoint_seconds = checkpoint_seconds
+        self.checkpoint_due = False
+        self._last_checkpoint = time.monotonic()
+        self._group = None
+        self._pending: tuple[torch.Tensor, object] | None = None
+
+    def catch(self) -> None:
+        """Record the stop signals from now on: call first thing in a rank, so a signal that
+        comes while it starts up (e.g. ``--signal=USR1@N`` early) stops it at its first step
+        instead of killing it (their default action)."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handler)
+
+    def install(self) -> None:
+        """Catch the stop signals; call after the process group is up (all ranks: collective)."""
+        self.catch()
+        if dist.is_available() and dist.is_initialized() and self._group is None:
+            # NCCL only reduces GPU tensors; a CPU group keeps the flag off the GPU's stream.
+            gloo = dist.get_backend() == "gloo"
+            self._group = dist.group.WORLD if gloo else dist.new_group(backend="gloo")
+
+    def _handler(self, signum, frame) -> None:
+        self.signalled = signum
+
+    def cause(self) -> str:
+        """' by SIGUSR1' (the signal this rank got) for its log; '' if it got none (another
+        rank's signal, or a test's stop)."""
+        return f" by {signal.Signals(self.signalled).name}" if self.signalled else ""
+
+    def checkpointed(self) -> None:
+        """A checkpoint was just written: the interval starts again."""
+        self._last_checkpoint = time.monotonic()
+        self.checkpoint_due = False
+
+    def _local(self) -> torch.Tensor:
+        elapsed = time.monotonic() - self._last_checkpoint
+        due = 0 < self.checkpoint_seconds <= elapsed
+        return torch.tensor([1.0 if self.signalled else 0.0, 1.0 if due else 0.0])
+
+    def poll(self, step: int) -> bool:
+        """Call after every step with the count of steps this process ran (the same on all
+        ranks): True when all must stop now; sets ``checkpoint_due``."""
+        self.checkpoint_due = False
+        if step % self.interval:
+            return False
+        if not (dist.is_available() and dist.is_initialized()):
+            flags = self._local()
+            self.checkpoint_due = bool(flags[1])
+            return bool(self.signalled)
+        stop = False
+        if self._pending is not None:
+            flag, work = self._pending
+            work.wait()
+            stop, self.checkpoint_due = bool(flag[0]), bool(flag[1])
+        flag = self._local()
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._pending = (flag, work)
+        return stop
+
+    def settle(self) -> None:
+        """Wait for a pending agreement (before the process group is destroyed)."""
+        if self._pending is not None:
+            self._pending[1].wait()
+            self._pending = None
+
+    def agreed(self) -> bool:
+        """Synchronous agreement (at epoch ends); also settles a pending :meth:`poll`."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return bool(self.signalled)
+        self.settle()
+        flag = self._local()[:1]
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
+
+
+class ForwardStopSignals:
+    """While active, a stop signal to this process is recorded and passed on to ``children``.
+
+    The launcher must outlive the signal: it waits for the ranks to write their checkpoint and
+    returns their exit code. ``srun=False`` (ranks started here): SIGTERM and SIGUSR1 are
+    passed on as they came, SIGINT and SIGHUP as SIGTERM. ``srun=True`` (the child is srun):
+    whatever came is passed on as SIGUSR1, which srun forwards to its tasks unchanged; SIGTERM
+    or SIGHUP would make srun kill the step, SIGINT only print its status (twice within a
+    second: kill it). :meth:`relay` sends it again (a signal srun gets while it is still
+    launching its step is not forwarded).
+    """
+
+    def __init__(
+        self, children: Sequence[subprocess.Popen] | None = None, *, srun: bool = False
+    ) -> None:
+        self.children = list(children or [])
+        self.received = 0
+        self.srun = srun
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> ForwardStopSignals:
+        for sig in LAUNCHER_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._forward)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _forward(self, signum, frame) -> None:
+        self.received = self.received or signum
+        self.relay(signum)
+
+    def relay(self, signum: int | None = None) -> None:
+        """Pass a stop on to the children still running (``signum``: the one received)."""
+        signum = signum or self.received
+        if self.srun:
+            forwarded = SRUN_STOP_SIGNAL
+        elif signum in (signal.SIGINT, signal.SIGHUP):
+            forwarded = signal.SIGTERM
+        else:
+            forwarded = signum
+        for child in self.children:
+            if child.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.send_signal(forwarded)

@@ -1,0 +1,278 @@
+"""One typed spec describes a training, preflight or evaluation job; every process reads it.
+
+The rule builds the whole spec once (workflow/rules/common.smk ``job_json``) and passes it as
+one value, ``imagenet-ddp train --job '<json>'`` (or a file by hand); the CLI parses it once
+(:func:`parse`), resolves the launcher and writes it atomically into the job's folder
+(:func:`write_spec`). The launcher passes only that file's path to the per-node steps
+(staging, cleanup) and to every rank, which read it back (:func:`read_spec`) into the same
+frozen dataclasses: nothing downstream re-packs it or reads a dict key.
+
+A training spec (:class:`TrainJob`), as JSON::
+
+    {"kind": "train",
+     "run": {...},          # the run's settings, geometry included (training.config.TrainConfig)
+     "paths": {"prepared_train", "split_dir", "run_dir", "checkpoint_root"},
+     "execution": {"launcher", "launch_prefix", "srun_extra", "attempt",
+                   "stage": {"scratch_dir", "verify", "cleanup"}}}
+
+A preflight spec (:class:`PreflightJob`) has ``"kind": "preflight"``, ``paths`` (prepared_train,
+split_dir, out = preflight.json, checkpoint_root) and ``train_runtime_minutes``; it stages like
+training. An evaluation spec (:class:`EvalJob`) has ``"kind": "evaluate"``, ``geometry``,
+``settings`` (batch_size, workers, device), ``paths`` (model, prepared_train, prepared_val,
+split_dir, classes, out, per_class) and ``execution`` (no ``stage``: it reads in place).
+
+A missing or unknown key is refused with one line naming the file and the key.
+Torch-free: the launcher process reads it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from imagenet_ddp.errors import InputError
+from imagenet_ddp.io import write_json_atomic
+from imagenet_ddp.settings.geometry import LAUNCH_KEYS, Geometry
+
+TRAIN_SPEC = "job_spec.json"  # in the run folder
+EVAL_SPEC = "eval_spec.json"  # beside eval.json
+PREFLIGHT_SPEC = "preflight_spec.json"  # beside preflight.json
+STAGING_DIR = "staging"  # <run folder>/staging/<host>.json: one report per node
+
+
+class SpecError(InputError):
+    """A job spec that cannot be read: the message names the file (or value) and the key."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """How each node stages the prepared train set (config.yaml ``stage``)."""
+
+    scratch_dir: str  # "": $SLURM_TMPDIR, else $TMPDIR, else /tmp (stage.scratch_root)
+    verify: str  # size | sha256
+    cleanup: bool
+
+
+@dataclass(frozen=True)
+class Execution:
+    """Where and how the job runs: the site's settings, not results (no rerun when they
+    change; the rule passes them as a resource)."""
+
+    launcher: str  # auto | local | srun; the CLI resolves auto before writing the spec
+    launch_prefix: str  # the rule's mpi resource: the command starting the ranks' step
+    srun_extra: str  # extra srun flags, space separated
+    attempt: int = 1  # Snakemake's attempt: a resubmission if > 1
+    stage: Stage | None = None  # train and preflight: how the prepared copy is staged
+
+    def __post_init__(self) -> None:
+        if self.launcher not in ("auto", "local", "srun"):
+            raise SpecError(f"execution.launcher {self.launcher!r}: give auto, local or srun")
+
+
+@dataclass(frozen=True)
+class TrainPaths:
+    prepared_train: Path
+    split_dir: Path
+    run_dir: Path
+    checkpoint_root: Path
+
+
+@dataclass(frozen=True)
+class PreflightPaths:
+    prepared_train: Path
+    split_dir: Path
+    out: Path  # preflight.json
+    checkpoint_root: Path  # where train writes its checkpoints: the write rate is measured there
+
+    @property
+    def run_dir(self) -> Path:
+        """The preflight's folder: its staging reports and spec."""
+        return self.out.parent
+
+
+@dataclass(frozen=True)
+class EvalPaths:
+    model: Path
+    prepared_train: Path
+    prepared_val: Path
+    split_dir: Path
+    classes: Path
+    out: Path  # eval.json
+    per_class: Path
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    batch_size: int
+    workers: int | str  # a number, or auto: cpus_per_task - 1
+    device: str = "auto"  # auto | cpu | cuda
+
+
+def _check_run(run: dict[str, Any]) -> None:
+    missing = [key for key in LAUNCH_KEYS if key not in run]
+    if missing:
+        raise SpecError(
+            f"run {run.get('run')!r}: the run settings lack {', '.join(missing)}; give the "
+            "job's geometry in the run settings (the workflow's rule always does)"
+        )
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """One training job of a run."""
+
+    kind: ClassVar[str] = "train"
+    run: dict[str, Any]  # every run setting, geometry included (TrainConfig.from_dict)
+    paths: TrainPaths
+    execution: Execution
+
+    def __post_init__(self) -> None:
+        if self.execution.stage is None:
+            raise SpecError("missing key execution.stage: a training job stages its data")
+
+    @property
+    def geometry(self) -> Geometry:
+        """The job's geometry, from its run (a rank started by hand, torchrun, reads it from
+        the ranks that started and needs none; the launcher does)."""
+        _check_run(self.run)
+        return Geometry.of(self.run)
+
+    @property
+    def name(self) -> str:
+        return str(self.run.get("run"))
+
+
+@dataclass(frozen=True)
+class PreflightJob(TrainJob):
+    """The preflight of a run: its training job's run, staging and geometry."""
+
+    kind: ClassVar[str] = "preflight"
+    paths: PreflightPaths
+    # The train rule's time limit per allocation (None: none); the projection counts the
+    # allocations of that length the run needs.
+    train_runtime_minutes: float | None = None
+
+
+@dataclass(frozen=True)
+class EvalJob:
+    """One evaluation job of a run's model."""
+
+    kind: ClassVar[str] = "evaluate"
+    geometry: Geometry
+    settings: EvalSettings
+    paths: EvalPaths
+    execution: Execution
+
+
+KINDS: dict[str, type] = {cls.kind: cls for cls in (TrainJob, PreflightJob, EvalJob)}
+Job = TrainJob | EvalJob  # PreflightJob is a TrainJob
+
+
+def _dataclass_in(hint: Any) -> type | None:
+    """The dataclass a field holds (``Stage | None``: Stage), else None."""
+    for option in typing.get_args(hint) or (hint,):
+        if dataclasses.is_dataclass(option):
+            return option
+    return None
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """``cls`` from the JSON object ``data``; ``where``: its key path, for the error."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{where.rstrip('.') or 'the spec'} must be a JSON object")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise SpecError(f"unknown key {where}{unknown[0]} (known: {', '.join(fields)})")
+    for name, f in fields.items():
+        no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if no_default and name not in data:
+            raise SpecError(f"missing key {where}{name}")
+    values = {}
+    for name, value in data.items():
+        nested = _dataclass_in(hints[name])
+        if nested is not None and value is not None:
+            value = _build(nested, value, f"{where}{name}.")
+        elif Path in (typing.get_args(hints[name]) or (hints[name],)) and value is not None:
+            value = Path(value)
+        values[name] = value
+    return cls(**values)
+
+
+def from_dict(data: Any, kinds: str | tuple[str, ...] | None = None) -> Job:
+    """The job ``data`` (a parsed spec) describes, of one of ``kinds`` (any kind: None)."""
+    if not isinstance(data, dict):
+        raise SpecError("a job spec must be a JSON object")
+    data = dict(data)
+    kind = data.pop("kind", None)
+    allowed = (kinds,) if isinstance(kinds, str) else kinds or tuple(KINDS)
+    if kind not in allowed:
+        raise SpecError(f"key kind is {kind!r}; expected {' or '.join(map(repr, allowed))}")
+    return _build(KINDS[kind], data, "")
+
+
+def to_dict(job: Job) -> dict[str, Any]:
+    """The spec as JSON values (paths as strings), ``kind`` first."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, Path):
+            return str(value)
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    return {"kind": job.kind, **plain(dataclasses.asdict(job))}
+
+
+def parse(text: str, kinds: str | tuple[str, ...] | None = None, source: str = "") -> Job:
+    """The job of a spec's JSON ``text``; ``source`` (a file) names it in the error."""
+    where = source or "--job"
+    try:
+        return from_dict(json.loads(text), kinds)
+    except json.JSONDecodeError as error:
+        raise SpecError(f"{where}: not JSON ({error})") from None
+    except (SpecError, TypeError) as error:
+        raise SpecError(f"{where}: {error}") from None
+
+
+def load(value: str, kinds: str | tuple[str, ...] | None = None) -> Job:
+    """``--job``'s value: a spec's JSON text (the rule's), or the path of a spec file."""
+    if value.lstrip().startswith("{"):
+        return parse(value, kinds)
+    return read_spec(value, kinds)
+
+
+def read_spec(path: str | os.PathLike[str], kinds: str | tuple[str, ...] | None = None) -> Job:
+    """The job of the spec file at ``path``, of one of ``kinds``."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise SpecError(f"{path}: cannot read the job spec ({error.strerror})") from None
+    return parse(text, kinds, source=str(path))
+
+
+def write_spec(path: str | os.PathLike[str], job: Job) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, to_dict(job))
+    return path
+
+
+def with_launcher(job: Job, launcher: str) -> Job:
+    """``job`` with its execution's launcher replaced (auto resolved where it runs)."""
+    return dataclasses.replace(job, execution=dataclasses.replace(job.execution, launcher=launcher))
+
+
+def staging_report_path(run_dir: str | os.PathLike[str], host: str) -> Path:
+    return Path(run_dir) / STAGING_DIR / f"{host}.json"
+
+
+def staged_copy(run_dir: str | os.PathLike[str], host: str) -> Path:
+    """The node-local copy of the prepared train set that ``host`` staged for this run."""
+    return Path(json.loads(staging_report_path(run_dir, host).read_text())["dest"])

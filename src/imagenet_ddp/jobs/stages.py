@@ -1,0 +1,85 @@
+"""The train and evaluate stages at the job level: write the job spec, start the ranks through
+the launcher, record the job. The per-rank code is :mod:`imagenet_ddp.training.worker` and
+:mod:`imagenet_ddp.evaluation.evaluate`; both read the typed spec this module writes
+(:class:`imagenet_ddp.jobs.spec.TrainJob`, ``EvalJob``).
+
+Torch-free: this runs in the rule's process, which only waits for the ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from imagenet_ddp.io import write_json_atomic
+from imagenet_ddp.jobs.spec import (
+    EVAL_SPEC,
+    TRAIN_SPEC,
+    EvalJob,
+    TrainJob,
+    with_launcher,
+    write_spec,
+)
+from imagenet_ddp.provenance import provenance_path, write_provenance
+from imagenet_ddp.settings.geometry import LAUNCH_KEYS
+
+
+def resolve_launcher(launcher: str, environ=None) -> str:
+    """``auto``: ``srun`` inside a SLURM allocation (the job's own SLURM_JOB_ID, which the
+    SLURM executor's job step keeps), ``local`` elsewhere. Decided where the job runs, so no
+    ``--config`` on the Snakemake command line can change it."""
+    if launcher != "auto":
+        return launcher
+    return "srun" if (os.environ if environ is None else environ).get("SLURM_JOB_ID") else "local"
+
+
+def train_job(job: TrainJob) -> int:
+    """Train one run as ``job.run``'s geometry of ranks; on success write ``job.json`` and the
+    provenance beside ``model.pt``.
+
+    ``job.run``: the run's settings as the rule resolved them (``train_defaults`` merged in),
+    geometry included: the worker checks the ranks that started against it and keys
+    checkpoints by it.
+    """
+    from imagenet_ddp.jobs.launch import run_training
+
+    _ = job.geometry  # a run without its geometry is refused before anything is written
+    job = with_launcher(job, resolve_launcher(job.execution.launcher))
+    run_dir = job.paths.run_dir
+    spec_path = write_spec(run_dir / TRAIN_SPEC, job)
+    started = time.time()
+    code = run_training(job, spec_path)
+    if code != 0:
+        return code
+    record = {
+        "launcher": job.execution.launcher,
+        **{key: job.run[key] for key in LAUNCH_KEYS},
+        "wall_seconds": time.time() - started,
+        "spec": str(spec_path),
+    }
+    write_json_atomic(run_dir / "job.json", record)
+    # The worker's resolved settings (every default filled in), beside the model.
+    config = json.loads((run_dir / "train_metrics.json").read_text())["config"]
+    provenance = provenance_path(run_dir / "model.pt")
+    write_provenance(provenance, "train", config, seeds={"train": config["seed"]})
+    return 0
+
+
+def evaluate_job(job: EvalJob) -> int:
+    """Evaluate a model on ``job.geometry``'s ranks; rank 0 writes ``job.paths.out``
+    (eval.json), to which the launcher's wall time (process start-up and model loading
+    included) is added."""
+    from imagenet_ddp.jobs.launch import run_evaluation
+
+    job = with_launcher(job, resolve_launcher(job.execution.launcher))
+    out = job.paths.out
+    spec_path = write_spec(out.with_name(EVAL_SPEC), job)
+    started = time.time()
+    code = run_evaluation(job, spec_path)
+    if code != 0:
+        return code
+    result = json.loads(out.read_text())
+    result["evaluation"]["job_wall_seconds"] = time.time() - started
+    write_json_atomic(out, result)
+    return 0

@@ -1,0 +1,1 @@
+"""What a running job reports: TensorBoard, MLflow, W&B, NVML, its cost."""

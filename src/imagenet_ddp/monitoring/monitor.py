@@ -1,0 +1,191 @@
+"""Rank 0's watch over a training job: TensorBoard (and MLflow with ``mlflow_uri``, W&B with
+``wandb_project``), NVML
+telemetry and the cost block.
+
+The training loop calls four methods (:meth:`RunMonitor.step` at every step, :meth:`epoch`
+after each epoch, :meth:`finish` for ``train_metrics.json``, :meth:`close` in a ``finally``);
+on every rank but 0 they do nothing, so the loop needs no rank test and no collective runs
+here. Failures to write TensorBoard files, MLflow or W&B records never end a training: they are
+printed once and that part is switched off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from imagenet_ddp.jobs import distributed as D
+from imagenet_ddp.monitoring.cost import cost_block
+from imagenet_ddp.monitoring.telemetry import GpuSampler, unavailable
+
+__all__ = ["RunMonitor"]
+
+
+# The experiment trackers beside TensorBoard: (attribute of RunMonitor, name in messages).
+TRACKERS = (("tracker", "MLflow"), ("wandb", "W&B"))
+
+
+class RunMonitor:
+    """Inactive (every method a no-op) unless ``active``; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        active: bool,
+        run_dir: Path,
+        geometry: dict[str, int],
+        steps_per_epoch: int,
+        log_interval: int,
+        world_size: int,
+        batch_size: int,
+        resumed: bool,
+        sampler: GpuSampler | None = None,
+        tensorboard: bool = True,
+        mlflow: dict[str, Any] | None = None,
+        wandb: dict[str, Any] | None = None,
+    ):
+        self.active, self.geometry, self.resumed = active, geometry, resumed
+        self.steps_per_epoch, self.interval = steps_per_epoch, log_interval
+        self.world_size, self.batch_size = world_size, batch_size
+        self.started = time.monotonic()
+        self.mark: tuple[float, int] | None = None  # (perf_counter, meter.steps) of last line
+        self.sampler = self.board = self.tracker = self.wandb = None
+        if not active:
+            return
+        self.sampler = (sampler or GpuSampler(geometry["gpus_per_node"])).start()
+        if tensorboard:
+            try:
+                from imagenet_ddp.monitoring.tensorboard_log import TensorBoardLog
+
+                self.board = TensorBoardLog(run_dir / "tensorboard", fresh=not resumed)
+            except Exception as error:  # e.g. tensorboard not installed: train without it
+                print(f"TensorBoard off: {type(error).__name__}: {error}", flush=True)
+        if mlflow:  # MlflowLog's keyword arguments (uri, run_name, state_dir, params)
+            try:
+                from imagenet_ddp.monitoring.mlflow_log import MlflowLog
+
+                self.tracker = MlflowLog(**mlflow, fresh=not resumed)
+            except Exception as error:  # e.g. mlflow not installed: train without it
+                print(f"MLflow off: {type(error).__name__}: {error}", flush=True)
+        if wandb:  # WandbLog's keyword arguments (project, mode, run_name, run_dir, ...)
+            try:
+                from imagenet_ddp.monitoring.wandb_log import WandbLog
+
+                self.wandb = WandbLog(**wandb, fresh=not resumed)
+            except Exception as error:  # e.g. wandb not installed: train without it
+                print(f"W&B off: {type(error).__name__}: {error}", flush=True)
+
+    @classmethod
+    def for_job(cls, job, run_dir: Path, steps_per_epoch: int, *, resumed: bool) -> RunMonitor:
+        """The monitor of a rank's training (imagenet_ddp.training.state.TrainingState); active
+        on rank 0 only. The MLflow run's id is kept beside the job's checkpoints: a resumed
+        job continues it."""
+        cfg = job.cfg
+        mlflow = wandb = None
+        params = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"}
+        if cfg.mlflow_uri:
+            mlflow = dict(
+                uri=cfg.mlflow_uri, run_name=cfg.run, state_dir=job.checkpoint_dir, params=params
+            )
+        if cfg.wandb_project:
+            wandb = dict(
+                project=cfg.wandb_project, mode=cfg.wandb_mode, run_name=cfg.run,
+                run_dir=run_dir, state_dir=job.checkpoint_dir, params=params,
+            )  # fmt: skip
+        return cls(
+            mlflow=mlflow,
+            wandb=wandb,
+            active=job.info.is_main,
+            run_dir=run_dir,
+            geometry=dataclasses.asdict(job.geometry),
+            steps_per_epoch=steps_per_epoch,
+            log_interval=job.cfg.log_interval,
+            world_size=job.info.world_size,
+            batch_size=job.cfg.batch_size,
+            resumed=resumed,
+            # The GPUs of rank 0's node by UUID (NVML indices ignore CUDA_VISIBLE_DEVICES).
+            sampler=GpuSampler(
+                job.geometry.gpus_per_node, uuids=D.node_gpu_uuids(job.info, job.device)
+            ),
+        )
+
+    def _global_step(self, epoch: int, step: int) -> int:
+        return epoch * self.steps_per_epoch + step
+
+    def _write(self, method: str, *args) -> None:
+        """``method`` of TensorBoard's log and of MLflow's, each switched off on its own
+        failure: a full disk or an unreachable store must not end hours of training."""
+        for attribute, name in (("board", "TensorBoard"), *TRACKERS):
+            sink = getattr(self, attribute)
+            if sink is None:
+                continue
+            try:
+                getattr(sink, method)(*args)
+            except Exception as error:
+                print(f"{name} off: {type(error).__name__}: {error}", flush=True)
+                setattr(self, attribute, None)
+
+    def step(self, epoch: int, step: int, meter, lr: float, timer=None) -> None:
+        """Every step; logs every ``log_interval`` steps (reads the loss from the device).
+        ``timer`` (training.step_timing.StepTimer): rank 0's step-time breakdown since the
+        last line (on a GPU, of the steps whose CUDA events had completed)."""
+        idle = self.board is None and self.tracker is None and self.wandb is None
+        if idle or (step % self.interval and step != self.steps_per_epoch):
+            return
+        # Images since the last line (or since this job's start of the epoch): host time, as
+        # the progress line measures it; the loss read below waits for the device anyway.
+        now = time.perf_counter()
+        if self.mark is None or self.mark[1] > meter.steps:
+            self.mark = (meter.started, 0)
+        images = (meter.steps - self.mark[1]) * self.batch_size * self.world_size
+        rate = images / max(now - self.mark[0], 1e-9)
+        self.mark = (now, meter.steps)
+        values = {"loss": meter.mean_loss(), "images_per_s": rate, "lr": lr}
+        if timer is not None:
+            values.update(timer.read_interval())
+        global_step = self._global_step(epoch, step)
+        self._write("scalars", "train", values, global_step)
+        self._gpu(global_step)
+
+    def epoch(self, epoch: int, record: dict[str, Any]) -> None:
+        global_step = self._global_step(epoch + 1, 0)
+        self._write("epoch", record, global_step)
+        self._gpu(global_step)
+        self.mark = None
+
+    def _gpu(self, global_step: int) -> None:
+        latest = self.sampler.latest() if self.sampler else None
+        if latest:
+            self._write("scalars", "gpu", latest, global_step)
+
+    def finish(self, epochs: list[dict[str, Any]]) -> dict[str, Any]:
+        """The cost block (rank 0); stops sampling and closes the event file."""
+        telemetry = self.sampler.stop() if self.sampler else unavailable("not rank 0")
+        self.close(finished=True)
+        return cost_block(
+            self.geometry,
+            time.monotonic() - self.started,
+            epochs,
+            telemetry,
+            resumed=self.resumed,
+            slurm_job_id=os.environ.get("SLURM_JOB_ID"),
+        )
+
+    def close(self, *, finished: bool = False) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+        for attribute, name in TRACKERS:  # each closed even if another fails
+            tracker = getattr(self, attribute)
+            if tracker is None:
+                continue
+            try:
+                tracker.close(finished=finished)
+            except Exception as error:
+                print(f"{name} off: {type(error).__name__}: {error}", flush=True)
+            setattr(self, attribute, None)

@@ -1,0 +1,1 @@
+"""The preflight stage: its job, its ranks' measurements, its report."""

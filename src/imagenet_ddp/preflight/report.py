@@ -1,0 +1,442 @@
+"""The preflight's figures from what its ranks measured: per node, slowest against the median,
+the projection of the run, the problems that stop it, and the table in the rule's log.
+
+Torch-free and pure (dicts in, dicts out), so every definition is unit-tested without ranks.
+:mod:`imagenet_ddp.preflight.rank` measures; :mod:`imagenet_ddp.preflight.job` runs the job.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from imagenet_ddp.errors import InputError
+from imagenet_ddp.jobs.spec import PREFLIGHT_SPEC, read_spec
+from imagenet_ddp.settings import epoch_end
+from imagenet_ddp.settings.geometry import global_batch, world_size
+from imagenet_ddp.settings.kinds import declarations
+
+REPORT = "preflight.json"
+FAILED = "preflight.failed.json"  # the report of a preflight with problems (no preflight.json)
+
+STRAGGLER = 0.8  # a rank below this share of the median rank's rate is named as a straggler
+# A multi-node GPU job's all-reduce bus bandwidth below this is a network problem: NCCL over
+# TCP sockets gives a few GB/s, InfiniBand/RoCE tens to hundreds (nccl-tests on A100/H100).
+MIN_INTERNODE_BUSBW_GBPS = 10.0
+NCCL_HINT = (
+    "check NCCL_IB_HCA / NCCL_SOCKET_IFNAME / NCCL_NET_GDR_LEVEL, and that NCCL_DEBUG=INFO "
+    "shows 'NET/IB' rather than 'NET/Socket'"
+)
+# Evaluation's forward pass is about a third of a training step's cost (forward + backward):
+# the estimate where a report has no measured evaluation rate.
+EVAL_COST_RATIO = 1 / 3
+
+
+def bus_bandwidth(algbw: float, world: int) -> float:
+    """nccl-tests' all-reduce bus bandwidth: algbw x 2(n-1)/n (the bytes each link carries)."""
+    return algbw * 2 * (world - 1) / world if world > 1 else 0.0
+
+
+def allreduce_figures(nbytes: int, seconds_per_rank: list[float]) -> dict[str, Any]:
+    """One all-reduce size: the slowest rank's time per operation sets algbw = bytes / time."""
+    world = len(seconds_per_rank)
+    seconds = max(seconds_per_rank)
+    algbw = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+    return {
+        "bytes": nbytes,
+        "ranks": world,
+        "seconds": seconds,
+        "algbw_gbps": algbw,
+        "busbw_gbps": bus_bandwidth(algbw, world),
+    }
+
+
+def spread(values: dict[int, float], hosts: dict[int, str]) -> dict[str, Any]:
+    """Median, slowest rank (with its host) and its share of the median, of a per-rank rate."""
+    median = statistics.median(values.values())
+    slowest = min(values, key=values.__getitem__)
+    return {
+        "median": median,
+        "slowest_rank": slowest,
+        "slowest_host": hosts[slowest],
+        "slowest": values[slowest],
+        "slowest_over_median": values[slowest] / median if median else None,
+    }
+
+
+def per_node(ranks: list[dict], key: str) -> dict[str, dict[str, float]]:
+    """host -> min and median of a per-rank rate over that host's ranks."""
+    hosts: dict[str, list[float]] = {}
+    for r in ranks:
+        hosts.setdefault(r["host"], []).append(r[key])
+    return {h: {"min": min(v), "median": statistics.median(v)} for h, v in sorted(hosts.items())}
+
+
+def cpus_for_loader(loader_rate: float, workers: int, model_rate: float) -> int:
+    """cpus_per_task whose DataLoader workers (cpus - 1, as `workers: auto` gives) would feed
+    the model step, assuming the loader's rate grows with its workers (the main process
+    loads when there are none)."""
+    per_worker = loader_rate / max(1, workers)
+    if per_worker <= 0:
+        return 0
+    return math.ceil(model_rate / per_worker) + 1
+
+
+def projection(
+    run: dict[str, Any], rates: dict[str, float], sizes: dict[str, int], limits: dict[str, Any]
+) -> dict[str, Any]:
+    """Epoch and total time of the run at the measured rates, its GPU-hours and allocations.
+
+    ``rates``: the slowest rank's model and loader img/s, compile and staging seconds, and for
+    the epoch ends (:func:`epoch_end_figures`) its holdout evaluation img/s and rank 0's
+    checkpoint hold and write seconds; ``sizes``: train and holdout samples;
+    ``limits``: train_runtime_minutes (None: no limit).
+    A synchronous step waits for the slowest rank, and a rank for its loader.
+    """
+    world = world_size(run)
+    per_rank = min(rates["model"], rates["loader"])
+    steps = sizes["train"] // global_batch(run)  # optimizer steps (training.data.EpochSampler)
+    epoch = steps * global_batch(run) / world / per_rank
+    end = epoch_end_figures(run, rates, sizes["holdout"], epoch)
+    setup = rates["staging_seconds"] + rates["compile_seconds"]  # again in every allocation
+    work = run["epochs"] * epoch + end["epoch_end_seconds"]
+    runtime = limits["train_runtime_minutes"]
+    return {
+        "steps_per_epoch": steps,
+        "images_per_s": per_rank * world,
+        "epoch_seconds": epoch,
+        "holdout_seconds_per_epoch": end["eval_seconds"] / run["epochs"],
+        "epoch_end": end,
+        "setup_seconds": setup,
+        "total_seconds": setup + work,
+        "gpu_hours": (setup + work) / 3600 * run["nodes"] * run["gpus_per_node"],
+        "rank_hours": (setup + work) / 3600 * world,
+        "train_runtime_minutes": runtime,
+        "allocations": allocations_needed(work, setup, runtime),
+        "max_allocations": limits["max_allocations"],
+    }
+
+
+def epoch_end_figures(
+    run: dict[str, Any], rates: dict[str, float], holdout: int, epoch_seconds: float
+) -> dict[str, Any]:
+    """The run's holdout evaluations and checkpoint holds (imagenet_ddp.settings.epoch_end), at the
+    measured rates; a report without them (an older rank) estimates the evaluation from the
+    step and counts no checkpoint time, and ``basis`` says so."""
+    measured = rates.get("eval") is not None
+    figures = epoch_end.projection(
+        epochs=run["epochs"],
+        eval_interval=run.get("eval_interval", "auto"),
+        ema=run.get("ema_decay", 0.0) > 0,
+        holdout_images=holdout,
+        world=world_size(run),
+        eval_images_per_s=rates["eval"] if measured else rates["model"] / EVAL_COST_RATIO,
+        epoch_seconds=epoch_seconds,
+        checkpoint_hold_seconds=rates.get("checkpoint_hold_seconds") or 0.0,
+        checkpoint_write_seconds=rates.get("checkpoint_write_seconds") or 0.0,
+    )
+    figures["basis"] = (
+        "measured: holdout evaluation img/s of the slowest rank (its loader and forward pass), "
+        "rank 0's checkpoint hold and write to the checkpoint directory"
+        if measured
+        else "estimated: evaluation at 3x the step's img/s, checkpoints not counted"
+    )
+    return figures
+
+
+def allocations_needed(work_seconds: float, setup_seconds: float, runtime_minutes) -> int | None:
+    """Allocations of ``runtime_minutes`` (None: no limit) that ``work_seconds`` of training and
+    holdout need when each allocation first spends ``setup_seconds`` (staging, compile); None
+    when not even the set-up fits."""
+    if runtime_minutes is None:
+        return 1
+    usable = runtime_minutes * 60 - setup_seconds
+    return math.ceil(work_seconds / usable) if usable > 0 else None
+
+
+def _not_bookkeeping(settings: dict[str, Any]) -> dict[str, Any]:
+    not_compared = declarations().not_compared()  # change neither the speed nor the work
+    return {k: v for k, v in settings.items() if k not in not_compared}
+
+
+def known_projection_problem(
+    name: str, settings: dict[str, Any], report_dir, runtime_minutes
+) -> str | None:
+    """The dry-run's check of a run against its last preflight (passed or failed) on the same
+    settings (``settings``: the run as the train rule passes it): one line when that projection
+    needs more allocations of today's train runtime than its ``max_allocations``; None when it
+    fits or no projection of these settings is known."""
+    folder, max_allocations = Path(report_dir), settings["max_allocations"]
+    try:
+        measured = read_spec(folder / PREFLIGHT_SPEC, "preflight").run
+        report = next(
+            json.loads(p.read_text()) for p in (folder / REPORT, folder / FAILED) if p.is_file()
+        )
+    except (InputError, OSError, ValueError, KeyError, StopIteration):
+        return None  # none, or a spec of an earlier format: no projection known
+    if _not_bookkeeping(measured) != _not_bookkeeping(settings):
+        return None  # settings that change the speed or the work differ: the preflight reruns
+    p = report["projection"]
+    work = p["total_seconds"] - p["setup_seconds"]
+    needs = allocations_needed(work, p["setup_seconds"], runtime_minutes)
+    if needs is not None and needs <= max_allocations:
+        return None
+    return (
+        f"config.yaml: run {name!r}: max_allocations {max_allocations} is too few: its preflight "
+        f"({folder}) projects {p['total_seconds'] / 3600:.2f} h, which needs "
+        f"{'more than any number of' if needs is None else needs} allocations of train's "
+        f"runtime ({runtime_minutes} min); raise max_allocations or the train rule's runtime "
+        "(set-resources)"
+    )
+
+
+def known_projection_problems(
+    runs: dict[str, dict[str, Any]], reports_dir, runtime_minutes
+) -> list[str]:
+    """:func:`known_projection_problem` of every run (``runs``: name -> settings), its
+    preflight under ``reports_dir``/<name>."""
+    found = (
+        known_projection_problem(name, settings, Path(reports_dir) / name, runtime_minutes)
+        for name, settings in runs.items()
+    )
+    return [line for line in found if line]
+
+
+def placement_problems(ranks: list[dict], gpus_per_node: int) -> list[str]:
+    """Two ranks on one GPU, or a node's GPUs that no rank uses (``gpu``: the GPU a rank
+    computes on, or would on a GPU node: the one distributed.gpu_index picks)."""
+    if gpus_per_node == 0:
+        return []
+    problems, users = [], {}
+    for r in sorted(ranks, key=lambda r: r["rank"]):
+        users.setdefault((r["host"], r["gpu"]), []).append(r["rank"])
+    for (host, gpu), on in users.items():
+        if len(on) > 1:
+            problems.append(
+                f"placement: ranks {', '.join(map(str, on))} on {host} would all use GPU {gpu} "
+                f"(CUDA_VISIBLE_DEVICES={_visible(ranks, on[0])}); give each rank its own GPU "
+                "(tasks_per_node = gpus_per_node, no --gres-flags=allow-task-sharing override)"
+            )
+    for host in sorted({r["host"] for r in ranks}):
+        used = {gpu for (h, gpu) in users if h == host}
+        visible = set().union(*(set(r["visible"]) for r in ranks if r["host"] == host))
+        idle = max(gpus_per_node, len(visible)) - len(used)
+        if idle > 0:
+            problems.append(
+                f"placement: {idle} of the GPUs on {host} would be used by no rank "
+                f"(ranks use {sorted(used)}, the node has {max(gpus_per_node, len(visible))}); "
+                "set tasks_per_node = gpus_per_node"
+            )
+    return problems
+
+
+def _limit(minutes: float | None) -> str:
+    return "no time limit" if minutes is None else f"{minutes:g} min"
+
+
+def _rate(gb_per_s: float | None) -> str:
+    return "no copy: reused, or read in place" if gb_per_s is None else f"{gb_per_s:.3f} GB/s"
+
+
+def _visible(ranks: list[dict], rank: int) -> str:
+    return ",".join(next(r["visible"] for r in ranks if r["rank"] == rank)) or "<unset>"
+
+
+def speed_problems(report: dict[str, Any], run: dict[str, Any]) -> list[str]:
+    """Stragglers, a starving loader, a slow network, too many allocations."""
+    problems = []
+    s = report["model"]["compute_spread"]  # without the all-reduce, where ranks differ
+    # GPU runs only: CPU ranks share cores with each other and the node's daemons, and their
+    # spread is chance (on the test cluster's 2 fake nodes on 2 cores: 82 % in one run, below
+    # 80 % in the next, which failed CI), not a slow node.
+    cuda = report["device_type"] == "cuda"
+    if cuda and s["slowest_over_median"] is not None and s["slowest_over_median"] < STRAGGLER:
+        problems.append(
+            f"straggler: rank {s['slowest_rank']} on {s['slowest_host']} computes "
+            f"{s['slowest']:.1f} img/s, {s['slowest_over_median']:.0%} of the median "
+            f"{s['median']:.1f}; check that node (clocks, thermal, other jobs) or exclude it"
+        )
+    slowest = report["loader"]["spread"]
+    if slowest["slowest"] < report["model"]["images_per_s"]:  # that rank's GPU would wait
+        problems.append(
+            f"loader: rank {slowest['slowest_rank']} on {slowest['slowest_host']} loads "
+            f"{slowest['slowest']:.1f} img/s, the step takes "
+            f"{report['model']['images_per_s']:.1f} (loader/model {report['loader_over_model']:.2f}"
+            f" for the median rank); set cpus_per_task >= "
+            f"{report['loader']['cpus_per_task_needed']} (or cheaper augmentations)"
+        )
+    world_bw = report["allreduce"]["busbw_gbps"]
+    if run["nodes"] > 1 and cuda and world_bw < MIN_INTERNODE_BUSBW_GBPS:
+        problems.append(
+            f"network: all-reduce bus bandwidth {world_bw:.1f} GB/s across {run['nodes']} nodes "
+            f"(< {MIN_INTERNODE_BUSBW_GBPS:g}): NCCL may use TCP sockets; {NCCL_HINT}"
+        )
+    p = report["projection"]
+    if p["allocations"] is None or p["allocations"] > p["max_allocations"]:
+        needs = "more than any" if p["allocations"] is None else str(p["allocations"])
+        problems.append(
+            f"allocations: {p['total_seconds'] / 3600:.2f} h projected needs {needs} "
+            f"allocation(s) of the train rule's runtime {_limit(p['train_runtime_minutes'])}, "
+            f"max_allocations is {p['max_allocations']}; raise the runtime or max_allocations, "
+            "or use more nodes"
+        )
+    return problems
+
+
+def table(report: dict[str, Any]) -> str:
+    """The report as the readable table in the rule's log."""
+    lines = [
+        f"preflight of run {report['run']}: {report['world_size']} rank(s) on "
+        f"{len(report['nodes'])} node(s), device {report['device_type']}",
+        f"{'rank':>4} {'host':<16} {'gpu':<6} {'device':<8} {'step img/s':>11} "
+        f"{'compute img/s':>14} {'loader img/s':>13} {'peak mem GB':>12}",
+    ]
+    for r in report["ranks"]:
+        lines.append(
+            f"{r['rank']:>4} {r['host']:<16} {str(r['gpu']):<6} {r['device']:<8} "
+            f"{r['model_images_per_s']:>11.1f} {r['compute_images_per_s']:>14.1f} "
+            f"{r['loader_images_per_s']:>13.1f} {r['peak_memory_gb']:>12.2f}"
+        )
+    for host, node in report["nodes"].items():
+        stage = node["staging"]
+        lines.append(
+            f"node {host}: staging {stage['bytes'] / 1e9:.3f} GB in {stage['seconds']:.1f} s "
+            f"({_rate(stage['gb_per_s'])}); model "
+            f"min {node['model']['min']:.1f} img/s, loader min {node['loader']['min']:.1f} img/s"
+        )
+    for size in report["allreduce"]["sizes"] if report["world_size"] > 1 else []:
+        for scope, f in size.items():
+            lines.append(
+                f"all-reduce {scope:<10} {f['bytes'] / 1e6:>9.2f} MB: algbw "
+                f"{f['algbw_gbps']:.3f} GB/s, busbw {f['busbw_gbps']:.3f} GB/s"
+            )
+    p = report["projection"]
+    lines += [
+        f"model step: {report['model']['images_per_s']:.1f} img/s per rank (median), compile "
+        f"{report['model']['compile_seconds']:.1f} s; loader {report['loader']['images_per_s']:.1f}"
+        f" img/s per rank; loader/model {report['loader_over_model']:.2f}",
+        _epoch_end_line(p["epoch_end"]),
+        f"projection: epoch {p['epoch_seconds']:.1f} s, total {p['total_seconds'] / 3600:.3f} h, "
+        f"{p['gpu_hours']:.2f} GPU-h, {p['allocations']} allocation(s) of "
+        f"{_limit(p['train_runtime_minutes'])} (max {p['max_allocations']})",
+        "problems: " + ("none" if not report["problems"] else ""),
+        *(f"  - {line}" for line in report["problems"]),
+    ]
+    return "\n".join(lines)
+
+
+def _epoch_end_line(end: dict[str, Any]) -> str:
+    return (
+        f"epoch ends: {end['evaluations']} holdout evaluation(s) x "
+        f"{end['seconds_per_evaluation']:.1f} s ({end['passes_per_evaluation']} pass(es)), "
+        f"checkpoint hold {end['checkpoint_seconds_per_epoch']:.2f} s per epoch: "
+        f"{100 * end['epoch_end_share']:.1f} % of training time ({end['basis'].split(':')[0]})"
+    )
+
+
+def build_report(
+    run: dict[str, Any], ranks: list[dict], collectives: dict[str, Any], staging: list[dict],
+    sizes: dict[str, int], limits: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """preflight.json: every rank's figures, per node, slowest against median, projection
+    and problems (``collectives``: gradient_bytes and per size {scope: allreduce_figures})."""
+    hosts = {r["rank"]: r["host"] for r in ranks}
+    model = {r["rank"]: r["model_images_per_s"] for r in ranks}
+    loader = {r["rank"]: r["loader_images_per_s"] for r in ranks}
+    model_rate, loader_rate = statistics.median(model.values()), statistics.median(loader.values())
+    workers = ranks[0]["workers"]
+    slowest_loader = min(loader.values())
+    gradient = collectives["gradient_bytes"]
+    at_gradient = next(s for s in collectives["sizes"] if s["world"]["bytes"] == gradient)
+    nodes = _nodes(ranks, staging)
+    report = {
+        "run": run["name"],
+        "world_size": len(ranks),
+        "device_type": ranks[0]["device"].split(":")[0],
+        "ranks": sorted(ranks, key=lambda r: r["rank"]),
+        "nodes": nodes,
+        "allreduce": {**collectives, **at_gradient["world"]},
+        "model": {
+            "images_per_s": model_rate,
+            "compile_seconds": max(r["compile_seconds"] for r in ranks),
+            "peak_memory_gb": max(r["peak_memory_gb"] for r in ranks),
+            "spread": spread(model, hosts),
+            "compute_spread": spread({r["rank"]: r["compute_images_per_s"] for r in ranks}, hosts),
+        },
+        "loader": {
+            "images_per_s": loader_rate,
+            "workers": workers,
+            "cpus_per_task_needed": cpus_for_loader(slowest_loader, workers, model_rate),
+            "spread": spread(loader, hosts),
+        },
+        "loader_over_model": loader_rate / model_rate,
+    }
+    rates = {
+        "model": min(model.values()),
+        "loader": min(loader.values()),
+        "compile_seconds": report["model"]["compile_seconds"],
+        "staging_seconds": max(n["staging"]["seconds"] for n in nodes.values()),
+        **epoch_end_rates(ranks),
+    }
+    report["projection"] = projection(run, rates, sizes, limits)
+    gpu_problems = placement_problems(ranks, run["gpus_per_node"])
+    report["problems"] = gpu_problems + speed_problems(report, run)
+    return report
+
+
+def epoch_end_rates(ranks: list[dict]) -> dict[str, float | None]:
+    """The slowest rank's holdout evaluation img/s, rank 0's checkpoint hold and write seconds
+    (None where the ranks did not measure them)."""
+    evals = [r["eval_images_per_s"] for r in ranks if r.get("eval_images_per_s")]
+    main = next(r for r in ranks if r["rank"] == 0)
+    return {
+        "eval": min(evals) if evals else None,
+        "checkpoint_hold_seconds": main.get("checkpoint_hold_seconds"),
+        "checkpoint_write_seconds": main.get("checkpoint_write_seconds"),
+    }
+
+
+def _nodes(ranks: list[dict], staging: list[dict]) -> dict[str, dict]:
+    model, loader = per_node(ranks, "model_images_per_s"), per_node(ranks, "loader_images_per_s")
+    by_host = {s["host"]: s for s in staging}
+    out = {}
+    for host in model:
+        s = by_host[host]
+        out[host] = {
+            "ranks": sorted(r["rank"] for r in ranks if r["host"] == host),
+            "model": model[host],
+            "loader": loader[host],
+            "staging": {
+                "bytes": s["bytes"],
+                "seconds": s["seconds"],
+                "reused": s["reused"],
+                "in_place": s.get("in_place"),  # local launcher: read where it is, no copy
+                # A reused copy (or none) measured no copy: its rate is unknown, not zero.
+                "gb_per_s": None if s["reused"] or s.get("in_place") else s["bytes_per_s"] / 1e9,
+                "projected_full_copy_seconds": s["seconds"],
+            },
+        }
+    return out
+
+
+def collective_figures(ranks: list[dict], gradient_bytes: int) -> dict[str, Any]:
+    """Per size: ``world`` (all ranks) and, with several multi-rank nodes, ``intra_node`` (the
+    node whose all-reduce is slowest, named) from every rank's seconds per operation."""
+    seconds = [r["allreduce_seconds"] for r in ranks]
+    sizes = []
+    for nbytes in sorted(int(n) for n in seconds[0]["world"]):
+        entry = {"world": allreduce_figures(nbytes, [s["world"][str(nbytes)] for s in seconds])}
+        if "intra_node" in seconds[0]:
+            per_host: dict[str, list[float]] = {}
+            for r in ranks:
+                per_host.setdefault(r["host"], []).append(
+                    r["allreduce_seconds"]["intra_node"][str(nbytes)]
+                )
+            figures = {h: allreduce_figures(nbytes, s) for h, s in per_host.items()}
+            worst = min(figures, key=lambda h: figures[h]["busbw_gbps"])
+            entry["intra_node"] = {**figures[worst], "host": worst}
+        sizes.append(entry)
+    return {"gradient_bytes": max(4, gradient_bytes) // 4 * 4, "sizes": sizes}

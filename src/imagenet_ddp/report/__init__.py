@@ -1,0 +1,1 @@
+"""The report stage: the table of all runs, its figures, SLURM accounting."""

@@ -1,0 +1,467 @@
+"""One table across all runs: throughput, scaling, staging, accuracy, provenance.
+
+Scaling efficiency compares only like with like: runs are grouped by their settings minus the
+geometry (:func:`scaling_key`), and within a group each run's steady-state per-worker
+throughput is divided by that of the group's smallest run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from imagenet_ddp.io import write_csv_atomic, write_text_atomic
+from imagenet_ddp.provenance import provenance_path, write_provenance
+from imagenet_ddp.settings.geometry import WORLD_KEYS
+from imagenet_ddp.settings.kinds import declarations
+from imagenet_ddp.settings.presets import REPORTED_MODEL, REPORTED_TOP1
+
+# What a run cost (imagenet_ddp.monitoring.cost, imagenet_ddp.monitoring.telemetry,
+# imagenet_ddp.report.accounting); empty
+# where not measured (no GPU, no SLURM, files from before), never zero. docs/results.md "Cost
+# and efficiency" says what each includes.
+COST_COLUMNS = [
+    "allocations",
+    "gpu_hours",
+    "core_hours",
+    "gpu_hours_lost",
+    "core_hours_lost",
+    "gpu_hours_per_epoch",
+    "core_hours_per_epoch",
+    "gpu_utilization_percent",
+    "gpu_peak_memory_gb",
+    "gpu_power_watts",
+    "energy_kwh",
+    "energy_wh_per_1k_images",
+    "slurm_job_id",
+    "slurm_state",
+    "slurm_elapsed_seconds",
+    "slurm_gpu_hours",
+    "slurm_core_hours",
+    "slurm_max_rss_gb",
+]
+
+# What the run's preflight (imagenet_ddp.preflight.job) projected, beside what training measured
+# (mean_epoch_seconds, images_per_s, wall_seconds); empty for a run without a preflight.
+PREFLIGHT_COLUMNS = [
+    "preflight_epoch_seconds",
+    "preflight_images_per_s",
+    "preflight_total_seconds",
+    "preflight_allocations",
+    "preflight_busbw_gbps",
+    "preflight_loader_over_model",
+    "epoch_seconds_over_preflight",
+]
+
+# The EMA model's accuracy (runs with ema_decay > 0; empty otherwise), and what the run's
+# preset's source published: its top-1 (a fraction, as test_top1) and which of this table's
+# columns it is to be compared with (test_top1, or test_top1_ema where the source reports its
+# EMA model: presets.REPORTED_MODEL). Empty for a run without a preset.
+# The step-time breakdown's headline figures (medians over epochs of train_metrics.json); NaN
+# for a run trained before it, or (mfu_pct) on CPU or a GPU without a known peak.
+BREAKDOWN_COLUMNS = ["data_wait_ms", "compute_ms", "input_bound_pct", "mfu_pct"]
+
+EMA_COLUMNS = [
+    "holdout_top1_ema",
+    "holdout_top5_ema",
+    "test_top1_ema",
+    "test_top5_ema",
+    "published_top1",
+    "published_compare_with",
+]
+
+COLUMNS = [
+    "run",
+    "model",
+    "nodes",
+    "workers",
+    "gpus",
+    "gpu_type",
+    "global_batch",
+    "shape",
+    "allocation_shapes",
+    "throughput_by_shape",
+    "precision",
+    "epochs",
+    "staging_seconds",
+    "staging_gb_per_s",
+    "mean_epoch_seconds",
+    "epoch_end_share",
+    "images_per_s",
+    "images_per_s_per_worker",
+    "throughput_warmup_steps",
+    "steady_images_per_s",
+    "steady_images_per_s_per_worker",
+    *BREAKDOWN_COLUMNS,
+    "scaling_efficiency",
+    "scaling_baseline",
+    "scaling_note",
+    "scaling_group",
+    "holdout_top1",
+    "holdout_top5",
+    "test_top1",
+    "test_top5",
+    *EMA_COLUMNS,
+    "wall_seconds",
+    *PREFLIGHT_COLUMNS,
+    *COST_COLUMNS,
+    "git_commit",
+    "code_changed",
+    "code_versions",
+]
+
+
+BASELINE_NOTE = "baseline: smallest run of its group"
+ALONE_NOTE = "only run of its group"
+
+
+def _canonical(value: Any) -> Any:
+    """Equal settings compare equal whatever the YAML spelled: 0 and 0.0, nested dicts."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_canonical(v) for v in value]
+    return value
+
+
+def scaling_key(config: dict[str, Any]) -> str:
+    """The scaling group of a run's config: runs with equal keys differ only in geometry.
+
+    GPUs enter as GPUs per rank, not per node: 1 rank on 1 GPU and 8 ranks on 8 GPUs of a node
+    are the same per-rank setup at two scales (one GPU each), which is what scaling compares.
+    The GPU type is a setting like the others (an A100 run is never an H100 run's baseline);
+    unset (files from before it existed) is the same as "" (any type).
+    """
+    # What may differ inside a group: the geometry being scaled (WORLD_KEYS), and the settings
+    # whose kind is not compared (the run's name, bookkeeping; `preflight`: recorded, always
+    # false, by versions whose TrainConfig had it). Everything else must be identical.
+    ignore = {*WORLD_KEYS, *declarations().not_compared()}
+    settings = {k: _canonical(v) for k, v in config.items() if k not in ignore}
+    if not settings.get("gpu_type", True):
+        del settings["gpu_type"]
+    if "gpus_per_node" in settings:
+        gpus, tasks = settings.pop("gpus_per_node"), config.get("tasks_per_node") or 1
+        settings["gpus_per_rank"] = _canonical(gpus / tasks) if gpus is not None else None
+    return json.dumps(settings, sort_keys=True, default=str)
+
+
+def _setting(settings: dict[str, Any], name: str) -> str:
+    """One setting as a label shows it; files from older versions may not record it."""
+    if name not in settings:
+        return "(unset)"
+    value = settings[name]
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+def group_labels(keys: list[str]) -> dict[str, str]:
+    """A short readable label per group key: the model, plus the settings that differ between
+    that model's groups (``resnet18 (precision=bf16)``)."""
+    settings = {key: json.loads(key) for key in set(keys)}
+    labels: dict[str, str] = {}
+    for model in sorted({str(s.get("model")) for s in settings.values()}):
+        same_model = {k: s for k, s in settings.items() if str(s.get("model")) == model}
+        names = sorted({name for s in same_model.values() for name in s})
+        differing = [n for n in names if len({_setting(s, n) for s in same_model.values()}) > 1]
+        for key, s in same_model.items():
+            parts = [f"{n}={_setting(s, n)}" for n in differing]
+            labels[key] = f"{model} ({', '.join(parts)})" if parts else model
+    # Distinct settings can render alike (the string "1" and the number 1): number them.
+    counts = pd.Series(labels).value_counts()
+    for index, key in enumerate(sorted(labels)):
+        if counts[labels[key]] > 1:
+            labels[key] = f"{labels[key]} #{index + 1}"
+    return labels
+
+
+def _float(value: Any) -> float:
+    return float("nan") if value is None else float(value)
+
+
+def run_row(run_dir: Path) -> dict[str, Any]:
+    """Collect one run's numbers from the files its train/evaluate rules wrote."""
+    train = json.loads((run_dir / "train_metrics.json").read_text())
+    evaluation = json.loads((run_dir / "eval.json").read_text())
+    job = json.loads((run_dir / "job.json").read_text())
+    provenance = json.loads(provenance_path(run_dir / "model.pt").read_text())
+    staging = [json.loads(p.read_text()) for p in sorted((run_dir / "staging").glob("*.json"))]
+    cfg = train["config"]
+    gpus = sum(1 for r in train["ranks"] if r["device"].startswith("cuda"))
+    stage_seconds = max((s["seconds"] for s in staging), default=float("nan"))
+    stage_bytes = max((s["bytes"] for s in staging), default=0)
+    return {
+        "run": train["run"],
+        "model": cfg["model"],
+        "nodes": train["nodes"],
+        "workers": train["world_size"],
+        "gpus": gpus,
+        "gpu_type": cfg.get("gpu_type", ""),  # asked of SLURM (gres); "": any type
+        "global_batch": train["global_batch"],
+        **shape_columns(train),
+        "precision": cfg["precision"],
+        "epochs": cfg["epochs"],
+        "staging_seconds": stage_seconds,
+        "staging_gb_per_s": stage_bytes / stage_seconds / 1e9 if stage_seconds else float("nan"),
+        "mean_epoch_seconds": train["mean_epoch_seconds"],
+        # holdout evaluations and checkpoint holds / training time (metrics.EPOCH_END_NOTE)
+        "epoch_end_share": _float(train.get("epoch_end_share")),
+        "images_per_s": train["images_per_s"],
+        "images_per_s_per_worker": train["images_per_s_per_worker"],
+        # Files written before the steady-state window existed lack these: NaN, never guessed.
+        "throughput_warmup_steps": train.get("throughput_warmup_steps"),
+        "steady_images_per_s": _float(train.get("steady_images_per_s")),
+        "steady_images_per_s_per_worker": _float(train.get("steady_images_per_s_per_worker")),
+        # Where the time went (training.step_timing.BREAKDOWN_NOTE): medians over epochs.
+        **{k: _float(train.get(k)) for k in BREAKDOWN_COLUMNS},
+        "scaling_key": scaling_key(cfg),
+        "holdout_top1": evaluation["holdout"]["top1"],
+        "holdout_top5": evaluation["holdout"]["top5"],
+        "test_top1": evaluation["test"]["top1"],
+        "test_top5": evaluation["test"]["top5"],
+        **published_columns(cfg.get("recipe"), evaluation),
+        "wall_seconds": job["wall_seconds"],
+        **preflight_row(
+            _read_optional(run_dir.parent.parent / "preflight" / run_dir.name / "preflight.json"),
+            train["mean_epoch_seconds"],
+        ),
+        **cost_row(train.get("cost"), _read_optional(run_dir / "accounting.json")),
+        "git_commit": provenance["code"].get("git_commit", "unknown"),
+        **code_row(train.get("cost")),
+    }
+
+
+def shape_columns(train: dict[str, Any]) -> dict[str, Any]:
+    """Which shape (nodes x ranks per node) each allocation of the run ran on, from its cost
+    block's attempts, and each shape's own throughput: the run's throughput columns are its
+    last job's shape's (``shape``), never an average across shapes (an elastic resume)."""
+    allocations: dict[str, list[str]] = {}
+    for attempt in (train.get("cost") or {}).get("attempts") or []:
+        shape = attempt.get("shape") or "?"  # "?": recorded before shapes were
+        allocations.setdefault(shape, []).append(str(attempt["attempt"]))
+    figures = train.get("throughput_by_shape") or {}
+    return {
+        "shape": train.get("shape", ""),
+        "allocation_shapes": "; ".join(f"{s}: {', '.join(a)}" for s, a in allocations.items()),
+        "throughput_by_shape": "; ".join(
+            f"{s}: {_number('.0f')(_float(f['steady_images_per_s']))} img/s steady, "
+            f"{_number('.0f')(_float(f['images_per_s']))} end to end ({f['epochs']} epochs)"
+            for s, f in figures.items()
+        ),
+    }
+
+
+def code_row(cost: dict[str, Any] | None) -> dict[str, Any]:
+    """Whether the run's allocations ran different code (a run resubmitted over days runs what
+    is checked out at each submission) and each one's code; empty for runs trained before the
+    attempt record kept it."""
+    versions = (cost or {}).get("code_versions")
+    if versions is None:
+        return {"code_changed": None, "code_versions": None}
+    return {"code_changed": bool(cost.get("code_changed")), "code_versions": " ".join(versions)}
+
+
+def published_columns(recipe: str | None, evaluation: dict[str, Any]) -> dict[str, Any]:
+    """EMA_COLUMNS of one run (eval.json files from before the EMA was evaluated: NaN)."""
+    ema = evaluation.get("ema") or {}
+    row = {
+        f"{split}_{k}_ema": _float(ema.get(split, {}).get(k))
+        for split in ("holdout", "test")
+        for k in ("top1", "top5")
+    }
+    reported = REPORTED_TOP1.get(recipe or "none")
+    row["published_top1"] = _float(None if reported is None else reported / 100)
+    which = REPORTED_MODEL.get(recipe or "none")
+    row["published_compare_with"] = {"ema": "test_top1_ema", "model": "test_top1"}.get(which)
+    return row
+
+
+def preflight_row(report: dict[str, Any] | None, epoch_seconds: float | None) -> dict[str, Any]:
+    """The preflight's projection of a run (NaN without one) and measured / projected."""
+    if report is None:
+        return dict.fromkeys(PREFLIGHT_COLUMNS, float("nan"))
+    projection = report["projection"]
+    return {
+        "preflight_epoch_seconds": projection["epoch_seconds"],
+        "preflight_images_per_s": projection["images_per_s"],
+        "preflight_total_seconds": projection["total_seconds"],
+        "preflight_allocations": _float(projection["allocations"]),
+        "preflight_busbw_gbps": report["allreduce"]["busbw_gbps"],
+        "preflight_loader_over_model": report["loader_over_model"],
+        "epoch_seconds_over_preflight": _float(epoch_seconds) / projection["epoch_seconds"],
+    }
+
+
+def _read_optional(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def cost_row(cost: dict[str, Any] | None, accounting: dict[str, Any] | None) -> dict[str, Any]:
+    """The cost columns of one run: from the cost block of train_metrics.json and the run's
+    accounting.json; NaN/None where a figure was not measured."""
+    cost = cost or {}
+    gpu = cost.get("gpu_telemetry") or {}
+    gpu = gpu if gpu.get("available") else {}
+    slurm = accounting if accounting and accounting.get("available") else {}
+    peak = gpu.get("peak_memory_gb_per_gpu")
+    rss = slurm.get("max_rss_bytes")
+    return {
+        # over every allocation of the run (imagenet_ddp.jobs.attempts); lost: after the newest
+        # checkpoint of each interrupted allocation
+        "allocations": _float(cost.get("allocations")),
+        "gpu_hours": _float(cost.get("gpu_hours")),
+        "core_hours": _float(cost.get("core_hours")),
+        "gpu_hours_lost": _float(cost.get("gpu_hours_lost")),
+        "core_hours_lost": _float(cost.get("core_hours_lost")),
+        "gpu_hours_per_epoch": _float(cost.get("gpu_hours_per_epoch")),
+        "core_hours_per_epoch": _float(cost.get("core_hours_per_epoch")),
+        "gpu_utilization_percent": _float(gpu.get("mean_utilization_percent")),
+        "gpu_peak_memory_gb": _float(max(peak) if peak else None),
+        "gpu_power_watts": _float(gpu.get("mean_power_watts")),
+        "energy_kwh": _float(gpu.get("energy_kwh_all_nodes")),
+        "energy_wh_per_1k_images": _float(gpu.get("energy_wh_per_1k_images")),
+        "slurm_job_id": cost.get("slurm_job_id"),
+        "slurm_state": slurm.get("state"),
+        "slurm_elapsed_seconds": _float(slurm.get("elapsed_seconds")),
+        "slurm_gpu_hours": _float(slurm.get("gpu_hours")),
+        "slurm_core_hours": _float(slurm.get("core_hours")),
+        "slurm_max_rss_gb": _float(None if rss is None else rss / 1e9),
+    }
+
+
+def add_scaling(table: pd.DataFrame) -> pd.DataFrame:
+    """Group, baseline, efficiency and note per run (``table`` needs ``scaling_key``)."""
+    table = table.copy()
+    labels = group_labels(list(table["scaling_key"]))
+    table["scaling_group"] = table["scaling_key"].map(labels)
+    ordered = table.sort_values(["workers", "run"])
+    baseline = ordered.groupby("scaling_key")["run"].first()
+    size = table.groupby("scaling_key")["run"].size()
+    per_worker = table.set_index("run")["steady_images_per_s_per_worker"]
+    table["scaling_baseline"] = table["scaling_key"].map(baseline)
+    efficiency, notes = [], []
+    for row in table.itertuples():
+        base = row.scaling_baseline
+        if size[row.scaling_key] == 1:
+            efficiency.append(math.nan)
+            notes.append(ALONE_NOTE)
+        elif row.run == base:
+            efficiency.append(math.nan)
+            notes.append(BASELINE_NOTE)
+        else:
+            value = row.steady_images_per_s_per_worker / per_worker[base]
+            efficiency.append(value)
+            missing = [r for r in (row.run, base) if not math.isfinite(per_worker[r])]
+            notes.append(
+                f"relative to {base}"
+                if not missing
+                else f"relative to {base}; no steady-state throughput in {', '.join(missing)}"
+            )
+    table["scaling_efficiency"] = efficiency
+    table["scaling_note"] = notes
+    return table
+
+
+def aggregate_runs(run_dirs: list[Path]) -> pd.DataFrame:
+    table = add_scaling(pd.DataFrame([run_row(d) for d in run_dirs]))
+    table["throughput_warmup_steps"] = table["throughput_warmup_steps"].astype("Int64")
+    return table[COLUMNS].sort_values(["scaling_group", "workers", "run"]).reset_index(drop=True)
+
+
+# runs.md: the figures a person compares first, as (heading, alignment, how to show a row),
+# numbers right-aligned. Every other figure stays in runs.csv and the HTML report; the note
+# under the table says so.
+def _percent(value: Any) -> str:
+    return "" if pd.isna(value) else f"{100 * value:.1f} %"
+
+
+def _number(fmt: str) -> Any:
+    return lambda value, unit="": "" if pd.isna(value) else format(value, fmt) + unit
+
+
+def _shapes(row: pd.Series) -> str:
+    """The last job's nodes x ranks, then (an elastic run) each other shape its allocations
+    ran on."""
+    mine = f"{row['nodes']} x {row['workers'] // row['nodes']}"
+    listed = row.get("allocation_shapes")
+    others = [] if pd.isna(listed) or not listed else [p.split(":")[0] for p in listed.split("; ")]
+    others = [s.replace("x", " x ") for s in others if s not in ("?", mine.replace(" ", ""))]
+    return mine + "".join(f" (+ {s})" for s in others)
+
+
+def _code_changed(row: pd.Series) -> bool:
+    return not pd.isna(row["code_changed"]) and bool(row["code_changed"])
+
+
+def _efficiency(row: pd.Series) -> str:
+    """A group's baseline says so; a group's only run stays empty (runs.csv: scaling_note)."""
+    if row["scaling_note"] == BASELINE_NOTE:
+        return "baseline"
+    return _percent(row["scaling_efficiency"])
+
+
+def _wall(seconds: Any) -> str:
+    if pd.isna(seconds):
+        return ""
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
+
+
+SHORT_COLUMNS: list[tuple[str, str, Any]] = [
+    ("run", "left", lambda row: row["run"] + (" *" if _code_changed(row) else "")),
+    ("model", "left", lambda row: row["model"]),
+    ("nodes x ranks", "right", lambda row: _shapes(row)),
+    ("GPUs", "right", lambda row: str(row["gpus"])),
+    ("global batch", "right", lambda row: str(row["global_batch"])),
+    ("precision", "left", lambda row: row["precision"]),
+    ("epochs", "right", lambda row: str(row["epochs"])),
+    ("img/s (steady)", "right", lambda row: _number(".0f")(row["steady_images_per_s"])),
+    ("scaling eff.", "right", lambda row: _efficiency(row)),
+    # the diagnosis of a slow run: the share of step time its most input-bound rank waited
+    ("input-bound", "right", lambda row: _number(".0f")(row["input_bound_pct"], " %")),
+    ("holdout top-1", "right", lambda row: _percent(row["holdout_top1"])),
+    ("test top-1", "right", lambda row: _percent(row["test_top1"])),
+    ("GPU-h", "right", lambda row: _number(".3g")(row["gpu_hours"])),
+    ("wall h:mm:ss", "right", lambda row: _wall(row["wall_seconds"])),
+]
+
+CODE_CHANGED = "\\* allocations of the run ran different code (checked out at each submission): "
+
+MORE_FIGURES = (
+    "Every figure of these runs (end-to-end and per-worker throughput, scaling groups and "
+    "baselines, staging, the step-time breakdown and MFU, top-5, the EMA model's accuracy "
+    "and the published figure, preflight, "
+    "cost and SLURM accounting, git commit, code changed between allocations) is in "
+    "runs.csv beside this file and in the HTML report (`snakemake --report report.html`, "
+    "under Tables); docs/results.md says what each includes."
+)
+
+
+def to_markdown(table: pd.DataFrame) -> str:
+    """runs.md: :data:`SHORT_COLUMNS` of every run, then where the rest is. Empty cells, not
+    "nan": a group's only run has no efficiency, an old run no steady figure."""
+    rows = [[show(row) for *_, show in SHORT_COLUMNS] for _, row in table.iterrows()]
+    headings = [heading for heading, *_ in SHORT_COLUMNS]
+    align = [side for _, side, _ in SHORT_COLUMNS]
+    short = pd.DataFrame(rows, columns=headings, dtype=object)
+    text = short.to_markdown(index=False, disable_numparse=True, colalign=align)
+    changed = [row for _, row in table.iterrows() if _code_changed(row)]
+    if changed:
+        text += (
+            "\n\n"
+            + CODE_CHANGED
+            + ", ".join(f"{row['run']} ({row['code_versions']})" for row in changed)
+        )
+    return text + "\n\n" + MORE_FIGURES + "\n"
+
+
+def write_aggregate(run_dirs: list[Path], csv: Path, markdown: Path) -> None:
+    """The ``aggregate`` stage: runs.csv, runs.md and the provenance beside the CSV."""
+    table = aggregate_runs(run_dirs)
+    write_csv_atomic(csv, table)
+    write_text_atomic(markdown, to_markdown(table))
+    write_provenance(provenance_path(csv), "aggregate", {"run_dirs": [str(d) for d in run_dirs]})

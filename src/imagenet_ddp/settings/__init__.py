@@ -1,0 +1,1 @@
+"""Run settings and the dry-run's checks: torch-free, read while Snakemake parses."""

@@ -1,0 +1,194 @@
+"""What each run setting is, from its one declaration: the config schema's ``run_settings``,
+where every setting states its default and its kind (``x-kind``).
+
+A kind says what a change of the setting does (:data:`KINDS`); everything that treats settings
+differently derives from it: the checkpoint fingerprint (:func:`weight_settings`), what reruns
+`train` (:func:`rerun_settings`, the rule's params), the dry-run's hyperparameter line
+(:func:`shown_settings`), what a scaling group may differ in (:func:`not_compared`), what the
+rank gets (:func:`rank_settings`, training.config.TrainConfig's fields) and the docs' reruns
+table (tests/test_settings.py). Adding a setting touches its declaration and its use only.
+
+The schema ships inside the package (``config.schema.yaml``, a link to
+workflow/schemas/config.schema.yaml in the source tree): a rank keys its checkpoints by it, in
+an environment that has the package but not the workflow (the container image).
+
+Torch-free: the workflow reads it while Snakemake parses the rules.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SCHEMA = Path(__file__).parents[1] / "config.schema.yaml"  # the package's: package-data
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a change of a setting of this kind does."""
+
+    fingerprint: bool  # hashed into the checkpoint key: a change trains afresh
+    # In train's params: a change reruns train and what reads it. Exactly the settings of the
+    # checkpoint key (fingerprint and geometry): a rerun that would only resume a finished
+    # run's final checkpoint is a GPU allocation that changes nothing (and would label the
+    # figures measured before with the new value).
+    rerun: bool
+    shown: bool  # on the dry-run's `hyperparameters:` line
+    compared: bool  # must be equal between the runs of a scaling group
+    rank: bool = True  # passed to the rank (a TrainConfig field)
+
+
+# docs/configuration.md "Reruns" says the same in a table (tests/test_settings.py checks it).
+KINDS = {
+    # What is learned: a change retrains from scratch.
+    "weights": Kind(fingerprint=True, rerun=True, shown=True, compared=True),
+    # How it computes (device, backend): a CPU and a GPU run differ numerically, so their
+    # checkpoints never mix; not shown, like the geometry.
+    "numerics": Kind(fingerprint=True, rerun=True, shown=False, compared=True),
+    # A preset's name (`recipe`): its values are other settings; shown beside them.
+    "preset": Kind(fingerprint=False, rerun=False, shown=True, compared=True),
+    # Where the figures are measured (nodes x ranks, CPUs, GPUs, loader workers): the
+    # checkpoint key's other part (geometry.Geometry.tag); shown as the job's resources.
+    "geometry": Kind(fingerprint=False, rerun=True, shown=False, compared=True),
+    # How the figures are taken (throughput_warmup_steps; eval_interval: which epochs measure
+    # the holdout, so the wall time), and where a run trains (gpu_type): a run in progress
+    # resumes its checkpoints under the new value; a finished run keeps the figures it
+    # measured, and the value they were measured under.
+    "speed": Kind(fingerprint=False, rerun=False, shown=False, compared=True),
+    "site": Kind(fingerprint=False, rerun=False, shown=False, compared=True),
+    # How a run is logged, bounded or checked: changes neither weights nor figures. A finished
+    # run stays finished; a run in progress gets the new value at its next job.
+    "bookkeeping": Kind(fingerprint=False, rerun=False, shown=False, compared=False),
+    # What the workflow does around training (`evaluate`, `preflight`): no rank reads them.
+    "workflow": Kind(fingerprint=False, rerun=False, shown=False, compared=False, rank=False),
+    # The run's name (the rank's `run`): the wildcard; two runs never share checkpoints.
+    "identity": Kind(fingerprint=True, rerun=False, shown=False, compared=False),
+}
+
+# The declared `name` is the rank's `run` (TrainConfig.run, the fingerprint's key).
+RANK_NAMES = {"name": "run"}
+EXTRA = "extra"  # TrainConfig's field for keys the declarations do not know
+
+
+class DeclarationError(ValueError):
+    """A run setting declared without a kind, with an unknown one, or twice."""
+
+
+@dataclass(frozen=True)
+class Declarations:
+    """The run settings' declarations (schema properties), by the name the rank uses."""
+
+    properties: Mapping[str, Mapping[str, Any]]
+
+    @classmethod
+    def of_schema(cls, schema: Mapping[str, Any], where: str = "the config schema") -> Declarations:
+        properties = schema["definitions"]["run_settings"]["properties"]
+        problems = [
+            f"{where}: run setting {key!r} has x-kind {spec.get('x-kind')!r}; declare one of "
+            f"{', '.join(KINDS)}"
+            for key, spec in properties.items()
+            if spec.get("x-kind") not in KINDS
+        ]
+        if problems:
+            raise DeclarationError("\n".join(problems))
+        return cls({RANK_NAMES.get(k, k): v for k, v in properties.items()})
+
+    def kind(self, key: str) -> Kind | None:
+        """The kind of ``key`` (a rank's name: ``run``); None for an undeclared key."""
+        spec = self.properties.get(RANK_NAMES.get(key, key))
+        return None if spec is None else KINDS[spec["x-kind"]]
+
+    def keys(self, kind: str) -> tuple[str, ...]:
+        return tuple(k for k, v in self.properties.items() if v["x-kind"] == kind)
+
+    def _select(self, settings: Mapping[str, Any], flag: str) -> dict[str, Any]:
+        """The settings whose kind has ``flag``; undeclared keys never."""
+        return {
+            k: v
+            for k, v in settings.items()
+            if (kind := self.kind(k)) is not None and getattr(kind, flag)
+        }
+
+    def _as_before(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """``settings`` without those at their ``x-earlier`` value: a setting added later, at
+        the value every earlier run had, changes no key (its checkpoints, its rule params)."""
+        return {
+            k: v
+            for k, v in settings.items()
+            if "x-earlier" not in (spec := self.properties.get(RANK_NAMES.get(k, k), {}))
+            or v != spec["x-earlier"]  # Python's ==: 1 and 1.0, [0.08, 1] and [0.08, 1.0]
+        }
+
+    def weight_settings(self, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """What the checkpoint fingerprint hashes of ``settings`` (a run as the rank gets it,
+        or TrainConfig's fields): the settings that change the weights."""
+        return self._as_before(self._select(settings, "fingerprint"))
+
+    def rerun_settings(self, run: Mapping[str, Any]) -> dict[str, Any]:
+        """What reruns train when it changes (the rule's params), of a resolved run."""
+        return self._as_before(self._select(run, "rerun"))
+
+    def shown_settings(self, run: Mapping[str, Any]) -> dict[str, Any]:
+        return self._select(run, "shown")
+
+    def rank_settings(self, run: Mapping[str, Any]) -> dict[str, Any]:
+        """A resolved run as the rank gets it: ``name`` as ``run``, no workflow settings."""
+        renamed = {RANK_NAMES.get(k, k): v for k, v in run.items()}
+        return self._select(renamed, "rank")
+
+    def rank_fields(self) -> tuple[str, ...]:
+        """TrainConfig's fields, in declaration order."""
+        return tuple(k for k in self.properties if KINDS[self.properties[k]["x-kind"]].rank)
+
+    def not_compared(self) -> frozenset[str]:
+        """Settings that may differ between the runs of a scaling group (rank names), and
+        TrainConfig's `extra` (keys a rank does not know, e.g. from a newer version)."""
+        return frozenset({EXTRA, *(k for k in self.properties if not self.kind(k).compared)})
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML that refuses a key given twice in one mapping (plain YAML keeps the last one
+    silently: a setting declared twice would lose its first declaration unseen)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise DeclarationError(
+                    f"{self.name}:{key_node.start_mark.line + 1}: {key!r} is given twice in one "
+                    "mapping; declare it once"
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_schema(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The schema at ``path``; a key given twice in one mapping raises DeclarationError."""
+    with open(path) as f:
+        return yaml.load(f, Loader=_UniqueKeyLoader)  # a SafeLoader
+
+
+@functools.cache
+def declarations(schema_path: str | os.PathLike[str] | None = None) -> Declarations:
+    """The declarations of the schema at ``schema_path`` (default: the package's)."""
+    path = Path(schema_path or SCHEMA)
+    return Declarations.of_schema(load_schema(path), str(path))
+
+
+def digest(settings: dict[str, Any]) -> str:
+    """A short, stable hash of settings: the checkpoint fingerprint, the attempt record's key."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def weight_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """:meth:`Declarations.weight_settings` of the package's declarations."""
+    return declarations().weight_settings(settings)

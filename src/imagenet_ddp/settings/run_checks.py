@@ -1,0 +1,385 @@
+"""Dry-run checks of what the schema cannot see: the resolved runs, and the container image.
+
+The schema checks each key on its own; these checks combine keys (and torchvision's model
+registry) so that a run that could only fail, or silently train on upsampled or padded images,
+is refused by ``snakemake -n`` instead of on the GPU node. Each problem is one line::
+
+    config.yaml: run '<name>': <key> <value> ...; <what to do>
+
+Not checked, because it does not fail: a global batch larger than the holdout set. The holdout
+is evaluated without ``drop_last`` (``accuracy.evaluate_dataset``), rank r taking samples
+r, r + W, ...: a batch larger than a rank's share is just one partial batch, and a rank with no
+sample adds zeros to the summed counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import hashlib
+import importlib.util
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from imagenet_ddp.settings.evaluation import eval_settings
+from imagenet_ddp.settings.geometry import global_batch, loader_workers
+
+# Images in the ILSVRC2012 train archive (what `index` lists from the real archive).
+ILSVRC2012_TRAIN_IMAGES = 1_281_167
+
+
+def check_runs(
+    runs: Mapping[str, Mapping],
+    config: Mapping,
+    *,
+    workdir: str | os.PathLike[str] = ".",
+    models: frozenset[str] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> list[str]:
+    """The problems of the resolved runs (``train_defaults`` merged with each run), one line
+    each, in run order; empty when every run can train. ``config`` and ``runs`` have the
+    schema's defaults filled in (Snakemake's ``validate`` in common.smk), so a key no run sets
+    is judged by the default training uses. ``models``: the valid model names (default:
+    torchvision's classification models, cached in ``cache_dir`` if given)."""
+    if models is None:
+        models = classification_models(cache_dir)
+    short_side = config["prepare"]["short_side"]
+    sizes = split_sizes(config, workdir)
+    problems = []
+    for name, run in runs.items():
+        found = [
+            _model_problem(run, models),
+            *_image_size_problems(run, short_side),
+            _device_problem(run),
+            _loader_workers_problem(run),
+            _gpu_tasks_problem("", run),
+            _gpu_tasks_problem("evaluation: ", eval_settings(config.get("evaluate"), run)),
+            _determinism_problem(run),
+            _gpu_type_problem(run),
+            _batch_problem(run, sizes),
+            *_recipe_problems(run),
+            _profile_problem(run),
+        ]
+        problems += [f"config.yaml: run {name!r}: {p}" for p in found if p]
+    return problems
+
+
+# --------------------------------------------------------------------------- the checks
+
+
+def _model_problem(run: Mapping, models: frozenset[str]) -> str | None:
+    model = run["model"]
+    if model in models:
+        return None
+    close = difflib.get_close_matches(model, sorted(models), n=3, cutoff=0.6)
+    hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
+    return (
+        f"model {model!r} is not a torchvision classification model; {hint}"
+        "pick one of torchvision.models.list_models(module=torchvision.models)"
+    )
+
+
+def _image_size_problems(run: Mapping, short_side: int) -> list[str]:
+    crop, resize = run["crop_size"], run["eval_resize"]
+    problems = []
+    if crop > short_side:
+        problems.append(
+            f"crop_size {crop} is larger than prepare.short_side {short_side}: every training "
+            "crop would be upsampled from the prepared images; lower crop_size or raise "
+            "prepare.short_side (which re-prepares the data)"
+        )
+    if resize > short_side:
+        problems.append(
+            f"eval_resize {resize} is larger than prepare.short_side {short_side}: evaluation "
+            "would upsample the prepared images; lower eval_resize or raise "
+            "prepare.short_side (which re-prepares the data)"
+        )
+    eval_crop = run.get("eval_crop_size") or crop
+    if eval_crop > resize:
+        # eval_transform resizes the shorter side to eval_resize, then center-crops eval_crop:
+        # a crop larger than the resized image is padded with black borders.
+        key = "eval_crop_size" if run.get("eval_crop_size") else "crop_size"
+        problems.append(
+            f"{key} {eval_crop} is larger than eval_resize {resize}: evaluation's center crop "
+            f"would pad the resized images with black borders; set eval_resize >= {key} "
+            "(ImageNet: 256 for 224)"
+        )
+    return problems
+
+
+# The models whose torchvision builder takes zero_init_residual.
+RESIDUAL_BN_MODELS = ("resnet", "resnext", "wide_resnet")
+
+
+def _recipe_problems(run: Mapping) -> list[str]:
+    """Recipe keys that could only fail on the GPU node, or silently do nothing."""
+    problems = []
+    low, crop = run.get("progressive_min_crop", 0), run["crop_size"]
+    start, end = run.get("progressive_start_epoch", 0), run.get("progressive_end_epoch", 0)
+    if low and (low > crop or end <= start):
+        problems.append(
+            f"progressive_min_crop {low} from epoch {start} to {end}: the crop must rise to "
+            f"crop_size {crop} (>= progressive_min_crop) after a later end epoch; set "
+            "progressive_end_epoch > progressive_start_epoch, or progressive_min_crop: 0"
+        )
+    for key in ("crop_scale", "crop_ratio"):
+        low, high = run.get(key, (0, 0))
+        if low > high:
+            problems.append(
+                f"{key} [{low}, {high}]: min is larger than max (RandomResizedCrop would "
+                f"fail on the GPU node); set {key}: [{high}, {low}]"
+            )
+    if run.get("sync_bn") and (run["gpus_per_node"] == 0 or run["device"] == "cpu"):
+        problems.append(
+            "sync_bn true on the CPU: torch's SyncBatchNorm synchronizes GPU tensors only; "
+            "set sync_bn: false or train on GPUs (gpus_per_node > 0)"
+        )
+    if run.get("zero_init_residual") and not run["model"].startswith(RESIDUAL_BN_MODELS):
+        problems.append(
+            f"zero_init_residual true with model {run['model']!r}: only torchvision's ResNet "
+            "family (resnet*, resnext*, wide_resnet*) has it; set zero_init_residual: false"
+        )
+    return problems
+
+
+def _profile_problem(run: Mapping) -> str | None:
+    """A profiler window after the last epoch would record nothing, silently."""
+    profile, epochs = run.get("profile"), run["epochs"]
+    if profile and profile["epoch"] >= epochs:
+        return (
+            f"profile.epoch {profile['epoch']} is after the last epoch ({epochs} epochs, "
+            f"counted from 0): no trace would be written; set profile.epoch below {epochs}"
+        )
+    return None
+
+
+def _device_problem(run: Mapping) -> str | None:
+    gpus = run["gpus_per_node"]
+    if gpus > 0 and run["device"] == "cpu":
+        return (
+            f"gpus_per_node {gpus} with device 'cpu': the job would hold {gpus} GPU(s) per node "
+            "and train on the CPU; set device: auto (or cuda), or gpus_per_node: 0"
+        )
+    return None
+
+
+# DataLoader workers a GPU rank needs at the least: ResNet-50 on one A100 steps 2,470 img/s
+# (bf16; NVIDIA DeepLearningExamples), one worker decodes and augments ~1,500 img/s at crop
+# 224 (benchmarks/README.md, bench_loader: 1,573 per core). Faster GPUs and smaller models
+# need more; the preflight measures the run's own need (its "loader" check).
+MIN_GPU_LOADER_WORKERS = 2
+
+
+def _loader_workers_problem(run: Mapping) -> str | None:
+    """A GPU run whose ranks would decode in the training thread (0 workers: cpus_per_task 1,
+    the default) or with too few workers leaves its GPUs idle most of each step."""
+    gpus, cpus, setting = run["gpus_per_node"], run["cpus_per_task"], run["workers"]
+    workers = loader_workers(setting, cpus)
+    if gpus == 0 or run["device"] == "cpu" or workers >= MIN_GPU_LOADER_WORKERS:
+        return None
+    given = f"workers {workers}" if setting != "auto" else f"workers auto ({workers})"
+    return (
+        f"{given} with cpus_per_task {cpus} on a GPU run (gpus_per_node {gpus}): fewer than "
+        f"{MIN_GPU_LOADER_WORKERS} DataLoader workers per rank cannot feed a GPU (one decodes "
+        "~1,500 img/s, ResNet-50 on an A100 steps ~2,500); set cpus_per_task: "
+        f"{MIN_GPU_LOADER_WORKERS + 1} or more (workers auto = cpus_per_task - 1; a GPU node "
+        "has ~12-16 CPUs per GPU) or workers >= "
+        f"{MIN_GPU_LOADER_WORKERS}"
+    )
+
+
+def _gpu_tasks_problem(where: str, geometry: Mapping) -> str | None:
+    """One rank per GPU: more ranks than GPUs put two on one GPU (NCCL fails or hangs), fewer
+    leave GPUs idle that the job holds and the cost block counts."""
+    gpus, tasks = geometry["gpus_per_node"], geometry["tasks_per_node"]
+    if gpus == 0 or tasks == gpus:
+        return None
+    return (
+        f"{where}tasks_per_node {tasks} with gpus_per_node {gpus}: one rank per GPU; "
+        f"{'two ranks would share a GPU' if tasks > gpus else 'GPUs would idle, paid for'}; "
+        f"set {'evaluate.' if where else ''}tasks_per_node: {gpus}"
+    )
+
+
+# Models whose backward has no deterministic CUDA kernel: adaptive average pooling to more
+# than 1x1 (vgg 7x7, alexnet 6x6); with `deterministic: true`, torch raises at the first
+# backward on the GPU (CPU runs have a deterministic kernel, so no CPU test sees it).
+NONDETERMINISTIC_ON_CUDA = ("vgg", "alexnet")
+
+
+def _determinism_problem(run: Mapping) -> str | None:
+    if not (run.get("deterministic") and run["gpus_per_node"] > 0):
+        return None
+    if not run["model"].startswith(NONDETERMINISTIC_ON_CUDA):
+        return None
+    return (
+        f"deterministic true with model {run['model']!r} on GPUs: its adaptive average "
+        "pooling has no deterministic CUDA backward (torch would raise at the first step); "
+        "set deterministic: false or pick another model"
+    )
+
+
+def _gpu_type_problem(run: Mapping) -> str | None:
+    gpu_type = run.get("gpu_type", "")
+    if gpu_type and run["gpus_per_node"] == 0:
+        return (
+            f"gpu_type {gpu_type!r} with gpus_per_node 0: no GPU is asked for, so the type "
+            "would be ignored; set gpus_per_node > 0 or remove gpu_type"
+        )
+    return None
+
+
+def _batch_problem(run: Mapping, sizes: tuple[int, int, str]) -> str | None:
+    """Training drops an epoch's last partial global batch (training.data.EpochSampler): an
+    epoch has floor(train / global batch) steps, zero exactly when the global batch (batch_size
+    x world x accumulation) > train."""
+    train, _holdout, source = sizes
+    batch = global_batch(run)
+    if batch <= train:
+        return None
+    accumulation = (
+        f" x accumulation {run['accumulation']}" if run.get("accumulation", 1) > 1 else ""
+    )
+    return (
+        f"batch_size {run['batch_size']} x nodes {run['nodes']} x tasks_per_node "
+        f"{run['tasks_per_node']}{accumulation} = global batch {batch} is larger than the "
+        f"{train} training images ({source}): with the last partial batch dropped an epoch "
+        "has no step; lower batch_size, accumulation or the number of ranks"
+    )
+
+
+def container_problem(
+    image: str, *, apptainer: bool, workdir: str | os.PathLike[str] = "."
+) -> str | None:
+    """With ``--sdm apptainer`` every job runs in ``container.image``: a local image that is
+    missing fails here, at the dry-run, not in every job. A URI (docker://, oras://) is
+    pulled by Snakemake, and without apptainer the image is not used."""
+    if not apptainer or "://" in image or os.path.exists(os.path.join(workdir, image)):
+        return None
+    return (
+        f"config.yaml: container.image {image!r} not found; build it with "
+        f"`apptainer build {image} workflow/envs/imagenet-ddp.def` (docs/cluster.md 'Containers')"
+        " or set container.image to an existing image or a docker:// / oras:// URI"
+    )
+
+
+# --------------------------------------------------------------------------- set sizes
+
+
+def split_sizes(config: Mapping, workdir: str | os.PathLike[str] = ".") -> tuple[int, int, str]:
+    """(train images, holdout images, where the figures come from) of the split training uses.
+
+    The split on disk when results/split/{train,holdout}.csv exist and agree with the config
+    (else `split` reruns and they are stale); otherwise the figures the config gives. Those are
+    exact, not bounds: `split` passes integer sizes to train_test_split, holdout =
+    round(n x holdout_fraction) and train = n - holdout whatever the per-class rounding, and n
+    is the demo's classes x train_per_class, or the 1,281,167 images of the real archive.
+    """
+    fraction = config["split"]["holdout_fraction"]
+    demo = config["demo"]
+    if demo["enabled"]:
+        classes, per_class = demo["num_classes"], demo["train_per_class"]
+        n = classes * per_class
+        where = f"demo.num_classes {classes} x demo.train_per_class {per_class}"
+    else:
+        n, where = ILSVRC2012_TRAIN_IMAGES, f"the {ILSVRC2012_TRAIN_IMAGES} images of ILSVRC2012"
+    split_dir = Path(workdir) / "results" / "split"
+    paths = [split_dir / "train.csv", split_dir / "holdout.csv"]
+    if all(path.is_file() for path in paths):
+        train, holdout = (_csv_rows(path) for path in paths)
+        total = train + holdout
+        same_data = total == n or not demo["enabled"]
+        if same_data and holdout == _holdout_count(total, fraction):
+            return train, holdout, "results/split/train.csv"
+    holdout = _holdout_count(n, fraction)
+    return n - holdout, holdout, f"{where} less split.holdout_fraction {fraction}"
+
+
+def _holdout_count(n: int, fraction: float) -> int:
+    return int(round(n * fraction))  # exactly as imagenet_ddp.data.split.stratified_split
+
+
+def _csv_rows(path: Path) -> int:
+    """Data rows of a CSV with a header line, no embedded newlines and a final newline (as
+    pandas writes it); counts bytes, so 1.2M rows take a few tens of milliseconds."""
+    with open(path, "rb") as f:
+        lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    return max(0, lines - 1)
+
+
+# --------------------------------------------------------------------------- model names
+
+
+def user_cache_dir() -> Path:
+    """Where the model names are cached: ``$XDG_CACHE_HOME/imagenet-ddp`` (``~/.cache/...``),
+    so every working directory of a user shares them, as matplotlib's font cache does."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "imagenet-ddp"
+
+
+def classification_models(cache_dir: str | os.PathLike[str] | None = None) -> frozenset[str]:
+    """torchvision's classification models (``list_models(module=torchvision.models)``:
+    no detection, segmentation, video or quantized ones, which ``train`` cannot build).
+
+    Importing torchvision (and torch) takes seconds, so the names are kept in ``cache_dir`` (if
+    given), one file per installed torchvision (its location and version file); unreadable or
+    stale files are rebuilt, and a cache that cannot be written is skipped. Without an
+    importable torchvision (a login node's bare Snakemake environment), the list kept with the
+    package (:mod:`imagenet_ddp.settings.torchvision_models`, the pinned torchvision's).
+    """
+    key = _torchvision_key()
+    if key is None and importlib.util.find_spec("torchvision") is None:
+        from imagenet_ddp.settings.torchvision_models import CLASSIFICATION_MODELS
+
+        return CLASSIFICATION_MODELS
+    path = None
+    if cache_dir is not None and key is not None:
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        path = Path(cache_dir) / f"torchvision-models-{digest}.json"
+        try:
+            stored = json.loads(path.read_text())
+            if stored.get("key") == key:
+                return frozenset(stored["models"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+    import torchvision
+
+    models = frozenset(torchvision.models.list_models(module=torchvision.models))
+    if path is not None:
+        _write_cache(path, {"key": key, "models": sorted(models)})
+    return models
+
+
+def _torchvision_key() -> str | None:
+    """Identifies the torchvision that an import would load, without importing it."""
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(list(spec.submodule_search_locations)[0])
+    try:
+        stamp = hashlib.sha256((root / "version.py").read_bytes())
+        stamp.update(str((root / "models" / "__init__.py").stat().st_mtime_ns).encode())
+    except OSError:
+        return None
+    return f"{root} {stamp.hexdigest()}"
+
+
+def _write_cache(path: Path, data: dict) -> None:
+    """Best effort and atomic (unique temporary name, then rename): dry-runs may race."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(
+            "w", dir=path.parent, prefix=f".{path.name}.tmp-", delete=False
+        ) as f:
+            tmp = Path(f.name)
+            f.write(json.dumps(data) + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
