@@ -281,11 +281,11 @@ def test_a_step_that_exits_0_without_finishing_the_run_is_stopped(tmp_path, monk
     from tests.workflow_helpers import make_job
 
     spec = make_job("train", RUN, checkpoint_root=tmp_path / "ckpt", run_dir=tmp_path / "run")
-    assert launch.run_training(spec, tmp_path / "spec.json") == attempts.EXIT_REQUEUE
+    assert launch.run_attempt(spec, tmp_path / "spec.json") == attempts.EXIT_REQUEUE
     assert attempts.load(tmp_path / "ckpt")[0]["outcome"] == "stopped"
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "train_metrics.json").write_text("{}")  # rank 0 finished the run
-    assert launch.run_training(spec, tmp_path / "spec.json") == 0
+    assert launch.run_attempt(spec, tmp_path / "spec.json") == 0
     assert attempts.load(tmp_path / "ckpt")[-1]["outcome"] == "completed"
 
 

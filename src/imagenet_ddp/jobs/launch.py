@@ -196,7 +196,7 @@ def rank_argv(job: TrainJob | EvalJob, spec_path: Path, python: list[str]) -> li
     return [*python, "-m", RANK_MODULES[job.kind], "--spec", str(spec_path)]
 
 
-def run_training(job: TrainJob, spec_path: Path) -> int:
+def run_attempt(job: TrainJob, spec_path: Path) -> int:
     """Stage on every node, run the ranks, clean up: the exit code of the job.
 
     ``job``: the job spec the caller wrote at ``spec_path`` (:mod:`imagenet_ddp.jobs.spec`);

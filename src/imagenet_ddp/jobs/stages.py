@@ -42,14 +42,14 @@ def train_job(job: TrainJob) -> int:
     geometry included: the worker checks the ranks that started against it and keys
     checkpoints by it.
     """
-    from imagenet_ddp.jobs.launch import run_training
+    from imagenet_ddp.jobs.launch import run_attempt
 
     _ = job.geometry  # a run without its geometry is refused before anything is written
     job = with_launcher(job, resolve_launcher(job.execution.launcher))
     run_dir = job.paths.run_dir
     spec_path = write_spec(run_dir / TRAIN_SPEC, job)
     started = time.time()
-    code = run_training(job, spec_path)
+    code = run_attempt(job, spec_path)
     if code != 0:
         return code
     record = {

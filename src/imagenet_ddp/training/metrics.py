@@ -243,7 +243,7 @@ def throughput_by_shape(history: list[dict[str, Any]]) -> dict[str, dict[str, An
     }
 
 
-def run_config(job: TrainingState) -> dict[str, Any]:
+def recorded_settings(job: TrainingState) -> dict[str, Any]:
     """The run's settings and geometry, as recorded beside its results and in model.pt."""
     return {**dataclasses.asdict(job.cfg), **dataclasses.asdict(job.geometry)}
 
@@ -267,7 +267,7 @@ def write_run_metrics(
         out_dir / "train_metrics.json",
         {
             "run": cfg.run,
-            "config": run_config(job),
+            "config": recorded_settings(job),
             "geometry": {**dataclasses.asdict(job.geometry), "tag": job.geometry.tag},
             "fingerprint": cfg.fingerprint(),
             "world_size": world,

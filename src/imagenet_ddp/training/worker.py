@@ -52,7 +52,7 @@ from imagenet_ddp.training.data import (
 )
 from imagenet_ddp.training.discipline import check_device_discipline
 from imagenet_ddp.training.loop import Holdout, run_epochs
-from imagenet_ddp.training.metrics import run_config, write_run_metrics
+from imagenet_ddp.training.metrics import recorded_settings, write_run_metrics
 from imagenet_ddp.training.model import build_model, save_model
 from imagenet_ddp.training.profile_window import ProfileWindow
 from imagenet_ddp.training.state import TrainingState
@@ -199,7 +199,7 @@ def _train(
             job.model,
             arch=cfg.model,
             num_classes=base.num_classes,
-            config=run_config(job),
+            config=recorded_settings(job),
             extra={} if job.ema is None else {"ema": job.ema.module.state_dict()},
         )
         cost = monitor.finish(job.history)  # the cost block of train_metrics.json
