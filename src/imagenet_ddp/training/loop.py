@@ -48,8 +48,7 @@ def run_epochs(
 ) -> int:
     """Train from the resume point to the last epoch: 0, or EXIT_REQUEUE when stopped.
     ``monitor`` (imagenet_ddp.monitoring.monitor.RunMonitor): TensorBoard events on rank 0;
-    ``profile``
-    (training.profile_window.ProfileWindow): the opt-in profiler window."""
+    ``profile`` (training.profile_window.ProfileWindow): the opt-in profiler window."""
     cfg, info = job.cfg, job.info
     steps_per_epoch = sampler.steps  # optimizer steps: global batches, whatever the ranks
     start_epoch, start_step, partial = resume.epoch, resume.step, resume.partial
@@ -60,12 +59,7 @@ def run_epochs(
         sampler.set_epoch(epoch, skip_steps=skip)
         # a resumed epoch's counts, shared out again if it ran on another rank count
         carried = carried_partial(partial, info.rank, info.world_size) if first else None
-        # Opened before the meter starts: the profiler's start is not the epoch's time.
-        profiler = profile.open(epoch, job.device) if profile is not None else None
-        window = profile.window(epoch) if profile is not None else 0
-        timer = StepTimer(job.device, cfg.log_interval, window)  # the step-time breakdown
-        meter = EpochMeter(job.device, cfg.throughput_warmup_steps, carried)
-        meter.shape_of(job.geometry.shape)
+        profiler, timer, meter = epoch_instruments(job, profile, epoch, carried)
         progress = Progress(info.is_main, epoch, steps_per_epoch, cfg.log_interval, meter)
         job.step_model.train()
         step = skip
@@ -87,15 +81,7 @@ def run_epochs(
             test_stop = stop_after_steps is not None and steps_done >= stop_after_steps
             if (test_stop or stop.poll(steps_done)) and step < steps_per_epoch:
                 progress.close()
-                path = save_job(job, epoch, step, D.all_gather_objects(meter.partial()))
-                settle_checkpoints(job)  # on disk before any rank exits for requeue
-                if info.is_main:
-                    print(
-                        f"interrupted{stop.cause()} at epoch {epoch} step {step}: wrote {path}; "
-                        "rerun to resume",
-                        flush=True,
-                    )
-                return EXIT_REQUEUE
+                return requeue_mid_epoch(job, stop, epoch, step, meter)
             if stop.checkpoint_due and step < steps_per_epoch:  # checkpoint_interval_minutes
                 interval_checkpoint(job, epoch, step, meter)
                 stop.checkpointed()
@@ -114,6 +100,31 @@ def run_epochs(
             return EXIT_REQUEUE
     settle_checkpoints(job)
     return 0
+
+
+def epoch_instruments(job: TrainingState, profile, epoch: int, carried):
+    """The epoch's profiler (or None), step timer (the step-time breakdown) and meter."""
+    # Opened before the meter starts: the profiler's start is not the epoch's time.
+    profiler = profile.open(epoch, job.device) if profile is not None else None
+    window = profile.window(epoch) if profile is not None else 0
+    timer = StepTimer(job.device, job.cfg.log_interval, window)
+    meter = EpochMeter(job.device, job.cfg.throughput_warmup_steps, carried)
+    meter.shape_of(job.geometry.shape)
+    return profiler, timer, meter
+
+
+def requeue_mid_epoch(job: TrainingState, stop, epoch: int, step: int, meter) -> int:
+    """Stopped mid-epoch (collective): the checkpoint on disk before any rank exits for
+    requeue; EXIT_REQUEUE."""
+    path = save_job(job, epoch, step, D.all_gather_objects(meter.partial()))
+    settle_checkpoints(job)
+    if job.info.is_main:
+        print(
+            f"interrupted{stop.cause()} at epoch {epoch} step {step}: wrote {path}; "
+            "rerun to resume",
+            flush=True,
+        )
+    return EXIT_REQUEUE
 
 
 def interval_checkpoint(job: TrainingState, epoch: int, step: int, meter: EpochMeter) -> None:

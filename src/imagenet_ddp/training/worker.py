@@ -93,8 +93,9 @@ def train(
     stop.install()
     try:
         return _train(
-            cfg, info, device, train_data, split_dir, out_dir, checkpoint_root, stop,
-            stop_after_steps, attempt_key,
+            cfg, info, device, stop, train_data=train_data, split_dir=split_dir,
+            out_dir=out_dir, checkpoint_root=checkpoint_root,
+            stop_after_steps=stop_after_steps, attempt_key=attempt_key,
         )  # fmt: skip
     finally:
         stop.settle()
@@ -118,57 +119,18 @@ def _set_determinism(cfg: TrainConfig, device: torch.device) -> None:
 
 
 def _train(
-    cfg,
-    info,
-    device,
-    train_data,
-    split_dir,
-    out_dir,
-    checkpoint_root,
-    stop,
-    stop_after_steps,
-    attempt_key,
-) -> int:
+    cfg, info, device, stop, *, train_data, split_dir, out_dir, checkpoint_root,
+    stop_after_steps, attempt_key,
+) -> int:  # fmt: skip
     _set_determinism(cfg, device)
     geometry = resolve_geometry(cfg, info, device)
     # decode=False: the transform decodes, after drawing its crop box (imagenet_ddp.data.jpeg)
     base = PreparedImageDataset(
         train_data, sample_ids=read_ids(split_dir / "train.csv"), decode=False
     )
-    holdout_data = PreparedImageDataset(
-        train_data,
-        sample_ids=read_ids(split_dir / "holdout.csv"),
-        transform=eval_transform(cfg.eval_resize, cfg.eval_crop, normalize=False),
-    )
-    # Made once: its workers (forked at the first evaluation) serve every evaluation.
-    holdout = Holdout(
-        holdout_data.num_classes,
-        shard_loader(
-            holdout_data,
-            device=device,
-            batch_size=cfg.batch_size,
-            workers=geometry.workers,
-            rank=info.rank,
-            world_size=info.world_size,
-            persistent=True,
-        ),
-    )
-    transforms = recipe.EpochTransforms(cfg)  # the crop size may change per epoch
-    dataset = SeededAugmentation(base, transforms, cfg.seed, per_epoch=True)
-    sampler = EpochSampler(
-        len(dataset), info.world_size, info.rank, cfg.seed, cfg.batch_size, cfg.accumulation
-    )
-    loader = train_loader(
-        dataset, sampler, cfg.batch_size, geometry.workers, pin=device.type == "cuda"
-    )
-    steps_per_epoch = sampler.steps
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"run {cfg.run!r}: the global batch, batch_size {cfg.batch_size} x "
-            f"{info.world_size} ranks x accumulation {cfg.accumulation}, exceeds the "
-            f"{len(dataset)} training samples; lower batch_size or accumulation"
-        )
-    job = build_job(cfg, info, device, geometry, base.num_classes, steps_per_epoch)
+    holdout = _holdout(cfg, info, device, geometry, train_data, split_dir)
+    sampler, loader = _train_loader(cfg, info, device, geometry, base)
+    job = build_job(cfg, info, device, geometry, base.num_classes, sampler.steps)
     job.checkpoint_dir = checkpoint_dir(
         checkpoint_root, cfg.fingerprint(), checkpoint_tag(cfg, geometry)
     )
@@ -177,7 +139,7 @@ def _train(
     resume = resume_job(job)
     check_device_discipline(job, "after setup")
     # Rank 0: TensorBoard events, the NVML sampler thread, the wall clock of the cost block.
-    monitor = RunMonitor.for_job(job, out_dir, steps_per_epoch, resumed=resume.path is not None)
+    monitor = RunMonitor.for_job(job, out_dir, sampler.steps, resumed=resume.path is not None)
     profile = ProfileWindow(cfg.profile, info, out_dir / "tensorboard")  # opt-in traces
     try:
         code = run_epochs(
@@ -210,6 +172,46 @@ def _train(
         write_run_metrics(job, out_dir, ranks, resumed_from=resume.path, cost=cost)
     D.barrier()
     return 0
+
+
+def _holdout(cfg, info, device, geometry, train_data, split_dir) -> Holdout:
+    """This rank's share of the holdout, made once: its loader's workers (forked at the first
+    evaluation) serve every evaluation."""
+    data = PreparedImageDataset(
+        train_data,
+        sample_ids=read_ids(split_dir / "holdout.csv"),
+        transform=eval_transform(cfg.eval_resize, cfg.eval_crop, normalize=False),
+    )
+    loader = shard_loader(
+        data,
+        device=device,
+        batch_size=cfg.batch_size,
+        workers=geometry.workers,
+        rank=info.rank,
+        world_size=info.world_size,
+        persistent=True,
+    )
+    return Holdout(data.num_classes, loader)
+
+
+def _train_loader(cfg, info, device, geometry, base):
+    """The seeded, resumable sampler over ``base`` and its DataLoader; a global batch larger
+    than the training set is refused."""
+    transforms = recipe.EpochTransforms(cfg)  # the crop size may change per epoch
+    dataset = SeededAugmentation(base, transforms, cfg.seed, per_epoch=True)
+    sampler = EpochSampler(
+        len(dataset), info.world_size, info.rank, cfg.seed, cfg.batch_size, cfg.accumulation
+    )
+    if sampler.steps == 0:
+        raise ValueError(
+            f"run {cfg.run!r}: the global batch, batch_size {cfg.batch_size} x "
+            f"{info.world_size} ranks x accumulation {cfg.accumulation}, exceeds the "
+            f"{len(dataset)} training samples; lower batch_size or accumulation"
+        )
+    loader = train_loader(
+        dataset, sampler, cfg.batch_size, geometry.workers, pin=device.type == "cuda"
+    )
+    return sampler, loader
 
 
 def build_job(
