@@ -70,7 +70,7 @@ def loader_figures(batch: int, crop: int, workers: int) -> dict:
 
     from imagenet_ddp.training.data import EpochSampler, shutdown_loader_workers, train_loader
 
-    sampler = EpochSampler(batch * workers * 8, 1, 0, 0)
+    sampler = EpochSampler(batch * workers * 8, 1, 0, 0, batch_size=batch)
     loader = train_loader(Crops(len(sampler), crop), sampler, batch, workers, pin=False)
     batches = iter(loader)
     for _ in range(workers * 2):

@@ -72,7 +72,7 @@ def test_group_efficiency_is_relative_to_smallest_run_on_steady_figure(tmp_path)
     assert table.loc["r18-2x2", "scaling_note"] == "relative to r18-1x1"
     # Both figures are in the table, each under its own name.
     assert table.loc["r18-2x2", "steady_images_per_s"] == pytest.approx(3200.0)
-    assert table.loc["r18-2x2", "images_per_s_per_worker"] == pytest.approx(300.0)
+    assert table.loc["r18-2x2", "images_per_s_per_rank"] == pytest.approx(300.0)
     assert table.loc["r18-2x2", "throughput_warmup_steps"] == 20
 
 
@@ -84,7 +84,7 @@ def test_table_columns_and_order(tmp_path):
     ]
     table = aggregate_runs(dirs)
     assert list(table.columns) == COLUMNS
-    assert list(table["run"]) == ["a-1x1", "b-1x2", "c-1x1"]  # by group, then workers
+    assert list(table["run"]) == ["a-1x1", "b-1x2", "c-1x1"]  # by group, then world size
     assert list(table["scaling_group"]) == ["resnet18 (lr=0.1)"] * 2 + ["resnet18 (lr=0.2)"]
 
 
@@ -179,7 +179,7 @@ def test_older_metrics_without_steady_figure_read_as_nan(tmp_path):
     assert math.isnan(old["steady_images_per_s"]) and pd.isna(old["throughput_warmup_steps"])
     assert old[["data_wait_ms", "input_bound_pct", "mfu_pct"]].isna().all()  # no breakdown yet
     assert table.loc["new-1x1", "mfu_pct"] == pytest.approx(31.5)
-    assert old["images_per_s_per_worker"] == pytest.approx(81.0)
+    assert old["images_per_s_per_rank"] == pytest.approx(81.0)
     # Never silently replaced by the end-to-end figure.
     assert math.isnan(old["scaling_efficiency"])
     assert (

@@ -199,7 +199,7 @@ def test_runs_without_steady_figure_still_plot(tmp_path, monkeypatch):
     """runs.csv aggregated from train_metrics.json files older than the steady-state window."""
     csv, run_dirs = make_fake_results(tmp_path, FAKE_RUNS[:3])
     table = pd.read_csv(csv)
-    table[["steady_images_per_s", "steady_images_per_s_per_worker", "scaling_efficiency"]] = None
+    table[["steady_images_per_s", "steady_images_per_s_per_rank", "scaling_efficiency"]] = None
     table.to_csv(csv, index=False)
     figures = _figures(monkeypatch, csv, run_dirs, tmp_path)
     efficiency = figures["efficiency"].axes[0]
@@ -388,3 +388,17 @@ def test_loss_spike_and_collapsed_scaling_still_plot(tmp_path):
     outputs = _outputs(tmp_path / "plots")
     plots.make_plots(csv, run_dirs, **outputs)
     _assert_images(outputs, ".png")
+
+
+def test_table_with_the_earlier_column_names_is_refused(tmp_path):
+    """A runs.csv from before `workers` (the rank count) became `world_size`."""
+    csv, run_dirs = make_fake_results(tmp_path)
+    earlier = {"world_size": "workers", "images_per_s_per_rank": "images_per_s_per_worker"}
+    pd.read_csv(csv).rename(columns=earlier).to_csv(csv, index=False)
+    result = _run_module(*_argv(csv, run_dirs, tmp_path / "plots"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"imagenet-ddp plots: error: {csv}: aggregate runs table has the earlier column names "
+        "(workers, *_per_worker); rewrite it with `snakemake --forcerun aggregate`"
+    )
+    assert not (tmp_path / "plots").exists()

@@ -67,7 +67,7 @@ def test_the_demos_runs_reach_comparable_accuracy(reported_run):
     scaling both still learn (a gap here reads as "DDP breaks accuracy")."""
     table = pd.read_csv(reported_run / "results/aggregate/runs.csv").set_index("run")
     top1 = table["holdout_top1"]
-    assert sorted(table["workers"]) == [1, 2]
+    assert sorted(table["world_size"]) == [1, 2]
     assert top1.max() - top1.min() <= 0.10 and top1.min() >= 0.5, top1.to_dict()
 
 

@@ -78,7 +78,7 @@ COLUMNS = [
     "run",
     "model",
     "nodes",
-    "workers",
+    "world_size",
     "gpus",
     "gpu_type",
     "global_batch",
@@ -92,10 +92,10 @@ COLUMNS = [
     "mean_epoch_seconds",
     "epoch_end_share",
     "images_per_s",
-    "images_per_s_per_worker",
+    "images_per_s_per_rank",
     "throughput_warmup_steps",
     "steady_images_per_s",
-    "steady_images_per_s_per_worker",
+    "steady_images_per_s_per_rank",
     *BREAKDOWN_COLUMNS,
     "scaling_efficiency",
     "scaling_baseline",
@@ -198,7 +198,7 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         "run": train["run"],
         "model": cfg["model"],
         "nodes": train["nodes"],
-        "workers": train["world_size"],
+        "world_size": train["world_size"],
         "gpus": gpus,
         "gpu_type": cfg.get("gpu_type", ""),  # asked of SLURM (gres); "": any type
         "global_batch": train["global_batch"],
@@ -211,11 +211,12 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         # holdout evaluations and checkpoint holds / training time (metrics.EPOCH_END_NOTE)
         "epoch_end_share": _float(train.get("epoch_end_share")),
         "images_per_s": train["images_per_s"],
-        "images_per_s_per_worker": train["images_per_s_per_worker"],
+        # train_metrics.json keeps its "worker" keys: files of finished runs read the same.
+        "images_per_s_per_rank": train["images_per_s_per_worker"],
         # Files written before the steady-state window existed lack these: NaN, never guessed.
         "throughput_warmup_steps": train.get("throughput_warmup_steps"),
         "steady_images_per_s": _float(train.get("steady_images_per_s")),
-        "steady_images_per_s_per_worker": _float(train.get("steady_images_per_s_per_worker")),
+        "steady_images_per_s_per_rank": _float(train.get("steady_images_per_s_per_worker")),
         # Where the time went (training.step_timing.BREAKDOWN_NOTE): medians over epochs.
         **{k: _float(train.get(k)) for k in BREAKDOWN_COLUMNS},
         "scaling_key": scaling_key(cfg),
@@ -338,10 +339,10 @@ def add_scaling(table: pd.DataFrame) -> pd.DataFrame:
     table = table.copy()
     labels = group_labels(list(table["scaling_key"]))
     table["scaling_group"] = table["scaling_key"].map(labels)
-    ordered = table.sort_values(["workers", "run"])
+    ordered = table.sort_values(["world_size", "run"])
     baseline = ordered.groupby("scaling_key")["run"].first()
     size = table.groupby("scaling_key")["run"].size()
-    per_worker = table.set_index("run")["steady_images_per_s_per_worker"]
+    per_rank = table.set_index("run")["steady_images_per_s_per_rank"]
     table["scaling_baseline"] = table["scaling_key"].map(baseline)
     efficiency, notes = [], []
     for row in table.itertuples():
@@ -353,9 +354,9 @@ def add_scaling(table: pd.DataFrame) -> pd.DataFrame:
             efficiency.append(math.nan)
             notes.append(BASELINE_NOTE)
         else:
-            value = row.steady_images_per_s_per_worker / per_worker[base]
+            value = row.steady_images_per_s_per_rank / per_rank[base]
             efficiency.append(value)
-            missing = [r for r in (row.run, base) if not math.isfinite(per_worker[r])]
+            missing = [r for r in (row.run, base) if not math.isfinite(per_rank[r])]
             notes.append(
                 f"relative to {base}"
                 if not missing
@@ -369,7 +370,7 @@ def add_scaling(table: pd.DataFrame) -> pd.DataFrame:
 def aggregate_runs(run_dirs: list[Path]) -> pd.DataFrame:
     table = add_scaling(pd.DataFrame([run_row(d) for d in run_dirs]))
     table["throughput_warmup_steps"] = table["throughput_warmup_steps"].astype("Int64")
-    return table[COLUMNS].sort_values(["scaling_group", "workers", "run"]).reset_index(drop=True)
+    return table[COLUMNS].sort_values(["scaling_group", "world_size", "run"]).reset_index(drop=True)
 
 
 # runs.md: the figures a person compares first, as (heading, alignment, how to show a row),
@@ -386,7 +387,7 @@ def _number(fmt: str) -> Any:
 def _shapes(row: pd.Series) -> str:
     """The last job's nodes x ranks, then (an elastic run) each other shape its allocations
     ran on."""
-    mine = f"{row['nodes']} x {row['workers'] // row['nodes']}"
+    mine = f"{row['nodes']} x {row['world_size'] // row['nodes']}"
     listed = row.get("allocation_shapes")
     others = [] if pd.isna(listed) or not listed else [p.split(":")[0] for p in listed.split("; ")]
     others = [s.replace("x", " x ") for s in others if s not in ("?", mine.replace(" ", ""))]

@@ -35,11 +35,11 @@ from matplotlib.ticker import (  # noqa: E402
 from imagenet_ddp.errors import InputError  # noqa: E402
 from imagenet_ddp.io import atomic_path  # noqa: E402
 
-RUNS_COLUMNS = ["run", "model", "workers", "images_per_s", "images_per_s_per_worker"]
+RUNS_COLUMNS = ["run", "model", "world_size", "images_per_s", "images_per_s_per_rank"]
 # Written by aggregate.py since scaling compares only runs of identical settings.
 SCALING_COLUMNS = [
     "steady_images_per_s",
-    "steady_images_per_s_per_worker",
+    "steady_images_per_s_per_rank",
     "scaling_efficiency",
     "scaling_group",
     "scaling_baseline",
@@ -108,6 +108,14 @@ def _numeric(frame: pd.DataFrame, columns: Sequence[str], path: Path) -> None:
 
 def read_runs(path: Path) -> pd.DataFrame:
     """The aggregate table, with the scaling groups and baselines aggregate.py assigned."""
+    if not Path(path).is_file():
+        return _read_csv(path, RUNS_COLUMNS, "aggregate runs table")  # its error: not found
+    header = Path(path).read_text(errors="replace").partition("\n")[0].split(",")
+    if "workers" in header and "world_size" not in header:  # the names before 2026-11-24
+        raise InputError(
+            f"{path}: aggregate runs table has the earlier column names (workers, "
+            "*_per_worker); rewrite it with `snakemake --forcerun aggregate`"
+        )
     table = _read_csv(path, RUNS_COLUMNS, "aggregate runs table")
     missing = [c for c in SCALING_COLUMNS if c not in table.columns]
     if missing:
@@ -125,8 +133,8 @@ def read_runs(path: Path) -> pd.DataFrame:
         table[column] = table[column].astype(str)
     if table["run"].duplicated().any():
         raise InputError(f"{path}: run {table['run'][table['run'].duplicated()].iloc[0]!r} twice")
-    if (table["workers"] < 1).any():
-        raise InputError(f"{path}: 'workers' must be >= 1 in every row")
+    if (table["world_size"] < 1).any():
+        raise InputError(f"{path}: 'world_size' must be >= 1 in every row")
     group_of = table.set_index("run")["scaling_group"]
     orphan = ~table["scaling_baseline"].map(group_of).eq(table["scaling_group"])
     if orphan.any():
@@ -151,10 +159,10 @@ def read_run_dir(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def _groups(table: pd.DataFrame) -> list[tuple[str, pd.DataFrame, pd.Series]]:
-    """(label, runs by workers, baseline row) per scaling group, in label order."""
+    """(label, runs by world size, baseline row) per scaling group, in label order."""
     groups = []
     for label, rows in table.groupby("scaling_group", sort=True):
-        rows = rows.sort_values(["workers", "run"])
+        rows = rows.sort_values(["world_size", "run"])
         base = rows[rows["run"] == rows["scaling_baseline"].iloc[0]].iloc[0]
         groups.append((str(label), rows, base))
     return groups
@@ -176,19 +184,19 @@ def _colors(keys: Sequence[str]) -> dict[str, tuple]:
     return {key: cmap(i % cmap.N) for i, key in enumerate(keys)}
 
 
-def _worker_axis(ax, workers: Sequence[int]) -> bool:
-    """Log2 axis with the actual worker counts as ticks when they span 4x or more."""
-    workers = sorted({int(w) for w in workers})
-    log = workers[-1] / workers[0] >= 4
+def _rank_axis(ax, ranks: Sequence[int]) -> bool:
+    """Log2 axis with the actual rank counts as ticks when they span 4x or more."""
+    ranks = sorted({int(r) for r in ranks})
+    log = ranks[-1] / ranks[0] >= 4
     if log:
         ax.set_xscale("log", base=2)
         ax.xaxis.set_minor_locator(NullLocator())
-    ax.xaxis.set_major_locator(FixedLocator(workers))
+    ax.xaxis.set_major_locator(FixedLocator(ranks))
     ax.xaxis.set_major_formatter(ScalarFormatter())
-    ax.set_xlabel("Workers (DDP ranks)")
+    ax.set_xlabel("DDP ranks")
     if not log:
-        pad = max(0.5, 0.08 * (workers[-1] - workers[0]))
-        ax.set_xlim(workers[0] - pad, workers[-1] + pad)
+        pad = max(0.5, 0.08 * (ranks[-1] - ranks[0]))
+        ax.set_xlim(ranks[0] - pad, ranks[-1] + pad)
     return log
 
 
@@ -198,7 +206,7 @@ def _label_points(ax, table: pd.DataFrame, y: str) -> None:
         return
     to_axes = ax.transData + ax.transAxes.inverted()
     for row in table.itertuples():
-        point = (row.workers, getattr(row, y))
+        point = (row.world_size, getattr(row, y))
         near_bottom = to_axes.transform(point)[1] < 0.1
         ax.annotate(
             row.run,
@@ -230,23 +238,23 @@ def _group_legend(ax, handles: list, title: str) -> None:
 
 
 def plot_throughput(table: pd.DataFrame, out: Path) -> None:
-    """Steady-state and end-to-end throughput vs workers per scaling group, with the ideal
+    """Steady-state and end-to-end throughput vs ranks per scaling group, with the ideal
     linear scaling from each group's smallest run."""
     with plt.rc_context(STYLE):
         fig, ax = plt.subplots(figsize=(6.4, 4.4))
         groups = _groups(table)
         colors = _colors([label for label, _, _ in groups])
-        log = _worker_axis(ax, table["workers"])
+        log = _rank_axis(ax, table["world_size"])
         handles, plotted = [], [table["images_per_s"], table["steady_images_per_s"]]
         for label, rows, base in groups:
             color = colors[label]
-            ax.plot(rows["workers"], rows["steady_images_per_s"], color=color, **STEADY)
-            ax.plot(rows["workers"], rows["images_per_s"], color=color, **END_TO_END)
+            ax.plot(rows["world_size"], rows["steady_images_per_s"], color=color, **STEADY)
+            ax.plot(rows["world_size"], rows["images_per_s"], color=color, **END_TO_END)
             handles.append(Line2D([], [], color=color, linewidth=2, label=label))
-            top = float(rows["workers"].max())
-            if top > base["workers"] and np.isfinite(base["steady_images_per_s_per_worker"]):
-                ideal_x = np.array([float(base["workers"]), top])
-                ideal_y = base["steady_images_per_s_per_worker"] * ideal_x
+            top = float(rows["world_size"].max())
+            if top > base["world_size"] and np.isfinite(base["steady_images_per_s_per_rank"]):
+                ideal_x = np.array([float(base["world_size"]), top])
+                ideal_y = base["steady_images_per_s_per_rank"] * ideal_x
                 ax.plot(ideal_x, ideal_y, color=color, **IDEAL)
                 plotted.append(pd.Series(ideal_y))
         values = pd.concat(plotted).to_numpy(dtype=float)
@@ -262,8 +270,8 @@ def plot_throughput(table: pd.DataFrame, out: Path) -> None:
         # After the limits (placement depends on them); at the steady point where there is one.
         labelled = table.assign(label_y=table["steady_images_per_s"].fillna(table["images_per_s"]))
         _label_points(ax, labelled, "label_y")
-        ax.set_ylabel("Training throughput (images/s, all workers)")
-        ax.set_title("Training throughput vs workers")
+        ax.set_ylabel("Training throughput (images/s, all ranks)")
+        ax.set_title("Training throughput vs ranks")
         gray = {"color": "0.3"}
         ax.add_artist(
             ax.legend(
@@ -283,13 +291,13 @@ def plot_throughput(table: pd.DataFrame, out: Path) -> None:
 
 
 def plot_efficiency(table: pd.DataFrame, out: Path) -> None:
-    """Scaling efficiency per group: steady-state per-worker throughput relative to the
+    """Scaling efficiency per group: steady-state per-rank throughput relative to the
     group's smallest run (drawn at 100 % with an open marker)."""
     with plt.rc_context(STYLE):
         fig, ax = plt.subplots(figsize=(6.4, 4.4))
         groups = _groups(table)
         colors = _colors([label for label, _, _ in groups])
-        _worker_axis(ax, table["workers"])
+        _rank_axis(ax, table["world_size"])
         ax.axhline(100, color="0.4", linestyle="--", linewidth=1)
         handles, top = [], 110.0
         for label, rows, base in groups:
@@ -299,7 +307,7 @@ def plot_efficiency(table: pd.DataFrame, out: Path) -> None:
                 handles.append(Line2D([], [], linestyle="none", label=f"{label}: {reason}"))
                 continue
             color = colors[label]
-            x = [base["workers"], *others["workers"]]
+            x = [base["world_size"], *others["world_size"]]
             y = [100.0, *(others["scaling_efficiency"] * 100)]
             ax.plot(x, y, color=color, **STEADY)
             ax.plot(x[:1], y[:1], color=color, marker="o", mfc="white", linestyle="none", zorder=3)
@@ -308,8 +316,8 @@ def plot_efficiency(table: pd.DataFrame, out: Path) -> None:
         ax.set_ylim(0, top)
         ax.set_ylabel("Scaling efficiency (%)")
         ax.set_title(
-            "Scaling efficiency vs workers\n"
-            "(steady-state per-worker throughput / group's smallest run's)"
+            "Scaling efficiency vs ranks\n"
+            "(steady-state per-rank throughput / group's smallest run's)"
         )
         ax.legend(
             handles=[
@@ -494,7 +502,7 @@ def plot_per_class(per_class: dict[str, pd.DataFrame], out: Path) -> None:
 
 def _cost_panel(ax, table: pd.DataFrame, x: str, xlabel: str, empty: str) -> None:
     points = table[np.isfinite(table[x].astype(float)) & (table[x].astype(float) > 0)]
-    ax.set_ylabel("Images/s, end to end (all workers)")
+    ax.set_ylabel("Images/s, end to end (all ranks)")
     ax.set_xlabel(xlabel)
     if points.empty:
         ax.text(0.5, 0.5, empty, ha="center", va="center", wrap=True, transform=ax.transAxes)
