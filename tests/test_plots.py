@@ -399,6 +399,6 @@ def test_table_with_the_earlier_column_names_is_refused(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == (
         f"imagenet-ddp plots: error: {csv}: aggregate runs table has the earlier column names "
-        "(workers, *_per_worker); rewrite it with `snakemake --forcerun aggregate`"
+        "(workers, images_per_s_per_worker); rewrite it with `snakemake --forcerun aggregate`"
     )
     assert not (tmp_path / "plots").exists()

@@ -11,7 +11,7 @@ suffix (``.png`` or ``.svg``), and reruns on the same inputs write byte-identica
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -36,6 +36,8 @@ from imagenet_ddp.errors import InputError  # noqa: E402
 from imagenet_ddp.io import atomic_path  # noqa: E402
 
 RUNS_COLUMNS = ["run", "model", "world_size", "images_per_s", "images_per_s_per_rank"]
+# Tables written before 2026-11-24 named the rank count "workers" (the loader's setting's name).
+EARLIER_NAMES = {"world_size": "workers", "images_per_s_per_rank": "images_per_s_per_worker"}
 # Written by aggregate.py since scaling compares only runs of identical settings.
 SCALING_COLUMNS = [
     "steady_images_per_s",
@@ -74,7 +76,11 @@ SUPPORTED_SUFFIXES = tuple(METADATA)
 
 
 # --------------------------------------------------------------------------------- inputs
-def _read_csv(path: Path, required: Sequence[str], what: str) -> pd.DataFrame:
+def _read_csv(
+    path: Path, required: Sequence[str], what: str, earlier: Mapping[str, str] | None = None
+) -> pd.DataFrame:
+    """``path`` as a frame with the ``required`` columns; ``earlier`` maps a column to the name
+    an earlier version wrote it under, so that such a table is refused with its fix."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: {what} not found; run the rule that writes it first")
@@ -83,6 +89,12 @@ def _read_csv(path: Path, required: Sequence[str], what: str) -> pd.DataFrame:
     except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: cannot read {what} as CSV ({exc})") from exc
     missing = [c for c in required if c not in frame.columns]
+    renamed = [(earlier or {}).get(c) for c in missing]
+    if any(name in frame.columns for name in renamed):
+        raise InputError(
+            f"{path}: {what} has the earlier column names ({', '.join(filter(None, renamed))}); "
+            "rewrite it with `snakemake --forcerun aggregate`"
+        )
     if missing:
         raise InputError(
             f"{path}: {what} lacks column(s) {', '.join(missing)} "
@@ -108,15 +120,7 @@ def _numeric(frame: pd.DataFrame, columns: Sequence[str], path: Path) -> None:
 
 def read_runs(path: Path) -> pd.DataFrame:
     """The aggregate table, with the scaling groups and baselines aggregate.py assigned."""
-    if not Path(path).is_file():
-        return _read_csv(path, RUNS_COLUMNS, "aggregate runs table")  # its error: not found
-    header = Path(path).read_text(errors="replace").partition("\n")[0].split(",")
-    if "workers" in header and "world_size" not in header:  # the names before 2026-11-24
-        raise InputError(
-            f"{path}: aggregate runs table has the earlier column names (workers, "
-            "*_per_worker); rewrite it with `snakemake --forcerun aggregate`"
-        )
-    table = _read_csv(path, RUNS_COLUMNS, "aggregate runs table")
+    table = _read_csv(path, RUNS_COLUMNS, "aggregate runs table", EARLIER_NAMES)
     missing = [c for c in SCALING_COLUMNS if c not in table.columns]
     if missing:
         # Refuse rather than guess: grouping by model alone compared fp32 with bf16 runs.
