@@ -231,7 +231,7 @@ def assert_each_stop_checkpointed_and_the_next_job_resumed(workdir, stopped, out
     assert outcomes == dict.fromkeys(stopped, "stopped"), (outcomes, stopped, output[-4000:])
     # Every job but the last was stopped (a later one by its warning again, on a loaded
     # machine), wrote a checkpoint and exited 75; the last completed the run.
-    assert [a["outcome"] for a in record[4:]][-1:] == ["completed"], record
+    assert len(record) >= 5 and record[-1]["outcome"] == "completed", record
     assert all(a["outcome"] == "stopped" and a["exit_code"] == 75 for a in record[:-1]), record
     assert all(a["last_checkpoint"] for a in record[:-1]), record
     starts = [(a["start"]["epoch"], a["start"]["step"]) for a in record]
