@@ -371,3 +371,23 @@ def test_a_profiler_window_after_the_last_epoch_is_refused(models, tmp_path):
         "0): no trace would be written; set profile.epoch below 2"
     ]
     assert problems(demo_config(epochs=2, profile={"epoch": 1, "steps": 3}), models, tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "run, expected",
+    [
+        ({"nodes": 4, "fallback_nodes": [2, 1]}, None),
+        ({"nodes": 4, "fallback_nodes": [3]},
+         "fallback_nodes [3]: [3] not smaller than nodes 4 or not dividing"),
+        ({"nodes": 2, "fallback_nodes": [2]}, "fallback_nodes [2]: [2] not smaller than nodes 2"),
+        ({"nodes": 2, "accumulation": 3, "fallback_nodes": [1]}, None),
+        ({"nodes": 2, "fallback_nodes": [1], "sync_bn": True, "gpus_per_node": 1,
+          "tasks_per_node": 1, **FED}, "fallback_nodes [1] with sync_bn"),
+    ],
+)  # fmt: skip
+def test_fallback_node_counts_must_keep_the_global_batch(models, tmp_path, run, expected):
+    lines = problems(demo_config(batch_size=2, **run), models, tmp_path)
+    if expected is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and lines[0].startswith(f"config.yaml: run 'r': {expected}"), lines

@@ -81,6 +81,29 @@ def global_batch(settings: Mapping[str, Any], world: int | None = None) -> int:
     return int(settings["batch_size"]) * world * int(settings.get("accumulation") or 1)
 
 
+def accepted_nodes(settings: Mapping[str, Any]) -> tuple[int, ...]:
+    """The node counts a run trains on, preferred first: ``nodes``, then its ``fallback_nodes``
+    largest first (docs/reliability.md "Elastic resume")."""
+    fallback = sorted({int(n) for n in settings.get("fallback_nodes") or ()}, reverse=True)
+    return (int(settings.get("nodes") or 1), *fallback)
+
+
+def on_nodes(settings: Mapping[str, Any], nodes: int) -> dict[str, Any]:
+    """``settings`` on ``nodes`` of its accepted counts, with the same global batch:
+    ``accumulation`` scaled by nodes / ``nodes`` (settings.run_checks refuses a count that
+    does not divide). ValueError for a count the run does not accept."""
+    preferred = int(settings.get("nodes") or 1)
+    accumulation = int(settings.get("accumulation") or 1)
+    if nodes == preferred:
+        return dict(settings)
+    if nodes not in accepted_nodes(settings) or (preferred * accumulation) % nodes:
+        raise ValueError(
+            f"run {settings.get('run')!r}: {nodes} node(s) is not one of the counts it accepts "
+            f"(nodes {preferred}, fallback_nodes {list(settings.get('fallback_nodes') or [])})"
+        )
+    return {**settings, "nodes": nodes, "accumulation": preferred * accumulation // nodes}
+
+
 def slurm_resources(settings: Mapping[str, Any]) -> dict[str, Any]:
     """The SLURM executor's resources of a job of ``settings`` (a run's or its evaluation's:
     nodes, tasks_per_node, gpus_per_node, gpu_type) beside nodes and cpus_per_task, as

@@ -62,6 +62,7 @@ def check_runs(
             _batch_problem(run, sizes),
             *_recipe_problems(run),
             _profile_problem(run),
+            _fallback_nodes_problem(run),
         ]
         problems += [f"config.yaml: run {name!r}: {p}" for p in found if p]
     return problems
@@ -152,6 +153,25 @@ def _profile_problem(run: Mapping) -> str | None:
         return (
             f"profile.epoch {profile['epoch']} is after the last epoch ({epochs} epochs, "
             f"counted from 0): no trace would be written; set profile.epoch below {epochs}"
+        )
+    return None
+
+
+def _fallback_nodes_problem(run: Mapping) -> str | None:
+    """A fallback count the run could not resume on with the same global batch."""
+    nodes, accumulation = run["nodes"], run.get("accumulation", 1)
+    fallback = run.get("fallback_nodes") or []
+    wrong = [n for n in fallback if n >= nodes or (nodes * accumulation) % n]
+    if wrong:
+        return (
+            f"fallback_nodes {fallback}: {wrong} not smaller than nodes {nodes} or not dividing "
+            f"nodes x accumulation ({nodes} x {accumulation}), so the global batch could not "
+            f"stay the same on it; list smaller counts that divide {nodes * accumulation}"
+        )
+    if fallback and run.get("sync_bn"):
+        return (
+            f"fallback_nodes {fallback} with sync_bn: its batch statistics span the ranks, so "
+            "its checkpoints resume on the same rank count only; drop one of them"
         )
     return None
 
