@@ -359,3 +359,54 @@ def test_an_attempt_record_with_two_commits_marks_the_run_in_the_table(tmp_path)
     text = (tmp_path / "runs.md").read_text()
     assert re.search(r"^\| moved \* +\|", text, re.M) and re.search(r"^\| steady +\|", text, re.M)
     assert "ran different code" in text and "moved (aaa bbb)" in text and "steady (" not in text
+
+
+def submission(attempt: int, outcome: str, started: float = 100.0) -> dict:
+    return {"snakemake_attempt": attempt, "outcome": outcome, "started": started}
+
+
+@pytest.mark.parametrize(
+    "entries, attempt, nodes",
+    [
+        ([], 1, 4),  # the first asks for nodes
+        ([submission(1, "stopped")], 2, 4),  # after a stop: nodes again
+        ([submission(1, "failed")], 2, 2),  # after a failure: the next smaller count
+        ([submission(1, "killed")], 2, 2),  # killed with the launcher (a node failure)
+        ([], 2, 2),  # the first never started (cancelled while pending)
+        ([submission(1, "failed"), submission(2, "failed")], 3, 1),
+        ([submission(1, "failed"), submission(2, "failed")], 5, 1),  # the smallest stays
+        ([submission(1, "failed"), submission(2, "stopped")], 3, 4),  # back to nodes
+        ([submission(2, "stopped")], 3, 4),  # 1 never started, 2 on 2 nodes was stopped
+        ([submission(1, "stopped", started=10.0)], 2, 2),  # an earlier invocation's entry
+    ],
+)  # fmt: skip
+def test_the_node_count_of_each_submission_follows_how_the_previous_one_ended(
+    entries, attempt, nodes
+):
+    assert attempts.choose_nodes(entries, (4, 2, 1), attempt, since=50.0) == nodes
+
+
+def test_a_resubmission_of_an_elastic_run_asks_for_fewer_nodes(tmp_path):
+    """Real Snakemake, dry-run at a given attempt: a run with fallback_nodes asks for its
+    nodes, and for the smaller shape (tasks, GPUs per node) where the previous submission of
+    the invocation left no entry (never started); the job spec keeps the run's own settings
+    (the launcher adapts to the allocation it is given)."""
+    from tests.workflow_helpers import copy_workflow, shown_specs, snakemake
+
+    run = {"name": "r", "nodes": 2, "tasks_per_node": 2, "gpus_per_node": 2, "workers": 2,
+           "fallback_nodes": [1]}  # fmt: skip
+    workdir = copy_workflow(tmp_path / "wf", runs=[run])
+
+    def train_job(attempt: int) -> tuple[str, dict]:
+        shown = snakemake(workdir, "-n", "-p", "results/runs/r/model.pt", "--config",
+                          "data={dir: /x}", "--attempt", str(attempt))  # fmt: skip
+        text = shown.stdout + shown.stderr
+        resources = re.search(r"resources: (.*)", text[text.index("rule train:") :]).group(1)
+        return resources.split(", job=")[0], shown_specs(text, "train")[0]["run"]
+
+    first, spec = train_job(1)
+    assert "nodes=2, tasks_per_node=2, cpus_per_task=1, gres=gpu:2" in first and "mpi=srun" in first
+    second, second_spec = train_job(2)
+    assert "nodes=1, tasks_per_node=2, cpus_per_task=1, gres=gpu:2" in second, second
+    assert "mpi=srun" in second and second_spec == spec
+    assert (spec["nodes"], spec["fallback_nodes"], spec["accumulation"]) == (2, [1], 1)

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import sys
+import time
 
 from snakemake.exceptions import WorkflowError
 from snakemake.settings.types import DeploymentMethod
@@ -22,9 +23,9 @@ from imagenet_ddp.data.archive_names import (
     TRAIN_ARCHIVE,
     VAL_ARCHIVE,
 )
-from imagenet_ddp.jobs.attempts import refusal_ahead
+from imagenet_ddp.jobs.attempts import nodes_ahead, refusal_ahead
 from imagenet_ddp.settings.evaluation import eval_settings
-from imagenet_ddp.settings.geometry import GEOMETRY_KEYS, slurm_resources
+from imagenet_ddp.settings.geometry import GEOMETRY_KEYS, on_nodes, slurm_resources
 from imagenet_ddp.jobs.spec import SpecError, from_dict, to_dict
 from imagenet_ddp.settings.node_memory import node_memory_problems
 from imagenet_ddp.preflight.report import known_projection_problems
@@ -250,18 +251,39 @@ def _retry_refused(run, attempt):
     return bool(refusal_ahead(checkpoint_root, training_settings(run), attempt))
 
 
+# When this invocation began: the attempt record's entries started since are its own
+# (imagenet_ddp.jobs.attempts.choose_nodes). Set once, by the submitting Snakemake, and
+# inherited by its jobs (sbatch --export=ALL): a job's own Snakemake evaluates the resources
+# again, and must choose the same node count (it decides whether the shell runs in an srun
+# step of one node or in the batch step).
+INVOCATION_STARTED = float(
+    os.environ.setdefault("IMAGENET_DDP_INVOCATION_STARTED", repr(time.time()))
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _allocation_settings(run, attempt):
+    """The run's settings on the node count this submission asks for: its `nodes`, or one of
+    its `fallback_nodes` after a failed or never-started job (read once per retry)."""
+    checkpoint_root = f"{CHECKPOINT_DIR}/{run}"
+    settings = training_settings(run)
+    nodes = nodes_ahead(checkpoint_root, settings, attempt, INVOCATION_STARTED)
+    return on_nodes(RUNS[run], nodes)
+
+
 def train_resource(key):
-    """A SLURM resource of `train`: the run's shape, or _REFUSED_SHAPE for a retry that will
-    refuse (asked before each submission, from the attempt record beside the checkpoints).
+    """A SLURM resource of `train`: the run's shape on the node count this submission asks
+    for, or _REFUSED_SHAPE for a retry that will refuse (asked before each submission, from
+    the attempt record beside the checkpoints).
     """
-    shaped = (
-        run_setting(key) if key in ("nodes", "cpus_per_task") else slurm_resource(key)
-    )
 
     def value(wildcards, attempt):
         if attempt > 1 and _retry_refused(wildcards.run, attempt):
             return _REFUSED_SHAPE[key]
-        return shaped(wildcards)
+        settings = _allocation_settings(wildcards.run, attempt)
+        if key in ("nodes", "cpus_per_task"):
+            return settings[key]
+        return slurm_resources(settings)[key]
 
     return value
 

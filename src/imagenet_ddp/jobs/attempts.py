@@ -44,7 +44,13 @@ from typing import Any
 
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.provenance import code_version
-from imagenet_ddp.settings.geometry import SAMPLE_ORDER, Geometry, global_batch, world_size
+from imagenet_ddp.settings.geometry import (
+    SAMPLE_ORDER,
+    Geometry,
+    accepted_nodes,
+    global_batch,
+    world_size,
+)
 from imagenet_ddp.settings.kinds import digest, weight_settings
 
 RECORD = "attempts.json"
@@ -190,6 +196,37 @@ def refusal_ahead(checkpoint_root, run: dict[str, Any], attempt: int) -> str | N
         return None
     mine = _closed(_of_settings(load(checkpoint_root), run), checkpoint_root)
     return refusal(mine, attempt, int(run.get("max_allocations", 10)))
+
+
+def nodes_ahead(checkpoint_root, run: dict[str, Any], attempt: int, since: float) -> int:
+    """The node count the workflow asks for Snakemake's ``attempt`` of ``run`` in the
+    invocation that began at ``since`` (Unix seconds): :func:`choose_nodes` over the record."""
+    counts = accepted_nodes(run)
+    if attempt == 1 or len(counts) == 1:
+        return counts[0]
+    mine = _closed(_of_settings(load(checkpoint_root), run), checkpoint_root)
+    return choose_nodes(mine, counts, attempt, since)
+
+
+def choose_nodes(
+    mine: list[dict[str, Any]], counts: tuple[int, ...], attempt: int, since: float
+) -> int:
+    """The node count of submission ``attempt`` of this invocation (``counts``: preferred
+    first, then smaller). The first asks for the preferred count; after a job that was
+    stopped (time limit, scancel, preemption: it checkpointed and exits 75) the next asks for
+    it again; after one that failed or was killed (a node failure, a rank's error) or that
+    left no entry because it never started (cancelled while pending: a long queue wait), the
+    next asks for the next smaller count, the smallest staying the smallest. Entries that
+    began before ``since`` belong to earlier invocations."""
+    ours = {a.get("snakemake_attempt"): a for a in mine if a["started"] >= since}
+    nodes = counts[0]
+    for submission in range(1, attempt):
+        entry = ours.get(submission)
+        if entry is not None and entry["outcome"] in ("stopped", "completed"):
+            nodes = counts[0]
+        else:
+            nodes = next((n for n in counts if n < nodes), nodes)
+    return nodes
 
 
 def begin(
