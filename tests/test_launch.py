@@ -224,3 +224,62 @@ def test_a_stop_while_staging_finishes_the_copy_and_starts_no_ranks(monkeypatch,
         )
         assert launch.run_staged(spec, "/nowhere/spec.json") == 75
         assert len(steps) == 1 and "stage-node" in steps[0]  # no ranks, no unstage step
+
+
+def fake_squeue(monkeypatch, tmp_path, nodes: str) -> None:
+    """A `squeue` on PATH that prints ``nodes`` as the job's node count (%D)."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\necho '{nodes}'\n")
+    (bin_dir / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+
+
+def test_a_run_given_fewer_nodes_than_it_asked_keeps_its_global_batch(monkeypatch, tmp_path):
+    """The allocation's node count (squeue) decides: one of fallback_nodes trains with the
+    accumulation that keeps the global batch; a count the run does not accept is refused."""
+    import pytest
+
+    from imagenet_ddp.errors import InputError
+    from imagenet_ddp.jobs.launch import on_allocation
+    from imagenet_ddp.settings.geometry import global_batch
+
+    run = {"run": "r", "nodes": 4, "tasks_per_node": 2, "cpus_per_task": 1, "batch_size": 8,
+           "accumulation": 1, "fallback_nodes": [2, 1]}  # fmt: skip
+    job = make_job(run=run, launcher="srun")
+    for nodes, accumulation in (("4", 1), ("2", 2), ("1", 4)):
+        fake_squeue(monkeypatch, tmp_path, nodes)
+        shifted = on_allocation(job).run
+        assert (shifted["nodes"], shifted["accumulation"]) == (int(nodes), accumulation)
+        assert global_batch(shifted) == global_batch(run) == 64
+    fake_squeue(monkeypatch, tmp_path, "3")
+    with pytest.raises(InputError, match=r"3 node\(s\) is not one of the counts .*fallback_nodes"):
+        on_allocation(job)
+    fake_squeue(monkeypatch, tmp_path, "not a number")
+    with pytest.raises(InputError, match="cannot read the allocation's node count with squeue"):
+        on_allocation(job)
+    # without fallback_nodes (or with the local launcher) squeue is never asked
+    fixed = make_job(run={**run, "fallback_nodes": []}, launcher="srun")
+    assert on_allocation(fixed).run["nodes"] == 4
+    assert on_allocation(make_job(run=run)).run == run
+
+
+def test_a_retry_that_will_refuse_is_not_shifted_to_its_one_node(monkeypatch, tmp_path):
+    """The workflow submits a retry that will refuse on one node (common.smk _REFUSED_SHAPE),
+    a count the run may not accept: it must reach the attempt record's refusal, not fail on
+    its node count."""
+    from imagenet_ddp.jobs import attempts
+    from imagenet_ddp.jobs.launch import on_allocation
+
+    run = {"run": "r", "nodes": 4, "tasks_per_node": 2, "cpus_per_task": 1, "batch_size": 8,
+           "fallback_nodes": [2], "max_allocations": 10}  # fmt: skip
+    root = tmp_path / "ckpt"
+    for attempt in (1, 2):  # two failures in a row without progress
+        entry, _ = attempts.begin(root, run, attempt=attempt, gpus=8, cores=8)
+        attempts.end(root, entry, 1)
+    fake_squeue(monkeypatch, tmp_path, "1")
+    job = make_job(run=run, launcher="srun", attempt=3, checkpoint_root=root)
+    assert on_allocation(job).run == run

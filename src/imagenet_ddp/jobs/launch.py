@@ -18,6 +18,7 @@ Each node writes ``<run_dir>/staging/<host>.json``; each rank reads the copy its
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -44,7 +45,7 @@ from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.jobs import attempts
 from imagenet_ddp.jobs.signals import EXIT_REQUEUE, STOP_SIGNALS, ForwardStopSignals
 from imagenet_ddp.jobs.spec import EvalJob, TrainJob, read_spec, staging_report_path
-from imagenet_ddp.settings.geometry import Geometry
+from imagenet_ddp.settings.geometry import Geometry, on_nodes
 from imagenet_ddp.settings.node_memory import compile_threads_env
 
 STAGED_KINDS = ("train", "preflight")  # jobs that stage the prepared copy on every node
@@ -194,6 +195,46 @@ RANK_MODULES = {
 def rank_argv(job: TrainJob | EvalJob, spec_path: Path, python: list[str]) -> list[str]:
     """The command of one rank of ``job``: its kind's module, given the spec's path."""
     return [*python, "-m", RANK_MODULES[job.kind], "--spec", str(spec_path)]
+
+
+def on_allocation(job: TrainJob) -> TrainJob:
+    """``job`` on the node count of its allocation. A run with ``fallback_nodes`` may be given
+    fewer than ``nodes`` (common.smk asks for a smaller count after a failed or never-started
+    job): it trains there with the same global batch, ``accumulation`` scaled to match
+    (settings.geometry.on_nodes). Other runs, and the local launcher, keep their settings."""
+    run = job.run
+    if job.execution.launcher != "srun" or not run.get("fallback_nodes"):
+        return job
+    if attempts.refusal_ahead(job.paths.checkpoint_root, run, job.execution.attempt):
+        return job  # submitted on one node without GPUs: it refuses, it does not train
+    nodes = allocated_nodes()
+    if nodes == run["nodes"]:
+        return job
+    try:
+        shifted = on_nodes(run, nodes)
+    except ValueError as error:
+        raise InputError(f"{error}; this job's allocation has {nodes} node(s)") from None
+    print(f"run {run.get('run')!r}: this allocation has {nodes} of its {run['nodes']} nodes: "
+          f"accumulation {shifted['accumulation']} (was {run.get('accumulation', 1)}), the "
+          "same global batch", flush=True)  # fmt: skip
+    return dataclasses.replace(job, run=shifted)
+
+
+def allocated_nodes() -> int:
+    """The node count of this SLURM job, from squeue: the rule's environment has none (the
+    SLURM executor strips SLURM_JOB_NUM_NODES, docs/slurm-notes.md section 3)."""
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    try:
+        result = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%D"], capture_output=True, text=True, timeout=60
+        )
+        return int(result.stdout.split()[0])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        raise InputError(
+            f"job {job_id or '(no SLURM_JOB_ID)'}: cannot read the allocation's node count "
+            "with squeue, which a run with fallback_nodes needs (in a container: bind squeue, "
+            'docs/cluster.md "Containers")'
+        ) from None
 
 
 def run_attempt(job: TrainJob, spec_path: Path) -> int:

@@ -42,10 +42,10 @@ def train_job(job: TrainJob) -> int:
     geometry included: the worker checks the ranks that started against it and keys
     checkpoints by it.
     """
-    from imagenet_ddp.jobs.launch import run_attempt
+    from imagenet_ddp.jobs.launch import on_allocation, run_attempt
 
     _ = job.geometry  # a run without its geometry is refused before anything is written
-    job = with_launcher(job, resolve_launcher(job.execution.launcher))
+    job = on_allocation(with_launcher(job, resolve_launcher(job.execution.launcher)))
     run_dir = job.paths.run_dir
     spec_path = write_spec(run_dir / TRAIN_SPEC, job)
     started = time.time()
