@@ -317,6 +317,7 @@ def run_staged(job: TrainJob, spec_path: Path) -> int:
     try:
         ranks = rank_argv(job, spec_path, python)
         code, signalled = launch_ranks(launcher, geometry, ranks, extra, _prefix(job))
+        code = killed_after_its_checkpoint(code, signalled, job)
     finally:
         if cleanup and signalled:
             # The job is ending (time limit, scancel, preemption): SLURM creates no new step
@@ -326,6 +327,23 @@ def run_staged(job: TrainJob, spec_path: Path) -> int:
             unstage = [*srun_argv(geometry, per_node=True, extra=extra), *node_step]
             _run([*unstage, "unstage-node", *on_spec], geometry)
     return code
+
+
+def killed_after_its_checkpoint(code: int, signalled: float, job: TrainJob) -> int:
+    """EXIT_REQUEUE where the ranks' step failed after a stop signal reached the launcher
+    (``signalled``: when; scancel, the job's end) but a checkpoint was written since: SLURM
+    kills what still runs KillWait seconds after its SIGTERM, and a rank still tearing down
+    (loader workers, the process group) is killed after its checkpoint. The run lost nothing:
+    the attempt is stopped, not failed (after a failed one an elastic run asks for fewer
+    nodes, docs/reliability.md)."""
+    if not signalled or code in (0, EXIT_REQUEUE):
+        return code
+    newest = attempts.newest_checkpoint(job.paths.checkpoint_root)
+    if newest is None or newest["written"] < signalled:
+        return code
+    print(f"the ranks' step exited {code} after the stop signal, but {newest['path']} was "
+          "written after it: stopped, the next job resumes from it", flush=True)  # fmt: skip
+    return EXIT_REQUEUE
 
 
 def run_evaluation(job: EvalJob, spec_path: Path) -> int:
@@ -353,17 +371,17 @@ def launch_ranks(
     argv: list[str],
     srun_extra: list[str] | None = None,
     prefix: str = "srun",
-) -> tuple[int, bool]:
+) -> tuple[int, float]:
     """Run ``argv`` as ``nodes x tasks_per_node`` ranks: training workers and evaluation alike.
 
     ``local``: one process per rank here (:func:`spawn_local_ranks`); ``srun``: one srun step
     of one task per rank. Both give each rank ``cpus_per_task`` threads (:func:`worker_env`)
-    and pass stop signals on. Returns (exit code, whether a stop signal arrived during an
-    srun step).
+    and pass stop signals on. Returns (exit code, when a stop signal reached the launcher
+    during an srun step: Unix seconds, 0.0 for none or with ``local``).
     """
     if launcher == "local":
         _check_local(geometry)
-        return spawn_local_ranks(argv, geometry), False
+        return spawn_local_ranks(argv, geometry), 0.0
     step = srun_argv(geometry, per_node=False, extra=srun_extra or [], prefix=prefix)
     return _run_step([*step, *argv], geometry)
 
@@ -372,8 +390,9 @@ def _run(argv: list[str], geometry: Geometry) -> int:
     return _run_step(argv, geometry)[0]
 
 
-def _run_step(argv: list[str], geometry: Geometry) -> tuple[int, bool]:
-    """Run an srun step to its end, surviving stop signals: (exit code, signalled).
+def _run_step(argv: list[str], geometry: Geometry) -> tuple[int, float]:
+    """Run an srun step to its end, surviving stop signals: (exit code, when a stop signal
+    reached the launcher: Unix seconds, 0.0 for none).
 
     A stop signal to the launcher reaches srun as SIGUSR1, which srun passes on to its tasks
     unchanged (:class:`ForwardStopSignals`); srun then exits with their code (EXIT_REQUEUE
@@ -400,7 +419,7 @@ def _run_step(argv: list[str], geometry: Geometry) -> tuple[int, bool]:
     if forward.received:
         name = signal.Signals(forward.received).name
         print(f"stop signal {name}: passed on to srun as SIGUSR1; srun exited {code}", flush=True)
-    return code, bool(forward.received)
+    return code, forward.received_at
 
 
 # While the ranks' step runs after a stop signal, srun gets SIGUSR1 again this often.

@@ -182,6 +182,7 @@ class ForwardStopSignals:
     ) -> None:
         self.children = list(children or [])
         self.received = 0
+        self.received_at = 0.0  # when the first stop signal came (Unix seconds)
         self.srun = srun
         self._previous: dict[int, object] = {}
 
@@ -195,6 +196,7 @@ class ForwardStopSignals:
             signal.signal(sig, handler)
 
     def _forward(self, signum, frame) -> None:
+        self.received_at = self.received_at or time.time()
         self.received = self.received or signum
         self.relay(signum)
 
