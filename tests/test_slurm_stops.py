@@ -18,6 +18,13 @@ batch step, as every multi-rank job) and the test stops four of its jobs in turn
 
 then lets it finish (a job the warning stops again is resubmitted the same way).
 
+Before the third is stopped, the test drains the second node, as a node failure or a busy
+queue leaves a run fewer nodes than it asks for. The run accepts 1 node as well
+(`fallback_nodes`): its next job, on 2 nodes, waits in the queue until the test cancels it (a
+long queue wait); the resubmission asks for 1 node and trains there with 2 micro-batches per
+step, the same global batch: it is the fourth, and the node comes back while it trains, so the
+run finishes on 2 nodes again.
+
 Meanwhile a second invocation in the same directory trains a run whose ranks fail at start on
 every node (it asks for a GPU; the nodes' fake GPUs have no CUDA behind them, as a node with a
 broken driver): it is retried once with its GPUs, and its next retry, which refuses, is
@@ -39,10 +46,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
 from imagenet_ddp.jobs import attempts
+from imagenet_ddp.settings.geometry import on_nodes
 from tests.test_resume import CONFIG, assert_bitwise_equal, torchrun, weights
 from tests.test_slurm_e2e import TEST_PROFILE
 from tests.workflow_helpers import SNAKEMAKE, copy_workflow, read_config, shown_specs, snakemake
@@ -58,12 +67,13 @@ RUN = {key: CONFIG[key] for key in CONFIG if key != "run"} | {
     "name": "stops", "nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1, "epochs": 8,
     "max_allocations": 12, "batch_size": 2, "crop_size": 24, "eval_resize": 24, "workers": 1,
     "precision": "fp32",  # deterministic CPU bf16 runs without oneDNN (~25x slower per step)
+    "fallback_nodes": [1],  # elastic: on 1 node with accumulation 2
 }  # fmt: skip
 # Fails at start on every node: a GPU run where CUDA is unusable (a broken driver); its
 # invocation's only run, so the rule's retries are max_allocations - 1 = 2. Two loader workers:
 # fewer on a GPU run is refused at the dry-run (run_checks.MIN_GPU_LOADER_WORKERS).
 CRASH = {**RUN, "name": "crash", "epochs": 1, "gpus_per_node": 1, "max_allocations": 3,
-         "workers": 2}  # fmt: skip
+         "workers": 2, "fallback_nodes": []}  # fmt: skip
 RUNTIME_MINUTES = 2  # the warning comes 60-90 s after the start, the ranks long trained
 WARNING_SECONDS = 30  # slurmctld sends it 30-60 s before the limit (its 30 s check)
 SLURM = ["--profile", "profiles/slurm", "--workflow-profile", str(TEST_PROFILE)]
@@ -138,19 +148,55 @@ def sacct_jobs(cluster, log: str, fields: str) -> list[list[str]]:
 
 
 def stop_four_ways(cluster, workdir: Path, run: subprocess.Popen) -> dict[str, tuple[int, str]]:
-    """Each way of stopping, on the next train job once it trains: its job id and final state."""
+    """Each way of stopping, on the next train job once it trains: its job id and final state.
+    The second node is drained while the third trains: the next job (2 nodes) waits in the
+    queue until it is cancelled, and its resubmission, on 1 node, is the fourth; the node comes
+    back once it trains, for the jobs after it."""
+    node = cluster.node_names[1]
+
+    def drain_then_scancel_batch(job: int) -> None:
+        cluster.run("scontrol", "update", f"NodeName={node}", "State=DRAIN", "Reason=test")
+        cluster.run("scancel", "-s", "TERM", "--batch", str(job))
+
+    def node_back(job: int) -> None:  # the time limit's --signal warning stops the job itself
+        cluster.run("scontrol", "update", f"NodeName={node}", "State=RESUME")
+
     stops = {
         "kill": lambda job: os.kill(launcher_pid(workdir), signal.SIGTERM),
         "scancel": lambda job: cluster.run("scancel", str(job)),
-        "scancel --batch": lambda job: cluster.run("scancel", "-s", "TERM", "--batch", str(job)),
-        "time limit": lambda job: None,  # its --signal warning comes by itself
+        "scancel --batch": drain_then_scancel_batch,
+        "time limit": node_back,
     }
     stopped: dict[str, tuple[int, str]] = {}
     for how, stop in stops.items():
-        job = running_train_job(cluster, workdir, {j for j, _ in stopped.values()}, run)
+        seen = {j for j, _ in stopped.values()}
+        if how == "time limit":  # a long queue wait: cancel the job waiting for 2 nodes
+            waiting, reason = pending_train_job(cluster, seen, run)
+            cluster.run("scancel", str(waiting))
+            seen.add(waiting)
+        job = running_train_job(cluster, workdir, seen, run)
+        if how == "time limit":
+            nodes = int(cluster.run("squeue", "-h", "-j", str(job), "-o", "%D").stdout.split()[0])
         stop(job)
         stopped[how] = (job, cluster.wait_job(job, timeout=RUNTIME_MINUTES * 60 + 120))
+    stopped["waiting"] = (waiting, reason)
+    stopped["nodes of the fourth"] = (nodes, "")
     return stopped
+
+
+def pending_train_job(cluster, seen: set[int], proc, timeout: float = 300) -> tuple[int, str]:
+    """The next train job of the stops run (not in ``seen``) that waits in the queue: its id and
+    squeue's reason."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"snakemake exited {proc.returncode}"
+        for line in cluster.run("squeue", "-h", "-o", "%i|%k|%T|%r").stdout.splitlines():
+            job, comment, state, reason = line.split("|")
+            ours = comment.startswith("rule_train") and "stops" in comment
+            if ours and state == "PENDING" and int(job) not in seen:
+                return int(job), reason
+        time.sleep(1)
+    raise AssertionError(f"no train job waited in the queue within {timeout} s")
 
 
 def assert_crash_retried_once_then_refused_without_gpus(cluster, workdir, crashing) -> None:
@@ -194,8 +240,13 @@ def test_every_way_of_stopping_a_job_checkpoints_and_the_run_finishes_in_one_inv
         )  # fmt: skip
         try:
             stopped = stop_four_ways(slurm_cluster, workdir, run)
+            waiting, reason = stopped.pop("waiting")
+            elastic = {"waiting": waiting, "reason": reason, "on_one": stopped["time limit"][0],
+                       "nodes": stopped.pop("nodes of the fourth")[0]}  # fmt: skip
             run.wait(timeout=900)  # then it runs to the end
         finally:
+            node = slurm_cluster.node_names[1]
+            slurm_cluster.run("scontrol", "update", f"NodeName={node}", "State=RESUME", check=False)
             if run.poll() is None:
                 run.send_signal(signal.SIGINT)  # cancels its jobs
                 try:
@@ -211,11 +262,15 @@ def test_every_way_of_stopping_a_job_checkpoints_and_the_run_finishes_in_one_inv
     output = (tmp_path / "snakemake.out").read_text(errors="replace")
     assert run.returncode == 0, output[-4000:]
     assert_each_stop_checkpointed_and_the_next_job_resumed(workdir, stopped, output)
-    assert_every_allocation_counted(slurm_cluster, workdir, output)
+    assert_the_run_continued_on_one_node(slurm_cluster, workdir, elastic, output)
+    assert_every_allocation_counted(slurm_cluster, workdir, output, elastic["waiting"])
 
-    # The run as the workflow resolved it (train_defaults, schema defaults): the same settings.
+    # The run as the workflow resolved it (train_defaults, schema defaults): the same settings,
+    # on the node count of its last job.
     run_dir = workdir / "results/runs/stops"
-    assert json.loads((run_dir / "job_spec.json").read_text())["run"] == settings
+    last_nodes = int(attempts.load(workdir / "results/checkpoints/stops")[-1]["shape"][0])
+    spec = json.loads((run_dir / "job_spec.json").read_text())["run"]
+    assert spec == on_nodes(settings, last_nodes)
     assert reference.returncode == 0, reference.stdout[-3000:]
     assert_bitwise_equal(weights(run_dir), weights(tmp_path / "ref" / "out"))
     assert torch.load(run_dir / "model.pt", weights_only=False)["config"]["epochs"] == RUN["epochs"]
@@ -240,8 +295,16 @@ def assert_each_stop_checkpointed_and_the_next_job_resumed(workdir, stopped, out
     logs = {how: job_log(workdir, job).read_text(errors="replace")
             for how, (job, _) in stopped.items()}  # fmt: skip
     for how, text in logs.items():
-        assert "killed by signal" not in text and "task 0: Killed" not in text, (how, text)
+        assert "killed by signal" not in text, (how, text)
         assert re.search(r"interrupted( by SIG\w+)? (at|after) epoch", text), (how, text[-3000:])
+    # No SIGKILL where nothing but our own signals stop the step. After scancel's SIGTERM,
+    # SLURM kills what still runs KillWait (5 s here) later: a rank slow to tear down on a
+    # loaded machine may be killed after its checkpoint, which the launcher records stopped.
+    for how in ("kill", "time limit"):
+        assert "task 0: Killed" not in logs[how], (how, logs[how])
+    for how in ("scancel", "scancel --batch"):
+        killed = "task 0: Killed" in logs[how] or "task 1: Killed" in logs[how]
+        assert not killed or "was written after it: stopped" in logs[how], (how, logs[how])
     # The launcher passed its SIGTERM on as SIGUSR1; the time limit's warning reached the ranks.
     assert "stop signal SIGTERM: passed on to srun as SIGUSR1" in logs["kill"], logs["kill"]
     assert "interrupted by SIGUSR1" in logs["time limit"], logs["time limit"][-3000:]
@@ -249,9 +312,35 @@ def assert_each_stop_checkpointed_and_the_next_job_resumed(workdir, stopped, out
     assert stopped["time limit"][1] == "FAILED", stopped  # exit 75 before the limit, not TIMEOUT
 
 
-def assert_every_allocation_counted(cluster, workdir, output) -> None:
-    """The cost record and the accounting (sacct) count every job; each job's log is kept."""
-    train = [fields[:2] for fields in sacct_jobs(cluster, output, "JobID,State,Comment")]
+def assert_the_run_continued_on_one_node(cluster, workdir, elastic, output) -> None:
+    """The job cancelled in the queue asked for 2 nodes and never started; its resubmission ran
+    on 1 node with accumulation 2 (the same global batch); both shapes are in the attempt
+    record and the cost."""
+    assert elastic["nodes"] == 1, elastic
+    assert re.search(r"ReqNodeNotAvail|Resources|NodeDown", elastic["reason"]), elastic
+    waiting = cluster.run("sacct", "-X", "-n", "-P", "-j", str(elastic["waiting"]), "-o",
+                          "State,AllocNodes,ElapsedRaw").stdout.strip().split("|")  # fmt: skip
+    assert waiting[0].startswith("CANCELLED") and waiting[1:] == ["0", "0"], waiting
+    record = attempts.load(workdir / "results/checkpoints/stops")
+    ids = [a["slurm_job_id"] for a in record]
+    assert str(elastic["waiting"]) not in ids, ids
+    one = record[ids.index(str(elastic["on_one"]))]
+    assert (one["shape"], one["accumulation"], one["snakemake_attempt"]) == ("1x1", 2, 5), one
+    assert record[ids.index(str(elastic["on_one"])) - 1]["shape"] == "2x1", record
+    log = job_log(workdir, elastic["on_one"]).read_text(errors="replace")
+    assert "this allocation has 1 of its 2 nodes: accumulation 2" in log, log[-3000:]
+    run_dir = workdir / "results/runs/stops"
+    cost = json.loads((run_dir / "train_metrics.json").read_text())["cost"]
+    shapes = [a["shape"] for a in cost["attempts"]]
+    assert "1x1" in shapes and "2x1" in shapes, shapes
+    assert "1x1" in pd.read_csv(run_dir / "history.csv")["shape"].tolist(), output[-3000:]
+
+
+def assert_every_allocation_counted(cluster, workdir, output, waiting: int) -> None:
+    """The cost record and the accounting (sacct) count every job that started (the one
+    cancelled in the queue had no allocation); each job's log is kept."""
+    train = [fields[:2] for fields in sacct_jobs(cluster, output, "JobID,State,Comment")
+             if fields[0] != str(waiting)]  # fmt: skip
     assert len(train) >= 5 and train[-1][1] == "COMPLETED", (train, output[-4000:])
     run_dir = workdir / "results/runs/stops"
     cost = json.loads((run_dir / "train_metrics.json").read_text())["cost"]
