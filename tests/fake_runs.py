@@ -107,3 +107,11 @@ def write_run_dir(
             json.dumps({"seconds": 120.0, "bytes": 150e9})
         )
     return run_dir
+
+
+def write_preflight(root: Path, run: str, report: dict[str, Any]) -> Path:
+    """results/preflight/<run>/preflight.json, where aggregate.run_row looks for it."""
+    path = root / "results/preflight" / run / "preflight.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(report))
+    return path

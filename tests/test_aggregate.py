@@ -20,7 +20,7 @@ from imagenet_ddp.report.aggregate import (
     to_markdown,
     write_aggregate,
 )
-from tests.fake_runs import BASE_CONFIG, write_run_dir
+from tests.fake_runs import BASE_CONFIG, write_preflight, write_run_dir
 
 
 def _table(tmp_path, runs: list[dict]) -> pd.DataFrame:
@@ -312,3 +312,31 @@ def test_an_elastic_run_lists_its_allocations_shapes_and_each_shapes_throughput(
     )
     assert row["steady_images_per_s"] == 100.0  # the last job's shape's (write_run_dir: 50 x 2)
     assert "| 1 x 2 (+ 2 x 2) |" in to_markdown(table)
+
+
+def test_the_preflights_projected_breakdown_stands_beside_the_measured_one(tmp_path):
+    """preflight_compute_ms and preflight_input_bound_pct beside the measured figures; a
+    preflight.json from before the projected breakdown still aggregates (those two empty)."""
+    from tests.test_preflight import ranks, report
+
+    runs = ("new", "old", "none")
+    dirs = [write_run_dir(tmp_path, f"{r}-1x1", nodes=1, tasks_per_node=1, steady_per_worker=100.0)
+            for r in runs]  # fmt: skip
+    projected = report(ranks(r2={"loader_images_per_s": 80.0}))  # 80 of 400 ms waits for data
+    write_preflight(tmp_path, "new-1x1", projected)
+    earlier = json.loads(json.dumps(projected))
+    del earlier["projection"]["step_breakdown"]
+    write_preflight(tmp_path, "old-1x1", earlier)
+    table = aggregate_runs(dirs).set_index("run")
+    new, old, none = (table.loc[f"{r}-1x1"] for r in runs)
+    assert new["preflight_compute_ms"] == pytest.approx(320.0)  # 32 images at 100 img/s
+    assert new["preflight_input_bound_pct"] == pytest.approx(20.0)
+    assert (new["compute_ms"], new["input_bound_pct"]) == (80.0, 2.4)  # measured, beside it
+    assert old["preflight_epoch_seconds"] == pytest.approx(400.0)  # the rest of it reads
+    assert old[["preflight_compute_ms", "preflight_input_bound_pct"]].isna().all()
+    assert none[[c for c in COLUMNS if "preflight" in c]].isna().all()
+    at = COLUMNS.index("preflight_loader_over_model")
+    assert COLUMNS[at + 1 : at + 3] == ["preflight_compute_ms", "preflight_input_bound_pct"]
+    rows = to_markdown(aggregate_runs(dirs)).splitlines()[2:5]
+    cells = {row.split("|")[1].strip(): row.split("|")[10].strip() for row in rows}
+    assert cells == {"new-1x1": "2 % (preflight 20 %)", "old-1x1": "2 %", "none-1x1": "2 %"}

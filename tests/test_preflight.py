@@ -78,6 +78,34 @@ def test_every_figure_follows_from_its_definition():
     assert "problems: none" in table(out)
 
 
+def test_the_projected_step_breakdown_is_trainings_from_the_measured_rates():
+    """Per optimizer step of batch_size x accumulation images a rank (training's step):
+    compute from the slowest model step, data wait what the loader cannot deliver meanwhile."""
+    fast = report(ranks())["projection"]  # model 100 img/s, loader 400: the loader keeps up
+    assert fast["step_breakdown"] | {"basis": None} == {
+        "images_per_step": 32, "compute_ms": 320.0, "data_wait_ms": 0.0, "step_ms": 320.0,
+        "input_bound_pct": 0.0, "basis": None,
+    }  # fmt: skip
+    assert fast["step_breakdown"]["basis"].startswith("loading overlaps compute")
+    slow = report(ranks(r2={"loader_images_per_s": 80.0}))  # one rank's loader: 400 ms a step
+    step = slow["projection"]["step_breakdown"]
+    assert (step["compute_ms"], step["data_wait_ms"], step["step_ms"]) == (320.0, 80.0, 400.0)
+    assert step["input_bound_pct"] == pytest.approx(20.0)  # 80 of 400 ms
+    assert slow["projection"]["epoch_seconds"] == pytest.approx(1000 * 0.4)  # 1000 steps
+    assert "input-bound 20 % (loading overlaps compute)" in table(slow)
+    accumulated = report(ranks(), accumulation=2)["projection"]  # 64 images a rank a step
+    assert accumulated["steps_per_epoch"] == 500
+    assert accumulated["step_breakdown"]["compute_ms"] == pytest.approx(640.0)
+    assert accumulated["epoch_seconds"] == pytest.approx(fast["epoch_seconds"])
+    # No workers: the training process loads between steps, nothing overlaps (CPU runs only:
+    # a GPU run with too few workers is refused at the dry-run)
+    serial = report([{**r, "workers": 0} for r in ranks()])["projection"]
+    assert serial["step_breakdown"]["data_wait_ms"] == pytest.approx(80.0)  # all 32 / 400 s
+    assert serial["step_breakdown"]["input_bound_pct"] == pytest.approx(20.0)
+    assert serial["epoch_seconds"] == pytest.approx(1000 * 0.4)
+    assert serial["images_per_s"] == pytest.approx(4 * 32 / 0.4)
+
+
 def test_two_ranks_on_one_gpu_fail_with_one_line():
     problems = placement_problems(ranks(r1={"gpu": "0"}), gpus_per_node=2)
     assert len(problems) == 2, problems  # rank 0 and 1 share GPU 0, so GPU 1 on a is idle

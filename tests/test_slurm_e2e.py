@@ -313,6 +313,8 @@ def test_preflight_ran_on_the_fake_gpus_before_training(slurm_run):
     table = pd.read_csv(slurm_run.dir / "results/aggregate/runs.csv").set_index("run")
     measured = table.loc[GPU_RUN, "epoch_seconds_over_preflight"]
     assert 1 / 4 < measured < 4, measured  # the factor docs/preflight.md "Budget" states
+    # workers 2 and a passing loader check: the projected step waits for no data
+    assert table.loc[GPU_RUN, "preflight_input_bound_pct"] == 0.0
 
 
 def test_srun_overlaps_only_inside_an_existing_step(monkeypatch):

@@ -147,6 +147,13 @@ def test_preflight_ran_first_and_its_figures_follow_their_definitions(local_run)
     assert table.loc["resnet18-1x2", "preflight_epoch_seconds"] == pytest.approx(
         projection["epoch_seconds"]
     )
+    # workers 0: the training process loads between steps, so the projected breakdown adds
+    # the loader's time (preflight.report.step_breakdown), beside the measured share
+    step = projection["step_breakdown"]
+    assert step["basis"].startswith("no overlap") and step["data_wait_ms"] > 0
+    assert table.loc["resnet18-1x2", "preflight_input_bound_pct"] == pytest.approx(
+        step["input_bound_pct"]
+    )
     # The epoch ends, measured by the preflight and by training (its checkpoint root: the run's)
     end = projection["epoch_end"]
     assert end["basis"].startswith("measured") and end["epoch_end_seconds"] > 0

@@ -90,24 +90,26 @@ def projection(
 ) -> dict[str, Any]:
     """Epoch and total time of the run at the measured rates, its GPU-hours and allocations.
 
-    ``rates``: the slowest rank's model and loader img/s, compile and staging seconds, and for
+    ``rates``: the slowest rank's model and loader img/s, its loader's workers (for
+    :func:`step_breakdown`, whose step sets the epoch), compile and staging seconds, and for
     the epoch ends (:func:`epoch_end_figures`) its holdout evaluation img/s and rank 0's
     checkpoint hold and write seconds; ``sizes``: train and holdout samples;
     ``limits``: train_runtime_minutes (None: no limit).
     A synchronous step waits for the slowest rank, and a rank for its loader.
     """
     world = world_size(run)
-    per_rank = min(rates["model"], rates["loader"])
+    step = step_breakdown(global_batch(run) // world, rates)
     steps = sizes["train"] // global_batch(run)  # optimizer steps (training.data.EpochSampler)
-    epoch = steps * global_batch(run) / world / per_rank
+    epoch = steps * step["step_ms"] / 1e3
     end = epoch_end_figures(run, rates, sizes["holdout"], epoch)
     setup = rates["staging_seconds"] + rates["compile_seconds"]  # again in every allocation
     work = run["epochs"] * epoch + end["epoch_end_seconds"]
     runtime = limits["train_runtime_minutes"]
     return {
         "steps_per_epoch": steps,
-        "images_per_s": per_rank * world,
+        "images_per_s": step["images_per_step"] * world / (step["step_ms"] / 1e3),
         "epoch_seconds": epoch,
+        "step_breakdown": step,
         "holdout_seconds_per_epoch": end["eval_seconds"] / run["epochs"],
         "epoch_end": end,
         "setup_seconds": setup,
@@ -117,6 +119,35 @@ def projection(
         "train_runtime_minutes": runtime,
         "allocations": allocations_needed(work, setup, runtime),
         "max_allocations": limits["max_allocations"],
+    }
+
+
+# What the projected breakdown assumes, as preflight.json and the log say.
+OVERLAP_BASIS = (
+    "loading overlaps compute: the loader's workers prefetch while the step computes, so the "
+    "rank waits only for what the loader cannot deliver in the step's time"
+)
+SERIAL_BASIS = "no overlap: workers 0, the training process loads each batch between steps"
+
+
+def step_breakdown(images_per_step: int, rates: dict[str, Any]) -> dict[str, Any]:
+    """The step-time breakdown training will record (training.step_timing's figures), per
+    optimizer step of ``images_per_step`` images a rank (batch_size x accumulation), from the
+    slowest rank's model and loader img/s: ``compute_ms`` is the model step's time (its
+    all-reduce included), ``data_wait_ms`` the loader's time beyond it (0 when the loader is
+    faster) while workers prefetch, all of the loader's time without workers
+    (``rates["workers"]`` 0); ``input_bound_pct`` the wait's share of the step."""
+    overlap = rates.get("workers", 1) > 0
+    compute = 1e3 * images_per_step / rates["model"]
+    load = 1e3 * images_per_step / rates["loader"]
+    wait = max(0.0, load - compute) if overlap else load
+    return {
+        "images_per_step": images_per_step,
+        "compute_ms": compute,
+        "data_wait_ms": wait,
+        "step_ms": compute + wait,
+        "input_bound_pct": 100.0 * wait / (compute + wait),
+        "basis": OVERLAP_BASIS if overlap else SERIAL_BASIS,
     }
 
 
@@ -322,10 +353,20 @@ def table(report: dict[str, Any]) -> str:
         f"projection: epoch {p['epoch_seconds']:.1f} s, total {p['total_seconds'] / 3600:.3f} h, "
         f"{p['gpu_hours']:.2f} GPU-h, {p['allocations']} allocation(s) of "
         f"{_limit(p['train_runtime_minutes'])} (max {p['max_allocations']})",
+        _breakdown_line(p["step_breakdown"]),
         "problems: " + ("none" if not report["problems"] else ""),
         *(f"  - {line}" for line in report["problems"]),
     ]
     return "\n".join(lines)
+
+
+def _breakdown_line(step: dict[str, Any]) -> str:
+    return (
+        f"projected step ({step['images_per_step']} images a rank): compute "
+        f"{step['compute_ms']:.1f} ms, data wait {step['data_wait_ms']:.1f} ms, step "
+        f"{step['step_ms']:.1f} ms, input-bound {step['input_bound_pct']:.0f} % "
+        f"({step['basis'].split(':')[0]})"
+    )
 
 
 def _epoch_end_line(end: dict[str, Any]) -> str:
@@ -377,6 +418,7 @@ def build_report(
     rates = {
         "model": min(model.values()),
         "loader": min(loader.values()),
+        "workers": workers,
         "compile_seconds": report["model"]["compile_seconds"],
         "staging_seconds": max(n["staging"]["seconds"] for n in nodes.values()),
         **epoch_end_rates(ranks),

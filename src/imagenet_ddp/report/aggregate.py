@@ -46,7 +46,8 @@ COST_COLUMNS = [
 ]
 
 # What the run's preflight (imagenet_ddp.preflight.job) projected, beside what training measured
-# (mean_epoch_seconds, images_per_s, wall_seconds); empty for a run without a preflight.
+# (mean_epoch_seconds, images_per_s, wall_seconds, compute_ms, input_bound_pct); empty for a
+# run without a preflight, and the breakdown's for a preflight.json written before it.
 PREFLIGHT_COLUMNS = [
     "preflight_epoch_seconds",
     "preflight_images_per_s",
@@ -54,6 +55,8 @@ PREFLIGHT_COLUMNS = [
     "preflight_allocations",
     "preflight_busbw_gbps",
     "preflight_loader_over_model",
+    "preflight_compute_ms",
+    "preflight_input_bound_pct",
     "epoch_seconds_over_preflight",
 ]
 
@@ -286,6 +289,7 @@ def preflight_row(report: dict[str, Any] | None, epoch_seconds: float | None) ->
     if report is None:
         return dict.fromkeys(PREFLIGHT_COLUMNS, float("nan"))
     projection = report["projection"]
+    step = projection.get("step_breakdown") or {}  # preflight.json before 2026-11-24: none
     return {
         "preflight_epoch_seconds": projection["epoch_seconds"],
         "preflight_images_per_s": projection["images_per_s"],
@@ -293,6 +297,9 @@ def preflight_row(report: dict[str, Any] | None, epoch_seconds: float | None) ->
         "preflight_allocations": _float(projection["allocations"]),
         "preflight_busbw_gbps": report["allreduce"]["busbw_gbps"],
         "preflight_loader_over_model": report["loader_over_model"],
+        # preflight.report.step_breakdown: per step as training counts it (history.csv's terms)
+        "preflight_compute_ms": _float(step.get("compute_ms")),
+        "preflight_input_bound_pct": _float(step.get("input_bound_pct")),
         "epoch_seconds_over_preflight": _float(epoch_seconds) / projection["epoch_seconds"],
     }
 
@@ -405,6 +412,16 @@ def _efficiency(row: pd.Series) -> str:
     return _percent(row["scaling_efficiency"])
 
 
+def _input_bound(row: pd.Series) -> str:
+    """The measured input-bound share, and the preflight's projection beside it where both
+    exist (no preflight, or one from before the projected breakdown: the measured alone)."""
+    measured = _number(".0f")(row["input_bound_pct"], " %")
+    projected = row["preflight_input_bound_pct"]
+    if not measured or pd.isna(projected):
+        return measured
+    return f"{measured} (preflight {projected:.0f} %)"
+
+
 def _wall(seconds: Any) -> str:
     if pd.isna(seconds):
         return ""
@@ -423,7 +440,7 @@ SHORT_COLUMNS: list[tuple[str, str, Any]] = [
     ("img/s (steady)", "right", lambda row: _number(".0f")(row["steady_images_per_s"])),
     ("scaling eff.", "right", lambda row: _efficiency(row)),
     # the diagnosis of a slow run: the share of step time its most input-bound rank waited
-    ("input-bound", "right", lambda row: _number(".0f")(row["input_bound_pct"], " %")),
+    ("input-bound", "right", lambda row: _input_bound(row)),
     ("holdout top-1", "right", lambda row: _percent(row["holdout_top1"])),
     ("test top-1", "right", lambda row: _percent(row["test_top1"])),
     ("GPU-h", "right", lambda row: _number(".3g")(row["gpu_hours"])),
