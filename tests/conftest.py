@@ -92,6 +92,29 @@ def _hang_guard():
     faulthandler.cancel_dump_traceback_later()
 
 
+# CI runs the suite on 2 workers (pytest-xdist, the README's `-n 2 --dist loadgroup`): these
+# files run one after another on one worker, the SLURM ones last, alone; the other tests are
+# spread over both workers meanwhile. Serial: each builds a pipeline in a module fixture (built
+# once, not once per worker), and the SLURM tests' time limits and signals want the CPUs.
+SERIAL_FILES = ("test_report.py", "test_resume.py", "test_workflow_local.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The serial group first in the queue (its worker starts on it at once), its SLURM tests
+    at its end; no effect without xdist."""
+    serial, slurm, spread = [], [], []
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            slurm.append(item)
+        elif item.path.name in SERIAL_FILES:
+            serial.append(item)
+        else:
+            spread.append(item)
+    for item in serial + slurm:
+        item.add_marker(pytest.mark.xdist_group("serial"))
+    items[:] = serial + slurm + spread
+
+
 # The prepare settings the fixtures and tests use where they do not test them.
 PREPARE_SETTINGS = {"quality": 90, "workers": 1, "on_corrupt": "fail"}
 
