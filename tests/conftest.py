@@ -92,27 +92,39 @@ def _hang_guard():
     faulthandler.cancel_dump_traceback_later()
 
 
-# CI runs the suite on 2 workers (pytest-xdist, the README's `-n 2 --dist loadgroup`): these
-# files run one after another on one worker, the SLURM ones last, alone; the other tests are
-# spread over both workers meanwhile. Serial: each builds a pipeline in a module fixture (built
-# once, not once per worker), and the SLURM tests' time limits and signals want the CPUs.
+# CI runs the suite on 2 workers (pytest-xdist, the README's `-n 2`): these files run one after
+# another on one worker, the SLURM ones last, alone; the other tests are spread over both
+# workers meanwhile. Serial: each builds a pipeline in a module fixture (built once, not once per
+# worker), and the SLURM tests' time limits and signals want the CPUs.
 SERIAL_FILES = ("test_report.py", "test_resume.py", "test_workflow_local.py")
 
 
+def _serial(path_or_nodeid: str) -> bool:
+    name = str(path_or_nodeid).split("::", 1)[0].rsplit("/", 1)[-1]
+    return name in SERIAL_FILES or name.startswith("test_slurm_")
+
+
 def pytest_collection_modifyitems(config, items):
-    """The serial group first in the queue (its worker starts on it at once), its SLURM tests
-    at its end; no effect without xdist."""
-    serial, slurm, spread = [], [], []
-    for item in items:
-        if item.get_closest_marker("slurm"):
-            slurm.append(item)
-        elif item.path.name in SERIAL_FILES:
-            serial.append(item)
-        else:
-            spread.append(item)
-    for item in serial + slurm:
-        item.add_marker(pytest.mark.xdist_group("serial"))
-    items[:] = serial + slurm + spread
+    """The serial tests first (the scheduler below hands them to one worker at once), the SLURM
+    ones at their end."""
+    serial = [item for item in items if _serial(item.nodeid)]
+    slurm = [item for item in serial if item.get_closest_marker("slurm")]
+    serial = [item for item in serial if item not in slurm]
+    items[:] = serial + slurm + [item for item in items if not _serial(item.nodeid)]
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; without it, not called
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with one scope for the serial tests (in collection order, on one
+    worker) and one per test for the others. Not `--dist loadgroup`: pytest-xdist 3.8.0 marks a
+    group in the test id by setting ``item._nodeid``, which pytest 9 no longer reads."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SerialHeavyFirst(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "serial" if _serial(nodeid) else nodeid
+
+    return SerialHeavyFirst(config, log)
 
 
 # The prepare settings the fixtures and tests use where they do not test them.
