@@ -281,7 +281,9 @@ def test_bookkeeping_changes_and_a_new_setting_at_its_default_rerun_nothing(loca
 
     schema_path = local_run / "workflow/schemas/config.schema.yaml"
     settings = declarations(schema_path)
-    bookkeeping = list(settings.keys("bookkeeping"))
+    # fallback_nodes has no valid value on these 1-node runs (a count below nodes); its kind
+    # keeps it out of the rerun key as it does the others' (tests/test_settings.py)
+    bookkeeping = [key for key in settings.keys("bookkeeping") if key != "fallback_nodes"]
     assert {"log_interval", "max_allocations", "mlflow_uri"} <= set(bookkeeping)
     config = read_config(local_run)
     original, schema = copy.deepcopy(config), schema_path.read_text()
