@@ -88,22 +88,35 @@ def job_log(workdir: Path, job: int) -> Path | None:
     return found[0] if found else None
 
 
-def running_train_job(cluster, workdir: Path, seen: set[int], proc, timeout: float = 600) -> int:
-    """The next train job (not in ``seen``) once its ranks print progress."""
+def poll(find, run: subprocess.Popen, workdir: Path, timeout: float, what: str, more=str):
+    """``find()``'s first answer other than None, asked every second; fails with Snakemake's
+    output if it exits first, and after ``timeout`` seconds (with ``more()``)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if run.poll() is not None:
             said = (workdir.parent / "snakemake.out").read_text(errors="replace")[-3000:]
-            raise AssertionError(f"snakemake exited {proc.returncode}:\n{said}")
-        out = cluster.run("squeue", "-h", "-o", "%i|%k|%T").stdout
-        for line in out.splitlines():
+            raise AssertionError(f"snakemake exited {run.returncode} before {what}:\n{said}")
+        found = find()
+        if found is not None:
+            return found
+        time.sleep(1)
+    raise AssertionError(f"no {what} within {timeout} s{more()}")
+
+
+def running_train_job(cluster, workdir: Path, seen: set[int], proc, timeout: float = 600) -> int:
+    """The next train job (not in ``seen``) once its ranks print progress."""
+
+    def find() -> int | None:
+        for line in cluster.run("squeue", "-h", "-o", "%i|%k|%T").stdout.splitlines():
             job, comment, state = line.split("|")
             if comment.startswith("rule_train") and state == "RUNNING" and int(job) not in seen:
                 log = job_log(workdir, int(job))
                 if log is not None and PROGRESS.search(log.read_text(errors="replace")):
                     return int(job)
-        time.sleep(1)
-    raise AssertionError(f"no new train job trained within {timeout} s:\n{cluster.logs()}")
+        return None
+
+    return poll(find, proc, workdir, timeout, "new train job training",
+                lambda: f":\n{cluster.logs()}")  # fmt: skip
 
 
 def launcher_pid(workdir: Path) -> int:
@@ -175,7 +188,7 @@ def stop_four_ways(cluster, workdir: Path, run: subprocess.Popen) -> dict[str, t
     for how, stop in stops.items():
         seen = {j for j, _ in stopped.values()}
         if how == "scancel":  # a long queue wait: cancel the job waiting for 2 nodes
-            waiting, reason = pending_train_job(cluster, seen, run)
+            waiting, reason = pending_train_job(cluster, workdir, seen, run)
             cluster.run("scancel", str(waiting))
             seen.add(waiting)
         job = running_train_job(cluster, workdir, seen, run)
@@ -191,29 +204,27 @@ def stop_four_ways(cluster, workdir: Path, run: subprocess.Popen) -> dict[str, t
 
 def epochs_done(workdir: Path, job: int, count: int, proc, timeout: float = 300) -> None:
     """Wait until ``job``'s log says ``count`` epochs done (the first may be one it resumed)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"snakemake exited {proc.returncode}"
+
+    def find() -> bool | None:
         text = job_log(workdir, job).read_text(errors="replace")
-        if len(re.findall(r"^epoch \d+ done", text, flags=re.M)) >= count:
-            return
-        time.sleep(1)
-    raise AssertionError(f"job {job}: not {count} epochs done within {timeout} s")
+        return True if len(re.findall(r"^epoch \d+ done", text, flags=re.M)) >= count else None
+
+    poll(find, proc, workdir, timeout, f"{count} epochs done by job {job}")
 
 
-def pending_train_job(cluster, seen: set[int], proc, timeout: float = 300) -> tuple[int, str]:
+def pending_train_job(cluster, workdir: Path, seen: set[int], proc, timeout: float = 300):
     """The next train job of the stops run (not in ``seen``) that waits in the queue: its id and
     squeue's reason."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"snakemake exited {proc.returncode}"
+
+    def find() -> tuple[int, str] | None:
         for line in cluster.run("squeue", "-h", "-o", "%i|%k|%T|%r").stdout.splitlines():
             job, comment, state, reason = line.split("|")
             ours = comment.startswith("rule_train") and "stops" in comment
             if ours and state == "PENDING" and int(job) not in seen:
                 return int(job), reason
-        time.sleep(1)
-    raise AssertionError(f"no train job waited in the queue within {timeout} s")
+        return None
+
+    return poll(find, proc, workdir, timeout, "train job waiting in the queue")
 
 
 def assert_crash_retried_once_then_refused_without_gpus(cluster, workdir, crashing) -> None:
