@@ -48,8 +48,13 @@ SETTINGS = declarations(_SCHEMA)
 # node fails here, at the dry-run, one line per problem. Raised here, not in the module, so
 # Snakemake shows no traceback beyond this line. torchvision's model names are cached per user
 # (importing torch takes seconds).
+# The batch check reads results/split: in the submitting Snakemake only (workdir None: a job's
+# own Snakemake judges from the config's figures, issue 36).
+_RESULTS_ROOT = "." if workflow.is_main_process else None
 try:
-    RUNS = resolve_runs(config, _WRITTEN, _SCHEMA, cache_dir=user_cache_dir())
+    RUNS = resolve_runs(
+        config, _WRITTEN, _SCHEMA, cache_dir=user_cache_dir(), workdir=_RESULTS_ROOT
+    )
 except RunsError as error:
     raise WorkflowError(str(error)) from None
 
@@ -121,14 +126,17 @@ def _train_runtime():
 
 
 # A run whose last preflight on the same settings projected more allocations of today's train
-# runtime than its max_allocations is refused here, before it is queued.
-_problems = known_projection_problems(
-    {name: training_settings(name) for name in RUNS},
-    "results/preflight",
-    _train_runtime(),
-)
-if _problems:
-    raise WorkflowError("\n".join(_problems))
+# runtime than its max_allocations is refused here, before it is queued. Only by the Snakemake
+# that submits: a job's own Snakemake parses again with the plugin's --set-resources, and one
+# run's preflight report must not fail every other run's jobs (issue 36).
+if workflow.is_main_process:
+    _problems = known_projection_problems(
+        {name: training_settings(name) for name in RUNS},
+        "results/preflight",
+        _train_runtime(),
+    )
+    if _problems:
+        raise WorkflowError("\n".join(_problems))
 
 
 def _first_attempt_mb(resource):

@@ -35,7 +35,7 @@ def check_runs(
     runs: Mapping[str, Mapping],
     config: Mapping,
     *,
-    workdir: str | os.PathLike[str] = ".",
+    workdir: str | os.PathLike[str] | None = ".",
     models: frozenset[str] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> list[str]:
@@ -289,7 +289,9 @@ def container_problem(
 # --------------------------------------------------------------------------- set sizes
 
 
-def split_sizes(config: Mapping, workdir: str | os.PathLike[str] = ".") -> tuple[int, int, str]:
+def split_sizes(
+    config: Mapping, workdir: str | os.PathLike[str] | None = "."
+) -> tuple[int, int, str]:
     """(train images, holdout images, where the figures come from) of the split training uses.
 
     The split on disk when results/split/{train,holdout}.csv exist and agree with the config
@@ -297,6 +299,7 @@ def split_sizes(config: Mapping, workdir: str | os.PathLike[str] = ".") -> tuple
     exact, not bounds: `split` passes integer sizes to train_test_split, holdout =
     round(n x holdout_fraction) and train = n - holdout whatever the per-class rounding, and n
     is the demo's classes x train_per_class, or the 1,281,167 images of the real archive.
+    ``workdir`` None: the config's figures, nothing read (a job's own Snakemake).
     """
     fraction = config["split"]["holdout_fraction"]
     demo = config["demo"]
@@ -306,9 +309,9 @@ def split_sizes(config: Mapping, workdir: str | os.PathLike[str] = ".") -> tuple
         where = f"demo.num_classes {classes} x demo.train_per_class {per_class}"
     else:
         n, where = ILSVRC2012_TRAIN_IMAGES, f"the {ILSVRC2012_TRAIN_IMAGES} images of ILSVRC2012"
-    split_dir = Path(workdir) / "results" / "split"
+    split_dir = Path(workdir or ".") / "results" / "split"
     paths = [split_dir / "train.csv", split_dir / "holdout.csv"]
-    if all(path.is_file() for path in paths):
+    if workdir is not None and all(path.is_file() for path in paths):
         train, holdout = (_csv_rows(path) for path in paths)
         total = train + holdout
         same_data = total == n or not demo["enabled"]
