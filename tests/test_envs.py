@@ -125,6 +125,7 @@ FAKE_APPTAINER = """#!/bin/sh
 # Test double (apptainer is not installed here): records the call, runs the command on the host.
 if [ "$1" = "--version" ]; then echo "apptainer version 1.3.4"; exit 0; fi
 echo "$*" >> "$FAKE_APPTAINER_LOG"
+echo "runtime for srun tasks: $IMAGENET_DDP_CONTAINER_RUNTIME" >> "$FAKE_APPTAINER_LOG"
 for last; do :; done
 exec bash -c "$last"
 """
@@ -155,4 +156,7 @@ def test_with_sdm_apptainer_every_job_runs_in_the_configured_image(tmp_path, mon
     call = log.read_text()
     assert call.startswith(f"exec --home {workdir} --nv ")
     assert " imagenet-ddp.sif bash -c " in call and "imagenet-ddp demo-data" in call
+    # apptainer from a dir of its own (as a module's): the container's environment carries
+    # its absolute path, which the launcher's srun tasks run (jobs.container, issue 36)
+    assert f"runtime for srun tasks: {fake}\n" in call
     assert (workdir / "resources/demo/ILSVRC2012/ILSVRC2012_img_train.tar").is_file()

@@ -24,6 +24,7 @@ from imagenet_ddp.data.archive_names import (
     VAL_ARCHIVE,
 )
 from imagenet_ddp.jobs.attempts import nodes_ahead, refusal_ahead
+from imagenet_ddp.jobs.container import host_runtime_env
 from imagenet_ddp.settings.evaluation import eval_settings
 from imagenet_ddp.settings.geometry import GEOMETRY_KEYS, on_nodes, slurm_resources
 from imagenet_ddp.jobs.spec import SpecError, from_dict, to_dict
@@ -444,6 +445,11 @@ _APPTAINER = (
 _problem = container_problem(CONTAINER, apptainer=_APPTAINER)
 if _problem:
     raise WorkflowError(_problem)
+# The srun tasks of a containerised job run the host's apptainer, by the absolute path this
+# Snakemake (on the host, outside the image: a job's own one on its node) resolves here: the
+# container's PATH lacks a module's apptainer (imagenet_ddp.jobs.container).
+if _APPTAINER:
+    os.environ.update(host_runtime_env())
 # A scratch dir every node would share fails here, at the dry-run (each node checks its own
 # view again before it copies: src/imagenet_ddp/data/stage.py).
 _problem = configured_scratch_problem(site_setting("stage", "scratch_dir"))
