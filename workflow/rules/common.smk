@@ -28,13 +28,17 @@ from imagenet_ddp.jobs.container import host_runtime_env
 from imagenet_ddp.settings.evaluation import eval_settings
 from imagenet_ddp.settings.geometry import GEOMETRY_KEYS, on_nodes, slurm_resources
 from imagenet_ddp.jobs.spec import SpecError, from_dict, to_dict
-from imagenet_ddp.settings.node_memory import node_memory_problems
+from imagenet_ddp.settings.node_memory import DataSizes, node_memory_problems
 from imagenet_ddp.preflight.report import known_projection_problems
 from imagenet_ddp.data.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
-from imagenet_ddp.settings.run_checks import container_problem, user_cache_dir
+from imagenet_ddp.settings.run_checks import (
+    container_problem,
+    split_sizes,
+    user_cache_dir,
+)
 from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
 from imagenet_ddp.settings.kinds import declarations
-from imagenet_ddp.data.stage import configured_scratch_problem
+from imagenet_ddp.data.stage import configured_scratch_problem, scratch_in_ram
 from imagenet_ddp.settings.presets import scaled_lr
 
 # Validation fills in the schema's defaults, the one home of every setting's default: the rules
@@ -168,12 +172,28 @@ def _train_mem_mb():
     return None
 
 
+def data_sizes():
+    """What the memory check needs of the data: the split's sizes (each loader worker holds
+    the dataset's arrays) and the train copy staged in RAM where stage.scratch_dir is a tmpfs
+    here (imagenet_ddp.data.stage.scratch_in_ram)."""
+    train, holdout, _ = split_sizes(config, ".")
+    in_ram = scratch_in_ram(
+        config["stage"]["scratch_dir"],
+        f"{config['prepare']['dir']}/train",
+        train + holdout,
+        config["prepare"]["short_side"],
+    )
+    if in_ram is None:
+        return DataSizes(train, holdout)
+    return DataSizes(train, holdout, *in_ram)
+
+
 # Memory per node: each run's training job against train's mem_mb, from the measured and
 # estimated per-process figures of imagenet_ddp.settings.node_memory. Above the measured part alone it
 # is refused; above measured + estimated (CUDA, compile workers) it is a warning. Checked by
 # the Snakemake that submits (a job's own Snakemake has passed it already).
 if workflow.is_main_process:
-    _refusals, _warnings = node_memory_problems(RUNS, _train_mem_mb())
+    _refusals, _warnings = node_memory_problems(RUNS, _train_mem_mb(), data_sizes())
     for _line in _warnings:
         print(f"warning: {_line}", file=sys.stderr)
     if _refusals:
