@@ -160,3 +160,45 @@ def test_with_sdm_apptainer_every_job_runs_in_the_configured_image(tmp_path, mon
     # its absolute path, which the launcher's srun tasks run (jobs.container, issue 36)
     assert f"runtime for srun tasks: {fake}\n" in call
     assert (workdir / "resources/demo/ILSVRC2012/ILSVRC2012_img_train.tar").is_file()
+
+
+def test_the_image_and_the_conda_env_hold_every_component_a_setting_can_ask_for():
+    """Issue 36: a run with wandb_project set inside the image trained untracked ("W&B off").
+    Every optional extra of the package is a setting's component; the image and the conda env
+    install them all, and the image's %test imports each."""
+    from imagenet_ddp.settings.run_checks import OPTIONAL_COMPONENTS
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = set(project["optional-dependencies"]) - {"test"}
+    assert {extra for _, extra in OPTIONAL_COMPONENTS.values()} == extras
+    text = DEF_FILE.read_text()
+    installed = re.search(r'"/opt/imagenet-ddp\[([^\]]*)\]"', text)
+    assert installed and set(installed.group(1).split(",")) == extras, "image"
+    test = text.split("%test", 1)[1].split("%labels", 1)[0]
+    imports = re.search(r'python -c "import ([^"]*)"\n', test.split("--help", 1)[1]).group(1)
+    assert {module for module, _ in OPTIONAL_COMPONENTS.values()} <= set(imports.split(", "))
+    env = yaml.safe_load((ENVS / "imagenet-ddp.yaml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    editable = next(a for a in pip if a.startswith("--editable"))
+    assert set(re.search(r"\[([^\]]*)\]$", editable).group(1).split(",")) == extras, "conda env"
+
+
+def test_a_setting_whose_component_the_jobs_lack_is_refused_in_one_line():
+    """Jobs in Snakemake's own environment (no --sdm): a run asking for W&B or MLflow where
+    that environment lacks it is refused at the dry-run; in the image or the conda env
+    (which hold every component) nothing is refused."""
+    from imagenet_ddp.settings.run_checks import optional_component_problems
+
+    runs = {"a": {"wandb_project": "p", "mlflow_uri": ""}, "b": {"mlflow_uri": "file:/m"}}
+    missing = optional_component_problems(runs, deployment="", has_module=lambda m: False)
+    assert missing == [
+        "config.yaml: run 'a': wandb_project is set but wandb is not installed in the "
+        "environment the jobs run in (this Snakemake's): install it (pip install "
+        "'imagenet-ddp[wandb]'), use --sdm apptainer or conda, or unset wandb_project",
+        "config.yaml: run 'b': mlflow_uri is set but mlflow is not installed in the "
+        "environment the jobs run in (this Snakemake's): install it (pip install "
+        "'imagenet-ddp[mlflow]'), use --sdm apptainer or conda, or unset mlflow_uri",
+    ]
+    assert optional_component_problems(runs, deployment="") == []  # installed here
+    for sdm in ("apptainer", "conda"):
+        assert optional_component_problems(runs, deployment=sdm, has_module=lambda m: 0) == []

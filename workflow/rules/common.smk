@@ -33,6 +33,7 @@ from imagenet_ddp.preflight.report import known_projection_problems
 from imagenet_ddp.data.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
 from imagenet_ddp.settings.run_checks import (
     container_problem,
+    optional_component_problems,
     split_sizes,
     user_cache_dir,
 )
@@ -470,6 +471,17 @@ if _problem:
 # container's PATH lacks a module's apptainer (imagenet_ddp.jobs.container).
 if _APPTAINER:
     os.environ.update(host_runtime_env())
+# A run that asks for W&B or MLflow where the jobs' environment lacks it would train untracked
+# ("W&B off" in its log): refused here. The image and the conda env hold every such component.
+_SDM = workflow.deployment_settings.deployment_method
+_problems = optional_component_problems(
+    RUNS,
+    deployment=(
+        "apptainer" if _APPTAINER else "conda" if DeploymentMethod.CONDA in _SDM else ""
+    ),
+)
+if _problems and workflow.is_main_process:
+    raise WorkflowError("\n".join(_problems))
 # A scratch dir every node would share fails here, at the dry-run (each node checks its own
 # view again before it copies: src/imagenet_ddp/data/stage.py).
 _problem = configured_scratch_problem(site_setting("stage", "scratch_dir"))

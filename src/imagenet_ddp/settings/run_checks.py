@@ -286,6 +286,35 @@ def container_problem(
     )
 
 
+# A setting that asks for an optional component: (the module it imports, the package's extra
+# that installs it). The image and the conda env install every one of these extras
+# (tests/test_envs.py); a run in Snakemake's own environment is checked for them.
+OPTIONAL_COMPONENTS = {"wandb_project": ("wandb", "wandb"), "mlflow_uri": ("mlflow", "mlflow")}
+
+
+def optional_component_problems(
+    runs: Mapping[str, Mapping], *, deployment: str, has_module=None
+) -> list[str]:
+    """One line per run setting whose component the jobs' environment lacks. ``deployment``:
+    "" when the jobs run in this Snakemake's environment (checked here with ``has_module``,
+    default importlib's find_spec); "apptainer" or "conda" when they run in the image or
+    env, which install every extra of :data:`OPTIONAL_COMPONENTS`: nothing to check."""
+    if deployment:
+        return []
+    has_module = has_module or (lambda name: importlib.util.find_spec(name) is not None)
+    problems = []
+    for name, run in runs.items():
+        for key, (module, extra) in OPTIONAL_COMPONENTS.items():
+            if run.get(key) and not has_module(module):
+                problems.append(
+                    f"config.yaml: run {name!r}: {key} is set but {module} is not installed in "
+                    f"the environment the jobs run in (this Snakemake's): install it (pip "
+                    f"install 'imagenet-ddp[{extra}]'), use --sdm apptainer or conda, or "
+                    f"unset {key}"
+                )
+    return problems
+
+
 # --------------------------------------------------------------------------- set sizes
 
 
