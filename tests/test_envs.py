@@ -202,3 +202,53 @@ def test_a_setting_whose_component_the_jobs_lack_is_refused_in_one_line():
     assert optional_component_problems(runs, deployment="") == []  # installed here
     for sdm in ("apptainer", "conda"):
         assert optional_component_problems(runs, deployment=sdm, has_module=lambda m: 0) == []
+
+
+BLOCK_WANDB = """\
+import sys
+class Absent:  # wandb as if not installed in the environment Snakemake (and its jobs) run in
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "wandb":
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, Absent())
+from snakemake.cli import main
+sys.argv[0] = "snakemake"
+main()
+"""
+
+
+def test_the_dry_run_refuses_wandb_project_where_the_jobs_environment_lacks_wandb(tmp_path):
+    """Real Snakemake, wandb unimportable in its environment: a run with wandb_project is
+    refused in one line without --sdm; with --sdm apptainer (the image has it) it is not."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.workflow_helpers import copy_workflow
+
+    workdir = copy_workflow(tmp_path / "w", runs=[{"name": "tracked", "wandb_project": "p"}])
+    (workdir / "imagenet-ddp.sif").write_bytes(b"")
+
+    fake = tmp_path / "bin/apptainer"  # --sdm apptainer needs one on PATH, even for -n
+    fake.parent.mkdir()
+    fake.write_text(FAKE_APPTAINER)
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}
+
+    def dry_run(*args):
+        out = subprocess.run([sys.executable, "-c", BLOCK_WANDB, "-n", *args], cwd=workdir,
+                             env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+        return out.returncode, out.stdout + out.stderr
+
+    code, out = dry_run()
+    assert (
+        code != 0
+        and (
+            "config.yaml: run 'tracked': wandb_project is set but wandb is not installed in the "
+            "environment the jobs run in (this Snakemake's): install it (pip install "
+            "'imagenet-ddp[wandb]'), use --sdm apptainer or conda, or unset wandb_project"
+        )
+        in out.splitlines()
+    ), out[-2000:]
+    code, out = dry_run("--sdm", "apptainer")
+    assert code == 0, out[-2000:]

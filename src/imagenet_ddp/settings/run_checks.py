@@ -301,7 +301,7 @@ def optional_component_problems(
     env, which install every extra of :data:`OPTIONAL_COMPONENTS`: nothing to check."""
     if deployment:
         return []
-    has_module = has_module or (lambda name: importlib.util.find_spec(name) is not None)
+    has_module = has_module or _importable
     problems = []
     for name, run in runs.items():
         for key, (module, extra) in OPTIONAL_COMPONENTS.items():
@@ -313,6 +313,13 @@ def optional_component_problems(
                     f"unset {key}"
                 )
     return problems
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken or blocked install: not usable either
+        return False
 
 
 # --------------------------------------------------------------------------- set sizes
