@@ -125,6 +125,7 @@ FAKE_APPTAINER = """#!/bin/sh
 # Test double (apptainer is not installed here): records the call, runs the command on the host.
 if [ "$1" = "--version" ]; then echo "apptainer version 1.3.4"; exit 0; fi
 echo "$*" >> "$FAKE_APPTAINER_LOG"
+echo "runtime for srun tasks: $IMAGENET_DDP_CONTAINER_RUNTIME" >> "$FAKE_APPTAINER_LOG"
 for last; do :; done
 exec bash -c "$last"
 """
@@ -155,4 +156,99 @@ def test_with_sdm_apptainer_every_job_runs_in_the_configured_image(tmp_path, mon
     call = log.read_text()
     assert call.startswith(f"exec --home {workdir} --nv ")
     assert " imagenet-ddp.sif bash -c " in call and "imagenet-ddp demo-data" in call
+    # apptainer from a dir of its own (as a module's): the container's environment carries
+    # its absolute path, which the launcher's srun tasks run (jobs.container, issue 36)
+    assert f"runtime for srun tasks: {fake}\n" in call
     assert (workdir / "resources/demo/ILSVRC2012/ILSVRC2012_img_train.tar").is_file()
+
+
+def test_the_image_and_the_conda_env_hold_every_component_a_setting_can_ask_for():
+    """Issue 36: a run with wandb_project set inside the image trained untracked ("W&B off").
+    Every optional extra of the package is a setting's component; the image and the conda env
+    install them all, and the image's %test imports each."""
+    from imagenet_ddp.settings.run_checks import OPTIONAL_COMPONENTS
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = set(project["optional-dependencies"]) - {"test"}
+    assert {extra for _, extra in OPTIONAL_COMPONENTS.values()} == extras
+    text = DEF_FILE.read_text()
+    installed = re.search(r'"/opt/imagenet-ddp\[([^\]]*)\]"', text)
+    assert installed and set(installed.group(1).split(",")) == extras, "image"
+    test = text.split("%test", 1)[1].split("%labels", 1)[0]
+    imports = re.search(r'python -c "import ([^"]*)"\n', test.split("--help", 1)[1]).group(1)
+    assert {module for module, _ in OPTIONAL_COMPONENTS.values()} <= set(imports.split(", "))
+    env = yaml.safe_load((ENVS / "imagenet-ddp.yaml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    editable = next(a for a in pip if a.startswith("--editable"))
+    assert set(re.search(r"\[([^\]]*)\]$", editable).group(1).split(",")) == extras, "conda env"
+
+
+def test_a_setting_whose_component_the_jobs_lack_is_refused_in_one_line():
+    """Jobs in Snakemake's own environment (no --sdm): a run asking for W&B or MLflow where
+    that environment lacks it is refused at the dry-run; in the image or the conda env
+    (which hold every component) nothing is refused."""
+    from imagenet_ddp.settings.run_checks import optional_component_problems
+
+    runs = {"a": {"wandb_project": "p", "mlflow_uri": ""}, "b": {"mlflow_uri": "file:/m"}}
+    missing = optional_component_problems(runs, deployment="", has_module=lambda m: False)
+    assert missing == [
+        "config.yaml: run 'a': wandb_project is set but wandb is not installed in the "
+        "environment the jobs run in (this Snakemake's): install it (pip install "
+        "'imagenet-ddp[wandb]'), use --sdm apptainer or conda, or unset wandb_project",
+        "config.yaml: run 'b': mlflow_uri is set but mlflow is not installed in the "
+        "environment the jobs run in (this Snakemake's): install it (pip install "
+        "'imagenet-ddp[mlflow]'), use --sdm apptainer or conda, or unset mlflow_uri",
+    ]
+    assert optional_component_problems(runs, deployment="") == []  # installed here
+    for sdm in ("apptainer", "conda"):
+        assert optional_component_problems(runs, deployment=sdm, has_module=lambda m: 0) == []
+
+
+BLOCK_WANDB = """\
+import sys
+class Absent:  # wandb as if not installed in the environment Snakemake (and its jobs) run in
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "wandb":
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, Absent())
+from snakemake.cli import main
+sys.argv[0] = "snakemake"
+main()
+"""
+
+
+def test_the_dry_run_refuses_wandb_project_where_the_jobs_environment_lacks_wandb(tmp_path):
+    """Real Snakemake, wandb unimportable in its environment: a run with wandb_project is
+    refused in one line without --sdm; with --sdm apptainer (the image has it) it is not."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.workflow_helpers import copy_workflow
+
+    workdir = copy_workflow(tmp_path / "w", runs=[{"name": "tracked", "wandb_project": "p"}])
+    (workdir / "imagenet-ddp.sif").write_bytes(b"")
+
+    fake = tmp_path / "bin/apptainer"  # --sdm apptainer needs one on PATH, even for -n
+    fake.parent.mkdir()
+    fake.write_text(FAKE_APPTAINER)
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}
+
+    def dry_run(*args):
+        out = subprocess.run([sys.executable, "-c", BLOCK_WANDB, "-n", *args], cwd=workdir,
+                             env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+        return out.returncode, out.stdout + out.stderr
+
+    code, out = dry_run()
+    assert (
+        code != 0
+        and (
+            "config.yaml: run 'tracked': wandb_project is set but wandb is not installed in the "
+            "environment the jobs run in (this Snakemake's): install it (pip install "
+            "'imagenet-ddp[wandb]'), use --sdm apptainer or conda, or unset wandb_project"
+        )
+        in out.splitlines()
+    ), out[-2000:]
+    code, out = dry_run("--sdm", "apptainer")
+    assert code == 0, out[-2000:]

@@ -129,6 +129,33 @@ def test_srun_tasks_enter_the_rules_container_again():
     assert task_python({"SINGULARITY_CONTAINER": image})[0] == "singularity"
 
 
+def test_srun_tasks_run_the_hosts_apptainer_from_a_module_dir(tmp_path):
+    """Issue 36: apptainer from a module (here a Spack-like dir on PATH, no other one): the
+    Snakemake that starts the container resolves its absolute path on the host, the
+    container's environment carries it, and each task's argv starts with it, though the
+    container's own PATH (reset by Apptainer) holds no apptainer."""
+    import os
+    import sys
+
+    from imagenet_ddp.jobs.container import RUNTIME_VARIABLE, host_runtime_env
+    from imagenet_ddp.jobs.launch import task_python
+
+    module_bin = tmp_path / "opt/spack/linux-x86_64/apptainer-1.3.4-abc/bin"
+    module_bin.mkdir(parents=True)
+    (module_bin / "apptainer").write_text("#!/bin/sh\n")
+    (module_bin / "apptainer").chmod(0o755)
+    host_path = os.pathsep.join([str(tmp_path / "empty"), str(module_bin)])
+    carried = host_runtime_env(host_path)
+    assert carried[RUNTIME_VARIABLE] == str(module_bin / "apptainer")
+    assert carried[f"APPTAINERENV_{RUNTIME_VARIABLE}"] == str(module_bin / "apptainer")
+    image = "/images/imagenet-ddp.sif"
+    inside = {"APPTAINER_CONTAINER": image, "PATH": "/usr/local/bin:/usr/bin:/bin", **carried}
+    argv = task_python(inside)
+    assert argv == [str(module_bin / "apptainer"), "exec", "--nv", image, sys.executable]
+    assert os.path.isabs(argv[0]) and os.access(argv[0], os.X_OK)
+    assert host_runtime_env(str(tmp_path / "empty")) == {}  # none on the host: nothing set
+
+
 def test_ranks_start_as_their_kinds_module_and_nodes_run_the_staging_steps(monkeypatch):
     """srun path, steps recorded: stage on every node, the ranks as `python -m <module>`
     (one process per rank, no launcher in between), unstage; the spec is handed on, not

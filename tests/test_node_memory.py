@@ -55,6 +55,65 @@ def test_measured_too_much_is_refused_estimated_too_much_warned():
     assert memory_problem("r", NODE, 128_000) == ("", "")  # the profile's 128 GB fits
 
 
+# A site's mount table (fake mountinfo): /dev/shm a tmpfs, the workdir on Lustre.
+MOUNTINFO = """\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+30 22 0:40 / /dev/shm rw,nosuid,nodev shared:2 - tmpfs tmpfs rw
+42 22 0:52 / /lustre rw,relatime - lustre 10.0.0.1@o2ib:/fs rw
+45 22 8:17 / /local/scratch rw,relatime - xfs /dev/sdb1 rw
+"""
+
+
+def test_a_2x8_v2_preset_run_staging_to_dev_shm_at_128_gb_is_warned_with_its_numbers(tmp_path):
+    """Issue 36: the tmpfs copy (~52 GB at short_side 256) and each loader worker's dataset
+    arrays (46 MB at the full train split, 120 workers per node) count against mem_mb."""
+    import json
+
+    from imagenet_ddp.data.stage import scratch_in_ram
+    from imagenet_ddp.settings.node_memory import DATASET_BYTES_PER_SAMPLE, DataSizes
+    from imagenet_ddp.settings.presets import preset
+    from imagenet_ddp.settings.run_checks import ILSVRC2012_TRAIN_IMAGES
+
+    info = tmp_path / "mountinfo"
+    info.write_text(MOUNTINFO)
+    holdout = 128_117
+    train = ILSVRC2012_TRAIN_IMAGES - holdout
+    assert train * DATASET_BYTES_PER_SAMPLE == pytest.approx(46e6, rel=0.01)  # per worker
+    prepared = tmp_path / "prepared/train"  # not prepared yet: estimated from the images
+    size, measured, where = scratch_in_ram("/dev/shm", prepared, train + holdout, 256, info)
+    assert not measured and size == pytest.approx(train_set_mib := 1_281_167 * 42_700 / 2**20)
+    assert where.startswith("stage.scratch_dir '/dev/shm' is tmpfs; estimated as 1281167 images")
+    assert scratch_in_ram("/local/scratch/me", prepared, 10, 256, info) is None  # a disk
+    assert scratch_in_ram("", prepared, 10, 256, info) is None  # the job's $TMPDIR: unknown
+    prepared.mkdir(parents=True)
+    (prepared / "prepared.json").write_text(json.dumps({"total_bytes": 54_700 * 2**20}))
+    assert scratch_in_ram("/dev/shm/x", prepared, 10, 256, info)[:2] == (54_700, True)
+
+    run = {**NODE, "cpus_per_task": 16, **preset("torchvision-resnet50-v2")}
+    on_disk = DataSizes(train, holdout)
+    in_ram = DataSizes(train, holdout, size, False, where)
+    arrays = 8 * 16 * (train + holdout) * DATASET_BYTES_PER_SAMPLE / 2**20  # rank + 15 workers
+    assert estimate_mb(run, on_disk)["measured"] == pytest.approx(
+        estimate_mb(run)["measured"] + arrays
+    )
+    assert memory_problem("r", run, 128_000, on_disk) == ("", "")  # fits on a local disk
+    refusal, warning = memory_problem("r", run, 128_000, in_ram)
+    total = estimate_mb(run, on_disk)["measured"] + 8 * CUDA_RANK_EXTRA_MB + train_set_mib
+    assert refusal == "" and warning.startswith(
+        f"config.yaml: run 'r': train's mem_mb 128000 per node leaves less than 15% free beyond "
+        f"the {total:.0f} MiB that 8 rank(s) per node with 15 loader worker(s) each and the "
+        f"{train_set_mib:.0f} MiB train copy staged in RAM (stage.scratch_dir '/dev/shm' is "
+        "tmpfs; estimated as 1281167 images x 42.7 kB at prepare.short_side 256) are "
+        "estimated to hold (CUDA and the RAM copy estimated)"
+    ), warning
+    assert "raise mem_mb to 135000" in warning and "stage.scratch_dir to a node-local" in warning
+    # the prepared copy's own size is a measured figure: above mem_mb, refused
+    copied = DataSizes(train, holdout, 100_000, True, "its size")
+    refusal, _ = memory_problem("r", run, 128_000, copied)
+    assert refusal.startswith("config.yaml: run 'r': train's mem_mb 128000 per node is below")
+    assert "and the 100000 MiB train copy staged in RAM (its size) hold (measured" in refusal
+
+
 GPU_RUN = {"name": "gpu", "gpus_per_node": 2, "tasks_per_node": 2, "workers": 2}
 CPU_RUN = {"name": "cpu", "tasks_per_node": 2}
 
@@ -67,8 +126,13 @@ def dry_run(workdir, *args):
 def test_the_dry_run_checks_trains_mem_mb_wherever_it_is_set(tmp_path):
     """Real Snakemake: train's mem_mb from set-resources (a number, `mem`, `N * attempt`) or
     default-resources; the workflow's own profile fits; a local run sets none."""
+    from imagenet_ddp.settings.node_memory import DataSizes
+    from imagenet_ddp.settings.run_checks import split_sizes
+    from tests.workflow_helpers import read_config, with_schema_defaults, write_config
+
     workdir = copy_workflow(tmp_path / "wf", runs=[GPU_RUN, CPU_RUN])
-    gpu = estimate_mb({**_resolved(), **GPU_RUN})
+    sizes = DataSizes(*split_sizes(with_schema_defaults(read_config(workdir)), workdir)[:2])
+    gpu = estimate_mb({**_resolved(), **GPU_RUN}, sizes)
     code, out = dry_run(workdir)
     assert code == 0 and "mem_mb" not in out  # nothing sets it: not checked
     code, out = dry_run(workdir, "--set-resources", "train:mem_mb=2000")
@@ -89,6 +153,18 @@ def test_the_dry_run_checks_trains_mem_mb_wherever_it_is_set(tmp_path):
     assert code != 0 and "run 'cpu': train's mem_mb 1000 per node" in out
     code, out = dry_run(workdir, "--profile", "profiles/slurm")  # 128000 per node
     assert code == 0 and "mem_mb 128000 per node" not in out
+    # staged to /dev/shm (a tmpfs here, as on the nodes): the copy counts, with headroom
+    config = read_config(workdir)
+    config["stage"] = {"scratch_dir": "/dev/shm/imagenet-ddp-test"}
+    write_config(workdir, config)
+    code, out = dry_run(
+        workdir, "--set-resources", f"train:mem_mb={gpu['measured'] + gpu['estimated'] + 300:.0f}"
+    )
+    assert code == 0 and "warning: config.yaml: run 'gpu': train's mem_mb" in out, out[-2000:]
+    assert "leaves less than 15% free beyond the " in out
+    assert (
+        "train copy staged in RAM (stage.scratch_dir '/dev/shm/imagenet-ddp-test' is tmpfs" in out
+    )
 
 
 def _resolved() -> dict:

@@ -153,19 +153,30 @@ def test_a_known_projection_is_checked_against_todays_runtime_and_bound(tmp_path
 
 
 def test_the_dry_run_refuses_a_run_its_known_projection_does_not_fit(tmp_path):
-    """Real Snakemake: the projection of the run's last preflight, today's train runtime."""
-    from tests.workflow_helpers import copy_workflow, shown_specs, snakemake
+    """Real Snakemake: the projection of the run's last preflight (here a failed one,
+    preflight.failed.json), today's train runtime. Only the Snakemake that submits checks it:
+    another run's jobs, each parsing the workflow again in its own Snakemake with the plugin's
+    arguments, still parse (issue 36: one run's failed preflight broke every other run)."""
+    from tests.workflow_helpers import copy_workflow, job_snakemake, shown_specs, snakemake
 
-    workdir = copy_workflow(tmp_path / "wf", runs=[{"name": "r", "epochs": 90}])
+    runs = [{"name": "r", "epochs": 90}, {"name": "b", "epochs": 1}]
+    workdir = copy_workflow(tmp_path / "wf", runs=runs)
     shown = snakemake(workdir, "-n", "-p", "results/runs/r/model.pt")
     text = shown.stdout + shown.stderr
     (settings,) = [spec["run"] for spec in shown_specs(text, "train")]
     write_preflight(workdir / "results/preflight/r", settings, report(ranks()))
+    folder = workdir / "results/preflight/r"
+    (folder / "preflight.json").rename(folder / "preflight.failed.json")
     fits = snakemake(workdir, "-n", "--set-resources", "train:runtime=60")
     assert fits.returncode == 0
     refused = snakemake(workdir, "-n", "--set-resources", "train:runtime=5", check=False)
     assert refused.returncode != 0
     assert "run 'r': max_allocations 10 is too few" in refused.stdout + refused.stderr
+    for job in ("train:run=b", "evaluate:run=b"):  # jobs the submitting Snakemake let through
+        parsed = job_snakemake(workdir, job, "train:runtime=5", "train:mem_mb=4000")
+        out = parsed.stdout + parsed.stderr
+        assert parsed.returncode == 0 and "is too few" not in out, out[-3000:]
+        assert f"rule {job.split(':')[0]}:" in out and "wildcards: run=b" in out
 
 
 def test_straggler_and_starving_loader_are_named():

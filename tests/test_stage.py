@@ -271,3 +271,79 @@ def test_the_rules_pass_the_scratch_setting_and_the_dry_run_refuses_a_relative_o
     assert (
         bad.returncode != 0 and "stage.scratch_dir 'scratch' is relative" in bad.stdout + bad.stderr
     )
+
+
+def _no_flock(monkeypatch):
+    """flock as on Lustre mounted without `flock` (before 2.13): ENOSYS, for every caller."""
+    import errno
+    import fcntl
+
+    def flock(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+
+
+def test_a_filesystem_without_flock_gets_a_directory_lock_that_excludes(monkeypatch, tmp_path):
+    """Issue 36: prepare.dir on Lustre without flock raised a traceback. The fallback lock
+    excludes a second holder until the first releases it, and leaves nothing behind."""
+    import threading
+    import time
+
+    from imagenet_ddp import io
+
+    _no_flock(monkeypatch)
+    monkeypatch.setattr(io, "POLL_S", 0.01)
+    lock, order = tmp_path / "out" / ".train.lock", []
+    second_waits = threading.Event()
+
+    def second():
+        second_waits.set()
+        with io.exclusive_lock(lock):
+            order.append("second")
+
+    with io.exclusive_lock(lock):
+        owner = json.loads((tmp_path / "out" / ".train.lock.d" / "owner").read_text())
+        assert owner["host"] == socket.gethostname() and owner["pid"] > 0
+        thread = threading.Thread(target=second)
+        thread.start()
+        second_waits.wait()
+        time.sleep(0.2)  # the second has polled the lock many times by now
+        order.append("first")
+    thread.join(timeout=10)
+    assert order == ["first", "second"]
+    assert not (tmp_path / "out" / ".train.lock.d").exists()
+
+
+def test_a_stale_directory_lock_is_taken_over_and_other_errors_still_raise(monkeypatch, tmp_path):
+    """A holder SIGKILLed (or its node lost) leaves its lock directory: once untouched for
+    STALE_S a waiter takes it; a held one is kept fresh by its holder's heartbeat."""
+    import errno
+    import fcntl
+    import os
+    import time
+
+    from imagenet_ddp import io
+
+    _no_flock(monkeypatch)
+    monkeypatch.setattr(io, "POLL_S", 0.01)
+    monkeypatch.setattr(io, "HEARTBEAT_S", 0.05)
+    lock = tmp_path / ".train.lock"
+    left = tmp_path / ".train.lock.d"
+    left.mkdir()  # a dead holder's
+    old = time.time() - io.STALE_S - 5
+    os.utime(left, (old, old))
+    with io.exclusive_lock(lock):
+        first = left.stat().st_mtime
+        assert first > old
+        time.sleep(0.3)
+        assert left.stat().st_mtime > first  # the heartbeat
+        assert not list(tmp_path.glob("*.stale-*"))
+    assert not left.exists()
+
+    def bad(fd, op):
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setattr(fcntl, "flock", bad)
+    with pytest.raises(OSError, match="Bad file descriptor"), io.exclusive_lock(lock):
+        pass

@@ -170,6 +170,27 @@ def snakemake(
     return result
 
 
+def job_snakemake(
+    workdir: Path, job: str, *set_resources: str, check: bool = False
+) -> subprocess.CompletedProcess:
+    """Parse the workflow as a SLURM job's own Snakemake does: the arguments of the plugin's
+    `sbatch --wrap` (captured from snakemake-executor-plugin-slurm 2.8.0 with a fake sbatch:
+    `--mode remote`, `--target-jobs`, `--set-resources` base64-encoded), plus `-n`, so the
+    parse and the job's resources run and nothing executes. ``job``: `rule:wildcard=value`."""
+    import base64
+
+    encoded = [f"base64//{base64.b64encode(r.encode()).decode()}" for r in set_resources]
+    args = [
+        "--snakefile", "Snakefile", "--target-jobs", job, "--allowed-rules", job.split(":")[0],
+        "--cores", "all", "--attempt", "1", "--force-use-threads", "--force",
+        "--target-files-omit-workdir-adjustment", "--max-inventory-time", "0", "--retries", "0",
+        "--nocolor", "--no-hooks", "--nolock", "--ignore-incomplete",
+        *(["--set-resources", *encoded] if encoded else []),
+        "--executor", "slurm-jobstep", "--jobs", "1", "--mode", "remote", "-n",
+    ]  # fmt: skip
+    return snakemake(workdir, *args, check=check)
+
+
 def planned_jobs(workdir: Path, *args: str) -> dict[str, int]:
     """Rule -> job count that a dry-run plans (empty when there is nothing to do)."""
     result = snakemake(workdir, "-n", *args)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -67,21 +71,88 @@ def lock_path_for(path: str | os.PathLike[str]) -> Path:
     return path.parent / f".{path.name}.lock"
 
 
+# flock(2) errors that mean "this filesystem has no flock", not "someone holds it": Lustre
+# mounted without `flock` (the default before 2.13) answers ENOSYS; some NFS/FUSE mounts
+# EOPNOTSUPP or ENOLCK.
+NO_FLOCK_ERRNOS = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK})
+# The fallback lock (a directory made with mkdir, atomic on every shared filesystem): its
+# holder touches it every HEARTBEAT_S; a waiter takes it over once it is older than STALE_S
+# (a holder killed with SIGKILL or on a lost node), generous against clocks that differ
+# between nodes.
+HEARTBEAT_S = 30.0
+STALE_S = 600.0
+POLL_S = 2.0
+
+
 @contextlib.contextmanager
 def exclusive_lock(lock_file: str | os.PathLike[str]) -> Iterator[None]:
-    """Hold an exclusive flock on ``lock_file`` (created if needed), released on exit.
+    """Hold an exclusive lock on ``lock_file`` (created if needed), released on exit.
 
-    flock works across processes and, on most shared file systems (NFS v4, Lustre, GPFS),
-    across nodes; it is released by the kernel if the holder dies.
+    flock works across processes and, on most shared file systems (NFS v4, Lustre mounted
+    with ``flock``, GPFS), across nodes; it is released by the kernel if the holder dies.
+    Where the filesystem has no flock (:data:`NO_FLOCK_ERRNOS`), a lock directory beside it
+    (:func:`directory_lock`) holds across nodes instead.
     """
     lock_file = Path(lock_file)
     lock_file.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_file, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError as error:
+            if error.errno not in NO_FLOCK_ERRNOS:
+                raise
+            with directory_lock(lock_file.with_name(lock_file.name + ".d")):
+                yield
+            return
         try:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def directory_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock that needs no flock: ``mkdir(path)`` succeeds for one process on any
+    node; ``path/owner`` names the holder (host, pid), whose thread touches it every
+    :data:`HEARTBEAT_S`. A lock untouched for :data:`STALE_S` is renamed away (one waiter
+    wins the rename) and taken."""
+    owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    while True:
+        try:
+            os.mkdir(path)
+            break
+        except FileExistsError:
+            _break_if_stale(path)
+            time.sleep(POLL_S)
+    (path / "owner").write_text(json.dumps(owner) + "\n")
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(path, stop), daemon=True)
+    beat.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        beat.join()
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _heartbeat(path: Path, stop: threading.Event) -> None:
+    while not stop.wait(HEARTBEAT_S):
+        with contextlib.suppress(OSError):
+            os.utime(path)
+
+
+def _break_if_stale(path: Path) -> None:
+    try:
+        age = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return  # released meanwhile
+    if age < STALE_S:
+        return
+    stale = path.with_name(f"{path.name}.stale-{socket.gethostname()}-{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):  # another waiter renamed it first
+        os.rename(path, stale)
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def file_digest(path: str | os.PathLike[str], algorithm: str) -> str:

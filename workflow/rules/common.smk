@@ -24,16 +24,22 @@ from imagenet_ddp.data.archive_names import (
     VAL_ARCHIVE,
 )
 from imagenet_ddp.jobs.attempts import nodes_ahead, refusal_ahead
+from imagenet_ddp.jobs.container import host_runtime_env
 from imagenet_ddp.settings.evaluation import eval_settings
 from imagenet_ddp.settings.geometry import GEOMETRY_KEYS, on_nodes, slurm_resources
 from imagenet_ddp.jobs.spec import SpecError, from_dict, to_dict
-from imagenet_ddp.settings.node_memory import node_memory_problems
+from imagenet_ddp.settings.node_memory import DataSizes, node_memory_problems
 from imagenet_ddp.preflight.report import known_projection_problems
 from imagenet_ddp.data.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
-from imagenet_ddp.settings.run_checks import container_problem, user_cache_dir
+from imagenet_ddp.settings.run_checks import (
+    container_problem,
+    optional_component_problems,
+    split_sizes,
+    user_cache_dir,
+)
 from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
 from imagenet_ddp.settings.kinds import declarations
-from imagenet_ddp.data.stage import configured_scratch_problem
+from imagenet_ddp.data.stage import configured_scratch_problem, scratch_in_ram
 from imagenet_ddp.settings.presets import scaled_lr
 
 # Validation fills in the schema's defaults, the one home of every setting's default: the rules
@@ -48,8 +54,13 @@ SETTINGS = declarations(_SCHEMA)
 # node fails here, at the dry-run, one line per problem. Raised here, not in the module, so
 # Snakemake shows no traceback beyond this line. torchvision's model names are cached per user
 # (importing torch takes seconds).
+# The batch check reads results/split: in the submitting Snakemake only (workdir None: a job's
+# own Snakemake judges from the config's figures, issue 36).
+_RESULTS_ROOT = "." if workflow.is_main_process else None
 try:
-    RUNS = resolve_runs(config, _WRITTEN, _SCHEMA, cache_dir=user_cache_dir())
+    RUNS = resolve_runs(
+        config, _WRITTEN, _SCHEMA, cache_dir=user_cache_dir(), workdir=_RESULTS_ROOT
+    )
 except RunsError as error:
     raise WorkflowError(str(error)) from None
 
@@ -121,14 +132,17 @@ def _train_runtime():
 
 
 # A run whose last preflight on the same settings projected more allocations of today's train
-# runtime than its max_allocations is refused here, before it is queued.
-_problems = known_projection_problems(
-    {name: training_settings(name) for name in RUNS},
-    "results/preflight",
-    _train_runtime(),
-)
-if _problems:
-    raise WorkflowError("\n".join(_problems))
+# runtime than its max_allocations is refused here, before it is queued. Only by the Snakemake
+# that submits: a job's own Snakemake parses again with the plugin's --set-resources, and one
+# run's preflight report must not fail every other run's jobs (issue 36).
+if workflow.is_main_process:
+    _problems = known_projection_problems(
+        {name: training_settings(name) for name in RUNS},
+        "results/preflight",
+        _train_runtime(),
+    )
+    if _problems:
+        raise WorkflowError("\n".join(_problems))
 
 
 def _first_attempt_mb(resource):
@@ -159,12 +173,28 @@ def _train_mem_mb():
     return None
 
 
+def data_sizes():
+    """What the memory check needs of the data: the split's sizes (each loader worker holds
+    the dataset's arrays) and the train copy staged in RAM where stage.scratch_dir is a tmpfs
+    here (imagenet_ddp.data.stage.scratch_in_ram)."""
+    train, holdout, _ = split_sizes(config, ".")
+    in_ram = scratch_in_ram(
+        config["stage"]["scratch_dir"],
+        f"{config['prepare']['dir']}/train",
+        train + holdout,
+        config["prepare"]["short_side"],
+    )
+    if in_ram is None:
+        return DataSizes(train, holdout)
+    return DataSizes(train, holdout, *in_ram)
+
+
 # Memory per node: each run's training job against train's mem_mb, from the measured and
 # estimated per-process figures of imagenet_ddp.settings.node_memory. Above the measured part alone it
 # is refused; above measured + estimated (CUDA, compile workers) it is a warning. Checked by
 # the Snakemake that submits (a job's own Snakemake has passed it already).
 if workflow.is_main_process:
-    _refusals, _warnings = node_memory_problems(RUNS, _train_mem_mb())
+    _refusals, _warnings = node_memory_problems(RUNS, _train_mem_mb(), data_sizes())
     for _line in _warnings:
         print(f"warning: {_line}", file=sys.stderr)
     if _refusals:
@@ -436,6 +466,22 @@ _APPTAINER = (
 _problem = container_problem(CONTAINER, apptainer=_APPTAINER)
 if _problem:
     raise WorkflowError(_problem)
+# The srun tasks of a containerised job run the host's apptainer, by the absolute path this
+# Snakemake (on the host, outside the image: a job's own one on its node) resolves here: the
+# container's PATH lacks a module's apptainer (imagenet_ddp.jobs.container).
+if _APPTAINER:
+    os.environ.update(host_runtime_env())
+# A run that asks for W&B or MLflow where the jobs' environment lacks it would train untracked
+# ("W&B off" in its log): refused here. The image and the conda env hold every such component.
+_SDM = workflow.deployment_settings.deployment_method
+_problems = optional_component_problems(
+    RUNS,
+    deployment=(
+        "apptainer" if _APPTAINER else "conda" if DeploymentMethod.CONDA in _SDM else ""
+    ),
+)
+if _problems and workflow.is_main_process:
+    raise WorkflowError("\n".join(_problems))
 # A scratch dir every node would share fails here, at the dry-run (each node checks its own
 # view again before it copies: src/imagenet_ddp/data/stage.py).
 _problem = configured_scratch_problem(site_setting("stage", "scratch_dir"))

@@ -51,6 +51,12 @@ MARKER = ".staged.json"
 
 
 SCRATCH_KEY = "stage.scratch_dir"
+# Where to point it. /dev/shm is RAM: the copy counts against the job's mem_mb (the dry-run
+# adds it, imagenet_ddp.settings.node_memory), tens of GB at full ImageNet.
+NODE_LOCAL_EXAMPLE = (
+    "e.g. /local/scratch; /dev/shm only with mem_mb raised by the train set's size, "
+    "which the dry-run adds"
+)
 # Where a node stages when stage.scratch_dir is unset, in this order. SLURM itself sets neither
 # variable to anything node-local: slurmstepd keeps the TMPDIR the job inherited (from the
 # submitting shell, or a site's prolog/plugin) and sets TMPDIR=/tmp only where none is set.
@@ -113,15 +119,51 @@ def configured_scratch_problem(scratch_dir: str, mountinfo: Path = MOUNTINFO) ->
     if mount is not None and mount.is_network:
         return (
             f"{SCRATCH_KEY} {scratch_dir!r} is on {mount.fs_type} ({mount.source}), which "
-            "every node shares: set a node-local path (e.g. /local/scratch or /dev/shm)"
+            f"every node shares: set a node-local path ({NODE_LOCAL_EXAMPLE})"
         )
     return None
+
+
+# Filesystems in RAM: a copy staged there is charged to the job's memory cgroup (--mem).
+RAM_FS_TYPES = frozenset({"tmpfs", "ramfs"})
+# Bytes per image of a prepared train set at short_side 256 (benchmarks/README.md, prepare
+# rehearsal: 854 MB for 20,000 images, tar framing included); scaled by pixels for others.
+PREPARED_BYTES_PER_IMAGE_AT_256 = 42_700
+
+
+def scratch_in_ram(
+    scratch_dir: str, prepared_train: Path, images: int, short_side: int,
+    mountinfo: Path = MOUNTINFO,
+) -> tuple[float, bool, str] | None:  # fmt: skip
+    """(MiB, measured, what) of the train copy each node stages when ``stage.scratch_dir`` is
+    on a tmpfs here (e.g. /dev/shm, the same on every node): the prepared copy's own size when
+    it exists (``measured``), else ``images`` at ``short_side``; None when it is not in RAM or
+    not known at the dry-run (empty: the job's $SLURM_TMPDIR/$TMPDIR, seen only on the node)."""
+    if not scratch_dir or not os.path.isabs(scratch_dir):
+        return None
+    mount = mount_of(existing_ancestor(Path(scratch_dir)), mountinfo)
+    if mount is None or mount.fs_type not in RAM_FS_TYPES:
+        return None
+    where = f"{SCRATCH_KEY} {scratch_dir!r} is {mount.fs_type}"
+    try:
+        info = json.loads((Path(prepared_train) / PREPARED_JSON).read_text())
+        return info["total_bytes"] / 2**20, True, f"{where}; the prepared copy's size"
+    except (OSError, ValueError, KeyError, TypeError):
+        per_image = PREPARED_BYTES_PER_IMAGE_AT_256 * (short_side / 256) ** 2
+        return (
+            images * per_image / 2**20,
+            False,
+            (
+                f"{where}; estimated as {images} images x {per_image / 1000:.1f} kB at "
+                f"prepare.short_side {short_side}"
+            ),
+        )
 
 
 def refuse_shared_scratch(root: Path, origin: str, problem: str) -> InputError:
     return InputError(
         f"scratch {root} (from {origin}) is {problem}: every node would stage into one shared "
-        f"place; set {SCRATCH_KEY} to a node-local disk (e.g. /local/scratch or /dev/shm)"
+        f"place; set {SCRATCH_KEY} to a node-local disk ({NODE_LOCAL_EXAMPLE})"
     )
 
 

@@ -43,6 +43,7 @@ from imagenet_ddp.data.stage import (
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.jobs import attempts
+from imagenet_ddp.jobs.container import task_runtime
 from imagenet_ddp.jobs.signals import EXIT_REQUEUE, STOP_SIGNALS, ForwardStopSignals
 from imagenet_ddp.jobs.spec import EvalJob, TrainJob, read_spec, staging_report_path
 from imagenet_ddp.settings.geometry import Geometry, on_nodes
@@ -177,8 +178,9 @@ def task_python(environ=None) -> list[str]:
     image = next((environ[v] for v in CONTAINER_IMAGE_VARIABLES if environ.get(v)), None)
     if image is None:
         return [sys.executable]
-    runtime = "apptainer" if environ.get("APPTAINER_CONTAINER") else "singularity"
-    return [runtime, "exec", "--nv", image, sys.executable]
+    # The host's runtime by its absolute path (imagenet_ddp.jobs.container): the container's
+    # PATH does not hold a module's apptainer.
+    return [task_runtime(environ), "exec", "--nv", image, sys.executable]
 
 
 # The module each kind of job runs as its ranks (``python -m MODULE --spec FILE``): the

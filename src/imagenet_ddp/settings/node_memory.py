@@ -14,8 +14,12 @@ Two sums, two outcomes (docs/configuration.md "the dry-run checks"):
 * the measured part plus the estimated one (a GPU rank's CUDA context and libraries,
   inductor's compile workers under ``compile: true``) above ``mem_mb`` is a warning.
 
-Not counted: the launcher and staging (tens of MiB), and node-local scratch on a tmpfs,
-which the kernel may charge to the job's cgroup (site-dependent).
+Sized by the data (:class:`DataSizes`, from the split and the scratch's mount at the dry-run):
+each loader worker unpickles the dataset's per-sample arrays (46 MB at the full ImageNet
+train split), and a train copy staged on a tmpfs (``/dev/shm``) is charged to the job's
+memory cgroup (tens of GB): measured with the prepared copy's own size, estimated without.
+Not counted: the launcher and staging (tens of MiB), and a tmpfs scratch the dry-run cannot
+see (an empty ``stage.scratch_dir``: the job's ``$TMPDIR``).
 
 Torch-free: the workflow imports it while Snakemake parses the rules.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from imagenet_ddp.settings.geometry import loader_workers
@@ -53,6 +58,31 @@ COMPILE_WORKER_MB = 400
 MAX_COMPILE_THREADS = 4
 
 
+# With a train copy in RAM (no swap on a GPU node: it cannot be reclaimed) what this sum leaves
+# out (the page cache of the copy's source reads and of checkpoint writes, pinned-buffer
+# caching, fragmentation) has only mem_mb's rest: below this share of mem_mb a warning.
+# A judgement, not a measurement.
+RAM_COPY_HEADROOM = 0.15
+# The dataset's per-sample arrays (imagenet_ddp.data.dataset.PreparedImageDataset: sample_id,
+# class_index, shard, offset, length, int64 each), held by the rank and unpickled by each of
+# its loader's workers: 46 MB at the 1,153,050 images of the full train split. Arithmetic.
+DATASET_BYTES_PER_SAMPLE = 5 * 8
+
+
+@dataclass(frozen=True)
+class DataSizes:
+    """What a run's memory depends on beyond its settings: the split's images (train,
+    holdout) and the train copy each node stages in RAM (``scratch_mb``: 0 unless
+    ``stage.scratch_dir`` is a tmpfs; ``scratch_measured``: from the prepared copy's size;
+    ``scratch_where``: what says so)."""
+
+    train_images: int = 0
+    holdout_images: int = 0
+    scratch_mb: float = 0.0
+    scratch_measured: bool = False
+    scratch_where: str = ""
+
+
 def compile_threads(cpus_per_task: int) -> int:
     """Inductor's compile workers per rank: its CPUs, at most :data:`MAX_COMPILE_THREADS`."""
     return max(1, min(int(cpus_per_task), MAX_COMPILE_THREADS))
@@ -63,58 +93,85 @@ def _batch_mb(batch_size: int, crop: int) -> float:
     return batch_size * 3 * crop * crop / MIB
 
 
-def estimate_mb(run: Mapping[str, Any]) -> dict[str, float]:
-    """Per node: ``measured`` and ``estimated`` MiB of a run's training job (see module)."""
+def estimate_mb(run: Mapping[str, Any], data: DataSizes = DataSizes()) -> dict[str, float]:
+    """Per node: ``measured`` and ``estimated`` MiB of a run's training job (see module), a
+    train copy in RAM in the one its size comes from."""
     workers = loader_workers(run["workers"], run["cpus_per_task"])
     eval_crop = run.get("eval_crop_size") or run["crop_size"]
     # The holdout's loader (as many workers, the same batch size) keeps its workers from the
     # first evaluation on, beside the training loader's persistent workers.
     batch = run["batch_size"]
+    train_arrays = data.train_images * DATASET_BYTES_PER_SAMPLE / MIB
+    holdout_arrays = data.holdout_images * DATASET_BYTES_PER_SAMPLE / MIB
     train_worker = LOADER_WORKER_MB + PREFETCH_BATCHES * _batch_mb(batch, run["crop_size"])
     holdout_worker = LOADER_WORKER_MB + PREFETCH_BATCHES * _batch_mb(batch, eval_crop)
-    per_rank = RANK_MB + (FORKSERVER_MB if workers else 0)
-    per_rank += workers * (train_worker + holdout_worker)
+    per_rank = RANK_MB + (FORKSERVER_MB if workers else 0) + train_arrays + holdout_arrays
+    per_rank += workers * (train_worker + train_arrays + holdout_worker + holdout_arrays)
     extra = CUDA_RANK_EXTRA_MB if run["gpus_per_node"] > 0 else 0
     if run.get("compile"):
         extra += compile_threads(run["cpus_per_task"]) * COMPILE_WORKER_MB
     ranks = run["tasks_per_node"]
-    return {"measured": ranks * per_rank, "estimated": ranks * extra, "workers": workers}
+    measured, estimated = ranks * per_rank, ranks * extra
+    if data.scratch_measured:
+        measured += data.scratch_mb
+    else:
+        estimated += data.scratch_mb
+    return {"measured": measured, "estimated": estimated, "workers": workers}
 
 
-def memory_problem(name: str, run: Mapping[str, Any], mem_mb: float | None) -> tuple[str, str]:
+def memory_problem(
+    name: str, run: Mapping[str, Any], mem_mb: float | None, data: DataSizes = DataSizes()
+) -> tuple[str, str]:
     """(refusal, warning) lines for run ``name`` against the train job's ``mem_mb`` per node;
     empty strings where it fits or no ``mem_mb`` is known."""
     if mem_mb is None:
         return "", ""
-    figures = estimate_mb(run)
+    figures = estimate_mb(run, data)
     measured, total = figures["measured"], figures["measured"] + figures["estimated"]
-    head = (
-        f"config.yaml: run {name!r}: train's mem_mb {mem_mb:.0f} per node is below the "
-        f"{{}} MiB that {run['tasks_per_node']} rank(s) per node with {figures['workers']} "
-        "loader worker(s) each {}"
+    # with a copy in RAM the estimate must leave RAM_COPY_HEADROOM of mem_mb free
+    room = 1 - RAM_COPY_HEADROOM if data.scratch_mb else 1.0
+    who = (
+        f"{run['tasks_per_node']} rank(s) per node with {figures['workers']} loader worker(s) "
+        "each"
+        + (
+            f" and the {data.scratch_mb:.0f} MiB train copy staged in RAM ({data.scratch_where})"
+            if data.scratch_mb
+            else ""
+        )
     )
+    head = f"config.yaml: run {name!r}: train's mem_mb {mem_mb:.0f} per node"
     advice = (
-        f"raise mem_mb to {math.ceil(total / 1000) * 1000} (set-resources train: mem_mb), or "
-        "lower tasks_per_node, workers or batch_size (docs/configuration.md, memory per node)"
+        f"raise mem_mb to {math.ceil(total / room / 1000) * 1000} (set-resources train: "
+        "mem_mb), or lower tasks_per_node, workers or batch_size"
+        + (", or set stage.scratch_dir to a node-local disk" if data.scratch_mb else "")
+        + " (docs/configuration.md, memory per node)"
     )
     if measured > mem_mb:
-        return head.format(f"{measured:.0f}", "hold (measured figures)") + f"; {advice}", ""
-    if total > mem_mb:
-        parts = ["CUDA"] * (run["gpus_per_node"] > 0) + ["compile workers"] * bool(
-            run.get("compile")
+        return (
+            f"{head} is below the {measured:.0f} MiB that {who} hold (measured figures); {advice}",
+            "",
         )
-        held = f"are estimated to hold ({' and '.join(parts)} estimated)"
-        return "", head.format(f"{total:.0f}", held) + f"; {advice}"
+    parts = ["CUDA"] * (run["gpus_per_node"] > 0) + ["compile workers"] * bool(run.get("compile"))
+    parts += ["the RAM copy"] * bool(data.scratch_mb and not data.scratch_measured)
+    held = f"are estimated to hold ({' and '.join(parts)} estimated)"
+    if total > mem_mb:
+        return "", f"{head} is below the {total:.0f} MiB that {who} {held}; {advice}"
+    if total > room * mem_mb:
+        return "", (
+            f"{head} leaves less than {RAM_COPY_HEADROOM:.0%} free beyond the {total:.0f} MiB "
+            f"that {who} {held}: a copy in RAM cannot be reclaimed, and the page cache and "
+            f"pinned buffers not counted here need the rest; {advice}"
+        )
     return "", ""
 
 
 def node_memory_problems(
-    runs: Mapping[str, Mapping[str, Any]], mem_mb: float | None
+    runs: Mapping[str, Mapping[str, Any]], mem_mb: float | None, data: DataSizes = DataSizes()
 ) -> tuple[list[str], list[str]]:
     """(refusals, warnings) of every run's training job against ``mem_mb``."""
     refusals, warnings = [], []
     for name, run in runs.items():
-        refusal, warning = memory_problem(name, run, mem_mb)
+        refusal, warning = memory_problem(name, run, mem_mb, data)
         refusals += [refusal] if refusal else []
         warnings += [warning] if warning else []
     return refusals, warnings

@@ -35,7 +35,7 @@ def check_runs(
     runs: Mapping[str, Mapping],
     config: Mapping,
     *,
-    workdir: str | os.PathLike[str] = ".",
+    workdir: str | os.PathLike[str] | None = ".",
     models: frozenset[str] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> list[str]:
@@ -286,10 +286,48 @@ def container_problem(
     )
 
 
+# A setting that asks for an optional component: (the module it imports, the package's extra
+# that installs it). The image and the conda env install every one of these extras
+# (tests/test_envs.py); a run in Snakemake's own environment is checked for them.
+OPTIONAL_COMPONENTS = {"wandb_project": ("wandb", "wandb"), "mlflow_uri": ("mlflow", "mlflow")}
+
+
+def optional_component_problems(
+    runs: Mapping[str, Mapping], *, deployment: str, has_module=None
+) -> list[str]:
+    """One line per run setting whose component the jobs' environment lacks. ``deployment``:
+    "" when the jobs run in this Snakemake's environment (checked here with ``has_module``,
+    default importlib's find_spec); "apptainer" or "conda" when they run in the image or
+    env, which install every extra of :data:`OPTIONAL_COMPONENTS`: nothing to check."""
+    if deployment:
+        return []
+    has_module = has_module or _importable
+    problems = []
+    for name, run in runs.items():
+        for key, (module, extra) in OPTIONAL_COMPONENTS.items():
+            if run.get(key) and not has_module(module):
+                problems.append(
+                    f"config.yaml: run {name!r}: {key} is set but {module} is not installed in "
+                    f"the environment the jobs run in (this Snakemake's): install it (pip "
+                    f"install 'imagenet-ddp[{extra}]'), use --sdm apptainer or conda, or "
+                    f"unset {key}"
+                )
+    return problems
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken or blocked install: not usable either
+        return False
+
+
 # --------------------------------------------------------------------------- set sizes
 
 
-def split_sizes(config: Mapping, workdir: str | os.PathLike[str] = ".") -> tuple[int, int, str]:
+def split_sizes(
+    config: Mapping, workdir: str | os.PathLike[str] | None = "."
+) -> tuple[int, int, str]:
     """(train images, holdout images, where the figures come from) of the split training uses.
 
     The split on disk when results/split/{train,holdout}.csv exist and agree with the config
@@ -297,6 +335,7 @@ def split_sizes(config: Mapping, workdir: str | os.PathLike[str] = ".") -> tuple
     exact, not bounds: `split` passes integer sizes to train_test_split, holdout =
     round(n x holdout_fraction) and train = n - holdout whatever the per-class rounding, and n
     is the demo's classes x train_per_class, or the 1,281,167 images of the real archive.
+    ``workdir`` None: the config's figures, nothing read (a job's own Snakemake).
     """
     fraction = config["split"]["holdout_fraction"]
     demo = config["demo"]
@@ -306,9 +345,9 @@ def split_sizes(config: Mapping, workdir: str | os.PathLike[str] = ".") -> tuple
         where = f"demo.num_classes {classes} x demo.train_per_class {per_class}"
     else:
         n, where = ILSVRC2012_TRAIN_IMAGES, f"the {ILSVRC2012_TRAIN_IMAGES} images of ILSVRC2012"
-    split_dir = Path(workdir) / "results" / "split"
+    split_dir = Path(workdir or ".") / "results" / "split"
     paths = [split_dir / "train.csv", split_dir / "holdout.csv"]
-    if all(path.is_file() for path in paths):
+    if workdir is not None and all(path.is_file() for path in paths):
         train, holdout = (_csv_rows(path) for path in paths)
         total = train + holdout
         same_data = total == n or not demo["enabled"]

@@ -54,7 +54,7 @@ def resolve_runs(
     written: Mapping[str, Any],
     schema_path: str | os.PathLike[str],
     *,
-    workdir: str | os.PathLike[str] = ".",
+    workdir: str | os.PathLike[str] | None = ".",
     models: frozenset[str] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
