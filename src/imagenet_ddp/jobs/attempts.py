@@ -36,6 +36,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -143,11 +144,18 @@ def made_progress(entry: dict[str, Any]) -> bool:
 
 
 def _close_killed(entry: dict[str, Any], checkpoint_root) -> None:
-    """An entry its launcher never closed: it ended at its last heartbeat."""
+    """An entry its launcher never closed: it ended at its last heartbeat, killed; or, where
+    its ranks recorded a stop and the checkpoint of that stop was written, stopped at that
+    checkpoint (under ``proctrack/cgroup`` slurmstepd SIGKILLs the launcher with the batch
+    step on scancel, preemption and the time limit while the ranks still checkpoint)."""
     entry["outcome"], entry["ended"] = "killed", entry.get("alive") or entry["started"]
     last = newest_checkpoint(checkpoint_root)
     if last and last["written"] >= entry["started"]:
         entry["last_checkpoint"] = last
+    stop = stopped_by_ranks(checkpoint_root, entry)
+    if stop is not None:
+        entry.update(outcome="stopped", stop=stop)
+        entry["ended"] = max(entry["ended"], entry["last_checkpoint"]["written"])
 
 
 def _failed_without_progress(entry: dict[str, Any]) -> bool:
@@ -289,6 +297,7 @@ def end(checkpoint_root, entry: dict[str, Any], exit_code: int) -> None:
     if last and last["written"] < entry["started"]:
         last = None  # written by an earlier attempt
     outcome = {0: "completed", EXIT_REQUEUE: "stopped"}.get(exit_code, "failed")
+    stop = stopped_by_ranks(checkpoint_root, entry) if outcome == "stopped" else None
     error = entry.get("error") or first_error(checkpoint_root, entry)
     hung = hung_rank(checkpoint_root, entry["started"]) if outcome == "failed" else None
     if hung:
@@ -296,7 +305,7 @@ def end(checkpoint_root, entry: dict[str, Any], exit_code: int) -> None:
         error = f"{hung}; {error}" if error else hung
     _update(
         checkpoint_root, entry, ended=time.time(), exit_code=exit_code, outcome=outcome,
-        last_checkpoint=last, error=error,
+        last_checkpoint=last, error=error, **({"stop": stop} if stop else {}),
     )  # fmt: skip
 
 
@@ -323,6 +332,48 @@ def first_error(checkpoint_root, entry: dict[str, Any]) -> str | None:
     return min(found)[1] if found else None
 
 
+# ------------------------------------------------------------------ stops of the ranks
+
+STOPS_DIR = "stops"
+
+
+def record_stop(
+    checkpoint_root, rank: int, host: str, epoch: int, step: int, signum: int = 0
+) -> None:
+    """A rank stops for requeue at (``epoch``, ``step``), the position of the checkpoint it
+    stops at (``signum``: the signal this rank got, 0 for another rank's). Written before that
+    checkpoint is complete, so a rank killed afterwards (KillWait) has recorded it, and the
+    attempt is ``stopped`` once that checkpoint is on disk whoever got the signal and whether
+    or not the launcher lived to close the entry (:func:`stopped_by_ranks`)."""
+    name = signal.Signals(signum).name if signum else None
+    mark = {"rank": rank, "host": host, "epoch": epoch, "step": step, "signal": name}
+    with contextlib.suppress(OSError):  # a full disk: the checkpoint fails and says so
+        folder = Path(checkpoint_root) / STOPS_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(folder / f"rank{rank}.json", {**mark, "time": time.time()})
+
+
+def stopped_by_ranks(checkpoint_root, entry: dict[str, Any]) -> dict[str, Any] | None:
+    """The stop this attempt's ranks recorded (:func:`record_stop`; the earliest, a signalled
+    rank's first), where a checkpoint at or past its position was written during the attempt;
+    None otherwise (no stop, or the checkpoint never completed: work was lost)."""
+    stops = []
+    for path in (Path(checkpoint_root) / STOPS_DIR).glob("rank*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            mark = json.loads(path.read_text())
+            if mark["time"] >= entry["started"]:
+                stops.append(mark)
+    if not stops:
+        return None
+    stop = min(stops, key=lambda m: (m["signal"] is None, m["time"]))
+    last = newest_checkpoint(checkpoint_root)
+    if last is None or last["written"] < entry["started"]:
+        return None
+    if (last["epoch"], last["step"]) < (stop["epoch"], stop["step"]):
+        return None
+    return stop
+
+
 PROGRESS_DIR = "progress"
 PROGRESS_SECONDS = 15.0
 HUNG_SECONDS = 60.0  # a rank this far behind the others at the end is named as hung
@@ -334,6 +385,7 @@ class RankProgress:
     ended through the process-group timeout names that rank and its host (:func:`hung_rank`)."""
 
     def __init__(self, checkpoint_root, rank: int, host: str, seconds: float = PROGRESS_SECONDS):
+        self.root = checkpoint_root
         self.path = Path(checkpoint_root) / PROGRESS_DIR / f"rank{rank}.json"
         self.rank, self.host, self.seconds, self.last = rank, host, seconds, 0.0
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -345,6 +397,10 @@ class RankProgress:
             mark = {"rank": self.rank, "host": self.host, "epoch": epoch, "step": step}
             with contextlib.suppress(OSError):
                 write_json_atomic(self.path, {**mark, "time": now})
+
+    def stopped(self, epoch: int, step: int, signum: int = 0) -> None:
+        """This rank stops for requeue at (epoch, step): :func:`record_stop`."""
+        record_stop(self.root, self.rank, self.host, epoch, step, signum)
 
 
 def hung_rank(checkpoint_root, since: float) -> str | None:
