@@ -426,6 +426,10 @@ def test_an_attempt_whose_ranks_stopped_and_checkpointed_is_stopped_though_its_l
     attempts.record_stop(tmp_path, 0, "node1", 0, 7, signal.SIGTERM)
     probe = attempts._closed([dict(gone)], tmp_path)[0]  # the stop's checkpoint not written
     assert probe["outcome"] == "killed" and "stop" not in probe
+    # the workflow reads the record as soon as SLURM says the job ended: the checkpoint may
+    # still be on its way; a recorded stop is not a node failure
+    probe = attempts._closed([dict(gone)], tmp_path, ahead=True)[0]
+    assert probe["outcome"] == "stopped", probe
     checkpoint(tmp_path, 0, 7)
     probe = attempts._closed([dict(gone)], tmp_path)[0]  # what the workflow reads ahead
     assert probe["outcome"] == "stopped" and probe["stop"]["signal"] == "SIGTERM", probe

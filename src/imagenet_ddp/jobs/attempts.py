@@ -143,19 +143,23 @@ def made_progress(entry: dict[str, Any]) -> bool:
     )
 
 
-def _close_killed(entry: dict[str, Any], checkpoint_root) -> None:
+def _close_killed(entry: dict[str, Any], checkpoint_root, ahead: bool = False) -> None:
     """An entry its launcher never closed: it ended at its last heartbeat, killed; or, where
     its ranks recorded a stop and the checkpoint of that stop was written, stopped at that
     checkpoint (under ``proctrack/cgroup`` slurmstepd SIGKILLs the launcher with the batch
-    step on scancel, preemption and the time limit while the ranks still checkpoint)."""
+    step on scancel, preemption and the time limit while the ranks still checkpoint).
+    ``ahead``: read by the workflow as soon as SLURM says the job ended, while the ranks may
+    still write that checkpoint (KillWait): a recorded stop is a stop (SLURM's signal, not a
+    node failure); the next job's own reading decides for good."""
     entry["outcome"], entry["ended"] = "killed", entry.get("alive") or entry["started"]
     last = newest_checkpoint(checkpoint_root)
     if last and last["written"] >= entry["started"]:
         entry["last_checkpoint"] = last
-    stop = stopped_by_ranks(checkpoint_root, entry)
+    stop = stopped_by_ranks(checkpoint_root, entry, checkpointed=not ahead)
     if stop is not None:
         entry.update(outcome="stopped", stop=stop)
-        entry["ended"] = max(entry["ended"], entry["last_checkpoint"]["written"])
+        if entry.get("last_checkpoint"):
+            entry["ended"] = max(entry["ended"], entry["last_checkpoint"]["written"])
 
 
 def _failed_without_progress(entry: dict[str, Any]) -> bool:
@@ -190,10 +194,11 @@ def refusal(mine: list[dict[str, Any]], attempt: int, max_allocations: int) -> s
     )
 
 
-def _closed(mine: list[dict[str, Any]], checkpoint_root) -> list[dict[str, Any]]:
-    """``mine`` with a newest entry its launcher never closed closed as killed (in place)."""
+def _closed(mine: list[dict[str, Any]], checkpoint_root, ahead=False) -> list[dict[str, Any]]:
+    """``mine`` with a newest entry its launcher never closed closed as killed or stopped (in
+    place; ``ahead``: :func:`_close_killed`)."""
     if mine and mine[-1].get("ended") is None:
-        _close_killed(mine[-1], checkpoint_root)
+        _close_killed(mine[-1], checkpoint_root, ahead)
     return mine
 
 
@@ -202,7 +207,7 @@ def refusal_ahead(checkpoint_root, run: dict[str, Any], attempt: int) -> str | N
     before it submits a retry (a refused retry needs no GPU)."""
     if attempt == 1:
         return None
-    mine = _closed(_of_settings(load(checkpoint_root), run), checkpoint_root)
+    mine = _closed(_of_settings(load(checkpoint_root), run), checkpoint_root, ahead=True)
     return refusal(mine, attempt, int(run.get("max_allocations", 10)))
 
 
@@ -212,8 +217,30 @@ def nodes_ahead(checkpoint_root, run: dict[str, Any], attempt: int, since: float
     counts = accepted_nodes(run)
     if attempt == 1 or len(counts) == 1:
         return counts[0]
-    mine = _closed(_of_settings(load(checkpoint_root), run), checkpoint_root)
+    _settle(checkpoint_root, run)
+    mine = _closed(_of_settings(load(checkpoint_root), run), checkpoint_root, ahead=True)
     return choose_nodes(mine, counts, attempt, since)
+
+
+SETTLE_SECONDS = 30.0
+
+
+def _settle(checkpoint_root, run: dict[str, Any], seconds: float = SETTLE_SECONDS) -> None:
+    """Wait, at most ``seconds``, while the newest entry is open, was alive a heartbeat ago
+    and no rank recorded a stop: SLURM reports a job ended (scancel, preemption, the time
+    limit) while its ranks are still agreeing to stop and its launcher still closing the
+    entry; read then, a stop would count as a node failure."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        mine = _of_settings(load(checkpoint_root), run)
+        last = mine[-1] if mine else None
+        if last is None or last.get("ended") is not None:
+            return
+        if time.time() - (last.get("alive") or 0) > HEARTBEAT_SECONDS + 5:
+            return  # long silent: killed (a node failure), nothing to wait for
+        if stopped_by_ranks(checkpoint_root, last, checkpointed=False):
+            return
+        time.sleep(1.0)
 
 
 def choose_nodes(
@@ -353,10 +380,13 @@ def record_stop(
         write_json_atomic(folder / f"rank{rank}.json", {**mark, "time": time.time()})
 
 
-def stopped_by_ranks(checkpoint_root, entry: dict[str, Any]) -> dict[str, Any] | None:
+def stopped_by_ranks(
+    checkpoint_root, entry: dict[str, Any], checkpointed: bool = True
+) -> dict[str, Any] | None:
     """The stop this attempt's ranks recorded (:func:`record_stop`; the earliest, a signalled
-    rank's first), where a checkpoint at or past its position was written during the attempt;
-    None otherwise (no stop, or the checkpoint never completed: work was lost)."""
+    rank's first), where a checkpoint at or past its position was written during the attempt
+    (``checkpointed=False``: written or not); None otherwise (no stop, or the checkpoint never
+    completed: work was lost)."""
     stops = []
     for path in (Path(checkpoint_root) / STOPS_DIR).glob("rank*.json"):
         with contextlib.suppress(OSError, ValueError, KeyError):
@@ -366,6 +396,8 @@ def stopped_by_ranks(checkpoint_root, entry: dict[str, Any]) -> dict[str, Any] |
     if not stops:
         return None
     stop = min(stops, key=lambda m: (m["signal"] is None, m["time"]))
+    if not checkpointed:
+        return stop
     last = newest_checkpoint(checkpoint_root)
     if last is None or last["written"] < entry["started"]:
         return None
