@@ -10,11 +10,13 @@ node failure) is closed by the next one at its last sign of life.
 
 An entry: ``attempt`` (1, 2, ... per line of checkpoints: :func:`settings_key`),
 ``slurm_job_id``, ``host``, ``started``/``alive``/``ended`` (Unix seconds), ``exit_code``,
-``outcome`` (completed, stopped: exit 75 after a checkpoint, failed, killed: no end recorded,
-refused), ``start`` (the checkpoint it resumed from: epoch, step, path, or epoch 0 step 0),
+``outcome`` (completed, stopped: exit 75 after a checkpoint, or its ranks recorded a stop and
+wrote its checkpoint: :func:`stopped_by_ranks`, failed, killed: no end recorded, refused),
+``start`` (the checkpoint it resumed from: epoch, step, path, or epoch 0 step 0),
 ``last_checkpoint`` (the newest it wrote, with its mtime), ``error`` (the first rank's error
 line), ``gpus``, ``cores``, ``code`` (the commit the launcher ran, whether the checkout had
-uncommitted changes and their digest: :func:`imagenet_ddp.provenance.code_version`). A run
+uncommitted changes and their digest: :func:`imagenet_ddp.provenance.code_version`), ``stop``
+(for a stopped one: the ranks' stop record, the signal a rank got and where it stopped). A run
 resubmitted over days runs whatever is checked out at each submission; :func:`code_versions`
 says whether its attempts ran different code.
 
