@@ -331,7 +331,12 @@ def assert_each_stop_checkpointed_and_the_next_job_resumed(
     assert len(record) >= 5 and record[-1]["outcome"] == "completed", record
     assert all(a["outcome"] == "stopped" and a["last_checkpoint"] for a in record[:-1]), record
     codes = {how: a["exit_code"] for how, a in zip(stopped, record, strict=False)}
-    assert codes == {how: None if how in sigkilled else 75 for how in stopped}, (codes, record)
+    # No exit code: the launcher was killed and the next job closed its entry. Where the
+    # ranks' stop takes longer than KillWait (5 s here; seen on a loaded machine) SLURM also
+    # kills the launcher of `scancel --batch` (its step gets the job's SIGTERM too).
+    allowed = {"kill": {75}, "time limit": {75}, "scancel --batch": {75, None}}
+    allowed["scancel"] = {None} if "scancel" in sigkilled else {75, None}
+    assert all(codes[how] in allowed[how] for how in stopped), (codes, record)
     assert all(a["exit_code"] == 75 for a in record[4:-1]), record
     # every rank that stopped recorded it (attempts.record_stop): the first four were signalled
     signals = {
