@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -410,3 +411,74 @@ def test_a_resubmission_of_an_elastic_run_asks_for_fewer_nodes(tmp_path):
     assert "nodes=1, tasks_per_node=2, cpus_per_task=1, gres=gpu:2" in second, second
     assert "mpi=srun" in second and second_spec == spec
     assert (spec["nodes"], spec["fallback_nodes"], spec["accumulation"]) == (2, [1], 1)
+
+
+def test_an_attempt_whose_ranks_stopped_and_checkpointed_is_stopped_though_its_launcher_died(
+    tmp_path,
+):
+    """proctrack/cgroup: scancel, preemption or the time limit SIGKILLs the launcher with the
+    batch step; the ranks still record their stop and checkpoint. The next attempt (and the
+    workflow's node count) reads the entry stopped, not killed; without the stop's checkpoint
+    on disk it stays killed."""
+    gone, _ = attempts.begin(tmp_path, RUN, attempt=1, gpus=4, cores=8)
+    checkpoint(tmp_path, 0, 3)  # an interval checkpoint before the stop
+    attempts.record_stop(tmp_path, 1, "node2", 0, 7)  # another rank's signal
+    attempts.record_stop(tmp_path, 0, "node1", 0, 7, signal.SIGTERM)
+    probe = attempts._closed([dict(gone)], tmp_path)[0]  # the stop's checkpoint not written
+    assert probe["outcome"] == "killed" and "stop" not in probe
+    # the workflow reads the record as soon as SLURM says the job ended: the checkpoint may
+    # still be on its way; a recorded stop is not a node failure
+    probe = attempts._closed([dict(gone)], tmp_path, ahead=True)[0]
+    assert probe["outcome"] == "stopped", probe
+    checkpoint(tmp_path, 0, 7)
+    probe = attempts._closed([dict(gone)], tmp_path)[0]  # what the workflow reads ahead
+    assert probe["outcome"] == "stopped" and probe["stop"]["signal"] == "SIGTERM", probe
+    assert attempts.nodes_ahead(tmp_path, {**RUN, "nodes": 2, "tasks_per_node": 1,
+                                           "fallback_nodes": [1]}, 2, since=0.0) == 2  # fmt: skip
+    attempts.begin(tmp_path, RUN, attempt=2, gpus=4, cores=8)
+    first = attempts.load(tmp_path)[0]
+    assert (first["outcome"], first["exit_code"]) == ("stopped", None), first
+    assert first["last_checkpoint"]["step"] == 7 and first["ended"] >= first["started"]
+    assert attempts.choose_nodes([first], (2, 1), 2, since=0.0) == 2  # not a failure
+    assert not attempts._failed_without_progress(first)
+
+
+def test_a_stop_recorded_by_an_earlier_attempt_does_not_count(tmp_path):
+    attempts.record_stop(tmp_path, 0, "node1", 0, 2, signal.SIGUSR1)
+    time.sleep(0.01)
+    entry, _ = attempts.begin(tmp_path, RUN, attempt=1, gpus=4, cores=8)
+    checkpoint(tmp_path, 0, 2)
+    assert attempts.stopped_by_ranks(tmp_path, entry) is None
+
+
+def test_a_rank_killed_by_killwait_after_its_stops_checkpoint_is_a_stopped_job(
+    tmp_path, monkeypatch
+):
+    """`scancel -s TERM --batch`: the batch shell dies, the launcher (alive under
+    proctrack/linuxproc) hears nothing, the ranks get the job's SIGTERM, checkpoint, and one
+    still tearing down is killed KillWait later: the step fails (137). The ranks' stop record
+    and its checkpoint make the job exit 75, recorded stopped (the CI flake, recorded failed)."""
+    from imagenet_ddp.jobs import launch
+    from tests.workflow_helpers import make_job
+
+    root = tmp_path / "ckpt"
+
+    def ranks_stop_then_one_is_killed(job, path):
+        attempts.record_stop(root, 0, "node1", 1, 4, signal.SIGTERM)
+        checkpoint(root, 1, 4)
+        return 137
+
+    monkeypatch.setattr(launch, "run_staged", ranks_stop_then_one_is_killed)
+    spec = make_job("train", RUN, checkpoint_root=root, run_dir=tmp_path / "run")
+    assert launch.run_attempt(spec, tmp_path / "spec.json") == attempts.EXIT_REQUEUE
+    entry = attempts.load(root)[0]
+    assert (entry["outcome"], entry["exit_code"]) == ("stopped", 75), entry
+    assert entry["stop"]["signal"] == "SIGTERM"
+
+    def killed_before_the_checkpoint(job, path):  # the stop recorded, its checkpoint not
+        attempts.record_stop(root, 0, "node1", 2, 9, signal.SIGTERM)
+        return 137
+
+    monkeypatch.setattr(launch, "run_staged", killed_before_the_checkpoint)
+    assert launch.run_attempt(spec, tmp_path / "spec.json") == 137
+    assert attempts.load(root)[-1]["outcome"] == "failed"

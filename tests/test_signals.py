@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,3 +181,50 @@ def test_the_launcher_never_sends_srun_a_signal_that_kills_the_step(tmp_path, si
     received = log.read_text().splitlines()
     assert [line.split()[0] for line in received] == ["SIGUSR1"], received
     assert received[0].split("sid=")[1] != str(proc.pid)  # a session of its own
+
+
+def test_a_stop_signal_held_before_torch_is_honoured_by_the_stop_flag():
+    """`--signal=USR1@N` reaching a rank while it imports torch: held (early_signals), then
+    the StopFlag takes it as its own, so the rank stops at its first step."""
+    from imagenet_ddp.jobs import early_signals
+
+    previous = {sig: signal.getsignal(sig) for sig in early_signals.STOP_SIGNALS}
+    try:
+        early_signals.hold()
+        os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs before the next bytecode
+        flag = StopFlag(2)
+        flag.catch()
+        assert flag.signalled == signal.SIGUSR1 and flag.poll(2)
+        assert early_signals.taken() == 0  # taken once
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _catches(pid: int, sig: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(
+        next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16
+    )
+    return bool(caught >> (sig - 1) & 1)
+
+
+def test_a_rank_signalled_while_it_imports_torch_survives():
+    """The rank's module as the launcher starts it: SIGUSR1 as soon as it handles it, which
+    is before `import torch` ends (was: the default action killed the rank)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "imagenet_ddp.training.worker", "--help"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and not _catches(proc.pid, signal.SIGUSR1):
+        assert time.monotonic() < deadline, "the rank never handled SIGUSR1"
+        time.sleep(0.005)
+    assert proc.poll() is None, "exited without ever handling SIGUSR1"
+    importing = "torch" not in Path(f"/proc/{proc.pid}/maps").read_text()  # not yet loaded
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "--spec" in out, (proc.returncode, out)
+    assert importing  # the signal came before torch was loaded

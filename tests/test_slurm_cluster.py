@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +114,36 @@ def test_a_failing_job_is_failed_in_sacct(slurm_cluster, tmp_path):
         "--nodes=1", "--time=1", f"--output={tmp_path}/out", "--wrap", "exit 3", cwd=tmp_path
     )
     assert slurm_cluster.wait_job(job_id, timeout=60) == "FAILED"
+
+
+def test_what_the_batch_shell_leaves_dies_with_it_as_under_proctrack_cgroup(
+    slurm_cluster, tmp_path
+):
+    """Most sites track processes with cgroups: once the batch shell dies (`scancel`, whose
+    SIGTERM kills it; here `scancel -s TERM --batch`), slurmstepd SIGKILLs what is left in the
+    batch step, a child that handles SIGTERM included, without a SIGTERM. The launcher of a
+    multi-rank job lives there (docs/slurm-notes.md section 7)."""
+    if slurm_cluster.proctrack != "cgroup":
+        pytest.skip("no writable cgroup v1 freezer here: the cluster runs proctrack/linuxproc")
+    child = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: open('term', 'w').write('TERM'))\n"
+        "open('child.pid', 'w').write(str(__import__('os').getpid()))\n"
+        "time.sleep(300)\n"
+    )
+    (tmp_path / "child.py").write_text(child)
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/sh\n{sys.executable} child.py &\nsleep 300\n")
+    job = slurm_cluster.sbatch("--nodes=1", "--time=5", f"--output={tmp_path}/out",
+                               f"--chdir={tmp_path}", str(script))  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "child.pid").is_file():
+        assert time.monotonic() < deadline, slurm_cluster.logs()
+        time.sleep(0.5)
+    pid = int((tmp_path / "child.pid").read_text())
+    slurm_cluster.run("scancel", "-s", "TERM", "--batch", str(job))
+    slurm_cluster.wait_job(job, timeout=60)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(f"/proc/{pid}").exists() and not (tmp_path / "term").exists()

@@ -109,6 +109,10 @@ class Cluster:
     account: str = "ci"
     startup_seconds: float = 0.0
     keep_files: bool = False
+    # "cgroup" (most sites: slurmstepd SIGKILLs what is left in a step's cgroup once its
+    # task exits) where this machine lets us make freezer cgroups, else "linuxproc"
+    proctrack: str = "linuxproc"
+    _cgroups: list[Path] = field(default_factory=list)  # each node's freezer root (host path)
     _daemons: list[subprocess.Popen] = field(default_factory=list)
     _namespaces: list[Node] = field(default_factory=list)  # every one created, even half set up
     _links: list[str] = field(default_factory=list)  # host ends of the veth pairs
@@ -182,6 +186,10 @@ class Cluster:
             if _link_exists(link):
                 _run(["ip", "link", "del", link], check=False)
         _run(["ip", "link", "del", self.bridge], check=False)
+        for tree in self._cgroups:  # empty now: remove the cgroups slurmstepd left, deepest first
+            for folder, _, _ in sorted(os.walk(tree), key=lambda w: -len(w[0])):
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)
         (CLAIMS_DIR / self.bridge).unlink(missing_ok=True)
         if not self.keep_files:
             shutil.rmtree(self.root, ignore_errors=True)
@@ -251,6 +259,7 @@ def start_cluster(
 def _start(cluster: Cluster, n_nodes: int, cpus: int, mem_mb: int, gpus: int, scratch_mb: int,
            timeout):  # fmt: skip
     root, subnet = cluster.root, cluster.subnet
+    cluster.proctrack = "cgroup" if _freezer_usable() else "linuxproc"
     for i in range(gpus):  # fake GPUs: any character device will do for slurmd
         os.mknod(root / "dev" / f"fakegpu{i}", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
     cluster.ctl = _make_namespace("slurmctl", f"{subnet}.2", cluster)
@@ -274,6 +283,7 @@ def _start(cluster: Cluster, n_nodes: int, cpus: int, mem_mb: int, gpus: int, sc
         "mem_mb": mem_mb,
         "gres_line": f"Gres=gpu:{gpus}" if gpus else "",
         "gres_conf": f"Name=gpu File={root}/dev/fakegpu[0-{gpus - 1}]" if gpus else "",
+        "proctrack": cluster.proctrack,
         "node_lines": "\n".join(f"NodeName={n.name} NodeAddr={n.addr}" for n in cluster.nodes),
     }
     etc = root / "etc"
@@ -441,7 +451,30 @@ def _configure_namespace(cluster: Cluster, node: Node, scratch_mb: int) -> None:
     if node is not cluster.ctl:  # its own tmpfs, seen only in its mount namespace
         mounts += (f"mount -t tmpfs -o size={scratch_mb}m,mode=1777 scratch-{node.name} "
                    f"{cluster.scratch}\n")  # fmt: skip
+    if node is not cluster.ctl and cluster.proctrack == "cgroup":
+        # Its own freezer hierarchy: every slurmd names a job's cgroup slurm/uid_0/job_<id>, so
+        # on one shared hierarchy the nodes of a 2-node job would share (and kill) one cgroup.
+        tree = FREEZER / f"{cluster.bridge}-{node.name}"
+        tree.mkdir()
+        cluster._cgroups.append(tree)
+        mounts += f"mount --bind {tree} {FREEZER}\n"
     _run(_nsenter(node, "sh", "-ec", mounts))
+
+
+FREEZER = Path("/sys/fs/cgroup/freezer")  # cgroup v1: what proctrack/cgroup uses there
+
+
+def _freezer_usable() -> bool:
+    """Whether this machine has a writable cgroup v1 freezer hierarchy (proctrack/cgroup with
+    cgroup/v1). Slurm 22.05's cgroup/v2 needs the unified hierarchy at /sys/fs/cgroup with
+    delegated controllers, which a sandbox's hybrid layout does not give."""
+    probe = FREEZER / f"probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError:
+        return False
+    return (FREEZER / "cgroup.procs").exists()
 
 
 def _nsenter(node: Node, *argv: str) -> list[str]:

@@ -10,11 +10,13 @@ node failure) is closed by the next one at its last sign of life.
 
 An entry: ``attempt`` (1, 2, ... per line of checkpoints: :func:`settings_key`),
 ``slurm_job_id``, ``host``, ``started``/``alive``/``ended`` (Unix seconds), ``exit_code``,
-``outcome`` (completed, stopped: exit 75 after a checkpoint, failed, killed: no end recorded,
-refused), ``start`` (the checkpoint it resumed from: epoch, step, path, or epoch 0 step 0),
+``outcome`` (completed, stopped: exit 75 after a checkpoint, or its ranks recorded a stop and
+wrote its checkpoint: :func:`stopped_by_ranks`, failed, killed: no end recorded, refused),
+``start`` (the checkpoint it resumed from: epoch, step, path, or epoch 0 step 0),
 ``last_checkpoint`` (the newest it wrote, with its mtime), ``error`` (the first rank's error
 line), ``gpus``, ``cores``, ``code`` (the commit the launcher ran, whether the checkout had
-uncommitted changes and their digest: :func:`imagenet_ddp.provenance.code_version`). A run
+uncommitted changes and their digest: :func:`imagenet_ddp.provenance.code_version`), ``stop``
+(for a stopped one: the ranks' stop record, the signal a rank got and where it stopped). A run
 resubmitted over days runs whatever is checked out at each submission; :func:`code_versions`
 says whether its attempts ran different code.
 
@@ -36,6 +38,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -142,12 +145,23 @@ def made_progress(entry: dict[str, Any]) -> bool:
     )
 
 
-def _close_killed(entry: dict[str, Any], checkpoint_root) -> None:
-    """An entry its launcher never closed: it ended at its last heartbeat."""
+def _close_killed(entry: dict[str, Any], checkpoint_root, ahead: bool = False) -> None:
+    """An entry its launcher never closed: it ended at its last heartbeat, killed; or, where
+    its ranks recorded a stop and the checkpoint of that stop was written, stopped at that
+    checkpoint (under ``proctrack/cgroup`` slurmstepd SIGKILLs the launcher with the batch
+    step on scancel, preemption and the time limit while the ranks still checkpoint).
+    ``ahead``: read by the workflow as soon as SLURM says the job ended, while the ranks may
+    still write that checkpoint (KillWait): a recorded stop is a stop (SLURM's signal, not a
+    node failure); the next job's own reading decides for good."""
     entry["outcome"], entry["ended"] = "killed", entry.get("alive") or entry["started"]
     last = newest_checkpoint(checkpoint_root)
     if last and last["written"] >= entry["started"]:
         entry["last_checkpoint"] = last
+    stop = stopped_by_ranks(checkpoint_root, entry, checkpointed=not ahead)
+    if stop is not None:
+        entry.update(outcome="stopped", stop=stop)
+        if entry.get("last_checkpoint"):
+            entry["ended"] = max(entry["ended"], entry["last_checkpoint"]["written"])
 
 
 def _failed_without_progress(entry: dict[str, Any]) -> bool:
@@ -182,10 +196,11 @@ def refusal(mine: list[dict[str, Any]], attempt: int, max_allocations: int) -> s
     )
 
 
-def _closed(mine: list[dict[str, Any]], checkpoint_root) -> list[dict[str, Any]]:
-    """``mine`` with a newest entry its launcher never closed closed as killed (in place)."""
+def _closed(mine: list[dict[str, Any]], checkpoint_root, ahead=False) -> list[dict[str, Any]]:
+    """``mine`` with a newest entry its launcher never closed closed as killed or stopped (in
+    place; ``ahead``: :func:`_close_killed`)."""
     if mine and mine[-1].get("ended") is None:
-        _close_killed(mine[-1], checkpoint_root)
+        _close_killed(mine[-1], checkpoint_root, ahead)
     return mine
 
 
@@ -194,7 +209,7 @@ def refusal_ahead(checkpoint_root, run: dict[str, Any], attempt: int) -> str | N
     before it submits a retry (a refused retry needs no GPU)."""
     if attempt == 1:
         return None
-    mine = _closed(_of_settings(load(checkpoint_root), run), checkpoint_root)
+    mine = _closed(_of_settings(load(checkpoint_root), run), checkpoint_root, ahead=True)
     return refusal(mine, attempt, int(run.get("max_allocations", 10)))
 
 
@@ -204,8 +219,30 @@ def nodes_ahead(checkpoint_root, run: dict[str, Any], attempt: int, since: float
     counts = accepted_nodes(run)
     if attempt == 1 or len(counts) == 1:
         return counts[0]
-    mine = _closed(_of_settings(load(checkpoint_root), run), checkpoint_root)
+    _settle(checkpoint_root, run)
+    mine = _closed(_of_settings(load(checkpoint_root), run), checkpoint_root, ahead=True)
     return choose_nodes(mine, counts, attempt, since)
+
+
+SETTLE_SECONDS = 30.0
+
+
+def _settle(checkpoint_root, run: dict[str, Any], seconds: float = SETTLE_SECONDS) -> None:
+    """Wait, at most ``seconds``, while the newest entry is open, was alive a heartbeat ago
+    and no rank recorded a stop: SLURM reports a job ended (scancel, preemption, the time
+    limit) while its ranks are still agreeing to stop and its launcher still closing the
+    entry; read then, a stop would count as a node failure."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        mine = _of_settings(load(checkpoint_root), run)
+        last = mine[-1] if mine else None
+        if last is None or last.get("ended") is not None:
+            return
+        if time.time() - (last.get("alive") or 0) > HEARTBEAT_SECONDS + 5:
+            return  # long silent: killed (a node failure), nothing to wait for
+        if stopped_by_ranks(checkpoint_root, last, checkpointed=False):
+            return
+        time.sleep(1.0)
 
 
 def choose_nodes(
@@ -289,6 +326,7 @@ def end(checkpoint_root, entry: dict[str, Any], exit_code: int) -> None:
     if last and last["written"] < entry["started"]:
         last = None  # written by an earlier attempt
     outcome = {0: "completed", EXIT_REQUEUE: "stopped"}.get(exit_code, "failed")
+    stop = stopped_by_ranks(checkpoint_root, entry) if outcome == "stopped" else None
     error = entry.get("error") or first_error(checkpoint_root, entry)
     hung = hung_rank(checkpoint_root, entry["started"]) if outcome == "failed" else None
     if hung:
@@ -296,7 +334,7 @@ def end(checkpoint_root, entry: dict[str, Any], exit_code: int) -> None:
         error = f"{hung}; {error}" if error else hung
     _update(
         checkpoint_root, entry, ended=time.time(), exit_code=exit_code, outcome=outcome,
-        last_checkpoint=last, error=error,
+        last_checkpoint=last, error=error, **({"stop": stop} if stop else {}),
     )  # fmt: skip
 
 
@@ -323,6 +361,53 @@ def first_error(checkpoint_root, entry: dict[str, Any]) -> str | None:
     return min(found)[1] if found else None
 
 
+# ------------------------------------------------------------------ stops of the ranks
+
+STOPS_DIR = "stops"
+
+
+def record_stop(
+    checkpoint_root, rank: int, host: str, epoch: int, step: int, signum: int = 0
+) -> None:
+    """A rank stops for requeue at (``epoch``, ``step``), the position of the checkpoint it
+    stops at (``signum``: the signal this rank got, 0 for another rank's). Written before that
+    checkpoint is complete, so a rank killed afterwards (KillWait) has recorded it, and the
+    attempt is ``stopped`` once that checkpoint is on disk whoever got the signal and whether
+    or not the launcher lived to close the entry (:func:`stopped_by_ranks`)."""
+    name = signal.Signals(signum).name if signum else None
+    mark = {"rank": rank, "host": host, "epoch": epoch, "step": step, "signal": name}
+    with contextlib.suppress(OSError):  # a full disk: the checkpoint fails and says so
+        folder = Path(checkpoint_root) / STOPS_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(folder / f"rank{rank}.json", {**mark, "time": time.time()})
+
+
+def stopped_by_ranks(
+    checkpoint_root, entry: dict[str, Any], checkpointed: bool = True
+) -> dict[str, Any] | None:
+    """The stop this attempt's ranks recorded (:func:`record_stop`; the earliest, a signalled
+    rank's first), where a checkpoint at or past its position was written during the attempt
+    (``checkpointed=False``: written or not); None otherwise (no stop, or the checkpoint never
+    completed: work was lost)."""
+    stops = []
+    for path in (Path(checkpoint_root) / STOPS_DIR).glob("rank*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            mark = json.loads(path.read_text())
+            if mark["time"] >= entry["started"]:
+                stops.append(mark)
+    if not stops:
+        return None
+    stop = min(stops, key=lambda m: (m["signal"] is None, m["time"]))
+    if not checkpointed:
+        return stop
+    last = newest_checkpoint(checkpoint_root)
+    if last is None or last["written"] < entry["started"]:
+        return None
+    if (last["epoch"], last["step"]) < (stop["epoch"], stop["step"]):
+        return None
+    return stop
+
+
 PROGRESS_DIR = "progress"
 PROGRESS_SECONDS = 15.0
 HUNG_SECONDS = 60.0  # a rank this far behind the others at the end is named as hung
@@ -334,6 +419,7 @@ class RankProgress:
     ended through the process-group timeout names that rank and its host (:func:`hung_rank`)."""
 
     def __init__(self, checkpoint_root, rank: int, host: str, seconds: float = PROGRESS_SECONDS):
+        self.root = checkpoint_root
         self.path = Path(checkpoint_root) / PROGRESS_DIR / f"rank{rank}.json"
         self.rank, self.host, self.seconds, self.last = rank, host, seconds, 0.0
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -345,6 +431,10 @@ class RankProgress:
             mark = {"rank": self.rank, "host": self.host, "epoch": epoch, "step": step}
             with contextlib.suppress(OSError):
                 write_json_atomic(self.path, {**mark, "time": now})
+
+    def stopped(self, epoch: int, step: int, signum: int = 0) -> None:
+        """This rank stops for requeue at (epoch, step): :func:`record_stop`."""
+        record_stop(self.root, self.rank, self.host, epoch, step, signum)
 
 
 def hung_rank(checkpoint_root, since: float) -> str | None:

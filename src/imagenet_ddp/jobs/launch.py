@@ -267,6 +267,7 @@ def run_attempt(job: TrainJob, spec_path: Path) -> int:
     try:
         with attempts.Heartbeat(root, entry):
             code = unfinished_is_stopped(run_staged(job, spec_path), job)
+            code = stopped_by_its_ranks(code, job, entry)
     except Exception as error:
         entry["error"] = f"launcher on {socket.gethostname()}: {type(error).__name__}: {error}"
         raise
@@ -286,6 +287,23 @@ def unfinished_is_stopped(code: int, job: TrainJob) -> int:
               "stopped, the next job resumes from the newest checkpoint", flush=True)  # fmt: skip
         return EXIT_REQUEUE
     return code
+
+
+def stopped_by_its_ranks(code: int, job: TrainJob, entry: dict) -> int:
+    """EXIT_REQUEUE where the ranks' step failed but its ranks recorded a stop and its
+    checkpoint was written (:func:`attempts.stopped_by_ranks`), whether or not the signal
+    reached the launcher: ``scancel -s TERM --batch`` signals only the batch shell, the job's
+    end then the ranks, and a rank still tearing down after the checkpoint is killed KillWait
+    seconds later (seen in CI: the attempt recorded failed)."""
+    if code in (0, EXIT_REQUEUE):
+        return code
+    stop = attempts.stopped_by_ranks(job.paths.checkpoint_root, entry)
+    if stop is None:
+        return code
+    print(f"the ranks' step exited {code}, but its ranks stopped at epoch {stop['epoch']} "
+          f"step {stop['step']} ({stop['signal'] or 'another rank'}'s stop) and that "
+          "checkpoint was written: stopped, the next job resumes from it", flush=True)  # fmt: skip
+    return EXIT_REQUEUE
 
 
 def run_staged(job: TrainJob, spec_path: Path) -> int:

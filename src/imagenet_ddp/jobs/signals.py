@@ -34,6 +34,8 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from imagenet_ddp.jobs import early_signals
+
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: interrupted after writing a checkpoint; rerun to resume
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # The launcher also stops on SIGHUP (the terminal of an interactive allocation closed).
@@ -102,6 +104,7 @@ class StopFlag:
         instead of killing it (their default action)."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handler)
+        self.signalled = self.signalled or early_signals.taken()  # one during `import torch`
 
     def install(self) -> None:
         """Catch the stop signals; call after the process group is up (all ranks: collective)."""

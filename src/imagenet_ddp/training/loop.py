@@ -91,6 +91,8 @@ def run_epochs(
         if monitor is not None:  # TensorBoard epoch scalars
             monitor.epoch(epoch, job.history[-1])
         if stop.agreed():  # signalled during the epoch: its checkpoint is written
+            if job.progress is not None:  # the attempt record's proof of a stop (attempts)
+                job.progress.stopped(epoch + 1, 0, stop.signalled)
             settle_checkpoints(job)
             if info.is_main:
                 print(
@@ -116,6 +118,8 @@ def epoch_instruments(job: TrainingState, profile, epoch: int, carried):
 def requeue_mid_epoch(job: TrainingState, stop, epoch: int, step: int, meter) -> int:
     """Stopped mid-epoch (collective): the checkpoint on disk before any rank exits for
     requeue; EXIT_REQUEUE."""
+    if job.progress is not None:  # before the checkpoint: a rank killed after it has said so
+        job.progress.stopped(epoch, step, stop.signalled)
     path = save_job(job, epoch, step, D.all_gather_objects(meter.partial()))
     settle_checkpoints(job)
     if job.info.is_main:

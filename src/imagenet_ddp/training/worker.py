@@ -22,6 +22,10 @@ import sys
 import time
 from pathlib import Path
 
+# First, before torch: a stop signal while torch loads is held, not fatal (early_signals).
+import imagenet_ddp.jobs.early_signals  # noqa: F401
+
+# isort: split
 import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel

@@ -1,0 +1,51 @@
+"""Stop signals held from a rank's first second, before torch is imported.
+
+A rank's module imports torch first thing: seconds on a node, more on a loaded shared
+filesystem. A ``--signal=USR1@N`` warning (or scancel's SIGTERM) that comes meanwhile would
+kill it with the signal's default action, before :meth:`imagenet_ddp.jobs.signals.StopFlag.catch`
+records it: a job requeued less than N seconds before its limit died at once, without its
+checkpoint. Importing this module first (the training worker does, before torch) installs a
+handler that only notes the signal; :func:`taken` hands the notes to the StopFlag, which
+honours them at the first step.
+
+Only where the process was started as one of :data:`ENTRY_MODULES` (``python -m``): a test
+or a tool that imports the worker keeps its own handlers (Ctrl-C in pytest). Torch-free.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+# imagenet_ddp.jobs.signals.STOP_SIGNALS (that module imports torch)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+ENTRY_MODULES = ("imagenet_ddp.training.worker",)
+
+_held: list[tuple[int, float]] = []  # (signal, when) in the order they came
+
+
+def _note(signum, frame) -> None:
+    _held.append((signum, time.time()))
+
+
+def hold() -> None:
+    """Note the stop signals from now on, until :meth:`StopFlag.catch` takes over."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _note)
+
+
+def taken() -> int:
+    """The first stop signal held so far (0: none); the notes are cleared."""
+    first = _held[0][0] if _held else 0
+    _held.clear()
+    return first
+
+
+def _started_as_entry() -> bool:
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return spec is not None and spec.name in ENTRY_MODULES
+
+
+if _started_as_entry():
+    hold()
