@@ -92,6 +92,7 @@ class Layout:
     summary: str
     markers: tuple[str, ...]
     input_keys: tuple[str, ...]  # the rules' input names of the markers
+    remedy: str  # what to do where a marker is missing
 
     def inputs(self, data_dir: str) -> dict[str, str]:
         """The rules' inputs (a change of one reruns verify and index)."""
@@ -122,6 +123,7 @@ class Archives(Layout):
     summary = f"the ILSVRC2012 archives ({', '.join(ARCHIVES)})"
     markers = (TRAIN_ARCHIVE, VAL_ARCHIVE, DEVKIT_ARCHIVE)
     input_keys = ("train", "val", "devkit")
+    remedy = "download them from https://image-net.org (ILSVRC2012), or enable demo data"
 
     def verify(self, data_dir: Path, *, check_files: bool) -> dict:
         from imagenet_ddp.data.archives import build_index, verify_archives
@@ -257,6 +259,7 @@ class ImageFolder(_Folders):
     summary = "an ImageFolder tree (train/<class>/*, val/<class>/*)"
     markers = ("train", "val")
     input_keys = ("train", "val")
+    remedy = "extract both (valprep.sh sorts val/ into class folders)"
     train_dir, val_dir = "train", "val"
 
     def words(self, data_dir: Path, classes: list[str]) -> dict[str, str]:
@@ -289,6 +292,7 @@ class Kaggle(_Folders):
         SYNSET_MAPPING,
     )
     input_keys = ("train", "val", "val_solution", "synsets")
+    remedy = "download the whole Kaggle ImageNet Object Localization Challenge data"
     train_dir, val_dir = "ILSVRC/Data/CLS-LOC/train", "ILSVRC/Data/CLS-LOC/val"
 
     def words(self, data_dir: Path, classes: list[str]) -> dict[str, str]:
@@ -356,13 +360,18 @@ def find_layout(data_dir: str | os.PathLike[str], named: str = AUTO) -> Layout:
         if not _missing(data_dir, layout):
             return layout
     partial = [
-        f"{layout.name} without {', '.join(_missing(data_dir, layout))}"
+        layout
         for layout in LAYOUTS.values()
         if len(_missing(data_dir, layout)) < len(layout.markers)
     ]
-    found = f" (found part of {'; '.join(partial)})" if partial else ""
+    if len(partial) == 1:  # the one it looks like: what it lacks, and where to get it
+        missing = ", ".join(str(data_dir / m) for m in _missing(data_dir, partial[0]))
+        raise InputError(
+            f"data.dir {data_dir} holds part of {partial[0].summary}: {missing} not found; "
+            f"{partial[0].remedy}"
+        )
     raise InputError(
-        f"data.dir {data_dir}: no input layout recognised{found}; expected {expected()}; "
+        f"data.dir {data_dir}: no input layout recognised; expected {expected()}; "
         "or set demo.enabled: true"
     )
 
