@@ -5,6 +5,7 @@ refused with one line naming its path."""
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -275,3 +276,73 @@ def test_ilsvrc2012_counts_checked_only_for_its_classes(monkeypatch):
         layouts.check_imagenet_counts("d", train, {**val, "n00000007": 49})
     with pytest.raises(InputError, match="class n00000003 has 700 train images"):
         layouts.check_imagenet_counts("d", {**train, "n00000003": 700}, val)
+
+
+# ----------------------------------------------------------------------------- the workflow
+
+
+def _rename_classes(tree: Path) -> list[str]:
+    """Class folders named as any labelled folder may be (spaces, no wnid), order kept."""
+    names = []
+    for split in ("train", "val"):
+        for i, folder in enumerate(sorted((tree / split).iterdir())):
+            folder.rename(folder.with_name(f"class {i}"))
+            names.append(f"class {i}")
+    return sorted(set(names))
+
+
+@pytest.mark.e2e
+def test_folder_layouts_train_and_evaluate_in_the_local_workflow(tmp_path):
+    """An ImageFolder tree of 6 classes named freely trains and evaluates end to end (one run,
+    one rank, one epoch); Kaggle's tree of the same images goes through verify, index, split
+    and prepare in the same workdir to the byte-identical prepared copy that trained; a data.dir
+    with no layout is refused by the dry-run with one line naming it."""
+    from imagenet_ddp.data.demo import make_demo_dataset
+    from tests.workflow_helpers import copy_workflow, read_config, snakemake, write_config
+
+    archives = tmp_path / "archives"
+    make_demo_dataset(archives, num_classes=6, train_per_class=20, val_per_class=2, image_size=40)
+    extract_demo_layout(archives, tmp_path / "folder", "imagefolder")
+    (tmp_path / "folder" / "LOC_synset_mapping.txt").unlink()
+    names = _rename_classes(tmp_path / "folder")
+    extract_demo_layout(archives, tmp_path / "kaggle", "kaggle")
+    workdir = copy_workflow(tmp_path / "work", runs=[{"name": "tiny", "tasks_per_node": 1}])
+    config = read_config(workdir)
+    config["demo"]["enabled"] = False
+    config["data"] = {"dir": str(tmp_path / "folder"), "layout": "imagefolder"}
+    config["train_defaults"]["epochs"] = 1
+    write_config(workdir, config)
+
+    result = snakemake(workdir, "--profile", "profiles/local")
+    found = (
+        f"data: an ImageFolder tree (train/<class>/*, val/<class>/*) found in data.dir {tmp_path}"
+    )
+    assert found in result.stderr
+    assert json.loads((workdir / "results/verify/report.json").read_text())["layout"] == (
+        "imagefolder"
+    )
+    classes = pd.read_csv(workdir / "results/index/classes.csv")
+    assert classes["wnid"].tolist() == names and len(names) == 6
+    evaluation = json.loads((workdir / "results/runs/tiny/eval.json").read_text())
+    assert evaluation["test"]["samples"] == 12 and evaluation["holdout"]["samples"] == 12
+    per_class = pd.read_csv(workdir / "results/runs/tiny/per_class.csv")
+    assert per_class["wnid"].tolist() == names and (per_class["test_total"] == 2).all()
+    runs = pd.read_csv(workdir / "results/aggregate/runs.csv")
+    assert runs["run"].tolist() == ["tiny"]
+    trained = {w: _digests(workdir / "results/prepared" / w) for w in ("train", "val")}
+
+    config["data"] = {"dir": str(tmp_path / "kaggle")}
+    write_config(workdir, config)
+    snakemake(workdir, "--profile", "profiles/local", "--until", "prepare")
+    report = json.loads((workdir / "results/verify/report.json").read_text())
+    assert report["layout"] == "kaggle"
+    for which in ("train", "val"):
+        assert _digests(workdir / "results/prepared" / which) == trained[which]
+
+    config["data"] = {"dir": str(tmp_path / "archives"), "layout": "kaggle"}
+    write_config(workdir, config)
+    refused = snakemake(workdir, "-n", "--profile", "profiles/local", check=False)
+    assert refused.returncode != 0
+    line = f"data.dir {tmp_path / 'archives'} (data.layout: kaggle) lacks ILSVRC/Data/CLS-LOC"
+    output = refused.stdout + refused.stderr
+    assert line in output and "Job stats" not in output

@@ -306,6 +306,9 @@ def split_sizes(config: Mapping, workdir: str | os.PathLike[str] = ".") -> tuple
         where = f"demo.num_classes {classes} x demo.train_per_class {per_class}"
     else:
         n, where = ILSVRC2012_TRAIN_IMAGES, f"the {ILSVRC2012_TRAIN_IMAGES} images of ILSVRC2012"
+        index = Path(workdir) / "results" / "index" / "train.csv"
+        if index.is_file():  # any input layout, any class count: what `index` listed
+            n, where = _csv_rows(index), "results/index/train.csv"
     split_dir = Path(workdir) / "results" / "split"
     paths = [split_dir / "train.csv", split_dir / "holdout.csv"]
     if all(path.is_file() for path in paths):
