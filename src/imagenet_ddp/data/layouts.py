@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import itertools
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -191,9 +192,10 @@ class _Folders(Layout):
             per_class = list(
                 pool.map(lambda c: _image_files(data_dir, f"{self.train_dir}/{c}"), classes)
             )
+        folders = [f"{self.train_dir}/{c}" for c in classes]  # one string per class, shared
         train = [
-            (c, f"{self.train_dir}/{c}", name)
-            for c, names in zip(classes, per_class, strict=True)
+            (c, folder, name)
+            for c, folder, names in zip(classes, folders, per_class, strict=True)
             for name in names
         ]
         rank = {c: i for i, c in enumerate(classes)}
@@ -535,17 +537,25 @@ def _file_problem(path: Path) -> str | None:
     return None if b"\xff\xd9" in tail else "a truncated JPEG (no end-of-image marker)"
 
 
+def _threaded(function, items: Iterator, batch: int = 4096) -> Iterator[tuple]:
+    """(item, function(item)) in order, ``_IO_THREADS`` at a time. Batches: Executor.map
+    submits all at once, a million futures for ImageNet's files."""
+    items = iter(items)
+    with ThreadPoolExecutor(_IO_THREADS) as pool:
+        while chunk := list(itertools.islice(items, batch)):
+            yield from zip(chunk, pool.map(function, chunk), strict=True)
+
+
 def _check_files(data_dir: Path, samples: list[tuple[str, str, str]]) -> None:
     """Open every image (threads: latency-bound on shared storage); the first problem in
     sample order is refused, naming its path."""
-    paths = [Path(data_dir) / folder / name for _, folder, name in samples]
-    with ThreadPoolExecutor(_IO_THREADS) as pool:
-        for path, problem in zip(paths, pool.map(_file_problem, paths), strict=True):
-            if problem:
-                raise InputError(
-                    f"{path}: {problem}; replace it with a whole copy, or remove it "
-                    "(the index lists what is on disk)"
-                )
+    paths = (Path(data_dir) / folder / name for _, folder, name in samples)
+    for path, problem in _threaded(_file_problem, paths):
+        if problem:
+            raise InputError(
+                f"{path}: {problem}; replace it with a whole copy, or remove it "
+                "(the index lists what is on disk)"
+            )
 
 
 def _sample_table(data_dir: Path, samples: list[tuple[str, str, str]], rank: dict[str, int]):
@@ -553,9 +563,8 @@ def _sample_table(data_dir: Path, samples: list[tuple[str, str, str]], rank: dic
     import numpy as np
     import pandas as pd
 
-    paths = [Path(data_dir) / folder / name for _, folder, name in samples]
-    with ThreadPoolExecutor(_IO_THREADS) as pool:
-        sizes = list(pool.map(lambda p: p.stat().st_size, paths))
+    paths = (Path(data_dir) / folder / name for _, folder, name in samples)
+    sizes = [size for _, size in _threaded(lambda p: p.stat().st_size, paths)]
     n = len(samples)
     return pd.DataFrame(
         {
