@@ -125,6 +125,11 @@ def test_any_labelled_folder_any_class_count(tmp_path):
 
 def test_named_layout_must_be_there_and_be_the_one_found(trees, tmp_path):
     with pytest.raises(InputError) as excinfo:
+        find_layout(trees["kaggle"], "folders")
+    assert "data.layout 'folders' is not one of auto, archives, imagefolder, kaggle" in (
+        _one_line(excinfo)
+    )
+    with pytest.raises(InputError) as excinfo:
         find_layout(trees["imagefolder"], "kaggle")
     assert "data.layout: kaggle" in _one_line(excinfo)
     assert "ILSVRC/Data/CLS-LOC/train" in str(excinfo.value)
