@@ -1,7 +1,7 @@
 """``imagenet-ddp``: one subcommand per workflow stage. The Snakemake rules call these.
 
 Each subcommand only parses its arguments and calls its stage's one function
-(demo.write_demo_dataset, archives.write_verify_report, archives.write_index,
+(demo.write_demo_dataset, layouts.write_verify_report, layouts.write_index,
 split.split_index, prepare.prepare, jobs.train_job, preflight.preflight_job, jobs.evaluate_job,
 accounting.write_accounting, aggregate.write_aggregate, plots.make_plots). Every stage writes
 its artifact atomically and its provenance beside it
@@ -31,13 +31,13 @@ def cmd_demo_data(args: argparse.Namespace) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> None:
-    from imagenet_ddp.data.archives import write_verify_report
+    from imagenet_ddp.data.layouts import write_verify_report
 
     write_verify_report(args.data_dir, args.report, check_md5=args.check_md5)
 
 
 def cmd_index(args: argparse.Namespace) -> None:
-    from imagenet_ddp.data.archives import write_index
+    from imagenet_ddp.data.layouts import write_index
 
     write_index(args.data_dir, args.out_dir)
 
@@ -206,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=int, required=True)
     p.set_defaults(func=cmd_demo_data)
 
-    p = sub.add_parser("verify", help="check the archives' structure and md5")
+    p = sub.add_parser(
+        "verify", help="check the input layout's structure, counts and files (md5 of archives)"
+    )
     p.add_argument("--data-dir", type=Path, required=True)
     p.add_argument("--report", type=Path, required=True)
     p.add_argument("--check-md5", action=argparse.BooleanOptionalAction, required=True)

@@ -17,12 +17,9 @@ from snakemake.utils import validate
 # works from a login node's bare Snakemake environment, the package not installed there.
 sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 
-from imagenet_ddp.data.archive_names import (
-    DEVKIT_ARCHIVE,
-    INDEX_FORMAT_VERSION,
-    TRAIN_ARCHIVE,
-    VAL_ARCHIVE,
-)
+from imagenet_ddp.data.archive_names import INDEX_FORMAT_VERSION
+from imagenet_ddp.data.layouts import LAYOUTS, dry_run_layout, find_layout
+from imagenet_ddp.errors import InputError
 from imagenet_ddp.jobs.attempts import nodes_ahead, refusal_ahead
 from imagenet_ddp.jobs.container import host_runtime_env
 from imagenet_ddp.settings.evaluation import eval_settings
@@ -66,17 +63,46 @@ except RunsError as error:
 
 
 def data_dir():
-    """The directory holding the ILSVRC2012 archives (the generated demo set if enabled)."""
+    """The directory holding the images in one input layout (the generated demo set if
+    enabled)."""
     if config["demo"]["enabled"]:
         return "resources/demo/ILSVRC2012"
     return config["data"]["dir"]
 
 
-ARCHIVES = {"train": TRAIN_ARCHIVE, "val": VAL_ARCHIVE, "devkit": DEVKIT_ARCHIVE}
+def _input_layout():
+    """data.dir's input layout (imagenet_ddp.data.layouts), found as the jobs find it. The
+    Snakemake that submits says which and checks its structure (one line naming data.dir where
+    it is bad or absent); a job's own Snakemake may run where data.dir is not mounted.
+    """
+    if config["demo"]["enabled"]:
+        return LAYOUTS["archives"]  # written by the demo_data rule
+    where, named = config["data"]["dir"], config["data"]["layout"]
+    if not workflow.is_main_process:
+        try:
+            return find_layout(where)
+        except InputError:
+            return LAYOUTS["archives"]
+    try:
+        layout = dry_run_layout(where, named)
+    except InputError as error:
+        raise WorkflowError(str(error)) from None
+    print(f"data: {layout.summary} found in data.dir {where}", file=sys.stderr)
+    return layout
+
+
+LAYOUT = _input_layout()
 
 
 def archive_paths():
-    return {key: f"{data_dir()}/{name}" for key, name in ARCHIVES.items()}
+    """The verify, index and prepare rules' inputs: the layout's archives or folders."""
+    return LAYOUT.inputs(data_dir())
+
+
+def input_data_dir(wildcards, input):
+    """data.dir for the rules' shell. It takes `input`, so Snakemake counts it derived and not
+    a rerun trigger of its own: the inputs are."""
+    return data_dir()
 
 
 def training_settings(name):
@@ -498,6 +524,8 @@ CHECKPOINT_DIR = site_setting("execution", "checkpoint_dir")
 def md5sums_input(wildcards):
     """md5sums is optional for real data; the demo set always writes one."""
     path = f"{data_dir()}/md5sums"
+    if LAYOUT.name != "archives":
+        return []
     if config["demo"]["enabled"] or os.path.exists(path):
         return [path]
     return []

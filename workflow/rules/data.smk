@@ -38,7 +38,7 @@ rule verify:
     container:
         CONTAINER
     params:
-        data_dir=lambda wildcards, input: os.path.dirname(input.train),
+        data_dir=input_data_dir,
         check_md5="--check-md5" if config["data"]["check_md5"] else "--no-check-md5",
     shell:
         "imagenet-ddp verify --data-dir {params.data_dir:q} --report {output.report:q}"
@@ -62,7 +62,7 @@ rule index:
     container:
         CONTAINER
     params:
-        data_dir=lambda wildcards, input: os.path.dirname(input.train),
+        data_dir=input_data_dir,
         out_dir=lambda wildcards, output: os.path.dirname(output.train),
         # A new index format reruns this rule: prepare never reads an index of an older one.
         index_format=INDEX_FORMAT_VERSION,
@@ -118,7 +118,7 @@ if PREPARE_JOBS == 1:
             CONTAINER
         threads: PREPARE["workers"]
         params:
-            data_dir=lambda wildcards, input: os.path.dirname(input.train),
+            data_dir=input_data_dir,
             index_dir=lambda wildcards, input: os.path.dirname(input.index),
             flags=prepare_flags,
             # A new prepared format reruns this rule: no job reads a copy of an older one.
@@ -153,7 +153,7 @@ else:
             CONTAINER
         threads: PREPARE["workers"]
         params:
-            data_dir=lambda wildcards, input: os.path.dirname(input.train),
+            data_dir=input_data_dir,
             index_dir=lambda wildcards, input: os.path.dirname(input.index),
             flags=prepare_flags,
             # A new prepared format reruns this rule: no job reads a copy of an older one.

@@ -578,6 +578,32 @@ def header_matches(header: bytes, name: str, size: int) -> bool:
     return bool(stored) and name.startswith(stored)
 
 
+def read_archive_items(archive: Path, index: pd.DataFrame) -> Iterator[tuple[int, bytes]]:
+    """(sample_id, raw bytes) in index order, read from ``archive`` (train or val tar).
+
+    One pread per image at the index's offsets, header included: the header must name the
+    same file and size, so an archive changed since indexing fails here, never decodes wrong.
+    """
+    require_archives(archive.parent, (archive.name,))
+    columns = ("sample_id", "member", "name", "size", "member_offset", "offset")
+    fd = os.open(archive, os.O_RDONLY)
+    try:
+        for sample_id, member, name, size, member_offset, offset in zip(
+            *(index[c].tolist() for c in columns), strict=True
+        ):
+            start = member_offset + offset - _BLOCK
+            raw = os.pread(fd, _BLOCK + size, start) if start >= 0 else b""
+            if len(raw) != _BLOCK + size or not header_matches(raw[:_BLOCK], name, size):
+                raise InputError(
+                    f"{archive}: {member + '/' if member else ''}{name} has another size or "
+                    "place in the archive than the index says (the archive changed since the "
+                    "index was built); rebuild the index (`imagenet-ddp index`)"
+                )
+            yield sample_id, raw[_BLOCK:]
+    finally:
+        os.close(fd)
+
+
 def write_verify_report(data_dir: Path, report: Path, *, check_md5: bool) -> None:
     """The ``verify`` stage: the report of :func:`verify_archives` and its provenance."""
     write_json_atomic(report, verify_archives(data_dir, check_md5=check_md5))

@@ -113,31 +113,13 @@ def check_index(index: pd.DataFrame, which: str) -> pd.DataFrame:
     return index
 
 
-def _read_items(archive: Path, index: pd.DataFrame, short_side: int, quality: int):
-    """Yield (sample_id, raw bytes, short_side, quality) in index order.
+def _read_items(data_dir: Path, which: str, index: pd.DataFrame, short_side, quality):
+    """Yield (sample_id, raw bytes, short_side, quality) in index order, read as the input
+    layout keeps them (imagenet_ddp.data.layouts: it refuses data changed since indexing)."""
+    from imagenet_ddp.data.layouts import find_layout
 
-    One pread per image at the index's offsets, header included: the header must name the
-    same file and size, so an archive changed since indexing fails here, never decodes wrong.
-    """
-    from imagenet_ddp.data.archives import header_matches
-
-    block = 512
-    fd = os.open(archive, os.O_RDONLY)
-    try:
-        for sample_id, member, name, size, member_offset, offset in zip(
-            *(index[c].tolist() for c in INDEX_COLUMNS if c != "class_index"), strict=True
-        ):
-            start = member_offset + offset - block
-            raw = os.pread(fd, block + size, start) if start >= 0 else b""
-            if len(raw) != block + size or not header_matches(raw[:block], name, size):
-                raise InputError(
-                    f"{archive}: {member + '/' if member else ''}{name} has another size or "
-                    "place in the archive than the index says (the archive changed since the "
-                    "index was built); rebuild the index (`imagenet-ddp index`)"
-                )
-            yield sample_id, raw[block:], short_side, quality
-    finally:
-        os.close(fd)
+    for sample_id, data in find_layout(data_dir).read_items(data_dir, which, index):
+        yield sample_id, data, short_side, quality
 
 
 def _converted(items: Iterator, workers: int) -> Iterator[tuple[int, bytes | None, str | None]]:
@@ -257,15 +239,12 @@ def chunk_shards(total_shards: int, chunk: int, chunks: int) -> range:
     return range(total_shards * chunk // chunks, total_shards * (chunk + 1) // chunks)
 
 
-def archive_of(data_dir: Path, which: str) -> Path:
-    """The archive holding the ``which`` images; InputError naming it when it is missing."""
-    from imagenet_ddp.data.archives import TRAIN_ARCHIVE, VAL_ARCHIVE, require_archives
+def check_source(data_dir: Path, which: str) -> None:
+    """``which`` is train or val, and data_dir holds an input layout (one line if not)."""
+    from imagenet_ddp.data.layouts import check_which, find_layout
 
-    if which not in ("train", "val"):
-        raise ValueError(f"which must be 'train' or 'val', not {which!r}")
-    name = TRAIN_ARCHIVE if which == "train" else VAL_ARCHIVE
-    require_archives(data_dir, (name,))
-    return Path(data_dir) / name
+    check_which(which)
+    find_layout(data_dir)
 
 
 def write_shard_parts(
@@ -288,19 +267,21 @@ def write_shard_parts(
     length), one record per non-empty shard (the writer's, plus ``shard`` s and ``part``: its
     file relative to parts_dir) and the skipped images.
     """
-    archive = archive_of(data_dir, which)
+    check_source(data_dir, which)
     start = shards.start * shard_samples
     part = index.iloc[start : min(len(index), shards.stop * shard_samples)]
     class_index = part["class_index"].tolist()
     rows: list[tuple[int, int, int, int, int]] = []
     skipped: list[dict] = []
     writers: dict[int, _ShardWriter] = {}
-    converted = _converted(_read_items(archive, part, short_side, quality), workers)
+    items = _read_items(data_dir, which, part, short_side, quality)
+    converted = _converted(items, workers)
     try:
         for position, (sample_id, data, error) in enumerate(converted):
             if data is None:
                 row = part.iloc[position]
-                skipped.append(_undecodable(archive, row, sample_id, error, on_corrupt))
+                place = _place(data_dir, which, row)
+                skipped.append(_undecodable(place, row, sample_id, error, on_corrupt))
                 continue
             shard = (start + position) // shard_samples
             writer = _shard_writer(writers, parts_dir, shard)
@@ -318,15 +299,20 @@ def write_shard_parts(
     return rows, records, skipped
 
 
-def _undecodable(archive: Path, row: pd.Series, sample_id: int, error: str, on_corrupt: str):
+def _place(data_dir: Path, which: str, row: pd.Series) -> str:
+    from imagenet_ddp.data.layouts import find_layout
+
+    return find_layout(data_dir).place(data_dir, which, row["member"], row["name"])
+
+
+def _undecodable(place: str, row: pd.Series, sample_id: int, error: str, on_corrupt: str):
     """An image that cannot be decoded: the one-line error (``on_corrupt: fail``) or its
     record among the skipped (``skip``)."""
     member, name = row["member"], row["name"]
-    place = f"{archive}:{member + '/' if member else ''}{name}"
     if on_corrupt == "fail":
         raise InputError(
             f"{place} (sample {sample_id}) cannot be decoded ({error}); "
-            "re-download the archive, or set prepare.on_corrupt: skip to leave "
+            "replace it (re-download the archive), or set prepare.on_corrupt: skip to leave "
             "such images out"
         )
     return {"sample_id": sample_id, "member": member, "name": name, "error": error}
@@ -424,7 +410,7 @@ def prepare_split(
     ``skipped``. No lock, no reuse: :func:`imagenet_ddp.data.prepare.prepare` adds those. The
     settings' defaults and allowed values are the workflow schema's, checked there once.
     """
-    archive_of(data_dir, which)  # checks ``which``
+    check_source(data_dir, which)
     index = check_index(index, which)
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     settings = {
@@ -540,7 +526,7 @@ def prepare_chunk(
     """Job ``chunk`` of ``chunks``: convert its shard range into ``chunk_dir`` (atomically)."""
     if not 0 <= chunk < chunks:
         raise InputError(f"chunk {chunk} of {chunks}: use 0 <= chunk < chunks (prepare.jobs)")
-    archive_of(data_dir, which)
+    check_source(data_dir, which)
     wanted = identity(index_dir, which, settings)
     index, num_classes = _read_inputs(index_dir, which)
     shards = chunk_shards(num_shards(len(index), settings["shard_samples"]), chunk, chunks)

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 from sklearn.model_selection import train_test_split
 
+from imagenet_ddp.data.layouts import SAME_COLUMNS
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import write_csv_atomic
 from imagenet_ddp.provenance import provenance_path, write_provenance
@@ -108,6 +109,9 @@ def split_index(index_dir: Path, out_dir: Path, holdout_fraction: float, seed: i
     """The ``split`` stage: train.csv, holdout.csv, class_counts.csv and provenance in
     ``out_dir`` from ``index_dir/train.csv``."""
     train = pd.read_csv(Path(index_dir) / "train.csv", keep_default_na=False)
+    # The sample columns only: the location columns differ between input layouts (the same
+    # images give the same split files in every layout: imagenet_ddp.data.layouts).
+    train = train[[c for c in SAME_COLUMNS if c in train.columns]]
     train_part, holdout = stratified_split(train, holdout_fraction, seed)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -345,6 +345,9 @@ def split_sizes(
         where = f"demo.num_classes {classes} x demo.train_per_class {per_class}"
     else:
         n, where = ILSVRC2012_TRAIN_IMAGES, f"the {ILSVRC2012_TRAIN_IMAGES} images of ILSVRC2012"
+        index = Path(workdir or ".") / "results" / "index" / "train.csv"
+        if workdir is not None and index.is_file():  # any layout, any class count: as indexed
+            n, where = _csv_rows(index), "results/index/train.csv"
     split_dir = Path(workdir or ".") / "results" / "split"
     paths = [split_dir / "train.csv", split_dir / "holdout.csv"]
     if workdir is not None and all(path.is_file() for path in paths):
