@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from imagenet_ddp.data.prepared_layout import resolve_prepared
 from tests.workflow_helpers import (
     planned_jobs,
     read_config,
@@ -53,13 +54,17 @@ def test_every_stage_artifact_exists_with_provenance(local_run):
         "results/split/train.csv",
         "results/split/holdout.csv",
         "results/split/provenance.json",
-        "results/prepared/train/prepared.json",
-        "results/prepared/val/prepared.json",
+        "results/prepared/train.json",  # manifests naming the copies in prepare.dir
+        "results/prepared/val.json",
         "results/aggregate/runs.csv",
         "results/aggregate/runs.md",
         "results/aggregate/runs.csv.provenance.json",
     ]:
         assert (w / path).is_file(), path
+    for which in ("train", "val"):  # each manifest names a complete copy in prepare.dir
+        copy = resolve_prepared(w / f"results/prepared/{which}.json")
+        assert copy.parent == w / "results/prepared" and copy.name.startswith(f"{which}-")
+        assert (copy / "prepared.json").is_file()
     provenance = json.loads((w / "results/split/provenance.json").read_text())
     assert provenance["seeds"] == {"split": 0}
     assert provenance["libraries"]["torch"].startswith("2.")
@@ -176,7 +181,7 @@ def test_preflight_fails_with_one_line_per_problem(local_run, tmp_path):
     job = make_job(
         "preflight",
         settings,
-        prepared_train="results/prepared/train",
+        prepared_train="results/prepared/train.json",  # the manifest, resolved by the job
         split_dir="results/split",
         out=tmp_path / "preflight.json",
         checkpoint_root=tmp_path,
@@ -384,6 +389,55 @@ def test_prepare_split_into_jobs_shows_them_in_the_dry_run(local_run):
             assert f"results/prepare_chunks/{which}/{chunk}-of-3" in text, text[-3000:]
     plan = planned_jobs(local_run, "--profile", "profiles/local", "--until", "prepare")
     assert plan == {}, "a dry-run changes nothing: the one-job copy is still up to date"
+
+
+def _tree(root: Path) -> dict[str, tuple[str, int, int]]:
+    """Every file under ``root``: sha256, inode and mtime (a rewrite or a new file shows)."""
+    import hashlib
+
+    return {
+        str(p.relative_to(root)): (
+            hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_ino, p.stat().st_mtime_ns
+        )
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }  # fmt: skip
+
+
+def test_a_second_workflow_sharing_prepare_dir_never_touches_the_first_ones_copy(
+    local_run, tmp_path
+):
+    """Issue 35: a second working directory sharing prepare.dir, its index files newer than
+    the first's copy, runs its own verify, index and prepare: it reuses the first's copy (its
+    manifest names it) instead of deleting it, and with another prepared setting builds a copy
+    of its own beside it. The first's copy, one of its files held open as a reader holds it,
+    is the same bytes, inodes and mtimes throughout."""
+    from tests.workflow_helpers import copy_workflow
+
+    first = resolve_prepared(local_run / "results/prepared/val.json")
+    before = _tree(first)
+    second = copy_workflow(tmp_path / "second")
+    config = read_config(second)
+    config["demo"]["enabled"] = False
+    config["data"]["dir"] = str(local_run / "resources/demo/ILSVRC2012")
+    config["prepare"]["dir"] = str(local_run / "results/prepared")
+    write_config(second, config)
+    target = "results/prepared/val.json"
+    with open(first / "samples.csv", "rb") as reader:
+        snakemake(second, "--profile", "profiles/local", target)
+        reused = resolve_prepared(second / target)
+        config["prepare"]["shard_samples"] = 7  # another copy: another name
+        write_config(second, config)
+        planned = planned_jobs(second, "--profile", "profiles/local", target)
+        snakemake(second, "--profile", "profiles/local", target)
+        assert os.fstat(reader.fileno()).st_nlink == 1  # what a reader holds was not unlinked
+    own = resolve_prepared(second / target)
+    assert (second / "results/index/val.csv").stat().st_mtime > first.stat().st_mtime
+    assert reused == first
+    assert planned == {"prepare": 1}, planned  # the manifest, never the shared copy
+    assert own != first and own.parent == first.parent and (own / "prepared.json").is_file()
+    assert _tree(first) == before
+    assert resolve_prepared(local_run / target) == first  # the first still names its copy
 
 
 def test_split_is_identical_when_rerun(local_run, tmp_path):

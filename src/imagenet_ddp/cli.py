@@ -58,10 +58,23 @@ def _prepare_settings(args: argparse.Namespace) -> dict:
     }
 
 
-def cmd_prepare(args: argparse.Namespace) -> None:
-    from imagenet_ddp.data.prepare import prepare
+def _shared(args: argparse.Namespace) -> bool:
+    """--manifest (with its --prepared-dir), the workflow's way; else --out."""
+    if args.manifest and not args.prepared_dir:
+        raise InputError("--manifest needs --prepared-dir (the directory holding the copies)")
+    return bool(args.manifest)
 
-    if prepare(args.data_dir, args.index_dir, args.which, args.out, **_prepare_settings(args)):
+
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from imagenet_ddp.data.prepare import prepare, prepare_shared
+
+    if _shared(args):
+        copy = prepare_shared(
+            args.data_dir, args.index_dir, args.which, args.manifest, args.prepared_dir,
+            **_prepare_settings(args),
+        )  # fmt: skip
+        print(f"{args.manifest} names {copy}")
+    elif prepare(args.data_dir, args.index_dir, args.which, args.out, **_prepare_settings(args)):
         print(f"{args.out} is already prepared from the same index and settings; reusing")
 
 
@@ -80,9 +93,12 @@ def cmd_prepare_chunk(args: argparse.Namespace) -> None:
 
 
 def cmd_prepare_join(args: argparse.Namespace) -> None:
-    from imagenet_ddp.data.prepare import join_chunks
+    from imagenet_ddp.data.prepare import join_chunks, join_shared
 
-    if join_chunks(args.chunk_dirs, args.out):
+    if _shared(args):
+        copy = join_shared(args.chunk_dirs, args.manifest, args.prepared_dir)
+        print(f"{args.manifest} names {copy}")
+    elif join_chunks(args.chunk_dirs, args.out):
         print(f"{args.out} is already prepared from the same index and settings; reusing")
 
 
@@ -96,7 +112,7 @@ def _add_prepare_parsers(sub) -> None:
         p.add_argument("--index-dir", type=Path, required=True)
         p.add_argument("--which", choices=["train", "val"], required=True)
         if func is cmd_prepare:
-            p.add_argument("--out", type=Path, required=True)
+            _add_out_arguments(p)
         else:
             p.add_argument("--chunk", type=int, required=True)
             p.add_argument("--chunks", type=int, required=True)
@@ -109,8 +125,19 @@ def _add_prepare_parsers(sub) -> None:
         p.set_defaults(func=func)
     p = sub.add_parser("prepare-join", help="join the K prepare-chunk outputs into one copy")
     p.add_argument("--chunk-dirs", type=Path, nargs="+", required=True)
-    p.add_argument("--out", type=Path, required=True)
+    _add_out_arguments(p)
     p.set_defaults(func=cmd_prepare_join)
+
+
+def _add_out_arguments(p) -> None:
+    """Where the copy goes: a directory (--out), or the workflow's way, a manifest naming a
+    content-addressed copy in a shared directory (--manifest with --prepared-dir)."""
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--out", type=Path, help="the prepared directory itself")
+    group.add_argument(
+        "--manifest", type=Path, help="a file naming the copy (needs --prepared-dir)"
+    )
+    p.add_argument("--prepared-dir", type=Path, help="the shared directory of the copies")
 
 
 def cmd_train(args: argparse.Namespace) -> int:

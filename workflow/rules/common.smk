@@ -445,7 +445,16 @@ if _problem:
 
 # The training-ready copy; point several workflows (or users) at one shared directory to
 # prepare ImageNet once: writers are excluded by a lock, readers only see complete copies.
+# Each copy's name is the digest of what it is made from; this workflow's `prepare` output is
+# a manifest under results/ naming it (imagenet_ddp.data.prepared_layout), which each job that
+# reads the copy takes as input and resolves when it starts: no copy is ever an output.
 PREPARED_DIR = config["prepare"]["dir"]
+
+
+def prepared_manifest(which):
+    return f"results/prepared/{which}.json"
+
+
 CHECKPOINT_DIR = site_setting("execution", "checkpoint_dir")
 
 

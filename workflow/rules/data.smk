@@ -105,7 +105,9 @@ if PREPARE_JOBS == 1:
             index="results/index/{which}.csv",
             classes="results/index/classes.csv",
         output:
-            directory(f"{PREPARED_DIR}/{{which}}"),
+            # A manifest naming the content-addressed copy in prepare.dir (common.smk
+            # prepared_manifest): what Snakemake deletes before the job, never a copy.
+            manifest=prepared_manifest("{which}"),
         log:
             "logs/prepare_{which}.log",
         benchmark:
@@ -123,9 +125,11 @@ if PREPARE_JOBS == 1:
             flags=prepare_flags,
             # A new prepared format reruns this rule: no job reads a copy of an older one.
             format_version=PREPARED_FORMAT_VERSION,
+            prepared_dir=PREPARED_DIR,
         shell:
             "imagenet-ddp prepare --data-dir {params.data_dir:q} --index-dir {params.index_dir:q}"
-            " --out {output:q} {params.flags} --workers {threads} > {log:q} 2>&1"
+            " --manifest {output.manifest:q} --prepared-dir {params.prepared_dir:q}"
+            " {params.flags} --workers {threads} > {log:q} 2>&1"
 
 else:
 
@@ -172,7 +176,9 @@ else:
                 jobs=PREPARE_JOBS,
             ),
         output:
-            directory(f"{PREPARED_DIR}/{{which}}"),
+            # A manifest naming the content-addressed copy in prepare.dir (common.smk
+            # prepared_manifest): what Snakemake deletes before the job, never a copy.
+            manifest=prepared_manifest("{which}"),
         log:
             "logs/prepare_{which}.log",
         benchmark:
@@ -185,6 +191,8 @@ else:
             CONTAINER
         params:
             format_version=PREPARED_FORMAT_VERSION,
+            prepared_dir=PREPARED_DIR,
         shell:
-            "imagenet-ddp prepare-join --chunk-dirs {input.chunks:q} --out {output:q}"
+            "imagenet-ddp prepare-join --chunk-dirs {input.chunks:q}"
+            " --manifest {output.manifest:q} --prepared-dir {params.prepared_dir:q}"
             " > {log:q} 2>&1"

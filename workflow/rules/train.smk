@@ -1,6 +1,6 @@
 rule train:
     input:
-        prepared=f"{PREPARED_DIR}/train",
+        prepared=prepared_manifest("train"),
         split_train="results/split/train.csv",
         split_holdout="results/split/holdout.csv",
         preflight=preflight_input,  # runs with `preflight: true`: a passing preflight first
@@ -74,8 +74,8 @@ rule evaluate:
     input:
         model="results/runs/{run}/model.pt",
         # The shared prepared copy, read directly: no node-local staging (one sequential pass).
-        prepared_train=f"{PREPARED_DIR}/train",
-        prepared_val=f"{PREPARED_DIR}/val",
+        prepared_train=prepared_manifest("train"),
+        prepared_val=prepared_manifest("val"),
         holdout="results/split/holdout.csv",
         classes="results/index/classes.csv",
     output:
@@ -115,7 +115,7 @@ rule evaluate:
 # every run; `preflight: true` makes the run's `train` wait for a passing one.
 rule preflight_run:
     input:
-        prepared=f"{PREPARED_DIR}/train",
+        prepared=prepared_manifest("train"),
         split_train="results/split/train.csv",
         split_holdout="results/split/holdout.csv",
     output:
