@@ -9,8 +9,10 @@ import sys
 
 from snakemake.utils import min_version
 
-# pyproject.toml's range (snakemake>=9.0,<10); CI verifies the pinned 9.27.1.
-min_version("9.0")
+# pyproject.toml's range (snakemake>=9.16.3,<10): common.smk reads resources through the
+# Resource API (.value, .is_evaluable()) that 9.16.3 first shipped; 9.16.2 fails at parse. CI
+# runs the pinned 9.27.1, and a dry-run and --lint at this floor (.ci/run's .venv-bare).
+min_version("9.16.3")
 
 # What this Snakemake process itself needs, here because no job's command can do it for it:
 # Inside a SLURM job a warning signal (profiles/slurm: --signal=USR1@300) reaches every process
