@@ -391,6 +391,53 @@ def test_prepare_split_into_jobs_shows_them_in_the_dry_run(local_run):
     assert plan == {}, "a dry-run changes nothing: the one-job copy is still up to date"
 
 
+def test_flipping_check_md5_on_a_finished_workflow_plans_only_verify(local_run):
+    """verify gates index without its report's time rerunning the data stages (issue 35):
+    the report is index's input only while it is missing or older than an archive."""
+    config = read_config(local_run)
+    original = copy.deepcopy(config)
+    config["data"]["check_md5"] = not config["data"].get("check_md5", True)
+    write_config(local_run, config)
+    try:
+        plan = planned_jobs(local_run, "--profile", "profiles/local")
+    finally:
+        write_config(local_run, original)
+    assert plan == {"verify": 1, "all": 1}, plan
+
+
+def _edit_package(workdir: Path, module: str, line: str) -> None:
+    """The workflow's own source tree (common.smk puts <workflow>/src first on the path) with
+    one statement added to ``module``: a code change as an upgrade brings it."""
+    src = workdir / "src"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "src", src,
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    path = src / "imagenet_ddp" / module
+    path.write_text(path.read_text() + f"\n{line}\n")
+
+
+def test_a_code_change_reruns_its_stage_and_what_reads_it_but_no_training(local_run):
+    """A changed split.py reruns split, the evaluations of its holdout and the tables, no
+    finished training or preflight; a changed training module reruns only the table, which
+    flags the runs (tests/test_aggregate.py); a comment changes nothing (issue 35)."""
+    plans = {}
+    try:
+        for module, line in (
+            ("data/split.py", "# a comment only"),
+            ("data/split.py", "SPLIT_CHANGED = 1"),
+            ("training/loop.py", "LOOP_CHANGED = 1"),
+        ):
+            shutil.rmtree(local_run / "src", ignore_errors=True)
+            _edit_package(local_run, module, line)
+            plans[line] = planned_jobs(local_run, "--profile", "profiles/local")
+    finally:
+        shutil.rmtree(local_run / "src", ignore_errors=True)
+    assert plans["# a comment only"] == {}, plans
+    assert plans["SPLIT_CHANGED = 1"] == {
+        "split": 1, "evaluate": 2, "aggregate": 1, "plots": 1, "all": 1
+    }, plans  # fmt: skip
+    assert plans["LOOP_CHANGED = 1"] == {"aggregate": 1, "plots": 1, "all": 1}, plans
+
+
 def _tree(root: Path) -> dict[str, tuple[str, int, int]]:
     """Every file under ``root``: sha256, inode and mtime (a rewrite or a new file shows)."""
     import hashlib

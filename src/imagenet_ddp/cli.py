@@ -140,6 +140,14 @@ def _add_out_arguments(p) -> None:
     p.add_argument("--prepared-dir", type=Path, help="the shared directory of the copies")
 
 
+def cmd_data_key(args: argparse.Namespace) -> None:
+    import json
+
+    from imagenet_ddp.io import write_json_atomic
+
+    write_json_atomic(args.out, json.loads(args.settings))
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from imagenet_ddp.jobs.spec import load
     from imagenet_ddp.jobs.stages import train_job
@@ -177,7 +185,7 @@ def _add_job_parser(sub, name: str, help_text: str, func) -> None:
 def cmd_aggregate(args: argparse.Namespace) -> None:
     from imagenet_ddp.report.aggregate import write_aggregate
 
-    write_aggregate(args.run_dirs, args.csv, args.markdown)
+    write_aggregate(args.run_dirs, args.csv, args.markdown, args.training_code)
 
 
 def cmd_accounting(args: argparse.Namespace) -> None:
@@ -252,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_split)
 
     _add_prepare_parsers(sub)
+    p = sub.add_parser("data-key", help="record what the training data is made from")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--settings", required=True, help="the settings, as JSON")
+    p.set_defaults(func=cmd_data_key)
 
     _add_job_parser(sub, "train", "stage data on every node and run DDP training", cmd_train)
     _add_job_parser(
@@ -266,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dirs", type=Path, nargs="+", required=True)
     p.add_argument("--csv", type=Path, required=True)
     p.add_argument("--markdown", type=Path, required=True)
+    p.add_argument(
+        "--training-code", help="the digest of today's training code: flag runs of another"
+    )
     p.set_defaults(func=cmd_aggregate)
 
     p = sub.add_parser("accounting", help="sacct accounting of each run's training job")

@@ -22,6 +22,7 @@ from imagenet_ddp.jobs.spec import (
     write_spec,
 )
 from imagenet_ddp.provenance import provenance_path, write_provenance
+from imagenet_ddp.settings.code_digest import code_digest
 from imagenet_ddp.settings.geometry import LAUNCH_KEYS
 
 
@@ -62,7 +63,11 @@ def train_job(job: TrainJob) -> int:
     # The worker's resolved settings (every default filled in), beside the model.
     config = json.loads((run_dir / "train_metrics.json").read_text())["config"]
     provenance = provenance_path(run_dir / "model.pt")
-    write_provenance(provenance, "train", config, seeds={"train": config["seed"]})
+    # The training code's digest: aggregate flags a model that other training code trained.
+    training_code = {"training_code": code_digest("training")}
+    write_provenance(
+        provenance, "train", config, seeds={"train": config["seed"]}, extra=training_code
+    )
     return 0
 
 
