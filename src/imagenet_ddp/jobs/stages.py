@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
+from pathlib import Path
 
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.jobs.spec import (
@@ -35,6 +37,29 @@ def resolve_launcher(launcher: str, environ=None) -> str:
     return "srun" if (os.environ if environ is None else environ).get("SLURM_JOB_ID") else "local"
 
 
+DELIVERED = "delivered.json"  # in the checkpoint root: this run's outputs were written
+RETRAIN = "IMAGENET_DDP_RETRAIN"  # =1: a delivered run trains again from scratch
+
+
+def start_afresh_if_delivered(checkpoint_root: Path, environ=None) -> Path | None:
+    """`IMAGENET_DDP_RETRAIN=1 snakemake --forcerun train` (docs/configuration.md "Reruns"):
+    a run whose outputs were delivered (its marker) trains from scratch, not from its final
+    checkpoint (which would only write the same model again). Asked for, never inferred: a
+    Snakemake restarted after the job ended reruns it as incomplete, and must resume. The
+    earlier checkpoints and attempt record move to ``<root>.previous`` (replacing an older
+    one; the marker goes with them, so a resubmission of this job resumes the new training);
+    returns that path, None if nothing moved."""
+    environ = os.environ if environ is None else environ
+    root = Path(checkpoint_root)
+    if environ.get(RETRAIN) != "1" or not (root / DELIVERED).is_file():
+        return None
+    previous = root.with_name(root.name + ".previous")
+    shutil.rmtree(previous, ignore_errors=True)
+    os.replace(root, previous)
+    print(f"train: {root} held a delivered run; training afresh (earlier: {previous})")
+    return previous
+
+
 def train_job(job: TrainJob) -> int:
     """Train one run as ``job.run``'s geometry of ranks; on success write ``job.json`` and the
     provenance beside ``model.pt``.
@@ -46,6 +71,7 @@ def train_job(job: TrainJob) -> int:
     from imagenet_ddp.jobs.launch import on_allocation, run_attempt
 
     _ = job.geometry  # a run without its geometry is refused before anything is written
+    start_afresh_if_delivered(job.paths.checkpoint_root)
     job = on_allocation(with_launcher(job, resolve_launcher(job.execution.launcher)))
     run_dir = job.paths.run_dir
     spec_path = write_spec(run_dir / TRAIN_SPEC, job)
@@ -68,6 +94,7 @@ def train_job(job: TrainJob) -> int:
     write_provenance(
         provenance, "train", config, seeds={"train": config["seed"]}, extra=training_code
     )
+    write_json_atomic(job.paths.checkpoint_root / DELIVERED, {"model": str(run_dir / "model.pt")})
     return 0
 
 

@@ -477,7 +477,7 @@ CODE_CHANGED = "\\* allocations of the run ran different code (checked out at ea
 
 OTHER_CODE = (
     "† trained by other training code than today's (no code change reruns a finished "
-    'training; `snakemake --forcerun train` retrains, docs/configuration.md "Reruns"): '
+    'training; docs/configuration.md "Code changes" says how to retrain one): '
 )
 
 MORE_FIGURES = (
