@@ -25,7 +25,7 @@ STAGES = {
     "index": ("data.archives",),
     "split": ("data.split",),
     "prepare": ("data.prepare",),
-    "evaluate": ("jobs.stages", "evaluation.evaluate"),
+    "evaluate": ("evaluation.evaluate",),  # the rank module: what computes the figures
     "accounting": ("report.accounting",),
     "aggregate": ("report.aggregate",),
     "plots": ("report.plots",),
