@@ -366,9 +366,10 @@ def test_changing_split_seed_reruns_split_and_downstream_only(local_run):
         plan = planned_jobs(local_run, "--profile", "profiles/local")
     finally:
         write_config(local_run, original)
+    # data_key: a setting the trainings' data is made from changed
     assert plan == {
-        "split": 1, "preflight_run": 2, "train": 2, "evaluate": 2, "accounting": 1,
-        "aggregate": 1, "plots": 1, "all": 1,
+        "data_key": 1, "split": 1, "preflight_run": 2, "train": 2, "evaluate": 2,
+        "accounting": 1, "aggregate": 1, "plots": 1, "all": 1,
     }, plan  # fmt: skip
 
 
