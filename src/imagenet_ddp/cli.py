@@ -88,6 +88,7 @@ def cmd_prepare_chunk(args: argparse.Namespace) -> None:
         args.chunk_dir,
         chunk=args.chunk,
         chunks=args.chunks,
+        shared_root=args.prepared_dir,
         **_prepare_settings(args),
     )
 
@@ -117,6 +118,7 @@ def _add_prepare_parsers(sub) -> None:
             p.add_argument("--chunk", type=int, required=True)
             p.add_argument("--chunks", type=int, required=True)
             p.add_argument("--chunk-dir", type=Path, required=True)
+            p.add_argument("--prepared-dir", type=Path, help="convert nothing if a copy is there")
         p.add_argument("--short-side", type=int, required=True)
         p.add_argument("--quality", type=int, required=True)
         p.add_argument("--workers", type=int, required=True)

@@ -188,11 +188,14 @@ else:
             flags=prepare_flags,
             # A new prepared format reruns this rule: no job reads a copy of an older one.
             format_version=PREPARED_FORMAT_VERSION,
+            # a copy of the same index and settings there already: convert nothing
+            prepared_dir=lambda wildcards: PREPARED_DIR,
         shell:
             "imagenet-ddp prepare-chunk --data-dir {params.data_dir:q}"
             " --index-dir {params.index_dir:q} --chunk {wildcards.chunk}"
             f" --chunks {PREPARE_JOBS}"
-            " --chunk-dir {output:q} {params.flags} --workers {threads} > {log:q} 2>&1"
+            " --chunk-dir {output:q} --prepared-dir {params.prepared_dir:q}"
+            " {params.flags} --workers {threads} > {log:q} 2>&1"
 
     rule prepare:
         input:

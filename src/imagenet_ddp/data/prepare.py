@@ -540,13 +540,21 @@ def prepare_chunk(
     chunk: int,
     chunks: int,
     workers: int,
+    shared_root: Path | None = None,
     **settings,
 ) -> dict:
-    """Job ``chunk`` of ``chunks``: convert its shard range into ``chunk_dir`` (atomically)."""
+    """Job ``chunk`` of ``chunks``: convert its shard range into ``chunk_dir`` (atomically).
+    With ``shared_root`` (prepare.dir) holding a complete copy of the same identity already
+    (another workflow's), it converts nothing: the chunk records the copy, the join reuses it."""
     if not 0 <= chunk < chunks:
         raise InputError(f"chunk {chunk} of {chunks}: use 0 <= chunk < chunks (prepare.jobs)")
     archive_of(data_dir, which)
     wanted = identity(index_dir, which, settings)
+    if shared_root is not None and is_prepared(shared_copy(shared_root, wanted), wanted):
+        record = {"identity": wanted, "chunk": chunk, "chunks": chunks, "reuses": True}
+        with atomic_path(chunk_dir, is_dir=True) as tmp:
+            write_json_atomic(tmp / CHUNK_JSON, record)
+        return record
     index, num_classes = _read_inputs(index_dir, which)
     shards = chunk_shards(num_shards(len(index), settings["shard_samples"]), chunk, chunks)
     with atomic_path(chunk_dir, is_dir=True) as tmp:
