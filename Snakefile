@@ -9,8 +9,12 @@ import sys
 
 from snakemake.utils import min_version
 
-# pyproject.toml's range (snakemake>=9.0,<10); CI verifies the pinned 9.27.1.
-min_version("9.0")
+# pyproject.toml's range (snakemake>=9.20.0,<10): common.smk reads resources through the
+# Resource API (.value, .is_evaluable()) first shipped in 9.16.3 (9.16.2 fails at parse), and
+# 9.16.3 to 9.19 read a profile's `runtime: 1440` as seconds (train's -t: 24 min; fixed in
+# 9.20.0, snakemake #4053). CI runs the pinned 9.27.1, and a dry-run and --lint at this floor
+# (.ci/run's .venv-bare, tests/test_bare_env.py: train's runtime=1440 there).
+min_version("9.20.0")
 
 # What this Snakemake process itself needs, here because no job's command can do it for it:
 # Inside a SLURM job a warning signal (profiles/slurm: --signal=USR1@300) reaches every process
@@ -27,8 +31,14 @@ os.environ["PATH"] = os.pathsep.join(
 )
 
 
+# The workflow's folder, for the conda env file's pip arguments (workflow/envs/imagenet-ddp.yaml):
+# Snakemake copies that file into its conda prefix, where a relative path would not resolve.
+os.environ["IMAGENET_DDP_ROOT"] = workflow.basedir
+
+
 envvars:
     "PATH",
+    "IMAGENET_DDP_ROOT",
 
 
 configfile: "config.yaml"
@@ -43,3 +53,4 @@ include: "workflow/rules/report.smk"
 rule all:
     input:
         REPORT_TARGETS,
+        VERIFY_REPORT,  # a gate of index (common.smk verify_gate), rerun on its own

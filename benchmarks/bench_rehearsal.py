@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _rehearse(args, workdir: Path, per_class: int, val_per_class: int) -> dict:
     """Generate the archives, run the workflow's data rules, stage; per-stage measurements."""
+    from imagenet_ddp.data.prepared_layout import resolve_prepared
     from imagenet_ddp.data.stage import stage_dataset
 
     data_dir = workdir / "ILSVRC2012"
@@ -236,7 +237,7 @@ def _rehearse(args, workdir: Path, per_class: int, val_per_class: int) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
-    targets = ["results/split/train.csv", "results/prepared/train", "results/prepared/val"]
+    targets = ["results/split/train.csv", *(f"results/prepared/{w}.json" for w in ("train", "val"))]
     result = subprocess.run(
         [sys.executable, "-m", "snakemake", "--cores", str(args.workers), *targets],
         cwd=workdir,
@@ -247,14 +248,15 @@ def _rehearse(args, workdir: Path, per_class: int, val_per_class: int) -> dict:
     if result.returncode != 0:
         raise RuntimeError(f"snakemake failed:\n{result.stdout[-5000:]}\n{result.stderr[-5000:]}")
     bench = workdir / "results/benchmarks"
-    staged = stage_dataset(workdir / "results/prepared/train", workdir / "scratch", verify="size")
+    copies = {w: resolve_prepared(workdir / f"results/prepared/{w}.json") for w in ("train", "val")}
+    staged = stage_dataset(copies["train"], workdir / "scratch", verify="size")
     both = train_n + val_n
     stages = {
         "verify": (both, "results/verify"),
         "index": (both, "results/index"),
         "split": (train_n, "results/split"),
-        "prepare_train": (train_n, "results/prepared/train"),
-        "prepare_val": (val_n, "results/prepared/val"),
+        "prepare_train": (train_n, copies["train"]),
+        "prepare_val": (val_n, copies["val"]),
     }
     measured = {}
     for stage, (images, output) in stages.items():

@@ -3,10 +3,12 @@ executor plugin: what runs while Snakemake parses the rules (workflow/rules/comm
 modules it imports from src/) needs no torch, torchvision, numpy, pandas or scikit-learn, and
 the package need not be installed there (the jobs run in `--sdm conda`/`apptainer`).
 
-The bare environment is made by .ci/run (`.venv-bare`: `pip install -c
-requirements/constraints.txt snakemake snakemake-executor-plugin-slurm`) or pointed at by
-IMAGENET_DDP_BARE_VENV. Without it the test is skipped with the reason, except in CI
-(IMAGENET_DDP_REQUIRE_BARE_VENV=1), where it fails.
+The bare environment is made by .ci/run (`.venv-bare`: the oldest Snakemake the workflow allows,
+requirements/snakemake-floor.txt, with the SLURM plugin and the rest of
+requirements/constraints.txt; BARE_VENV_COMMAND) or pointed at by IMAGENET_DDP_BARE_VENV. Its
+dry-run proves the version floor (Snakefile min_version) is one the workflow runs on. Without it
+the test is skipped with the reason, except in CI (IMAGENET_DDP_REQUIRE_BARE_VENV=1), where it
+fails.
 """
 
 from __future__ import annotations
@@ -51,14 +53,21 @@ def test_parse_time_modules_import_without_heavy_packages():
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+BARE_VENV_COMMAND = (
+    "python3 -m venv {venv} && grep -v '^snakemake==' requirements/constraints.txt > "
+    "{venv}/constraints-floor.txt && {venv}/bin/python -m pip install -c "
+    "{venv}/constraints-floor.txt -r requirements/snakemake-floor.txt "
+    "snakemake-executor-plugin-slurm"
+)
+
+
 def bare_python() -> Path:
     venv = Path(os.environ.get("IMAGENET_DDP_BARE_VENV") or REPO / ".venv-bare")
     python = venv / "bin" / "python"
     if not python.exists():
         message = (
-            f"no bare Snakemake environment at {venv} (make it with `python3 -m venv "
-            f"{venv.name} && {venv.name}/bin/pip install -c requirements/constraints.txt "
-            "snakemake snakemake-executor-plugin-slurm`, as .ci/run does)"
+            f"no bare Snakemake environment at {venv} (make it with "
+            f"`{BARE_VENV_COMMAND.format(venv=venv.name)}`, as .ci/run does)"
         )
         if os.environ.get("IMAGENET_DDP_REQUIRE_BARE_VENV") == "1":  # CI: must run, never skip
             pytest.fail(message, pytrace=False)
@@ -94,6 +103,15 @@ def test_dry_run_and_lint_with_snakemake_alone(tmp_path):
         capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     assert absent == "[]", f"{python} is not bare: {absent}"
+    floor = re.search(r'^min_version\("([\d.]+)"\)', (REPO / "Snakefile").read_text(), re.M)
+    version = subprocess.run(
+        [str(python), "-c", "import snakemake; print(snakemake.__version__)"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert version == floor.group(1), (
+        f"{python} has Snakemake {version}, not the floor {floor.group(1)}: remake it with "
+        f"`{BARE_VENV_COMMAND.format(venv=python.parent.parent)}`"
+    )
     clone = fresh_clone(tmp_path / "clone")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     env.pop("PYTHONPATH", None)

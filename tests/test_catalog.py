@@ -57,6 +57,13 @@ def test_array_jobs_name_rules_of_the_workflow():
 def test_min_version_is_pyprojects_lower_bound():
     [version] = re.findall(r'^min_version\("([\d.]+)"\)', (REPO / "Snakefile").read_text(), re.M)
     assert tuple(int(x) for x in version.split(".")) == dependency_lower_bound("snakemake")
+    # CI's bare environment dry-runs at this floor (tests/test_bare_env.py checks its version)
+    floor = (REPO / "requirements/snakemake-floor.txt").read_text()
+    assert re.findall(r"^snakemake==([\d.]+)$", floor, re.M) == [version]
+    # 9.16.3 first shipped the Resource API that common.smk reads (snakemake 4cada18, #3421);
+    # before 9.20.0 a profile's runtime was read as seconds (#4053): CI's bare dry-run shows it
+    common = (REPO / "workflow/rules/common.smk").read_text()
+    assert ".is_evaluable()" in common and tuple(map(int, version.split("."))) >= (9, 20, 0)
 
 
 def test_the_license_is_the_one_pyproject_names():

@@ -8,6 +8,7 @@ Python, and every package the project depends on must be pinned there.
 from __future__ import annotations
 
 import re
+import shutil
 import tomllib
 from importlib import metadata
 from pathlib import Path
@@ -56,12 +57,41 @@ def test_conda_env_installs_through_the_constraints(env_file):
     python = next(d for d in conda if _name(d) == "python")
     assert python.split("=", 1)[1] == python_minor_of_ci(), python
     constraint = next(a.split(None, 1)[1] for a in pip if a.startswith("--constraint"))
-    assert (env_file.parent / constraint).resolve() == CONSTRAINTS
+    assert Path(constraint.replace("${IMAGENET_DDP_ROOT}", str(REPO))) == CONSTRAINTS
     # Anything pinned explicitly must agree with the constraints file.
     for spec in [*conda, *(a for a in pip if not a.startswith("-"))]:
         match = re.fullmatch(r"([A-Za-z0-9._-]+)\s*==?\s*([^\s,;]+)", spec)
         if match and _name(spec) not in ("python", "pip"):
             assert pins().get(_name(spec)) == match.group(2), f"{env_file.name}: {spec}"
+
+
+def test_conda_env_resolves_from_a_copy_in_another_prefix(tmp_path, monkeypatch):
+    """`--sdm conda --conda-prefix ~/envs`: Snakemake copies the env file to
+    <prefix>/<hash>.yaml (snakemake.deployment.conda Env.create) and conda writes its pip
+    arguments into a requirements file beside that copy and runs pip there (conda_env's pip
+    installer). pip's own parser, run there, finds the constraints file and the checkout:
+    each argument names the workflow's folder through IMAGENET_DDP_ROOT, which the Snakefile
+    sets to its own folder, never a path relative to the file."""
+    from pip._internal.network.session import PipSession
+    from pip._internal.req.req_file import parse_requirements
+
+    assert 'os.environ["IMAGENET_DDP_ROOT"] = workflow.basedir' in (REPO / "Snakefile").read_text()
+    prefix = tmp_path / "site-envs"
+    prefix.mkdir()
+    copied = prefix / "0123abcd.yaml"
+    shutil.copyfile(ENVS / "imagenet-ddp.yaml", copied)
+    env = yaml.safe_load(copied.read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    assert not any(".." in arg for arg in pip), pip  # relative to a file that gets copied
+    requirements = prefix / "condaenv.test.requirements.txt"
+    requirements.write_text("\n".join(pip))
+    monkeypatch.chdir(prefix)
+    monkeypatch.setenv("IMAGENET_DDP_ROOT", str(REPO))  # the Snakefile's folder
+    parsed = list(parse_requirements(str(requirements), session=PipSession()))
+    editable = [p.requirement for p in parsed if p.is_editable]
+    assert [Path(e).resolve() for e in editable] == [REPO]
+    constrained = {_name(p.requirement) for p in parsed if p.constraint}
+    assert constrained == set(pins()), "every pin of requirements/constraints.txt, read there"
 
 
 def test_apptainer_image_installs_through_the_constraints_on_the_same_python():

@@ -334,3 +334,23 @@ def test_ranks_killed_after_their_stop_checkpoint_are_stopped_not_failed(monkeyp
     assert launch.killed_after_its_checkpoint(137, 0.0, job) == 137  # no signal: a failure
     assert launch.killed_after_its_checkpoint(1, os_time - 1, job) == 75
     assert launch.killed_after_its_checkpoint(0, os_time - 1, job) == 0
+
+
+def test_a_delivered_run_trains_afresh_only_when_a_retrain_is_asked_for(tmp_path):
+    """`IMAGENET_DDP_RETRAIN=1 snakemake --forcerun train` (issue 35): the run's checkpoints
+    and attempt record move aside, so it trains from scratch instead of writing its final
+    checkpoint's model again; without the variable (a restarted Snakemake rerunning the job
+    as incomplete, a retry) and for a run never delivered, nothing moves."""
+    from imagenet_ddp.jobs.stages import DELIVERED, start_afresh_if_delivered
+
+    root = tmp_path / "checkpoints" / "run"
+    (root / "key").mkdir(parents=True)
+    (root / "key" / "epoch-3.pt").write_bytes(b"final")
+    assert start_afresh_if_delivered(root, {"IMAGENET_DDP_RETRAIN": "1"}) is None  # in progress
+    (root / DELIVERED).write_text("{}")
+    assert start_afresh_if_delivered(root, {}) is None
+    assert (root / "key" / "epoch-3.pt").read_bytes() == b"final"
+    previous = start_afresh_if_delivered(root, {"IMAGENET_DDP_RETRAIN": "1"})
+    assert previous == tmp_path / "checkpoints" / "run.previous" and not root.exists()
+    assert (previous / "key" / "epoch-3.pt").read_bytes() == b"final"
+    assert start_afresh_if_delivered(root, {"IMAGENET_DDP_RETRAIN": "1"}) is None  # a retry

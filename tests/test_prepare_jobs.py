@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -85,3 +86,25 @@ def test_an_index_without_offsets_or_with_wrong_ones_is_never_misread(
             **PREPARE_SETTINGS,
         )  # fmt: skip
     assert not out.exists()
+
+
+def test_chunk_jobs_convert_nothing_where_prepare_dir_holds_the_copy(
+    demo_archives, index_dir, tmp_path
+):
+    """A second workflow sharing prepare.dir with prepare.jobs: K: where the copy of its index
+    and settings is there already, its chunk jobs write only a record and the join names that
+    copy in the workflow's manifest, unchanged (no K allocations converting ImageNet again)."""
+    root, manifest = tmp_path / "shared", tmp_path / "results/prepared/val.json"
+    argv = [*_args(demo_archives, index_dir, "val"), "--prepared-dir", str(root)]
+    assert main(["prepare", *argv, "--manifest", str(tmp_path / "first.json")]) == 0
+    copy = Path(json.loads((tmp_path / "first.json").read_text())["dir"])
+    before = _tree(copy)
+    chunks = [tmp_path / "chunks" / f"{k}-of-2" for k in range(2)]
+    for k, chunk in enumerate(chunks):
+        assert main(["prepare-chunk", *argv, "--chunk", str(k), "--chunks", "2",
+                     "--chunk-dir", str(chunk)]) == 0  # fmt: skip
+        assert sorted(p.name for p in chunk.iterdir()) == ["chunk.json"]
+    join = ["prepare-join", "--chunk-dirs", *map(str, chunks), "--prepared-dir", str(root)]
+    assert main([*join, "--manifest", str(manifest)]) == 0
+    assert json.loads(manifest.read_text())["dir"] == str(copy)
+    assert json.loads(manifest.read_text())["reused"] is True and _tree(copy) == before

@@ -56,11 +56,12 @@ import pandas as pd
 import pytest
 import torch
 
+from imagenet_ddp.data.prepared_layout import resolve_prepared
 from imagenet_ddp.jobs import attempts
 from imagenet_ddp.settings.geometry import on_nodes
 from tests.test_resume import CONFIG, assert_bitwise_equal, torchrun, weights
 from tests.test_slurm_e2e import TEST_PROFILE
-from tests.workflow_helpers import SNAKEMAKE, copy_workflow, read_config, shown_specs, snakemake
+from tests.workflow_helpers import SNAKEMAKE, copy_workflow, shown_specs, snakemake
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
@@ -251,11 +252,11 @@ def test_every_way_of_stopping_a_job_checkpoints_and_the_run_finishes_in_one_inv
 ):
     stage = slurm_cluster.node_scratch_config()  # the nodes' own tmpfs, as a site user sets it
     workdir = copy_workflow(tmp_path / "wf", runs=[RUN], stage=stage).resolve()
-    target = f"{read_config(workdir)['prepare'].get('dir', 'results/prepared')}/train"
-    prepared = workdir / target
+    target = "results/prepared/train.json"  # names the copy in prepare.dir
     snakemake(
         workdir, "--profile", "profiles/local", target, "results/split/train.csv"
     )  # fmt: skip  (the data steps are not what is tested)
+    prepared = resolve_prepared(workdir / target)
     shown = snakemake(workdir, "-n", "-p", "results/runs/stops/model.pt").stdout
     settings = shown_specs(shown, "train")[0]["run"]
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from imagenet_ddp.data.prepared_layout import resolve_prepared
 from tests.workflow_helpers import (
     planned_jobs,
     read_config,
@@ -53,13 +54,17 @@ def test_every_stage_artifact_exists_with_provenance(local_run):
         "results/split/train.csv",
         "results/split/holdout.csv",
         "results/split/provenance.json",
-        "results/prepared/train/prepared.json",
-        "results/prepared/val/prepared.json",
+        "results/prepared/train.json",  # manifests naming the copies in prepare.dir
+        "results/prepared/val.json",
         "results/aggregate/runs.csv",
         "results/aggregate/runs.md",
         "results/aggregate/runs.csv.provenance.json",
     ]:
         assert (w / path).is_file(), path
+    for which in ("train", "val"):  # each manifest names a complete copy in prepare.dir
+        copy = resolve_prepared(w / f"results/prepared/{which}.json")
+        assert copy.parent == w / "results/prepared" and copy.name.startswith(f"{which}-")
+        assert (copy / "prepared.json").is_file()
     provenance = json.loads((w / "results/split/provenance.json").read_text())
     assert provenance["seeds"] == {"split": 0}
     assert provenance["libraries"]["torch"].startswith("2.")
@@ -176,7 +181,7 @@ def test_preflight_fails_with_one_line_per_problem(local_run, tmp_path):
     job = make_job(
         "preflight",
         settings,
-        prepared_train="results/prepared/train",
+        prepared_train="results/prepared/train.json",  # the manifest, resolved by the job
         split_dir="results/split",
         out=tmp_path / "preflight.json",
         checkpoint_root=tmp_path,
@@ -361,9 +366,10 @@ def test_changing_split_seed_reruns_split_and_downstream_only(local_run):
         plan = planned_jobs(local_run, "--profile", "profiles/local")
     finally:
         write_config(local_run, original)
+    # data_key: a setting the trainings' data is made from changed
     assert plan == {
-        "split": 1, "preflight_run": 2, "train": 2, "evaluate": 2, "accounting": 1,
-        "aggregate": 1, "plots": 1, "all": 1,
+        "data_key": 1, "split": 1, "preflight_run": 2, "train": 2, "evaluate": 2,
+        "accounting": 1, "aggregate": 1, "plots": 1, "all": 1,
     }, plan  # fmt: skip
 
 
@@ -384,6 +390,102 @@ def test_prepare_split_into_jobs_shows_them_in_the_dry_run(local_run):
             assert f"results/prepare_chunks/{which}/{chunk}-of-3" in text, text[-3000:]
     plan = planned_jobs(local_run, "--profile", "profiles/local", "--until", "prepare")
     assert plan == {}, "a dry-run changes nothing: the one-job copy is still up to date"
+
+
+def test_flipping_check_md5_on_a_finished_workflow_plans_only_verify(local_run):
+    """verify gates index without its report's time rerunning the data stages (issue 35):
+    the report is index's input only while it is missing or older than an archive."""
+    config = read_config(local_run)
+    original = copy.deepcopy(config)
+    config["data"]["check_md5"] = not config["data"].get("check_md5", True)
+    write_config(local_run, config)
+    try:
+        plan = planned_jobs(local_run, "--profile", "profiles/local")
+    finally:
+        write_config(local_run, original)
+    assert plan == {"verify": 1, "all": 1}, plan
+
+
+def _edit_package(workdir: Path, module: str, line: str) -> None:
+    """The workflow's own source tree (common.smk puts <workflow>/src first on the path) with
+    one statement added to ``module``: a code change as an upgrade brings it."""
+    src = workdir / "src"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "src", src,
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    path = src / "imagenet_ddp" / module
+    path.write_text(path.read_text() + f"\n{line}\n")
+
+
+def test_a_code_change_reruns_its_stage_and_what_reads_it_but_no_training(local_run):
+    """A changed split.py reruns split, the evaluations of its holdout and the tables, no
+    finished training or preflight; a changed training module reruns only the table, which
+    flags the runs (tests/test_aggregate.py); a comment changes nothing (issue 35)."""
+    plans = {}
+    try:
+        for module, line in (
+            ("data/split.py", "# a comment only"),
+            ("data/split.py", "SPLIT_CHANGED = 1"),
+            ("training/loop.py", "LOOP_CHANGED = 1"),
+        ):
+            shutil.rmtree(local_run / "src", ignore_errors=True)
+            _edit_package(local_run, module, line)
+            plans[line] = planned_jobs(local_run, "--profile", "profiles/local")
+    finally:
+        shutil.rmtree(local_run / "src", ignore_errors=True)
+    assert plans["# a comment only"] == {}, plans
+    assert plans["SPLIT_CHANGED = 1"] == {
+        "split": 1, "evaluate": 2, "aggregate": 1, "plots": 1, "all": 1
+    }, plans  # fmt: skip
+    assert plans["LOOP_CHANGED = 1"] == {"aggregate": 1, "plots": 1, "all": 1}, plans
+
+
+def _tree(root: Path) -> dict[str, tuple[str, int, int]]:
+    """Every file under ``root``: sha256, inode and mtime (a rewrite or a new file shows)."""
+    import hashlib
+
+    return {
+        str(p.relative_to(root)): (
+            hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_ino, p.stat().st_mtime_ns
+        )
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }  # fmt: skip
+
+
+def test_a_second_workflow_sharing_prepare_dir_never_touches_the_first_ones_copy(
+    local_run, tmp_path
+):
+    """Issue 35: a second working directory sharing prepare.dir, its index files newer than
+    the first's copy, runs its own verify, index and prepare: it reuses the first's copy (its
+    manifest names it) instead of deleting it, and with another prepared setting builds a copy
+    of its own beside it. The first's copy, one of its files held open as a reader holds it,
+    is the same bytes, inodes and mtimes throughout."""
+    from tests.workflow_helpers import copy_workflow
+
+    first = resolve_prepared(local_run / "results/prepared/val.json")
+    before = _tree(first)
+    second = copy_workflow(tmp_path / "second")
+    config = read_config(second)
+    config["demo"]["enabled"] = False
+    config["data"]["dir"] = str(local_run / "resources/demo/ILSVRC2012")
+    config["prepare"]["dir"] = str(local_run / "results/prepared")
+    write_config(second, config)
+    target = "results/prepared/val.json"
+    with open(first / "samples.csv", "rb") as reader:
+        snakemake(second, "--profile", "profiles/local", target)
+        reused = resolve_prepared(second / target)
+        config["prepare"]["shard_samples"] = 7  # another copy: another name
+        write_config(second, config)
+        planned = planned_jobs(second, "--profile", "profiles/local", target)
+        snakemake(second, "--profile", "profiles/local", target)
+        assert os.fstat(reader.fileno()).st_nlink == 1  # what a reader holds was not unlinked
+    own = resolve_prepared(second / target)
+    assert (second / "results/index/val.csv").stat().st_mtime > first.stat().st_mtime
+    assert reused == first
+    assert planned == {"prepare": 1}, planned  # the manifest, never the shared copy
+    assert own != first and own.parent == first.parent and (own / "prepared.json").is_file()
+    assert _tree(first) == before
+    assert resolve_prepared(local_run / target) == first  # the first still names its copy
 
 
 def test_split_is_identical_when_rerun(local_run, tmp_path):

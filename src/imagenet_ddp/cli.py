@@ -58,10 +58,23 @@ def _prepare_settings(args: argparse.Namespace) -> dict:
     }
 
 
-def cmd_prepare(args: argparse.Namespace) -> None:
-    from imagenet_ddp.data.prepare import prepare
+def _shared(args: argparse.Namespace) -> bool:
+    """--manifest (with its --prepared-dir), the workflow's way; else --out."""
+    if args.manifest and not args.prepared_dir:
+        raise InputError("--manifest needs --prepared-dir (the directory holding the copies)")
+    return bool(args.manifest)
 
-    if prepare(args.data_dir, args.index_dir, args.which, args.out, **_prepare_settings(args)):
+
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from imagenet_ddp.data.prepare import prepare, prepare_shared
+
+    if _shared(args):
+        copy = prepare_shared(
+            args.data_dir, args.index_dir, args.which, args.manifest, args.prepared_dir,
+            **_prepare_settings(args),
+        )  # fmt: skip
+        print(f"{args.manifest} names {copy}")
+    elif prepare(args.data_dir, args.index_dir, args.which, args.out, **_prepare_settings(args)):
         print(f"{args.out} is already prepared from the same index and settings; reusing")
 
 
@@ -75,14 +88,18 @@ def cmd_prepare_chunk(args: argparse.Namespace) -> None:
         args.chunk_dir,
         chunk=args.chunk,
         chunks=args.chunks,
+        shared_root=args.prepared_dir,
         **_prepare_settings(args),
     )
 
 
 def cmd_prepare_join(args: argparse.Namespace) -> None:
-    from imagenet_ddp.data.prepare import join_chunks
+    from imagenet_ddp.data.prepare import join_chunks, join_shared
 
-    if join_chunks(args.chunk_dirs, args.out):
+    if _shared(args):
+        copy = join_shared(args.chunk_dirs, args.manifest, args.prepared_dir)
+        print(f"{args.manifest} names {copy}")
+    elif join_chunks(args.chunk_dirs, args.out):
         print(f"{args.out} is already prepared from the same index and settings; reusing")
 
 
@@ -96,11 +113,12 @@ def _add_prepare_parsers(sub) -> None:
         p.add_argument("--index-dir", type=Path, required=True)
         p.add_argument("--which", choices=["train", "val"], required=True)
         if func is cmd_prepare:
-            p.add_argument("--out", type=Path, required=True)
+            _add_out_arguments(p)
         else:
             p.add_argument("--chunk", type=int, required=True)
             p.add_argument("--chunks", type=int, required=True)
             p.add_argument("--chunk-dir", type=Path, required=True)
+            p.add_argument("--prepared-dir", type=Path, help="convert nothing if a copy is there")
         p.add_argument("--short-side", type=int, required=True)
         p.add_argument("--quality", type=int, required=True)
         p.add_argument("--workers", type=int, required=True)
@@ -109,8 +127,27 @@ def _add_prepare_parsers(sub) -> None:
         p.set_defaults(func=func)
     p = sub.add_parser("prepare-join", help="join the K prepare-chunk outputs into one copy")
     p.add_argument("--chunk-dirs", type=Path, nargs="+", required=True)
-    p.add_argument("--out", type=Path, required=True)
+    _add_out_arguments(p)
     p.set_defaults(func=cmd_prepare_join)
+
+
+def _add_out_arguments(p) -> None:
+    """Where the copy goes: a directory (--out), or the workflow's way, a manifest naming a
+    content-addressed copy in a shared directory (--manifest with --prepared-dir)."""
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--out", type=Path, help="the prepared directory itself")
+    group.add_argument(
+        "--manifest", type=Path, help="a file naming the copy (needs --prepared-dir)"
+    )
+    p.add_argument("--prepared-dir", type=Path, help="the shared directory of the copies")
+
+
+def cmd_data_key(args: argparse.Namespace) -> None:
+    import json
+
+    from imagenet_ddp.io import write_json_atomic
+
+    write_json_atomic(args.out, json.loads(args.settings))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -150,7 +187,7 @@ def _add_job_parser(sub, name: str, help_text: str, func) -> None:
 def cmd_aggregate(args: argparse.Namespace) -> None:
     from imagenet_ddp.report.aggregate import write_aggregate
 
-    write_aggregate(args.run_dirs, args.csv, args.markdown)
+    write_aggregate(args.run_dirs, args.csv, args.markdown, args.training_code)
 
 
 def cmd_accounting(args: argparse.Namespace) -> None:
@@ -227,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_split)
 
     _add_prepare_parsers(sub)
+    p = sub.add_parser("data-key", help="record what the training data is made from")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--settings", required=True, help="the settings, as JSON")
+    p.set_defaults(func=cmd_data_key)
 
     _add_job_parser(sub, "train", "stage data on every node and run DDP training", cmd_train)
     _add_job_parser(
@@ -241,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dirs", type=Path, nargs="+", required=True)
     p.add_argument("--csv", type=Path, required=True)
     p.add_argument("--markdown", type=Path, required=True)
+    p.add_argument(
+        "--training-code", help="the digest of today's training code: flag runs of another"
+    )
     p.set_defaults(func=cmd_aggregate)
 
     p = sub.add_parser("accounting", help="sacct accounting of each run's training job")

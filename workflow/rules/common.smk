@@ -38,6 +38,13 @@ from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
 from imagenet_ddp.settings.kinds import declarations
 from imagenet_ddp.data.stage import configured_scratch_problem, scratch_in_ram
 from imagenet_ddp.settings.presets import scaled_lr
+from imagenet_ddp.settings.code_digest import STAGES, code_digest
+
+# Each stage's code digest (imagenet_ddp.settings.code_digest), a param of its rule: a change
+# of the code a stage runs reruns it (Snakemake compares only a rule's shell text). Training's
+# is no param of train (no finished GPU job resubmitted for a code change): aggregate flags a
+# run trained by other training code.
+CODE = {stage: code_digest(stage) for stage in STAGES}
 
 # Validation fills in the schema's defaults, the one home of every setting's default: the rules
 # read config[...] directly. Runs resolve from their entries as written (imagenet_ddp.settings.runs).
@@ -517,8 +524,75 @@ if _problem:
 
 # The training-ready copy; point several workflows (or users) at one shared directory to
 # prepare ImageNet once: writers are excluded by a lock, readers only see complete copies.
+# Each copy's name is the digest of what it is made from; this workflow's `prepare` output is
+# a manifest under results/ naming it (imagenet_ddp.data.prepared_layout), which each job that
+# reads the copy takes as input and resolves when it starts: no copy is ever an output.
 PREPARED_DIR = config["prepare"]["dir"]
+
+
+def prepared_manifest(which):
+    return f"results/prepared/{which}.json"
+
+
 CHECKPOINT_DIR = site_setting("execution", "checkpoint_dir")
+
+
+VERIFY_REPORT = "results/verify/report.json"
+
+
+def verify_gate(wildcards):
+    """index's dependency on verify, only where verify will check other archives: its report
+    missing, or older than an archive (replaced since). Not ancient(): Snakemake skips a job's
+    own checks while a job upstream reruns, so ancient() would hide newer archives from index
+    in that invocation. A report that stays is a gate passed: no input; verify stays in the
+    DAG through `rule all`, where its rerun (check_md5, its code) reruns nothing else.
+    """
+    if not os.path.exists(VERIFY_REPORT):
+        return [VERIFY_REPORT]
+    verified = os.path.getmtime(VERIFY_REPORT)
+    archives = [p for p in archive_paths().values() if os.path.exists(p)]
+    if any(os.path.getmtime(p) > verified for p in archives):
+        return [VERIFY_REPORT]
+    return []
+
+
+# What the training data is made from, as a file whose rule (data_key) reruns when a setting of
+# it changes: train and its preflight take it as input, and the split and prepared files as
+# ancient(), so a data stage rerun for its code alone resubmits no finished training while a
+# changed split seed or prepared size does (docs/configuration.md "Reruns").
+DATA_KEY = "results/data_key.json"
+
+
+def data_key_settings():
+    demo = config["demo"] if config["demo"]["enabled"] else None
+    prepare = {
+        k: config["prepare"][k] for k in ("short_side", "jpeg_quality", "on_corrupt")
+    }
+    return {
+        "demo": demo,  # the real archives: their own times rerun index and what follows
+        "split": config["split"],
+        "prepare": {**prepare, "shard_samples": config["prepare"]["shard_samples"]},
+        "index_format": INDEX_FORMAT_VERSION,
+        "prepared_format": PREPARED_FORMAT_VERSION,
+    }
+
+
+def _adopt_data_key():
+    """A workflow trained by a version without data_key: its file, written here at the epoch
+    (older than every model) and without Snakemake's record, reruns no finished training; a
+    setting changed after that reruns data_key, and through it the training."""
+    if os.path.exists(DATA_KEY) or not any(
+        os.path.exists(f"results/runs/{name}/model.pt") for name in RUNS
+    ):
+        return
+    os.makedirs(os.path.dirname(DATA_KEY), exist_ok=True)
+    with open(DATA_KEY, "w") as handle:
+        json.dump(data_key_settings(), handle, sort_keys=True)
+    os.utime(DATA_KEY, (0, 0))
+
+
+if workflow.is_main_process:
+    _adopt_data_key()
 
 
 def md5sums_input(wildcards):

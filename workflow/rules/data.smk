@@ -40,6 +40,7 @@ rule verify:
     params:
         data_dir=input_data_dir,
         check_md5="--check-md5" if config["data"]["check_md5"] else "--no-check-md5",
+        code=CODE["verify"],  # its code changed: rerun (common.smk CODE)
     shell:
         "imagenet-ddp verify --data-dir {params.data_dir:q} --report {output.report:q}"
         " {params.check_md5} > {log:q} 2>&1"
@@ -48,7 +49,10 @@ rule verify:
 rule index:
     input:
         **archive_paths(),
-        verified="results/verify/report.json",
+        # A gate, not a data input (common.smk verify_gate): index waits for verify where
+        # the report is missing or older than an archive; otherwise a verify rerun
+        # (data.check_md5 flipped, its code changed) reruns nothing after it.
+        verified=verify_gate,
     output:
         classes="results/index/classes.csv",
         train="results/index/train.csv",
@@ -66,9 +70,28 @@ rule index:
         out_dir=lambda wildcards, output: os.path.dirname(output.train),
         # A new index format reruns this rule: prepare never reads an index of an older one.
         index_format=INDEX_FORMAT_VERSION,
+        code=CODE["index"],  # its code changed: rerun (common.smk CODE)
     shell:
         "imagenet-ddp index --data-dir {params.data_dir:q} --out-dir {params.out_dir:q}"
         " > {log:q} 2>&1"
+
+
+rule data_key:
+    output:
+        DATA_KEY,
+    log:
+        "logs/data_key.log",
+    localrule: True
+    conda:
+        "../envs/imagenet-ddp.yaml"
+    container:
+        CONTAINER
+    params:
+        # Every setting the training data is made from (common.smk DATA_KEY), not check_md5
+        # nor any stage's code: a change of one reruns this job and every training after it.
+        settings=lambda wildcards: json.dumps(data_key_settings(), sort_keys=True),
+    shell:
+        "imagenet-ddp data-key --out {output:q} --settings {params.settings:q} > {log:q} 2>&1"
 
 
 rule split:
@@ -91,6 +114,7 @@ rule split:
         seed=config["split"]["seed"],
         index_dir=lambda wildcards, input: os.path.dirname(input.train),
         out_dir=lambda wildcards, output: os.path.dirname(output.train),
+        code=CODE["split"],  # its code changed: rerun (common.smk CODE)
     shell:
         "imagenet-ddp split --index-dir {params.index_dir:q}"
         " --holdout-fraction {params.holdout_fraction} --seed {params.seed}"
@@ -105,7 +129,9 @@ if PREPARE_JOBS == 1:
             index="results/index/{which}.csv",
             classes="results/index/classes.csv",
         output:
-            directory(f"{PREPARED_DIR}/{{which}}"),
+            # A manifest naming the content-addressed copy in prepare.dir (common.smk
+            # prepared_manifest): what Snakemake deletes before the job, never a copy.
+            manifest=prepared_manifest("{which}"),
         log:
             "logs/prepare_{which}.log",
         benchmark:
@@ -123,9 +149,13 @@ if PREPARE_JOBS == 1:
             flags=prepare_flags,
             # A new prepared format reruns this rule: no job reads a copy of an older one.
             format_version=PREPARED_FORMAT_VERSION,
+            # Where the copies live (a function: --lint takes a plain prefix of the output
+            # for a path to derive from it; the copies are not this job's outputs).
+            prepared_dir=lambda wildcards: PREPARED_DIR,
         shell:
             "imagenet-ddp prepare --data-dir {params.data_dir:q} --index-dir {params.index_dir:q}"
-            " --out {output:q} {params.flags} --workers {threads} > {log:q} 2>&1"
+            " --manifest {output.manifest:q} --prepared-dir {params.prepared_dir:q}"
+            " {params.flags} --workers {threads} > {log:q} 2>&1"
 
 else:
 
@@ -158,11 +188,14 @@ else:
             flags=prepare_flags,
             # A new prepared format reruns this rule: no job reads a copy of an older one.
             format_version=PREPARED_FORMAT_VERSION,
+            # a copy of the same index and settings there already: convert nothing
+            prepared_dir=lambda wildcards: PREPARED_DIR,
         shell:
             "imagenet-ddp prepare-chunk --data-dir {params.data_dir:q}"
             " --index-dir {params.index_dir:q} --chunk {wildcards.chunk}"
             f" --chunks {PREPARE_JOBS}"
-            " --chunk-dir {output:q} {params.flags} --workers {threads} > {log:q} 2>&1"
+            " --chunk-dir {output:q} --prepared-dir {params.prepared_dir:q}"
+            " {params.flags} --workers {threads} > {log:q} 2>&1"
 
     rule prepare:
         input:
@@ -172,7 +205,9 @@ else:
                 jobs=PREPARE_JOBS,
             ),
         output:
-            directory(f"{PREPARED_DIR}/{{which}}"),
+            # A manifest naming the content-addressed copy in prepare.dir (common.smk
+            # prepared_manifest): what Snakemake deletes before the job, never a copy.
+            manifest=prepared_manifest("{which}"),
         log:
             "logs/prepare_{which}.log",
         benchmark:
@@ -185,6 +220,10 @@ else:
             CONTAINER
         params:
             format_version=PREPARED_FORMAT_VERSION,
+            # Where the copies live (a function: --lint takes a plain prefix of the output
+            # for a path to derive from it; the copies are not this job's outputs).
+            prepared_dir=lambda wildcards: PREPARED_DIR,
         shell:
-            "imagenet-ddp prepare-join --chunk-dirs {input.chunks:q} --out {output:q}"
+            "imagenet-ddp prepare-join --chunk-dirs {input.chunks:q}"
+            " --manifest {output.manifest:q} --prepared-dir {params.prepared_dir:q}"
             " > {log:q} 2>&1"

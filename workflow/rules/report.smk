@@ -31,6 +31,7 @@ rule accounting:
         CONTAINER
     params:
         run_dirs=run_dirs(),
+        code=CODE["accounting"],  # its code changed: rerun (common.smk CODE)
     shell:
         "imagenet-ddp accounting --run-dirs {params.run_dirs:q} > {log:q} 2>&1"
 
@@ -60,9 +61,13 @@ rule aggregate:
         CONTAINER
     params:
         run_dirs=run_dirs(),
+        code=CODE["aggregate"],  # its code changed: rerun (common.smk CODE)
+        # The training code of today: a run whose model other code trained is flagged.
+        training_code=CODE["training"],
     shell:
         "imagenet-ddp aggregate --run-dirs {params.run_dirs:q} --csv {output.csv:q}"
-        " --markdown {output.markdown:q} > {log:q} 2>&1"
+        " --markdown {output.markdown:q} --training-code {params.training_code}"
+        " > {log:q} 2>&1"
 
 
 rule plots:
@@ -109,6 +114,7 @@ rule plots:
         CONTAINER
     params:
         run_dirs=run_dirs(),
+        code=CODE["plots"],  # its code changed: rerun (common.smk CODE)
     shell:
         "imagenet-ddp plots --runs-csv {input.runs:q} --run-dirs {params.run_dirs:q}"
         " --throughput {output.throughput:q} --efficiency {output.efficiency:q}"

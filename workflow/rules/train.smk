@@ -1,8 +1,12 @@
 rule train:
     input:
-        prepared=f"{PREPARED_DIR}/train",
-        split_train="results/split/train.csv",
-        split_holdout="results/split/holdout.csv",
+        # ancient: a rerun of the data stages for their code alone (same data settings)
+        # resubmits no finished training; what the data is made from reruns it through
+        # data_key (common.smk DATA_KEY; docs/configuration.md "Reruns").
+        prepared=ancient(prepared_manifest("train")),
+        split_train=ancient("results/split/train.csv"),
+        split_holdout=ancient("results/split/holdout.csv"),
+        data_key=DATA_KEY,
         preflight=preflight_input,  # runs with `preflight: true`: a passing preflight first
     output:
         model="results/runs/{run}/model.pt",
@@ -74,8 +78,8 @@ rule evaluate:
     input:
         model="results/runs/{run}/model.pt",
         # The shared prepared copy, read directly: no node-local staging (one sequential pass).
-        prepared_train=f"{PREPARED_DIR}/train",
-        prepared_val=f"{PREPARED_DIR}/val",
+        prepared_train=prepared_manifest("train"),
+        prepared_val=prepared_manifest("val"),
         holdout="results/split/holdout.csv",
         classes="results/index/classes.csv",
     output:
@@ -104,6 +108,7 @@ rule evaluate:
         # What reruns the evaluation, as before the job spec (the geometry does not).
         batch_size=evaluation_setting("batch_size"),
         split_dir=lambda wildcards, input: os.path.dirname(input.holdout),
+        code=CODE["evaluate"],  # its code changed: rerun (common.smk CODE)
     # exec: the launcher replaces the rule's shell (see rule train).
     shell:
         "exec imagenet-ddp evaluate --job {resources.job:q} > {log:q} 2>&1"
@@ -115,9 +120,11 @@ rule evaluate:
 # every run; `preflight: true` makes the run's `train` wait for a passing one.
 rule preflight_run:
     input:
-        prepared=f"{PREPARED_DIR}/train",
-        split_train="results/split/train.csv",
-        split_holdout="results/split/holdout.csv",
+        # as train's (see there)
+        prepared=ancient(prepared_manifest("train")),
+        split_train=ancient("results/split/train.csv"),
+        split_holdout=ancient("results/split/holdout.csv"),
+        data_key=DATA_KEY,
     output:
         report="results/preflight/{run}/preflight.json",
     log:

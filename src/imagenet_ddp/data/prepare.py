@@ -9,7 +9,10 @@ exactly as the one-job path does with its own parts.
 
 The final copy may live on storage shared by several workflows: writers hold a lock beside it,
 it appears by an atomic rename, and a complete copy made from the same index, classes and
-settings (its provenance says so) is reused instead of rebuilt.
+settings (its provenance says so) is reused instead of rebuilt. In the workflow its name is the
+digest of those (:func:`prepare_shared`, :func:`join_shared`) and the rule's output is a
+manifest naming it: Snakemake, which deletes a job's outputs before the job, deletes only the
+manifest, never a copy that another workflow or a running job reads.
 
 Preparation reads the image bytes straight out of the archives (one ``os.pread`` each at the
 offsets the index holds; nothing is extracted or listed again) in sample_id order, converts them
@@ -41,9 +44,11 @@ from PIL import Image
 from imagenet_ddp.data.prepared_layout import (
     FORMAT,
     FORMAT_VERSION,
+    MANIFEST_FORMAT,
     PREPARED_JSON,
     SAMPLES_CSV,
     SHARD_DIR,
+    copy_name,
 )
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import (
@@ -521,13 +526,21 @@ def prepare_chunk(
     chunk: int,
     chunks: int,
     workers: int,
+    shared_root: Path | None = None,
     **settings,
 ) -> dict:
-    """Job ``chunk`` of ``chunks``: convert its shard range into ``chunk_dir`` (atomically)."""
+    """Job ``chunk`` of ``chunks``: convert its shard range into ``chunk_dir`` (atomically).
+    With ``shared_root`` (prepare.dir) holding a complete copy of the same identity already
+    (another workflow's), it converts nothing: the chunk records the copy, the join reuses it."""
     if not 0 <= chunk < chunks:
         raise InputError(f"chunk {chunk} of {chunks}: use 0 <= chunk < chunks (prepare.jobs)")
     check_source(data_dir, which)
     wanted = identity(index_dir, which, settings)
+    if shared_root is not None and is_prepared(shared_copy(shared_root, wanted), wanted):
+        record = {"identity": wanted, "chunk": chunk, "chunks": chunks, "reuses": True}
+        with atomic_path(chunk_dir, is_dir=True) as tmp:
+            write_json_atomic(tmp / CHUNK_JSON, record)
+        return record
     index, num_classes = _read_inputs(index_dir, which)
     shards = chunk_shards(num_shards(len(index), settings["shard_samples"]), chunk, chunks)
     with atomic_path(chunk_dir, is_dir=True) as tmp:
@@ -601,3 +614,57 @@ def join_chunks(chunk_dirs: list[Path], out: Path) -> bool:
             provenance_file(out), "prepare", wanted, extra={"summary": summary, "jobs": len(chunks)}
         )
     return False
+
+
+# ----------------------------------------------------------------------------- shared copies
+
+
+def identity_digest(wanted: dict) -> str:
+    """The sha256 of an identity (:func:`identity`): the content address of its copy."""
+    return hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()
+
+
+def shared_copy(root: Path, wanted: dict) -> Path:
+    """Where the copy made from ``wanted`` lives in prepare.dir ``root``: a copy of the same
+    identity at the name of earlier versions (``root/<which>``, still read in place, never
+    replaced), else its content-addressed folder (prepared_layout.copy_name)."""
+    legacy = Path(root) / wanted["which"]
+    if is_prepared(legacy, wanted):
+        return legacy
+    return Path(root) / copy_name(wanted["which"], identity_digest(wanted))
+
+
+def write_manifest(manifest: Path, copy: Path, wanted: dict, reused: bool) -> None:
+    """The workflow's pointer to its copy (its `prepare` output), written last, atomically."""
+    write_json_atomic(
+        manifest,
+        {
+            "format": MANIFEST_FORMAT,
+            "dir": os.path.abspath(copy),  # the same path on every node of a cluster
+            "digest": identity_digest(wanted),
+            "identity": wanted,
+            "reused": reused,
+        },
+    )
+
+
+def prepare_shared(
+    data_dir: Path, index_dir: Path, which: str, manifest: Path, root: Path, **settings
+) -> Path:
+    """:func:`prepare` into the content-addressed copy in ``root`` (made once, reused by every
+    workflow whose index and settings are the same), then ``manifest`` naming it. A copy that
+    another workflow reads is never written again: its name is its content."""
+    wanted = identity(index_dir, which, settings)
+    copy = shared_copy(root, wanted)
+    reused = prepare(data_dir, index_dir, which, copy, **settings)
+    write_manifest(manifest, copy, wanted, reused)
+    return copy
+
+
+def join_shared(chunk_dirs: list[Path], manifest: Path, root: Path) -> Path:
+    """:func:`join_chunks` into the content-addressed copy in ``root``, then ``manifest``."""
+    wanted = _read_chunks(chunk_dirs)[0]["identity"]
+    copy = shared_copy(root, wanted)
+    reused = join_chunks(chunk_dirs, copy)
+    write_manifest(manifest, copy, wanted, reused)
+    return copy

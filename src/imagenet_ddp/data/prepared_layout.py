@@ -3,6 +3,7 @@
 Written by :mod:`imagenet_ddp.data.prepare`, read by :mod:`imagenet_ddp.data.dataset`.
 
 Torch-free: the rules (a format change reruns ``prepare``) and the staging steps import it.
+A workflow points at its copy through a manifest (:func:`resolve_prepared`).
 
 Layout of a prepared directory::
 
@@ -35,6 +36,14 @@ ImageFolder):
   it augments with ``transforms.v2`` on tensors.
 """
 
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from imagenet_ddp.errors import InputError
+
 # The value stays "imagenet_ddp.prepared" (the module that wrote it first): it is recorded in
 # every prepared.json, and a copy of another format is rebuilt.
 FORMAT = "imagenet_ddp.prepared"
@@ -43,3 +52,38 @@ FORMAT_VERSION = 2
 SHARD_DIR = "shards"
 SAMPLES_CSV = "samples.csv"
 PREPARED_JSON = "prepared.json"
+
+# ----------------------------------------------------------------------------- the manifest
+# A workflow's `prepare` output is a small manifest under its own results/, naming the copy in
+# prepare.dir; the copy's name holds the digest of what determines its bytes (index, classes,
+# settings, format, code). Snakemake deletes a job's outputs before it runs the job: the
+# manifest, never a copy that another workflow (or a running job of this one) reads. No stage
+# removes a copy; a copy that no manifest names is removed by hand (docs/configuration.md).
+MANIFEST_FORMAT = "imagenet_ddp.prepared-manifest"
+DIGEST_CHARS = 16  # of the sha256: the copy's name, unique among the copies of one dir
+
+
+def copy_name(which: str, digest: str) -> str:
+    """The content-addressed copy's folder name in prepare.dir."""
+    return f"{which}-{digest[:DIGEST_CHARS]}"
+
+
+def resolve_prepared(path: str | os.PathLike[str]) -> Path:
+    """The prepared directory that ``path`` stands for: the copy a manifest names (its
+    absolute path), or ``path`` itself (a directory)."""
+    path = Path(path)
+    if not path.is_file():
+        return path
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise InputError(f"{path}: not a prepared manifest ({error}); rerun prepare") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise InputError(f"{path}: not a prepared manifest; rerun prepare")
+    copy = Path(manifest["dir"])
+    if not (copy / PREPARED_JSON).is_file():
+        raise InputError(
+            f"{path} names {copy}, which is not a complete prepared copy (removed by hand?); "
+            "rebuild it: snakemake --forcerun prepare"
+        )
+    return copy

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from imagenet_ddp.data.prepared_layout import resolve_prepared
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.settings.geometry import LAUNCH_KEYS, Geometry
@@ -242,10 +243,22 @@ def parse(text: str, kinds: str | tuple[str, ...] | None = None, source: str = "
 
 
 def load(value: str, kinds: str | tuple[str, ...] | None = None) -> Job:
-    """``--job``'s value: a spec's JSON text (the rule's), or the path of a spec file."""
+    """``--job``'s value: a spec's JSON text (the rule's), or the path of a spec file; a
+    prepared path that is a manifest (the rule's input) is replaced by the copy it names."""
     if value.lstrip().startswith("{"):
-        return parse(value, kinds)
-    return read_spec(value, kinds)
+        return with_prepared_resolved(parse(value, kinds))
+    return with_prepared_resolved(read_spec(value, kinds))
+
+
+def with_prepared_resolved(job: Job) -> Job:
+    """``job`` with each prepared path resolved (prepared_layout.resolve_prepared), once, by the
+    job's first process: the spec it writes names the copy itself for every step and rank."""
+    resolved = {
+        name: resolve_prepared(getattr(job.paths, name))
+        for name in ("prepared_train", "prepared_val")
+        if hasattr(job.paths, name)
+    }
+    return dataclasses.replace(job, paths=dataclasses.replace(job.paths, **resolved))
 
 
 def read_spec(path: str | os.PathLike[str], kinds: str | tuple[str, ...] | None = None) -> Job:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
+from pathlib import Path
 
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.jobs.spec import (
@@ -22,6 +24,7 @@ from imagenet_ddp.jobs.spec import (
     write_spec,
 )
 from imagenet_ddp.provenance import provenance_path, write_provenance
+from imagenet_ddp.settings.code_digest import code_digest
 from imagenet_ddp.settings.geometry import LAUNCH_KEYS
 
 
@@ -32,6 +35,29 @@ def resolve_launcher(launcher: str, environ=None) -> str:
     if launcher != "auto":
         return launcher
     return "srun" if (os.environ if environ is None else environ).get("SLURM_JOB_ID") else "local"
+
+
+DELIVERED = "delivered.json"  # in the checkpoint root: this run's outputs were written
+RETRAIN = "IMAGENET_DDP_RETRAIN"  # =1: a delivered run trains again from scratch
+
+
+def start_afresh_if_delivered(checkpoint_root: Path, environ=None) -> Path | None:
+    """`IMAGENET_DDP_RETRAIN=1 snakemake --forcerun train` (docs/configuration.md "Reruns"):
+    a run whose outputs were delivered (its marker) trains from scratch, not from its final
+    checkpoint (which would only write the same model again). Asked for, never inferred: a
+    Snakemake restarted after the job ended reruns it as incomplete, and must resume. The
+    earlier checkpoints and attempt record move to ``<root>.previous`` (replacing an older
+    one; the marker goes with them, so a resubmission of this job resumes the new training);
+    returns that path, None if nothing moved."""
+    environ = os.environ if environ is None else environ
+    root = Path(checkpoint_root)
+    if environ.get(RETRAIN) != "1" or not (root / DELIVERED).is_file():
+        return None
+    previous = root.with_name(root.name + ".previous")
+    shutil.rmtree(previous, ignore_errors=True)
+    os.replace(root, previous)
+    print(f"train: {root} held a delivered run; training afresh (earlier: {previous})")
+    return previous
 
 
 def train_job(job: TrainJob) -> int:
@@ -45,6 +71,7 @@ def train_job(job: TrainJob) -> int:
     from imagenet_ddp.jobs.launch import on_allocation, run_attempt
 
     _ = job.geometry  # a run without its geometry is refused before anything is written
+    start_afresh_if_delivered(job.paths.checkpoint_root)
     job = on_allocation(with_launcher(job, resolve_launcher(job.execution.launcher)))
     run_dir = job.paths.run_dir
     spec_path = write_spec(run_dir / TRAIN_SPEC, job)
@@ -62,7 +89,12 @@ def train_job(job: TrainJob) -> int:
     # The worker's resolved settings (every default filled in), beside the model.
     config = json.loads((run_dir / "train_metrics.json").read_text())["config"]
     provenance = provenance_path(run_dir / "model.pt")
-    write_provenance(provenance, "train", config, seeds={"train": config["seed"]})
+    # The training code's digest: aggregate flags a model that other training code trained.
+    training_code = {"training_code": code_digest("training")}
+    write_provenance(
+        provenance, "train", config, seeds={"train": config["seed"]}, extra=training_code
+    )
+    write_json_atomic(job.paths.checkpoint_root / DELIVERED, {"model": str(run_dir / "model.pt")})
     return 0
 
 

@@ -115,6 +115,7 @@ COLUMNS = [
     "git_commit",
     "code_changed",
     "code_versions",
+    "trained_by_other_code",
 ]
 
 
@@ -374,8 +375,23 @@ def add_scaling(table: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-def aggregate_runs(run_dirs: list[Path]) -> pd.DataFrame:
-    table = add_scaling(pd.DataFrame([run_row(d) for d in run_dirs]))
+def other_training_code(run_dir: Path, training_code: str | None) -> bool | None:
+    """Whether the run's model was trained by other training code than ``training_code`` (the
+    digest of today's, imagenet_ddp.settings.code_digest): no rule reruns a finished training
+    for a code change, the table says so instead. None: unknown (a model trained before the
+    provenance kept the digest, or no digest given)."""
+    recorded = json.loads(provenance_path(run_dir / "model.pt").read_text()).get("training_code")
+    if recorded is None or training_code is None:
+        return None
+    return recorded != training_code
+
+
+def aggregate_runs(run_dirs: list[Path], training_code: str | None = None) -> pd.DataFrame:
+    rows = [
+        {**run_row(d), "trained_by_other_code": other_training_code(d, training_code)}
+        for d in run_dirs
+    ]
+    table = add_scaling(pd.DataFrame(rows))
     table["throughput_warmup_steps"] = table["throughput_warmup_steps"].astype("Int64")
     return table[COLUMNS].sort_values(["scaling_group", "world_size", "run"]).reset_index(drop=True)
 
@@ -405,6 +421,10 @@ def _code_changed(row: pd.Series) -> bool:
     return not pd.isna(row["code_changed"]) and bool(row["code_changed"])
 
 
+def _other_code(row: pd.Series) -> bool:
+    return not pd.isna(row["trained_by_other_code"]) and bool(row["trained_by_other_code"])
+
+
 def _efficiency(row: pd.Series) -> str:
     """A group's baseline says so; a group's only run stays empty (runs.csv: scaling_note)."""
     if row["scaling_note"] == BASELINE_NOTE:
@@ -430,7 +450,13 @@ def _wall(seconds: Any) -> str:
 
 
 SHORT_COLUMNS: list[tuple[str, str, Any]] = [
-    ("run", "left", lambda row: row["run"] + (" *" if _code_changed(row) else "")),
+    (
+        "run",
+        "left",
+        lambda row: (
+            row["run"] + (" *" if _code_changed(row) else "") + (" †" if _other_code(row) else "")
+        ),
+    ),  # fmt: skip
     ("model", "left", lambda row: row["model"]),
     ("nodes x ranks", "right", lambda row: _shapes(row)),
     ("GPUs", "right", lambda row: str(row["gpus"])),
@@ -448,6 +474,11 @@ SHORT_COLUMNS: list[tuple[str, str, Any]] = [
 ]
 
 CODE_CHANGED = "\\* allocations of the run ran different code (checked out at each submission): "
+
+OTHER_CODE = (
+    "† trained by other training code than today's (no code change reruns a finished "
+    'training; docs/configuration.md "Code changes" says how to retrain one): '
+)
 
 MORE_FIGURES = (
     "Every figure of these runs (end-to-end and per-worker throughput, scaling groups and "
@@ -474,12 +505,17 @@ def to_markdown(table: pd.DataFrame) -> str:
             + CODE_CHANGED
             + ", ".join(f"{row['run']} ({row['code_versions']})" for row in changed)
         )
+    other = [row["run"] for _, row in table.iterrows() if _other_code(row)]
+    if other:
+        text += "\n\n" + OTHER_CODE + ", ".join(other)
     return text + "\n\n" + MORE_FIGURES + "\n"
 
 
-def write_aggregate(run_dirs: list[Path], csv: Path, markdown: Path) -> None:
+def write_aggregate(
+    run_dirs: list[Path], csv: Path, markdown: Path, training_code: str | None = None
+) -> None:
     """The ``aggregate`` stage: runs.csv, runs.md and the provenance beside the CSV."""
-    table = aggregate_runs(run_dirs)
+    table = aggregate_runs(run_dirs, training_code)
     write_csv_atomic(csv, table)
     write_text_atomic(markdown, to_markdown(table))
     write_provenance(provenance_path(csv), "aggregate", {"run_dirs": [str(d) for d in run_dirs]})
