@@ -106,9 +106,11 @@ def archive_paths():
     return LAYOUT.inputs(data_dir())
 
 
-def input_data_dir(wildcards, input):
-    """data.dir for the rules' shell. It takes `input`, so Snakemake counts it derived and not
-    a rerun trigger of its own: the inputs are."""
+def input_data_dir(wildcards):
+    """data.dir for the rules' shell, a recorded param: the profiles leave `input` out of the
+    rerun triggers (a renamed input must resubmit no finished training), so a data.dir that
+    names other data reruns verify and index through this param, and what follows by mtime.
+    """
     return data_dir()
 
 
@@ -542,18 +544,31 @@ VERIFY_REPORT = "results/verify/report.json"
 
 def verify_gate(wildcards):
     """index's dependency on verify, only where verify will check other archives: its report
-    missing, or older than an archive (replaced since). Not ancient(): Snakemake skips a job's
+    missing, written for another data.dir, or older than an archive (replaced since). Not ancient(): Snakemake skips a job's
     own checks while a job upstream reruns, so ancient() would hide newer archives from index
     in that invocation. A report that stays is a gate passed: no input; verify stays in the
     DAG through `rule all`, where its rerun (check_md5, its code) reruns nothing else.
     """
     if not os.path.exists(VERIFY_REPORT):
         return [VERIFY_REPORT]
+    if _verified_data_dir() != os.path.normpath(
+        data_dir()
+    ):  # other data: verify it first
+        return [VERIFY_REPORT]
     verified = os.path.getmtime(VERIFY_REPORT)
     archives = [p for p in archive_paths().values() if os.path.exists(p)]
     if any(os.path.getmtime(p) > verified for p in archives):
         return [VERIFY_REPORT]
     return []
+
+
+def _verified_data_dir():
+    """The data.dir the verify report was written for (its provenance), None if unreadable."""
+    try:
+        with open(VERIFY_REPORT + ".provenance.json") as f:
+            return os.path.normpath(json.load(f)["config"]["data_dir"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 # What the training data is made from, as a file whose rule (data_key) reruns when a setting of
