@@ -565,7 +565,7 @@ def verify_gate(wildcards):
 def _verified_data_dir():
     """The data.dir the verify report was written for (its provenance), None if unreadable."""
     try:
-        with open(VERIFY_REPORT + ".provenance.json") as f:
+        with open(f"{VERIFY_REPORT}.provenance.json") as f:
             return os.path.normpath(json.load(f)["config"]["data_dir"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
