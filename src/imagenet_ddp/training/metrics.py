@@ -254,8 +254,10 @@ def write_run_metrics(
     ranks: list,
     resumed_from: str | None,
     cost: dict | None = None,
+    diverged: dict | None = None,
 ) -> None:
-    """history.csv (one row per epoch) and train_metrics.json (the run's summary)."""
+    """history.csv (one row per epoch) and train_metrics.json (the run's summary; ``diverged``:
+    why and where the divergence guard stopped the run, training.guard)."""
     cfg, history, world = job.cfg, job.history, job.info.world_size
     write_csv_atomic(out_dir / "history.csv", history_frame(history))
     epoch_seconds = [h["epoch_seconds"] for h in history]
@@ -295,6 +297,7 @@ def write_run_metrics(
             "flops_per_image": history[-1].get("flops_per_image") if history else None,
             "breakdown_note": BREAKDOWN_NOTE,
             "resumed_from": resumed_from,
+            "diverged": diverged,
             "cost": cost,  # imagenet_ddp.monitoring.cost: wall, GPU-/core-hours, NVML telemetry
             "checkpoint_dir": str(job.checkpoint_dir),
             "torch": torch.__version__,
