@@ -30,7 +30,11 @@ from imagenet_ddp.jobs.spec import SpecError, from_dict, to_dict
 from imagenet_ddp.settings.node_memory import node_memory_problems
 from imagenet_ddp.preflight.report import known_projection_problems
 from imagenet_ddp.data.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
-from imagenet_ddp.settings.run_checks import container_problem, user_cache_dir
+from imagenet_ddp.settings.run_checks import (
+    container_problem,
+    user_cache_dir,
+    warmup_warnings,
+)
 from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
 from imagenet_ddp.settings.kinds import declarations
 from imagenet_ddp.data.stage import configured_scratch_problem
@@ -169,6 +173,9 @@ if workflow.is_main_process:
         print(f"warning: {_line}", file=sys.stderr)
     if _refusals:
         raise WorkflowError("\n".join(_refusals))
+    # A scaled LR reached in fewer warm-up steps than Goyal et al.'s rule (run_checks).
+    for _line in warmup_warnings(RUNS, config):
+        print(f"warning: {_line}", file=sys.stderr)
 
 
 def run_hyperparameters(wildcards):
