@@ -353,3 +353,61 @@ def test_warm_up_in_steps_and_sqrt_lr_scaling():
     assert f(2) == 0.5 and f(4) == 1.0
     run = run_settings(lr=0.1, batch_size=256, tasks_per_node=4, lr_scaling="sqrt")
     assert scaled_lr(run) == pytest.approx(0.2)  # sqrt(1024 / 256) = 2
+
+
+class _Payload:
+    """Unpickling it runs a command (what a planted checkpoint in a shared results dir does)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_with_a_pickle_payload_is_refused_without_running_it(tmp_path):
+    from imagenet_ddp.training.checkpoint import UnsafeCheckpoint, checkpoint_name, load_checkpoint
+    from imagenet_ddp.training.model import read_model_file
+
+    marker = tmp_path / "ran"
+    path = tmp_path / checkpoint_name(1, 0)
+    torch.save({"model": {}, "epoch": 1, "x": _Payload(marker)}, path)
+    for load in (load_checkpoint, read_model_file):
+        with pytest.raises(UnsafeCheckpoint, match="refused: it needs arbitrary unpickling"):
+            load(path)
+    # A resume refuses it too, rather than skipping to an older checkpoint.
+    with pytest.raises(UnsafeCheckpoint):
+        load_latest_checkpoint(tmp_path)
+    assert not marker.exists()
+
+
+def test_a_checkpoint_of_an_earlier_version_is_refused_until_converted(tmp_path):
+    """Before: numpy's RNG state as an ndarray (and numpy scalars) in the pickle."""
+    import random
+
+    import numpy as np
+
+    from imagenet_ddp import cli
+    from imagenet_ddp.training.checkpoint import (
+        UnsafeCheckpoint,
+        checkpoint_name,
+        load_checkpoint,
+        restore_rng_state,
+        rng_state,
+    )
+
+    np.random.seed(5)
+    old_rng = {**rng_state(torch.device("cpu")), "numpy": np.random.get_state()}
+    expected = np.random.rand(3)
+    path = tmp_path / checkpoint_name(2, 0)
+    torch.save({"epoch": 2, "history": [{"loss": np.float64(1.5)}], "rng": [old_rng]}, path)
+    with pytest.raises(UnsafeCheckpoint, match="imagenet-ddp convert-checkpoint"):
+        load_checkpoint(path)
+    assert cli.main(["convert-checkpoint", str(path)]) == 0
+    state = load_checkpoint(path)
+    assert state["history"] == [{"loss": 1.5}]
+    random.seed(0)
+    restore_rng_state(state["rng"][0], torch.device("cpu"))  # the same stream as before
+    assert np.array_equal(np.random.rand(3), expected)
