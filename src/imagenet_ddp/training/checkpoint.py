@@ -35,6 +35,7 @@ import copy
 import dataclasses
 import pickle
 import random
+import re
 import sys
 import threading
 import time
@@ -130,16 +131,17 @@ class UnsafeCheckpoint(ValueError):
 
 def load_tensors(path: Path) -> Any:
     """``torch.load`` of tensors and plain data only (``weights_only=True``): a file that
-    names any other class is refused with one line, without running it."""
+    names any other class or function is refused with one line, without running it. Other
+    unpickling errors (a torn or corrupt file) are raised as they are."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        found = (
-            str(error).split("GLOBAL ", 1)[-1].split(" ", 1)[0] if "GLOBAL " in str(error) else ""
-        )
+        found = re.search(r"GLOBAL ([\w.]+)", str(error))  # a class or function it names
+        if found is None:
+            raise
         raise UnsafeCheckpoint(
-            f"{path}: refused: it needs arbitrary unpickling{f' ({found})' if found else ''}, "
-            "which can run code; a checkpoint or model.pt of an earlier version that you trust: "
+            f"{path}: refused: it needs arbitrary unpickling ({found.group(1)}), which can run "
+            "code; a checkpoint or model.pt of an earlier version that you trust: "
             f"`imagenet-ddp convert-checkpoint {path}` (docs/reliability.md), else delete it"
         ) from None
 
