@@ -340,3 +340,19 @@ def test_the_preflights_projected_breakdown_stands_beside_the_measured_one(tmp_p
     rows = to_markdown(aggregate_runs(dirs)).splitlines()[2:5]
     cells = {row.split("|")[1].strip(): row.split("|")[10].strip() for row in rows}
     assert cells == {"new-1x1": "2 % (preflight 20 %)", "old-1x1": "2 %", "none-1x1": "2 %"}
+
+
+def test_a_diverged_run_is_marked_in_both_tables(tmp_path):
+    dirs = [
+        write_run_dir(tmp_path, "a-1x1", nodes=1, tasks_per_node=1, steady_per_worker=100.0),
+        write_run_dir(tmp_path, "a-1x4", nodes=1, tasks_per_node=4, steady_per_worker=90.0),
+    ]
+    metrics = dirs[1] / "train_metrics.json"
+    diverged = {"reason": "gradient norm nan", "epoch": 0, "step": 7, "loss": "nan", "lr": 0.05}
+    metrics.write_text(json.dumps({**json.loads(metrics.read_text()), "diverged": diverged}))
+    table = aggregate_runs(dirs).set_index("run")
+    assert table.loc["a-1x1", "diverged"] == ""
+    assert table.loc["a-1x4", "diverged"] == "epoch 0 step 7: gradient norm nan (loss nan, lr 0.05)"
+    text = to_markdown(aggregate_runs(dirs))
+    assert "| a-1x4 (diverged) " in text and "| a-1x1 " in text
+    assert "stopped by the divergence guard" in text and "a-1x4: epoch 0 step 7" in text
