@@ -205,7 +205,12 @@ def epoch_end_share(history: list[dict[str, Any]]) -> float | None:
 
 
 def history_frame(history: list[dict[str, Any]]) -> pd.DataFrame:
-    """history.csv: one row per epoch, ``epoch_end_share`` derived (EPOCH_END_NOTE)."""
+    """history.csv: one row per epoch, ``epoch_end_share`` derived (EPOCH_END_NOTE). A run the
+    divergence guard stopped in its first epoch has none: the header alone (what the plots
+    read)."""
+    if not history:
+        return pd.DataFrame(columns=["epoch", "train_loss", "train_top1", "holdout_top1",
+                                     "holdout_top5", "holdout_loss", "epoch_seconds"])  # fmt: skip
     frame = pd.DataFrame([{k: v for k, v in h.items() if not isinstance(v, list)} for h in history])
     if "eval_seconds" in frame:  # absent in a history from before these columns
         work = frame["eval_seconds"].fillna(0) + frame.get("checkpoint_seconds", 0.0)
