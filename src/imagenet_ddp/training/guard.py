@@ -107,8 +107,8 @@ class GuardRule:
         if not s.enabled:
             return None, True
         bad_grad = not math.isfinite(grad_norm)
-        if s.scaler:  # the GradScaler skipped this step (or a rank's loss overflowed)
-            self.skipped = self.skipped + 1 if bad_grad or not math.isfinite(loss) else 0
+        if s.scaler:  # the GradScaler skipped this step: its gradient, the same on every rank
+            self.skipped = self.skipped + 1 if bad_grad else 0
             if self.skipped >= s.fp16_skips:
                 return f"{self.skipped} fp16 steps in a row skipped by the GradScaler", True
         elif bad_grad:
