@@ -57,7 +57,7 @@ class Divergence:
     def line(self, run: str) -> str:
         return (
             f"run {run!r} diverged at epoch {self.epoch} step {self.step} (rank {self.rank}): "
-            f"{self.reason}; loss {self.loss:.4g}, lr {self.lr:.4g}. Stopped; the last good "
+            f"{self.reason}; its loss {self.loss:.4g}, lr {self.lr:.4g}. Stopped; the last good "
             f"checkpoint is kept. What to change: {ADVICE}"
         )
 
