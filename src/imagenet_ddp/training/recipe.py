@@ -208,5 +208,7 @@ def update_ema(cfg: TrainConfig, ema, model: torch.nn.Module, step: int, epoch: 
     if ema is None or step % cfg.ema_steps:
         return
     ema.update_parameters(model)
-    if epoch < cfg.warmup_epochs:  # during warm-up the average restarts (as the reference)
+    # during warm-up the average restarts (as the reference), per epoch or per step
+    warming = epoch < cfg.warmup_epochs if cfg.warmup_steps == 0 else step <= cfg.warmup_steps
+    if warming:
         ema.n_averaged.fill_(0)
