@@ -364,3 +364,19 @@ def test_a_model_trained_by_other_training_code_is_flagged(tmp_path):
     text = markdown.read_text()
     assert "| other †" in text and "| same " in text and "same †" not in text
     assert "† trained by other training code than today's" in text and ": other\n" in text
+
+
+def test_a_diverged_run_is_marked_in_both_tables(tmp_path):
+    dirs = [
+        write_run_dir(tmp_path, "a-1x1", nodes=1, tasks_per_node=1, steady_per_worker=100.0),
+        write_run_dir(tmp_path, "a-1x4", nodes=1, tasks_per_node=4, steady_per_worker=90.0),
+    ]
+    metrics = dirs[1] / "train_metrics.json"
+    diverged = {"reason": "gradient norm nan", "epoch": 0, "step": 7, "loss": "nan", "lr": 0.05}
+    metrics.write_text(json.dumps({**json.loads(metrics.read_text()), "diverged": diverged}))
+    table = aggregate_runs(dirs).set_index("run")
+    assert table.loc["a-1x1", "diverged"] == ""
+    assert table.loc["a-1x4", "diverged"] == "epoch 0 step 7: gradient norm nan (loss nan, lr 0.05)"
+    text = to_markdown(aggregate_runs(dirs))
+    assert "| a-1x4 (diverged) " in text and "| a-1x1 " in text
+    assert "stopped by the divergence guard" in text and "a-1x4: epoch 0 step 7" in text

@@ -193,7 +193,8 @@ def test_the_gloo_interface_is_the_one_that_routes_to_the_other_nodes():
 def test_the_dry_run_shows_the_mpi_prefix_and_refuses_one_that_is_not_srun(tmp_path):
     from tests.workflow_helpers import copy_workflow, snakemake
 
-    runs = [{"name": "r", "tasks_per_node": 2, "preflight": True}]
+    # "hot": an LR its warm-up reaches too fast, a dry-run warning (run_checks.warmup_warnings)
+    runs = [{"name": "r", "tasks_per_node": 2, "preflight": True}, {"name": "hot", "lr": 20.0}]
     workdir = copy_workflow(tmp_path / "wf", runs=runs)
     target = "results/runs/r/model.pt"
     shown = snakemake(
@@ -201,6 +202,8 @@ def test_the_dry_run_shows_the_mpi_prefix_and_refuses_one_that_is_not_srun(tmp_p
         "--set-resources", "train:mpi=srun --mpi=pmix",
     )  # fmt: skip
     text = shown.stdout + shown.stderr
+    warned = [line for line in text.splitlines() if "warm-up steps" in line]
+    assert any(line.startswith("warning: config.yaml: run 'hot': lr_used 20") for line in warned)
     # train's ranks, and its preflight's: they are measured as they will run
     for rule in ("train", "preflight_run"):
         job = text[text.index(f"rule {rule}:") :]

@@ -402,3 +402,24 @@ def test_table_with_the_earlier_column_names_is_refused(tmp_path):
         "(workers, images_per_s_per_worker); rewrite it with `snakemake --forcerun aggregate`"
     )
     assert not (tmp_path / "plots").exists()
+
+
+def test_a_run_diverged_in_its_first_epoch_plots_no_curve_and_stops_nothing(tmp_path):
+    """The divergence guard's run without an epoch row: history.csv is the header alone;
+    another run's empty history is still refused."""
+    import json
+
+    import matplotlib
+
+    from imagenet_ddp.report import plots
+    from imagenet_ddp.training.metrics import history_frame
+
+    matplotlib.use("Agg")
+    history_frame([]).to_csv(tmp_path / "history.csv", index=False)
+    (tmp_path / "per_class.csv").write_text("class_index,test_top1,test_total\n0,0.5,10\n")
+    with pytest.raises(InputError, match="training history has no rows"):
+        plots.read_run_dir(tmp_path)
+    (tmp_path / "train_metrics.json").write_text(json.dumps({"diverged": {"epoch": 0}}))
+    history, _ = plots.read_run_dir(tmp_path)
+    plots.plot_curves({"diverged": history}, tmp_path / "curves.png")
+    assert history.empty and (tmp_path / "curves.png").stat().st_size > 0

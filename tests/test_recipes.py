@@ -194,6 +194,13 @@ def test_v2_ema_is_torchvisions_adjusted_decay_every_32_steps():
     assert ema.module.weight.item() == 1.0
     recipe.update_ema(cfg, ema, model, 96, epoch=5)
     assert ema.module.weight.item() == pytest.approx(decay * 1.0 + (1 - decay) * 2.0)
+    # A warm-up in steps (warmup_steps) restarts the average up to its last step.
+    cfg = train_config(**{**PRESETS["torchvision-resnet50-v2"], "warmup_epochs": 0,
+                          "warmup_steps": 64})  # fmt: skip
+    recipe.update_ema(cfg, ema, model, 64, epoch=0)
+    assert ema.n_averaged.item() == 0
+    recipe.update_ema(cfg, ema, model, 96, epoch=0)
+    assert ema.n_averaged.item() == 1
 
 
 def test_progressive_crop_sizes_per_epoch_follow_ffcv():

@@ -391,3 +391,41 @@ def test_fallback_node_counts_must_keep_the_global_batch(models, tmp_path, run, 
         assert lines == []
     else:
         assert len(lines) == 1 and lines[0].startswith(f"config.yaml: run 'r': {expected}"), lines
+
+
+# ---------------------------------------------------------------- warm-up rule
+
+
+def test_the_warm_up_rule_warns_for_a_4_rank_scale_up_and_not_for_its_1_and_2_rank_runs(tmp_path):
+    """Issue 37: the repo's demo config on 4 ranks (lr_used doubled, warmup_epochs 1: 14 steps)
+    diverged; on 1 and 2 ranks, and on 4 with warmup_epochs 3, it trained."""
+    config = demo_config()
+    config["runs"] = [
+        {"name": f"r{tasks}", "tasks_per_node": tasks, **extra}
+        for tasks, extra in ((1, {}), (2, {}), (4, {}), (4, {"warmup_epochs": 3}))
+    ]
+    config["runs"][-1]["name"] = "r4-long"
+    (line,) = run_checks.warmup_warnings(resolved(config), config, tmp_path)
+    assert line.startswith("config.yaml: run 'r4': lr_used 0.05 (lr 0.2 x lr_scaling linear at ")
+    assert "in 14 warm-up steps" in line and "Goyal et al. 2017" in line
+    assert "warmup_steps: 25 or warmup_epochs: 1.8" in line  # a value that satisfies it
+    config["runs"] = [{"name": "r4", "tasks_per_node": 4, "warmup_steps": 25, "warmup_epochs": 0}]
+    assert run_checks.warmup_warnings(resolved(config), config, tmp_path) == []
+
+
+@pytest.mark.parametrize("preset", ["torchvision-resnet50-v1", "torchvision-resnet50-v2",
+                                    "ffcv-resnet50"])  # fmt: skip
+def test_the_warm_up_rule_passes_the_presets_as_published(preset, tmp_path):
+    from imagenet_ddp.settings.presets import PRESETS
+
+    config = demo_config()
+    config["demo"]["enabled"] = False  # ImageNet's 1.28 M images
+    config["runs"] = [{"name": preset, **PRESETS[preset], "tasks_per_node": 8}]
+    assert run_checks.required_warmup_steps(3.2, 8192) == run_checks.GOYAL_WARMUP_STEPS == 782
+    assert run_checks.warmup_warnings(resolved(config), config, tmp_path) == []
+
+
+def test_warm_up_in_epochs_and_in_steps_is_refused(models, tmp_path):
+    config = demo_config(warmup_steps=10, warmup_epochs=1)
+    (line,) = problems(config, models, tmp_path)
+    assert "warmup_steps 10 and warmup_epochs 1 are both set" in line

@@ -57,7 +57,7 @@ def _doc_kinds() -> dict[str, set[str]]:
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 4 and cells[0] in KINDS:
-            rows[cells[0]] = set(re.findall(r"`([a-z_]+)`", cells[1]))
+            rows[cells[0]] = set(re.findall(r"`([a-z0-9_]+)`", cells[1]))
     return rows
 
 

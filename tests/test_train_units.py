@@ -280,3 +280,134 @@ def test_model_file_round_trips_and_refuses_a_newer_format(tmp_path):
     torch.save({**state, "format_version": MODEL_FORMAT_VERSION + 1}, tmp_path / "new.pt")
     with pytest.raises(ValueError, match="newer than this version"):
         read_model_file(tmp_path / "new.pt")
+
+
+def guard_rule(**given):
+    from imagenet_ddp.training.guard import GuardRule, GuardSettings
+
+    settings = {"enabled": True, "loss_limit": 2 * 2.3, "window": 3, "fp16_skips": 4,
+                "warmup_steps": 5, "scaler": False, **given}  # fmt: skip
+    return GuardRule(GuardSettings(**settings))
+
+
+def decisions(rule, losses, norms=None):
+    """The step (0-based) at which ``rule`` stops, its reason and whether every rank agrees."""
+    for step, loss in enumerate(losses):
+        reason, agreed = rule.step(step, loss, 1.0 if norms is None else norms[step])
+        if reason is not None:
+            return step, reason, agreed
+    return None
+
+
+def test_the_guard_stops_a_non_finite_step_at_once_every_rank_agreeing_from_the_gradient():
+    nan, inf = float("nan"), float("inf")
+    # A non-finite all-reduced gradient: the same on every rank, agreed without a collective.
+    assert decisions(guard_rule(), [2.0, 2.0, 2.0], [1.0, nan, 1.0])[:3:2] == (1, True)
+    assert decisions(guard_rule(), [2.0, inf], [1.0, 1.0])[::2] == (1, False)  # this rank only
+    assert "gradient norm nan" in decisions(guard_rule(), [nan], [nan])[1]  # inside the warm-up
+    assert decisions(guard_rule(enabled=False), [nan] * 10, [nan] * 10) is None
+
+
+def test_a_loss_spike_that_recovers_or_lies_in_the_warm_up_does_not_stop_the_run():
+    high, low = 9.0, 1.0  # above and below 2 x ln(10)
+    # The warm-up (steps 0-4) may spike for as long as it likes; after it, a window of 3.
+    assert decisions(guard_rule(), [high] * 5 + [high, high, low] + [low] * 5) is None
+    assert decisions(guard_rule(), [high] * 5 + [high, low, high, high, low]) is None
+    step, reason, agreed = decisions(guard_rule(), [low] * 5 + [high] * 3)
+    assert step == 7 and "for 3 steps in a row after the warm-up" in reason and not agreed
+
+
+def test_fp16_overflow_skips_are_divergence_only_when_they_repeat():
+    nan = float("nan")
+    rule = guard_rule(scaler=True)  # GradScaler's calibration skips a few steps: not divergence
+    assert decisions(rule, [2.0] * 8, [nan, nan, nan, 1.0, nan, nan, nan, 1.0]) is None
+    step, reason, agreed = decisions(guard_rule(scaler=True), [2.0] * 6, [1.0] + [nan] * 5)
+    assert step == 4 and reason.startswith("4 fp16 steps in a row skipped") and agreed
+
+
+def test_the_guard_reads_a_step_one_step_late_and_at_once_before_a_save():
+    from imagenet_ddp.training.guard import Guard, GuardSettings
+
+    settings = GuardSettings(True, 4.6, 3, 4, 0, False)
+    guard = Guard(settings, torch.device("cpu"), rank=1)
+    step = [(torch.tensor(2.0), None, None)]
+    assert guard.after_step(step, torch.tensor(1.0), (0, 0, 1, 0.1)) is None
+    # step 2's gradient is NaN: judged when step 3 is queued (no host sync per step) ...
+    assert guard.after_step(step, torch.tensor(float("nan")), (1, 0, 2, 0.1)) is None
+    found = guard.after_step(step, torch.tensor(1.0), (2, 0, 3, 0.1))
+    assert (found.epoch, found.step, found.rank, found.lr) == (0, 2, 1, 0.1)
+    assert "lower lr" in found.line("r") and "diverged at epoch 0 step 2" in found.line("r")
+    # ... or at once where the loop synchronizes anyway (a checkpoint next)
+    guard = Guard(settings, torch.device("cpu"), rank=0)
+    guard.after_step([(torch.tensor(float("inf")), None, None)], None, (0, 0, 1, 0.1))
+    assert guard.settle() is None and guard.suspect.reason.startswith("loss inf")
+    assert guard.agree() == guard.suspect  # one process: its own suspicion
+    assert guard.suspect.record()["loss"] == "inf"  # JSON-safe
+
+
+def test_warm_up_in_steps_and_sqrt_lr_scaling():
+    from imagenet_ddp.settings.presets import scaled_lr
+    from tests.workflow_helpers import run_settings
+
+    f = lr_lambda(steps_per_epoch=10, cfg=train_config(epochs=4, warmup_steps=4))
+    assert f(2) == 0.5 and f(4) == 1.0
+    run = run_settings(lr=0.1, batch_size=256, tasks_per_node=4, lr_scaling="sqrt")
+    assert scaled_lr(run) == pytest.approx(0.2)  # sqrt(1024 / 256) = 2
+
+
+class _Payload:
+    """Unpickling it runs a command (what a planted checkpoint in a shared results dir does)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_with_a_pickle_payload_is_refused_without_running_it(tmp_path):
+    from imagenet_ddp.training.checkpoint import UnsafeCheckpoint, checkpoint_name, load_checkpoint
+    from imagenet_ddp.training.model import read_model_file
+
+    marker = tmp_path / "ran"
+    path = tmp_path / checkpoint_name(1, 0)
+    torch.save({"model": {}, "epoch": 1, "x": _Payload(marker)}, path)
+    for load in (load_checkpoint, read_model_file):
+        with pytest.raises(UnsafeCheckpoint, match="refused: it needs arbitrary unpickling"):
+            load(path)
+    # A resume refuses it too, rather than skipping to an older checkpoint.
+    with pytest.raises(UnsafeCheckpoint):
+        load_latest_checkpoint(tmp_path)
+    assert not marker.exists()
+
+
+def test_a_checkpoint_of_an_earlier_version_is_refused_until_converted(tmp_path):
+    """Before: numpy's RNG state as an ndarray (and numpy scalars) in the pickle."""
+    import random
+
+    import numpy as np
+
+    from imagenet_ddp import cli
+    from imagenet_ddp.training.checkpoint import (
+        UnsafeCheckpoint,
+        checkpoint_name,
+        load_checkpoint,
+        restore_rng_state,
+        rng_state,
+    )
+
+    np.random.seed(5)
+    old_rng = {**rng_state(torch.device("cpu")), "numpy": np.random.get_state()}
+    expected = np.random.rand(3)
+    path = tmp_path / checkpoint_name(2, 0)
+    torch.save({"epoch": 2, "history": [{"loss": np.float64(1.5)}], "rng": [old_rng]}, path)
+    with pytest.raises(UnsafeCheckpoint, match="imagenet-ddp convert-checkpoint"):
+        load_checkpoint(path)
+    assert cli.main(["convert-checkpoint", str(path)]) == 0
+    state = load_checkpoint(path)
+    assert state["history"] == [{"loss": 1.5}]
+    random.seed(0)
+    restore_rng_state(state["rng"][0], torch.device("cpu"))  # the same stream as before
+    assert np.array_equal(np.random.rand(3), expected)

@@ -190,6 +190,17 @@ def cmd_aggregate(args: argparse.Namespace) -> None:
     write_aggregate(args.run_dirs, args.csv, args.markdown, args.training_code)
 
 
+def cmd_convert_checkpoint(args: argparse.Namespace) -> None:
+    """Rewrite checkpoints or model.pt files of an earlier version as tensors and plain data
+    (training.checkpoint.convert_trusted): each is unpickled in full, so only files you trust."""
+    from imagenet_ddp.training.checkpoint import convert_trusted
+
+    for path in args.paths:
+        if not path.is_file():
+            raise InputError(f"{path}: no such file")
+        print(f"converted {convert_trusted(path)}: it loads with weights_only=True now")
+
+
 def cmd_accounting(args: argparse.Namespace) -> None:
     from imagenet_ddp.report.accounting import write_accounting
 
@@ -290,6 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("accounting", help="sacct accounting of each run's training job")
     p.add_argument("--run-dirs", type=Path, nargs="+", required=True)
     p.set_defaults(func=cmd_accounting)
+
+    p = sub.add_parser(
+        "convert-checkpoint",
+        help="rewrite a checkpoint or model.pt of an earlier version that you trust so that it "
+        "loads without running code (it is unpickled in full once, here)",
+    )
+    p.add_argument("paths", type=Path, nargs="+")
+    p.set_defaults(func=cmd_convert_checkpoint)
 
     _add_plots_parser(sub)
     return parser

@@ -33,6 +33,7 @@ from imagenet_ddp.settings.run_checks import (
     optional_component_problems,
     split_sizes,
     user_cache_dir,
+    warmup_warnings,
 )
 from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
 from imagenet_ddp.settings.kinds import declarations
@@ -234,6 +235,9 @@ if workflow.is_main_process:
         print(f"warning: {_line}", file=sys.stderr)
     if _refusals:
         raise WorkflowError("\n".join(_refusals))
+    # A scaled LR reached in fewer warm-up steps than Goyal et al.'s rule (run_checks).
+    for _line in warmup_warnings(RUNS, config):
+        print(f"warning: {_line}", file=sys.stderr)
 
 
 def run_hyperparameters(wildcards):

@@ -11,8 +11,10 @@ node failure) is closed by the next one at its last sign of life.
 An entry: ``attempt`` (1, 2, ... per line of checkpoints: :func:`settings_key`),
 ``slurm_job_id``, ``host``, ``started``/``alive``/``ended`` (Unix seconds), ``exit_code``,
 ``outcome`` (completed, stopped: exit 75 after a checkpoint, or its ranks recorded a stop and
-wrote its checkpoint: :func:`stopped_by_ranks`, failed, killed: no end recorded, refused),
-``start`` (the checkpoint it resumed from: epoch, step, path, or epoch 0 step 0),
+wrote its checkpoint: :func:`stopped_by_ranks`, failed, killed: no end recorded, refused,
+diverged: stopped by the divergence guard, its outputs written and marked, exit 0 so that
+nothing retries it: a retry would diverge again), ``start`` (the checkpoint it resumed from:
+epoch, step, path, or epoch 0 step 0),
 ``last_checkpoint`` (the newest it wrote, with its mtime), ``error`` (the first rank's error
 line), ``gpus``, ``cores``, ``code`` (the commit the launcher ran, whether the checkout had
 uncommitted changes and their digest: :func:`imagenet_ddp.provenance.code_version`), ``stop``
@@ -183,6 +185,8 @@ def refusal(mine: list[dict[str, Any]], attempt: int, max_allocations: int) -> s
     previous = mine[-1]
     if previous["outcome"] == "refused":  # the same reason, not nested
         return previous["error"]
+    if previous["outcome"] == "diverged":  # exits 0; a retry would diverge again
+        return f"not retrying: {previous.get('error')}"
     # One retry after a failure without progress (a bad node, a transient start-up error);
     # none after the second in a row: the cause is the run's, and a retry cannot help.
     if len(mine) < 2 or not all(_failed_without_progress(a) for a in mine[-2:]):
@@ -328,6 +332,9 @@ def end(checkpoint_root, entry: dict[str, Any], exit_code: int) -> None:
     outcome = {0: "completed", EXIT_REQUEUE: "stopped"}.get(exit_code, "failed")
     stop = stopped_by_ranks(checkpoint_root, entry) if outcome == "stopped" else None
     error = entry.get("error") or first_error(checkpoint_root, entry)
+    diverged = divergence(checkpoint_root, entry["started"]) if exit_code == 0 else None
+    if diverged:
+        outcome, error = "diverged", diverged
     hung = hung_rank(checkpoint_root, entry["started"]) if outcome == "failed" else None
     if hung:
         print(f"watchdog: {hung}", flush=True)
@@ -406,6 +413,25 @@ def stopped_by_ranks(
     if (last["epoch"], last["step"]) < (stop["epoch"], stop["step"]):
         return None
     return stop
+
+
+DIVERGED = "diverged.txt"  # in ERRORS_DIR: the guard's line (training.guard)
+
+
+def record_divergence(checkpoint_root, line: str) -> None:
+    """Rank 0 of a run the divergence guard stopped: its one line, for the attempt record."""
+    folder = Path(checkpoint_root) / ERRORS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / DIVERGED).write_text(f"{time.time()}\n{line}\n")
+
+
+def divergence(checkpoint_root, since: float) -> str | None:
+    """The guard's line if it stopped the run at or after ``since`` (this attempt)."""
+    path = Path(checkpoint_root) / ERRORS_DIR / DIVERGED
+    if not path.is_file():
+        return None
+    stamp, _, line = path.read_text().partition("\n")
+    return line.strip() if float(stamp) >= since else None
 
 
 PROGRESS_DIR = "progress"
@@ -511,7 +537,7 @@ def cost_over_attempts(checkpoint_root, key: str, now: float) -> dict[str, Any]:
     for a in mine:
         ended = a["ended"] if a.get("ended") is not None else now
         wall = max(0.0, ended - a["started"])
-        interrupted = a["outcome"] in ("stopped", "failed", "killed")
+        interrupted = a["outcome"] in ("stopped", "failed", "killed", "diverged")
         last = a.get("last_checkpoint")
         lost = 0.0
         if interrupted:  # work after its newest checkpoint (all of it without one) is redone

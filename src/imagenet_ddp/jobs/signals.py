@@ -86,7 +86,8 @@ class StopFlag:
     The same reduction carries a second flag: a checkpoint is due (``checkpoint_seconds`` since
     the last one on any rank's clock, :meth:`checkpointed` resets it). After :meth:`poll`,
     ``checkpoint_due`` says whether all ranks agreed to write one now (a SIGKILL gives no
-    warning: this bounds the work it loses).
+    warning: this bounds the work it loses). A third flag carries a rank's suspicion of
+    divergence (``suspect``, set by training.guard); ``suspected`` says whether any rank had one.
     """
 
     def __init__(self, interval: int, checkpoint_seconds: float = 0.0) -> None:
@@ -94,6 +95,8 @@ class StopFlag:
         self.signalled = 0
         self.checkpoint_seconds = checkpoint_seconds
         self.checkpoint_due = False
+        self.suspect = False  # this rank's divergence guard suspects (training.guard)
+        self.suspected = False  # some rank's did, as of the last agreement
         self._last_checkpoint = time.monotonic()
         self._group = None
         self._pending: tuple[torch.Tensor, object] | None = None
@@ -130,7 +133,8 @@ class StopFlag:
     def _local(self) -> torch.Tensor:
         elapsed = time.monotonic() - self._last_checkpoint
         due = 0 < self.checkpoint_seconds <= elapsed
-        return torch.tensor([1.0 if self.signalled else 0.0, 1.0 if due else 0.0])
+        flags = (self.signalled, due, self.suspect)
+        return torch.tensor([1.0 if flag else 0.0 for flag in flags])
 
     def poll(self, step: int) -> bool:
         """Call after every step with the count of steps this process ran (the same on all
@@ -140,13 +144,14 @@ class StopFlag:
             return False
         if not (dist.is_available() and dist.is_initialized()):
             flags = self._local()
-            self.checkpoint_due = bool(flags[1])
+            self.checkpoint_due, self.suspected = bool(flags[1]), self.suspect
             return bool(self.signalled)
         stop = False
         if self._pending is not None:
             flag, work = self._pending
             work.wait()
             stop, self.checkpoint_due = bool(flag[0]), bool(flag[1])
+            self.suspected = bool(flag[2])
         flag = self._local()
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         self._pending = (flag, work)

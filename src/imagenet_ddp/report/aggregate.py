@@ -90,6 +90,7 @@ COLUMNS = [
     "throughput_by_shape",
     "precision",
     "epochs",
+    "diverged",
     "staging_seconds",
     "staging_gb_per_s",
     "mean_epoch_seconds",
@@ -209,6 +210,8 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         **shape_columns(train),
         "precision": cfg["precision"],
         "epochs": cfg["epochs"],
+        # Stopped by the divergence guard (training.guard): where and why; "" otherwise.
+        "diverged": diverged_cell(train.get("diverged")),
         "staging_seconds": stage_seconds,
         "staging_gb_per_s": stage_bytes / stage_seconds / 1e9 if stage_seconds else float("nan"),
         "mean_epoch_seconds": train["mean_epoch_seconds"],
@@ -238,6 +241,16 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         "git_commit": provenance["code"].get("git_commit", "unknown"),
         **code_row(train.get("cost")),
     }
+
+
+def diverged_cell(diverged: dict[str, Any] | None) -> str:
+    """train_metrics.json's ``diverged`` as one cell: epoch, step, loss, LR and reason."""
+    if not diverged:
+        return ""
+    return (
+        f"epoch {diverged['epoch']} step {diverged['step']}: {diverged['reason']} (loss "
+        f"{diverged['loss']}, lr {diverged['lr']})"
+    )
 
 
 def shape_columns(train: dict[str, Any]) -> dict[str, Any]:
@@ -454,9 +467,12 @@ SHORT_COLUMNS: list[tuple[str, str, Any]] = [
         "run",
         "left",
         lambda row: (
-            row["run"] + (" *" if _code_changed(row) else "") + (" †" if _other_code(row) else "")
+            row["run"]
+            + (" *" if _code_changed(row) else "")
+            + (" †" if _other_code(row) else "")
+            + (" (diverged)" if row["diverged"] else "")
         ),
-    ),  # fmt: skip
+    ),
     ("model", "left", lambda row: row["model"]),
     ("nodes x ranks", "right", lambda row: _shapes(row)),
     ("GPUs", "right", lambda row: str(row["gpus"])),
@@ -473,6 +489,10 @@ SHORT_COLUMNS: list[tuple[str, str, Any]] = [
     ("wall h:mm:ss", "right", lambda row: _wall(row["wall_seconds"])),
 ]
 
+DIVERGED_NOTE = (
+    "(diverged): stopped by the divergence guard, its accuracy that of its last good "
+    'checkpoint (docs/reliability.md "Divergence"): '
+)
 CODE_CHANGED = "\\* allocations of the run ran different code (checked out at each submission): "
 
 OTHER_CODE = (
@@ -508,6 +528,9 @@ def to_markdown(table: pd.DataFrame) -> str:
     other = [row["run"] for _, row in table.iterrows() if _other_code(row)]
     if other:
         text += "\n\n" + OTHER_CODE + ", ".join(other)
+    diverged = [row for _, row in table.iterrows() if row["diverged"]]
+    if diverged:
+        text += "\n\n" + DIVERGED_NOTE + "; ".join(f"{r['run']}: {r['diverged']}" for r in diverged)
     return text + "\n\n" + MORE_FIGURES + "\n"
 
 

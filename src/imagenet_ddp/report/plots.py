@@ -11,6 +11,7 @@ suffix (``.png`` or ``.svg``), and reruns on the same inputs write byte-identica
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -77,7 +78,11 @@ SUPPORTED_SUFFIXES = tuple(METADATA)
 
 # --------------------------------------------------------------------------------- inputs
 def _read_csv(
-    path: Path, required: Sequence[str], what: str, earlier: Mapping[str, str] | None = None
+    path: Path,
+    required: Sequence[str],
+    what: str,
+    earlier: Mapping[str, str] | None = None,
+    empty: bool = False,
 ) -> pd.DataFrame:
     """``path`` as a frame with the ``required`` columns; ``earlier`` maps a column to the name
     an earlier version wrote it under, so that such a table is refused with its fix."""
@@ -100,7 +105,7 @@ def _read_csv(
             f"{path}: {what} lacks column(s) {', '.join(missing)} "
             f"(has: {', '.join(map(str, frame.columns)) or 'none'})"
         )
-    if frame.empty:
+    if frame.empty and not empty:
         raise InputError(f"{path}: {what} has no rows")
     _numeric(frame, [c for c in required if c not in TEXT_COLUMNS], path)
     return frame
@@ -157,7 +162,12 @@ def _first(mask: pd.Series) -> int:
 
 def read_run_dir(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     run_dir = Path(run_dir)
-    history = _read_csv(run_dir / "history.csv", HISTORY_COLUMNS, "training history")
+    # A run the divergence guard stopped in its first epoch has no epoch row (no curve).
+    metrics = run_dir / "train_metrics.json"
+    diverged = metrics.is_file() and bool(json.loads(metrics.read_text()).get("diverged"))
+    history = _read_csv(
+        run_dir / "history.csv", HISTORY_COLUMNS, "training history", empty=diverged
+    )
     per_class = _read_csv(run_dir / "per_class.csv", PER_CLASS_COLUMNS, "per-class accuracy")
     return history.sort_values("epoch"), per_class
 
@@ -416,7 +426,8 @@ def _curve_legends(fig, axes, styles: dict, colors: dict) -> None:
 
 def plot_curves(histories: dict[str, pd.DataFrame], out: Path) -> None:
     """Loss (train, holdout) and top-1 accuracy (train, holdout) per epoch, one color per run."""
-    max_epoch = max(int(h["epoch"].max()) + 1 for h in histories.values())
+    # default: only runs the divergence guard stopped in their first epoch (no rows)
+    max_epoch = max((int(h["epoch"].max()) + 1 for h in histories.values() if len(h)), default=1)
     styles = _curve_styles(max_epoch)
     with plt.rc_context(STYLE):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))

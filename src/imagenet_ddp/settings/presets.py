@@ -16,6 +16,7 @@ Torch-free: the workflow reads it while Snakemake parses the rules.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -162,7 +163,10 @@ def scaled_lr(run: Mapping[str, Any], world_size: int | None = None) -> float:
     optimizer): ``lr`` x global batch / 256 with ``lr_scaling: linear`` (the schema's default),
     else ``lr``. The global batch (geometry.global_batch) counts ``accumulation``, so a run
     resumed on fewer ranks with more accumulation keeps its LR. ``world_size``: the ranks that
-    started (a rank); else the run's nodes x tasks_per_node."""
+    started (a rank); else the run's nodes x tasks_per_node. ``lr_scaling: sqrt``: ``lr`` x
+    sqrt(global batch / 256) (Krizhevsky 2014, "One weird trick", section 5)."""
+    if run["lr_scaling"] == "sqrt":
+        return float(run["lr"]) * math.sqrt(global_batch(run, world_size) / 256)
     if run["lr_scaling"] != "linear":
         return float(run["lr"])
     return float(run["lr"]) * global_batch(run, world_size) / 256

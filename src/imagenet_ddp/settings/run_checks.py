@@ -19,6 +19,7 @@ import difflib
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import tempfile
 from collections.abc import Mapping
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from imagenet_ddp.settings.evaluation import eval_settings
 from imagenet_ddp.settings.geometry import global_batch, loader_workers
+from imagenet_ddp.settings.presets import scaled_lr
 
 # Images in the ILSVRC2012 train archive (what `index` lists from the real archive).
 ILSVRC2012_TRAIN_IMAGES = 1_281_167
@@ -63,6 +65,7 @@ def check_runs(
             *_recipe_problems(run),
             _profile_problem(run),
             _fallback_nodes_problem(run),
+            _warmup_problem(run),
         ]
         problems += [f"config.yaml: run {name!r}: {p}" for p in found if p]
     return problems
@@ -269,6 +272,67 @@ def _batch_problem(run: Mapping, sizes: tuple[int, int, str]) -> str | None:
         f"{train} training images ({source}): with the last partial batch dropped an epoch "
         "has no step; lower batch_size, accumulation or the number of ranks"
     )
+
+
+def _warmup_problem(run: Mapping) -> str | None:
+    if run.get("warmup_steps", 0) > 0 and run.get("warmup_epochs", 0) > 0:
+        return (
+            f"warmup_steps {run['warmup_steps']} and warmup_epochs {run['warmup_epochs']} are "
+            "both set; set one of them (the other 0)"
+        )
+    return None
+
+
+# --------------------------------------------------------------------------- warm-up rule
+
+# Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour"
+# (arXiv:1706.02677), sections 2.1-2.2 and 5: ResNet-50 at lr 0.1 per 256 images trains at batch
+# 256 without warm-up; at batch 8192 (lr 3.2) their gradual warm-up rises linearly to 3.2 over
+# 5 epochs of 1.28 M images, 782 steps. The rule, anchored at that point: a run above what they
+# train without warm-up (0.1 per 256 images, and 0.1 at most) takes its warm-up steps in
+# proportion to the LR it reaches (lr_used / 3.2) and to how much hotter per image its LR is
+# than theirs (LR per 256 images / 0.1): at their recipe exactly their 782 steps. A heuristic
+# beyond that point, hence a warning, not a refusal.
+GOYAL_NO_WARMUP_LR = 0.1  # per 256 images, and at most
+GOYAL_LR, GOYAL_WARMUP_STEPS = 3.2, round(5 * ILSVRC2012_TRAIN_IMAGES / 8192)  # 782
+GOYAL_RULE = (
+    "Goyal et al. 2017, arXiv:1706.02677: lr 3.2 at batch 8k after a 5-epoch, 782-step warm-up;"
+    " steps x lr_used / 3.2 x (LR per 256 images / 0.1)"
+)
+
+
+def required_warmup_steps(lr_used: float, batch: int) -> int:
+    """The fewest warm-up steps in which the rule lets a run reach ``lr_used`` at global
+    batch ``batch``: none at or below the LR Goyal et al. train without warm-up."""
+    per_256 = lr_used * 256 / batch
+    if lr_used <= GOYAL_NO_WARMUP_LR and per_256 <= GOYAL_NO_WARMUP_LR:
+        return 0
+    return math.ceil(GOYAL_WARMUP_STEPS * lr_used / GOYAL_LR * per_256 / GOYAL_NO_WARMUP_LR)
+
+
+def warmup_warnings(runs: Mapping[str, Mapping], config: Mapping, workdir=".") -> list[str]:
+    """One line per run whose scaled LR is reached in fewer warm-up steps than
+    :func:`required_warmup_steps` (a warning: small problems may train regardless), naming a
+    warmup_steps and a warmup_epochs that would satisfy it."""
+    train = split_sizes(config, workdir)[0]
+    lines = []
+    for name, run in runs.items():
+        batch = global_batch(run)
+        per_epoch = max(1, train // batch)
+        steps = run["warmup_steps"] or int(run["warmup_epochs"] * per_epoch)
+        lr_used = scaled_lr(run)
+        needed = required_warmup_steps(lr_used, batch)
+        if steps >= needed:
+            continue
+        epochs = math.ceil(needed / per_epoch * 10) / 10
+        lines.append(
+            f"config.yaml: run {name!r}: lr_used {lr_used:.4g} (lr {run['lr']} x lr_scaling "
+            f"{run['lr_scaling']} at global batch {batch}) is reached in {steps} warm-up steps "
+            f"({per_epoch} per epoch); the rule ({GOYAL_RULE}: {needed} steps here) asks for "
+            f"at least warmup_steps: {needed} or warmup_epochs: {epochs}, or a lower lr or "
+            "lr_scaling: sqrt; the divergence guard stops the run if it diverges"
+        )
+    return lines
 
 
 def container_problem(

@@ -19,13 +19,23 @@ What a checkpoint holds and how a job resumes from it: :func:`save_job`, :func:`
 Rank 0 writes from a CPU copy in a background thread (:class:`CheckpointWriter`): the other
 ranks never wait for the disk, rank 0 only for the copy (and for a previous write still under
 way). Rank 0 alone chooses the checkpoint a job resumes from (:func:`agreed_checkpoint`).
+
+A checkpoint holds tensors and plain data only (numbers, strings, lists, dicts; the numpy RNG
+state as a tensor) and is read with ``torch.load(weights_only=True)``: a file that needs any
+other class to unpickle, which could run code, is refused with one line
+(:class:`UnsafeCheckpoint`), never skipped for an older one. A checkpoint written before
+(numpy arrays and scalars in it) is such a file: ``imagenet-ddp convert-checkpoint <file>``
+rewrites one the user trusts (:func:`convert_trusted`; docs/reliability.md "Loading without
+running code").
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import pickle
 import random
+import re
 import sys
 import threading
 import time
@@ -101,21 +111,77 @@ def save_checkpoint(directory: Path, state: dict[str, Any], keep: int) -> Path:
 
 
 def load_latest_checkpoint(directory: Path) -> dict[str, Any] | None:
-    """Newest checkpoint that loads; a torn or corrupt file is reported and skipped."""
+    """Newest checkpoint that loads; a torn or corrupt file is reported and skipped, one that
+    needs arbitrary unpickling refused (:class:`UnsafeCheckpoint`)."""
     if not directory.is_dir():
         return None
     for path in sorted(directory.glob("checkpoint-*.pt"), reverse=True):
         try:
             return load_checkpoint(path)
+        except UnsafeCheckpoint:
+            raise
         except Exception as exc:  # noqa: BLE001 - any unreadable file is skipped, not fatal
             print(f"warning: ignoring unreadable checkpoint {path}: {exc}", file=sys.stderr)
     return None
 
 
+class UnsafeCheckpoint(ValueError):
+    """A file that only arbitrary unpickling could read (it could run code): refused."""
+
+
+def load_tensors(path: Path) -> Any:
+    """``torch.load`` of tensors and plain data only (``weights_only=True``): a file that
+    names any other class or function is refused with one line, without running it. Other
+    unpickling errors (a torn or corrupt file) are raised as they are."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"GLOBAL ([\w.]+)", str(error))  # a class or function it names
+        if found is None:
+            raise
+        raise UnsafeCheckpoint(
+            f"{path}: refused: it needs arbitrary unpickling ({found.group(1)}), which can run "
+            "code; a checkpoint or model.pt of an earlier version that you trust: "
+            f"`imagenet-ddp convert-checkpoint {path}` (docs/reliability.md), else delete it"
+        ) from None
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = load_tensors(path)
     state["path"] = str(path)
     return state
+
+
+def plain(obj: Any) -> Any:
+    """``obj`` with numpy arrays as tensors and numpy scalars as Python numbers (what
+    ``weights_only`` reads); dicts, lists and tuples copied, the rest as it is."""
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.copy())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {key: plain(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [plain(value) for value in obj]
+    if isinstance(obj, tuple):
+        return tuple(plain(value) for value in obj)
+    return obj
+
+
+def convert_trusted(path: Path) -> Path:
+    """Rewrite a checkpoint or model.pt of an earlier version, which the user trusts (it is
+    unpickled in full: it could run code), as tensors and plain data; atomically, in place."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: not a checkpoint or model.pt (a {type(state).__name__})")
+    for entry in state.get("rng") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("numpy"), tuple):
+            entry["numpy"] = numpy_rng_record(entry["numpy"])
+    state.pop("path", None)
+    with atomic_path(Path(path)) as tmp:
+        torch.save(plain(state), tmp)
+    load_tensors(path)  # what a resume reads
+    return Path(path)
 
 
 class ResumeDisagreement(RuntimeError):
@@ -132,8 +198,17 @@ def agreed_checkpoint(directory: Path) -> dict[str, Any] | None:
     every rank raise :class:`ResumeDisagreement` (they agree on it first, so none waits on the
     others for ever)."""
     main = not D.is_distributed() or torch.distributed.get_rank() == 0
-    state = load_latest_checkpoint(directory) if main else None
-    name = D.all_gather_objects(None if state is None else Path(state["path"]).name)[0]
+    state, refused = None, None
+    if main:
+        try:
+            state = load_latest_checkpoint(directory)
+        except UnsafeCheckpoint as error:  # every rank refuses, none waits for rank 0
+            refused = str(error)
+    name, refused = D.all_gather_objects(
+        (None if state is None else Path(state["path"]).name, refused)
+    )[0]
+    if refused:
+        raise UnsafeCheckpoint(refused)
     if name is None:
         return None
     error = None
@@ -158,17 +233,33 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        "numpy": np.random.get_state(),
+        "numpy": numpy_rng_record(np.random.get_state()),
         "python": random.getstate(),
     }
+
+
+def numpy_rng_record(state: tuple) -> dict[str, Any]:
+    """numpy's legacy RNG state as tensors and numbers (``weights_only`` reads no ndarray)."""
+    name, keys, position, has_gauss, cached = state
+    keys = torch.from_numpy(np.asarray(keys, dtype=np.uint32).astype(np.int64))
+    return {"name": name, "keys": keys, "pos": int(position), "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached)}  # fmt: skip
 
 
 def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and state.get("cuda") is not None:
         torch.cuda.set_rng_state(state["cuda"], device)
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    n = state["numpy"]
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state((n["name"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    random.setstate(_tuples(state["python"]))
+
+
+def _tuples(obj: Any) -> Any:
+    """Python's RNG state, its tuples as ``random.setstate`` wants them (a list after a
+    round trip through a file)."""
+    return tuple(_tuples(v) for v in obj) if isinstance(obj, list | tuple) else obj
 
 
 # --------------------------------------------------------------------------- a job's state
@@ -184,9 +275,9 @@ def job_state(job: TrainingState, epoch: int, step: int, partial: list | None) -
         "ema": None if job.ema is None else job.ema.state_dict(),
         "epoch": epoch,
         "step_in_epoch": step,
-        "partial_epoch": partial,
-        "history": job.history,
-        "config": dataclasses.asdict(job.cfg),
+        "partial_epoch": plain(partial),
+        "history": plain(job.history),
+        "config": plain(dataclasses.asdict(job.cfg)),
         "geometry": dataclasses.asdict(job.geometry),
         "world_size": job.info.world_size,
         "rng": D.all_gather_objects(rng_state(job.device)),

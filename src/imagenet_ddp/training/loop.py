@@ -3,6 +3,8 @@
 A stop signal (SIGTERM, SIGUSR1, SIGINT: time limit, scancel, preemption, Ctrl-C) makes every
 rank stop at the same step; rank 0 writes a checkpoint and the job exits with EXIT_REQUEUE
 (:mod:`imagenet_ddp.jobs.signals`). Events: :func:`train_step` (each step), :func:`end_epoch`.
+A diverged run (:mod:`imagenet_ddp.training.guard`) stops the same way but writes no checkpoint:
+every save asks the guard first.
 
 An epoch's end is kept short: the holdout is evaluated every ``eval_interval`` epochs with a
 loader made once (:class:`Holdout`), and rank 0 writes the checkpoint in the
@@ -30,6 +32,7 @@ from imagenet_ddp.training.accuracy import evaluate_loader
 from imagenet_ddp.training.checkpoint import save_job, settle_checkpoints
 from imagenet_ddp.training.data import batch_seed
 from imagenet_ddp.training.discipline import check_device_discipline
+from imagenet_ddp.training.guard import DIVERGED, Divergence, gradient_norm
 from imagenet_ddp.training.metrics import EpochMeter, Progress, log_epoch
 from imagenet_ddp.training.state import TrainingState
 from imagenet_ddp.training.step_timing import StepTimer, breakdown_row, timed_steps
@@ -65,11 +68,14 @@ def run_epochs(
         step = skip
         epoch_batches = batches(job, loader, sampler, holdout.num_classes, epoch, step)
         for micro_batches in timed_steps(epoch_batches, timer, profiler):
-            for index, (loss, logits, labels) in enumerate(train_step(job, micro_batches, epoch)):
+            lr, global_step = job.optimizer.param_groups[0]["lr"], job.scheduler.last_epoch
+            results = train_step(job, micro_batches, epoch)
+            for index, (loss, logits, labels) in enumerate(results):
                 meter.update(loss, logits, labels, step_end=index == cfg.accumulation - 1)
             timer.done()
             step += 1
             steps_done += 1
+            diverged = watch(job, stop, results, (global_step, epoch, step, lr))
             if steps_done == 1:  # optimizer state exists now
                 check_device_discipline(job, "after the first step")
             progress.update(step, meter)
@@ -79,13 +85,21 @@ def run_epochs(
                 monitor.step(epoch, step, meter, job.scheduler.get_last_lr()[0], timer)
             # Every rank polls at the same steps, so the agreement's collectives stay aligned.
             test_stop = stop_after_steps is not None and steps_done >= stop_after_steps
-            if (test_stop or stop.poll(steps_done)) and step < steps_per_epoch:
+            stopping = (test_stop or stop.poll(steps_done)) and step < steps_per_epoch
+            if diverged is None and (stopping or stop.suspected or stop.checkpoint_due):
+                diverged = job.guard.agree() if job.guard is not None else None  # a save next
+            if diverged is not None:
+                progress.close()
+                return stop_diverged(job, diverged)
+            if stopping:
                 progress.close()
                 return requeue_mid_epoch(job, stop, epoch, step, meter)
             if stop.checkpoint_due and step < steps_per_epoch:  # checkpoint_interval_minutes
                 interval_checkpoint(job, epoch, step, meter)
                 stop.checkpointed()
         progress.close()
+        if job.guard is not None and (diverged := job.guard.agree()) is not None:
+            return stop_diverged(job, diverged)  # before the epoch's checkpoint
         end_epoch(job, epoch, meter, holdout, timer)
         stop.checkpointed()  # end_epoch wrote one
         if monitor is not None:  # TensorBoard epoch scalars
@@ -102,6 +116,26 @@ def run_epochs(
             return EXIT_REQUEUE
     settle_checkpoints(job)
     return 0
+
+
+def watch(job: TrainingState, stop, results, where: tuple) -> Divergence | None:
+    """The guard's verdict after a step (``where``: global step, epoch, step, LR): a divergence
+    every rank reached at this step, or None; a rank's own suspicion goes to the stop flag."""
+    if job.guard is None:
+        return None
+    diverged = job.guard.after_step(results, job.grad_norm, where)
+    stop.suspect = job.guard.suspect is not None
+    return diverged
+
+
+def stop_diverged(job: TrainingState, divergence: Divergence) -> int:
+    """Stopped by the guard (collective): no checkpoint of these weights; the last good one is
+    complete on disk before any rank goes on. DIVERGED (the worker writes the outputs)."""
+    settle_checkpoints(job)
+    job.diverged = divergence
+    if job.info.is_main:
+        print(divergence.line(job.cfg.run), flush=True)
+    return DIVERGED
 
 
 def epoch_instruments(job: TrainingState, profile, epoch: int, carried):
@@ -223,9 +257,12 @@ def train_step(job: TrainingState, micro_batches, epoch: int) -> list[tuple]:
         with torch.no_grad():
             for buffer, value in zip(job.model.buffers(), kept, strict=True):
                 buffer.copy_(value)
+    job.grad_norm = None
     if cfg.grad_clip_norm > 0:
         job.scaler.unscale_(job.optimizer)  # clip the true gradients, not the scaled ones
-        torch.nn.utils.clip_grad_norm_(job.model.parameters(), cfg.grad_clip_norm)
+        job.grad_norm = torch.nn.utils.clip_grad_norm_(job.model.parameters(), cfg.grad_clip_norm)
+    elif job.guard is not None and job.guard.enabled:  # all-reduced: the same on every rank
+        job.grad_norm = gradient_norm(job.model)
     job.scaler.step(job.optimizer)
     job.scaler.update()
     job.scheduler.step()
@@ -242,6 +279,12 @@ def forward_backward(job: TrainingState, images: torch.Tensor, targets, count: i
     with autocast(job.device, job.cfg.precision):
         logits = job.step_model(images)
         loss = job.criterion(logits, soft)
+    if (
+        job.test_nan_step == job.scheduler.last_epoch + 1
+        and job.info.rank == job.info.world_size - 1
+    ):
+        # The test hook (worker: IMAGENET_DDP_TEST_NAN_LOSS_STEP): this rank's loss only.
+        loss = loss * float("nan")
     job.scaler.scale(loss / count if count > 1 else loss).backward()
     return loss, logits, hard
 

@@ -205,7 +205,12 @@ def epoch_end_share(history: list[dict[str, Any]]) -> float | None:
 
 
 def history_frame(history: list[dict[str, Any]]) -> pd.DataFrame:
-    """history.csv: one row per epoch, ``epoch_end_share`` derived (EPOCH_END_NOTE)."""
+    """history.csv: one row per epoch, ``epoch_end_share`` derived (EPOCH_END_NOTE). A run the
+    divergence guard stopped in its first epoch has none: the header alone (what the plots
+    read)."""
+    if not history:
+        return pd.DataFrame(columns=["epoch", "train_loss", "train_top1", "holdout_top1",
+                                     "holdout_top5", "holdout_loss", "epoch_seconds"])  # fmt: skip
     frame = pd.DataFrame([{k: v for k, v in h.items() if not isinstance(v, list)} for h in history])
     if "eval_seconds" in frame:  # absent in a history from before these columns
         work = frame["eval_seconds"].fillna(0) + frame.get("checkpoint_seconds", 0.0)
@@ -254,8 +259,10 @@ def write_run_metrics(
     ranks: list,
     resumed_from: str | None,
     cost: dict | None = None,
+    diverged: dict | None = None,
 ) -> None:
-    """history.csv (one row per epoch) and train_metrics.json (the run's summary)."""
+    """history.csv (one row per epoch) and train_metrics.json (the run's summary; ``diverged``:
+    why and where the divergence guard stopped the run, training.guard)."""
     cfg, history, world = job.cfg, job.history, job.info.world_size
     write_csv_atomic(out_dir / "history.csv", history_frame(history))
     epoch_seconds = [h["epoch_seconds"] for h in history]
@@ -295,6 +302,7 @@ def write_run_metrics(
             "flops_per_image": history[-1].get("flops_per_image") if history else None,
             "breakdown_note": BREAKDOWN_NOTE,
             "resumed_from": resumed_from,
+            "diverged": diverged,
             "cost": cost,  # imagenet_ddp.monitoring.cost: wall, GPU-/core-hours, NVML telemetry
             "checkpoint_dir": str(job.checkpoint_dir),
             "torch": torch.__version__,

@@ -11,10 +11,15 @@ It is a ``torch.save`` dict::
     config          the run's settings and geometry (TrainConfig + geometry.Geometry fields)
     ema             runs with ``ema_decay`` > 0 only: state_dict of the averaged model (the
                     same torchvision model, weights and BatchNorm buffers averaged)
+    diverged        runs the divergence guard stopped only (training.guard): where and why;
+                    ``model`` then holds the weights of the last good checkpoint
+
+Tensors and plain data only: read with ``weights_only=True`` (a file that needs more is
+refused, checkpoint.load_tensors).
 
 Loading into torchvision without this package (docs/results.md "Loading a trained model")::
 
-    state = torch.load("model.pt", map_location="cpu", weights_only=False)
+    state = torch.load("model.pt", map_location="cpu", weights_only=True)
     model = torchvision.models.get_model(state["arch"], num_classes=state["num_classes"])
     model.load_state_dict(state["model"])
 """
@@ -28,6 +33,7 @@ import torch
 import torchvision
 
 from imagenet_ddp.io import atomic_path
+from imagenet_ddp.training.checkpoint import load_tensors
 
 MODEL_FORMAT_VERSION = 1
 
@@ -62,7 +68,7 @@ def save_model(
 
 def read_model_file(path: Path) -> dict[str, Any]:
     """The raw contents of ``model.pt``, checked: a clear error for a foreign or newer file."""
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = load_tensors(path)  # tensors and plain data only: nothing in it runs
     if not isinstance(state, dict) or "model" not in state or "arch" not in state:
         raise ValueError(f"{path}: not a model file written by imagenet-ddp train")
     version = state.get("format_version", 1)  # files before the field existed are version 1

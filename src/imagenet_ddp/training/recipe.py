@@ -79,7 +79,7 @@ def lr_lambda(steps_per_epoch: int, cfg: TrainConfig):
     The first step uses ``warmup_start_factor`` itself, as both sources do (torchvision's
     LinearLR in its first epoch, FFCV's interpolation at step 0); at each epoch's first step
     the factor is torchvision's per-epoch one, and FFCV's per-step one at every step."""
-    warmup = int(cfg.warmup_epochs * steps_per_epoch)
+    warmup = warmup_steps(cfg, steps_per_epoch)
     total = max(1, cfg.epochs * steps_per_epoch)
     milestones = sorted(e * steps_per_epoch for e in cfg.lr_step_epochs)
     start, low = cfg.warmup_start_factor, cfg.lr_min_ratio
@@ -97,6 +97,14 @@ def lr_lambda(steps_per_epoch: int, cfg: TrainConfig):
         return low + (1.0 - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
+
+
+def warmup_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    """The warm-up's optimizer steps: ``warmup_steps`` when set, else ``warmup_epochs`` x
+    the steps of an epoch (the dry-run refuses both set)."""
+    if cfg.warmup_steps > 0:
+        return int(cfg.warmup_steps)
+    return int(cfg.warmup_epochs * steps_per_epoch)
 
 
 def build_scheduler(cfg: TrainConfig, optimizer, steps_per_epoch: int):
@@ -200,5 +208,7 @@ def update_ema(cfg: TrainConfig, ema, model: torch.nn.Module, step: int, epoch: 
     if ema is None or step % cfg.ema_steps:
         return
     ema.update_parameters(model)
-    if epoch < cfg.warmup_epochs:  # during warm-up the average restarts (as the reference)
+    # during warm-up the average restarts (as the reference), per epoch or per step
+    warming = epoch < cfg.warmup_epochs if cfg.warmup_steps == 0 else step <= cfg.warmup_steps
+    if warming:
         ema.n_averaged.fill_(0)

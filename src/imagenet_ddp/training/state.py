@@ -38,3 +38,7 @@ class TrainingState:
     history: list[dict[str, Any]] = field(default_factory=list)
     checkpoint_writer: Any = None  # checkpoint.CheckpointWriter (rank 0, from its first save)
     progress: Any = None  # attempts.RankProgress: this rank's last step, for the watchdog line
+    guard: Any = None  # guard.Guard: stops a diverged run (None: off)
+    grad_norm: Any = None  # the last step's gradient norm on the device (clipped or guarded)
+    diverged: Any = None  # guard.Divergence: why run_epochs returned DIVERGED
+    test_nan_step: int | None = None  # testing: the step whose loss is made NaN on one rank

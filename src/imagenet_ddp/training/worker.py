@@ -36,6 +36,7 @@ from imagenet_ddp.jobs.attempts import (
     RankProgress,
     cost_over_attempts,
     has_record,
+    record_divergence,
     record_error,
     settings_key,
 )
@@ -45,7 +46,12 @@ from imagenet_ddp.monitoring.monitor import RunMonitor
 from imagenet_ddp.settings.geometry import Geometry
 from imagenet_ddp.training import recipe
 from imagenet_ddp.training.accuracy import shard_loader
-from imagenet_ddp.training.checkpoint import checkpoint_dir, checkpoint_tag, resume_job
+from imagenet_ddp.training.checkpoint import (
+    checkpoint_dir,
+    checkpoint_tag,
+    load_latest_checkpoint,
+    resume_job,
+)
 from imagenet_ddp.training.config import TrainConfig, resolve_geometry
 from imagenet_ddp.training.data import (
     EpochSampler,
@@ -55,6 +61,7 @@ from imagenet_ddp.training.data import (
     train_loader,
 )
 from imagenet_ddp.training.discipline import check_device_discipline
+from imagenet_ddp.training.guard import DIVERGED, Guard, GuardSettings
 from imagenet_ddp.training.loop import Holdout, run_epochs
 from imagenet_ddp.training.metrics import recorded_settings, write_run_metrics
 from imagenet_ddp.training.model import build_model, save_model
@@ -155,27 +162,50 @@ def _train(
         shutdown_loader_workers(holdout.loader)
         if job.checkpoint_writer is not None:  # run_epochs settled it, unless it raised
             job.checkpoint_writer.wait()
-    if code != 0:
+    if code not in (0, DIVERGED):
         return code
+    diverged = None if code == 0 else job.diverged.record()
     ranks = D.all_gather_objects(D.placement(info, device))
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
+        if diverged is not None:  # the outputs of the last good state, marked (guard)
+            last_good_weights(job)
         save_model(
             out_dir / "model.pt",
             job.model,
             arch=cfg.model,
             num_classes=base.num_classes,
             config=recorded_settings(job),
-            extra={} if job.ema is None else {"ema": job.ema.module.state_dict()},
+            extra={
+                **({} if job.ema is None else {"ema": job.ema.module.state_dict()}),
+                **({} if diverged is None else {"diverged": diverged}),
+            },
         )
         cost = monitor.finish(job.history)  # the cost block of train_metrics.json
         if attempt_key is not None:  # every allocation of the run, this one up to now
             cost = over_attempts(
                 cost, cost_over_attempts(checkpoint_root, attempt_key, time.time())
             )
-        write_run_metrics(job, out_dir, ranks, resumed_from=resume.path, cost=cost)
+        write_run_metrics(
+            job, out_dir, ranks, resumed_from=resume.path, cost=cost, diverged=diverged
+        )
+        if diverged is not None:  # the launcher records the attempt `diverged`
+            record_divergence(checkpoint_root, job.diverged.line(cfg.run))
     D.barrier()
     return 0
+
+
+def last_good_weights(job) -> None:
+    """Rank 0, a diverged run: its model (and EMA) back to the newest checkpoint, every one of
+    which the guard let through before the bad step; the job's own start without one."""
+    state = load_latest_checkpoint(job.checkpoint_dir)
+    if state is None:
+        print("no checkpoint before the divergence: model.pt holds the weights at the stop")
+        return
+    job.model.load_state_dict(state["model"])
+    if job.ema is not None and state.get("ema") is not None:
+        job.ema.load_state_dict(state["ema"])
+    print(f"model.pt: the weights of {state['path']}, the last good checkpoint", flush=True)
 
 
 def _holdout(cfg, info, device, geometry, train_data, split_dir) -> Holdout:
@@ -235,6 +265,7 @@ def build_job(
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = recipe.build_optimizer(cfg, model, info.world_size)
+    warmup = recipe.warmup_steps(cfg, steps_per_epoch)
     ema = recipe.build_ema(cfg, model, info.world_size, device)  # a copy, before DDP's hooks
     ddp_model = (
         DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -255,9 +286,20 @@ def build_job(
         scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
         criterion=recipe.build_criterion(cfg),
         checkpoint_dir=Path(),
+        guard=Guard(GuardSettings.of(cfg, num_classes, warmup), device, info.rank)
+        if cfg.divergence_guard
+        else None,
+        test_nan_step=_test_nan_step(),
         ema=ema,
         mixer=recipe.batch_mixer(cfg, num_classes),
     )
+
+
+def _test_nan_step() -> int | None:
+    """Testing: the optimizer step (1-based, over the run) whose loss the last rank makes NaN,
+    from IMAGENET_DDP_TEST_NAN_LOSS_STEP (the divergence guard's end-to-end test)."""
+    value = os.environ.get("IMAGENET_DDP_TEST_NAN_LOSS_STEP")
+    return int(value) if value else None
 
 
 def main(argv: list[str] | None = None) -> int:

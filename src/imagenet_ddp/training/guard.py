@@ -1,0 +1,226 @@
+"""The divergence guard: a run whose loss or gradients go bad stops within a step or two,
+recorded ``diverged`` (docs/reliability.md "Divergence"), instead of training on for every
+epoch and allocation it has.
+
+What stops a run (``divergence_*`` settings, on by default):
+
+- a non-finite gradient (any element inf or NaN; the global norm when ``grad_clip_norm``
+  computes it). After DDP's all-reduce the gradient is the same bytes on every rank, so every
+  rank decides this the same way at the same step, with no communication;
+- a non-finite loss on any rank (its gradient is almost always non-finite too; when not, the
+  ranks agree through the stop flag's all-reduce, :class:`imagenet_ddp.jobs.signals.StopFlag`,
+  which the loop already runs every few steps);
+- with fp16, ``divergence_fp16_skips`` steps in a row that the GradScaler skipped (single
+  skips are how it finds its scale: not divergence);
+- after the warm-up, ``divergence_window_steps`` steps in a row whose loss on a rank is above
+  ``divergence_loss_factor`` x ln(classes), the loss of a uniform guess (a spike that recovers
+  sooner, or any spike inside the warm-up, does not stop it).
+
+No host sync per step: each step's (loss, gradient norm) is copied to the host asynchronously
+and read when the next step has been queued (:class:`StepValues`), so the CPU waits only where
+it ran more than a step ahead of the GPU. A run therefore stops after the step that follows the
+bad one; the bad weights are never checkpointed: every save first reads the last step
+(:meth:`Guard.agree`, a collective at the save points only).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from imagenet_ddp.jobs import distributed as D
+
+# run_epochs' code for "stopped by the guard"; the worker writes the run's outputs marked
+# diverged and exits 0, so neither Snakemake's retries nor a resubmission trains it again.
+DIVERGED = -1
+
+ADVICE = (
+    "lower lr (or use lr_scaling: sqrt), lengthen the warm-up (warmup_epochs or warmup_steps), "
+    "set grad_clip_norm, or use bf16 instead of fp16; to go on regardless, set "
+    "divergence_guard: false and rerun with --forcerun train"
+)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Why and where a run was stopped (rank: the rank that saw it first)."""
+
+    reason: str
+    epoch: int
+    step: int
+    loss: float
+    lr: float
+    rank: int = 0
+
+    def line(self, run: str) -> str:
+        return (
+            f"run {run!r} diverged at epoch {self.epoch} step {self.step} (rank {self.rank}): "
+            f"{self.reason}; its loss {self.loss:.4g}, lr {self.lr:.4g}. Stopped; the last good "
+            f"checkpoint is kept. What to change: {ADVICE}"
+        )
+
+    def record(self) -> dict:
+        """JSON-safe (non-finite numbers as strings) for train_metrics.json."""
+        fields = asdict(self)
+        for key in ("loss", "lr"):
+            fields[key] = fields[key] if math.isfinite(fields[key]) else str(fields[key])
+        return fields
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    enabled: bool
+    loss_limit: float  # divergence_loss_factor x ln(classes)
+    window: int
+    fp16_skips: int
+    warmup_steps: int
+    scaler: bool  # fp16's GradScaler skips non-finite steps itself
+
+    @classmethod
+    def of(cls, cfg, num_classes: int, warmup_steps: int) -> GuardSettings:
+        return cls(
+            enabled=bool(cfg.divergence_guard),
+            loss_limit=cfg.divergence_loss_factor * math.log(max(num_classes, 2)),
+            window=int(cfg.divergence_window_steps),
+            fp16_skips=int(cfg.divergence_fp16_skips),
+            warmup_steps=warmup_steps,
+            scaler=cfg.precision == "fp16",
+        )
+
+
+class GuardRule:
+    """The decisions, on host numbers (one call per optimizer step, in order)."""
+
+    def __init__(self, settings: GuardSettings) -> None:
+        self.s = settings
+        self.skipped = 0  # fp16 steps skipped in a row
+        self.high = 0  # steps in a row above the loss limit after the warm-up
+
+    def step(self, global_step: int, loss: float, grad_norm: float) -> tuple[str | None, bool]:
+        """(reason, agreed): the reason to stop after the optimizer step ``global_step``
+        (0-based, counted over the run), None to go on; ``agreed``: every rank reaches the
+        same reason at the same step (from the all-reduced gradient), else the ranks must
+        agree on it (the stop flag)."""
+        s = self.s
+        if not s.enabled:
+            return None, True
+        bad_grad = not math.isfinite(grad_norm)
+        if s.scaler:  # the GradScaler skipped this step: its gradient, the same on every rank
+            self.skipped = self.skipped + 1 if bad_grad else 0
+            if self.skipped >= s.fp16_skips:
+                return f"{self.skipped} fp16 steps in a row skipped by the GradScaler", True
+        elif bad_grad:
+            return f"gradient norm {grad_norm}", True
+        elif not math.isfinite(loss):
+            return f"loss {loss} on this rank", False
+        after_warmup = global_step >= s.warmup_steps
+        self.high = self.high + 1 if after_warmup and loss > s.loss_limit else 0
+        if self.high >= s.window:
+            return (
+                f"loss above {s.loss_limit:.3g} (divergence_loss_factor x ln(classes)) for "
+                f"{self.high} steps in a row after the warm-up",
+                False,
+            )
+        return None, True
+
+
+def gradient_norm(model: torch.nn.Module) -> torch.Tensor:
+    """The gradients' largest absolute element, on the device: non-finite exactly when one of
+    them is (the check GradScaler makes; a 2-norm could overflow with finite elements)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    return torch.nn.utils.get_total_norm(grads, norm_type=math.inf)
+
+
+class StepValues:
+    """A step's (loss, gradient norm) on the host without a host sync: copied asynchronously
+    at the step's end, read after the next step is queued (:meth:`push`), or now (:meth:`pop`,
+    where the loop synchronizes anyway: a save)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._buffers = [torch.empty(2, pin_memory=True) for _ in range(2)] if self.cuda else []
+        self._turn = 0
+        self._pending = None
+
+    def push(self, values: torch.Tensor, where: tuple) -> tuple | None:
+        """Queue this step's values; returns the previous step's ((loss, norm), where)."""
+        previous = self.pop()
+        event = None
+        if self.cuda:
+            host = self._buffers[self._turn]
+            self._turn ^= 1
+            host.copy_(values.detach(), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = values.detach()
+        self._pending = (host, event, where)
+        return previous
+
+    def pop(self) -> tuple | None:
+        if self._pending is None:
+            return None
+        host, event, where = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        loss, norm = host.tolist()
+        return (loss, norm), where
+
+
+class Guard:
+    """One rank's guard: fed every step (:meth:`after_step`), asked at saves (:meth:`agree`)."""
+
+    def __init__(self, settings: GuardSettings, device: torch.device, rank: int) -> None:
+        self.rule = GuardRule(settings)
+        self.values = StepValues(device)
+        self.rank = rank
+        self.suspect: Divergence | None = None  # this rank's first reason the ranks must agree on
+        self.agreed: Divergence | None = None  # a reason every rank has reached by itself
+
+    @property
+    def enabled(self) -> bool:
+        return self.rule.s.enabled
+
+    def after_step(self, results, grad_norm, where: tuple) -> Divergence | None:
+        """Queue this step (``results``: train_step's; ``where``: (global step, epoch, step,
+        lr)) and judge the previous one: a Divergence every rank reached (stop now)."""
+        if not self.enabled:
+            return None
+        loss = torch.stack([r[0].detach().float() for r in results]).mean()
+        norm = torch.zeros((), device=loss.device) if grad_norm is None else grad_norm
+        values = torch.stack([loss, norm.detach().float().to(loss.device)])
+        return self._judge(self.values.push(values, where))
+
+    def settle(self) -> Divergence | None:
+        """Judge the last queued step now (it has synchronized anyway)."""
+        return self._judge(self.values.pop()) if self.enabled else None
+
+    def _judge(self, read) -> Divergence | None:
+        if read is None or self.agreed is not None:
+            return self.agreed
+        (loss, norm), (global_step, epoch, step, lr) = read
+        reason, agreed = self.rule.step(global_step, loss, norm)
+        if reason is None:
+            return None
+        found = Divergence(reason, epoch, step, loss, lr, self.rank)
+        if agreed:
+            self.agreed = found
+        elif self.suspect is None:
+            self.suspect = found
+        return self.agreed
+
+    def agree(self) -> Divergence | None:
+        """Collective (every rank, at the same point): the divergence any rank has seen, up
+        to the last step, or None. Called before every checkpoint and when the stop flag
+        says a rank suspects one."""
+        if not self.enabled:
+            return None
+        self.settle()
+        seen = D.all_gather_objects(self.agreed or self.suspect)
+        found = [d for d in seen if d is not None]
+        return min(found, key=lambda d: (d.epoch, d.step, d.rank)) if found else None
