@@ -1,6 +1,6 @@
 """One typed spec describes a training, preflight or evaluation job; every process reads it.
 
-The rule builds the whole spec once (workflow/rules/common.smk ``job_json``) and passes it as
+The rule builds the whole spec once (workflow/rules/common.smk ``job_spec``) and passes it as
 one value, ``imagenet-ddp train --job '<json>'`` (or a file by hand); the CLI parses it once
 (:func:`parse`), resolves the launcher and writes it atomically into the job's folder
 (:func:`write_spec`). The launcher passes only that file's path to the per-node steps
