@@ -41,5 +41,6 @@ include: "workflow/rules/report.smk"
 
 
 rule all:
+    """Every run trained, evaluated, tabulated and plotted."""
     input:
         REPORT_TARGETS,

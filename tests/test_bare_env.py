@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.workflow_helpers import REPO
 
@@ -104,7 +105,13 @@ def test_dry_run_and_lint_with_snakemake_alone(tmp_path):
     )  # fmt: skip
     log = dry.stdout + dry.stderr
     assert dry.returncode == 0, log[-4000:]
-    assert "hyperparameters:" in log and re.search(r"rule train:", log), log[-4000:]
+    assert "hyperparameters=" in log and re.search(r"rule train:", log), log[-4000:]
+    # Reviewable: a train job in under 1.5 KB (its spec a file's path), threads as SLURM
+    # grants them (not the 1 core a dry-run counts).
+    for block in (b for b in dry.stdout.split("\n\n") if "rule train:" in b):
+        assert len(block.encode()) < 1500 and "--job .snakemake/job_specs/" in block, block
+    workers = yaml.safe_load((clone / "config.yaml").read_text())["prepare"]["workers"]
+    assert f"--workers {workers} " in dry.stdout and "--workers 1 " not in dry.stdout
     lint = subprocess.run(
         [*snakemake, "--profile", "profiles/slurm", "--lint"],
         cwd=clone, env=env, capture_output=True, text=True, timeout=300,

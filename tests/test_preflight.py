@@ -159,7 +159,7 @@ def test_the_dry_run_refuses_a_run_its_known_projection_does_not_fit(tmp_path):
     workdir = copy_workflow(tmp_path / "wf", runs=[{"name": "r", "epochs": 90}])
     shown = snakemake(workdir, "-n", "-p", "results/runs/r/model.pt")
     text = shown.stdout + shown.stderr
-    (settings,) = [spec["run"] for spec in shown_specs(text, "train")]
+    (settings,) = [spec["run"] for spec in shown_specs(text, "train", workdir)]
     write_preflight(workdir / "results/preflight/r", settings, report(ranks()))
     fits = snakemake(workdir, "-n", "--set-resources", "train:runtime=60")
     assert fits.returncode == 0
