@@ -83,6 +83,16 @@ def test_every_stage_artifact_exists_with_provenance(local_run):
         accounting = json.loads((w / "results/runs" / run / "accounting.json").read_text())
         assert accounting == {"available": False, "reason": "not trained in a SLURM job"}
     assert (w / "results/plots/cost.png").is_file()
+    # The runs so far, from one command beside the finished workflow: rank 0's last epoch of
+    # each run (progress.json) and the finished runs' table.
+    for run in ("resnet18-1x2", "resnet18-1x1"):
+        last = json.loads((w / "results/runs" / run / "progress.json").read_text())
+        assert last["epoch"] == 2 and last["images_per_s"] > 0, last
+    shown = snakemake(w, "progress", "--nolock", "--cores", "1").stdout
+    progress = pd.read_csv(w / "results/progress/runs.csv")
+    assert sorted(progress["run"]) == ["resnet18-1x1", "resnet18-1x2"]
+    assert set(progress["state"]) == {"finished"}, progress
+    assert "Finished: 2 of 2." in shown and "resnet18-1x2" in shown
     table = pd.read_csv(w / "results/aggregate/runs.csv").set_index("run")
     assert (table["gpu_hours"] == 0).all() and (table["core_hours"] > 0).all(), table
     assert table[["energy_kwh", "slurm_state", "gpu_utilization_percent"]].isna().all().all()

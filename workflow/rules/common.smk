@@ -86,6 +86,9 @@ class _LeftOut:
     Snakemake cannot represent, so it records no param for it and the run's params stay
     those it was trained with."""
 
+    def __repr__(self):
+        return "<at its x-earlier value>"
+
 
 def _rerun_param(key):
     def value(wildcards):

@@ -115,12 +115,18 @@ def _cell(value: Any, fmt: str) -> str:
     return format(value, fmt)
 
 
+def _epochs(row: pd.Series) -> str:
+    """Epochs done of all ("10/90"); the count alone where the total is unknown (no spec yet)."""
+    done, total = int(row["epochs_done"]), _cell(row["epochs"], ".0f")
+    return f"{done}/{total}" if total else (str(done) if done else "")
+
+
 def others_markdown(others: pd.DataFrame) -> str:
     rows = [
         [
             row["run"],
             row["state"],
-            f"{int(row['epochs_done'])}/{_cell(row['epochs'], '.0f')}",
+            _epochs(row),
             _cell(row["images_per_s"], ".0f"),
             _cell(row["eta_hours"], ".1f"),
             row["note"],
