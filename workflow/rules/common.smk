@@ -201,9 +201,9 @@ if workflow.is_main_process:
 
 def run_hyperparameters(wildcards):
     """The run's hyperparameters on one compact line (shown by `snakemake -n -p`): model,
-    epochs, batch size, lr, lr_scaling and the LR used, then every shown setting not at the schema's default
-    (a preset's values included): review them before spending GPU hours. Every setting is
-    in the job's spec file (resources.job, and <run dir>/job_spec.json once it runs)."""
+    epochs, batch size, lr, lr_scaling and the LR used, then every shown setting not at the
+    schema's default (a preset's values included): review them before spending GPU hours.
+    Every setting is in the job's spec file (resources.job; <run dir>/job_spec.json)."""
     run = RUNS[wildcards.run]
     # The kinds shown (imagenet_ddp.settings.kinds.KINDS): the geometry is under resources.
     shown = SETTINGS.shown_settings(run)
@@ -428,12 +428,13 @@ JOB_SPEC_DIR = ".snakemake/job_specs"
 
 def job_spec(kind, mpi_rule):
     """A resource: the path of the rule's whole job spec (imagenet_ddp.jobs.spec), a file
-    written here, for the shell's `imagenet-ddp <kind> --job`: the run's settings (or the evaluation's geometry and
-    settings), its paths and the execution block, built here once and checked here (a spec the
-    job would refuse fails at the dry-run). A resource, not a param: the run's settings hold
-    bookkeeping too (log_interval: no rerun of a finished job, imagenet_ddp.settings.kinds); what
-    reruns a job is its params (rerun_params). As a resource it still reaches every job that starts, so
-    a run in progress gets a changed value at its next job. `mpi_rule`: the rule whose `mpi`
+    written here, for the shell's `imagenet-ddp <kind> --job`: the run's settings (or the
+    evaluation's geometry and settings), its paths and the execution block, built here once
+    and checked here (a spec the job would refuse fails at the dry-run). A resource, not a
+    param: the run's settings hold bookkeeping too (log_interval: no rerun of a finished job,
+    imagenet_ddp.settings.kinds); what reruns a job is its params (rerun_params). As a
+    resource it still reaches every job that starts, so a run in progress gets a changed value
+    at its next job. `mpi_rule`: the rule whose `mpi`
     resource starts the ranks (the preflight's are started as train's)."""
 
     def value(wildcards, input, attempt):
