@@ -51,6 +51,7 @@ include: "workflow/rules/report.smk"
 
 
 rule all:
+    """Every run trained, evaluated, tabulated and plotted."""
     input:
         REPORT_TARGETS,
         VERIFY_REPORT,  # a gate of index (common.smk verify_gate), rerun on its own

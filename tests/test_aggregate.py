@@ -380,3 +380,46 @@ def test_a_diverged_run_is_marked_in_both_tables(tmp_path):
     text = to_markdown(aggregate_runs(dirs))
     assert "| a-1x4 (diverged) " in text and "| a-1x1 " in text
     assert "stopped by the divergence guard" in text and "a-1x4: epoch 0 step 7" in text
+
+
+def test_progress_shows_the_finished_runs_while_one_failed_and_one_still_trains(tmp_path):
+    """`imagenet-ddp progress` (the `progress` rule): the finished runs' table needs no other
+    run; a failed run is a row with its error, a run in training its epoch, throughput and
+    ETA, a run not started says so."""
+    from imagenet_ddp.cli import main
+    from imagenet_ddp.jobs import attempts
+    from imagenet_ddp.report.progress import PROGRESS
+    from tests.workflow_helpers import run_settings
+
+    write_run_dir(tmp_path, "a-1x1", nodes=1, tasks_per_node=1, steady_per_worker=100.0)
+    write_run_dir(tmp_path, "b-1x2", nodes=1, tasks_per_node=2, steady_per_worker=90.0)
+    runs = ["a-1x1", "b-1x2", "broken", "busy", "queued"]
+    run_dirs = [tmp_path / "results/runs" / r for r in runs]
+    roots = [tmp_path / "checkpoints" / r for r in runs]
+    settings = run_settings(run="broken", nodes=1, tasks_per_node=1, cpus_per_task=1)
+    entry, _ = attempts.begin(roots[2], settings, attempt=1, gpus=8, cores=64)
+    attempts.record_error(roots[2], 0, "node1", RuntimeError("CUDA error: out of memory"))
+    attempts.end(roots[2], entry, 1)
+    attempts.begin(roots[3], {**settings, "run": "busy"}, attempt=1, gpus=8, cores=64)
+    busy = run_dirs[3]
+    busy.mkdir(parents=True)
+    (busy / "job_spec.json").write_text(json.dumps({"kind": "train", "run": {"epochs": 90}}))
+    last = {"epoch": 9, "images_per_s": 21000.0, "epoch_seconds": 60.0, "eval_seconds": 5.0,
+            "checkpoint_seconds": 1.0}  # fmt: skip
+    (busy / PROGRESS).write_text(json.dumps(last))
+    out = tmp_path / "results/progress"
+    argv = ["progress", "--runs", *runs, "--run-dirs", *map(str, run_dirs),
+            "--checkpoint-roots", *map(str, roots), "--csv", str(out / "runs.csv"),
+            "--markdown", str(out / "runs.md")]  # fmt: skip
+    assert main(argv) == 0
+    table = pd.read_csv(out / "runs.csv").set_index("run")
+    assert table["state"].to_dict() == {
+        "a-1x1": "finished", "b-1x2": "finished", "broken": "failed", "busy": "training",
+        "queued": "not started",
+    }  # fmt: skip
+    assert table.loc["a-1x1", "test_top1"] == pytest.approx(0.58)
+    assert "CUDA error: out of memory" in table.loc["broken", "note"]
+    assert table.loc["busy", "epochs_done"] == 10 and table.loc["busy", "epochs"] == 90
+    assert table.loc["busy", "eta_hours"] == pytest.approx(80 * 66 / 3600)
+    text = (out / "runs.md").read_text()
+    assert "Finished: 2 of 5." in text and "| broken" in text and "10/90" in text

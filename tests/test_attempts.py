@@ -242,7 +242,7 @@ def test_the_end_of_a_job_a_hung_rank_ended_names_that_rank_and_its_host(tmp_pat
 def test_a_retry_that_will_refuse_is_submitted_without_gpus(tmp_path):
     """Real Snakemake, dry-run at a given attempt: the train job's SLURM shape is the run's
     until two attempts in a row failed without progress, then one task without GPUs."""
-    from tests.workflow_helpers import copy_workflow, snakemake
+    from tests.workflow_helpers import copy_workflow, shown_specs, snakemake
 
     # 2 loader workers: the dry-run refuses fewer on a GPU run
     run = {"name": "r", "nodes": 2, "tasks_per_node": 2, "gpus_per_node": 2, "workers": 2}
@@ -256,7 +256,7 @@ def test_a_retry_that_will_refuse_is_submitted_without_gpus(tmp_path):
         job = text[text.index("rule train:") :]
         # The job's shape; its spec and hyperparameters follow (resources too, not params).
         resources = re.search(r"resources: (.*)", job).group(1).split(", job=")[0]
-        settings = json.loads(re.search(r"--job '([^']*)'", job).group(1))["run"]
+        settings = shown_specs(job, "train", workdir)[0]["run"]
         return resources, settings
 
     resources, settings = train_job(3)
@@ -403,7 +403,7 @@ def test_a_resubmission_of_an_elastic_run_asks_for_fewer_nodes(tmp_path):
                           "data={dir: /x}", "--attempt", str(attempt))  # fmt: skip
         text = shown.stdout + shown.stderr
         resources = re.search(r"resources: (.*)", text[text.index("rule train:") :]).group(1)
-        return resources.split(", job=")[0], shown_specs(text, "train")[0]["run"]
+        return resources.split(", job=")[0], shown_specs(text, "train", workdir)[0]["run"]
 
     first, spec = train_job(1)
     assert "nodes=2, tasks_per_node=2, cpus_per_task=1, gres=gpu:2" in first and "mpi=srun" in first

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.workflow_helpers import REPO
 
@@ -122,14 +123,21 @@ def test_dry_run_and_lint_with_snakemake_alone(tmp_path):
     )  # fmt: skip
     log = dry.stdout + dry.stderr
     assert dry.returncode == 0, log[-4000:]
-    assert "hyperparameters:" in log and re.search(r"rule train:", log), log[-4000:]
+    assert "hyperparameters=" in log and re.search(r"rule train:", log), log[-4000:]
+    # Reviewable: a train job in under 1.5 KB (its spec a file's path), threads as SLURM
+    # grants them (not the 1 core a dry-run counts).
+    for block in (b for b in dry.stdout.split("\n\n") if "rule train:" in b):
+        assert len(block.encode()) < 1500 and "--job .snakemake/job_specs/" in block, block
+    workers = yaml.safe_load((clone / "config.yaml").read_text())["prepare"]["workers"]
+    assert f"--workers {workers} " in dry.stdout and "--workers 1 " not in dry.stdout
     lint = subprocess.run(
         [*snakemake, "--profile", "profiles/slurm", "--lint"],
         cwd=clone, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert lint.returncode == 0, (lint.stdout + lint.stderr)[-4000:]
-    # Beside a site's own global profile: the site's keys that profiles/slurm does not set
-    # hold, and profiles/slurm's replace the site's whole key (no deep merge).
+    # Beside a site's own global profile: the site's part (default-resources: account, a
+    # default runtime) holds, as profiles/slurm sets no default-resources; the workflow's
+    # part (set-resources per rule) wins where it says something.
     site = tmp_path / "site"
     site.mkdir()
     (site / "config.yaml").write_text(
@@ -145,7 +153,10 @@ def test_dry_run_and_lint_with_snakemake_alone(tmp_path):
     assert f"Using profiles {site} and workflow specific profile profiles/slurm" in log
     train = re.search(r"rule train:.*?resources: ([^\n]*)", log, re.S).group(1)
     assert "slurm_partition=gpu" in train and "runtime=1440" in train, train
-    assert "slurm_account=my_account" in train and "site_account" not in log
+    assert "slurm_account=site_account" in train, train
+    verify = re.search(r"rule verify:.*?resources: ([^\n]*)", log, re.S).group(1)
+    assert "slurm_account=site_account" in verify and "runtime=120" in verify, verify
+    assert "my_account" not in log
     # A bad model name is still refused: checked against the list kept with the package.
     bad = subprocess.run(
         [*snakemake, "-n", "--config", "train_defaults={model: resnet9000}"],

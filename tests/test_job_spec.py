@@ -83,3 +83,21 @@ def test_a_job_without_its_geometry_is_refused_by_the_launcher(tmp_path, capsys)
     assert main(["train", "--job", json.dumps(J.to_dict(job))]) == 2
     assert "the run settings lack tasks_per_node, cpus_per_task" in capsys.readouterr().err
     assert not (tmp_path / "run_dir").exists()
+
+
+def test_a_stored_spec_is_named_by_its_content_and_reads_back(tmp_path):
+    """The rule passes a spec file's path (common.smk job_spec): the same spec is the same
+    file, a changed one a new file (never one a queued job still reads), and --job reads it."""
+    from imagenet_ddp.jobs.spec import load, store, to_dict
+    from tests.workflow_helpers import make_job
+
+    spec = to_dict(make_job("train", attempt=1))
+    first = store(spec, tmp_path / "train", "r")
+    assert store(dict(spec), tmp_path / "train", "r") == first
+    retry = {**spec, "execution": {**spec["execution"], "attempt": 2}}
+    again = store(retry, tmp_path / "train", "r")
+    assert again != first and (tmp_path / "train").is_dir()
+    assert sorted(p.name for p in (tmp_path / "train").iterdir()) == sorted(
+        [Path(first).name, Path(again).name]
+    )
+    assert to_dict(load(first, "train")) == spec

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import re
-
 from imagenet_ddp.jobs.distributed import master_port
 from imagenet_ddp.jobs.launch import (
     THREAD_COUNT_VARIABLES,
@@ -191,7 +188,7 @@ def test_the_gloo_interface_is_the_one_that_routes_to_the_other_nodes():
 
 
 def test_the_dry_run_shows_the_mpi_prefix_and_refuses_one_that_is_not_srun(tmp_path):
-    from tests.workflow_helpers import copy_workflow, snakemake
+    from tests.workflow_helpers import copy_workflow, shown_specs, snakemake
 
     # "hot": an LR its warm-up reaches too fast, a dry-run warning (run_checks.warmup_warnings)
     runs = [{"name": "r", "tasks_per_node": 2, "preflight": True}, {"name": "hot", "lr": 20.0}]
@@ -205,9 +202,9 @@ def test_the_dry_run_shows_the_mpi_prefix_and_refuses_one_that_is_not_srun(tmp_p
     warned = [line for line in text.splitlines() if "warm-up steps" in line]
     assert any(line.startswith("warning: config.yaml: run 'hot': lr_used 20") for line in warned)
     # train's ranks, and its preflight's: they are measured as they will run
-    for rule in ("train", "preflight_run"):
+    for rule, kind in (("train", "train"), ("preflight_run", "preflight")):
         job = text[text.index(f"rule {rule}:") :]
-        spec = json.loads(re.search(r"--job '([^']*)'", job).group(1))
+        spec = shown_specs(job, kind, workdir)[0]
         assert spec["execution"]["launch_prefix"] == "srun --mpi=pmix", rule
         assert spec["execution"]["launcher"] == "auto", rule
     bad = snakemake(

@@ -163,7 +163,7 @@ def test_the_dry_run_refuses_a_run_its_known_projection_does_not_fit(tmp_path):
     workdir = copy_workflow(tmp_path / "wf", runs=runs)
     shown = snakemake(workdir, "-n", "-p", "results/runs/r/model.pt")
     text = shown.stdout + shown.stderr
-    (settings,) = [spec["run"] for spec in shown_specs(text, "train")]
+    (settings,) = [spec["run"] for spec in shown_specs(text, "train", workdir)]
     write_preflight(workdir / "results/preflight/r", settings, report(ranks()))
     folder = workdir / "results/preflight/r"
     (folder / "preflight.json").rename(folder / "preflight.failed.json")

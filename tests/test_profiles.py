@@ -63,3 +63,22 @@ def test_no_profile_constrains_a_gpu_model(path):
             f"{path.relative_to(ROOT)}: {where} asks for GPU model(s) {models} as node "
             "features; the GPU type is each run's `gpu_type` (config.yaml), not the profile's"
         )
+
+
+def test_the_workflow_profile_leaves_the_sites_part_to_the_site():
+    """profiles/slurm is the workflow's part: no default-resources (beside a site profile it
+    would replace the site's account and partition as a whole), and every rule SLURM runs gets
+    its time and memory from set-resources, so it needs no default of ours."""
+    profile = yaml.safe_load((ROOT / "profiles/slurm/config.yaml").read_text())
+    assert "default-resources" not in profile
+    assert "slurm_account" not in str(profile.get("set-resources"))
+    rules_text = "".join(p.read_text() for p in sorted((ROOT / "workflow/rules").glob("*.smk")))
+    rules = set(re.findall(r"^\s*rule (\w+):", rules_text, flags=re.M))
+    local = set(re.findall(r"^    (\w+),$", rules_text.split("localrules:", 1)[1].split("\n\n")[0],
+                           flags=re.M))  # fmt: skip
+    targets = {"preflight"}  # no job of its own
+    submitted = rules - local - targets
+    assert {"train", "verify", "prepare"} <= submitted and "aggregate" not in submitted
+    for rule in sorted(submitted):
+        resources = profile["set-resources"].get(rule) or {}
+        assert {"runtime", "mem_mb"} <= set(resources), rule

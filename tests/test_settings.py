@@ -140,3 +140,47 @@ def test_train_reruns_exactly_when_its_checkpoint_key_changes():
     assert rerun == keyed | set(settings.keys("geometry")) - {"accumulation"}
     assert "accumulation" in settings.rerun_settings({**run, "accumulation": 2})
     assert not rerun & {"log_interval", "max_allocations", "gpu_type", "recipe", "preflight"}
+
+
+def _plain(text: str) -> str:
+    """A description as prose: markdown links and code marks dropped, spaces collapsed."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text).replace("`", "").replace("\\|", "|")
+    return re.sub(r"\s+", " ", text).strip().rstrip(".")
+
+
+def _reference_rows() -> dict[str, str]:
+    """docs/configuration.md "All settings": key -> meaning."""
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    section = doc.split("## All settings", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([^`]+)` \| .*? \| (.*) \|$", section, flags=re.M)
+    return dict(rows)
+
+
+def _described() -> dict[str, str]:
+    """Every setting the schema describes, by the reference's name for it."""
+    schema = yaml.safe_load(SCHEMA.read_text())
+    found = {}
+    for section, spec in schema["properties"].items():
+        for key, sub in (spec.get("properties") or {}).items():
+            found[f"{section}.{key}"] = sub.get("description")
+    for key, sub in schema["definitions"]["eval_settings"]["properties"].items():
+        found[f"evaluate.{key}"] = sub.get("description")
+    for key, sub in schema["definitions"]["run_settings"]["properties"].items():
+        found[key] = sub.get("description")
+    return found
+
+
+def test_the_settings_reference_says_what_the_schema_says():
+    """A knob is described in one place: where the schema describes a setting, the reference
+    table's meaning is that description (as markdown: code marks and links added), so the two
+    never drift; every row names a setting of the schema."""
+    rows, described = _reference_rows(), _described()
+    sections = set(yaml.safe_load(SCHEMA.read_text())["properties"])
+    runs = {f"runs[].{key}" for key in described}  # a run entry's own keys
+    assert not [key for key in rows if key not in set(described) | sections | runs]
+    drift = {
+        key: (text, rows.get(key))
+        for key, text in described.items()
+        if text and _plain(rows.get(key, "")) != _plain(text)
+    }
+    assert not drift, f"docs/configuration.md differs from the schema's description: {drift}"

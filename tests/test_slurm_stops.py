@@ -258,7 +258,7 @@ def test_every_way_of_stopping_a_job_checkpoints_and_the_run_finishes_in_one_inv
     )  # fmt: skip  (the data steps are not what is tested)
     prepared = resolve_prepared(workdir / target)
     shown = snakemake(workdir, "-n", "-p", "results/runs/stops/model.pt").stdout
-    settings = shown_specs(shown, "train")[0]["run"]
+    settings = shown_specs(shown, "train", workdir)[0]["run"]
 
     # Its output goes to a file: a pipe nobody reads fills up (64 KB: the shell commands it
     # prints at each resubmission) and blocks Snakemake before it notices a job's end.

@@ -186,7 +186,9 @@ def test_dry_run_lists_every_expanded_run_with_its_resources(tmp_path):
             assert "mpi=srun" in block, block
     for gpu_type in ("a100", "h100"):
         blocks = [b.split("\n\n", 1)[0] for b in text.split(f"run=resnet18-{gpu_type}\n")[1:]]
-        assert len(blocks) == 2 and all(f"gres=gpu:{gpu_type}:2," in b for b in blocks), blocks
+        gpu = [b for b in blocks if "gres=" in b]  # train, evaluate; not its accounting
+        assert len(blocks) == 3 and len(gpu) == 2, blocks
+        assert all(f"gres=gpu:{gpu_type}:2," in b for b in gpu), blocks
     assert text.count("rule train:") == 7
 
     config["sweep"][0]["name"] = "{model}-n{nodes}"  # tasks_per_node missing: collision

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -87,6 +88,16 @@ def test_every_stage_artifact_exists_with_provenance(local_run):
         accounting = json.loads((w / "results/runs" / run / "accounting.json").read_text())
         assert accounting == {"available": False, "reason": "not trained in a SLURM job"}
     assert (w / "results/plots/cost.png").is_file()
+    # The runs so far, from one command beside the finished workflow: rank 0's last epoch of
+    # each run (progress.json) and the finished runs' table.
+    for run in ("resnet18-1x2", "resnet18-1x1"):
+        last = json.loads((w / "results/runs" / run / "progress.json").read_text())
+        assert last["epoch"] == 2 and last["images_per_s"] > 0, last
+    shown = snakemake(w, "progress", "--nolock", "--cores", "1").stdout
+    progress = pd.read_csv(w / "results/progress/runs.csv")
+    assert sorted(progress["run"]) == ["resnet18-1x1", "resnet18-1x2"]
+    assert set(progress["state"]) == {"finished"}, progress
+    assert "Finished: 2 of 2." in shown and "resnet18-1x2" in shown
     table = pd.read_csv(w / "results/aggregate/runs.csv").set_index("run")
     assert (table["gpu_hours"] == 0).all() and (table["core_hours"] > 0).all(), table
     assert table[["energy_kwh", "slurm_state", "gpu_utilization_percent"]].isna().all().all()
@@ -225,6 +236,8 @@ def test_changing_one_runs_weights_or_geometry_reruns_only_that_run(local_run, k
     try:
         result = snakemake(local_run, "-n", "--profile", "profiles/local")
         plan = planned_jobs(local_run, "--profile", "profiles/local")
+        # What a reviewer reads before submitting: the cluster profile's dry-run.
+        shown = snakemake(local_run, "-n", "-p", "--profile", "profiles/slurm").stdout
     finally:
         write_config(local_run, original)
     assert plan == {
@@ -234,6 +247,19 @@ def test_changing_one_runs_weights_or_geometry_reruns_only_that_run(local_run, k
     assert "wildcards: run=resnet18-1x1" in result.stdout
     assert "wildcards: run=resnet18-1x2" not in result.stdout
     assert "Params have changed since last execution" in result.stdout
+    # Each train job in a few lines: its SLURM shape, a compact hyperparameter line, a spec
+    # file's path (not the spec twice), and a reason that names the one setting that changed.
+    blocks = shown.split("\n\n")
+    (block,) = [b for b in blocks if "rule train:" in b]
+    assert len(block.encode()) < 1500, block
+    assert "nodes=" in block and "hyperparameters=model=" in block, block
+    # These runs train after a preflight, whose params are train's: its reason says what
+    # changed, train's that the preflight reran (Snakemake looks no further).
+    (changed,) = [b for b in blocks if "Params have changed" in b]
+    assert "rule preflight_run:" in changed and "results/preflight/" in block, changed
+    before, now = re.search(r"before: (\S+) now: (\S+)", changed).groups()
+    assert before.startswith(f"'{key}=") and "," not in before, block  # this one alone
+    assert now == f"'{key}={value}'", block
 
 
 def _changed(spec: dict):
@@ -321,7 +347,7 @@ def test_bookkeeping_changes_and_a_new_setting_at_its_default_rerun_nothing(loca
     assert pd.read_csv(local_run / "results/aggregate/runs.csv")["allocations"].tolist() == (
         allocations
     )
-    sent = [spec["run"] for spec in shown_specs(shown.stdout, "train")]
+    sent = [spec["run"] for spec in shown_specs(shown.stdout, "train", local_run)]
     assert len(sent) == 2, shown.stdout[-3000:]
     for run in sent:  # the next job of a run gets the changed bookkeeping and the new setting
         assert run["log_interval"] == config["train_defaults"]["log_interval"]
@@ -369,7 +395,7 @@ def test_changing_split_seed_reruns_split_and_downstream_only(local_run):
     # data_key: a setting the trainings' data is made from changed
     assert plan == {
         "data_key": 1, "split": 1, "preflight_run": 2, "train": 2, "evaluate": 2,
-        "accounting": 1, "aggregate": 1, "plots": 1, "all": 1,
+        "accounting": 2, "aggregate": 1, "plots": 1, "all": 1,
     }, plan  # fmt: skip
 
 

@@ -42,12 +42,13 @@ def run_settings(**settings) -> dict:
     return {"run": "run", **passed, **settings}
 
 
-def shown_specs(text: str, kind: str) -> list[dict]:
-    """The job specs of ``kind`` that ``snakemake -n -p`` printed (each rule's `--job '...'`,
-    workflow/rules/common.smk job_spec), as JSON, in order."""
+def shown_specs(text: str, kind: str, workdir: Path) -> list[dict]:
+    """The job specs of ``kind`` that ``snakemake -n -p`` in ``workdir`` printed (each rule's
+    `--job <file>`, a file the dry-run wrote: workflow/rules/common.smk job_spec), in order."""
     import json
 
-    specs = [json.loads(m) for m in re.findall(r"--job '([^']*)'", text)]
+    paths = re.findall(r"--job (\S+)", text)
+    specs = [json.loads((Path(workdir) / path.strip("'")).read_text()) for path in paths]
     return [spec for spec in specs if spec["kind"] == kind]
 
 

@@ -154,7 +154,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from imagenet_ddp.jobs.spec import load
     from imagenet_ddp.jobs.stages import train_job
 
-    return train_job(load(args.job, "train"))
+    job = load(args.job, "train")
+    if args.attempt_log:
+        from imagenet_ddp.jobs.attempt_log import open_attempt_log
+
+        open_attempt_log(args.attempt_log, job)
+    return train_job(job)
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
@@ -177,10 +182,17 @@ def _add_job_parser(sub, name: str, help_text: str, func) -> None:
     p.add_argument(
         "--job",
         required=True,
-        metavar="JSON|FILE",
-        help=f"the {name} job spec (imagenet_ddp.jobs.spec), as JSON (the workflow's rule "
-        "passes it) or a file's path (e.g. one a job wrote, edited)",
+        metavar="FILE|JSON",
+        help=f"the {name} job spec (imagenet_ddp.jobs.spec): a file's path (the workflow's "
+        "rule passes one it wrote; or one a job wrote, edited) or JSON",
     )
+    if name == "train":
+        p.add_argument(
+            "--attempt-log",
+            metavar="LINK",
+            help="write this job's output to its own log beside LINK "
+            "(<dir>/<run>/job-<id>-attempt<n>-<start>.log) and point LINK at it",
+        )
     p.set_defaults(func=func)
 
 
@@ -199,6 +211,12 @@ def cmd_convert_checkpoint(args: argparse.Namespace) -> None:
         if not path.is_file():
             raise InputError(f"{path}: no such file")
         print(f"converted {convert_trusted(path)}: it loads with weights_only=True now")
+
+
+def cmd_progress(args: argparse.Namespace) -> None:
+    from imagenet_ddp.report.progress import write_progress
+
+    write_progress(args.runs, args.run_dirs, args.checkpoint_roots, args.csv, args.markdown)
 
 
 def cmd_accounting(args: argparse.Namespace) -> None:
@@ -309,6 +327,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("paths", type=Path, nargs="+")
     p.set_defaults(func=cmd_convert_checkpoint)
+
+    p = sub.add_parser(
+        "progress", help="the runs so far: finished runs' table, the others' state and ETA"
+    )
+    p.add_argument("--runs", nargs="+", required=True)
+    p.add_argument("--run-dirs", type=Path, nargs="+", required=True)
+    p.add_argument("--checkpoint-roots", type=Path, nargs="+", required=True)
+    p.add_argument("--csv", type=Path, required=True)
+    p.add_argument("--markdown", type=Path, required=True)
+    p.set_defaults(func=cmd_progress)
 
     _add_plots_parser(sub)
     return parser

@@ -25,6 +25,7 @@ from imagenet_ddp.jobs.container import host_runtime_env
 from imagenet_ddp.settings.evaluation import eval_settings
 from imagenet_ddp.settings.geometry import GEOMETRY_KEYS, on_nodes, slurm_resources
 from imagenet_ddp.jobs.spec import SpecError, from_dict, to_dict
+from imagenet_ddp.jobs.spec import store as store_spec
 from imagenet_ddp.settings.node_memory import DataSizes, node_memory_problems
 from imagenet_ddp.preflight.report import known_projection_problems
 from imagenet_ddp.data.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
@@ -68,6 +69,12 @@ try:
     )
 except RunsError as error:
     raise WorkflowError(str(error)) from None
+
+
+# A run is one of config.yaml's runs: a target of another name (results/runs/nope/model.pt) is
+# "No rule to produce" it, not an input function's KeyError.
+wildcard_constraints:
+    run="|".join(re.escape(name) for name in RUNS) or "(?!)",
 
 
 def data_dir():
@@ -121,12 +128,33 @@ def training_settings(name):
     return SETTINGS.rank_settings(RUNS[name])
 
 
-def run_rerun_key(wildcards):
-    """What reruns the run's train (and preflight) when it changes: its rule param. The
-    settings of its checkpoint key (kinds weights, numerics, geometry: imagenet_ddp.settings.kinds),
-    a setting added later left out at the value earlier runs had (x-earlier)."""
-    rerun = SETTINGS.rerun_settings(RUNS[wildcards.run])
-    return json.dumps(rerun, sort_keys=True, separators=(",", ":"))
+class _LeftOut:
+    """A rerun setting that a run leaves out (added later, at its x-earlier value): a value
+    Snakemake cannot represent, so it records no param for it and the run's params stay
+    those it was trained with."""
+
+    def __repr__(self):
+        return "<at its x-earlier value>"
+
+
+def _rerun_param(key):
+    def value(wildcards):
+        rerun = SETTINGS.rerun_settings(RUNS[wildcards.run])
+        if key not in rerun:
+            return _LeftOut()
+        return f"{key}={json.dumps(rerun[key], separators=(',', ':'))}"
+
+    return value
+
+
+def rerun_params():
+    """What reruns the run's train (and preflight) when it changes: its rule params, one per
+    setting of its checkpoint key (kinds weights, numerics, geometry:
+    imagenet_ddp.settings.kinds), each `key=value`, so that a dry-run's reason names what
+    changed (`before: lr=0.1 now: lr=0.2`; Snakemake compares the set of values). A setting
+    added later is left out at the value earlier runs had (x-earlier)."""
+    keys = sorted({k for run in RUNS.values() for k in SETTINGS.rerun_settings(run)})
+    return {key: _rerun_param(key) for key in keys}
 
 
 def preflight_input(wildcards):
@@ -241,12 +269,17 @@ if workflow.is_main_process:
 
 
 def run_hyperparameters(wildcards):
-    """The run's resolved hyperparameters, one `key=value` each (shown by `snakemake -n -p`):
-    review a preset's values before spending GPU hours."""
+    """The run's hyperparameters on one compact line (shown by `snakemake -n -p`): model,
+    epochs, batch size, lr, lr_scaling and the LR used, then every shown setting not at the
+    schema's default (a preset's values included): review them before spending GPU hours.
+    Every setting is in the job's spec file (resources.job; <run dir>/job_spec.json)."""
     run = RUNS[wildcards.run]
     # The kinds shown (imagenet_ddp.settings.kinds.KINDS): the geometry is under resources.
-    values = dict(sorted(SETTINGS.shown_settings(run).items()))
+    shown = SETTINGS.shown_settings(run)
+    always = ("model", "epochs", "batch_size", "lr", "lr_scaling")
+    values = {k: shown[k] for k in always if k in shown}
     values["lr_used"] = round(scaled_lr(run), 8)  # after lr_scaling
+    values.update(sorted(SETTINGS.changed_from_default(shown).items()))
     return " ".join(
         f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in values.items()
     )
@@ -456,14 +489,21 @@ def _job_parts(kind, wildcards, input):
     return parts
 
 
+# Where each job's spec is written, under its content's digest (imagenet_ddp.jobs.spec.store):
+# beside Snakemake's own records in the working directory, which every node of a SLURM site
+# sees (the executor needs it shared).
+JOB_SPEC_DIR = ".snakemake/job_specs"
+
+
 def job_spec(kind, mpi_rule):
-    """A resource: the rule's whole job spec (imagenet_ddp.jobs.spec) as one JSON value for the
-    shell's `imagenet-ddp <kind> --job`: the run's settings (or the evaluation's geometry and
-    settings), its paths and the execution block, built here once and checked here (a spec the
-    job would refuse fails at the dry-run). A resource, not a param: the run's settings hold
-    bookkeeping too (log_interval: no rerun of a finished job, imagenet_ddp.settings.kinds); what
-    reruns a job is params.rerun_on. As a resource it still reaches every job that starts, so
-    a run in progress gets a changed value at its next job. `mpi_rule`: the rule whose `mpi`
+    """A resource: the path of the rule's whole job spec (imagenet_ddp.jobs.spec), a file
+    written here, for the shell's `imagenet-ddp <kind> --job`: the run's settings (or the
+    evaluation's geometry and settings), its paths and the execution block, built here once
+    and checked here (a spec the job would refuse fails at the dry-run). A resource, not a
+    param: the run's settings hold bookkeeping too (log_interval: no rerun of a finished job,
+    imagenet_ddp.settings.kinds); what reruns a job is its params (rerun_params). As a
+    resource it still reaches every job that starts, so a run in progress gets a changed value
+    at its next job. `mpi_rule`: the rule whose `mpi`
     resource starts the ranks (the preflight's are started as train's)."""
 
     def value(wildcards, input, attempt):
@@ -480,7 +520,9 @@ def job_spec(kind, mpi_rule):
             raise WorkflowError(
                 f"{kind} job of run {wildcards.run!r}: job spec: {error}"
             )
-        return json.dumps(spec)  # kind, run (or geometry), paths, execution
+        # A short path, not the JSON (kind, run or geometry, paths, execution): the dry-run
+        # stays readable and the jobstep's command line short.
+        return store_spec(spec, f"{JOB_SPEC_DIR}/{kind}", wildcards.run)
 
     return value
 

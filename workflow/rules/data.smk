@@ -1,4 +1,5 @@
 rule demo_data:
+    """A small synthetic ILSVRC2012 (the three archives and md5sums) when demo.enabled."""
     output:
         train="resources/demo/ILSVRC2012/ILSVRC2012_img_train.tar",
         val="resources/demo/ILSVRC2012/ILSVRC2012_img_val.tar",
@@ -24,6 +25,7 @@ rule demo_data:
 
 
 rule verify:
+    """Check the archives are present and complete (and their md5 with data.check_md5)."""
     input:
         **archive_paths(),
         md5sums=md5sums_input,
@@ -47,6 +49,7 @@ rule verify:
 
 
 rule index:
+    """List every train and val image with its class from the archives and devkit."""
     input:
         **archive_paths(),
         # A gate, not a data input (common.smk verify_gate): index waits for verify where
@@ -95,6 +98,7 @@ rule data_key:
 
 
 rule split:
+    """Hold out a stratified, seeded share of the train set for validation."""
     input:
         train="results/index/train.csv",
     output:
@@ -124,6 +128,7 @@ rule split:
 if PREPARE_JOBS == 1:
 
     rule prepare:
+        """Write the training-ready copy (resized JPEG tar shards) of train or val."""
         input:
             **archive_paths(),
             index="results/index/{which}.csv",
@@ -160,6 +165,7 @@ if PREPARE_JOBS == 1:
 else:
 
     rule prepare_chunk:
+        """Convert one of prepare.jobs ranges of shards of the prepared copy."""
         input:
             **archive_paths(),
             index="results/index/{which}.csv",
@@ -198,6 +204,7 @@ else:
             " {params.flags} --workers {threads} > {log:q} 2>&1"
 
     rule prepare:
+        """Write the training-ready copy (resized JPEG tar shards) of train or val."""
         input:
             chunks=expand(
                 "results/prepare_chunks/{{which}}/{chunk}-of-{jobs}",

@@ -16,27 +16,39 @@ REPORT_TARGETS = [
 ]
 
 
-# SLURM's accounting of every run's training job (sacct, once for all runs, with a timeout:
-# imagenet_ddp.report.accounting); runs not trained in a SLURM job get the reason instead.
+# The report rules run on the machine that runs Snakemake (a cluster's login node), not as
+# sbatch jobs: each reads a few small files for seconds, where a job would wait in the queue.
+localrules:
+    accounting,
+    aggregate,
+    plots,
+    progress,
+
+
+# SLURM's accounting of a run's training jobs (sacct, with a timeout:
+# imagenet_ddp.report.accounting), one job per run: sacct is asked only about a run whose
+# training changed; a run not trained in a SLURM job gets the reason instead.
 rule accounting:
+    """SLURM's accounting (sacct) of one run's training jobs."""
     input:
-        metrics=expand("results/runs/{run}/train_metrics.json", run=RUNS),
+        metrics="results/runs/{run}/train_metrics.json",
     output:
-        expand("results/runs/{run}/accounting.json", run=RUNS),
+        "results/runs/{run}/accounting.json",
     log:
-        "logs/accounting.log",
+        "logs/accounting/{run}.log",
     conda:
         "../envs/imagenet-ddp.yaml"
     container:
         CONTAINER
     params:
-        run_dirs=run_dirs(),
+        run_dir=lambda wildcards, input: os.path.dirname(input.metrics),
         code=CODE["accounting"],  # its code changed: rerun (common.smk CODE)
     shell:
-        "imagenet-ddp accounting --run-dirs {params.run_dirs:q} > {log:q} 2>&1"
+        "imagenet-ddp accounting --run-dirs {params.run_dir:q} > {log:q} 2>&1"
 
 
 rule aggregate:
+    """The table of every run: throughput, scaling, accuracy, cost."""
     input:
         metrics=expand("results/runs/{run}/train_metrics.json", run=RUNS),
         evaluations=expand("results/runs/{run}/eval.json", run=RUNS),
@@ -71,6 +83,7 @@ rule aggregate:
 
 
 rule plots:
+    """The figures: throughput, scaling efficiency, curves, per class, cost."""
     input:
         runs="results/aggregate/runs.csv",
         histories=expand("results/runs/{run}/history.csv", run=RUNS),
@@ -120,3 +133,26 @@ rule plots:
         " --throughput {output.throughput:q} --efficiency {output.efficiency:q}"
         " --curves {output.curves:q} --per-class {output.per_class:q}"
         " --cost {output.cost:q} > {log:q} 2>&1"
+
+
+# `snakemake progress` (add --nolock while the workflow runs in this directory): the runs
+# finished so far and the state of the others (imagenet_ddp.report.progress). No input, so it
+# waits for no run; no output, so it runs each time it is asked.
+rule progress:
+    """The runs so far: finished runs' table; the others' epoch, throughput, ETA or failure."""
+    log:
+        "logs/progress.log",
+    conda:
+        "../envs/imagenet-ddp.yaml"
+    container:
+        CONTAINER
+    params:
+        runs=list(RUNS),
+        run_dirs=run_dirs(),
+        checkpoint_roots=[f"{CHECKPOINT_DIR}/{name}" for name in RUNS],
+        csv="results/progress/runs.csv",
+        markdown="results/progress/runs.md",
+    shell:
+        "imagenet-ddp progress --runs {params.runs:q} --run-dirs {params.run_dirs:q}"
+        " --checkpoint-roots {params.checkpoint_roots:q} --csv {params.csv:q}"
+        " --markdown {params.markdown:q} > {log:q} 2>&1; cat {params.markdown:q}"

@@ -1,4 +1,5 @@
 rule train:
+    """Train one run with DDP on its nodes x tasks_per_node ranks; resumed after a stop."""
     input:
         # ancient: a rerun of the data stages for their code alone (same data settings)
         # resubmits no finished training; what the data is made from reruns it through
@@ -29,7 +30,7 @@ rule train:
     resources:
         # One SLURM task per GPU (rank) on every node; the rule launches them itself with srun,
         # which the SLURM executor requires to be declared with the `mpi` resource. The
-        # geometry itself is a result (params.rerun_on), these only size the job.
+        # geometry itself is a result (params, rerun_params), these only size the job.
         # A retry that will refuse (max_allocations, or no progress twice in a row) asks for
         # one task without GPUs instead (common.smk train_resource).
         nodes=train_resource("nodes"),
@@ -39,10 +40,11 @@ rule train:
         gres=train_resource("gres"),
         tasks_per_gpu=0,  # else the plugin adds --ntasks-per-gpu=<all tasks> to GPU jobs
         mpi=train_resource("mpi"),
-        snakemake_attempt=lambda wildcards, attempt: attempt,  # 2, 3, ...: a resubmission
-        # The whole job spec (imagenet_ddp.jobs.spec: the run's settings, geometry included, its
-        # paths, where and how it runs; common.smk job_spec), and the resolved hyperparameters
-        # (shown by `snakemake -n -p`): resources, not params, because a param's every change
+        snakemake_attempt=lambda wildcards, attempt: attempt,  # 2, 3, ...: a resubmission (shown)
+        # The path of the whole job spec (imagenet_ddp.jobs.spec: the run's settings, geometry
+        # included, its paths, where and how it runs; common.smk job_spec, a file named by its
+        # content's digest), and a compact line of the hyperparameters (shown by
+        # `snakemake -n -p`): resources, not params, because a param's every change
         # reruns the finished job (a new GPU allocation that resumes its final checkpoint and
         # changes nothing) and bookkeeping such as log_interval or the launcher changes no
         # result. `imagenet-ddp train` writes the spec once into <run dir>/job_spec.json, the
@@ -51,23 +53,17 @@ rule train:
         hyperparameters=run_hyperparameters,
     params:
         # What reruns the training: the settings of the run's checkpoint key (kinds weights,
-        # numerics, geometry: imagenet_ddp.settings.kinds; docs/configuration.md "Reruns").
-        rerun_on=run_rerun_key,
+        # numerics, geometry: imagenet_ddp.settings.kinds; docs/configuration.md "Reruns"),
+        # one param each, so that a dry-run's reason names the setting that changed.
+        **rerun_params(),
     # exec: the launcher replaces the rule's shell, which a stop signal would kill (SLURM
     # signals every process of the step) before the ranks have written their checkpoint.
     # Every job (attempt) writes its own log, logs/train/<run>/job-<SLURM job id>-attempt<n>-
     # <UTC start>.log, which Snakemake does not delete when it starts the next job; {log} links
-    # to the newest. Not beside the checkpoints: a purged scratch would take the logs along.
-    # It starts with a header and the resolved hyperparameters (also shown by `snakemake -n -p`).
+    # to the newest (imagenet_ddp.jobs.attempt_log). Not beside the checkpoints: a purged
+    # scratch would take the logs along. It starts with a header and the run's hyperparameters.
     shell:
-        'started="$(date -u +%Y%m%dT%H%M%SZ)"; job="${{SLURM_JOB_ID:-local}}"; '
-        'log_dir="$(realpath -m "$(dirname {log:q})/{wildcards.run}")"; mkdir -p "$log_dir"; '
-        'attempt_log="$log_dir/job-$job-attempt{resources.snakemake_attempt}-$started.log"; '
-        'ln -sfn "$attempt_log" {log:q}; '
-        'echo "== job $job, Snakemake attempt {resources.snakemake_attempt}, started $started ==" '
-        '> "$attempt_log"; '
-        'echo hyperparameters: {resources.hyperparameters:q} >> "$attempt_log"; '
-        'exec imagenet-ddp train --job {resources.job:q} >> "$attempt_log" 2>&1'
+        "exec imagenet-ddp train --job {resources.job:q} --attempt-log {log:q}"
 
 
 # Evaluation runs like training: DDP ranks on the GPUs of `evaluate` geometry (config.yaml
@@ -75,6 +71,7 @@ rule train:
 # sample counted once. Its geometry is a resource, not a param: where the evaluation runs does
 # not change the accuracy, so it triggers no rerun; eval.json records the geometry it ran on.
 rule evaluate:
+    """Evaluate a run's model on the holdout and the val (test) set, DDP ranks."""
     input:
         model="results/runs/{run}/model.pt",
         # The shared prepared copy, read directly: no node-local staging (one sequential pass).
@@ -119,6 +116,7 @@ rule evaluate:
 # the run's projection; it fails with one line per problem. `snakemake preflight` checks
 # every run; `preflight: true` makes the run's `train` wait for a passing one.
 rule preflight_run:
+    """Check a run's geometry, staging, all-reduce, step and loader; project its cost."""
     input:
         # as train's (see there)
         prepared=ancient(prepared_manifest("train")),
@@ -153,12 +151,13 @@ rule preflight_run:
         # allocations of; train's checkpoint folder, where it measures the write rate.
         job=job_spec("preflight", "train"),
     params:
-        rerun_on=run_rerun_key,
+        **rerun_params(),
     shell:
         "exec imagenet-ddp preflight --job {resources.job:q} > {log:q} 2>&1"
 
 
 # `snakemake preflight`: the preflight of every run (a target; nothing trains).
 rule preflight:
+    """Target: the preflight of every run (nothing trains)."""
     input:
         expand("results/preflight/{run}/preflight.json", run=RUNS),

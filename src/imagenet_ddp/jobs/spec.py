@@ -1,7 +1,8 @@
 """One typed spec describes a training, preflight or evaluation job; every process reads it.
 
-The rule builds the whole spec once (workflow/rules/common.smk ``job_json``) and passes it as
-one value, ``imagenet-ddp train --job '<json>'`` (or a file by hand); the CLI parses it once
+The rule builds the whole spec once (workflow/rules/common.smk ``job_spec``), writes it under its
+content's digest (:func:`store`) and passes that short path, ``imagenet-ddp train --job
+.snakemake/job_specs/train/<run>-<digest>.json`` (a JSON text works too); the CLI parses it once
 (:func:`parse`), resolves the launcher and writes it atomically into the job's folder
 (:func:`write_spec`). The launcher passes only that file's path to the per-node steps
 (staging, cleanup) and to every rank, which read it back (:func:`read_spec`) into the same
@@ -28,6 +29,7 @@ Torch-free: the launcher process reads it too.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import typing
@@ -37,13 +39,14 @@ from typing import Any, ClassVar
 
 from imagenet_ddp.data.prepared_layout import resolve_prepared
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.io import write_json_atomic
+from imagenet_ddp.io import write_json_atomic, write_text_atomic
 from imagenet_ddp.settings.geometry import LAUNCH_KEYS, Geometry
 
 TRAIN_SPEC = "job_spec.json"  # in the run folder
 EVAL_SPEC = "eval_spec.json"  # beside eval.json
 PREFLIGHT_SPEC = "preflight_spec.json"  # beside preflight.json
 STAGING_DIR = "staging"  # <run folder>/staging/<host>.json: one report per node
+PROGRESS = "progress.json"  # in the run folder: rank 0's last epoch (monitoring.monitor)
 
 
 class SpecError(InputError):
@@ -275,6 +278,22 @@ def write_spec(path: str | os.PathLike[str], job: Job) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, to_dict(job))
     return path
+
+
+def store(data: dict[str, Any], directory: str | os.PathLike[str], name: str) -> str:
+    """``data`` (a checked spec, :func:`to_dict`) written once as
+    ``<directory>/<name>-<digest>.json``; its path. The rule passes this path, not the JSON
+    (a dry-run shows one short line per job, not 3 KB twice). The digest names the content:
+    the same spec is the same file (written by whichever Snakemake gets there first,
+    atomically), a changed one a new file, never a file a queued job still has to read.
+    Written at the dry-run too: the reviewer can read it."""
+    text = json.dumps(data, indent=1) + "\n"
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    path = Path(directory) / f"{name}-{digest}.json"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, text)
+    return str(path)
 
 
 def with_launcher(job: Job, launcher: str) -> Job:

@@ -8,9 +8,9 @@
 - ``gpu_hours_per_epoch`` / ``core_hours_per_epoch``: GPUs (cores) x the mean epoch time
   (slowest rank; holdout evaluation and checkpoints excluded), comparable across runs
   whatever their epoch count or resumes;
-- ``gpu_telemetry``: rank 0's node sampled with NVML (:mod:`imagenet_ddp.monitoring.telemetry`), or
-why
-  not; energy for all nodes and per 1,000 training images derived from it, each labelled.
+- ``gpu_telemetry``: rank 0's node sampled with NVML (:mod:`imagenet_ddp.monitoring.telemetry`),
+  or why not; energy for all nodes and per 1,000 training images derived from it, each
+  labelled.
 """
 
 from __future__ import annotations

@@ -17,12 +17,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.jobs import distributed as D
+from imagenet_ddp.jobs.spec import PROGRESS
 from imagenet_ddp.monitoring.cost import cost_block
 from imagenet_ddp.monitoring.telemetry import GpuSampler, unavailable
 
 __all__ = ["RunMonitor"]
 
+
+# What progress.json keeps of an epoch's record (imagenet_ddp.report.progress reads it).
+PROGRESS_KEYS = ("epoch", "images_per_s", "epoch_seconds", "eval_seconds", "checkpoint_seconds",
+                 "train_loss", "holdout_top1")  # fmt: skip
 
 # The experiment trackers beside TensorBoard: (attribute of RunMonitor, name in messages).
 TRACKERS = (("tracker", "MLflow"), ("wandb", "W&B"))
@@ -53,8 +59,11 @@ class RunMonitor:
         self.started = time.monotonic()
         self.mark: tuple[float, int] | None = None  # (perf_counter, meter.steps) of last line
         self.sampler = self.board = self.tracker = self.wandb = None
+        self.progress: Path | None = run_dir / PROGRESS if active else None
         if not active:
             return
+        if not resumed:  # a run trained afresh: an earlier run's epochs are not its own
+            self.progress.unlink(missing_ok=True)
         self.sampler = (sampler or GpuSampler(geometry["gpus_per_node"])).start()
         if tensorboard:
             try:
@@ -155,6 +164,19 @@ class RunMonitor:
         self._write("epoch", record, global_step)
         self._gpu(global_step)
         self.mark = None
+        self._progress(record)
+
+    def _progress(self, record: dict[str, Any]) -> None:
+        """<run dir>/progress.json: the last epoch's figures, for the runs table while the run
+        trains (imagenet_ddp.report.progress). A failure to write it never ends training."""
+        if self.progress is None:
+            return
+        kept = {k: record.get(k) for k in PROGRESS_KEYS}
+        try:
+            write_json_atomic(self.progress, {**kept, "written": time.time()})
+        except OSError as error:
+            print(f"progress.json off: {error}", flush=True)
+            self.progress = None
 
     def _gpu(self, global_step: int) -> None:
         latest = self.sampler.latest() if self.sampler else None

@@ -1,7 +1,7 @@
 """One table across all runs: throughput, scaling, staging, accuracy, provenance.
 
 Scaling efficiency compares only like with like: runs are grouped by their settings minus the
-geometry (:func:`scaling_key`), and within a group each run's steady-state per-worker
+geometry (:func:`scaling_key`), and within a group each run's steady-state per-rank
 throughput is divided by that of the group's smallest run.
 """
 
@@ -501,7 +501,7 @@ OTHER_CODE = (
 )
 
 MORE_FIGURES = (
-    "Every figure of these runs (end-to-end and per-worker throughput, scaling groups and "
+    "Every figure of these runs (end-to-end and per-rank throughput, scaling groups and "
     "baselines, staging, the step-time breakdown and MFU, top-5, the EMA model's accuracy "
     "and the published figure, preflight, "
     "cost and SLURM accounting, git commit, code changed between allocations) is in "

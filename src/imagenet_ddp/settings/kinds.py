@@ -139,6 +139,15 @@ class Declarations:
     def shown_settings(self, run: Mapping[str, Any]) -> dict[str, Any]:
         return self._select(run, "shown")
 
+    def changed_from_default(self, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """The ``settings`` not at their declared default (the dry-run's compact line)."""
+        return {
+            k: v
+            for k, v in settings.items()
+            if "default" not in (spec := self.properties.get(RANK_NAMES.get(k, k), {}))
+            or v != spec["default"]
+        }
+
     def rank_settings(self, run: Mapping[str, Any]) -> dict[str, Any]:
         """A resolved run as the rank gets it: ``name`` as ``run``, no workflow settings."""
         renamed = {RANK_NAMES.get(k, k): v for k, v in run.items()}

@@ -1,0 +1,56 @@
+"""Each train job's own log: ``<log dir>/<run>/job-<SLURM job id>-attempt<n>-<UTC start>.log``
+(``local`` for the job id on one machine), with ``{log}`` (the rule's ``log:``) a link to the
+newest. Snakemake deletes a rule's ``log:`` before it starts the job again, so each allocation
+keeps a file of its own. Done here, not in the rule's shell, so that the dry-run shows one
+short command; the process then writes into it (stdout and stderr, inherited by the ranks).
+
+Torch-free: the launcher's process opens it before anything else starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from imagenet_ddp.jobs.spec import TrainJob
+from imagenet_ddp.settings.kinds import declarations
+from imagenet_ddp.settings.presets import scaled_lr
+
+
+def hyperparameter_line(run: dict) -> str:
+    """Every shown setting of ``run`` (kinds: imagenet_ddp.settings.kinds), sorted, and the LR
+    the optimizer uses: the log's full record (the dry-run shows a compact line)."""
+    values = dict(sorted(declarations().shown_settings(run).items()))
+    values["lr_used"] = round(scaled_lr(run), 8)
+    return " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in values.items())
+
+
+def open_attempt_log(link: str | os.PathLike[str], job: TrainJob, environ=None) -> Path:
+    """Create this job's log, point ``link`` at it, write its header, and send this process's
+    stdout and stderr (and so its children's) there; its path."""
+    environ = os.environ if environ is None else environ
+    started = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    job_id = environ.get("SLURM_JOB_ID") or "local"
+    attempt = job.execution.attempt
+    log_dir = Path(os.path.realpath(Path(link).parent / job.name))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / f"job-{job_id}-attempt{attempt}-{started}.log"
+    header = (
+        f"== job {job_id}, Snakemake attempt {attempt}, started {started} ==\n"
+        f"hyperparameters: {hyperparameter_line(job.run)}\n"
+    )
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.write(fd, header.encode())
+    tmp = Path(link).with_name(f".{Path(link).name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    os.symlink(path, tmp)
+    os.replace(tmp, link)  # the newest attempt's, atomically
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return path
