@@ -80,6 +80,7 @@ rule index:
 
 
 rule data_key:
+    """Record the settings the training data is made from: a change reruns the trainings."""
     output:
         DATA_KEY,
     log:
