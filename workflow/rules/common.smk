@@ -30,7 +30,11 @@ from imagenet_ddp.jobs.spec import SpecError, from_dict, to_dict
 from imagenet_ddp.settings.node_memory import node_memory_problems
 from imagenet_ddp.preflight.report import known_projection_problems
 from imagenet_ddp.data.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
-from imagenet_ddp.settings.run_checks import container_problem, user_cache_dir
+from imagenet_ddp.settings.run_checks import (
+    container_problem,
+    unchecked_model_notes,
+    user_cache_dir,
+)
 from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
 from imagenet_ddp.settings.kinds import declarations
 from imagenet_ddp.data.stage import configured_scratch_problem
@@ -52,6 +56,11 @@ try:
     RUNS = resolve_runs(config, _WRITTEN, _SCHEMA, cache_dir=user_cache_dir())
 except RunsError as error:
     raise WorkflowError(str(error)) from None
+# A timm model, model_kwargs or a timm optimizer in a bare login-node environment (no torch,
+# no timm): not checked here, said so (the job checks them when it builds them).
+if workflow.is_main_process:
+    for _line in unchecked_model_notes(RUNS):
+        print(f"note: {_line}", file=sys.stderr)
 
 
 def data_dir():

@@ -223,8 +223,9 @@ def build_job(
     steps_per_epoch: int,
 ) -> TrainingState:
     """The model, its DDP wrapper and the recipe's optimizer, schedule, loss, EMA, mixing."""
-    options = {"zero_init_residual": True} if cfg.zero_init_residual else {}
-    model = build_model(cfg.model, num_classes, **options)
+    model = build_model(
+        cfg.model, num_classes, cfg.model_kwargs, zero_init_residual=cfg.zero_init_residual
+    )
     if cfg.sync_bn and D.is_distributed():
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device)
