@@ -95,10 +95,8 @@ def _model_problems(run: Mapping, models: frozenset[str], cache_dir) -> list[str
     login-node environment) unchecked, which :func:`unchecked_model_notes` says."""
     name, kwargs = run["model"], dict(run.get("model_kwargs") or {})
     fam, _ = family(name)
-    if fam == "torchvision" and (not kwargs or not importable(fam)):
-        return [p for p in (_model_problem(run, models),) if p]
-    if not importable(fam):
-        return []
+    if not _exact(run):
+        return [p for p in (_model_problem(run, models),) if p] if fam == "torchvision" else []
     verdict = model_verdict(name, kwargs, _crops(run), cache_dir)
     problems = list(verdict["problems"])
     if not problems and run.get("zero_init_residual") and not verdict["residual_option"]:
@@ -115,6 +113,12 @@ def _model_problems(run: Mapping, models: frozenset[str], cache_dir) -> list[str
             "would raise at the first step); set deterministic: false or pick another model"
         )
     return problems
+
+
+def _exact(run: Mapping) -> bool:
+    """Whether the model is judged from its meta-device build (else by name only)."""
+    fam, _ = family(run["model"])
+    return (fam == "timm" or bool(run.get("model_kwargs"))) and importable(fam)
 
 
 def _crops(run: Mapping) -> tuple[int, ...]:
@@ -254,7 +258,8 @@ def _recipe_problems(run: Mapping) -> list[str]:
             "sync_bn true on the CPU: torch's SyncBatchNorm synchronizes GPU tensors only; "
             "set sync_bn: false or train on GPUs (gpus_per_node > 0)"
         )
-    torchvision = family(run["model"])[0] == "torchvision"  # timm's: _model_problems
+    # timm's, and any model with model_kwargs where it imports: _model_problems
+    torchvision = family(run["model"])[0] == "torchvision" and not _exact(run)
     residual = run["model"].startswith(RESIDUAL_BN_MODELS)
     if run.get("zero_init_residual") and torchvision and not residual:
         problems.append(
@@ -351,7 +356,7 @@ NONDETERMINISTIC_ON_CUDA = ("vgg", "alexnet")
 def _determinism_problem(run: Mapping) -> str | None:
     if not (run.get("deterministic") and run["gpus_per_node"] > 0):
         return None
-    if not run["model"].startswith(NONDETERMINISTIC_ON_CUDA):
+    if _exact(run) or not run["model"].startswith(NONDETERMINISTIC_ON_CUDA):
         return None  # timm models and model_kwargs: _model_problems, from the built model
     return (
         f"deterministic true with model {run['model']!r} on GPUs: its adaptive average "

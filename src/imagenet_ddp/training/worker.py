@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from imagenet_ddp.data.dataset import PreparedImageDataset, eval_transform
+from imagenet_ddp.data.reader import create_dataset
 from imagenet_ddp.jobs import distributed as D
 from imagenet_ddp.jobs.attempts import (
     RankProgress,
@@ -125,9 +125,7 @@ def _train(
     _set_determinism(cfg, device)
     geometry = resolve_geometry(cfg, info, device)
     # decode=False: the transform decodes, after drawing its crop box (imagenet_ddp.data.jpeg)
-    base = PreparedImageDataset(
-        train_data, sample_ids=read_ids(split_dir / "train.csv"), decode=False
-    )
+    base = create_dataset(train_data, read_ids(split_dir / "train.csv"), train=True)
     holdout = _holdout(cfg, info, device, geometry, train_data, split_dir)
     sampler, loader = _train_loader(cfg, info, device, geometry, base)
     job = build_job(cfg, info, device, geometry, base.num_classes, sampler.steps)
@@ -177,10 +175,8 @@ def _train(
 def _holdout(cfg, info, device, geometry, train_data, split_dir) -> Holdout:
     """This rank's share of the holdout, made once: its loader's workers (forked at the first
     evaluation) serve every evaluation."""
-    data = PreparedImageDataset(
-        train_data,
-        sample_ids=read_ids(split_dir / "holdout.csv"),
-        transform=eval_transform(cfg.eval_resize, cfg.eval_crop, normalize=False),
+    data = create_dataset(
+        train_data, read_ids(split_dir / "holdout.csv"), eval_size=(cfg.eval_resize, cfg.eval_crop)
     )
     loader = shard_loader(
         data,
