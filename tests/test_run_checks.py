@@ -113,9 +113,12 @@ def model_lines(tmp_path, **run) -> list[str]:
          "optimizer_kwargs.beta: not a parameter of AdamW ('adamw'); did you mean 'betas'?"),
         ({"optimizer_kwargs": {"momentum": 0.8}},
          "optimizer_kwargs.momentum: set by the run setting momentum"),
+        ({"optimizer_kwargs": {"dampening": 0.1}, "nesterov": True}, "optimizer 'sgd' with "
+         "optimizer_kwargs {'dampening': 0.1}: Nesterov momentum requires a momentum and zero"),
     ],
     ids=["timm-name", "timm-tag", "swallowed-key", "timm-key", "reserved", "crop", "zero-init",
-         "timm-vgg-ok", "pools", "optimizer", "optimizer-key", "optimizer-setting"],
+         "timm-vgg-ok", "pools", "optimizer", "optimizer-key", "optimizer-setting",
+         "optimizer-value"],
 )  # fmt: skip
 def test_models_and_optimizers_are_checked_exactly(tmp_path, run, expected):
     lines = model_lines(tmp_path, **run)

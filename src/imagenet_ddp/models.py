@@ -103,6 +103,19 @@ def residual_option(name: str, model_kwargs: Mapping[str, Any] | None = None) ->
     return "zero_init_last" if "zero_init_last" in _init_parameters(model) else None
 
 
+def convert_sync_batchnorm(name: str, model):
+    """``model`` with SyncBatchNorm (``sync_bn``). timm's fused BatchNormAct2d (BatchNorm,
+    then its activation and drop) needs timm's converter: torch's would keep the BatchNorm and
+    silently drop the activation."""
+    if family(name)[0] == "timm":
+        from timm.layers import convert_sync_batchnorm
+
+        return convert_sync_batchnorm(model)
+    import torch
+
+    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
 # --------------------------------------------------------------------------- dry-run checks
 
 

@@ -77,9 +77,13 @@ def importable(name: str) -> bool:
     return all(importlib.util.find_spec(p) is not None for p in packages)
 
 
-def optimizer_problem(name: str, kwargs: Mapping[str, Any]) -> str | None:
-    """An unknown optimizer (with the closest names) or an ``optimizer_kwargs`` key that the
-    run settings own or its class's signature lacks, in one line; None when it can be built."""
+def optimizer_problem(
+    name: str, kwargs: Mapping[str, Any], *, momentum: float = 0.9, nesterov: bool = False
+) -> str | None:
+    """An unknown optimizer (with the closest names), an ``optimizer_kwargs`` key that the run
+    settings own or its class's signature lacks, or values it refuses (built over one dummy
+    parameter, as the job would: SGD's nesterov with dampening), in one line; None when it
+    can be built."""
     import difflib
 
     try:
@@ -110,4 +114,12 @@ def optimizer_problem(name: str, kwargs: Mapping[str, Any]) -> str | None:
                 f"optimizer_kwargs.{key}: not a parameter of {cls.__name__} ({name!r}); "
                 f"{hint}its parameters: {', '.join(accepted)}"
             )
+    import torch
+
+    dummy = [{"params": [torch.zeros(1, requires_grad=True)], "weight_decay": 0.0}]
+    try:
+        build_optimizer(name, dummy, lr=0.1, momentum=momentum, nesterov=nesterov, kwargs=kwargs)
+    except Exception as error:
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return f"optimizer {name!r} with optimizer_kwargs {dict(kwargs)}: {text}"
     return None

@@ -173,10 +173,11 @@ def _optimizer_problem(run: Mapping, cache_dir) -> str | None:
     name, kwargs = run["optimizer"], dict(run.get("optimizer_kwargs") or {})
     if (name in ("sgd", "adamw") and not kwargs) or not optimizers.importable(name):
         return None
+    given = {"momentum": run["momentum"], "nesterov": run["nesterov"]}
     verdict = _cached(
         "optimizer-check",
-        [name, kwargs],
-        lambda: {"problem": optimizers.optimizer_problem(name, kwargs)},
+        [name, kwargs, given],
+        lambda: {"problem": optimizers.optimizer_problem(name, kwargs, **given)},
         cache_dir,
     )
     return verdict["problem"]

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from imagenet_ddp import models
 from imagenet_ddp.data.reader import create_dataset
 from imagenet_ddp.jobs import distributed as D
 from imagenet_ddp.jobs.attempts import (
@@ -223,7 +224,7 @@ def build_job(
         cfg.model, num_classes, cfg.model_kwargs, zero_init_residual=cfg.zero_init_residual
     )
     if cfg.sync_bn and D.is_distributed():
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = models.convert_sync_batchnorm(cfg.model, model)
     model = model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
