@@ -144,12 +144,17 @@ def test_dry_run_and_lint_with_snakemake_alone(tmp_path):
         "executor: slurm\nslurm-logdir: /shared/slurm_logs\n"
         "default-resources: {slurm_account: site_account, runtime: 5}\n"
     )
+    # and a timm model and optimizer, which cannot be judged without torch and timm: said so
+    timm_run = "train_defaults={model: timm/resnet50.a1_in1k, optimizer: timm/lamb}"
     pair = subprocess.run(
-        [*snakemake, "--profile", str(site), "--workflow-profile", "profiles/slurm", "-n"],
+        [*snakemake, "--profile", str(site), "--workflow-profile", "profiles/slurm", "-n",
+         "--config", timm_run],
         cwd=clone, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     log = pair.stdout + pair.stderr
     assert pair.returncode == 0, log[-4000:]
+    assert "model 'timm/resnet50.a1_in1k' and its model_kwargs are not checked" in log, log[-4000:]
+    assert "optimizer 'timm/lamb' and its optimizer_kwargs are not checked" in log
     assert f"Using profiles {site} and workflow specific profile profiles/slurm" in log
     train = re.search(r"rule train:.*?resources: ([^\n]*)", log, re.S).group(1)
     assert "slurm_partition=gpu" in train and "runtime=1440" in train, train

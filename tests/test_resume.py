@@ -188,6 +188,65 @@ def test_evaluating_only_the_last_epoch_changes_neither_the_weights_nor_a_resume
     assert np.allclose(history["epoch_end_share"], work / history["epoch_seconds"])
 
 
+# Models beyond the presets (issue 34), each with its own options and another optimizer: timm's
+# ResNet (drop_path, zero_init_last, LAMB), timm's ViT at a 16-pixel img_size (drop_path,
+# AdamW betas/eps), a torchvision model outside the presets (MobileNetV3 dropout, SGD).
+NON_PRESET_MODELS = {
+    "timm-resnet": {
+        "model": "timm/resnet18.a1_in1k",
+        "model_kwargs": {"drop_path_rate": 0.1},
+        "optimizer": "timm/lamb",
+        "optimizer_kwargs": {"max_grad_norm": 2.0},
+        "lr": 0.01,
+    },
+    "timm-vit": {
+        "model": "timm/vit_tiny_patch16_224",
+        "model_kwargs": {"img_size": 16, "patch_size": 8, "drop_path_rate": 0.1},
+        "optimizer": "adamw",
+        "optimizer_kwargs": {"betas": [0.9, 0.95], "eps": 1.0e-6},
+        "lr": 0.001,
+        "zero_init_residual": False,
+        "progressive_min_crop": 0,  # a ViT's img_size is fixed
+    },
+    "torchvision-mobilenet": {
+        "model": "mobilenet_v3_small",
+        "model_kwargs": {"dropout": 0.3},
+        "zero_init_residual": False,
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(NON_PRESET_MODELS))
+def test_timm_and_torchvision_models_beyond_the_presets_resume_bitwise(
+    prepared_demo, split_dir, tmp_path, name
+):
+    """Each trains on 2 ranks with the recipe above (bf16, channels_last, EMA, mixup, ...),
+    and stopped mid-epoch then resumed, ends bit for bit where the uninterrupted run ends;
+    model.pt rebuilds through the factory with its model_kwargs; FLOPs are counted."""
+    config = {**CONFIG, "epochs": 1, **NON_PRESET_MODELS[name]}
+    prepared = prepared_demo["train"]
+    reference = torchrun(prepared, split_dir, tmp_path / "ref", tmp_path / "ref-ckpt",
+                         config=config)  # fmt: skip
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    first = torchrun(prepared, split_dir, out, ckpt, "--stop-after-steps", "2", config=config)
+    assert "interrupted at epoch 0 step 2" in first.stdout + first.stderr
+    second = torchrun(prepared, split_dir, out, ckpt, config=config)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resuming from" in second.stdout + second.stderr
+    assert_bitwise_equal(weights(out), weights(tmp_path / "ref"))
+    metrics = json.loads((out / "train_metrics.json").read_text())
+    assert metrics["config"]["model"] == config["model"]
+    assert metrics["config"]["model_kwargs"] == config["model_kwargs"]
+    assert metrics["flops_per_image"] > 0
+    from imagenet_ddp.training.model import load_model
+
+    model, state = load_model(out / "model.pt")
+    model.eval()
+    assert state["arch"] == config["model"]
+    assert model(torch.zeros(1, 3, 16, 16)).shape == (1, state["num_classes"])
+
+
 def scalars(out: Path, tag: str) -> list[tuple[int, float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

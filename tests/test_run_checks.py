@@ -11,7 +11,9 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
-import yaml
+import timm  # noqa: F401  imported here, not by a test: its first import (torch's CUDA library
+import timm.optim  # noqa: F401  lookup) scans sys.path, which holds Snakemake's relative
+import yaml  #                   .snakemake/pip-deployments (the checkout guard would flag it)
 
 from imagenet_ddp.data.split import stratified_split
 from imagenet_ddp.settings import run_checks
@@ -71,6 +73,91 @@ def test_models_that_are_not_classifiers_are_refused(models, tmp_path, model):
     """Registered in torchvision, but not image classifiers `train` can build and feed."""
     [line] = problems(demo_config(model=model), models, tmp_path)
     assert f"model {model!r}" in line
+
+
+# ---------------------------------------------------------------- timm, model_kwargs, optimizers
+# Exact where torch/torchvision/timm import (here): built on the meta device (imagenet_ddp.models).
+
+
+def model_lines(tmp_path, **run) -> list[str]:
+    config = demo_config(crop_size=32, eval_resize=36, **run)  # demo: prepare.short_side 40
+    return check_runs(resolved(config), config, workdir=tmp_path, cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.parametrize(
+    "run, expected",
+    [
+        ({"model": "timm/resnt18"}, "model 'timm/resnt18' is not a timm classification model; "
+         "did you mean 'timm/resnet18'"),
+        ({"model": "timm/resnet50.no_such_tag"}, "Invalid pretrained tag (no_such_tag)"),
+        # torchvision's ConvNeXt swallows unknown keys through **kwargs: refused all the same
+        ({"model": "convnext_tiny", "model_kwargs": {"stochastic_depth": 0.1}},
+         "model_kwargs.stochastic_depth: not a parameter of ConvNeXt ('convnext_tiny'); did you "
+         "mean 'stochastic_depth_prob'?"),
+        ({"model": "timm/vit_tiny_patch16_224", "model_kwargs": {"img_sise": 32}},
+         "model_kwargs.img_sise: not a parameter of VisionTransformer ('timm/vit_tiny_patch16_224'"
+         "); did you mean 'img_size'"),
+        ({"model": "resnet18", "model_kwargs": {"pretrained": True}},
+         "model_kwargs.pretrained: not settable (weights are never downloaded"),
+        ({"model": "timm/vit_tiny_patch16_224", "model_kwargs": {"img_size": 16}},
+         "model 'timm/vit_tiny_patch16_224' cannot take 32x32 images"),
+        ({"model": "timm/vit_tiny_patch16_224", "model_kwargs": {"img_size": 32},
+          "zero_init_residual": True}, "zero_init_residual true with model 'timm/vit_tiny"),
+        ({"model": "timm/vgg11", "deterministic": True, "gpus_per_node": 1,
+          "tasks_per_node": 1, **FED}, None),  # timm's VGG: no adaptive pooling above 1x1
+        ({"model": "vgg11", "model_kwargs": {"dropout": 0.1}, "deterministic": True,
+          "gpus_per_node": 1, "tasks_per_node": 1, **FED}, "its adaptive pooling ['avgpool']"),
+        ({"optimizer": "timm/lamd"}, "optimizer 'timm/lamd' is not sgd, adamw or a timm "
+         "optimizer; did you mean"),
+        ({"optimizer": "adamw", "optimizer_kwargs": {"beta": [0.9, 0.95]}},
+         "optimizer_kwargs.beta: not a parameter of AdamW ('adamw'); did you mean 'betas'?"),
+        ({"optimizer_kwargs": {"momentum": 0.8}},
+         "optimizer_kwargs.momentum: set by the run setting momentum"),
+        ({"optimizer_kwargs": {"dampening": 0.1}, "nesterov": True}, "optimizer 'sgd' with "
+         "optimizer_kwargs {'dampening': 0.1}: Nesterov momentum requires a momentum and zero"),
+    ],
+    ids=["timm-name", "timm-tag", "swallowed-key", "timm-key", "reserved", "crop", "zero-init",
+         "timm-vgg-ok", "pools", "optimizer", "optimizer-key", "optimizer-setting",
+         "optimizer-value"],
+)  # fmt: skip
+def test_models_and_optimizers_are_checked_exactly(tmp_path, run, expected):
+    lines = model_lines(tmp_path, **run)
+    if expected is None:
+        assert lines == []
+    else:
+        [line] = lines
+        assert line.startswith("config.yaml: run 'r': ") and expected in line, line
+
+
+def test_timm_models_kwargs_and_optimizers_that_can_train_pass(tmp_path):
+    for run in [
+        {"model": "timm/resnet50.a1_in1k", "zero_init_residual": True, "optimizer": "timm/lars"},
+        {"model": "timm/vit_tiny_patch16_224", "model_kwargs": {"img_size": 32,
+         "drop_path_rate": 0.1}, "optimizer": "adamw",
+         "optimizer_kwargs": {"betas": [0.9, 0.95], "eps": 1e-6}},
+        {"model": "mobilenet_v3_small", "model_kwargs": {"dropout": 0.3}},
+    ]:  # fmt: skip
+        assert model_lines(tmp_path, **run) == [], run
+    # The verdicts are cached per model, options and installed packages: a later parse reads them.
+    assert len(list((tmp_path / "cache").glob("model-check-*.json"))) == 3
+    assert len(list((tmp_path / "cache").glob("optimizer-check-*.json"))) == 2
+
+
+def test_without_the_packages_timm_and_model_kwargs_are_unchecked_and_said_so(
+    monkeypatch, tmp_path
+):
+    """A bare login-node environment: nothing refused that cannot be judged, one note per run."""
+    monkeypatch.setattr(run_checks, "importable", lambda family: False)
+    monkeypatch.setattr(run_checks.optimizers, "importable", lambda name: False)
+    run = {"model": "timm/resnt18", "optimizer": "timm/lamb"}
+    assert model_lines(tmp_path, **run) == []
+    config = demo_config(**run)
+    [model_note, optimizer_note] = run_checks.unchecked_model_notes(resolved(config))
+    assert "model 'timm/resnt18' and its model_kwargs are not checked by this dry-run" in model_note
+    assert "optimizer 'timm/lamb'" in optimizer_note
+    # torchvision names are still checked against the list kept with the package
+    [line] = model_lines(tmp_path, model="resnet9000", model_kwargs={"dropout": 0.1})
+    assert "model 'resnet9000' is not a torchvision classification model" in line
 
 
 def test_classification_models_are_torchvisions(models):
@@ -308,6 +395,15 @@ def test_expected_split_sizes_are_exact(fraction):
     "override, expected",
     [
         ({"model": "resnet9000"}, "model 'resnet9000' is not a torchvision classification model"),
+        (
+            {"model": "timm/vit_tiny_patch16_24"},
+            "model 'timm/vit_tiny_patch16_24' is not a timm "
+            "classification model; did you mean 'timm/vit_tiny_patch16_224'",
+        ),
+        (
+            {"model": "timm/vit_tiny_patch16_224", "model_kwargs": {"drop_path": 0.1}},
+            "model_kwargs.drop_path: not a parameter of VisionTransformer",
+        ),
         ({"crop_size": 48}, "crop_size 48 is larger than prepare.short_side 40"),
         # Two problems of one run: two lines (a crop range the GPU node could only fail on).
         (
@@ -318,7 +414,16 @@ def test_expected_split_sizes_are_exact(fraction):
         ({"batch_size": 400}, "global batch 800 is larger than the 324 training images"),
         ({"gpus_per_node": 2}, "workers 0 with cpus_per_task 1 on a GPU run (gpus_per_node 2)"),
     ],
-    ids=["model", "image-size", "device", "gpus-vs-tasks", "global-batch", "loader-workers"],
+    ids=[
+        "model",
+        "timm-model",
+        "model-kwargs",
+        "image-size",
+        "device",
+        "gpus-vs-tasks",
+        "global-batch",
+        "loader-workers",
+    ],
 )
 def test_dry_run_refuses_with_one_line(tmp_path, override, expected):
     workdir = copy_workflow(tmp_path / "wf")  # 6 classes x 60 images, holdout 0.1: 324 train

@@ -587,16 +587,29 @@ RECIPE_RUNS = [
 ]
 
 
+# Models beyond the presets (issue 34) on 2 ranks, each with its own options and optimizer; their
+# bitwise resume is tests/test_resume.py's (the same models and recipe components).
+MODEL_RUNS = [
+    {"name": "timm-resnet", "model": "timm/resnet18.a1_in1k", "optimizer": "timm/lamb",
+     "model_kwargs": {"drop_path_rate": 0.05}, "lr": 0.01},
+    {"name": "timm-vit", "model": "timm/vit_tiny_patch16_224", "optimizer": "adamw", "lr": 0.001,
+     "model_kwargs": {"img_size": 16, "patch_size": 8}, "optimizer_kwargs": {"betas": [0.9, 0.95]}},
+    {"name": "tv-mobilenet", "model": "mobilenet_v3_small", "model_kwargs": {"dropout": 0.2}},
+]  # fmt: skip
+MODEL_RUNS = [{**SHORT, "tasks_per_node": 2, "preflight": False, **run} for run in MODEL_RUNS]
+
+
 def test_each_recipe_preset_and_all_components_train(local_run):
     """One snakemake invocation trains a one-epoch run of every preset and a two-epoch run with
     every recipe component on (each evaluated on the holdout at every epoch's end, at its
     eval_resize/eval_crop_size); the dry-run first shows each run's resolved hyperparameters."""
     config = read_config(local_run)
     original = copy.deepcopy(config)
-    config["runs"] = RECIPE_RUNS
+    config["runs"] = RECIPE_RUNS + MODEL_RUNS
     write_config(local_run, config)
     targets = [f"results/runs/{run['name']}/model.pt" for run in RECIPE_RUNS]
     targets.append("results/runs/recipe-tv-v2/eval.json")
+    targets += [f"results/runs/{run['name']}/eval.json" for run in MODEL_RUNS]
     try:
         dry = snakemake(local_run, "--profile", "profiles/local", "-n", *targets)
         shown = dry.stdout + dry.stderr
@@ -647,3 +660,29 @@ def test_each_recipe_preset_and_all_components_train(local_run):
     state = read_model_file(runs / "recipe-all/model.pt")
     plain = torchvision.models.get_model(state["arch"], num_classes=state["num_classes"])
     plain.load_state_dict(state["ema"])  # the EMA loads into plain torchvision too
+
+    _assert_models_beyond_the_presets(runs)
+
+
+def _assert_models_beyond_the_presets(runs: Path) -> None:
+    """timm's ResNet and ViT and a torchvision model outside the presets trained on 2 ranks and
+    evaluated, and are rows of the runs table (report.aggregate, the aggregate rule's code)
+    with their FLOPs; the model.pt of each rebuilds through the factory, model_kwargs and all."""
+    import torch
+
+    from imagenet_ddp.report.aggregate import aggregate_runs
+    from imagenet_ddp.training.model import load_model
+
+    table = aggregate_runs([runs / run["name"] for run in MODEL_RUNS]).set_index("run")
+    for run in MODEL_RUNS:
+        row = table.loc[run["name"]]
+        assert row["model"] == run["model"] and row["world_size"] == 2
+        assert row["flops_per_image"] > 0 and 0 <= row["test_top1"] <= 1
+        metrics = json.loads((runs / run["name"] / "train_metrics.json").read_text())
+        assert metrics["config"]["model_kwargs"] == run["model_kwargs"]
+        assert metrics["config"]["optimizer"] == run.get("optimizer", "sgd")
+        model, state = load_model(runs / run["name"] / "model.pt")
+        assert state["arch"] == run["model"]
+        assert model.eval()(torch.zeros(1, 3, 16, 16)).shape == (1, state["num_classes"])
+    # each model's own count (the ViT's at its img_size 16: 4 patches and the class token)
+    assert table["flops_per_image"].nunique() == len(MODEL_RUNS)

@@ -33,6 +33,7 @@ from imagenet_ddp.settings.run_checks import (
     container_problem,
     optional_component_problems,
     split_sizes,
+    unchecked_model_notes,
     user_cache_dir,
     warmup_warnings,
 )
@@ -69,6 +70,11 @@ try:
     )
 except RunsError as error:
     raise WorkflowError(str(error)) from None
+# A timm model, model_kwargs or a timm optimizer in a bare login-node environment (no torch,
+# no timm): not checked here, said so (the job checks them when it builds them).
+if workflow.is_main_process:
+    for _line in unchecked_model_notes(RUNS):
+        print(f"note: {_line}", file=sys.stderr)
 
 
 # A run is one of config.yaml's runs: a target of another name (results/runs/nope/model.pt) is

@@ -121,15 +121,14 @@ def _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv) -> dict[str, D
     # every image exactly once, so staging a copy first would only double the reads.
     import pandas as pd
 
-    from imagenet_ddp.data.dataset import PreparedImageDataset, eval_transform
+    from imagenet_ddp.data.reader import create_dataset
 
     # eval_crop_size 0 (or a model.pt from before it existed): the training crop.
-    crop = cfg.get("eval_crop_size") or cfg["crop_size"]
-    transform = eval_transform(cfg["eval_resize"], crop, normalize=False)  # uint8: see accuracy
+    size = (cfg["eval_resize"], cfg.get("eval_crop_size") or cfg["crop_size"])
     holdout_ids = pd.read_csv(holdout_ids_csv, usecols=["sample_id"])["sample_id"].tolist()
-    return {
-        "holdout": PreparedImageDataset(Path(prepared_train), holdout_ids, transform),
-        "test": PreparedImageDataset(Path(prepared_val), None, transform),
+    return {  # uint8 crops: see training.accuracy
+        "holdout": create_dataset(Path(prepared_train), holdout_ids, eval_size=size),
+        "test": create_dataset(Path(prepared_val), None, eval_size=size),
     }
 
 

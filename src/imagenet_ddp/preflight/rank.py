@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Sampler
 
-from imagenet_ddp.data.dataset import PreparedImageDataset, eval_transform
+from imagenet_ddp.data.reader import create_dataset
 from imagenet_ddp.io import atomic_path, write_json_atomic
 from imagenet_ddp.jobs import distributed as D
 from imagenet_ddp.jobs.signals import stop_signals_blocked
@@ -335,12 +335,10 @@ def measure(spec: PreflightJob, cfg: TrainConfig, info: D.DistInfo, device: torc
     paths = spec.paths
     split = paths.split_dir
     train_ids = read_ids(split / "train.csv")
-    base = PreparedImageDataset(
+    base = create_dataset(
         staged_copy(paths.run_dir, info.host),
-        sample_ids=sample_ids(
-            train_ids, info.world_size, cfg.batch_size, cfg.seed, geometry.workers
-        ),
-        decode=False,
+        sample_ids(train_ids, info.world_size, cfg.batch_size, cfg.seed, geometry.workers),
+        train=True,
     )
     record = placement(cfg, info, device)
     hosts = [r["host"] for r in D.all_gather_objects({"host": info.host})]
@@ -353,12 +351,10 @@ def measure(spec: PreflightJob, cfg: TrainConfig, info: D.DistInfo, device: torc
     record.update(model_step(job, cfg, base.num_classes))
     record.update(loader_rate(cfg, base, info, geometry.workers, device))
     holdout_ids = read_ids(split / "holdout.csv")
-    holdout = PreparedImageDataset(
+    holdout = create_dataset(
         staged_copy(paths.run_dir, info.host),
-        sample_ids=seeded_sample(
-            holdout_ids, info.world_size * cfg.batch_size * EVAL_BATCHES, cfg.seed
-        ),
-        transform=eval_transform(cfg.eval_resize, cfg.eval_crop, normalize=False),
+        seeded_sample(holdout_ids, info.world_size * cfg.batch_size * EVAL_BATCHES, cfg.seed),
+        eval_size=(cfg.eval_resize, cfg.eval_crop),
     )
     record.update(eval_rate(cfg, job, holdout, info, geometry.workers, device))
     record.update(checkpoint_cost(job, paths.checkpoint_root))

@@ -65,8 +65,9 @@ PREFLIGHT_COLUMNS = [
 # columns it is to be compared with (test_top1, or test_top1_ema where the source reports its
 # EMA model: presets.REPORTED_MODEL). Empty for a run without a preset.
 # The step-time breakdown's headline figures (medians over epochs of train_metrics.json); NaN
-# for a run trained before it, or (mfu_pct) on CPU or a GPU without a known peak.
-BREAKDOWN_COLUMNS = ["data_wait_ms", "compute_ms", "input_bound_pct", "mfu_pct"]
+# for a run trained before it, or (mfu_pct) on CPU or a GPU without a known peak;
+# flops_per_image: the model's at the last epoch's crop (any model: imagenet_ddp.models).
+BREAKDOWN_COLUMNS = ["data_wait_ms", "compute_ms", "input_bound_pct", "flops_per_image", "mfu_pct"]
 
 EMA_COLUMNS = [
     "holdout_top1_ema",

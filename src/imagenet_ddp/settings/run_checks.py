@@ -25,6 +25,8 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from imagenet_ddp import optimizers
+from imagenet_ddp.models import family, importable
 from imagenet_ddp.settings.evaluation import eval_settings
 from imagenet_ddp.settings.geometry import global_batch, loader_workers
 from imagenet_ddp.settings.presets import scaled_lr
@@ -53,7 +55,7 @@ def check_runs(
     problems = []
     for name, run in runs.items():
         found = [
-            _model_problem(run, models),
+            *_model_problems(run, models, cache_dir),
             *_image_size_problems(run, short_side),
             _device_problem(run),
             _loader_workers_problem(run),
@@ -66,6 +68,7 @@ def check_runs(
             _profile_problem(run),
             _fallback_nodes_problem(run),
             _warmup_problem(run),
+            _optimizer_problem(run, cache_dir),
         ]
         problems += [f"config.yaml: run {name!r}: {p}" for p in found if p]
     return problems
@@ -75,6 +78,7 @@ def check_runs(
 
 
 def _model_problem(run: Mapping, models: frozenset[str]) -> str | None:
+    """A torchvision name against the name list (no torch import: cached or kept here)."""
     model = run["model"]
     if model in models:
         return None
@@ -82,8 +86,125 @@ def _model_problem(run: Mapping, models: frozenset[str]) -> str | None:
     hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
     return (
         f"model {model!r} is not a torchvision classification model; {hint}"
-        "pick one of torchvision.models.list_models(module=torchvision.models)"
+        "pick one of torchvision.models.list_models(module=torchvision.models), or timm/<name>"
     )
+
+
+def _model_problems(run: Mapping, models: frozenset[str], cache_dir) -> list[str]:
+    """The model's problems. A torchvision name without model_kwargs: the name list only (fast,
+    torch-free). A timm model or model_kwargs: exact (imagenet_ddp.models.model_problems: built
+    on the meta device, its constructor's signature, a forward at the run's crops) where torch
+    and the family's package are importable, cached per installed versions; where not (a bare
+    login-node environment) unchecked, which :func:`unchecked_model_notes` says."""
+    name, kwargs = run["model"], dict(run.get("model_kwargs") or {})
+    fam, _ = family(name)
+    if not _exact(run):
+        return [p for p in (_model_problem(run, models),) if p] if fam == "torchvision" else []
+    verdict = model_verdict(name, kwargs, _crops(run), cache_dir)
+    problems = list(verdict["problems"])
+    if not problems and run.get("zero_init_residual") and not verdict["residual_option"]:
+        problems.append(
+            f"zero_init_residual true with model {name!r}: its constructor has no residual "
+            "BatchNorm zero-init (torchvision's zero_init_residual, timm's zero_init_last); "
+            "set zero_init_residual: false"
+        )
+    on_gpus = run.get("deterministic") and run["gpus_per_node"] > 0
+    if not problems and on_gpus and verdict["adaptive_pools"]:
+        problems.append(
+            f"deterministic true with model {name!r} on GPUs: its adaptive pooling "
+            f"{verdict['adaptive_pools'][:3]} has no deterministic CUDA backward (torch "
+            "would raise at the first step); set deterministic: false or pick another model"
+        )
+    return problems
+
+
+def _exact(run: Mapping) -> bool:
+    """Whether the model is judged from its meta-device build (else by name only)."""
+    fam, _ = family(run["model"])
+    return (fam == "timm" or bool(run.get("model_kwargs"))) and importable(fam)
+
+
+def _crops(run: Mapping) -> tuple[int, ...]:
+    crops = {run["crop_size"], run.get("eval_crop_size") or run["crop_size"]}
+    if run.get("progressive_min_crop"):
+        crops.add(run["progressive_min_crop"])
+    return tuple(sorted(crops))
+
+
+def unchecked_model_notes(runs: Mapping[str, Mapping]) -> list[str]:
+    """One line per run whose model the dry-run could not check here (see _model_problems)."""
+    notes = []
+    for name, run in runs.items():
+        fam, _ = family(run["model"])
+        if (fam == "timm" or run.get("model_kwargs")) and not importable(fam):
+            notes.append(
+                f"config.yaml: run {name!r}: model {run['model']!r} and its model_kwargs are "
+                f"not checked by this dry-run (torch or {fam} not importable here); the job "
+                "checks them when it builds the model: dry-run in the jobs' environment to "
+                "check them now"
+            )
+        opt = run["optimizer"]
+        custom = opt not in ("sgd", "adamw") or run.get("optimizer_kwargs")
+        if custom and not optimizers.importable(opt):
+            notes.append(
+                f"config.yaml: run {name!r}: optimizer {opt!r} and its optimizer_kwargs are "
+                "not checked by this dry-run (torch or timm not importable here); the job "
+                "builds it"
+            )
+    return notes
+
+
+def model_verdict(name: str, kwargs: Mapping, crops: tuple[int, ...], cache_dir) -> dict:
+    """imagenet_ddp.models' checks and facts of the model (cached: :func:`_cached`)."""
+
+    def compute() -> dict:
+        from imagenet_ddp import models as M
+
+        problems = M.model_problems(name, kwargs, crops)
+        verdict = {"problems": problems, "residual_option": None, "adaptive_pools": []}
+        if not problems:
+            verdict["residual_option"] = M.residual_option(name, kwargs)
+            verdict["adaptive_pools"] = M.adaptive_pools(M._meta_model(name, kwargs))
+        return verdict
+
+    return _cached("model-check", [name, kwargs, crops], compute, cache_dir)
+
+
+def _optimizer_problem(run: Mapping, cache_dir) -> str | None:
+    """An unknown optimizer or a bad optimizer_kwargs key (imagenet_ddp.optimizers), where
+    torch (and timm for timm/) is importable; unchecked where not, as models are."""
+    name, kwargs = run["optimizer"], dict(run.get("optimizer_kwargs") or {})
+    if (name in ("sgd", "adamw") and not kwargs) or not optimizers.importable(name):
+        return None
+    given = {"momentum": run["momentum"], "nesterov": run["nesterov"]}
+    verdict = _cached(
+        "optimizer-check",
+        [name, kwargs, given],
+        lambda: {"problem": optimizers.optimizer_problem(name, kwargs, **given)},
+        cache_dir,
+    )
+    return verdict["problem"]
+
+
+def _cached(kind: str, parts: list, compute, cache_dir) -> dict:
+    """``compute()``'s JSON result, kept in ``cache_dir`` per installed torch, torchvision and
+    timm and ``parts``: even a meta-device build imports them (seconds, in every parse)."""
+    versions = [_package_key(p) for p in ("torch", "torchvision", "timm")]
+    key = json.dumps([versions, *parts], sort_keys=True, default=str)
+    path = None
+    if cache_dir is not None:
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        path = Path(cache_dir) / f"{kind}-{digest}.json"
+        try:
+            stored = json.loads(path.read_text())
+            if stored.get("key") == key:
+                return stored["verdict"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+    verdict = compute()
+    if path is not None:
+        _write_cache(path, {"key": key, "verdict": verdict})
+    return verdict
 
 
 def _image_size_problems(run: Mapping, short_side: int) -> list[str]:
@@ -141,7 +262,10 @@ def _recipe_problems(run: Mapping) -> list[str]:
             "sync_bn true on the CPU: torch's SyncBatchNorm synchronizes GPU tensors only; "
             "set sync_bn: false or train on GPUs (gpus_per_node > 0)"
         )
-    if run.get("zero_init_residual") and not run["model"].startswith(RESIDUAL_BN_MODELS):
+    # timm's, and any model with model_kwargs where it imports: _model_problems
+    torchvision = family(run["model"])[0] == "torchvision" and not _exact(run)
+    residual = run["model"].startswith(RESIDUAL_BN_MODELS)
+    if run.get("zero_init_residual") and torchvision and not residual:
         problems.append(
             f"zero_init_residual true with model {run['model']!r}: only torchvision's ResNet "
             "family (resnet*, resnext*, wide_resnet*) has it; set zero_init_residual: false"
@@ -236,8 +360,8 @@ NONDETERMINISTIC_ON_CUDA = ("vgg", "alexnet")
 def _determinism_problem(run: Mapping) -> str | None:
     if not (run.get("deterministic") and run["gpus_per_node"] > 0):
         return None
-    if not run["model"].startswith(NONDETERMINISTIC_ON_CUDA):
-        return None
+    if _exact(run) or not run["model"].startswith(NONDETERMINISTIC_ON_CUDA):
+        return None  # timm models and model_kwargs: _model_problems, from the built model
     return (
         f"deterministic true with model {run['model']!r} on GPUs: its adaptive average "
         "pooling has no deterministic CUDA backward (torch would raise at the first step); "
@@ -481,13 +605,19 @@ def classification_models(cache_dir: str | os.PathLike[str] | None = None) -> fr
 
 def _torchvision_key() -> str | None:
     """Identifies the torchvision that an import would load, without importing it."""
-    spec = importlib.util.find_spec("torchvision")
+    return _package_key("torchvision", "models/__init__.py")
+
+
+def _package_key(package: str, marker: str = "__init__.py") -> str | None:
+    """Identifies the ``package`` an import would load (its version file and the mtime of
+    ``marker``), without importing it."""
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return None
     root = Path(list(spec.submodule_search_locations)[0])
     try:
         stamp = hashlib.sha256((root / "version.py").read_bytes())
-        stamp.update(str((root / "models" / "__init__.py").stat().st_mtime_ns).encode())
+        stamp.update(str((root / marker).stat().st_mtime_ns).encode())
     except OSError:
         return None
     return f"{root} {stamp.hexdigest()}"

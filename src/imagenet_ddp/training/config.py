@@ -78,7 +78,14 @@ class _TrainConfig:
         return int(round(size / self.progressive_multiple)) * self.progressive_multiple
 
 
-_TYPES = {"integer": int, "number": float, "boolean": bool, "string": str, "array": list}
+_TYPES = {
+    "integer": int,
+    "number": float,
+    "boolean": bool,
+    "string": str,
+    "array": list,
+    "object": dict,
+}
 
 
 def _annotation(spec: dict[str, Any]) -> Any:

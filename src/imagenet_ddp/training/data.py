@@ -126,6 +126,11 @@ def train_loader(
         drop_last=True,
         worker_init_fn=ignore_stop_signals,
         multiprocessing_context=loader_context() if workers > 0 else None,
+        # Its own generator: without one, every epoch's iterator draws its workers' base seed
+        # from the global RNG, and a resumed job (a new iterator mid-epoch, after the RNG is
+        # restored) draws once more than the unbroken run, so a model that draws while it
+        # trains (dropout, stochastic depth) would differ. Augmentation seeds itself per sample.
+        generator=torch.Generator().manual_seed(0),
     )
 
 

@@ -5,10 +5,11 @@
 It is a ``torch.save`` dict::
 
     format_version  MODEL_FORMAT_VERSION
-    arch            torchvision.models name (e.g. "resnet50")
+    arch            the model setting (imagenet_ddp.models: "resnet50", "timm/vit_tiny_...")
     num_classes     output classes
-    model           state_dict of the trained model (a torchvision model, no DDP prefix)
-    config          the run's settings and geometry (TrainConfig + geometry.Geometry fields)
+    model           state_dict of the trained model (no DDP prefix)
+    config          the run's settings and geometry (TrainConfig + geometry.Geometry fields;
+                    its model_kwargs rebuild the model)
     ema             runs with ``ema_decay`` > 0 only: state_dict of the averaged model (the
                     same torchvision model, weights and BatchNorm buffers averaged)
     diverged        runs the divergence guard stopped only (training.guard): where and why;
@@ -20,8 +21,14 @@ refused, checkpoint.load_tensors).
 Loading into torchvision without this package (docs/results.md "Loading a trained model")::
 
     state = torch.load("model.pt", map_location="cpu", weights_only=True)
-    model = torchvision.models.get_model(state["arch"], num_classes=state["num_classes"])
+    model = torchvision.models.get_model(state["arch"], num_classes=state["num_classes"],
+                                         **state["config"].get("model_kwargs", {}))
     model.load_state_dict(state["model"])
+
+A timm model (``arch`` "timm/<name>")::
+
+    model = timm.create_model(state["arch"][5:], num_classes=state["num_classes"],
+                              **state["config"]["model_kwargs"])
 """
 
 from __future__ import annotations
@@ -30,18 +37,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torchvision
 
+from imagenet_ddp import models
 from imagenet_ddp.io import atomic_path
 from imagenet_ddp.training.checkpoint import load_tensors
 
 MODEL_FORMAT_VERSION = 1
 
 
-def build_model(name: str, num_classes: int, **kwargs: Any) -> torch.nn.Module:
-    """A randomly initialised torchvision classification model (``kwargs``: the model's own
-    options, e.g. ``zero_init_residual``; they change the initial weights, not the layout)."""
-    return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
+def build_model(
+    name: str,
+    num_classes: int,
+    model_kwargs: dict[str, Any] | None = None,
+    *,
+    zero_init_residual: bool = False,
+) -> torch.nn.Module:
+    """A randomly initialised model: :func:`imagenet_ddp.models.build_model`, the one factory
+    (torchvision's and timm's, by name; ``model_kwargs`` the constructor's own options)."""
+    return models.build_model(
+        name, num_classes, model_kwargs, zero_init_residual=zero_init_residual
+    )
 
 
 def save_model(
@@ -95,7 +110,7 @@ def model_from_state(
     """The model of ``state`` (:func:`read_model_file`'s) with its ``weights`` on ``device``."""
     if weights not in state or state[weights] is None:
         raise ValueError(f"{path}: has no {weights!r} weights (the run did not keep them)")
-    model = build_model(state["arch"], state["num_classes"])
+    model = build_model(state["arch"], state["num_classes"], state["config"].get("model_kwargs"))
     model.load_state_dict(state[weights])
     model.to(device)
     if state["config"].get("channels_last"):

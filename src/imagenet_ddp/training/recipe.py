@@ -15,6 +15,7 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchvision.transforms import v2
 
+from imagenet_ddp import optimizers
 from imagenet_ddp.data.dataset import IMAGENET_MEAN, train_transform
 from imagenet_ddp.settings.presets import scaled_lr
 from imagenet_ddp.training.config import TrainConfig
@@ -60,11 +61,14 @@ def parameter_groups(cfg: TrainConfig, model: torch.nn.Module) -> list[dict]:
 def build_optimizer(
     cfg: TrainConfig, model: torch.nn.Module, world_size: int = 1
 ) -> torch.optim.Optimizer:
-    groups, lr = parameter_groups(cfg, model), scaled_lr(vars(cfg), world_size)
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=lr)
-    return torch.optim.SGD(
-        groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0
+    """The run's optimizer (imagenet_ddp.optimizers: torch's, or timm's by name)."""
+    return optimizers.build_optimizer(
+        cfg.optimizer,
+        parameter_groups(cfg, model),
+        lr=scaled_lr(vars(cfg), world_size),
+        momentum=cfg.momentum,
+        nesterov=cfg.nesterov,
+        kwargs=cfg.optimizer_kwargs,
     )
 
 

@@ -34,6 +34,7 @@ them, at the epoch's steady throughput, with the device's dense peak (:data:`PEA
 from __future__ import annotations
 
 import functools
+import json
 import math
 import time
 from typing import Any
@@ -73,13 +74,14 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 
 
 @functools.cache
-def flops_per_image(model_name: str, num_classes: int, crop: int) -> int:
+def flops_per_image(model_name: str, num_classes: int, crop: int, model_kwargs: str = "{}") -> int:
     """Model FLOPs of one training step per image (forward and backward). Counted on a batch
-    of 2 (BatchNorm in training mode refuses one value per channel, as a tiny crop gives)."""
+    of 2 (BatchNorm in training mode refuses one value per channel, as a tiny crop gives).
+    ``model_kwargs``: as JSON (hashable, for the cache)."""
     from imagenet_ddp.training.model import build_model
 
     with torch.device("meta"):
-        model = build_model(model_name, num_classes)
+        model = build_model(model_name, num_classes, json.loads(model_kwargs))
         images = torch.empty(2, 3, crop, crop)
     return count_flops(model, images) // 2
 
@@ -219,7 +221,9 @@ def breakdown_row(job, epoch: int, timer: StepTimer, steady, num_classes: int) -
     """The breakdown columns of an epoch's history row (collective: every rank); ``job``: the
     training.state.TrainingState, ``steady``: the epoch's steady_images_per_s (global)."""
     cfg = job.cfg
-    flops_image = flops_per_image(cfg.model, num_classes, cfg.crop_for_epoch(epoch))
+    flops_image = flops_per_image(
+        cfg.model, num_classes, cfg.crop_for_epoch(epoch), json.dumps(cfg.model_kwargs)
+    )
     peak = peak_flops(job.device, cfg.precision)
     return {
         **timer.reduce(),

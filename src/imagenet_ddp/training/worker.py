@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from imagenet_ddp.data.dataset import PreparedImageDataset, eval_transform
+from imagenet_ddp import models
+from imagenet_ddp.data.reader import create_dataset
 from imagenet_ddp.jobs import distributed as D
 from imagenet_ddp.jobs.attempts import (
     RankProgress,
@@ -136,9 +137,7 @@ def _train(
     _set_determinism(cfg, device)
     geometry = resolve_geometry(cfg, info, device)
     # decode=False: the transform decodes, after drawing its crop box (imagenet_ddp.data.jpeg)
-    base = PreparedImageDataset(
-        train_data, sample_ids=read_ids(split_dir / "train.csv"), decode=False
-    )
+    base = create_dataset(train_data, read_ids(split_dir / "train.csv"), train=True)
     holdout = _holdout(cfg, info, device, geometry, train_data, split_dir)
     sampler, loader = _train_loader(cfg, info, device, geometry, base)
     job = build_job(cfg, info, device, geometry, base.num_classes, sampler.steps)
@@ -211,10 +210,8 @@ def last_good_weights(job) -> None:
 def _holdout(cfg, info, device, geometry, train_data, split_dir) -> Holdout:
     """This rank's share of the holdout, made once: its loader's workers (forked at the first
     evaluation) serve every evaluation."""
-    data = PreparedImageDataset(
-        train_data,
-        sample_ids=read_ids(split_dir / "holdout.csv"),
-        transform=eval_transform(cfg.eval_resize, cfg.eval_crop, normalize=False),
+    data = create_dataset(
+        train_data, read_ids(split_dir / "holdout.csv"), eval_size=(cfg.eval_resize, cfg.eval_crop)
     )
     loader = shard_loader(
         data,
@@ -257,10 +254,11 @@ def build_job(
     steps_per_epoch: int,
 ) -> TrainingState:
     """The model, its DDP wrapper and the recipe's optimizer, schedule, loss, EMA, mixing."""
-    options = {"zero_init_residual": True} if cfg.zero_init_residual else {}
-    model = build_model(cfg.model, num_classes, **options)
+    model = build_model(
+        cfg.model, num_classes, cfg.model_kwargs, zero_init_residual=cfg.zero_init_residual
+    )
     if cfg.sync_bn and D.is_distributed():
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = models.convert_sync_batchnorm(cfg.model, model)
     model = model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)

@@ -1,0 +1,80 @@
+"""The model, optimizer and dataset-reader factories (imagenet_ddp.models, .optimizers,
+.data.reader): what each builds and what reaches it. Their dry-run checks are
+tests/test_run_checks.py's; training and bitwise resume with them, tests/test_resume.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from imagenet_ddp import models, optimizers
+from imagenet_ddp.data.reader import create_dataset
+from imagenet_ddp.training.model import load_model, save_model
+
+
+def test_zero_init_residual_sets_timms_zero_init_last_either_way():
+    """timm's ResNet zero-inits by default (zero_init_last=True): the run setting decides."""
+    on = models.build_model("timm/resnet18", 10, zero_init_residual=True)
+    off = models.build_model("timm/resnet18", 10, zero_init_residual=False)
+    assert on.layer1[0].bn2.weight.abs().sum() == 0
+    assert off.layer1[0].bn2.weight.abs().sum() > 0
+    torchvision_on = models.build_model("resnet18", 10, zero_init_residual=True)
+    assert torchvision_on.layer1[0].bn2.weight.abs().sum() == 0
+    assert models.residual_option("timm/vit_tiny_patch16_224") is None
+
+
+def test_sync_batchnorm_keeps_timms_fused_activation():
+    """timm's BatchNormAct2d carries its activation: torch's converter would drop it."""
+    model = models.convert_sync_batchnorm(
+        "timm/efficientnet_b0", models.build_model("timm/efficientnet_b0", 10)
+    )
+    assert type(model.bn1).__name__ == "SyncBatchNormAct"
+    assert isinstance(model.bn1.act, torch.nn.SiLU)
+
+
+def test_model_file_rebuilds_a_timm_model_with_its_model_kwargs(tmp_path):
+    kwargs = {"img_size": 16, "patch_size": 8}
+    model = models.build_model("timm/vit_tiny_patch16_224", 5, kwargs)
+    save_model(tmp_path / "model.pt", model, arch="timm/vit_tiny_patch16_224", num_classes=5,
+               config={"model_kwargs": kwargs})  # fmt: skip
+    loaded, state = load_model(tmp_path / "model.pt")
+    images = torch.randn(2, 3, 16, 16)
+    assert torch.equal(loaded.eval()(images), model.eval()(images))
+    assert state["arch"] == "timm/vit_tiny_patch16_224"
+
+
+def groups(model: torch.nn.Module) -> list[dict]:
+    return [{"params": list(model.parameters()), "weight_decay": 0.05, "group": "other"}]
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, cls, expected",
+    [
+        ("adamw", {"betas": [0.9, 0.95], "eps": 1e-6}, "AdamW", {"betas": (0.9, 0.95)}),
+        ("sgd", {"maximize": True}, "SGD",
+         {"nesterov": True, "momentum": 0.8, "maximize": True}),
+        ("timm/lamb", {"max_grad_norm": 2.0}, "Lamb", {"max_grad_norm": 2.0}),
+        ("timm/lars", {"trust_coeff": 0.002}, "Lars", {"trust_coeff": 0.002, "momentum": 0.8}),
+    ],
+)  # fmt: skip
+def test_each_optimizer_gets_its_own_options_and_the_groups_weight_decay(
+    name, kwargs, cls, expected
+):
+    model = torch.nn.Linear(3, 2)
+    opt = optimizers.build_optimizer(
+        name, groups(model), lr=0.1, momentum=0.8, nesterov=True, kwargs=kwargs
+    )
+    assert type(opt).__name__ == cls
+    group = opt.param_groups[0]
+    assert group["lr"] == 0.1 and group["weight_decay"] == 0.05 and group["group"] == "other"
+    for key, value in expected.items():
+        assert group[key] == (tuple(value) if isinstance(value, list) else value), key
+
+
+def test_the_reader_factory_gives_training_its_encoded_and_evaluation_its_crops(prepared_demo):
+    train = create_dataset(prepared_demo["train"], [0, 1], train=True)
+    encoded, label = train[0]
+    assert encoded.dtype.name == "uint8" and encoded.ndim == 1 and 0 <= label < train.num_classes
+    holdout = create_dataset(prepared_demo["train"], [1], eval_size=(20, 16))
+    crop, _ = holdout[0]
+    assert crop.dtype == torch.uint8 and tuple(crop.shape) == (3, 16, 16)
