@@ -9,6 +9,7 @@ import sys
 import time
 
 from snakemake.exceptions import WorkflowError
+from snakemake.resources import Resource, Resources
 from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
@@ -24,6 +25,7 @@ from imagenet_ddp.data.archive_names import (
     VAL_ARCHIVE,
 )
 from imagenet_ddp.jobs.attempts import nodes_ahead, refusal_ahead
+from imagenet_ddp.jobs.holders import dependency_flag, holders_ahead, live_jobs
 from imagenet_ddp.settings.evaluation import eval_settings
 from imagenet_ddp.settings.geometry import GEOMETRY_KEYS, on_nodes, slurm_resources
 from imagenet_ddp.jobs.spec import SpecError, from_dict, to_dict
@@ -286,6 +288,60 @@ def train_resource(key):
         return slurm_resources(settings)[key]
 
     return value
+
+
+# A restarted controller (docs/reliability.md "A controller that dies"): a run whose train job
+# of an earlier invocation is still queued or running in SLURM gets its next job submitted
+# with --dependency=afterany:<that job> (imagenet_ddp.jobs.holders): it pends for free and
+# resumes where that job ends. Through train's `slurm_extra`, after the site's own value
+# (set-resources, evaluated as Snakemake would): set-resources replaces a rule's resource, so
+# the composed one takes the overwrite's place. Only the Snakemake that submits asks squeue.
+@functools.lru_cache(maxsize=None)
+def _holders_ahead(run, attempt):
+    if getattr(workflow.executor_plugin, "name", None) != "slurm":
+        return []  # a local run, a dry-run: nothing submits with sbatch
+    live = live_jobs()
+    if live is None:
+        print(f"warning: run {run}: squeue cannot say whether a train job of an earlier "
+              "invocation still holds it; its job is submitted without --dependency and "
+              "waits at start while one does", file=sys.stderr)  # fmt: skip
+        return []
+    checkpoint_root = f"{CHECKPOINT_DIR}/{run}"
+    ids = holders_ahead(
+        checkpoint_root, training_settings(run), run, workflow.workdir_init, live
+    )
+    if ids:
+        print(f"run {run}: job {', '.join(ids)} of an earlier invocation still holds it in "
+              f"SLURM ({live[ids[-1]]['state']}); its next job waits for it "
+              f"({dependency_flag(ids)}) and resumes where it ends", file=sys.stderr)  # fmt: skip
+    return ids
+
+
+def _train_slurm_extra(site):
+    def value(wildcards, attempt, **aux):
+        extra = (
+            site.evaluate(wildcards, attempt=attempt, **aux).value
+            if site is not None
+            else None
+        )
+        ids = _holders_ahead(wildcards.run, attempt)
+        return (
+            " ".join(filter(None, [extra, dependency_flag(ids) if ids else None]))
+            or None
+        )
+
+    return value
+
+
+if workflow.is_main_process:
+    _OVERWRITE = workflow.resource_settings._parsed_overwrite_resources
+    _SITE_EXTRA = _OVERWRITE.get("train", {}).get("slurm_extra")
+    # raw: what a job's own Snakemake gets (it submits nothing)
+    _RAW = _SITE_EXTRA.raw if _SITE_EXTRA is not None else "''"
+    _TRAIN_EXTRA = Resource("slurm_extra", _train_slurm_extra(_SITE_EXTRA), raw=_RAW)
+    _OVERWRITE.setdefault("train", Resources.from_mapping({}))[
+        "slurm_extra"
+    ] = _TRAIN_EXTRA
 
 
 def launch_prefix(rule):
