@@ -68,6 +68,12 @@ def test_the_runs_holders_are_its_train_jobs_from_this_workflow_and_its_open_ent
         "100": {"state": "RUNNING", "comment": "rule_train_wildcards_r", "workdir": str(workdir)},
     }  # fmt: skip
     assert holders.holders_ahead(root, RUN, "r", workdir, live) == ["20", "30", "100"]
+    # another rule's job: the same rule and wildcards, from this workflow (the executor's
+    # comment: rule_<rule>[_wildcards_<values joined by _, / as _>])
+    assert holders.executor_comment("evaluate", ["r"]) == "rule_evaluate_wildcards_r"
+    assert holders.executor_comment("prepare", ["a/b", "c"]) == "rule_prepare_wildcards_a_b_c"
+    assert holders.executor_comment("aggregate", []) == "rule_aggregate"
+    assert holders.same_jobs(live, "rule_evaluate_wildcards_r", workdir) == ["23"]
     assert holders.dependency_flag(["20", "30"]) == "--dependency=afterany:20:30"
     # an open entry of a job SLURM no longer runs (killed with its launcher) holds nothing
     assert holders.holders_ahead(root, RUN, "r", workdir, {}) == []

@@ -85,20 +85,35 @@ def open_entries(checkpoint_root, run: dict[str, Any], own_job: str | None) -> l
     ]
 
 
+def executor_comment(rule: str, wildcards) -> str:
+    """The comment the SLURM executor gives a job of ``rule`` with these wildcard values
+    (plugin 2.8.0: ``rule_<rule>_wildcards_<values joined by _, / as _>``)."""
+    joined = "_".join(str(w) for w in wildcards).replace("/", "_")
+    return f"rule_{rule}_wildcards_{joined}" if joined else f"rule_{rule}"
+
+
+def _by_id(ids) -> list[str]:
+    return sorted(ids, key=lambda j: [int(p) for p in j.split("_") if p.isdigit()])
+
+
+def same_jobs(live: dict[str, dict[str, str]], comment: str, workdir) -> list[str]:
+    """The live jobs the SLURM executor submitted from ``workdir`` with ``comment``."""
+    return _by_id(j for j, job in live.items()
+                  if job["comment"] == comment and _same_dir(job["workdir"], workdir))  # fmt: skip
+
+
 def holders_ahead(
     checkpoint_root, run: dict[str, Any], name: str, workdir, live: dict[str, dict[str, str]]
 ) -> list[str]:
     """The live train jobs of run ``name`` in the workflow at ``workdir`` (``live``:
     :func:`live_jobs`), oldest first: those the SLURM executor submitted from there, and those
     with an open entry in the run's attempt record."""
-    comment = f"rule_train_wildcards_{name}"
-    ids = {j for j, job in live.items()
-           if job["comment"] == comment and _same_dir(job["workdir"], workdir)}  # fmt: skip
+    ids = set(same_jobs(live, executor_comment("train", [name]), workdir))
     own = os.environ.get("SLURM_JOB_ID")
     entries = open_entries(checkpoint_root, run, own)
     ids |= {a["slurm_job_id"] for a in entries if a.get("slurm_job_id") in live}
     ids.discard(own)
-    return sorted(ids, key=lambda j: [int(p) for p in j.split("_") if p.isdigit()])
+    return _by_id(ids)
 
 
 def dependency_flag(ids: list[str]) -> str:
