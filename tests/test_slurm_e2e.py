@@ -214,7 +214,7 @@ def test_a_restarted_controller_waits_for_the_runs_live_train_job_and_adopts_its
     first, second = slurm_run.logs
     held = slurm_run.held
     assert f"controller job {slurm_run.controller}" in second, second[:2000]
-    holds = f"run {GPU_RUN}: job {held} of an earlier invocation still holds it"
+    holds = f"rule_train_wildcards_{GPU_RUN}: job {held} of an earlier invocation is still in"
     assert holds in second, second[-6000:]
     assert f"--dependency=afterany:{held}" in second
     first_jobs = _jobs_of(slurm_run.cluster, slurm_run.uuids[0])
