@@ -128,6 +128,8 @@ def test_dry_run_and_lint_with_snakemake_alone(tmp_path):
     train = re.search(r"rule train:.*?resources: ([^\n]*)", log, re.S).group(1)
     assert "slurm_partition=gpu" in train and "runtime=1440" in train, train
     assert "slurm_account=my_account" in train and "site_account" not in log
+    # train's slurm_extra composed with a restart's dependency (none here) keeps the profile's
+    assert "slurm_extra=--signal=USR1@300" in train, train
     # A bad model name is still refused: checked against the list kept with the package.
     bad = subprocess.run(
         [*snakemake, "-n", "--config", "train_defaults={model: resnet9000}"],
