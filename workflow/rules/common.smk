@@ -321,22 +321,22 @@ def _live_jobs():
 
 
 @functools.lru_cache(maxsize=None)
-def _jobs_ahead(rule, values, attempt):
-    """The live jobs of an earlier invocation that this job of `rule` must wait for: for a
+def _jobs_ahead(rulename, values, attempt):
+    """The live jobs of an earlier invocation that this job of `rulename` must wait for: for a
     train job the run's (imagenet_ddp.jobs.holders.holders_ahead), else the same rule's with
     the same wildcards."""
     live = _live_jobs()
     if not live:
         return []
-    if rule == "train":
+    if rulename == "train":
         run = values[0]
         checkpoint_root = f"{CHECKPOINT_DIR}/{run}"
         settings = training_settings(run)
         ids = holders_ahead(checkpoint_root, settings, run, workflow.workdir_init, live)
     else:
-        ids = same_jobs(live, executor_comment(rule, values), workflow.workdir_init)
+        ids = same_jobs(live, executor_comment(rulename, values), workflow.workdir_init)
     if ids:
-        print(f"{executor_comment(rule, values)}: job {', '.join(ids)} of an earlier "
+        print(f"{executor_comment(rulename, values)}: job {', '.join(ids)} of an earlier "
               f"invocation is still in SLURM ({live[ids[-1]]['state']}); this job waits for "
               f"it ({dependency_flag(ids)})", file=sys.stderr)  # fmt: skip
     return ids
