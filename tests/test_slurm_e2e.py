@@ -253,7 +253,9 @@ def test_every_job_went_through_sbatch_and_completed(slurm_run):
     for log, uuid in zip(slurm_run.logs, slurm_run.uuids, strict=True):
         jobs = _jobs_of(slurm_run.cluster, uuid)
         submitted = re.findall(r"has been submitted with SLURM jobid (\d+)", log)
-        assert len(submitted) == len(jobs), (submitted, jobs)
+        ids = {str(j["id"]) for j in jobs.values()}
+        # the killed one may have died between an sbatch and its log line
+        assert set(submitted) <= ids and len(submitted) >= len(ids) - (log is first), (log, ids)
         assert {j["state"] for j in jobs.values()} == {"COMPLETED"}, jobs
     # the restarted invocation: the GPU run's train job again and what follows it
     assert len(_jobs_of(slurm_run.cluster, slurm_run.uuids[1])) == total - 1
