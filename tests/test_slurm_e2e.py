@@ -161,7 +161,9 @@ def slurm_run(slurm_cluster, tmp_path_factory):
         controller = slurm_cluster.sbatch(
             "-p", slurm_cluster.service_partition, "-J", "ci_e2e_controller", "-c", "1",
             "--mem=500", "--time=30", f"--output={workdir.parent}/controller-%j.log",
-            f"--chdir={workdir}", f"--export=ALL,IMAGENET_DDP_SNAKEMAKE={' '.join(SNAKEMAKE)}",
+            # the cluster's clients run with the environment it started with: FAKE_GPUS too
+            f"--chdir={workdir}", f"--export=ALL,{FAKE_GPUS}=1,"
+            f"IMAGENET_DDP_SNAKEMAKE={' '.join(SNAKEMAKE)}",
             "profiles/slurm/controller.sbatch", *SNAKEMAKE_ARGS, cwd=workdir,
         )  # fmt: skip
         state = slurm_cluster.wait_job(controller, timeout=1200)
