@@ -238,7 +238,8 @@ def test_a_restarted_controller_waits_for_the_runs_live_train_job_and_adopts_its
         (str(held), "completed"), (str(y["id"]), "completed"),
     ], entries  # fmt: skip
     final = attempts.newest_checkpoint(root)
-    assert entries[1]["start"]["path"] == final["path"]  # resumed the first job's last one
+    # resumed the first job's last checkpoint (the record holds the path as the job saw it)
+    assert slurm_run.dir / entries[1]["start"]["path"] == Path(final["path"])
     assert final["written"] < entries[1]["started"]  # and trained nothing itself
     model = read_model_file(slurm_run.dir / f"results/runs/{GPU_RUN}/model.pt")["model"]
     checkpoint = torch.load(final["path"], map_location="cpu", weights_only=False)["model"]
