@@ -162,6 +162,8 @@ def test_dry_run_and_lint_with_snakemake_alone(tmp_path):
     verify = re.search(r"rule verify:.*?resources: ([^\n]*)", log, re.S).group(1)
     assert "slurm_account=site_account" in verify and "runtime=120" in verify, verify
     assert "my_account" not in log
+    # train's slurm_extra composed with a restart's dependency (none here) keeps the profile's
+    assert "slurm_extra=--signal=USR1@300" in train, train
     # A bad model name is still refused: checked against the list kept with the package.
     bad = subprocess.run(
         [*snakemake, "-n", "--config", "train_defaults={model: resnet9000}"],

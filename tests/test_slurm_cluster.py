@@ -81,7 +81,7 @@ def test_each_node_has_its_own_private_scratch(slurm_cluster, two_node_job):
 
 def test_fake_gpus_are_bound_like_real_ones(slurm_cluster, two_node_job):
     d = two_node_job["dir"]
-    out = slurm_cluster.run("sinfo", "-h", "-N", "-o", "%N %G").stdout
+    out = slurm_cluster.run("sinfo", "-h", "-N", "-p", "debug", "-o", "%N %G").stdout
     assert lines_of(out) == [["node1", "gpu:2"], ["node2", "gpu:2"]]
     assert (d / "gpus-batch.txt").read_text().split() == ["batch", "0,1"]
     # --gres=gpu:2 alone: every task sees both GPUs of its node (select cuda:SLURM_LOCALID) ...

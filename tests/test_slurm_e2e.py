@@ -8,6 +8,13 @@ and 1 x 1 (no `mpi`: inside the executor's step). The GPU run gets SLURM's real 
 and binding (`--gres=gpu:2`, CUDA_VISIBLE_DEVICES per task) of the fake GPUs; its ranks choose
 their GPU as on a GPU node and compute on the CPU (IMAGENET_DDP_FAKE_GPUS, gloo). The run is
 started with a `--config` on the command line, which once wiped the profile's launcher.
+
+The controller dies on the way, as on a login node that reboots: Snakemake is SIGKILLed while
+the GPU run's train job trains, and the same command runs again as the controller job
+(profiles/slurm/controller.sbatch on the cluster's service partition, which unlocks first). It
+must not start a second train job of that run while the first runs: it submits the next one
+with a dependency on it, and the run's result is the first job's. Beside it, the controller
+job's own restart at its time limit runs with a Snakemake that only waits.
 """
 
 from __future__ import annotations
@@ -15,17 +22,24 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pandas as pd
 import pytest
+import torch
 
+from imagenet_ddp.jobs import attempts
 from imagenet_ddp.jobs.distributed import FAKE_GPUS
 from imagenet_ddp.jobs.launch import srun_argv
 from imagenet_ddp.settings.geometry import Geometry
-from tests.workflow_helpers import TINY_CONFIG_OVERRIDES, copy_workflow, snakemake
+from imagenet_ddp.training.model import read_model_file
+from tests.workflow_helpers import REPO, SNAKEMAKE, TINY_CONFIG_OVERRIDES, copy_workflow
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
@@ -51,50 +65,207 @@ RUNS = [
 ]
 
 
+# The --config replaces any profile `config:`.
+SNAKEMAKE_ARGS = ["--profile", "profiles/slurm", "--workflow-profile", str(TEST_PROFILE),
+                  "--config", "data={dir: /not/used/by/the/demo}"]  # fmt: skip
+PROGRESS = re.compile(r"epoch \d+ step \d+")
+
+
+def _live_jobs(cluster, workdir: Path) -> dict[int, tuple[str, str]]:
+    """{job id: (comment, state)} of this workflow's jobs that squeue shows."""
+    out = cluster.run("squeue", "-h", "-o", "%i|%k|%T|%Z").stdout
+    rows = [line.split("|") for line in out.splitlines()]
+    return {int(r[0]): (r[1], r[2]) for r in rows if Path(r[3]) == workdir}
+
+
+def _held_train_job(cluster, workdir: Path, proc, timeout: float = 900) -> int:
+    """The GPU run's train job once it trains (other jobs may be queued or running: the
+    restarted controller submits each again with a dependency on it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "snakemake ended before the GPU run trained"
+        live = _live_jobs(cluster, workdir)
+        train = [j for j, (c, st) in live.items()
+                 if c == f"rule_train_wildcards_{GPU_RUN}" and st == "RUNNING"]  # fmt: skip
+        if train:
+            logs = list((workdir / f"logs/train/{GPU_RUN}").glob(f"job-{train[0]}-*.log"))
+            if logs and PROGRESS.search(logs[0].read_text(errors="replace")):
+                return train[0]
+        time.sleep(1)
+    raise AssertionError(f"the GPU run's train job did not train within {timeout} s")
+
+
+def _jobs_of(cluster, run_uuid: str) -> dict[str, dict]:
+    """Every SLURM job of one Snakemake invocation (job name = its run ID), by comment."""
+    out = cluster.run(
+        # -S: without it (and without -j) sacct lists only jobs since today's midnight.
+        "sacct", "-X", "-n", "-P", "-S", "2000-01-01", "--name", run_uuid,
+        "-o", "JobID,State,NNodes,Comment,Start,End",
+    ).stdout  # fmt: skip
+    jobs = {}
+    for line in out.splitlines():
+        job_id, state, nnodes, comment, start, end = line.split("|")
+        jobs[comment] = {"id": int(job_id), "state": state, "nnodes": int(nnodes),
+                         "start": start, "end": end}  # fmt: skip
+    return jobs
+
+
+# A Snakemake that runs until it is killed, and at once the second time: what the controller
+# job's own restart at its time limit needs (the real Snakemake's restart: slurm_run below).
+FAKE_SNAKEMAKE = """#!/bin/bash
+echo "snakemake $* (job $SLURM_JOB_ID)"
+for a in "$@"; do [ "$a" = --unlock ] && exit 0; done
+[ -e ran-once ] && exit 0
+touch ran-once
+sleep 600
+"""
+
+
+def _restarting_controller(cluster, tmp: Path) -> int:
+    """profiles/slurm/controller.sbatch with a 1-minute limit warned 50 s before it, running
+    FAKE_SNAKEMAKE on the service partition: its first job (returned) submits its successor."""
+    (tmp / "profiles/slurm").mkdir(parents=True)
+    shutil.copy(REPO / "profiles/slurm/controller.sbatch", tmp / "profiles/slurm")
+    (tmp / "snakemake").write_text(FAKE_SNAKEMAKE)
+    (tmp / "snakemake").chmod(0o755)
+    return cluster.sbatch(
+        "-p", cluster.service_partition, "-J", "ci_restart", "-c", "1", "--mem=100", "--time=1",
+        "--signal=B:USR1@50", f"--chdir={tmp}",
+        f"--export=ALL,IMAGENET_DDP_SNAKEMAKE={tmp}/snakemake",
+        "profiles/slurm/controller.sbatch", "--config", "a=b c", cwd=tmp,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def slurm_run(slurm_cluster, tmp_path_factory):
+    """The workflow through profiles/slurm, its controller killed (SIGKILL, as a dying login
+    node) while the GPU run's train job trains, then started again as the controller job
+    profiles/slurm/controller.sbatch (on the cluster's service partition), which finishes."""
     # Staging into each node's own tmpfs, set as a site user sets their node-local disk.
     stage = slurm_cluster.node_scratch_config()
     workdir = copy_workflow(tmp_path_factory.mktemp("slurm-e2e"), runs=RUNS, stage=stage)
+    restart_dir = tmp_path_factory.mktemp("controller-restart")
+    restarting = _restarting_controller(slurm_cluster, restart_dir)  # meanwhile, beside it
     os.environ[FAKE_GPUS] = "1"  # sbatch exports it to the jobs (and srun to the ranks)
+    first_out = workdir.parent / "snakemake-first.log"
     try:
-        result = snakemake(
-            workdir, "--profile", "profiles/slurm", "--workflow-profile", str(TEST_PROFILE),
-            "--config", "data={dir: /not/used/by/the/demo}",  # replaces any profile `config:`
-            timeout=1200,
+        with open(first_out, "w") as out:
+            proc = subprocess.Popen([*SNAKEMAKE, *SNAKEMAKE_ARGS], cwd=workdir, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            held = _held_train_job(slurm_cluster, workdir, proc)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)  # the login node dies: no cleanup, no scancel
+            proc.wait()
+        killed_at = time.monotonic()
+        controller = slurm_cluster.sbatch(
+            "-p", slurm_cluster.service_partition, "-J", "ci_e2e_controller", "-c", "1",
+            "--mem=500", "--time=30", f"--output={workdir.parent}/controller-%j.log",
+            # the cluster's clients run with the environment it started with: FAKE_GPUS too
+            f"--chdir={workdir}", f"--export=ALL,{FAKE_GPUS}=1,"
+            f"IMAGENET_DDP_SNAKEMAKE={' '.join(SNAKEMAKE)}",
+            "profiles/slurm/controller.sbatch", *SNAKEMAKE_ARGS[2:], cwd=workdir,  # its --profile
         )  # fmt: skip
+        state = slurm_cluster.wait_job(controller, timeout=1200)
     finally:
         del os.environ[FAKE_GPUS]
-    log = result.stdout + result.stderr
-    run_uuid = re.search(r"SLURM run ID: (\S+)", log).group(1)
-    # Every SLURM job of this Snakemake run (job name = run ID), with the rule in its comment.
-    out = slurm_cluster.run(
-        # -S: without it (and without -j) sacct lists only jobs since today's midnight.
-        "sacct",
-        "-X",
-        "-n",
-        "-P",
-        "-S",
-        "2000-01-01",
-        "--name",
-        run_uuid,
-        "-o",
-        "JobID,State,NNodes,Comment",
-    ).stdout
-    jobs = {}
-    for line in out.splitlines():
-        job_id, state, nnodes, comment = line.split("|")
-        jobs[comment] = {"id": int(job_id), "state": state, "nnodes": int(nnodes)}
-    return SimpleNamespace(dir=workdir, log=log, jobs=jobs, cluster=slurm_cluster)
+    first = first_out.read_text(errors="replace")
+    second = (workdir.parent / f"controller-{controller}.log").read_text(errors="replace")
+    assert state == "COMPLETED", second[-6000:]
+    uuids = [re.search(r"SLURM run ID: (\S+)", log).group(1) for log in (first, second)]
+    # The later invocation's job of a rule is the one whose outputs are there.
+    jobs = {**_jobs_of(slurm_cluster, uuids[0]), **_jobs_of(slurm_cluster, uuids[1])}
+    restarted = slurm_cluster.run("sacct", "-X", "-n", "-P", "-S", "2000-01-01", "--name",
+                                  "ci_restart", "-o", "JobID,State,Start,End").stdout  # fmt: skip
+    return SimpleNamespace(
+        dir=workdir, log=first + second, logs=(first, second), uuids=uuids, jobs=jobs,
+        cluster=slurm_cluster, held=held, controller=controller,
+        restart_seconds=time.monotonic() - killed_at, restart_dir=restart_dir,
+        restarting=restarting, restarted=[line.split("|") for line in restarted.split()],
+    )  # fmt: skip
+
+
+def test_the_controller_job_submits_its_successor_near_its_time_limit(slurm_run):
+    """At its warning (USR1 to the batch shell) the controller job submits the next one with
+    its own name, resources and arguments, and kills Snakemake (SIGKILL: no job cancelled);
+    the successor (--dependency=singleton) starts once it has ended and runs Snakemake again."""
+    first = slurm_run.restarting
+    jobs = slurm_run.restarted
+    assert [j[0] for j in jobs][:1] == [str(first)] and len(jobs) == 2, jobs
+    successor = int(jobs[1][0])
+    assert [j[1] for j in jobs] == ["COMPLETED", "COMPLETED"], jobs
+    assert jobs[1][2] >= jobs[0][3], jobs  # started after the first ended (ISO times)
+    log = (slurm_run.restart_dir / f"ci_restart-{first}.log").read_text()
+    assert f"submitted controller job {successor} (-J ci_restart -p service" in log, log
+    assert "-c 1 --mem 100M -t 1:00)" in log and "(killed: its successor goes on)" in log, log
+    # the same arguments, unlocked first (only one controller of a name runs)
+    later = (slurm_run.restart_dir / f"ci_restart-{successor}.log").read_text()
+    args = "--profile profiles/slurm --config a=b c"
+    assert f"snakemake {args} --unlock (job {successor})" in later, later
+    assert f"snakemake {args} (job {successor})" in later and "exited 0" in later, later
+
+
+def test_a_restarted_controller_waits_for_the_runs_live_train_job_and_adopts_its_result(
+    slurm_run,
+):
+    """Never two train jobs of a run at once: the restarted controller (a SLURM job itself)
+    found the killed one's train job still training and submitted the run's next job with
+    --dependency=afterany on it; that job started after it ended, resumed its final
+    checkpoint and wrote its weights unchanged: those of the uninterrupted job."""
+    first, second = slurm_run.logs
+    held = slurm_run.held
+    assert f"controller job {slurm_run.controller}" in second, second[:2000]
+    holds = f"rule_train_wildcards_{GPU_RUN}: job {held} of an earlier invocation is still in"
+    assert holds in second, second[-6000:]
+    assert f"--dependency=afterany:{held}" in second
+    first_jobs = _jobs_of(slurm_run.cluster, slurm_run.uuids[0])
+    x = first_jobs[f"rule_train_wildcards_{GPU_RUN}"]
+    y = slurm_run.jobs[f"rule_train_wildcards_{GPU_RUN}"]
+    assert x["id"] == held and x["state"] == "COMPLETED" and y["id"] != held, (x, y)
+    # No job of the restarted invocation ran beside one of the killed one of the same rule
+    # and wildcards (ISO times: one after the other); no other run trained again.
+    second_jobs = _jobs_of(slurm_run.cluster, slurm_run.uuids[1])
+    for comment, job in second_jobs.items():
+        if comment in first_jobs:
+            assert job["start"] >= first_jobs[comment]["end"], (comment, first_jobs, job)
+    assert y["start"] >= x["end"], (x, y)
+    assert [c for c in second_jobs if c.startswith("rule_train")] == [
+        f"rule_train_wildcards_{GPU_RUN}"
+    ], second_jobs
+    root = slurm_run.dir / "results/checkpoints" / GPU_RUN
+    entries = attempts.load(root)
+    assert [(e["slurm_job_id"], e["outcome"]) for e in entries] == [
+        (str(held), "completed"), (str(y["id"]), "completed"),
+    ], entries  # fmt: skip
+    final = attempts.newest_checkpoint(root)
+    # resumed the first job's last checkpoint (the record holds the path as the job saw it)
+    assert slurm_run.dir / entries[1]["start"]["path"] == Path(final["path"])
+    assert final["written"] < entries[1]["started"]  # and trained nothing itself
+    model = read_model_file(slurm_run.dir / f"results/runs/{GPU_RUN}/model.pt")["model"]
+    checkpoint = torch.load(final["path"], map_location="cpu", weights_only=False)["model"]
+    assert model.keys() == checkpoint.keys()
+    assert all(torch.equal(model[k], checkpoint[k]) for k in model)
+    log = (slurm_run.dir / f"logs/train/{GPU_RUN}.log").read_text()
+    assert "waits for it to end" not in log  # the dependency held it, not the job's own guard
 
 
 def test_every_job_went_through_sbatch_and_completed(slurm_run):
-    total = int(re.search(r"(\d+) of \1 steps \(100%\) done", slurm_run.log).group(1))
-    # nothing ran here but the target and data_key (a JSON of settings, no job's worth)
-    assert set(re.findall(r"localrule (\w+):", slurm_run.log)) == {"all", "data_key"}
-    submitted = re.findall(r"has been submitted with SLURM jobid (\d+)", slurm_run.log)
-    assert len(submitted) == len(slurm_run.jobs) == total - 2, slurm_run.jobs
-    assert {j["state"] for j in slurm_run.jobs.values()} == {"COMPLETED"}, slurm_run.jobs
+    first, second = slurm_run.logs
+    total = int(re.search(r"(\d+) of \1 steps \(100%\) done", second).group(1))
+    # nothing ran here but the target, data_key (a JSON of settings) and the report rules
+    local = re.findall(r"localrule (\w+):", second)
+    assert set(re.findall(r"localrule (\w+):", slurm_run.log)) == {
+        "all", "data_key", "accounting", "aggregate", "plots"
+    }  # fmt: skip
+    for log, uuid in zip(slurm_run.logs, slurm_run.uuids, strict=True):
+        jobs = _jobs_of(slurm_run.cluster, uuid)
+        submitted = re.findall(r"has been submitted with SLURM jobid (\d+)", log)
+        ids = {str(j["id"]) for j in jobs.values()}
+        # the killed one may have died between an sbatch and its log line
+        assert set(submitted) <= ids and len(submitted) >= len(ids) - (log is first), (log, ids)
+        assert {j["state"] for j in jobs.values()} == {"COMPLETED"}, jobs
+    # the restarted invocation: the GPU run's train job again and what follows it
+    assert len(_jobs_of(slurm_run.cluster, slurm_run.uuids[1])) == total - len(local)
     rules = {re.sub(r"_wildcards_.*", "", c) for c in slurm_run.jobs}
     assert {"rule_train", "rule_evaluate", "rule_prepare", "rule_aggregate"} <= rules, rules
     for run in RUNS:

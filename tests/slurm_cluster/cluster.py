@@ -107,6 +107,7 @@ class Cluster:
     scratch: Path  # node-local scratch mount point, the same path on every node
     env: dict[str, str]  # os.environ + SLURM_CONF: run clients (sbatch, sacct...) with it
     account: str = "ci"
+    service_partition: str = "service"  # its one node: a slurmd in the controller's namespace
     startup_seconds: float = 0.0
     keep_files: bool = False
     # "cgroup" (most sites: slurmstepd SIGKILLs what is left in a step's cgroup once its
@@ -285,6 +286,8 @@ def _start(cluster: Cluster, n_nodes: int, cpus: int, mem_mb: int, gpus: int, sc
         "gres_conf": f"Name=gpu File={root}/dev/fakegpu[0-{gpus - 1}]" if gpus else "",
         "proctrack": cluster.proctrack,
         "node_lines": "\n".join(f"NodeName={n.name} NodeAddr={n.addr}" for n in cluster.nodes),
+        "compute_nodes": ",".join(n.name for n in cluster.nodes),
+        "service_node": cluster.ctl.name,
     }
     etc = root / "etc"
     for template in TEMPLATES.iterdir():
@@ -354,7 +357,7 @@ def _start(cluster: Cluster, n_nodes: int, cpus: int, mem_mb: int, gpus: int, sc
     )
     _wait(lambda: "UP" in cluster.run("scontrol", "ping", check=False).stdout,
           timeout, "slurmctld", None)  # fmt: skip
-    for node in cluster.nodes:
+    for node in [*cluster.nodes, cluster.ctl]:  # the controller's namespace: the service node
         (root / "state" / node.name).mkdir()
         cluster._daemons.append(
             _daemon(
@@ -369,7 +372,7 @@ def _start(cluster: Cluster, n_nodes: int, cpus: int, mem_mb: int, gpus: int, sc
         if stuck:  # a node that registered late may need a nudge (ReturnToService=2 usually)
             cluster.run("scontrol", "update", f"NodeName={','.join(stuck)}", "State=RESUME",
                         check=False)  # fmt: skip
-        return len(states) == len(cluster.nodes) and all(s == "idle" for s in states.values())
+        return len(states) == len(cluster.nodes) + 1 and all(s == "idle" for s in states.values())
 
     _wait(all_idle, timeout, "all nodes idle in sinfo", None)
 

@@ -9,6 +9,7 @@ import sys
 import time
 
 from snakemake.exceptions import WorkflowError
+from snakemake.resources import Resource
 from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
@@ -22,6 +23,13 @@ from imagenet_ddp.data.layouts import LAYOUTS, dry_run_layout, find_layout
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.jobs.attempts import nodes_ahead, refusal_ahead
 from imagenet_ddp.jobs.container import host_runtime_env
+from imagenet_ddp.jobs.holders import (
+    dependency_flag,
+    executor_comment,
+    holders_ahead,
+    live_jobs,
+    same_jobs,
+)
 from imagenet_ddp.settings.evaluation import eval_settings
 from imagenet_ddp.settings.geometry import GEOMETRY_KEYS, on_nodes, slurm_resources
 from imagenet_ddp.jobs.spec import SpecError, from_dict, to_dict
@@ -394,6 +402,84 @@ def train_resource(key):
         return slurm_resources(settings)[key]
 
     return value
+
+
+# A restarted controller (docs/reliability.md "A controller that dies"): a job whose rule and
+# wildcards have a job of an earlier invocation still queued or running in SLURM is submitted
+# with --dependency=afterany:<that job> (imagenet_ddp.jobs.holders): it pends for free and runs
+# once that one has ended; a train job then resumes where it ended. Through `slurm_extra`,
+# after the site's own value (default-resources or set-resources, evaluated as Snakemake
+# would): a rule's own resource would be replaced by set-resources, so the composed one takes
+# the parsed defaults' and overwrites' place. Only the Snakemake that submits asks squeue.
+_LIVE = {"at": 0.0, "jobs": None}
+
+
+def _live_jobs():
+    """This user's live SLURM jobs, asked at most every 10 s (one squeue for a burst of
+    submissions); None where squeue cannot answer."""
+    if getattr(workflow.executor_plugin, "name", None) != "slurm":
+        return {}  # a local run, a dry-run: nothing submits with sbatch
+    if time.time() - _LIVE["at"] > 10:
+        _LIVE.update(at=time.time(), jobs=live_jobs())
+        if _LIVE["jobs"] is None:
+            print("warning: squeue cannot say whether jobs of an earlier invocation are still"
+                  " in SLURM; jobs are submitted without --dependency (a train job waits at "
+                  "start while another job of its run trains)", file=sys.stderr)  # fmt: skip
+    return _LIVE["jobs"]
+
+
+@functools.lru_cache(maxsize=None)
+def _jobs_ahead(rulename, values, attempt):
+    """The live jobs of an earlier invocation that this job of `rulename` must wait for: for a
+    train job the run's (imagenet_ddp.jobs.holders.holders_ahead), else the same rule's with
+    the same wildcards."""
+    live = _live_jobs()
+    if not live:
+        return []
+    if rulename == "train":
+        run = values[0]
+        checkpoint_root = f"{CHECKPOINT_DIR}/{run}"
+        settings = training_settings(run)
+        ids = holders_ahead(checkpoint_root, settings, run, workflow.workdir_init, live)
+    else:
+        ids = same_jobs(live, executor_comment(rulename, values), workflow.workdir_init)
+    if ids:
+        print(f"{executor_comment(rulename, values)}: job {', '.join(ids)} of an earlier "
+              f"invocation is still in SLURM ({live[ids[-1]]['state']}); this job waits for "
+              f"it ({dependency_flag(ids)})", file=sys.stderr)  # fmt: skip
+    return ids
+
+
+def _slurm_extra_after(site):
+    def value(wildcards, attempt, rulename, **aux):
+        extra = None
+        if site is not None:
+            given = site.evaluate(wildcards, attempt=attempt, rulename=rulename, **aux)
+            extra = given.value
+        ids = _jobs_ahead(rulename, tuple(wildcards), attempt)
+        return (
+            " ".join(filter(None, [extra, dependency_flag(ids) if ids else None]))
+            or None
+        )
+
+    return value
+
+
+def _composed(site, raw):
+    """A `slurm_extra` Resource: the site's value, then the dependency. `raw`: what a job's own
+    Snakemake gets on its command line (it submits nothing)."""
+    return Resource("slurm_extra", _slurm_extra_after(site), raw=raw)
+
+
+if workflow.is_main_process:
+    _DEFAULTS = workflow.resource_settings._parsed_default_resources
+    _SITE = _DEFAULTS.get("slurm_extra")
+    _DEFAULTS["slurm_extra"] = _composed(_SITE, None if _SITE is None else _SITE.raw)
+    # a rule's set-resources (profiles/slurm: train's --signal) replaces the default
+    for _resources in workflow.resource_settings._parsed_overwrite_resources.values():
+        _SITE = _resources.get("slurm_extra")
+        if _SITE is not None:
+            _resources["slurm_extra"] = _composed(_SITE, _SITE.raw)
 
 
 def launch_prefix(rule):

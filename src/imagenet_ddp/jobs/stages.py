@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from imagenet_ddp.io import write_json_atomic
+from imagenet_ddp.jobs.holders import wait_for_holders
 from imagenet_ddp.jobs.spec import (
     EVAL_SPEC,
     TRAIN_SPEC,
@@ -71,6 +72,9 @@ def train_job(job: TrainJob) -> int:
     from imagenet_ddp.jobs.launch import on_allocation, run_attempt
 
     _ = job.geometry  # a run without its geometry is refused before anything is written
+    # Another job of the run still training (its controller died, a new one submitted this one
+    # without a dependency): wait before writing anything of the run (imagenet_ddp.jobs.holders).
+    wait_for_holders(job.paths.checkpoint_root, job.run)
     start_afresh_if_delivered(job.paths.checkpoint_root)
     job = on_allocation(with_launcher(job, resolve_launcher(job.execution.launcher)))
     run_dir = job.paths.run_dir
