@@ -42,8 +42,7 @@ from imagenet_ddp.data.archive_names import (  # noqa: F401 (re-exported)
     VAL_ARCHIVE,
 )
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.io import file_digest, write_csv_atomic, write_json_atomic
-from imagenet_ddp.provenance import provenance_path, write_provenance
+from imagenet_ddp.io import file_digest
 
 DEVKIT_ROOT = "ILSVRC2012_devkit_t12"
 META_MAT = f"{DEVKIT_ROOT}/data/meta.mat"
@@ -602,25 +601,3 @@ def read_archive_items(archive: Path, index: pd.DataFrame) -> Iterator[tuple[int
             yield sample_id, raw[_BLOCK:]
     finally:
         os.close(fd)
-
-
-def write_verify_report(data_dir: Path, report: Path, *, check_md5: bool) -> None:
-    """The ``verify`` stage: the report of :func:`verify_archives` and its provenance."""
-    write_json_atomic(report, verify_archives(data_dir, check_md5=check_md5))
-    write_provenance(
-        provenance_path(report), "verify", {"data_dir": str(data_dir), "check_md5": check_md5}
-    )
-
-
-def write_index(data_dir: Path, out_dir: Path) -> None:
-    """The ``index`` stage: classes.csv, train.csv and val.csv of :func:`build_index`."""
-    classes, train, val = build_index(data_dir)
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    for name, frame in (("classes", classes), ("train", train), ("val", val)):
-        write_csv_atomic(Path(out_dir) / f"{name}.csv", frame)
-    write_provenance(
-        provenance_path(out_dir),
-        "index",
-        {"data_dir": str(data_dir)},
-        extra={"counts": {"classes": len(classes), "train": len(train), "val": len(val)}},
-    )
