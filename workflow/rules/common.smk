@@ -9,6 +9,7 @@ import sys
 import time
 
 from snakemake.exceptions import WorkflowError
+from snakemake.settings.enums import PersistenceBackend
 from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
@@ -39,6 +40,7 @@ from imagenet_ddp.settings.run_checks import (
 )
 from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
 from imagenet_ddp.settings.kinds import declarations
+from imagenet_ddp.settings.rerun_migration import migrate_rerun_params, rerun_param
 from imagenet_ddp.data.stage import configured_scratch_problem, scratch_in_ram
 from imagenet_ddp.settings.presets import scaled_lr
 from imagenet_ddp.settings.code_digest import STAGES, code_digest
@@ -148,7 +150,7 @@ def _rerun_param(key):
         rerun = SETTINGS.rerun_settings(RUNS[wildcards.run])
         if key not in rerun:
             return _LeftOut()
-        return f"{key}={json.dumps(rerun[key], separators=(',', ':'))}"
+        return rerun_param(key, rerun[key])
 
     return value
 
@@ -161,6 +163,20 @@ def rerun_params():
     added later is left out at the value earlier runs had (x-earlier)."""
     keys = sorted({k for run in RUNS.values() for k in SETTINGS.rerun_settings(run)})
     return {key: _rerun_param(key) for key in keys}
+
+
+def migrate_recorded_params(*job_rules):
+    """A workflow whose train and preflight_run jobs were recorded with the earlier param
+    format (one JSON param, up to 1e9350b): their records carried over to today's where the
+    run's settings are unchanged, so the upgrade resubmits none of them (a dry-run shows it).
+    By the Snakemake that submits, with Snakemake's file backend, while no other Snakemake
+    holds the working directory (imagenet_ddp.settings.rerun_migration)."""
+    backend = workflow.workflow_settings.persistence_backend
+    if not workflow.is_main_process or backend != PersistenceBackend.FILE:
+        return
+    for name, run in RUNS.items():
+        outputs = [str(f).format(run=name) for r in job_rules for f in r.output]
+        migrate_rerun_params(".snakemake", outputs, SETTINGS.rerun_settings(run))
 
 
 def preflight_input(wildcards):
