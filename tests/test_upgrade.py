@@ -107,6 +107,25 @@ def test_nothing_is_rewritten_while_a_snakemake_holds_the_directory(tmp_path):
     assert migrate_rerun_params(str(tmp_path / "absent"), OUTPUTS, RERUN) == []
 
 
+def test_an_earlier_prepared_copy_is_adopted_by_a_manifest_at_the_epoch(tmp_path):
+    from imagenet_ddp.data.prepare import adopt_earlier_copy
+    from imagenet_ddp.data.prepared_layout import PREPARED_JSON, resolve_prepared
+
+    manifest, root = tmp_path / "results" / "prepared" / "train.json", tmp_path / "shared"
+    assert not adopt_earlier_copy(manifest, root, "train")  # no copy: prepare decides
+    (root / "train").mkdir(parents=True)
+    (root / "train" / PREPARED_JSON).write_text("{}")
+    assert not adopt_earlier_copy(manifest, root, "train")  # no provenance: not a known copy
+    made_from = {"which": "train", "short_side": 40, "index_sha256": "ab"}
+    (root / "train.provenance.json").write_text(json.dumps({"config": made_from}))
+    assert adopt_earlier_copy(manifest, root, "train")
+    assert resolve_prepared(manifest) == root / "train" and manifest.stat().st_mtime == 0
+    assert json.loads(manifest.read_text())["identity"] == made_from
+    manifest.write_text("today's")
+    assert not adopt_earlier_copy(manifest, root, "train")  # an existing one stays
+    assert manifest.read_text() == "today's"
+
+
 def _earlier_tree(dest):
     """The repository at EARLIER (git archive), or a skip where the clone lacks it."""
     have = subprocess.run(["git", "cat-file", "-e", f"{EARLIER}^{{commit}}"], cwd=REPO)
@@ -131,9 +150,9 @@ def _tiny_config(old):
 @pytest.mark.e2e
 def test_upgrade_from_the_earlier_version_resubmits_no_finished_training(tmp_path):
     """Real: the workflow trained by the code of EARLIER, then today's in the same working
-    directory: its first run carries the records over, and once the data stages have rerun for
-    their code (and prepare's new manifest) nothing plans train or preflight_run; a changed lr
-    then plans them, the reason naming lr alone."""
+    directory: neither its dry-run nor its run plans train or preflight_run (the records
+    carried over, the earlier prepared copy adopted); a changed lr then plans them, the reason
+    naming lr alone."""
     old = _earlier_tree(tmp_path / "old")
     work = tmp_path / "work"
     work.mkdir()
@@ -157,16 +176,18 @@ def test_upgrade_from_the_earlier_version_resubmits_no_finished_training(tmp_pat
     ]
     for path in records:
         assert len(json.loads(Path(path).read_text())["params"]) == 1  # the earlier format
-    # 1e9350b wrote no prepared manifest and no code digests: today's data stages run once
-    # (local jobs), the training left out; its parse carries the records over.
+    # Its first dry-run plans the data stages (1e9350b had no code digests) but neither job,
+    # and carries the records over; so does the run, which then runs the data stages alone.
     until = ("--profile", "profiles/local", "--until", "train")
-    ran = snakemake(work, *until, "--omit-from", "preflight_run", "train")
-    assert "rule train:" not in ran.stdout + ran.stderr
+    plan = planned_jobs(work, *until)
+    assert "train" not in plan and "preflight_run" not in plan and "prepare" in plan, plan
     for path in records:
         params = json.loads(Path(path).read_text())["params"]
         assert "'lr=0.05'" in params and len(params) > 1, params  # today's format
-    plan = planned_jobs(work, *until)
-    assert "train" not in plan and "preflight_run" not in plan, plan
+    ran = snakemake(work, *until)
+    assert "rule train:" not in ran.stdout + ran.stderr
+    assert "rule preflight_run:" not in ran.stdout + ran.stderr
+    assert planned_jobs(work, *until) == {}  # now Snakemake checks train's params too
 
     config["runs"][0]["lr"] = 0.02
     (work / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))

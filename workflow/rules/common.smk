@@ -674,8 +674,21 @@ def _adopt_data_key():
     os.utime(DATA_KEY, (0, 0))
 
 
+def _adopt_prepared_copies():
+    """A workflow trained by a version without prepared manifests: a manifest naming its copy
+    at prepare.dir/<which>, at the epoch, so prepare's rerun after the upgrade resubmits no
+    finished training (imagenet_ddp.data.prepare.adopt_earlier_copy)."""
+    if not any(os.path.exists(f"results/runs/{name}/model.pt") for name in RUNS):
+        return
+    from imagenet_ddp.data.prepare import adopt_earlier_copy  # pandas: only here
+
+    for which in ("train", "val"):
+        adopt_earlier_copy(prepared_manifest(which), PREPARED_DIR, which)
+
+
 if workflow.is_main_process:
     _adopt_data_key()
+    _adopt_prepared_copies()
 
 
 def md5sums_input(wildcards):

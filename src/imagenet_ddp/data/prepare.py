@@ -668,3 +668,23 @@ def join_shared(chunk_dirs: list[Path], manifest: Path, root: Path) -> Path:
     reused = join_chunks(chunk_dirs, copy)
     write_manifest(manifest, copy, wanted, reused)
     return copy
+
+
+def adopt_earlier_copy(manifest: Path, root: Path, which: str) -> bool:
+    """A workflow prepared by a version without manifests (its copy at ``root/<which>``): the
+    manifest naming that copy as what it was made from, written at the epoch. Train takes the
+    manifest as ancient(), so an existing one triggers no finished training when prepare reruns
+    after the upgrade (for its code); prepare rewrites it then (the same copy where its index
+    and settings are the same: :func:`shared_copy`). True if written."""
+    manifest, copy = Path(manifest), Path(root) / which
+    if manifest.exists() or not (copy / PREPARED_JSON).is_file():
+        return False
+    try:
+        made_from = json.loads(provenance_file(copy).read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # not a complete copy of a known version: prepare decides
+    if not isinstance(made_from, dict) or made_from.get("which") != which:
+        return False
+    write_manifest(manifest, copy, made_from, reused=True)
+    os.utime(manifest, (0, 0))
+    return True
