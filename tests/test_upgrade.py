@@ -108,8 +108,11 @@ def test_nothing_is_rewritten_while_a_snakemake_holds_the_directory(tmp_path):
 
 
 def test_an_earlier_prepared_copy_is_adopted_by_a_manifest_at_the_epoch(tmp_path):
-    from imagenet_ddp.data.prepare import adopt_earlier_copy
-    from imagenet_ddp.data.prepared_layout import PREPARED_JSON, resolve_prepared
+    from imagenet_ddp.data.prepared_layout import (
+        PREPARED_JSON,
+        adopt_earlier_copy,
+        resolve_prepared,
+    )
 
     manifest, root = tmp_path / "results" / "prepared" / "train.json", tmp_path / "shared"
     assert not adopt_earlier_copy(manifest, root, "train")  # no copy: prepare decides

@@ -30,6 +30,7 @@ from imagenet_ddp.jobs.spec import store as store_spec
 from imagenet_ddp.settings.node_memory import DataSizes, node_memory_problems
 from imagenet_ddp.preflight.report import known_projection_problems
 from imagenet_ddp.data.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
+from imagenet_ddp.data.prepared_layout import adopt_earlier_copy
 from imagenet_ddp.settings.run_checks import (
     container_problem,
     optional_component_problems,
@@ -677,11 +678,9 @@ def _adopt_data_key():
 def _adopt_prepared_copies():
     """A workflow trained by a version without prepared manifests: a manifest naming its copy
     at prepare.dir/<which>, at the epoch, so prepare's rerun after the upgrade resubmits no
-    finished training (imagenet_ddp.data.prepare.adopt_earlier_copy)."""
+    finished training (imagenet_ddp.data.prepared_layout.adopt_earlier_copy)."""
     if not any(os.path.exists(f"results/runs/{name}/model.pt") for name in RUNS):
         return
-    from imagenet_ddp.data.prepare import adopt_earlier_copy  # pandas: only here
-
     for which in ("train", "val"):
         adopt_earlier_copy(prepared_manifest(which), PREPARED_DIR, which)
 
