@@ -172,7 +172,8 @@ def migrate_recorded_params(*job_rules):
     run's settings are unchanged, so the upgrade resubmits none of them (a dry-run shows it).
     By the Snakemake that submits, with Snakemake's file backend, while no other Snakemake
     holds the working directory (imagenet_ddp.settings.rerun_migration)."""
-    backend = workflow.workflow_settings.persistence_backend
+    settings = getattr(workflow, "workflow_settings", None)  # None through some APIs
+    backend = getattr(settings, "persistence_backend", None)
     if not workflow.is_main_process or backend != PersistenceBackend.FILE:
         return
     for name, run in RUNS.items():
