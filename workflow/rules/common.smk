@@ -10,6 +10,7 @@ import time
 
 from snakemake.exceptions import WorkflowError
 from snakemake.resources import Resource
+from snakemake.settings.enums import PersistenceBackend
 from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
@@ -37,6 +38,7 @@ from imagenet_ddp.jobs.spec import store as store_spec
 from imagenet_ddp.settings.node_memory import DataSizes, node_memory_problems
 from imagenet_ddp.preflight.report import known_projection_problems
 from imagenet_ddp.data.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
+from imagenet_ddp.data.prepared_layout import adopt_earlier_copy
 from imagenet_ddp.settings.run_checks import (
     container_problem,
     optional_component_problems,
@@ -47,6 +49,7 @@ from imagenet_ddp.settings.run_checks import (
 )
 from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
 from imagenet_ddp.settings.kinds import declarations
+from imagenet_ddp.settings.rerun_migration import migrate_rerun_params, rerun_param
 from imagenet_ddp.data.stage import configured_scratch_problem, scratch_in_ram
 from imagenet_ddp.settings.presets import scaled_lr
 from imagenet_ddp.settings.code_digest import STAGES, code_digest
@@ -156,7 +159,7 @@ def _rerun_param(key):
         rerun = SETTINGS.rerun_settings(RUNS[wildcards.run])
         if key not in rerun:
             return _LeftOut()
-        return f"{key}={json.dumps(rerun[key], separators=(',', ':'))}"
+        return rerun_param(key, rerun[key])
 
     return value
 
@@ -169,6 +172,21 @@ def rerun_params():
     added later is left out at the value earlier runs had (x-earlier)."""
     keys = sorted({k for run in RUNS.values() for k in SETTINGS.rerun_settings(run)})
     return {key: _rerun_param(key) for key in keys}
+
+
+def migrate_recorded_params(*job_rules):
+    """A workflow whose train and preflight_run jobs were recorded with the earlier param
+    format (one JSON param, up to 1e9350b): their records carried over to today's where the
+    run's settings are unchanged, so the upgrade resubmits none of them (a dry-run shows it).
+    By the Snakemake that submits, with Snakemake's file backend, while no other Snakemake
+    holds the working directory (imagenet_ddp.settings.rerun_migration)."""
+    settings = getattr(workflow, "workflow_settings", None)  # None through some APIs
+    backend = getattr(settings, "persistence_backend", None)
+    if not workflow.is_main_process or backend != PersistenceBackend.FILE:
+        return
+    for name, run in RUNS.items():
+        outputs = [str(f).format(run=name) for r in job_rules for f in r.output]
+        migrate_rerun_params(".snakemake", outputs, SETTINGS.rerun_settings(run))
 
 
 def preflight_input(wildcards):
@@ -744,8 +762,19 @@ def _adopt_data_key():
     os.utime(DATA_KEY, (0, 0))
 
 
+def _adopt_prepared_copies():
+    """A workflow trained by a version without prepared manifests: a manifest naming its copy
+    at prepare.dir/<which>, at the epoch, so prepare's rerun after the upgrade resubmits no
+    finished training (imagenet_ddp.data.prepared_layout.adopt_earlier_copy)."""
+    if not any(os.path.exists(f"results/runs/{name}/model.pt") for name in RUNS):
+        return
+    for which in ("train", "val"):
+        adopt_earlier_copy(prepared_manifest(which), PREPARED_DIR, which)
+
+
 if workflow.is_main_process:
     _adopt_data_key()
+    _adopt_prepared_copies()
 
 
 def md5sums_input(wildcards):

@@ -161,3 +161,7 @@ rule preflight:
     """Target: the preflight of every run (nothing trains)."""
     input:
         expand("results/preflight/{run}/preflight.json", run=RUNS),
+
+
+# Records of an earlier version's finished runs, carried over (common.smk).
+migrate_recorded_params(rules.train, rules.preflight_run)

@@ -44,11 +44,13 @@ from PIL import Image
 from imagenet_ddp.data.prepared_layout import (
     FORMAT,
     FORMAT_VERSION,
-    MANIFEST_FORMAT,
     PREPARED_JSON,
     SAMPLES_CSV,
     SHARD_DIR,
     copy_name,
+    identity_digest,
+    provenance_file,
+    write_manifest,
 )
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import (
@@ -454,13 +456,6 @@ CHUNK_ROWS = "rows.csv"
 CHUNK_PARTS = "parts"
 
 
-def provenance_file(out: Path) -> Path:
-    """Beside the prepared directory, not inside: the directory holds exactly the data (staged
-    to every node and fingerprinted), and is replaced as a whole by an atomic rename."""
-    out = Path(out)
-    return out.with_name(out.name + ".provenance.json")
-
-
 def _sha256(path: Path) -> str:
     try:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
@@ -619,11 +614,6 @@ def join_chunks(chunk_dirs: list[Path], out: Path) -> bool:
 # ----------------------------------------------------------------------------- shared copies
 
 
-def identity_digest(wanted: dict) -> str:
-    """The sha256 of an identity (:func:`identity`): the content address of its copy."""
-    return hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()
-
-
 def shared_copy(root: Path, wanted: dict) -> Path:
     """Where the copy made from ``wanted`` lives in prepare.dir ``root``: a copy of the same
     identity at the name of earlier versions (``root/<which>``, still read in place, never
@@ -632,20 +622,6 @@ def shared_copy(root: Path, wanted: dict) -> Path:
     if is_prepared(legacy, wanted):
         return legacy
     return Path(root) / copy_name(wanted["which"], identity_digest(wanted))
-
-
-def write_manifest(manifest: Path, copy: Path, wanted: dict, reused: bool) -> None:
-    """The workflow's pointer to its copy (its `prepare` output), written last, atomically."""
-    write_json_atomic(
-        manifest,
-        {
-            "format": MANIFEST_FORMAT,
-            "dir": os.path.abspath(copy),  # the same path on every node of a cluster
-            "digest": identity_digest(wanted),
-            "identity": wanted,
-            "reused": reused,
-        },
-    )
 
 
 def prepare_shared(

@@ -38,11 +38,13 @@ ImageFolder):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 
 from imagenet_ddp.errors import InputError
+from imagenet_ddp.io import write_json_atomic
 
 # The value stays "imagenet_ddp.prepared" (the module that wrote it first): it is recorded in
 # every prepared.json, and a copy of another format is rebuilt.
@@ -87,3 +89,49 @@ def resolve_prepared(path: str | os.PathLike[str]) -> Path:
             "rebuild it: snakemake --forcerun prepare"
         )
     return copy
+
+
+def provenance_file(out: Path) -> Path:
+    """Beside the prepared directory, not inside: the directory holds exactly the data (staged
+    to every node and fingerprinted), and is replaced as a whole by an atomic rename."""
+    out = Path(out)
+    return out.with_name(out.name + ".provenance.json")
+
+
+def identity_digest(wanted: dict) -> str:
+    """The sha256 of an identity (imagenet_ddp.data.prepare.identity): its copy's address."""
+    return hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()
+
+
+def write_manifest(manifest: Path, copy: Path, wanted: dict, reused: bool) -> None:
+    """The workflow's pointer to its copy (its `prepare` output), written last, atomically."""
+    write_json_atomic(
+        manifest,
+        {
+            "format": MANIFEST_FORMAT,
+            "dir": os.path.abspath(copy),  # the same path on every node of a cluster
+            "digest": identity_digest(wanted),
+            "identity": wanted,
+            "reused": reused,
+        },
+    )
+
+
+def adopt_earlier_copy(manifest: Path, root: Path, which: str) -> bool:
+    """A workflow prepared by a version without manifests (its copy at ``root/<which>``): the
+    manifest naming that copy as what it was made from, written at the epoch. Train takes the
+    manifest as ancient(), so an existing one triggers no finished training when prepare reruns
+    after the upgrade (for its code); prepare rewrites it then (the same copy where its index
+    and settings are the same: imagenet_ddp.data.prepare.shared_copy). True if written."""
+    manifest, copy = Path(manifest), Path(root) / which
+    if manifest.exists() or not (copy / PREPARED_JSON).is_file():
+        return False
+    try:
+        made_from = json.loads(provenance_file(copy).read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # not a complete copy of a known version: prepare decides
+    if not isinstance(made_from, dict) or made_from.get("which") != which:
+        return False
+    write_manifest(manifest, copy, made_from, reused=True)
+    os.utime(manifest, (0, 0))
+    return True
