@@ -686,3 +686,32 @@ def _assert_models_beyond_the_presets(runs: Path) -> None:
         assert model.eval()(torch.zeros(1, 3, 16, 16)).shape == (1, state["num_classes"])
     # each model's own count (the ViT's at its img_size 16: 4 patches and the class token)
     assert table["flops_per_image"].nunique() == len(MODEL_RUNS)
+
+
+def test_a_retrain_asked_for_trains_the_run_again_from_scratch(local_run, monkeypatch):
+    """`--forcerun` of a finished run's model resumes its final checkpoint (the same model, no
+    epoch trained); with IMAGENET_DDP_RETRAIN=1 it trains from epoch 0, its earlier
+    checkpoints and attempt record moved to `<root>.previous` (docs/configuration.md "Reruns").
+    Last in this file: it leaves the run retrained."""
+    from imagenet_ddp.jobs import attempts
+
+    run = "resnet18-1x1"
+    target = f"results/runs/{run}/model.pt"
+    root = local_run / "results/checkpoints" / run
+    epochs = json.loads((local_run / f"results/runs/{run}/train_metrics.json").read_text())
+    before = len(attempts.load(root))
+    snakemake(local_run, "--profile", "profiles/local", "--forcerun", target, target)
+    resumed = attempts.load(root)
+    assert len(resumed) == before + 1 and resumed[-1]["outcome"] == "completed"
+    assert resumed[-1]["start"]["epoch"] > 0, resumed[-1]  # its final checkpoint, not epoch 0
+    assert not root.with_name(f"{run}.previous").exists()
+
+    monkeypatch.setenv("IMAGENET_DDP_RETRAIN", "1")
+    snakemake(local_run, "--profile", "profiles/local", "--forcerun", target, target)
+    afresh = attempts.load(root)
+    assert len(afresh) == 1 and afresh[0]["outcome"] == "completed", afresh
+    assert (afresh[0]["start"]["epoch"], afresh[0]["start"]["step"]) == (0, 0), afresh[0]
+    assert len(attempts.load(root.with_name(f"{run}.previous"))) == before + 1
+    retrained = json.loads((local_run / f"results/runs/{run}/train_metrics.json").read_text())
+    trained = [[e["epoch"] for e in m["epochs"]] for m in (epochs, retrained)]
+    assert trained[0] == trained[1] and trained[1][0] == 0, trained  # every epoch again
