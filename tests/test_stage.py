@@ -245,7 +245,9 @@ def test_the_dry_run_refuses_a_relative_or_network_scratch_dir(tmp_path):
     assert configured_scratch_problem("/dev/shm", info) is None
 
 
-def test_the_rules_pass_the_scratch_setting_and_the_dry_run_refuses_a_relative_one(tmp_path):
+def test_the_rules_pass_the_scratch_setting_and_the_dry_run_refuses_a_relative_one(
+    tmp_path, monkeypatch
+):
     """An unset stage.scratch_dir reaches `imagenet-ddp train`/`preflight` as an empty value
     (once `--scratch-dir ''` lost its argument and the local demo failed), a set one as is;
     a relative one stops the dry-run naming the key."""
@@ -257,6 +259,7 @@ def test_the_rules_pass_the_scratch_setting_and_the_dry_run_refuses_a_relative_o
 
     runs = [{"name": "r", "tasks_per_node": 1, "preflight": True}]
     workdir = copy_workflow(tmp_path / "wf", runs=runs)
+    monkeypatch.chdir(workdir)  # a spec resolves the prepared manifest where its job runs
     target = "results/runs/r/model.pt"
     cases = [(["data={dir: /x}"], ""), (["data={dir: /x}", "stage={scratch_dir: /l/s}"], "/l/s")]
     for config, expected in cases:
