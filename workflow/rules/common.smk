@@ -700,10 +700,11 @@ VERIFY_REPORT = "results/verify/report.json"
 
 def verify_gate(wildcards):
     """index's dependency on verify, only where verify will check other archives: its report
-    missing, written for another data.dir, or older than an archive (replaced since). Not ancient(): Snakemake skips a job's
-    own checks while a job upstream reruns, so ancient() would hide newer archives from index
-    in that invocation. A report that stays is a gate passed: no input; verify stays in the
-    DAG through `rule all`, where its rerun (check_md5, its code) reruns nothing else.
+    missing, written for another data.dir, or older than an archive (replaced since). Not
+    ancient(): Snakemake skips a job's own checks while a job upstream reruns, so ancient()
+    would hide newer archives from index in that invocation. A report that stays is a gate
+    passed: no input; verify stays in the DAG through `rule all`, where its rerun
+    (check_md5, its code) reruns nothing else.
     """
     if not os.path.exists(VERIFY_REPORT):
         return [VERIFY_REPORT]
@@ -748,13 +749,16 @@ def data_key_settings():
     }
 
 
+def _any_run_trained():
+    """Whether a run of this workflow has its model: one trained by an earlier version."""
+    return any(os.path.exists(f"results/runs/{name}/model.pt") for name in RUNS)
+
+
 def _adopt_data_key():
     """A workflow trained by a version without data_key: its file, written here at the epoch
     (older than every model) and without Snakemake's record, reruns no finished training; a
     setting changed after that reruns data_key, and through it the training."""
-    if os.path.exists(DATA_KEY) or not any(
-        os.path.exists(f"results/runs/{name}/model.pt") for name in RUNS
-    ):
+    if os.path.exists(DATA_KEY):
         return
     os.makedirs(os.path.dirname(DATA_KEY), exist_ok=True)
     with open(DATA_KEY, "w") as handle:
@@ -766,13 +770,11 @@ def _adopt_prepared_copies():
     """A workflow trained by a version without prepared manifests: a manifest naming its copy
     at prepare.dir/<which>, at the epoch, so prepare's rerun after the upgrade resubmits no
     finished training (imagenet_ddp.data.prepared_layout.adopt_earlier_copy)."""
-    if not any(os.path.exists(f"results/runs/{name}/model.pt") for name in RUNS):
-        return
     for which in ("train", "val"):
         adopt_earlier_copy(prepared_manifest(which), PREPARED_DIR, which)
 
 
-if workflow.is_main_process:
+if workflow.is_main_process and _any_run_trained():
     _adopt_data_key()
     _adopt_prepared_copies()
 
