@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from imagenet_ddp.jobs.distributed import master_port
-from imagenet_ddp.jobs.launch import (
+from imagenet_ddp.jobs.launchers import (
     THREAD_COUNT_VARIABLES,
-    Geometry,
     srun_argv,
     worker_env,
 )
-from imagenet_ddp.settings.geometry import slurm_resources
+from imagenet_ddp.settings.geometry import Geometry, slurm_resources
 from tests.workflow_helpers import make_job
 
 
@@ -73,12 +72,17 @@ def test_inductor_compiles_with_a_few_workers_per_rank_not_32(monkeypatch):
     assert worker_env(Geometry(1, 8, 16))["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
 
 
+def _execution(prefix="srun", srun_extra=""):
+    return make_job(launcher="srun", srun_extra=srun_extra, launch_prefix=prefix).execution
+
+
 def test_evaluation_and_training_ranks_start_as_one_srun_step(monkeypatch):
-    from imagenet_ddp.jobs import launch
+    from imagenet_ddp.jobs import launchers
 
     steps = []
-    monkeypatch.setattr(launch, "_run_step", lambda argv, geometry: steps.append(argv) or (0, 0))
-    launch.launch_ranks("srun", Geometry(2, 4, 8), ["python", "-m", "x"], ["--foo"])
+    monkeypatch.setattr(launchers, "_run_step", lambda argv, geometry: steps.append(argv) or (0, 0))
+    srun = launchers.get_launcher("srun")
+    srun.start_ranks(_execution(srun_extra="--foo"), Geometry(2, 4, 8), ["python", "-m", "x"])
     (argv,) = steps
     assert argv[0] == "srun" and "--ntasks=8" in argv and "--cpus-per-task=8" in argv
     assert "--foo" in argv and argv[-3:] == ["python", "-m", "x"]
@@ -87,14 +91,14 @@ def test_evaluation_and_training_ranks_start_as_one_srun_step(monkeypatch):
 def test_local_launcher_refuses_several_nodes():
     import pytest
 
-    from imagenet_ddp.jobs.launch import launch_ranks
+    from imagenet_ddp.jobs.launchers import get_launcher
 
     with pytest.raises(ValueError, match="one node"):
-        launch_ranks("local", Geometry(2, 1, 1), ["true"])
+        get_launcher("local").start_ranks(_execution(), Geometry(2, 1, 1), ["true"])
 
 
 def test_auto_launcher_is_decided_by_the_job_not_by_the_config():
-    from imagenet_ddp.jobs.stages import resolve_launcher
+    from imagenet_ddp.jobs.launchers import resolve_launcher
 
     assert resolve_launcher("auto", {"SLURM_JOB_ID": "42"}) == "srun"
     assert resolve_launcher("auto", {}) == "local"
@@ -104,11 +108,12 @@ def test_auto_launcher_is_decided_by_the_job_not_by_the_config():
 def test_the_ranks_step_starts_with_the_rules_mpi_prefix(monkeypatch):
     import pytest
 
-    from imagenet_ddp.jobs import launch
+    from imagenet_ddp.jobs import launchers
 
     steps = []
-    monkeypatch.setattr(launch, "_run_step", lambda argv, geometry: steps.append(argv) or (0, 0))
-    launch.launch_ranks("srun", Geometry(2, 2, 1), ["x"], [], "srun --mpi=pmix")
+    monkeypatch.setattr(launchers, "_run_step", lambda argv, geometry: steps.append(argv) or (0, 0))
+    srun = launchers.get_launcher("srun")
+    srun.start_ranks(_execution("srun --mpi=pmix"), Geometry(2, 2, 1), ["x"])
     assert steps[0][:2] == ["srun", "--mpi=pmix"] and "--ntasks=4" in steps[0]
     with pytest.raises(ValueError, match="must start with srun"):
         srun_argv(Geometry(2, 2, 1), per_node=False, extra=[], prefix="mpirun -np 4")
@@ -117,7 +122,7 @@ def test_the_ranks_step_starts_with_the_rules_mpi_prefix(monkeypatch):
 def test_srun_tasks_enter_the_rules_container_again():
     import sys
 
-    from imagenet_ddp.jobs.launch import task_python
+    from imagenet_ddp.jobs.launchers import task_python
 
     assert task_python({}) == [sys.executable]
     image = "/images/imagenet-ddp.sif"
@@ -135,7 +140,7 @@ def test_srun_tasks_run_the_hosts_apptainer_from_a_module_dir(tmp_path):
     import sys
 
     from imagenet_ddp.jobs.container import RUNTIME_VARIABLE, host_runtime_env
-    from imagenet_ddp.jobs.launch import task_python
+    from imagenet_ddp.jobs.launchers import task_python
 
     module_bin = tmp_path / "opt/spack/linux-x86_64/apptainer-1.3.4-abc/bin"
     module_bin.mkdir(parents=True)
@@ -160,10 +165,10 @@ def test_ranks_start_as_their_kinds_module_and_nodes_run_the_staging_steps(monke
     import importlib
     import sys
 
-    from imagenet_ddp.jobs import launch
+    from imagenet_ddp.jobs import launch, launchers
 
     steps = []
-    monkeypatch.setattr(launch, "_run_step", lambda argv, geometry: steps.append(argv) or (0, 0))
+    monkeypatch.setattr(launchers, "_run_step", lambda argv, geometry: steps.append(argv) or (0, 0))
     run = {"nodes": 2, "tasks_per_node": 2, "cpus_per_task": 3}
     spec = make_job("preflight", run, launcher="srun")
     assert launch.run_staged(spec, "/nowhere/spec.json") == 0
@@ -212,6 +217,65 @@ def test_the_dry_run_shows_the_mpi_prefix_and_refuses_one_that_is_not_srun(tmp_p
     )
     assert bad.returncode != 0
     assert "the ranks are started with srun" in bad.stdout + bad.stderr
+    unknown = snakemake(
+        workdir, "-n", "-c2", target, "--config", "execution={launcher: mpirun}", check=False
+    )
+    assert unknown.returncode != 0
+    line = "config.yaml: execution.launcher 'mpirun': give auto, srun, local"
+    assert line in unknown.stdout + unknown.stderr
+
+
+def test_a_new_launcher_is_one_registered_class(monkeypatch):
+    """Issue 34: a launcher registered in jobs/launchers.py is accepted by the spec, picked by
+    `auto` where it detects its environment, and runs the per-node steps and the ranks of a
+    staged job and an evaluation, with nothing else changed."""
+    import sys
+
+    from imagenet_ddp.jobs import launch, launchers
+    from imagenet_ddp.jobs.spec import SpecError
+
+    calls = []
+
+    class Recorded(launchers.Launcher):
+        name = "recorded"
+
+        def detect(self, environ):
+            return environ.get("RECORDED") == "1"
+
+        def on_every_node(self, execution, geometry, here, argv):
+            calls.append(("node", argv[-3]))
+            here()
+            return 0, 0.0
+
+        def start_ranks(self, execution, geometry, argv):
+            calls.append(("ranks", geometry.world_size, argv[-3]))
+            return 0, 0.0
+
+    assert launchers.launcher_problem("recorded") is not None
+    built_in = dict(launchers.LAUNCHERS)
+    monkeypatch.setattr(launchers, "LAUNCHERS", {})
+    launchers.register(Recorded)  # first: auto tries it before srun and local
+    launchers.LAUNCHERS.update(built_in)
+    assert launchers.resolve_launcher("auto", {"RECORDED": "1", "SLURM_JOB_ID": "7"}) == "recorded"
+    assert launchers.resolve_launcher("auto", {"SLURM_JOB_ID": "7"}) == "srun"
+    staged = []
+    monkeypatch.setattr(launch, "stage_this_node", lambda job: staged.append("stage"))
+    monkeypatch.setattr(launch, "unstage_this_node", lambda job: staged.append("unstage"))
+    run = {"nodes": 3, "tasks_per_node": 2, "cpus_per_task": 1}
+    assert launch.run_staged(make_job("preflight", run, launcher="recorded"), "/p.json") == 0
+    assert launch.run_evaluation(make_job("evaluate", run, launcher="recorded"), "/e.json") == 0
+    assert calls == [
+        ("node", "stage-node"),
+        ("ranks", 6, "imagenet_ddp.preflight.rank"),
+        ("node", "unstage-node"),
+        ("ranks", 6, "imagenet_ddp.evaluation.evaluate"),
+    ]
+    assert staged == ["stage", "unstage"]
+    assert sys.executable in launchers.get_launcher("recorded").python()
+    import pytest
+
+    with pytest.raises(SpecError, match="give auto, recorded, srun, local"):
+        make_job(launcher="flux")
 
 
 def test_a_stop_while_staging_finishes_the_copy_and_starts_no_ranks(monkeypatch, tmp_path):
@@ -222,7 +286,7 @@ def test_a_stop_while_staging_finishes_the_copy_and_starts_no_ranks(monkeypatch,
     import sys
     import textwrap
 
-    from imagenet_ddp.jobs import launch
+    from imagenet_ddp.jobs import launch, launchers
 
     node_step = tmp_path / "node_step.py"
     node_step.write_text(
@@ -247,7 +311,7 @@ def test_a_stop_while_staging_finishes_the_copy_and_starts_no_ranks(monkeypatch,
     for result in ((75, False), (0, True)):  # a node's step was signalled; the launcher was
         steps: list[list[str]] = []
         monkeypatch.setattr(
-            launch, "_run_step", lambda argv, g, r=result, s=steps: s.append(argv) or r
+            launchers, "_run_step", lambda argv, g, r=result, s=steps: s.append(argv) or r
         )
         assert launch.run_staged(spec, "/nowhere/spec.json") == 75
         assert len(steps) == 1 and "stage-node" in steps[0]  # no ranks, no unstage step

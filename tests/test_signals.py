@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from imagenet_ddp.jobs.launch import spawn_local_ranks
+from imagenet_ddp.jobs.launchers import spawn_local_ranks
 from imagenet_ddp.jobs.signals import (
     EXIT_REQUEUE,
     ForwardStopSignals,
@@ -108,7 +108,7 @@ def test_the_launcher_forwards_a_stop_signal_and_returns_the_ranks_requeue_code(
             f"""
             import sys
             from imagenet_ddp.settings.geometry import Geometry
-            from imagenet_ddp.jobs.launch import spawn_local_ranks
+            from imagenet_ddp.jobs.launchers import spawn_local_ranks
             argv = {_rank_script(tmp_path, term_code=EXIT_REQUEUE, rank1_code=0)!r}
             argv[-1] = {str(tmp_path)!r}
             sys.exit(spawn_local_ranks(argv, Geometry(1, 2, 1)))
@@ -165,7 +165,7 @@ def test_the_launcher_never_sends_srun_a_signal_that_kills_the_step(tmp_path, si
             f"""
             import sys
             from imagenet_ddp.settings.geometry import Geometry
-            from imagenet_ddp.jobs.launch import _run_step
+            from imagenet_ddp.jobs.launchers import _run_step
             code, signalled = _run_step([sys.executable, {str(fake)!r}, {str(log)!r}],
                                         Geometry(1, 1, 1))
             sys.exit(code if signalled else 1)

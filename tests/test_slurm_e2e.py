@@ -36,7 +36,7 @@ import torch
 
 from imagenet_ddp.jobs import attempts
 from imagenet_ddp.jobs.distributed import FAKE_GPUS
-from imagenet_ddp.jobs.launch import srun_argv
+from imagenet_ddp.jobs.launchers import srun_argv
 from imagenet_ddp.settings.geometry import Geometry
 from imagenet_ddp.training.model import read_model_file
 from tests.workflow_helpers import REPO, SNAKEMAKE, TINY_CONFIG_OVERRIDES, copy_workflow

@@ -55,9 +55,9 @@ def shown_specs(text: str, kind: str, workdir: Path) -> list[dict]:
 def make_job(kind: str = "train", run: dict | None = None, root="/nowhere", **given):
     """A typed job spec (imagenet_ddp.jobs.spec) for a test: ``run`` (train, preflight) or its
     geometry (evaluate), each path ``root/<name>`` unless given, a local launcher and default
-    staging unless ``launcher``, ``srun_extra``, ``scratch_dir``, ``verify``, ``cleanup``,
-    ``attempt``, ``batch_size``, ``workers``, ``device`` or ``train_runtime_minutes`` say
-    otherwise."""
+    staging unless ``launcher``, ``launch_prefix``, ``srun_extra``, ``scratch_dir``,
+    ``verify``, ``cleanup``, ``attempt``, ``batch_size``, ``workers``, ``device`` or
+    ``train_runtime_minutes`` say otherwise."""
     import dataclasses
 
     from imagenet_ddp.jobs import spec as J
@@ -67,7 +67,8 @@ def make_job(kind: str = "train", run: dict | None = None, root="/nowhere", **gi
     stage = J.Stage(given.pop("scratch_dir", ""), given.pop("verify", "size"),
                     given.pop("cleanup", True))  # fmt: skip
     execution = J.Execution(
-        given.pop("launcher", "local"), "srun", given.pop("srun_extra", ""),
+        given.pop("launcher", "local"), given.pop("launch_prefix", "srun"),
+        given.pop("srun_extra", ""),
         attempt=given.pop("attempt", 1), stage=None if kind == "evaluate" else stage,
     )  # fmt: skip
     path_class = {"train": J.TrainPaths, "preflight": J.PreflightPaths, "evaluate": J.EvalPaths}

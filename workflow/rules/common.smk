@@ -24,6 +24,7 @@ from imagenet_ddp.data.layouts import LAYOUTS, dry_run_layout, find_layout
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.jobs.attempts import nodes_ahead, refusal_ahead
 from imagenet_ddp.jobs.container import host_runtime_env
+from imagenet_ddp.jobs.launchers import launcher_problem
 from imagenet_ddp.jobs.holders import (
     dependency_flag,
     executor_comment,
@@ -678,6 +679,10 @@ if _problems and workflow.is_main_process:
 _problem = configured_scratch_problem(site_setting("stage", "scratch_dir"))
 if _problem:
     raise WorkflowError(_problem)
+# The launcher by name (imagenet_ddp.jobs.launchers: its registry is the one list of names).
+_problem = launcher_problem(site_setting("execution", "launcher"))
+if _problem:
+    raise WorkflowError(f"config.yaml: {_problem}")
 
 
 # The training-ready copy; point several workflows (or users) at one shared directory to

@@ -6,7 +6,7 @@ A run with EMA (``ema_decay`` > 0) is evaluated twice: its trained weights (``ho
 in eval.json says which of the two the run's preset's published figure is of.
 
 One process per rank (:func:`main`), started by ``imagenet-ddp evaluate`` through
-:func:`imagenet_ddp.jobs.launch.launch_ranks`, like the training workers; the counting is
+:mod:`imagenet_ddp.jobs.launch`, like the training workers; the counting is
 :func:`imagenet_ddp.training.accuracy.evaluate_dataset`.
 """
 

@@ -6,7 +6,7 @@ on the host with the launcher's environment, so a bare ``apptainer`` fails there
 ``execve(): apptainer: No such file or directory`` wherever it comes from a module (Spack,
 ``/opt/...``). The Snakemake that starts the container runs on the host: it resolves the
 runtime's absolute path on its own ``PATH`` (:func:`host_runtime_env`) and passes it into the
-container in the environment, where :mod:`imagenet_ddp.jobs.launch` ``task_python`` reads it.
+container in the environment, where :mod:`imagenet_ddp.jobs.launchers` ``task_python`` reads it.
 
 Torch-free: the workflow imports it while Snakemake parses the rules.
 """

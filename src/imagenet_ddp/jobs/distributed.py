@@ -305,7 +305,7 @@ def init_process_group(
     waits in one collective for the others: a rank that hangs (stopped, stuck in I/O) ends the
     job after this long. A rank that *dies* (SIGKILL, OOM killer) ends it sooner: the launcher
     stops the others at once (``srun --kill-on-bad-exit=1``; locally
-    :func:`imagenet_ddp.jobs.launch.spawn_local_ranks`), and gloo's peers see its sockets close.
+    :func:`imagenet_ddp.jobs.launchers.spawn_local_ranks`), and gloo's peers see its sockets close.
     The longest legitimate wait is rank 0 writing a checkpoint while the others wait at the
     barrier after it; staging is its own step before the ranks start.
     NCCL (GPU only, not run here): a collective with a dead or hung peer never returns by

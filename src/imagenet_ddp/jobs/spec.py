@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 from imagenet_ddp.data.prepared_layout import resolve_prepared
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import write_json_atomic, write_text_atomic
+from imagenet_ddp.jobs.launchers import launcher_problem
 from imagenet_ddp.settings.geometry import LAUNCH_KEYS, Geometry
 
 TRAIN_SPEC = "job_spec.json"  # in the run folder
@@ -67,15 +68,16 @@ class Execution:
     """Where and how the job runs: the site's settings, not results (no rerun when they
     change; the rule passes them as a resource)."""
 
-    launcher: str  # auto | local | srun; the CLI resolves auto before writing the spec
+    launcher: str  # auto or a launcher's name (jobs.launchers); auto is resolved in the job
     launch_prefix: str  # the rule's mpi resource: the command starting the ranks' step
     srun_extra: str  # extra srun flags, space separated
     attempt: int = 1  # Snakemake's attempt: a resubmission if > 1
     stage: Stage | None = None  # train and preflight: how the prepared copy is staged
 
     def __post_init__(self) -> None:
-        if self.launcher not in ("auto", "local", "srun"):
-            raise SpecError(f"execution.launcher {self.launcher!r}: give auto, local or srun")
+        problem = launcher_problem(self.launcher)
+        if problem:
+            raise SpecError(problem)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.jobs.holders import wait_for_holders
+from imagenet_ddp.jobs.launchers import resolve_launcher
 from imagenet_ddp.jobs.spec import (
     EVAL_SPEC,
     TRAIN_SPEC,
@@ -27,16 +28,6 @@ from imagenet_ddp.jobs.spec import (
 from imagenet_ddp.provenance import provenance_path, write_provenance
 from imagenet_ddp.settings.code_digest import code_digest
 from imagenet_ddp.settings.geometry import LAUNCH_KEYS
-
-
-def resolve_launcher(launcher: str, environ=None) -> str:
-    """``auto``: ``srun`` inside a SLURM allocation (the job's own SLURM_JOB_ID, which the
-    SLURM executor's job step keeps), ``local`` elsewhere. Decided where the job runs, so no
-    ``--config`` on the Snakemake command line can change it."""
-    if launcher != "auto":
-        return launcher
-    return "srun" if (os.environ if environ is None else environ).get("SLURM_JOB_ID") else "local"
-
 
 DELIVERED = "delivered.json"  # in the checkpoint root: this run's outputs were written
 RETRAIN = "IMAGENET_DDP_RETRAIN"  # =1: a delivered run trains again from scratch

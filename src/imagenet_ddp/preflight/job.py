@@ -26,7 +26,7 @@ def preflight_job(job: PreflightJob) -> int:
     ``job.paths.checkpoint_root``: the run's checkpoint directory, whose write rate the
     projection uses."""
     from imagenet_ddp.jobs.launch import run_staged
-    from imagenet_ddp.jobs.stages import resolve_launcher
+    from imagenet_ddp.jobs.launchers import resolve_launcher
 
     _ = job.geometry  # a run without its geometry is refused before anything is written
     job = with_launcher(job, resolve_launcher(job.execution.launcher))

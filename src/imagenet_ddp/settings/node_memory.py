@@ -52,7 +52,7 @@ PREFETCH_BATCHES = 4
 CUDA_RANK_EXTRA_MB = 2500
 COMPILE_WORKER_MB = 400
 # Inductor's compile workers per rank (TORCHINDUCTOR_COMPILE_THREADS, set per rank by
-# launch.worker_env): torch's own default is min(32, CPUs it sees), 8 ranks x 32 such
+# launchers.worker_env): torch's own default is min(32, CPUs it sees), 8 ranks x 32 such
 # processes ~ 100 GB. Compilation is a one-off at start (and per new crop size); a few
 # workers keep it parallel.
 MAX_COMPILE_THREADS = 4

@@ -1,0 +1,420 @@
+"""The launchers: how a job's ranks (and its per-node staging steps) are started, by name.
+
+``execution.launcher`` names one entry of :data:`LAUNCHERS`, or ``auto``: the first registered
+launcher whose :meth:`Launcher.detect` sees its environment where the job runs
+(:func:`resolve_launcher`). Two are built in:
+
+- ``srun``: inside a SLURM allocation (a Snakemake rule with the ``mpi`` resource); the
+  per-node steps are one ``srun`` task per node, the ranks ``nodes x tasks_per_node`` srun
+  tasks, each reading its rank from SLURM_PROCID/SLURM_LOCALID and deriving
+  MASTER_ADDR/MASTER_PORT from the job
+  (:func:`imagenet_ddp.jobs.distributed.rendezvous_from_slurm_env`).
+- ``local``: one node; the per-node steps run in the launcher's own process, one process per
+  rank started here (:func:`spawn_local_ranks`), with the variables torchrun would set.
+
+A new launcher (``mpirun``, Flux, ...) is one subclass of :class:`Launcher` here, decorated
+with :func:`register`, and its case in tests/test_launch.py: the job code
+(:mod:`imagenet_ddp.jobs.launch`), the spec's check of ``execution.launcher`` and the dry-run's
+check take it from this registry.
+Whatever starts the ranks, each rank is started with the job's spec path only and finds its
+rank, world and rendezvous in its environment (:mod:`imagenet_ddp.jobs.distributed`).
+
+Torch-free: the launcher process and the workflow at parse time import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import ClassVar
+
+from imagenet_ddp.errors import InputError
+from imagenet_ddp.jobs.container import task_runtime
+from imagenet_ddp.jobs.signals import EXIT_REQUEUE, ForwardStopSignals
+from imagenet_ddp.settings.geometry import Geometry
+from imagenet_ddp.settings.node_memory import compile_threads_env
+
+AUTO = "auto"
+
+
+class Launcher:
+    """One way to start a job's ranks. A step returns (exit code, when a stop signal reached
+    the launcher during it: Unix seconds, 0.0 for none); every launcher passes stop signals on
+    to what it started and returns the ranks' own exit code (EXIT_REQUEUE after a checkpoint).
+
+    ``execution``: the job spec's execution block (``launch_prefix``, ``srun_extra``)."""
+
+    name: ClassVar[str]
+    # Runs on one node only: the job's nodes must be 1, and its staging reads the prepared
+    # copy in place where a copy would land on the same disk (one machine: nothing to gain).
+    single_node: ClassVar[bool] = False
+
+    def detect(self, environ: Mapping[str, str]) -> bool:
+        """Whether ``auto`` picks this launcher where the job runs."""
+        return False
+
+    def check(self, geometry: Geometry) -> None:
+        """Refuse a geometry this launcher cannot start (ValueError, one line)."""
+        if self.single_node and geometry.nodes != 1:
+            raise ValueError(
+                f"launcher {self.name!r} runs on one node; use launcher 'srun' for nodes > 1"
+            )
+
+    def python(self) -> list[str]:
+        """The command that starts Python for a rank or a per-node step."""
+        return [sys.executable]
+
+    def on_every_node(
+        self, execution, geometry: Geometry, here: Callable[[], object], argv: list[str]
+    ) -> tuple[int, float]:
+        """Run a per-node step once on every node of the job: ``argv`` (a process, started
+        with :meth:`python`) where the nodes are others, ``here`` (a call in this process)
+        where this launcher's one node is this machine."""
+        raise NotImplementedError
+
+    def start_ranks(self, execution, geometry: Geometry, argv: list[str]) -> tuple[int, float]:
+        """Run ``argv`` as the job's ``nodes x tasks_per_node`` ranks, each with
+        ``cpus_per_task`` threads (:func:`worker_env`), to their end."""
+        raise NotImplementedError
+
+    def allocated_nodes(self) -> int | None:
+        """The node count the job was given where it may differ from the run's ``nodes`` (a
+        run with ``fallback_nodes``, :func:`imagenet_ddp.jobs.launch.on_allocation`); None:
+        the run's own."""
+        return None
+
+    def stop_skips_cleanup(self) -> bool:
+        """Whether a stop signal during the ranks leaves the node-local copies to the job's
+        end (no new steps can start then), instead of an unstaging step."""
+        return False
+
+
+LAUNCHERS: dict[str, Launcher] = {}
+
+
+def register(cls: type[Launcher]) -> type[Launcher]:
+    """Class decorator: ``cls`` is the launcher named ``cls.name``; ``auto`` tries launchers in
+    the order they were registered."""
+    if cls.name == AUTO or cls.name in LAUNCHERS:
+        raise ValueError(f"launcher name {cls.name!r} is taken")
+    LAUNCHERS[cls.name] = cls()
+    return cls
+
+
+def launcher_names() -> list[str]:
+    """Every name ``execution.launcher`` accepts."""
+    return [AUTO, *LAUNCHERS]
+
+
+def launcher_problem(name: str) -> str | None:
+    """One line when ``name`` is not a launcher (the dry-run's and the spec's check)."""
+    if name in launcher_names():
+        return None
+    return f"execution.launcher {name!r}: give {', '.join(launcher_names())}"
+
+
+def get_launcher(name: str) -> Launcher:
+    """The launcher ``name`` (``auto`` resolved here first)."""
+    return LAUNCHERS[resolve_launcher(name)]
+
+
+def resolve_launcher(name: str, environ: Mapping[str, str] | None = None) -> str:
+    """``auto``: the first registered launcher that detects its environment (``srun`` inside a
+    SLURM allocation: the job's own SLURM_JOB_ID, which the SLURM executor's job step keeps;
+    ``local`` elsewhere). Decided where the job runs, so no ``--config`` on the Snakemake
+    command line can change it."""
+    if name != AUTO:
+        return name
+    environ = os.environ if environ is None else environ
+    return next(n for n, launcher in LAUNCHERS.items() if launcher.detect(environ))
+
+
+# ------------------------------------------------------------------ every launcher's ranks
+
+# Snakemake exports its job's thread count (all ranks' cores together) in each of these; a rank
+# that inherits them runs that many BLAS/OpenMP threads and the ranks oversubscribe the node
+# (measured: 2 ranks on 2 cores drop from ~330 to 30-150 img/s).
+THREAD_COUNT_VARIABLES = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "GOTO_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
+
+
+def worker_env(geometry: Geometry) -> dict[str, str]:
+    """Environment of the ranks: each gets its task's CPUs as its thread count, and a few
+    inductor compile workers (node_memory.compile_threads; harmless without compile)."""
+    env = dict(os.environ)
+    env.update(dict.fromkeys(THREAD_COUNT_VARIABLES, str(geometry.cpus_per_task)))
+    env.update(compile_threads_env(geometry.cpus_per_task))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+# ------------------------------------------------------------------ srun
+
+
+@register
+class Srun(Launcher):
+    """srun steps in the job's SLURM allocation (found through the kept SLURM_JOB_ID)."""
+
+    name = "srun"
+
+    def detect(self, environ: Mapping[str, str]) -> bool:
+        return bool(environ.get("SLURM_JOB_ID"))
+
+    def python(self) -> list[str]:
+        return task_python()
+
+    def on_every_node(self, execution, geometry, here, argv):
+        extra = execution.srun_extra.split()
+        return _run_step([*srun_argv(geometry, per_node=True, extra=extra), *argv], geometry)
+
+    def start_ranks(self, execution, geometry, argv):
+        prefix = execution.launch_prefix or "srun"
+        extra = execution.srun_extra.split()
+        step = srun_argv(geometry, per_node=False, extra=extra, prefix=prefix)
+        return _run_step([*step, *argv], geometry)
+
+    def allocated_nodes(self) -> int:
+        return allocated_nodes()
+
+    def stop_skips_cleanup(self) -> bool:
+        # The job is ending (time limit, scancel, preemption): SLURM creates no new step now;
+        # its epilog removes $SLURM_TMPDIR.
+        return True
+
+
+def srun_argv(
+    geometry: Geometry, *, per_node: bool, extra: list[str], prefix: str = "srun"
+) -> list[str]:
+    """srun for a step in the job's allocation (found through the kept SLURM_JOB_ID).
+
+    ``prefix``: how the ranks' step starts (the rule's ``mpi`` resource, e.g.
+    ``srun --mpi=pmix``); the per-node staging steps use plain ``srun``.
+
+    The SLURM executor strips the allocation's SLURM_* defaults from the rule's environment,
+    so the geometry is always explicit. A rule without the ``mpi`` resource (world size 1)
+    already runs inside the executor's ``srun -n1`` step, which holds the job's CPUs/GPUs: a
+    new step would wait for them forever, so it shares them (``--overlap``).
+    """
+    tasks_per_node = 1 if per_node else geometry.tasks_per_node
+    inside_step = "SLURM_STEP_ID" in os.environ
+    words = shlex.split(prefix)
+    if not words or os.path.basename(words[0]) != "srun":
+        raise ValueError(f"launch prefix {prefix!r} (the rule's mpi resource) must start with srun")
+    return [
+        *words,
+        f"--nodes={geometry.nodes}",
+        f"--ntasks={geometry.nodes * tasks_per_node}",
+        f"--ntasks-per-node={tasks_per_node}",
+        f"--cpus-per-task={geometry.cpus_per_task if not per_node else 1}",
+        "--kill-on-bad-exit=1",
+        "--export=ALL",
+        *(["--overlap"] if inside_step else []),
+        *extra,
+    ]
+
+
+# Apptainer/Singularity export these inside a container: the image the rule's shell runs in.
+CONTAINER_IMAGE_VARIABLES = ("APPTAINER_CONTAINER", "SINGULARITY_CONTAINER")
+
+
+def task_python(environ=None) -> list[str]:
+    """The command that starts Python for a task of an srun step.
+
+    Inside a container (``--sdm apptainer``) the rule's shell runs in the image but srun starts
+    its tasks on the host, where the image's interpreter does not exist: each task enters the
+    same image again (``--nv``: the node's NVIDIA driver and GPUs). Binds reach these tasks
+    only through the environment (``APPTAINER_BIND``, exported by ``srun --export=ALL``),
+    not from Snakemake's ``--apptainer-args``, which only the rule's own container gets.
+    Not run here (no apptainer): unit-tested for the command it builds.
+    """
+    environ = os.environ if environ is None else environ
+    image = next((environ[v] for v in CONTAINER_IMAGE_VARIABLES if environ.get(v)), None)
+    if image is None:
+        return [sys.executable]
+    # The host's runtime by its absolute path (imagenet_ddp.jobs.container): the container's
+    # PATH does not hold a module's apptainer.
+    return [task_runtime(environ), "exec", "--nv", image, sys.executable]
+
+
+def allocated_nodes() -> int:
+    """The node count of this SLURM job, from squeue: the rule's environment has none (the
+    SLURM executor strips SLURM_JOB_NUM_NODES, docs/slurm-notes.md section 3)."""
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    try:
+        result = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%D"], capture_output=True, text=True, timeout=60
+        )
+        return int(result.stdout.split()[0])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        raise InputError(
+            f"job {job_id or '(no SLURM_JOB_ID)'}: cannot read the allocation's node count "
+            "with squeue, which a run with fallback_nodes needs (in a container: bind squeue, "
+            'docs/cluster.md "Containers")'
+        ) from None
+
+
+def _run_step(argv: list[str], geometry: Geometry) -> tuple[int, float]:
+    """Run an srun step to its end, surviving stop signals: (exit code, when a stop signal
+    reached the launcher: Unix seconds, 0.0 for none).
+
+    A stop signal to the launcher reaches srun as SIGUSR1, which srun passes on to its tasks
+    unchanged (:class:`ForwardStopSignals`); srun then exits with their code (EXIT_REQUEUE
+    after a checkpoint). Never SIGTERM or SIGINT: srun would kill its step (SIGKILL). srun runs
+    in a session of its own, so a signal to the launcher's process group (Ctrl-C under
+    ``salloc``, ``kill -- -<pgid>``) does not reach it directly either. SLURM's own SIGTERM at
+    the job's end still reaches srun (it is in the batch step): srun then asks slurmctld to
+    kill the step, which refuses (the job is already ending), and the ranks have ``KillWait``
+    seconds (docs/slurm-notes.md section 7).
+    """
+    print("+ " + shlex.join(argv), flush=True)
+    with ForwardStopSignals(srun=True) as forward:
+        proc = subprocess.Popen(
+            argv, env=worker_env(geometry), stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        forward.children.append(proc)
+        while True:
+            try:
+                code = proc.wait(timeout=RELAY_SECONDS)
+                break
+            except subprocess.TimeoutExpired:
+                if forward.received:  # again: srun drops a signal while it launches the step
+                    forward.relay()
+    if forward.received:
+        name = signal.Signals(forward.received).name
+        print(f"stop signal {name}: passed on to srun as SIGUSR1; srun exited {code}", flush=True)
+    return code, forward.received_at
+
+
+# While the ranks' step runs after a stop signal, srun gets SIGUSR1 again this often.
+RELAY_SECONDS = 5.0
+
+
+# ------------------------------------------------------------------ local
+
+
+@register
+class Local(Launcher):
+    """One node, this machine: the per-node steps in this process, one process per rank."""
+
+    name = "local"
+    single_node = True
+
+    def detect(self, environ: Mapping[str, str]) -> bool:
+        return True  # the fallback: registered last
+
+    def on_every_node(self, execution, geometry, here, argv):
+        self.check(geometry)
+        here()
+        return 0, 0.0
+
+    def start_ranks(self, execution, geometry, argv):
+        self.check(geometry)
+        return spawn_local_ranks(argv, geometry), 0.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn_local_ranks(argv: list[str], geometry: Geometry, grace_seconds: float = 30) -> int:
+    """Start one process per rank on this node, the way srun starts them on a cluster.
+
+    Not torchrun: on a stop signal torchrun exits with its own code 1 (losing the ranks'
+    EXIT_REQUEUE) and kills the ranks 30 s later whether their checkpoint is written or not.
+    Here a stop signal is passed on to the ranks and their exit code is returned. If a rank
+    fails, the others are stopped (SIGTERM, SIGKILL after ``grace_seconds``), as torchrun does.
+    """
+    env = worker_env(geometry)
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(geometry.tasks_per_node),
+        LOCAL_WORLD_SIZE=str(geometry.tasks_per_node),
+    )
+    print("+ " + shlex.join(argv) + f"  (x {geometry.tasks_per_node} ranks)", flush=True)
+    _become_subreaper()
+    before = _children()
+    with ForwardStopSignals() as forward:
+        try:
+            for rank in range(geometry.tasks_per_node):
+                rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+                forward.children.append(subprocess.Popen(argv, env=rank_env))
+            return _wait_for_ranks(forward.children, grace_seconds)
+        finally:
+            _end_leftovers(before)
+
+
+def _become_subreaper() -> None:
+    """Orphans of the ranks become this process's children (Linux ``PR_SET_CHILD_SUBREAPER``),
+    so :func:`_end_leftovers` can find them."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+def _children() -> set[int]:
+    me, found = str(os.getpid()), set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            if stat.read_text().rsplit(")", 1)[1].split()[1] == me:
+                found.add(int(stat.parent.name))
+    return found
+
+
+def _end_leftovers(before: set[int]) -> None:
+    """Kill what the ranks left running once they are gone. A rank killed by SIGKILL (OOM
+    killer, ``kill -9``) leaves its loader fork server and workers behind: their parent is the
+    fork server, so their watchdog never sees the rank go, and they would hold the job's log
+    open for ever. (srun ends every process of a step itself.) ``before``: children this
+    process had before the ranks started, left alone."""
+    for pid in _children() - before:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+def _exit_code(proc: subprocess.Popen) -> int:
+    code = proc.returncode
+    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says
+
+
+def _wait_for_ranks(procs: list[subprocess.Popen], grace_seconds: float) -> int:
+    failed = None
+    while [p.poll() for p in procs].count(None):  # polls every rank (any() would stop early)
+        failed = next((p for p in procs if p.returncode not in (None, 0, EXIT_REQUEUE)), None)
+        if failed is not None:
+            break
+        time.sleep(0.2)
+    if failed is not None:
+        code = _exit_code(failed)
+        print(f"rank (pid {failed.pid}) failed with exit code {code}; stopping the others")
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_seconds
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        return code
+    codes = [_exit_code(p) for p in procs]
+    return next((c for c in codes if c not in (0, EXIT_REQUEUE)), max(codes))
