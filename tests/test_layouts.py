@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -338,11 +339,33 @@ def test_folder_layouts_train_and_evaluate_in_the_local_workflow(tmp_path):
 
     config["data"] = {"dir": str(tmp_path / "kaggle")}
     write_config(workdir, config)
-    snakemake(workdir, "--profile", "profiles/local", "--until", "prepare")
+    snakemake(workdir, "--profile", "profiles/local", "--until", "prepare", "split")
     report = json.loads((workdir / "results/verify/report.json").read_text())
     assert report["layout"] == "kaggle"
     for which in ("train", "val"):
         assert _digests(workdir / "results/prepared" / which) == trained[which]
+    # The same images from another layout (other class names): the model trained on the
+    # ImageFolder tree's copy stands (the copy is the same bytes); only the evaluation, which
+    # names the classes, runs again.
+    planned = snakemake(workdir, "-n", "--profile", "profiles/local", "results/runs/tiny/eval.json")
+    jobs = re.findall(r"^rule (\w+):", planned.stdout, flags=re.M)
+    assert "evaluate" in jobs and "train" not in jobs, planned.stdout
+
+    # Other images (one train image fewer): another copy. The invocation that prepares it does
+    # not yet see that the run must retrain, and its evaluation refuses the model trained on
+    # the earlier copy; the next one retrains the run.
+    next(iter(sorted((tmp_path / "folder" / "train").glob("*/*")))).unlink()
+    config["data"] = {"dir": str(tmp_path / "folder")}
+    write_config(workdir, config)
+    stale = snakemake(
+        workdir, "--profile", "profiles/local", "results/runs/tiny/eval.json", check=False
+    )
+    assert stale.returncode != 0
+    assert not (workdir / "results/runs/tiny/eval.json").exists()
+    log = (workdir / "logs/evaluate/tiny.log").read_text()
+    assert "was trained on the prepared content" in log and "run snakemake again" in log, log
+    planned = snakemake(workdir, "-n", "--profile", "profiles/local", "results/runs/tiny/eval.json")
+    assert "rule train:" in planned.stdout and "prepared/keys/train-" in planned.stdout
 
     config["data"] = {"dir": str(tmp_path / "archives"), "layout": "kaggle"}
     write_config(workdir, config)

@@ -356,3 +356,55 @@ def test_rgb_conversion_of_the_odd_images(prepared_demo):
     dataset = PreparedImageDataset(prepared_demo["train"])
     means = np.array([dataset[i][0].float().mean(dim=(1, 2)).numpy() for i in range(len(dataset))])
     assert np.isfinite(means).all() and means.min() > 5 and means.max() < 250
+
+
+def test_a_key_file_is_new_only_when_the_copys_content_changes(tmp_path):
+    """Train's key file (prepared_layout KEYS_DIR): the same content made again (another
+    layout, prepare's code, --forcerun) keeps its file and mtime; other content gets a new,
+    newer one, and so does content that was current before (A, B, A again). An earlier
+    version's manifest gets its key at the epoch. A model trained on other content is refused
+    by evaluate with one line."""
+    import os
+
+    from imagenet_ddp.data.prepared_layout import current_key, write_manifest
+    from imagenet_ddp.jobs.stages import trained_on_other_data
+
+    copies = {}
+    for name, samples in (("a", 3), ("b", 4)):
+        copies[name] = tmp_path / "prepare.dir" / name
+        copies[name].mkdir(parents=True)
+        (copies[name] / "prepared.json").write_text(json.dumps({"num_samples": samples}))
+    manifest = tmp_path / "results/prepared/train.json"
+    manifest.parent.mkdir(parents=True)
+
+    def make(name, old=False):
+        write_manifest(manifest, copies[name], {"which": "train", "n": name}, reused=False)
+        key = current_key(manifest)
+        if old:  # an earlier write, seconds ago
+            os.utime(key, (key.stat().st_mtime - 10,) * 2)
+        return key, key.stat().st_mtime_ns
+
+    key_a, first = make("a", old=True)
+    assert make("a") == (key_a, first)  # the same content: untouched
+    key_b, b_time = make("b")
+    assert key_b != key_a and b_time > first
+    os.utime(key_b, (key_b.stat().st_mtime - 5,) * 2)
+    assert make("a")[1] > key_b.stat().st_mtime_ns  # current again: newer than B's
+    # an earlier version's manifest (no content digest, no key files): its key at the epoch
+    for key in manifest.parent.glob("keys/*"):
+        key.unlink()
+    manifest.write_text(json.dumps({"dir": str(copies["b"])}))
+    assert current_key(manifest, adopt=False) is None
+    assert current_key(manifest).stat().st_mtime == 0
+    # the model's record against the copy it would be evaluated on
+    model = tmp_path / "model.pt"
+    record = model.with_name("model.pt.provenance.json")
+    record.write_text(
+        json.dumps({"prepared_train": json.loads(key_b.read_text())["content_sha256"]})
+    )
+    assert trained_on_other_data(model, copies["b"]) is None
+    assert trained_on_other_data(model, manifest) is None
+    line = trained_on_other_data(model, copies["a"])
+    assert line.startswith(f"{model} was trained on the prepared content") and "\n" not in line
+    record.write_text(json.dumps({}))  # an earlier version's model: no record, no check
+    assert trained_on_other_data(model, copies["a"]) is None

@@ -39,7 +39,7 @@ from imagenet_ddp.jobs.spec import store as store_spec
 from imagenet_ddp.settings.node_memory import DataSizes, node_memory_problems
 from imagenet_ddp.preflight.report import known_projection_problems
 from imagenet_ddp.data.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
-from imagenet_ddp.data.prepared_layout import adopt_earlier_copy
+from imagenet_ddp.data.prepared_layout import adopt_earlier_copy, current_key
 from imagenet_ddp.settings.run_checks import (
     container_problem,
     optional_component_problems,
@@ -695,6 +695,19 @@ PREPARED_DIR = config["prepare"]["dir"]
 
 def prepared_manifest(which):
     return f"results/prepared/{which}.json"
+
+
+def prepared_key(which):
+    """The key file of the prepared copy the manifest names (imagenet_ddp.data.prepared_layout
+    KEYS_DIR): written only when the copy changes, so a training reruns when its data is other
+    images, never for the same copy made again. None before the first prepare (the run is
+    trained after it). Only the submitting Snakemake writes an upgrade's key file."""
+
+    def key(wildcards):
+        found = current_key(prepared_manifest(which), adopt=workflow.is_main_process)
+        return [] if found is None else str(found)
+
+    return key
 
 
 CHECKPOINT_DIR = site_setting("execution", "checkpoint_dir")

@@ -8,6 +8,8 @@ rule train:
         split_train=ancient("results/split/train.csv"),
         split_holdout=ancient("results/split/holdout.csv"),
         data_key=DATA_KEY,
+        # the copy's key file: newer than the model only where the copy is other images
+        prepared_key=prepared_key("train"),
         preflight=preflight_input,  # runs with `preflight: true`: a passing preflight first
     output:
         model="results/runs/{run}/model.pt",

@@ -104,17 +104,84 @@ def identity_digest(wanted: dict) -> str:
 
 
 def write_manifest(manifest: Path, copy: Path, wanted: dict, reused: bool) -> None:
-    """The workflow's pointer to its copy (its `prepare` output), written last, atomically."""
+    """The workflow's pointer to its copy (its `prepare` output), written last, atomically;
+    then the copy's key file made current (:func:`mark_current_key`)."""
+    content = content_digest(copy)
     write_json_atomic(
         manifest,
         {
             "format": MANIFEST_FORMAT,
             "dir": os.path.abspath(copy),  # the same path on every node of a cluster
             "digest": identity_digest(wanted),
+            "content_sha256": content,
             "identity": wanted,
             "reused": reused,
         },
     )
+    mark_current_key(manifest, content)
+
+
+# ----------------------------------------------------------------------------- the key files
+# What a training is made from, by content: `train` takes the key file of the copy its manifest
+# names, results/prepared/keys/<which>-<content digest>. A file is written (a new mtime) only
+# when its content becomes the current one, so a prepare rerun that makes the same bytes again
+# (its code, the same images in another layout or another data.dir, --forcerun) retrains
+# nothing, and one that makes other bytes (other images, classes, settings) is newer than every
+# model trained before it. The manifest cannot carry this: Snakemake deletes it before every
+# prepare job.
+KEYS_DIR = "keys"
+
+
+def content_digest(copy: str | os.PathLike[str]) -> str:
+    """The sha256 of a prepared copy's content: of its prepared.json, which holds the sha256
+    of every shard and of samples.csv (the same for the same images in any input layout)."""
+    return hashlib.sha256((Path(copy) / PREPARED_JSON).read_bytes()).hexdigest()
+
+
+def prepared_content(path: str | os.PathLike[str]) -> str | None:
+    """The content digest of the copy ``path`` stands for (a manifest, or the copy itself);
+    None where there is none to read."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            return content_digest(path)
+        manifest = json.loads(path.read_text())
+        return manifest.get("content_sha256") or content_digest(manifest["dir"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def key_path(manifest: str | os.PathLike[str], content: str) -> Path:
+    """The key file of the copy with ``content``, beside ``manifest`` (results/prepared)."""
+    manifest = Path(manifest)
+    return manifest.parent / KEYS_DIR / copy_name(manifest.stem, content)
+
+
+def mark_current_key(manifest: str | os.PathLike[str], content: str) -> Path:
+    """Make ``content``'s key file the newest of its kind: written unless it already is (the
+    copy's content did not change)."""
+    key = key_path(manifest, content)
+    others = key.parent.glob(f"{Path(manifest).stem}-*")
+    newest = max(others, key=lambda p: p.stat().st_mtime_ns, default=None)
+    if newest != key:
+        write_json_atomic(key, {"content_sha256": content, "manifest": str(manifest)})
+    return key
+
+
+def current_key(manifest: str | os.PathLike[str], adopt: bool = True) -> Path | None:
+    """The key file of the copy ``manifest`` names, None while there is none. ``adopt``: a
+    manifest of an earlier version (no key files yet) gets its key file at the epoch, older
+    than every model, so the upgrade retrains nothing."""
+    content = prepared_content(manifest) if Path(manifest).is_file() else None
+    if content is None:
+        return None
+    key = key_path(manifest, content)
+    if not key.exists():
+        if not adopt:
+            return None
+        write_json_atomic(key, {"content_sha256": content, "manifest": str(manifest)})
+        os.utime(key, (0, 0))
+    return key
 
 
 def adopt_earlier_copy(manifest: Path, root: Path, which: str) -> bool:
@@ -134,4 +201,5 @@ def adopt_earlier_copy(manifest: Path, root: Path, which: str) -> bool:
         return False
     write_manifest(manifest, copy, made_from, reused=True)
     os.utime(manifest, (0, 0))
+    os.utime(key_path(manifest, content_digest(copy)), (0, 0))
     return True

@@ -14,6 +14,8 @@ import shutil
 import time
 from pathlib import Path
 
+from imagenet_ddp.data.prepared_layout import prepared_content
+from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.jobs.holders import wait_for_holders
 from imagenet_ddp.jobs.launchers import resolve_launcher
@@ -85,10 +87,12 @@ def train_job(job: TrainJob) -> int:
     config = json.loads((run_dir / "train_metrics.json").read_text())["config"]
     provenance = provenance_path(run_dir / "model.pt")
     # The training code's digest: aggregate flags a model that other training code trained.
-    training_code = {"training_code": code_digest("training")}
-    write_provenance(
-        provenance, "train", config, seeds={"train": config["seed"]}, extra=training_code
-    )
+    # What it trained on, by content: evaluate refuses this model for another copy.
+    extra = {
+        "training_code": code_digest("training"),
+        "prepared_train": prepared_content(job.paths.prepared_train),
+    }
+    write_provenance(provenance, "train", config, seeds={"train": config["seed"]}, extra=extra)
     write_json_atomic(job.paths.checkpoint_root / DELIVERED, {"model": str(run_dir / "model.pt")})
     return 0
 
@@ -99,6 +103,9 @@ def evaluate_job(job: EvalJob) -> int:
     included) is added."""
     from imagenet_ddp.jobs.launch import run_evaluation
 
+    problem = trained_on_other_data(job.paths.model, job.paths.prepared_train)
+    if problem:
+        raise InputError(problem)
     job = with_launcher(job, resolve_launcher(job.execution.launcher))
     out = job.paths.out
     spec_path = write_spec(out.with_name(EVAL_SPEC), job)
@@ -110,3 +117,24 @@ def evaluate_job(job: EvalJob) -> int:
     result["evaluation"]["job_wall_seconds"] = time.time() - started
     write_json_atomic(out, result)
     return 0
+
+
+def trained_on_other_data(model: Path, prepared_train: Path) -> str | None:
+    """One line where ``model`` was trained on another prepared content than that of the copy
+    ``prepared_train`` stands for now (other images: another data.dir, new archives).
+    In the invocation whose data stages rerun Snakemake does not yet see that training must
+    rerun (it skips a job's own checks while a job upstream reruns); the next one retrains it
+    (common.smk prepared_key). None where they agree or either is unknown (a model of an
+    earlier version records none)."""
+    try:
+        trained_on = json.loads(provenance_path(model).read_text()).get("prepared_train")
+    except (OSError, ValueError, AttributeError):
+        return None
+    now = prepared_content(prepared_train)
+    if not trained_on or not now or trained_on == now:
+        return None
+    return (
+        f"{model} was trained on the prepared content {trained_on[:16]}, and {prepared_train} "
+        f"is now {now[:16]} (other images: data.dir or its content changed): run snakemake "
+        "again, it retrains the run first"
+    )
