@@ -42,6 +42,7 @@ from imagenet_ddp.data.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_
 from imagenet_ddp.data.prepared_layout import adopt_earlier_copy, current_key
 from imagenet_ddp.settings.run_checks import (
     container_problem,
+    init_weights_problems,
     optional_component_problems,
     split_sizes,
     unchecked_model_notes,
@@ -125,6 +126,21 @@ def _input_layout():
 
 
 LAYOUT = _input_layout()
+
+
+def _class_count():
+    """The data's class count as the dry-run knows it (the demo's, or the layout's)."""
+    if config["demo"]["enabled"]:
+        return config["demo"]["num_classes"]
+    return LAYOUT.class_count(data_dir())
+
+
+# Each run's init_weights file against its model with the data's class count (known once the
+# layout is found): by the Snakemake that submits (settings.run_checks).
+if workflow.is_main_process and any(run["init_weights"] for run in RUNS.values()):
+    _problems = init_weights_problems(RUNS, _class_count(), user_cache_dir())
+    if _problems:
+        raise WorkflowError("\n".join(_problems))
 
 
 def archive_paths():

@@ -104,6 +104,11 @@ class Layout:
     def check_structure(self, data_dir: Path) -> None:
         """Cheap checks for the dry-run (no file is opened): InputError on the first problem."""
 
+    def class_count(self, data_dir: Path) -> int:
+        """How many classes the data has, as cheaply as the dry-run's checks (the classifier
+        an init_weights file must fit)."""
+        raise NotImplementedError
+
     def verify(self, data_dir: Path, *, check_files: bool) -> dict:
         raise NotImplementedError
 
@@ -126,6 +131,9 @@ class Archives(Layout):
     markers = (TRAIN_ARCHIVE, VAL_ARCHIVE, DEVKIT_ARCHIVE)
     input_keys = ("train", "val", "devkit")
     remedy = "download them from https://image-net.org (ILSVRC2012), or enable demo data"
+
+    def class_count(self, data_dir: Path) -> int:
+        return 1000  # the archives are ILSVRC2012's (verify checks its 1,000 classes)
 
     def verify(self, data_dir: Path, *, check_files: bool) -> dict:
         from imagenet_ddp.data.archives import build_index, verify_archives
@@ -183,6 +191,9 @@ class _Folders(Layout):
         for name in classes:
             _require_not_empty(data_dir / self.train_dir / name)
         self.val_files(data_dir, classes)
+
+    def class_count(self, data_dir: Path) -> int:
+        return len(_class_folders(Path(data_dir), self.train_dir))
 
     def listing(self, data_dir: Path) -> tuple[list[str], list, list]:
         """Classes (sorted), and train and val as (class, folder, name) sorted by class, name."""

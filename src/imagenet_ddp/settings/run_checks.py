@@ -136,12 +136,13 @@ def unchecked_model_notes(runs: Mapping[str, Mapping]) -> list[str]:
     notes = []
     for name, run in runs.items():
         fam, _ = family(run["model"])
-        if (fam == "timm" or run.get("model_kwargs")) and not importable(fam):
+        exact = fam == "timm" or run.get("model_kwargs") or run.get("init_weights")
+        if exact and not importable(fam):
             notes.append(
                 f"config.yaml: run {name!r}: model {run['model']!r} and its model_kwargs are "
-                f"not checked by this dry-run (torch or {fam} not importable here); the job "
-                "checks them when it builds the model: dry-run in the jobs' environment to "
-                "check them now"
+                f"not checked by this dry-run, nor its init_weights file (torch or {fam} not "
+                "importable here); the job checks them when it builds the model: dry-run in "
+                "the jobs' environment to check them now"
             )
         opt = run["optimizer"]
         custom = opt not in ("sgd", "adamw") or run.get("optimizer_kwargs")
@@ -168,6 +169,33 @@ def model_verdict(name: str, kwargs: Mapping, crops: tuple[int, ...], cache_dir)
         return verdict
 
     return _cached("model-check", [name, kwargs, crops], compute, cache_dir)
+
+
+def init_weights_problems(runs: Mapping[str, Mapping], num_classes: int, cache_dir) -> list[str]:
+    """One line per run whose ``init_weights`` file would not load into its model with
+    ``num_classes`` outputs (the data's class count, which the dry-run knows only once the
+    input layout is found: workflow/rules/common.smk calls this then): a file that is not a
+    weights file, keys or shapes that differ beyond ``init_weights_exclude``
+    (imagenet_ddp.models.init_weights_problem; cached per file digest). Unchecked where torch
+    or the model's family does not import here (:func:`unchecked_model_notes` says so)."""
+    problems = []
+    for name, run in runs.items():
+        path, digest = run.get("init_weights"), run.get("init_weights_sha256")
+        if not path or not digest or not importable(family(run["model"])[0]):
+            continue  # no file, or an unreadable one (settings.init_weights said so)
+        model, kwargs = run["model"], dict(run.get("model_kwargs") or {})
+        exclude = list(run.get("init_weights_exclude") or [])
+
+        def compute(model=model, kwargs=kwargs, path=path, exclude=exclude) -> dict:
+            from imagenet_ddp import models as M
+
+            return {"problem": M.init_weights_problem(model, kwargs, num_classes, path, exclude)}
+
+        parts = [model, kwargs, path, digest, exclude, num_classes]
+        verdict = _cached("init-weights-check", parts, compute, cache_dir)
+        if verdict["problem"]:
+            problems.append(f"config.yaml: run {name!r}: init_weights {verdict['problem']}")
+    return problems
 
 
 def _optimizer_problem(run: Mapping, cache_dir) -> str | None:

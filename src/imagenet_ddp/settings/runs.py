@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from imagenet_ddp.settings.init_weights import fill_digests
 from imagenet_ddp.settings.presets import resolve_run
 from imagenet_ddp.settings.run_checks import check_runs
 from imagenet_ddp.settings.sweeps import SweepError, expand_runs, run_schema
@@ -79,7 +80,9 @@ def resolve_runs(
     runs = {
         entry["name"]: resolve_run(defaults, written["train_defaults"], entry) for entry in entries
     }
-    problems = check_runs(runs, config, workdir=workdir, models=models, cache_dir=cache_dir)
+    # the init_weights file's digest, a weights setting: filled before the checks and keys
+    problems = fill_digests(runs, check=workdir is not None, cache_dir=cache_dir)
+    problems += check_runs(runs, config, workdir=workdir, models=models, cache_dir=cache_dir)
     if problems:
         raise RunsError("\n".join(problems))
     return runs

@@ -379,10 +379,15 @@ class ResumePoint:
     path: str | None = None
 
 
-def resume_job(job: TrainingState) -> ResumePoint:
+UNREAD = object()  # resume_job's state not yet read
+
+
+def resume_job(job: TrainingState, state: dict[str, Any] | None | object = UNREAD) -> ResumePoint:
     """Load the checkpoint of this run and geometry that rank 0 chose (the newest that loads)
-    into ``job``: where it resumes. Collective."""
-    state = agreed_checkpoint(job.checkpoint_dir)
+    into ``job``: where it resumes. Collective. ``state``: that checkpoint where the caller
+    read it already (:func:`agreed_checkpoint`; None: there is none, a fresh start)."""
+    if state is UNREAD:
+        state = agreed_checkpoint(job.checkpoint_dir)
     if state is None:
         root, tag = job.checkpoint_dir.parent, job.checkpoint_dir.name.split("-", 1)[1]
         others = other_geometries(root, job.cfg.fingerprint(), tag)

@@ -48,6 +48,7 @@ from imagenet_ddp.settings.geometry import Geometry
 from imagenet_ddp.training import recipe
 from imagenet_ddp.training.accuracy import shard_loader
 from imagenet_ddp.training.checkpoint import (
+    agreed_checkpoint,
     checkpoint_dir,
     checkpoint_tag,
     load_latest_checkpoint,
@@ -140,13 +141,18 @@ def _train(
     base = create_dataset(train_data, read_ids(split_dir / "train.csv"), train=True)
     holdout = _holdout(cfg, info, device, geometry, train_data, split_dir)
     sampler, loader = _train_loader(cfg, info, device, geometry, base)
-    job = build_job(cfg, info, device, geometry, base.num_classes, sampler.steps)
-    job.checkpoint_dir = checkpoint_dir(
-        checkpoint_root, cfg.fingerprint(), checkpoint_tag(cfg, geometry)
-    )
+    ckpt_dir = checkpoint_dir(checkpoint_root, cfg.fingerprint(), checkpoint_tag(cfg, geometry))
+    # The checkpoint first: a fresh start alone reads the init_weights file, into the model
+    # before EMA copies it and DDP wraps it; a resume never does (it may be gone by then).
+    state = agreed_checkpoint(ckpt_dir)
+    init = initial_weights(cfg) if state is None else None
+    job = build_job(cfg, info, device, geometry, base.num_classes, sampler.steps, init_weights=init)
+    del init
+    job.checkpoint_dir = ckpt_dir
     if attempt_key is not None:  # launched by the launcher, which names a hung rank at the end
         job.progress = RankProgress(checkpoint_root, info.rank, info.host)
-    resume = resume_job(job)
+    resume = resume_job(job, state)
+    del state
     check_device_discipline(job, "after setup")
     # Rank 0: TensorBoard events, the NVML sampler thread, the wall clock of the cost block.
     monitor = RunMonitor.for_job(job, out_dir, sampler.steps, resumed=resume.path is not None)
@@ -245,6 +251,33 @@ def _train_loader(cfg, info, device, geometry, base):
     return sampler, loader
 
 
+def initial_weights(cfg: TrainConfig) -> dict | None:
+    """The run's ``init_weights`` state_dict (None: no file), read by every rank, each
+    checking the digest of the bytes it read against the dry-run's (a file replaced since, or
+    seen otherwise by one node's cache, is refused). Collective: one rank's failure raises on
+    every rank, none waits for the others."""
+    if not cfg.init_weights:
+        return None
+    state, error = None, None
+    if not cfg.init_weights_sha256:  # the workflow fills it; a spec written by hand must too
+        error = (
+            f"run {cfg.run!r}: init_weights {cfg.init_weights} without init_weights_sha256 "
+            "(the workflow's dry-run fills it in); set it to the file's SHA-256"
+        )
+    else:
+        try:
+            state = models.read_init_weights(cfg.init_weights, cfg.init_weights_sha256)
+        except (OSError, models.WeightsFileError) as exc:
+            error = f"init_weights {exc}" if isinstance(exc, models.WeightsFileError) else (
+                f"init_weights {cfg.init_weights}: cannot be read ({exc.strerror or exc})"
+            )  # fmt: skip
+    failed = [(rank, e) for rank, e in enumerate(D.all_gather_objects(error)) if e]
+    if failed:
+        rank, e = failed[0]
+        raise models.WeightsFileError(f"rank {rank} (of {len(failed)} failing): {e}")
+    return state
+
+
 def build_job(
     cfg: TrainConfig,
     info: D.DistInfo,
@@ -252,11 +285,26 @@ def build_job(
     geometry: Geometry,
     num_classes: int,
     steps_per_epoch: int,
+    *,
+    init_weights: dict | None = None,
 ) -> TrainingState:
-    """The model, its DDP wrapper and the recipe's optimizer, schedule, loss, EMA, mixing."""
+    """The model, its DDP wrapper and the recipe's optimizer, schedule, loss, EMA, mixing.
+    ``init_weights``: the state_dict it starts from (:func:`initial_weights`; None: random
+    initialisation); loaded weights win over zero_init_residual, which keeps only the keys
+    under init_weights_exclude (imagenet_ddp.models)."""
     model = build_model(
         cfg.model, num_classes, cfg.model_kwargs, zero_init_residual=cfg.zero_init_residual
     )
+    if init_weights is not None:
+        where = f"init_weights {cfg.init_weights}"
+        kept = models.load_init_weights(model, init_weights, cfg.init_weights_exclude, where)
+        if info.is_main:
+            print(
+                f"{where}: started from its {len(init_weights)} tensors (sha256 "
+                f"{cfg.init_weights_sha256[:16]}...); at initialisation: "
+                f"{len(kept)} tensors {kept[:4]}{' ...' if len(kept) > 4 else ''}",
+                flush=True,
+            )
     if cfg.sync_bn and D.is_distributed():
         model = models.convert_sync_batchnorm(cfg.model, model)
     model = model.to(device)

@@ -1,0 +1,210 @@
+"""Starting a run from a local weights file (``init_weights``, ``init_weights_exclude``).
+
+The file formats users have load to the same weights; the file's digest is cached by its
+identity and is the run's weights setting (its path is not); each bad file is refused at the
+dry-run with one line; a fresh start takes the file's weights before EMA and DDP, a resume
+never reads it (two gloo ranks, a real torchrun).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from imagenet_ddp import models as M
+from imagenet_ddp.jobs import distributed as D
+from imagenet_ddp.settings import init_weights as IW
+from imagenet_ddp.settings.geometry import Geometry
+from imagenet_ddp.settings.kinds import declarations
+from imagenet_ddp.settings.run_checks import init_weights_problems
+from imagenet_ddp.settings.runs import RunsError, resolve_runs
+from imagenet_ddp.training.model import save_model
+from imagenet_ddp.training.worker import build_job
+from tests.test_resume import CONFIG, torchrun
+from tests.workflow_helpers import (
+    copy_workflow,
+    read_config,
+    shown_specs,
+    snakemake,
+    train_config,
+    write_config,
+)
+
+
+def trained_like(num_classes: int, seed: int = 7) -> torch.nn.Module:
+    """A resnet18 whose every tensor differs from a fresh one (BatchNorm gammas included,
+    which zero_init_residual would zero)."""
+    torch.manual_seed(seed)
+    model = M.build_model("resnet18", num_classes)
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.add_(torch.rand_like(tensor))
+    return model
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_every_format_users_have_gives_the_same_state_dict(tmp_path):
+    from safetensors.torch import save_file
+
+    model = trained_like(4)
+    state = model.state_dict()
+    files = {
+        "plain.pth": lambda p: torch.save(state, p),
+        "ddp.pt": lambda p: torch.save({"model": {f"module.{k}": v for k, v in state.items()}}, p),
+        "lightning.ckpt": lambda p: torch.save({"state_dict": state, "epoch": 3}, p),
+        "model.safetensors": lambda p: save_file({k: v.contiguous() for k, v in state.items()}, p),
+        "model.pt": lambda p: save_model(p, model, arch="resnet18", num_classes=4, config={}),
+    }
+    for name, write in files.items():
+        path = tmp_path / name
+        write(path)
+        assert_same(M.read_init_weights(path, IW.sha256_of(path)), state)
+        assert M.weights_file_shapes(path) == {k: tuple(v.shape) for k, v in state.items()}
+    with pytest.raises(M.WeightsFileError, match="changed after the dry-run"):
+        M.read_init_weights(tmp_path / "plain.pth", "0" * 64)
+
+
+def test_the_digest_is_hashed_once_per_file_identity(tmp_path, monkeypatch):
+    path, cache = tmp_path / "w.pth", tmp_path / "cache"
+    path.write_bytes(b"one")
+    first = IW.file_digest(path, cache)
+    assert first == IW.sha256_of(path)
+    monkeypatch.setattr(IW, "sha256_of", lambda p: pytest.fail("hashed again"))
+    assert IW.file_digest(path, cache) == first  # unchanged: a stat, no read
+    monkeypatch.undo()
+    path.write_bytes(b"two")  # another size and mtime: hashed again
+    assert IW.file_digest(path, cache) == IW.sha256_of(path) != first
+
+
+def test_the_content_is_the_weights_setting_the_path_is_not():
+    settings = declarations()
+    run = {"name": "r", "lr": 0.1, "init_weights": "", "init_weights_exclude": []}
+    run["init_weights_sha256"] = ""
+    assert settings.rerun_settings(run) == {"lr": 0.1}  # at x-earlier: as before the setting
+    one = {**run, "init_weights": "a.pth", "init_weights_sha256": "1" * 64}
+    moved = {**one, "init_weights": "/elsewhere/a.pth"}
+    other = {**one, "init_weights_sha256": "2" * 64}
+    keys = [settings.rerun_settings(r) for r in (one, moved, other)]
+    assert keys[0] == keys[1] != keys[2] and "init_weights" not in keys[0]
+    fingerprints = [train_config(**settings.rank_settings(r)).fingerprint() for r in (one, moved)]
+    assert fingerprints[0] == fingerprints[1]
+
+
+def _config(**run):
+    from tests.test_run_checks import demo_config
+
+    return demo_config(**run)
+
+
+def test_bad_files_are_refused_at_the_dry_run_one_line_each(tmp_path):
+    from imagenet_ddp.settings.runs import written_settings
+
+    good = tmp_path / "good.pth"
+    torch.save(trained_like(10).state_dict(), good)
+    garbage = tmp_path / "garbage.pth"
+    garbage.write_bytes(b"not a weights file" * 20)
+    vit = tmp_path / "vit.pth"
+    torch.save({"model": {"head.weight": torch.zeros(10, 4)}}, vit)
+    schema = "workflow/schemas/config.schema.yaml"
+
+    def problems(cache=None, **run) -> list[str]:
+        config = _config(**run)
+        try:
+            runs = resolve_runs(config, written_settings(config), schema, workdir=tmp_path)
+        except RunsError as error:
+            return str(error).splitlines()
+        return init_weights_problems(runs, num_classes=4, cache_dir=cache)
+
+    [missing] = problems(init_weights=str(tmp_path / "nope.pth"))
+    assert missing.startswith(f"config.yaml: run 'r': init_weights '{tmp_path}/nope.pth': ")
+    [pinned] = problems(init_weights=str(good), init_weights_sha256="0" * 64)
+    assert "pins" in pinned
+    [stray] = problems(init_weights_exclude=["fc."])
+    assert "without init_weights" in stray
+    [unreadable] = problems(init_weights=str(garbage))
+    assert f"init_weights {garbage}: not a readable torch or safetensors" in unreadable
+    [other] = problems(init_weights=str(vit))
+    assert "keys the file lacks: conv1.weight" in other and "keys the model lacks: head" in other
+    [head] = problems(cache=tmp_path / "cache", init_weights=str(good))  # 10 classes, data 4
+    assert "fc.weight [10, 512] in the file, [4, 512] in the model" in head
+    assert "init_weights_exclude" in head
+    assert problems(init_weights=str(good), init_weights_exclude=["fc."]) == []
+    [typo] = problems(init_weights=str(good), init_weights_exclude=["fc.", "head."])
+    assert "prefixes matching no key of the model: head." in typo
+
+
+def _job(state, **settings):
+    cfg = train_config(model="resnet18", batch_size=2, ema_decay=0.99, epochs=2, **settings)
+    info = D.DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, host="h")
+    geometry = Geometry(1, 1, 1, 0, 0)
+    device = torch.device("cpu")
+    return build_job(cfg, info, device, geometry, 4, steps_per_epoch=3, init_weights=state)
+
+
+def test_loaded_weights_win_over_zero_init_and_reach_the_ema_the_head_stays_at_init():
+    file = trained_like(10).state_dict()
+    torch.manual_seed(0)
+    fresh = _job(None, zero_init_residual=True).model.state_dict()
+    torch.manual_seed(0)
+    job = _job(file, zero_init_residual=True, init_weights="w.pth", init_weights_exclude=["fc."])
+    loaded, averaged = job.model.state_dict(), job.ema.module.state_dict()
+    for key, value in loaded.items():
+        expected = fresh[key] if key.startswith("fc.") else file[key]
+        assert torch.equal(value, expected), key
+        assert torch.equal(averaged[key], value), key
+    assert fresh["layer1.0.bn2.weight"].eq(0).all()  # zero-init, which the file's weights beat
+    assert not loaded["layer1.0.bn2.weight"].eq(0).any()
+
+
+def test_a_fresh_start_takes_the_file_on_every_rank_and_a_resume_never_reads_it(
+    prepared_demo, demo_split, tmp_path
+):
+    path = tmp_path / "pretrained.pth"
+    file = trained_like(10).state_dict()  # another class count than the demo's 4
+    torch.save({"model": {f"module.{k}": v for k, v in file.items()}}, path)
+    config = {**CONFIG, "epochs": 1, "lr": 1e-9, "weight_decay": 0.0, "ema_decay": 0.0}
+    config |= {"init_weights": str(path), "init_weights_exclude": ["fc."]}
+    config["init_weights_sha256"] = IW.sha256_of(path)
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    first = torchrun(prepared_demo["train"], demo_split, out, ckpt, "--stop-after-steps", "1",
+                     config=config)  # fmt: skip
+    assert "started from its 122 tensors" in first.stdout, first.stdout + first.stderr
+    [saved] = ckpt.glob("*/checkpoint-*.pt")
+    weights = torch.load(saved, weights_only=True)["model"]
+    # one step at lr 1e-9 away from the file: its weights (random ones differ by ~0.1)
+    for key in ("conv1.weight", "layer4.1.conv2.weight", "layer1.0.bn2.weight"):
+        assert torch.allclose(weights[key], file[key], atol=1e-6), key
+    assert not torch.allclose(weights["fc.weight"][:, :4], file["fc.weight"][:4, :4])
+    path.unlink()  # a resume must not need it
+    second = torchrun(prepared_demo["train"], demo_split, out, ckpt, config=config)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resuming from" in second.stdout and "started from" not in second.stdout
+    recorded = json.loads((out / "train_metrics.json").read_text())["config"]
+    assert recorded["init_weights_sha256"] == config["init_weights_sha256"]
+
+
+def test_the_workflow_refuses_a_head_that_does_not_fit_and_passes_the_digest(tmp_path):
+    """A real dry-run: the data's class count (the demo's 6) against the file's 10."""
+    workdir = copy_workflow(tmp_path / "wf")
+    torch.save(trained_like(10).state_dict(), workdir / "in1k.pth")
+    config = read_config(workdir)
+    config["runs"] = [{**config["runs"][0], "init_weights": "in1k.pth"}]
+    write_config(workdir, config)
+    refused = snakemake(workdir, "-n", check=False)
+    assert refused.returncode != 0
+    output = (refused.stdout + refused.stderr).splitlines()
+    [line] = [x for x in output if x.startswith("config.yaml: run") and "init_weights" in x]
+    assert "[10, 512] in the file, [6, 512] in the model" in line
+    config["runs"][0]["init_weights_exclude"] = ["fc."]
+    write_config(workdir, config)
+    result = snakemake(workdir, "-n", "-p")
+    [spec] = shown_specs(result.stdout, "train", workdir)
+    assert spec["run"]["init_weights_sha256"] == IW.sha256_of(workdir / "in1k.pth")
