@@ -121,3 +121,55 @@ def test_without_squeue_a_fresh_heartbeat_holds_the_run_and_a_stale_one_does_not
     (fake_squeue / "squeue.err").write_text("slurm_load_jobs error: Invalid job id specified")
     open_entry(root, "50", time.time())
     assert holders.wait_for_holders(root, RUN, log=pytest.fail, sleep=pytest.fail) == 0
+
+
+def test_two_jobs_that_start_at_once_train_one_after_the_other(tmp_path, monkeypatch):
+    """Two jobs of a run started together, neither with a dependency on the other (two
+    controllers, or one restarted within seconds): each finds the run free and records its
+    attempt a second later (a check that is not held with the record would let both train).
+    Under the lock the second sees the first's open entry and starts when it has ended."""
+    import subprocess
+    import sys
+    import textwrap
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)  # no squeue asked: the heartbeat holds
+    root = tmp_path / "ckpt"
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys, time
+            from imagenet_ddp.jobs import attempts, holders
+            run, root = {RUN!r}, {str(root)!r}
+            check = holders.wait_for_holders
+
+            def slow_check(*args, **kwargs):  # a second between the check and the record
+                waited = check(*args, **kwargs)
+                time.sleep(1.0)
+                return waited
+
+            holders.wait_for_holders = slow_check
+            begin = lambda: attempts.begin(root, run, attempt=1, gpus=0, cores=1)
+            entry, _ = holders.begin_when_free(root, run, begin, seconds=0.2)
+            print("began", time.time(), flush=True)
+            time.sleep(2.0)  # trains
+            attempts.end(root, entry, 0)
+            print("ended", time.time(), flush=True)
+            """
+        )
+    )
+    jobs = [
+        subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [job.communicate(timeout=60)[0] for job in jobs]
+    spans = sorted(
+        tuple(float(line.split()[1]) for line in out.splitlines() if line[:5] in ("began", "ended"))
+        for out in outputs
+    )
+    assert sum("still trains it" in out for out in outputs) == 1, outputs  # the second waited
+    assert [job.returncode for job in jobs] == [0, 0]
+    (began_1, ended_1), (began_2, _) = spans
+    assert began_2 >= ended_1 > began_1, spans
+    record = attempts.load(root)
+    assert [(a["attempt"], a["outcome"]) for a in record] == [(1, "completed"), (2, "completed")]

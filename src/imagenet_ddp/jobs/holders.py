@@ -13,7 +13,9 @@ folder. Two guards, both torch-free:
   from its newest checkpoint (or re-writing the finished run's outputs from its final one);
 - the job itself, before it records its attempt (:func:`wait_for_holders`), waits while an
   open entry of another job of the run is live (squeue; where squeue cannot answer: a
-  heartbeat newer than :data:`STALE_SECONDS`), with one log line.
+  heartbeat newer than :data:`STALE_SECONDS`), with one log line; the last check and the
+  record are made under one lock (:func:`begin_when_free`), so two jobs that start at once
+  cannot both find the run free.
 
 Where squeue is missing or fails, the first guard submits without a dependency (one warning
 line) and the second still holds.
@@ -26,9 +28,12 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from imagenet_ddp.jobs.attempts import HEARTBEAT_SECONDS, load, of_run, settings_key
+from imagenet_ddp.io import exclusive_lock, lock_path_for
+from imagenet_ddp.jobs.attempts import HEARTBEAT_SECONDS, RECORD, load, of_run, settings_key
+
+T = TypeVar("T")
 
 # States of a job that has ended (squeue shows them for MinJobAge); any other is live.
 ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
@@ -161,3 +166,22 @@ def wait_for_holders(
             said = True
         sleep(seconds)
         waited += seconds
+
+
+def begin_when_free(
+    checkpoint_root,
+    run: dict[str, Any],
+    begin: Callable[[], T],
+    *,
+    log: Callable[[str], None] = print,
+    seconds: float = WAIT_SECONDS,
+) -> T:
+    """``begin()`` (this job's attempt entry: :func:`imagenet_ddp.jobs.attempts.begin`) once no
+    other live job holds the run, the check and the record under one lock on the attempt
+    record: of two jobs of a run that start within seconds (no dependency between them), the
+    second sees the first's open entry and waits for it. Across nodes where the checkpoint
+    folder's filesystem locks across nodes (flock, or the lock directory of
+    :func:`imagenet_ddp.io.exclusive_lock`). The lock is held while this job waits."""
+    with exclusive_lock(lock_path_for(Path(checkpoint_root) / RECORD)):
+        wait_for_holders(checkpoint_root, run, log=log, seconds=seconds)
+        return begin()

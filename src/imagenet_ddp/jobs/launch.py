@@ -35,6 +35,7 @@ from imagenet_ddp.data.stage import (
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.jobs import attempts
+from imagenet_ddp.jobs.holders import begin_when_free
 from imagenet_ddp.jobs.launchers import get_launcher
 from imagenet_ddp.jobs.signals import EXIT_REQUEUE, STOP_SIGNALS
 from imagenet_ddp.jobs.spec import EvalJob, TrainJob, read_spec, staging_report_path
@@ -140,13 +141,17 @@ def run_attempt(job: TrainJob, spec_path: Path) -> int:
     """
     run, root = job.run, job.paths.checkpoint_root
     geometry = job.geometry
-    entry, refused = attempts.begin(
+    entry, refused = begin_when_free(
         root,
         run,
-        attempt=job.execution.attempt,
-        gpus=geometry.nodes * int(run.get("gpus_per_node") or 0),
-        cores=geometry.world_size * geometry.cpus_per_task,
-        shape=geometry,
+        lambda: attempts.begin(
+            root,
+            run,
+            attempt=job.execution.attempt,
+            gpus=geometry.nodes * int(run.get("gpus_per_node") or 0),
+            cores=geometry.world_size * geometry.cpus_per_task,
+            shape=geometry,
+        ),
     )
     print(f"run {run.get('run')!r}: attempt {entry['attempt']} (job "
           f"{entry['slurm_job_id'] or 'local'}), from epoch {entry['start']['epoch']} step "
