@@ -1,14 +1,13 @@
 rule train:
     """Train one run with DDP on its nodes x tasks_per_node ranks; resumed after a stop."""
     input:
-        # ancient: a rerun of the data stages for their code alone (same data settings)
-        # resubmits no finished training; what the data is made from reruns it through
-        # data_key (common.smk DATA_KEY; docs/configuration.md "Reruns").
+        # ancient: a rerun of the data stages that makes the same data resubmits no finished
+        # training; the split settings rerun it through data_key, the prepared copy's content
+        # through its key file (common.smk; docs/configuration.md "Reruns").
         prepared=ancient(prepared_manifest("train")),
         split_train=ancient("results/split/train.csv"),
         split_holdout=ancient("results/split/holdout.csv"),
         data_key=DATA_KEY,
-        # the copy's key file: newer than the model only where the copy is other images
         prepared_key=prepared_key("train"),
         preflight=preflight_input,  # runs with `preflight: true`: a passing preflight first
     output:
