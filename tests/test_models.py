@@ -71,6 +71,31 @@ def test_each_optimizer_gets_its_own_options_and_the_groups_weight_decay(
         assert group[key] == (tuple(value) if isinstance(value, list) else value), key
 
 
+def test_an_optimizer_family_is_one_registry_entry(monkeypatch):
+    """A new family (here a prefix, "plain/") is built, resolved and named from its entry alone."""
+    family = optimizers.Family(
+        build=lambda name, groups, *, lr, momentum, nesterov, kwargs: torch.optim.SGD(
+            groups, lr=lr, **kwargs
+        ),
+        resolve=lambda name: torch.optim.SGD,
+        names=lambda: ["plain/sgd"],
+        packages=("torch",),
+        label="a plain optimizer",
+        choices="plain/sgd",
+    )
+    monkeypatch.setitem(optimizers.FAMILIES, "plain/", family)
+    model = torch.nn.Linear(3, 2)
+    opt = optimizers.build_optimizer(
+        "plain/sgd", groups(model), lr=0.1, momentum=0.8, nesterov=True, kwargs={"dampening": 0.5}
+    )
+    assert type(opt).__name__ == "SGD" and opt.param_groups[0]["dampening"] == 0.5
+    assert optimizers.optimizer_problem("plain/sgd", {"dampening": 0.5}) is None
+    line = optimizers.optimizer_problem("plaine/sgd", {})
+    assert line.startswith("optimizer 'plaine/sgd' is not sgd, adamw, a timm optimizer or a plain")
+    assert "did you mean 'plain/sgd'" in line and line.endswith(", plain/sgd")
+    assert not optimizers.named_by_registry("plain/sgd") and optimizers.named_by_registry("sgd")
+
+
 def test_the_reader_factory_gives_training_its_encoded_and_evaluation_its_crops(prepared_demo):
     train = create_dataset(prepared_demo["train"], [0, 1], train=True)
     encoded, label = train[0]

@@ -109,6 +109,9 @@ def model_lines(tmp_path, **run) -> list[str]:
           "gpus_per_node": 1, "tasks_per_node": 1, **FED}, "its adaptive pooling ['avgpool']"),
         ({"optimizer": "timm/lamd"}, "optimizer 'timm/lamd' is not sgd, adamw or a timm "
          "optimizer; did you mean"),
+        # the schema takes any name: the registry (optimizers.FAMILIES) judges it
+        ({"optimizer": "adam"}, "optimizer 'adam' is not sgd, adamw or a timm optimizer; did "
+         "you mean 'adamw'"),
         ({"optimizer": "adamw", "optimizer_kwargs": {"beta": [0.9, 0.95]}},
          "optimizer_kwargs.beta: not a parameter of AdamW ('adamw'); did you mean 'betas'?"),
         ({"optimizer_kwargs": {"momentum": 0.8}},
@@ -117,8 +120,8 @@ def model_lines(tmp_path, **run) -> list[str]:
          "optimizer_kwargs {'dampening': 0.1}: Nesterov momentum requires a momentum and zero"),
     ],
     ids=["timm-name", "timm-tag", "swallowed-key", "timm-key", "reserved", "crop", "zero-init",
-         "timm-vgg-ok", "pools", "optimizer", "optimizer-key", "optimizer-setting",
-         "optimizer-value"],
+         "timm-vgg-ok", "pools", "optimizer", "optimizer-family", "optimizer-key",
+         "optimizer-setting", "optimizer-value"],
 )  # fmt: skip
 def test_models_and_optimizers_are_checked_exactly(tmp_path, run, expected):
     lines = model_lines(tmp_path, **run)
@@ -148,7 +151,7 @@ def test_without_the_packages_timm_and_model_kwargs_are_unchecked_and_said_so(
 ):
     """A bare login-node environment: nothing refused that cannot be judged, one note per run."""
     monkeypatch.setattr(run_checks, "importable", lambda family: False)
-    monkeypatch.setattr(run_checks.optimizers, "importable", lambda name: False)
+    monkeypatch.setattr(run_checks.optimizers, "_packages_here", lambda family: False)
     run = {"model": "timm/resnt18", "optimizer": "timm/lamb"}
     assert model_lines(tmp_path, **run) == []
     config = demo_config(**run)
@@ -158,6 +161,9 @@ def test_without_the_packages_timm_and_model_kwargs_are_unchecked_and_said_so(
     # torchvision names are still checked against the list kept with the package
     [line] = model_lines(tmp_path, model="resnet9000", model_kwargs={"dropout": 0.1})
     assert "model 'resnet9000' is not a torchvision classification model" in line
+    # and an optimizer name no family holds needs no package to be refused
+    [line] = model_lines(tmp_path, optimizer="lamb")
+    assert "optimizer 'lamb' is not sgd, adamw or a timm optimizer; pick one of" in line
 
 
 def test_classification_models_are_torchvisions(models):

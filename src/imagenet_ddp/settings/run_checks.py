@@ -144,7 +144,7 @@ def unchecked_model_notes(runs: Mapping[str, Mapping]) -> list[str]:
                 "check them now"
             )
         opt = run["optimizer"]
-        custom = opt not in ("sgd", "adamw") or run.get("optimizer_kwargs")
+        custom = not optimizers.named_by_registry(opt) or run.get("optimizer_kwargs")
         if custom and not optimizers.importable(opt):
             notes.append(
                 f"config.yaml: run {name!r}: optimizer {opt!r} and its optimizer_kwargs are "
@@ -174,7 +174,7 @@ def _optimizer_problem(run: Mapping, cache_dir) -> str | None:
     """An unknown optimizer or a bad optimizer_kwargs key (imagenet_ddp.optimizers), where
     torch (and timm for timm/) is importable; unchecked where not, as models are."""
     name, kwargs = run["optimizer"], dict(run.get("optimizer_kwargs") or {})
-    if (name in ("sgd", "adamw") and not kwargs) or not optimizers.importable(name):
+    if (optimizers.named_by_registry(name) and not kwargs) or not optimizers.importable(name):
         return None
     given = {"momentum": run["momentum"], "nesterov": run["nesterov"]}
     verdict = _cached(
