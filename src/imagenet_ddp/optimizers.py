@@ -83,8 +83,8 @@ def _timm(name, groups, *, lr, momentum, nesterov, kwargs):
     from timm.optim import create_optimizer_v2
 
     # The groups carry their own weight decay; create_optimizer_v2 passes momentum only to
-    # the optimizers that take it, and each its own nesterov default (timm/sgd, timm/lars:
-    # Nesterov; timm/momentum: classical): the run setting nesterov is SGD's.
+    # the optimizers that take it, and each its own nesterov default (timm/sgd, timm/nlars:
+    # Nesterov; timm/momentum, timm/lars: classical): the run setting nesterov is SGD's.
     return create_optimizer_v2(
         list(groups), opt=name[len(TIMM_PREFIX) :], lr=lr, momentum=momentum, **kwargs
     )
