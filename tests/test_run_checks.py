@@ -146,6 +146,21 @@ def test_timm_models_kwargs_and_optimizers_that_can_train_pass(tmp_path):
     assert len(list((tmp_path / "cache").glob("optimizer-check-*.json"))) == 2
 
 
+def test_a_cached_verdict_is_not_reused_after_a_package_upgrade(monkeypatch, tmp_path):
+    """The key holds each package's distribution version: an upgrade that kept the version
+    file and mtimes would still check again, not reuse the older packages' verdict."""
+    verdicts = iter([{"problem": "first"}, {"problem": "second"}])
+    compute = lambda: next(verdicts)  # noqa: E731
+    assert run_checks._cached("x", ["timm/m"], compute, tmp_path)["problem"] == "first"
+    assert run_checks._cached("x", ["timm/m"], compute, tmp_path)["problem"] == "first"  # read
+    real = run_checks.importlib.metadata.version
+    upgraded = lambda p: "99.0" if p == "timm" else real(p)  # noqa: E731
+    monkeypatch.setattr(run_checks.importlib.metadata, "version", upgraded)
+    assert run_checks._cached("x", ["timm/m"], compute, tmp_path)["problem"] == "second"
+    versions = [json.loads(p.read_text())["key"] for p in tmp_path.glob("x-*.json")]
+    assert len(versions) == 2 and any('"99.0"' in key for key in versions)
+
+
 def test_without_the_packages_timm_and_model_kwargs_are_unchecked_and_said_so(
     monkeypatch, tmp_path
 ):

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -188,9 +190,12 @@ def _optimizer_problem(run: Mapping, cache_dir) -> str | None:
 
 def _cached(kind: str, parts: list, compute, cache_dir) -> dict:
     """``compute()``'s JSON result, kept in ``cache_dir`` per installed torch, torchvision and
-    timm and ``parts``: even a meta-device build imports them (seconds, in every parse)."""
-    versions = [_package_key(p) for p in ("torch", "torchvision", "timm")]
-    key = json.dumps([versions, *parts], sort_keys=True, default=str)
+    timm (their location, version file and distribution version), per version of the checks
+    themselves (the cache is shared by every checkout of a user) and ``parts``: even a
+    meta-device build imports them (seconds, in every parse)."""
+    packages = ("torch", "torchvision", "timm")
+    versions = [[_package_key(p), _distribution_version(p)] for p in packages]
+    key = json.dumps([versions, _checks_digest(), *parts], sort_keys=True, default=str)
     path = None
     if cache_dir is not None:
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -205,6 +210,27 @@ def _cached(kind: str, parts: list, compute, cache_dir) -> dict:
     if path is not None:
         _write_cache(path, {"key": key, "verdict": verdict})
     return verdict
+
+
+def _distribution_version(package: str) -> str | None:
+    """The installed distribution's version (its metadata; no import), None where absent."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def _checks_digest() -> str:
+    """The source of the checks a cached verdict comes from (this module, imagenet_ddp.models
+    and .optimizers): a checkout with other checks does not reuse another's verdicts."""
+    from imagenet_ddp import models
+
+    digest = hashlib.sha256()
+    for module in (models, optimizers):
+        digest.update(Path(module.__file__).read_bytes())
+    digest.update(Path(__file__).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _image_size_problems(run: Mapping, short_side: int) -> list[str]:
