@@ -32,6 +32,43 @@ def test_sync_batchnorm_keeps_timms_fused_activation():
     assert isinstance(model.bn1.act, torch.nn.SiLU)
 
 
+def test_a_model_family_is_one_registry_entry(monkeypatch):
+    """A new family (here "tiny/") is named, built, checked and converted from its entry alone."""
+
+    def build(arch, num_classes, kwargs):
+        width = kwargs.get("width", 4)
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, width, 3), torch.nn.BatchNorm2d(width),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(width, num_classes),
+        )  # fmt: skip
+
+    tiny = models.Family(
+        prefix="tiny/",
+        package="torch",
+        build=build,
+        names=lambda: ["net"],
+        listing="the tiny nets",
+        residual_option=lambda name, kwargs: None,
+        sync_batchnorm=torch.nn.SyncBatchNorm.convert_sync_batchnorm,
+    )
+    monkeypatch.setitem(models.FAMILIES, "tiny", tiny)
+    assert models.family("tiny/net") == ("tiny", "net") and models.family("net") == (
+        "torchvision", "net")  # fmt: skip
+    model = models.build_model("tiny/net", 7, {"width": 5}, zero_init_residual=True)
+    assert model(torch.zeros(2, 3, 8, 8)).shape == (2, 7)
+    assert models.model_problems("tiny/net", {}, crops=(8,)) == []
+    [line] = models.model_problems("tiny/nett", {})
+    assert line == (
+        "model 'tiny/nett' is not a tiny classification model; did you mean 'tiny/net'? "
+        "pick one of the tiny nets"
+    )
+    [line] = models.model_problems("resnet9000", {})  # bare names list every prefixed family
+    assert line.endswith("or timm/<name>, or tiny/<name>")
+    converted = models.convert_sync_batchnorm("tiny/net", model)
+    assert isinstance(converted[1], torch.nn.SyncBatchNorm)
+    assert models.residual_option("tiny/net") is None and models.importable("tiny")
+
+
 def test_model_file_rebuilds_a_timm_model_with_its_model_kwargs(tmp_path):
     kwargs = {"img_size": 16, "patch_size": 8}
     model = models.build_model("timm/vit_tiny_patch16_224", 5, kwargs)

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from imagenet_ddp import optimizers
-from imagenet_ddp.models import family, importable
+from imagenet_ddp.models import FAMILIES, family, importable, unknown_name
 from imagenet_ddp.settings.evaluation import eval_settings
 from imagenet_ddp.settings.geometry import global_batch, loader_workers
 from imagenet_ddp.settings.presets import scaled_lr
@@ -84,12 +84,7 @@ def _model_problem(run: Mapping, models: frozenset[str]) -> str | None:
     model = run["model"]
     if model in models:
         return None
-    close = difflib.get_close_matches(model, sorted(models), n=3, cutoff=0.6)
-    hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
-    return (
-        f"model {model!r} is not a torchvision classification model; {hint}"
-        "pick one of torchvision.models.list_models(module=torchvision.models), or timm/<name>"
-    )
+    return unknown_name(model, difflib.get_close_matches(model, sorted(models), n=3, cutoff=0.6))
 
 
 def _model_problems(run: Mapping, models: frozenset[str], cache_dir) -> list[str]:
@@ -101,7 +96,7 @@ def _model_problems(run: Mapping, models: frozenset[str], cache_dir) -> list[str
     name, kwargs = run["model"], dict(run.get("model_kwargs") or {})
     fam, _ = family(name)
     if not _exact(run):
-        return [p for p in (_model_problem(run, models),) if p] if fam == "torchvision" else []
+        return [p for p in (_model_problem(run, models),) if p] if _name_listed(fam) else []
     verdict = model_verdict(name, kwargs, _crops(run), cache_dir)
     problems = list(verdict["problems"])
     if not problems and run.get("zero_init_residual") and not verdict["residual_option"]:
@@ -123,7 +118,12 @@ def _model_problems(run: Mapping, models: frozenset[str], cache_dir) -> list[str
 def _exact(run: Mapping) -> bool:
     """Whether the model is judged from its meta-device build (else by name only)."""
     fam, _ = family(run["model"])
-    return (fam == "timm" or bool(run.get("model_kwargs"))) and importable(fam)
+    return (not _name_listed(fam) or bool(run.get("model_kwargs"))) and importable(fam)
+
+
+def _name_listed(fam: str) -> bool:
+    """A family whose bare names the dry-run judges by torchvision's name list (torch-free)."""
+    return FAMILIES[fam].name_list
 
 
 def _crops(run: Mapping) -> tuple[int, ...]:
@@ -138,7 +138,7 @@ def unchecked_model_notes(runs: Mapping[str, Mapping]) -> list[str]:
     notes = []
     for name, run in runs.items():
         fam, _ = family(run["model"])
-        if (fam == "timm" or run.get("model_kwargs")) and not importable(fam):
+        if (not _name_listed(fam) or run.get("model_kwargs")) and not importable(fam):
             notes.append(
                 f"config.yaml: run {name!r}: model {run['model']!r} and its model_kwargs are "
                 f"not checked by this dry-run (torch or {fam} not importable here); the job "
@@ -289,7 +289,7 @@ def _recipe_problems(run: Mapping) -> list[str]:
             "set sync_bn: false or train on GPUs (gpus_per_node > 0)"
         )
     # timm's, and any model with model_kwargs where it imports: _model_problems
-    torchvision = family(run["model"])[0] == "torchvision" and not _exact(run)
+    torchvision = _name_listed(family(run["model"])[0]) and not _exact(run)
     residual = run["model"].startswith(RESIDUAL_BN_MODELS)
     if run.get("zero_init_residual") and torchvision and not residual:
         problems.append(
