@@ -28,7 +28,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from imagenet_ddp import optimizers
-from imagenet_ddp.models import FAMILIES, family, importable, unknown_name
+from imagenet_ddp.models import (
+    FAMILIES,
+    TORCHVISION_RESIDUAL_BN,
+    family,
+    importable,
+    unknown_name,
+)
 from imagenet_ddp.settings.evaluation import eval_settings
 from imagenet_ddp.settings.geometry import global_batch, loader_workers
 from imagenet_ddp.settings.presets import scaled_lr
@@ -261,10 +267,6 @@ def _image_size_problems(run: Mapping, short_side: int) -> list[str]:
     return problems
 
 
-# The models whose torchvision builder takes zero_init_residual.
-RESIDUAL_BN_MODELS = ("resnet", "resnext", "wide_resnet")
-
-
 def _recipe_problems(run: Mapping) -> list[str]:
     """Recipe keys that could only fail on the GPU node, or silently do nothing."""
     problems = []
@@ -290,7 +292,7 @@ def _recipe_problems(run: Mapping) -> list[str]:
         )
     # timm's, and any model with model_kwargs where it imports: _model_problems
     torchvision = _name_listed(family(run["model"])[0]) and not _exact(run)
-    residual = run["model"].startswith(RESIDUAL_BN_MODELS)
+    residual = run["model"].startswith(TORCHVISION_RESIDUAL_BN)
     if run.get("zero_init_residual") and torchvision and not residual:
         problems.append(
             f"zero_init_residual true with model {run['model']!r}: only torchvision's ResNet "
