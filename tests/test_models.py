@@ -69,6 +69,20 @@ def test_a_model_family_is_one_registry_entry(monkeypatch):
     assert models.residual_option("tiny/net") is None and models.importable("tiny")
 
 
+def test_layers_without_a_deterministic_cuda_backward_are_found_from_the_forward():
+    """Named by module, whatever the family or call: a ViT with dynamic_img_size resamples its
+    position embedding (bicubic interpolation) only at a crop other than its img_size."""
+    vit, kwargs = "timm/vit_tiny_patch16_224", {"img_size": 32, "dynamic_img_size": True}
+    assert models.nondeterministic_on_cuda(vit, kwargs, crops=(32,)) == []
+    found = models.nondeterministic_on_cuda(vit, kwargs, crops=(32, 48))
+    assert found == ["VisionTransformer (interpolation)"]
+    assert models.nondeterministic_on_cuda("vgg11", {}, crops=(224,)) == [
+        "avgpool (adaptive average pooling)"
+    ]
+    assert models.nondeterministic_on_cuda("timm/vgg11", {}, crops=(224,)) == []  # 7x7 already
+    assert models.nondeterministic_on_cuda("resnet18", {}, crops=(64,)) == []
+
+
 def test_model_file_rebuilds_a_timm_model_with_its_model_kwargs(tmp_path):
     kwargs = {"img_size": 16, "patch_size": 8}
     model = models.build_model("timm/vit_tiny_patch16_224", 5, kwargs)

@@ -103,10 +103,17 @@ def model_lines(tmp_path, **run) -> list[str]:
          "model 'timm/vit_tiny_patch16_224' cannot take 32x32 images"),
         ({"model": "timm/vit_tiny_patch16_224", "model_kwargs": {"img_size": 32},
           "zero_init_residual": True}, "zero_init_residual true with model 'timm/vit_tiny"),
-        ({"model": "timm/vgg11", "deterministic": True, "gpus_per_node": 1,
-          "tasks_per_node": 1, **FED}, None),  # timm's VGG: no adaptive pooling above 1x1
+        ({"model": "timm/resnet18", "deterministic": True, "gpus_per_node": 1,
+          "tasks_per_node": 1, **FED}, None),  # global average pooling to 1x1: a mean
         ({"model": "vgg11", "model_kwargs": {"dropout": 0.1}, "deterministic": True,
-          "gpus_per_node": 1, "tasks_per_node": 1, **FED}, "its adaptive pooling ['avgpool']"),
+          "gpus_per_node": 1, "tasks_per_node": 1, **FED},
+         "its layers ['avgpool (adaptive average pooling)'] have no deterministic CUDA"),
+        # timm's VGG pools a feature map smaller than 7x7 up to it, by a functional call
+        ({"model": "timm/vgg11", "deterministic": True, "gpus_per_node": 1,
+          "tasks_per_node": 1, **FED}, "its layers ['pre_logits (adaptive average pooling)']"),
+        ({"model": "timm/resnet18", "model_kwargs": {"global_pool": "avgmax"},
+          "deterministic": True, "gpus_per_node": 1, "tasks_per_node": 1, **FED},
+         "its layers ['global_pool.pool (adaptive max pooling)']"),
         ({"optimizer": "timm/lamd"}, "optimizer 'timm/lamd' is not sgd, adamw or a timm "
          "optimizer; did you mean"),
         # the schema takes any name: the registry (optimizers.FAMILIES) judges it
@@ -120,8 +127,8 @@ def model_lines(tmp_path, **run) -> list[str]:
          "optimizer_kwargs {'dampening': 0.1}: Nesterov momentum requires a momentum and zero"),
     ],
     ids=["timm-name", "timm-tag", "swallowed-key", "timm-key", "reserved", "crop", "zero-init",
-         "timm-vgg-ok", "pools", "optimizer", "optimizer-family", "optimizer-key",
-         "optimizer-setting", "optimizer-value"],
+         "timm-resnet-ok", "pools", "timm-vgg-small", "timm-max-pool", "optimizer",
+         "optimizer-family", "optimizer-key", "optimizer-setting", "optimizer-value"],
 )  # fmt: skip
 def test_models_and_optimizers_are_checked_exactly(tmp_path, run, expected):
     lines = model_lines(tmp_path, **run)

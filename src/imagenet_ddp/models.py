@@ -301,17 +301,71 @@ def _forward_problem(name: str, model, crop: int) -> str | None:
     return None
 
 
-def adaptive_pools(model) -> list[str]:
-    """The model's adaptive average/max pooling layers to more than 1x1: their CUDA backward
-    is not deterministic (torch.use_deterministic_algorithms raises at the first backward)."""
-    import torch
+# Forward aten ops whose CUDA backward has no deterministic kernel: with
+# torch.use_deterministic_algorithms(True) torch raises at the first backward (its documentation
+# of that function lists them). Adaptive average pooling to 1x1 is a mean in aten (no
+# _adaptive_avg_pool2d), so the global pooling of most classifiers is not among them.
+NONDETERMINISTIC_CUDA_BACKWARD = {
+    "_adaptive_avg_pool2d": "adaptive average pooling",
+    "_adaptive_avg_pool3d": "adaptive average pooling",
+    "adaptive_max_pool2d": "adaptive max pooling",
+    "avg_pool3d": "3-D average pooling",
+    "fractional_max_pool2d": "fractional max pooling",
+    "fractional_max_pool3d": "fractional max pooling",
+    "max_unpool2d": "max unpooling",
+    "max_unpool3d": "max unpooling",
+    "upsample_linear1d": "interpolation",
+    "upsample_bilinear2d": "interpolation",
+    "upsample_bicubic2d": "interpolation",
+    "upsample_trilinear3d": "interpolation",
+    "_upsample_bilinear2d_aa": "interpolation",
+    "_upsample_bicubic2d_aa": "interpolation",
+    "reflection_pad1d": "reflection padding",
+    "reflection_pad2d": "reflection padding",
+    "reflection_pad3d": "reflection padding",
+    "grid_sampler_2d": "grid sampling",
+    "grid_sampler_3d": "grid sampling",
+}
 
-    pools = (torch.nn.AdaptiveAvgPool2d, torch.nn.AdaptiveMaxPool2d)
-    found = []
-    for module_name, module in model.named_modules():
-        if isinstance(module, pools):
-            size = module.output_size
-            size = (size, size) if isinstance(size, int) else tuple(size)
-            if any(s is not None and s > 1 for s in size):
-                found.append(module_name)
-    return found
+
+def nondeterministic_on_cuda(
+    name: str, model_kwargs: Mapping[str, Any], crops: tuple[int, ...] = (224,)
+) -> list[str]:
+    """The model's layers that have no deterministic CUDA backward, as "<module> (<what>)":
+    found from the aten ops a training-mode forward calls on the meta device at each crop,
+    each named by the innermost module calling it (whatever the family, and functional calls
+    too: timm's avgmax pooling, a ViT resampling its position embedding)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = _meta_model(name, model_kwargs).train()
+    names = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
+    stack: list[str] = [type(model).__name__]
+    found: dict[str, None] = {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            what = NONDETERMINISTIC_CUDA_BACKWARD.get(func.overloadpacket.__name__)
+            if what:
+                found[f"{stack[-1]} ({what})"] = None
+            return func(*args, **(kwargs or {}))
+
+    def push(module, args) -> None:
+        stack.append(names.get(id(module), stack[-1]))
+
+    def pop(module, args, output) -> None:  # None: the output stays the module's
+        stack.pop()
+
+    hooks = torch.nn.modules.module
+    enter, leave = (
+        hooks.register_module_forward_pre_hook(push),
+        hooks.register_module_forward_hook(pop),
+    )
+    try:
+        for crop in sorted(set(crops)):
+            with torch.device("meta"), torch.no_grad(), Record():
+                model(torch.empty(2, 3, crop, crop))
+    finally:
+        enter.remove()
+        leave.remove()
+    return list(found)

@@ -112,10 +112,10 @@ def _model_problems(run: Mapping, models: frozenset[str], cache_dir) -> list[str
             "set zero_init_residual: false"
         )
     on_gpus = run.get("deterministic") and run["gpus_per_node"] > 0
-    if not problems and on_gpus and verdict["adaptive_pools"]:
+    if not problems and on_gpus and verdict["nondeterministic"]:
         problems.append(
-            f"deterministic true with model {name!r} on GPUs: its adaptive pooling "
-            f"{verdict['adaptive_pools'][:3]} has no deterministic CUDA backward (torch "
+            f"deterministic true with model {name!r} on GPUs: its layers "
+            f"{verdict['nondeterministic'][:3]} have no deterministic CUDA backward (torch "
             "would raise at the first step); set deterministic: false or pick another model"
         )
     return problems
@@ -169,10 +169,10 @@ def model_verdict(name: str, kwargs: Mapping, crops: tuple[int, ...], cache_dir)
         from imagenet_ddp import models as M
 
         problems = M.model_problems(name, kwargs, crops)
-        verdict = {"problems": problems, "residual_option": None, "adaptive_pools": []}
+        verdict = {"problems": problems, "residual_option": None, "nondeterministic": []}
         if not problems:
             verdict["residual_option"] = M.residual_option(name, kwargs)
-            verdict["adaptive_pools"] = M.adaptive_pools(M._meta_model(name, kwargs))
+            verdict["nondeterministic"] = M.nondeterministic_on_cuda(name, kwargs, crops)
         return verdict
 
     return _cached("model-check", [name, kwargs, crops], compute, cache_dir)
