@@ -83,6 +83,15 @@ def test_layers_without_a_deterministic_cuda_backward_are_found_from_the_forward
     assert models.nondeterministic_on_cuda("resnet18", {}, crops=(64,)) == []
 
 
+def test_a_model_whose_builder_computes_with_tensors_is_checked_on_meta_too():
+    """torchvision's RegNet computes its widths with torch.arange(...).tolist(): under
+    torch.device("meta") that raises, and a valid run was refused (models.on_meta)."""
+    assert models.model_problems("regnet_y_400mf", {"stem_width": 16}, crops=(32,)) == []
+    model = models.on_meta(lambda: models.build_model("regnet_y_400mf", 10))
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert torch.nn.Module.register_parameter.__qualname__ == "Module.register_parameter"
+
+
 def test_model_file_rebuilds_a_timm_model_with_its_model_kwargs(tmp_path):
     kwargs = {"img_size": 16, "patch_size": 8}
     model = models.build_model("timm/vit_tiny_patch16_224", 5, kwargs)

@@ -264,11 +264,43 @@ def _first_line(error: Exception) -> str:
 
 
 def _meta_model(name: str, model_kwargs: Mapping[str, Any]):
+    fam, arch = family(name)
+    return on_meta(lambda: FAMILIES[fam].build(arch, 10, dict(model_kwargs)))
+
+
+def on_meta(build: Callable[[], Any]):
+    """``build()``'s model with its parameters and buffers on torch's meta device (no memory,
+    no compute). Built under ``torch.device("meta")``, where every tensor is meta; a builder
+    that computes its architecture from tensors cannot be (torchvision's RegNet:
+    ``torch.arange(...).tolist()``), so it is built again with each parameter and buffer
+    moved to meta as its module registers it (as accelerate's init_empty_weights), all else
+    on the CPU."""
     import torch
 
-    fam, arch = family(name)
-    with torch.device("meta"):
-        return FAMILIES[fam].build(arch, 10, dict(model_kwargs))
+    try:
+        with torch.device("meta"):
+            return build()
+    except NotImplementedError:  # "Cannot copy out of meta tensor"
+        pass
+    module = torch.nn.Module
+    register_parameter, register_buffer = module.register_parameter, module.register_buffer
+
+    def parameter(self, name, param):
+        register_parameter(self, name, param)
+        if param is not None:
+            self._parameters[name] = torch.nn.Parameter(
+                param.to("meta"), requires_grad=param.requires_grad
+            )
+
+    def buffer(self, name, tensor, persistent=True):
+        tensor = tensor.to("meta") if tensor is not None else None
+        register_buffer(self, name, tensor, persistent=persistent)
+
+    module.register_parameter, module.register_buffer = parameter, buffer
+    try:
+        return build()
+    finally:
+        module.register_parameter, module.register_buffer = register_parameter, register_buffer
 
 
 def _init_parameters(model) -> set[str]:
