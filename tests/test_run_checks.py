@@ -68,6 +68,17 @@ def test_unknown_model_names_run_and_key_and_suggests_close_names(models, tmp_pa
     assert "'resnet50'" in line and "list_models" in line
 
 
+def test_models_with_auxiliary_outputs_in_training_are_refused(models, tmp_path):
+    """torchvision's GoogLeNet returns a named tuple in training: the loss would fail at the
+    first step. By name, torch-free; with model_kwargs, from the meta-device build."""
+    [line] = problems(demo_config(model="googlenet"), models, tmp_path)
+    assert "model 'googlenet' returns its auxiliary classifiers' outputs" in line
+    assert "aux_logits: false" in line
+    [line] = model_lines(tmp_path, model="googlenet", model_kwargs={"dropout": 0.1})
+    assert "returns a GoogLeNetOutputs in training" in line
+    assert model_lines(tmp_path, model="googlenet", model_kwargs={"aux_logits": False}) == []
+
+
 @pytest.mark.parametrize("model", ["fasterrcnn_resnet50_fpn", "quantized_resnet18", "r3d_18"])
 def test_models_that_are_not_classifiers_are_refused(models, tmp_path, model):
     """Registered in torchvision, but not image classifiers `train` can build and feed."""

@@ -320,15 +320,28 @@ def _init_parameters(model) -> set[str]:
 
 
 def _forward_problem(name: str, model, crop: int) -> str | None:
+    """A crop the model refuses, or a training-mode output that is not the logits (the job's
+    loss takes one tensor): torchvision's GoogLeNet and Inception v3 add their auxiliary
+    classifiers' outputs in training, and Inception's refuses crops below 299."""
     import torch
 
+    aux = "torchvision's googlenet, inception_v3: aux_logits: false"
+    training = False
     try:
         with torch.device("meta"), torch.no_grad():
             model.eval()(torch.empty(2, 3, crop, crop))
+            training = True
+            output = model.train()(torch.empty(2, 3, crop, crop))
     except Exception as error:
+        where = f" in training ({aux}, or a larger crop)" if training else ""
         return (
-            f"model {name!r} cannot take {crop}x{crop} images ({_first_line(error)}); set "
-            "model_kwargs (e.g. img_size) to match crop_size / eval_crop_size, or change them"
+            f"model {name!r} cannot take {crop}x{crop} images{where} ({_first_line(error)}); "
+            "set model_kwargs (e.g. img_size) to match crop_size / eval_crop_size, or change them"
+        )
+    if not isinstance(output, torch.Tensor):
+        return (
+            f"model {name!r} returns a {type(output).__name__} in training, not the logits the "
+            f"loss takes (its auxiliary classifiers' too); set model_kwargs to drop them ({aux})"
         )
     return None
 

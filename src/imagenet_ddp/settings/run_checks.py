@@ -88,9 +88,19 @@ def check_runs(
 def _model_problem(run: Mapping, models: frozenset[str]) -> str | None:
     """A torchvision name against the name list (no torch import: cached or kept here)."""
     model = run["model"]
+    if model in AUX_OUTPUTS_IN_TRAINING:
+        return (
+            f"model {model!r} returns its auxiliary classifiers' outputs too in training, not "
+            "the logits the loss takes; set model_kwargs: {aux_logits: false}"
+        )
     if model in models:
         return None
     return unknown_name(model, difflib.get_close_matches(model, sorted(models), n=3, cutoff=0.6))
+
+
+# torchvision models whose training-mode forward returns a named tuple by default (with a
+# model_kwargs the meta-device build finds it: imagenet_ddp.models._forward_problem).
+AUX_OUTPUTS_IN_TRAINING = ("googlenet", "inception_v3")
 
 
 def _model_problems(run: Mapping, models: frozenset[str], cache_dir) -> list[str]:
