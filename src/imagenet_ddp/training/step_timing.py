@@ -27,7 +27,8 @@ or a comm hook that would change DDP's code path. The profiler window (``profile
 Model FLOPs (:func:`flops_per_image`) are counted once per crop size with
 ``torch.utils.flop_counter.FlopCounterMode`` on the meta device (no memory, no compute): one
 forward and backward per image, so the matrix multiplications and convolutions only (not
-normalization, activations, the loss or the optimizer). MFU (:func:`mfu_percent`) compares
+normalization, activations, the loss or the optimizer; a grouped convolution's backward by
+:func:`_conv_backward_flops`, as torch's counts it dense). MFU (:func:`mfu_percent`) compares
 them, at the epoch's steady throughput, with the device's dense peak (:data:`PEAK_TFLOPS`).
 """
 
