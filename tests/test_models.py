@@ -81,6 +81,8 @@ def test_layers_without_a_deterministic_cuda_backward_are_found_from_the_forward
     ]
     assert models.nondeterministic_on_cuda("timm/vgg11", {}, crops=(224,)) == []  # 7x7 already
     assert models.nondeterministic_on_cuda("resnet18", {}, crops=(64,)) == []
+    # CrossViT resizes the image itself (bicubic), which has no backward: not reported
+    assert models.nondeterministic_on_cuda("timm/crossvit_tiny_240", {}, crops=(240,)) == []
 
 
 def test_a_model_whose_builder_computes_with_tensors_is_checked_on_meta_too():

@@ -377,9 +377,10 @@ def nondeterministic_on_cuda(
     name: str, model_kwargs: Mapping[str, Any], crops: tuple[int, ...] = (224,)
 ) -> list[str]:
     """The model's layers that have no deterministic CUDA backward, as "<module> (<what>)":
-    found from the aten ops a training-mode forward calls on the meta device at each crop,
-    each named by the innermost module calling it (whatever the family, and functional calls
-    too: timm's avgmax pooling, a ViT resampling its position embedding)."""
+    found from the aten ops a training-mode forward calls on the meta device at each crop on
+    tensors that need a gradient (resizing the image itself has no backward: timm's
+    CrossViT), each named by the innermost module calling it (whatever the family, and
+    functional calls too: timm's avgmax pooling, a ViT resampling its position embedding)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -391,8 +392,9 @@ def nondeterministic_on_cuda(
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             what = NONDETERMINISTIC_CUDA_BACKWARD.get(func.overloadpacket.__name__)
-            if what:
-                found[f"{stack[-1]} ({what})"] = None
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            if what and any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+                found[f"{stack[-1]} ({what})"] = None  # not the image's: it has no backward
             return func(*args, **(kwargs or {}))
 
     def push(module, args) -> None:
@@ -408,7 +410,7 @@ def nondeterministic_on_cuda(
     )
     try:
         for crop in sorted(set(crops)):
-            with torch.device("meta"), torch.no_grad(), Record():
+            with torch.device("meta"), torch.enable_grad(), Record():
                 model(torch.empty(2, 3, crop, crop))
     finally:
         enter.remove()
