@@ -75,7 +75,7 @@ def test_models_with_auxiliary_outputs_in_training_are_refused(models, tmp_path)
     assert "model 'googlenet' returns its auxiliary classifiers' outputs" in line
     assert "aux_logits: false" in line
     [line] = model_lines(tmp_path, model="googlenet", model_kwargs={"dropout": 0.1})
-    assert "returns a GoogLeNetOutputs in training" in line
+    assert "returns GoogLeNetOutputs in training" in line
     assert model_lines(tmp_path, model="googlenet", model_kwargs={"aux_logits": False}) == []
 
 

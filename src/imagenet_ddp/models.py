@@ -340,7 +340,7 @@ def _forward_problem(name: str, model, crop: int) -> str | None:
         )
     if not isinstance(output, torch.Tensor):
         return (
-            f"model {name!r} returns a {type(output).__name__} in training, not the logits the "
+            f"model {name!r} returns {type(output).__name__} in training, not the logits the "
             f"loss takes (its auxiliary classifiers' too); set model_kwargs to drop them ({aux})"
         )
     return None
