@@ -165,8 +165,9 @@ def test_timm_models_kwargs_and_optimizers_that_can_train_pass(tmp_path):
 
 
 def test_a_cached_verdict_is_not_reused_after_a_package_upgrade(monkeypatch, tmp_path):
-    """The key holds each package's distribution version: an upgrade that kept the version
-    file and mtimes would still check again, not reuse the older packages' verdict."""
+    """The key holds each package's distribution version (an upgrade that kept the version
+    file and mtimes still checks again, not reusing the older packages' verdict) and the
+    checks' own source."""
     verdicts = iter([{"problem": "first"}, {"problem": "second"}])
     compute = lambda: next(verdicts)  # noqa: E731
     assert run_checks._cached("x", ["timm/m"], compute, tmp_path)["problem"] == "first"
@@ -177,6 +178,10 @@ def test_a_cached_verdict_is_not_reused_after_a_package_upgrade(monkeypatch, tmp
     assert run_checks._cached("x", ["timm/m"], compute, tmp_path)["problem"] == "second"
     versions = [json.loads(p.read_text())["key"] for p in tmp_path.glob("x-*.json")]
     assert len(versions) == 2 and any('"99.0"' in key for key in versions)
+    # nor by another version of the checks (a checkout sharing ~/.cache/imagenet-ddp)
+    monkeypatch.setattr(run_checks, "_checks_digest", lambda: "other checks")
+    verdicts = iter([{"problem": "third"}])
+    assert run_checks._cached("x", ["timm/m"], compute, tmp_path)["problem"] == "third"
 
 
 def test_without_the_packages_timm_and_model_kwargs_are_unchecked_and_said_so(
