@@ -32,6 +32,68 @@ def test_sync_batchnorm_keeps_timms_fused_activation():
     assert isinstance(model.bn1.act, torch.nn.SiLU)
 
 
+def test_a_model_family_is_one_registry_entry(monkeypatch):
+    """A new family (here "tiny/") is named, built, checked and converted from its entry alone."""
+
+    def build(arch, num_classes, kwargs):
+        width = kwargs.get("width", 4)
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, width, 3), torch.nn.BatchNorm2d(width),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(width, num_classes),
+        )  # fmt: skip
+
+    tiny = models.Family(
+        prefix="tiny/",
+        package="torch",
+        build=build,
+        names=lambda: ["net"],
+        listing="the tiny nets",
+        residual_option=lambda name, kwargs: None,
+        sync_batchnorm=torch.nn.SyncBatchNorm.convert_sync_batchnorm,
+    )
+    monkeypatch.setitem(models.FAMILIES, "tiny", tiny)
+    assert models.family("tiny/net") == ("tiny", "net") and models.family("net") == (
+        "torchvision", "net")  # fmt: skip
+    model = models.build_model("tiny/net", 7, {"width": 5}, zero_init_residual=True)
+    assert model(torch.zeros(2, 3, 8, 8)).shape == (2, 7)
+    assert models.model_problems("tiny/net", {}, crops=(8,)) == []
+    [line] = models.model_problems("tiny/nett", {})
+    assert line == (
+        "model 'tiny/nett' is not a tiny classification model; did you mean 'tiny/net'? "
+        "pick one of the tiny nets"
+    )
+    [line] = models.model_problems("resnet9000", {})  # bare names list every prefixed family
+    assert line.endswith("or timm/<name>, or tiny/<name>")
+    converted = models.convert_sync_batchnorm("tiny/net", model)
+    assert isinstance(converted[1], torch.nn.SyncBatchNorm)
+    assert models.residual_option("tiny/net") is None and models.importable("tiny")
+
+
+def test_layers_without_a_deterministic_cuda_backward_are_found_from_the_forward():
+    """Named by module, whatever the family or call: a ViT with dynamic_img_size resamples its
+    position embedding (bicubic interpolation) only at a crop other than its img_size."""
+    vit, kwargs = "timm/vit_tiny_patch16_224", {"img_size": 32, "dynamic_img_size": True}
+    assert models.nondeterministic_on_cuda(vit, kwargs, crops=(32,)) == []
+    found = models.nondeterministic_on_cuda(vit, kwargs, crops=(32, 48))
+    assert found == ["VisionTransformer (interpolation)"]
+    assert models.nondeterministic_on_cuda("vgg11", {}, crops=(224,)) == [
+        "avgpool (adaptive average pooling)"
+    ]
+    assert models.nondeterministic_on_cuda("timm/vgg11", {}, crops=(224,)) == []  # 7x7 already
+    assert models.nondeterministic_on_cuda("resnet18", {}, crops=(64,)) == []
+    # CrossViT resizes the image itself (bicubic), which has no backward: not reported
+    assert models.nondeterministic_on_cuda("timm/crossvit_tiny_240", {}, crops=(240,)) == []
+
+
+def test_a_model_whose_builder_computes_with_tensors_is_checked_on_meta_too():
+    """torchvision's RegNet computes its widths with torch.arange(...).tolist(): under
+    torch.device("meta") that raises, and a valid run was refused (models.on_meta)."""
+    assert models.model_problems("regnet_y_400mf", {"stem_width": 16}, crops=(32,)) == []
+    model = models.on_meta(lambda: models.build_model("regnet_y_400mf", 10))
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert torch.nn.Module.register_parameter.__qualname__ == "Module.register_parameter"
+
+
 def test_model_file_rebuilds_a_timm_model_with_its_model_kwargs(tmp_path):
     kwargs = {"img_size": 16, "patch_size": 8}
     model = models.build_model("timm/vit_tiny_patch16_224", 5, kwargs)
@@ -69,6 +131,31 @@ def test_each_optimizer_gets_its_own_options_and_the_groups_weight_decay(
     assert group["lr"] == 0.1 and group["weight_decay"] == 0.05 and group["group"] == "other"
     for key, value in expected.items():
         assert group[key] == (tuple(value) if isinstance(value, list) else value), key
+
+
+def test_an_optimizer_family_is_one_registry_entry(monkeypatch):
+    """A new family (here a prefix, "plain/") is built, resolved and named from its entry alone."""
+    family = optimizers.Family(
+        build=lambda name, groups, *, lr, momentum, nesterov, kwargs: torch.optim.SGD(
+            groups, lr=lr, **kwargs
+        ),
+        resolve=lambda name: torch.optim.SGD,
+        names=lambda: ["plain/sgd"],
+        packages=("torch",),
+        label="a plain optimizer",
+        choices="plain/sgd",
+    )
+    monkeypatch.setitem(optimizers.FAMILIES, "plain/", family)
+    model = torch.nn.Linear(3, 2)
+    opt = optimizers.build_optimizer(
+        "plain/sgd", groups(model), lr=0.1, momentum=0.8, nesterov=True, kwargs={"dampening": 0.5}
+    )
+    assert type(opt).__name__ == "SGD" and opt.param_groups[0]["dampening"] == 0.5
+    assert optimizers.optimizer_problem("plain/sgd", {"dampening": 0.5}) is None
+    line = optimizers.optimizer_problem("plaine/sgd", {})
+    assert line.startswith("optimizer 'plaine/sgd' is not sgd, adamw, a timm optimizer or a plain")
+    assert "did you mean 'plain/sgd'" in line and line.endswith(", plain/sgd")
+    assert not optimizers.named_by_registry("plain/sgd") and optimizers.named_by_registry("sgd")
 
 
 def test_the_reader_factory_gives_training_its_encoded_and_evaluation_its_crops(prepared_demo):

@@ -68,6 +68,17 @@ def test_unknown_model_names_run_and_key_and_suggests_close_names(models, tmp_pa
     assert "'resnet50'" in line and "list_models" in line
 
 
+def test_models_with_auxiliary_outputs_in_training_are_refused(models, tmp_path):
+    """torchvision's GoogLeNet returns a named tuple in training: the loss would fail at the
+    first step. By name, torch-free; with model_kwargs, from the meta-device build."""
+    [line] = problems(demo_config(model="googlenet"), models, tmp_path)
+    assert "model 'googlenet' returns its auxiliary classifiers' outputs" in line
+    assert "aux_logits: false" in line
+    [line] = model_lines(tmp_path, model="googlenet", model_kwargs={"dropout": 0.1})
+    assert "returns GoogLeNetOutputs in training" in line
+    assert model_lines(tmp_path, model="googlenet", model_kwargs={"aux_logits": False}) == []
+
+
 @pytest.mark.parametrize("model", ["fasterrcnn_resnet50_fpn", "quantized_resnet18", "r3d_18"])
 def test_models_that_are_not_classifiers_are_refused(models, tmp_path, model):
     """Registered in torchvision, but not image classifiers `train` can build and feed."""
@@ -103,12 +114,22 @@ def model_lines(tmp_path, **run) -> list[str]:
          "model 'timm/vit_tiny_patch16_224' cannot take 32x32 images"),
         ({"model": "timm/vit_tiny_patch16_224", "model_kwargs": {"img_size": 32},
           "zero_init_residual": True}, "zero_init_residual true with model 'timm/vit_tiny"),
-        ({"model": "timm/vgg11", "deterministic": True, "gpus_per_node": 1,
-          "tasks_per_node": 1, **FED}, None),  # timm's VGG: no adaptive pooling above 1x1
+        ({"model": "timm/resnet18", "deterministic": True, "gpus_per_node": 1,
+          "tasks_per_node": 1, **FED}, None),  # global average pooling to 1x1: a mean
         ({"model": "vgg11", "model_kwargs": {"dropout": 0.1}, "deterministic": True,
-          "gpus_per_node": 1, "tasks_per_node": 1, **FED}, "its adaptive pooling ['avgpool']"),
+          "gpus_per_node": 1, "tasks_per_node": 1, **FED},
+         "its layers ['avgpool (adaptive average pooling)'] have no deterministic CUDA"),
+        # timm's VGG pools a feature map smaller than 7x7 up to it, by a functional call
+        ({"model": "timm/vgg11", "deterministic": True, "gpus_per_node": 1,
+          "tasks_per_node": 1, **FED}, "its layers ['pre_logits (adaptive average pooling)']"),
+        ({"model": "timm/resnet18", "model_kwargs": {"global_pool": "avgmax"},
+          "deterministic": True, "gpus_per_node": 1, "tasks_per_node": 1, **FED},
+         "its layers ['global_pool.pool (adaptive max pooling)']"),
         ({"optimizer": "timm/lamd"}, "optimizer 'timm/lamd' is not sgd, adamw or a timm "
          "optimizer; did you mean"),
+        # the schema takes any name: the registry (optimizers.FAMILIES) judges it
+        ({"optimizer": "adam"}, "optimizer 'adam' is not sgd, adamw or a timm optimizer; did "
+         "you mean 'adamw'"),
         ({"optimizer": "adamw", "optimizer_kwargs": {"beta": [0.9, 0.95]}},
          "optimizer_kwargs.beta: not a parameter of AdamW ('adamw'); did you mean 'betas'?"),
         ({"optimizer_kwargs": {"momentum": 0.8}},
@@ -117,8 +138,8 @@ def model_lines(tmp_path, **run) -> list[str]:
          "optimizer_kwargs {'dampening': 0.1}: Nesterov momentum requires a momentum and zero"),
     ],
     ids=["timm-name", "timm-tag", "swallowed-key", "timm-key", "reserved", "crop", "zero-init",
-         "timm-vgg-ok", "pools", "optimizer", "optimizer-key", "optimizer-setting",
-         "optimizer-value"],
+         "timm-resnet-ok", "pools", "timm-vgg-small", "timm-max-pool", "optimizer",
+         "optimizer-family", "optimizer-key", "optimizer-setting", "optimizer-value"],
 )  # fmt: skip
 def test_models_and_optimizers_are_checked_exactly(tmp_path, run, expected):
     lines = model_lines(tmp_path, **run)
@@ -143,12 +164,32 @@ def test_timm_models_kwargs_and_optimizers_that_can_train_pass(tmp_path):
     assert len(list((tmp_path / "cache").glob("optimizer-check-*.json"))) == 2
 
 
+def test_a_cached_verdict_is_not_reused_after_a_package_upgrade(monkeypatch, tmp_path):
+    """The key holds each package's distribution version (an upgrade that kept the version
+    file and mtimes still checks again, not reusing the older packages' verdict) and the
+    checks' own source."""
+    verdicts = iter([{"problem": "first"}, {"problem": "second"}])
+    compute = lambda: next(verdicts)  # noqa: E731
+    assert run_checks._cached("x", ["timm/m"], compute, tmp_path)["problem"] == "first"
+    assert run_checks._cached("x", ["timm/m"], compute, tmp_path)["problem"] == "first"  # read
+    real = run_checks.importlib.metadata.version
+    upgraded = lambda p: "99.0" if p == "timm" else real(p)  # noqa: E731
+    monkeypatch.setattr(run_checks.importlib.metadata, "version", upgraded)
+    assert run_checks._cached("x", ["timm/m"], compute, tmp_path)["problem"] == "second"
+    versions = [json.loads(p.read_text())["key"] for p in tmp_path.glob("x-*.json")]
+    assert len(versions) == 2 and any('"99.0"' in key for key in versions)
+    # nor by another version of the checks (a checkout sharing ~/.cache/imagenet-ddp)
+    monkeypatch.setattr(run_checks, "_checks_digest", lambda: "other checks")
+    verdicts = iter([{"problem": "third"}])
+    assert run_checks._cached("x", ["timm/m"], compute, tmp_path)["problem"] == "third"
+
+
 def test_without_the_packages_timm_and_model_kwargs_are_unchecked_and_said_so(
     monkeypatch, tmp_path
 ):
     """A bare login-node environment: nothing refused that cannot be judged, one note per run."""
     monkeypatch.setattr(run_checks, "importable", lambda family: False)
-    monkeypatch.setattr(run_checks.optimizers, "importable", lambda name: False)
+    monkeypatch.setattr(run_checks.optimizers, "_packages_here", lambda family: False)
     run = {"model": "timm/resnt18", "optimizer": "timm/lamb"}
     assert model_lines(tmp_path, **run) == []
     config = demo_config(**run)
@@ -158,6 +199,9 @@ def test_without_the_packages_timm_and_model_kwargs_are_unchecked_and_said_so(
     # torchvision names are still checked against the list kept with the package
     [line] = model_lines(tmp_path, model="resnet9000", model_kwargs={"dropout": 0.1})
     assert "model 'resnet9000' is not a torchvision classification model" in line
+    # and an optimizer name no family holds needs no package to be refused
+    [line] = model_lines(tmp_path, optimizer="lamb")
+    assert "optimizer 'lamb' is not sgd, adamw or a timm optimizer; pick one of" in line
 
 
 def test_classification_models_are_torchvisions(models):

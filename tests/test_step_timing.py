@@ -126,6 +126,21 @@ def test_resnet18_flops_match_its_published_multiply_adds():
     assert 3 * 2 * 1.81e9 * 0.95 < flops < 3 * 2 * 1.82e9
 
 
+def test_grouped_convolutions_count_their_own_weight_gradient():
+    """Depthwise 3x3 conv on 4 channels of 5x5 (padded), one image that needs no gradient:
+    forward 2 x 4 x 9 x 25 = 1800, the weight's gradient as many (torch's formula alone
+    counts it as a dense conv, 4x as many)."""
+    conv = torch.nn.Conv2d(4, 4, 3, padding=1, groups=4, bias=False)
+    assert count_flops(conv, torch.randn(1, 4, 5, 5)) == 1800 + 1800
+
+
+def test_regnet_flops_match_its_published_multiply_adds():
+    """torchvision's RegNetY-400MF (grouped convolutions; its builder computes its widths from
+    tensors, so the meta build needs models.on_meta): 0.40 GFLOPS (multiply-adds) forward."""
+    flops = flops_per_image("regnet_y_400mf", 1000, 224)
+    assert 3 * 2 * 0.39e9 < flops < 3 * 2 * 0.41e9
+
+
 def test_mfu_only_against_a_known_peak(monkeypatch):
     assert peak_flops(torch.device("cpu"), "bf16") is None
     assert mfu_percent(1e9, 1000.0, 2, None) is None

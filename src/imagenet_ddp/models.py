@@ -17,7 +17,10 @@ rank, before EMA copies the model and DDP wraps it. Loaded weights win over
 ``zero_init_residual``: it applies to the excluded keys alone (they keep the constructor's
 initialisation, zero-init included).
 ``model_kwargs`` go to the constructor as they are (``drop_path_rate``, ``img_size``,
-``stochastic_depth_prob``, ...). Adding a family is one entry of :data:`FAMILIES` here.
+``stochastic_depth_prob``, ...). Adding a family is one :class:`Family` entry of
+:data:`FAMILIES` here (its prefix, builder, names, residual-BN option and SyncBatchNorm
+converter) and a case in tests/test_models.py: the dry-run, training and the per-model facts
+work from the entry and the built model.
 
 Torch-free at import: the workflow imports it while Snakemake parses the rules (the dry-run's
 checks, :func:`model_problems`); torch, torchvision and timm are imported when a model is built.
@@ -28,7 +31,8 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 TIMM_PREFIX = "timm/"
@@ -48,16 +52,43 @@ RESERVED_KWARGS = {
 }
 
 
+@dataclass(frozen=True)
+class Family:
+    """One entry of :data:`FAMILIES`: everything that distinguishes a family of models.
+
+    ``prefix``: how its names start in the ``model`` setting ("" for bare names; one family
+    has none). ``package``: imported to build it (found without importing). ``build(arch,
+    num_classes, kwargs)``: a randomly initialised model. ``names()``: every model name (for
+    the unknown-name check and its closest names); ``listing``: where a user finds them.
+    ``residual_option(name, kwargs)``: the constructor option that zero-inits residual
+    BatchNorm, None where there is none. ``sync_batchnorm(model)``: the model with
+    SyncBatchNorm. ``name_list``: a bare name without ``model_kwargs`` is judged by the
+    dry-run against a torch-free name list (settings.run_checks.classification_models)
+    instead of a meta-device build."""
+
+    prefix: str
+    package: str
+    build: Callable[[str, int, dict], Any]
+    names: Callable[[], list[str]]
+    listing: str
+    residual_option: Callable[[str, Mapping[str, Any]], str | None]
+    sync_batchnorm: Callable[[Any], Any]
+    name_list: bool = False
+
+
 def family(name: str) -> tuple[str, str]:
-    """(family, the name within it) of a ``model`` setting."""
-    if name.startswith(TIMM_PREFIX):
-        return "timm", name[len(TIMM_PREFIX) :]
-    return "torchvision", name
+    """(family, the name within it) of a ``model`` setting: the family whose prefix it starts
+    with, else the one of bare names."""
+    for key, fam in FAMILIES.items():
+        if fam.prefix and name.startswith(fam.prefix):
+            return key, name[len(fam.prefix) :]
+    return next(k for k, f in FAMILIES.items() if not f.prefix), name
 
 
 def importable(fam: str) -> bool:
     """Whether the family's package (and torch) can be imported here, without importing it."""
-    return all(importlib.util.find_spec(m) is not None for m in ("torch", fam))
+    packages = ("torch", FAMILIES[fam].package)
+    return all(importlib.util.find_spec(m) is not None for m in packages)
 
 
 def build_model(
@@ -71,14 +102,46 @@ def build_model(
 
     ``model_kwargs``: the constructor's own options. ``zero_init_residual``: zero-init the last
     BatchNorm of each residual block, where the model has that option (torchvision's
-    ``zero_init_residual``, timm's ``zero_init_last``; :func:`residual_option`)."""
+    ``zero_init_residual``, timm's ``zero_init_last``; :func:`residual_option`): set either
+    way, as timm's default is True (torchvision's, False: the same model as before)."""
     fam, arch = family(name)
     kwargs = dict(model_kwargs or {})
-    if fam == "torchvision" and zero_init_residual:
-        kwargs["zero_init_residual"] = True  # only when set: earlier runs stay identical
-    elif fam == "timm" and residual_option(name, kwargs) == "zero_init_last":
-        kwargs["zero_init_last"] = zero_init_residual  # timm's default is True: say which
-    return FAMILIES[fam](arch, num_classes, kwargs)
+    option = residual_option(name, kwargs)
+    if option:
+        kwargs[option] = zero_init_residual
+    return FAMILIES[fam].build(arch, num_classes, kwargs)
+
+
+def residual_option(name: str, model_kwargs: Mapping[str, Any] | None = None) -> str | None:
+    """The constructor option that zero-inits residual BatchNorm, None where there is none.
+    torchvision's: from the name (torch-free); timm's: from the model class's signature (a
+    meta-device build: timm must be importable)."""
+    return FAMILIES[family(name)[0]].residual_option(name, model_kwargs or {})
+
+
+def convert_sync_batchnorm(name: str, model):
+    """``model`` with SyncBatchNorm (``sync_bn``), by its family's converter."""
+    return FAMILIES[family(name)[0]].sync_batchnorm(model)
+
+
+def known_names(fam: str) -> list[str]:
+    """Every model name of the family (importing it)."""
+    return sorted(FAMILIES[fam].names())
+
+
+def unknown_name(name: str, close: list[str]) -> str:
+    """The dry-run's line for a name its family lacks, with the ``close`` names (full names):
+    a bare name may be meant for a prefixed family, so their prefixes are listed too."""
+    key, _ = family(name)
+    fam = FAMILIES[key]
+    listing = fam.listing + "".join(
+        f", or {f.prefix}<name>" for f in FAMILIES.values() if f.prefix and not fam.prefix
+    )
+    hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
+    return f"model {name!r} is not a {key} classification model; {hint}pick one of {listing}"
+
+
+# --------------------------------------------------------------------------- the families
 
 
 def _torchvision(arch: str, num_classes: int, kwargs: dict):
@@ -87,55 +150,75 @@ def _torchvision(arch: str, num_classes: int, kwargs: dict):
     return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
 
 
+def _torchvision_names() -> list[str]:
+    import torchvision
+
+    return torchvision.models.list_models(module=torchvision.models)
+
+
+# torchvision builders whose model class takes zero_init_residual (its ResNet family).
+TORCHVISION_RESIDUAL_BN = ("resnet", "resnext", "wide_resnet")
+
+
+def _torchvision_residual(name: str, kwargs: Mapping[str, Any]) -> str | None:
+    return "zero_init_residual" if name.startswith(TORCHVISION_RESIDUAL_BN) else None
+
+
+def _torch_sync_batchnorm(model):
+    import torch
+
+    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
 def _timm(arch: str, num_classes: int, kwargs: dict):
     import timm
 
     return timm.create_model(arch, pretrained=False, num_classes=num_classes, **kwargs)
 
 
-FAMILIES = {"torchvision": _torchvision, "timm": _timm}
+def _timm_names() -> list[str]:
+    import timm
 
-# torchvision builders whose model class takes zero_init_residual (its ResNet family); timm's
-# are found from the class (zero_init_last), which needs timm: see residual_option.
-TORCHVISION_RESIDUAL_BN = ("resnet", "resnext", "wide_resnet")
+    return timm.list_models()
 
 
-def residual_option(name: str, model_kwargs: Mapping[str, Any] | None = None) -> str | None:
-    """The constructor option that zero-inits residual BatchNorm, None where there is none.
-    For timm models it is read from the model class's signature (a meta-device build: timm
-    must be importable)."""
-    fam, arch = family(name)
-    if fam == "torchvision":
-        return "zero_init_residual" if arch.startswith(TORCHVISION_RESIDUAL_BN) else None
-    model = _meta_model(name, model_kwargs or {})
+def _timm_residual(name: str, kwargs: Mapping[str, Any]) -> str | None:
+    model = _meta_model(name, kwargs)
     return "zero_init_last" if "zero_init_last" in _init_parameters(model) else None
 
 
-def convert_sync_batchnorm(name: str, model):
-    """``model`` with SyncBatchNorm (``sync_bn``). timm's fused BatchNormAct2d (BatchNorm,
-    then its activation and drop) needs timm's converter: torch's would keep the BatchNorm and
-    silently drop the activation."""
-    if family(name)[0] == "timm":
-        from timm.layers import convert_sync_batchnorm
+def _timm_sync_batchnorm(model):
+    """timm's fused BatchNormAct2d (BatchNorm, then its activation and drop) needs timm's
+    converter: torch's would keep the BatchNorm and silently drop the activation."""
+    from timm.layers import convert_sync_batchnorm
 
-        return convert_sync_batchnorm(model)
-    import torch
+    return convert_sync_batchnorm(model)
 
-    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+FAMILIES: dict[str, Family] = {
+    "torchvision": Family(
+        prefix="",
+        package="torchvision",
+        build=_torchvision,
+        names=_torchvision_names,
+        listing="torchvision.models.list_models(module=torchvision.models)",
+        residual_option=_torchvision_residual,
+        sync_batchnorm=_torch_sync_batchnorm,
+        name_list=True,
+    ),
+    "timm": Family(
+        prefix=TIMM_PREFIX,
+        package="timm",
+        build=_timm,
+        names=_timm_names,
+        listing="timm.list_models()",
+        residual_option=_timm_residual,
+        sync_batchnorm=_timm_sync_batchnorm,
+    ),
+}
 
 
 # --------------------------------------------------------------------------- dry-run checks
-
-
-def known_names(fam: str) -> list[str]:
-    """Every model name of the family (importing it)."""
-    if fam == "timm":
-        import timm
-
-        return sorted(timm.list_models())
-    import torchvision
-
-    return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
 def model_problems(
@@ -152,14 +235,7 @@ def model_problems(
     names = known_names(fam)
     if arch.split(".")[0] not in names:
         close = difflib.get_close_matches(arch.split(".")[0], names, n=3, cutoff=0.6)
-        prefix = TIMM_PREFIX if fam == "timm" else ""
-        hint = f"did you mean {', '.join(repr(prefix + c) for c in close)}? " if close else ""
-        listing = (
-            "timm.list_models()"
-            if fam == "timm"
-            else "torchvision.models.list_models(module=torchvision.models), or timm/<name>"
-        )
-        return [f"model {name!r} is not a {fam} classification model; {hint}pick one of {listing}"]
+        return [unknown_name(name, [FAMILIES[fam].prefix + c for c in close])]
     for key in model_kwargs:
         if key in RESERVED_KWARGS:
             return [f"model_kwargs.{key}: not settable ({RESERVED_KWARGS[key]}); remove it"]
@@ -196,11 +272,43 @@ def _first_line(error: Exception) -> str:
 
 
 def _meta_model(name: str, model_kwargs: Mapping[str, Any], num_classes: int = 10):
+    fam, arch = family(name)
+    return on_meta(lambda: FAMILIES[fam].build(arch, num_classes, dict(model_kwargs)))
+
+
+def on_meta(build: Callable[[], Any]):
+    """``build()``'s model with its parameters and buffers on torch's meta device (no memory,
+    no compute). Built under ``torch.device("meta")``, where every tensor is meta; a builder
+    that computes its architecture from tensors cannot be (torchvision's RegNet:
+    ``torch.arange(...).tolist()``), so it is built again with each parameter and buffer
+    moved to meta as its module registers it (as accelerate's init_empty_weights), all else
+    on the CPU."""
     import torch
 
-    fam, arch = family(name)
-    with torch.device("meta"):
-        return FAMILIES[fam](arch, num_classes, dict(model_kwargs))
+    try:
+        with torch.device("meta"):
+            return build()
+    except NotImplementedError:  # "Cannot copy out of meta tensor"
+        pass
+    module = torch.nn.Module
+    register_parameter, register_buffer = module.register_parameter, module.register_buffer
+
+    def parameter(self, name, param):
+        register_parameter(self, name, param)
+        if param is not None:
+            self._parameters[name] = torch.nn.Parameter(
+                param.to("meta"), requires_grad=param.requires_grad
+            )
+
+    def buffer(self, name, tensor, persistent=True):
+        tensor = tensor.to("meta") if tensor is not None else None
+        register_buffer(self, name, tensor, persistent=persistent)
+
+    module.register_parameter, module.register_buffer = parameter, buffer
+    try:
+        return build()
+    finally:
+        module.register_parameter, module.register_buffer = register_parameter, register_buffer
 
 
 def _init_parameters(model) -> set[str]:
@@ -220,33 +328,102 @@ def _init_parameters(model) -> set[str]:
 
 
 def _forward_problem(name: str, model, crop: int) -> str | None:
+    """A crop the model refuses, or a training-mode output that is not the logits (the job's
+    loss takes one tensor): torchvision's GoogLeNet and Inception v3 add their auxiliary
+    classifiers' outputs in training, and Inception's refuses crops below 299."""
     import torch
 
+    aux = "torchvision's googlenet, inception_v3: aux_logits: false"
+    training = False
     try:
         with torch.device("meta"), torch.no_grad():
             model.eval()(torch.empty(2, 3, crop, crop))
+            training = True
+            output = model.train()(torch.empty(2, 3, crop, crop))
     except Exception as error:
+        where = f" in training ({aux}, or a larger crop)" if training else ""
         return (
-            f"model {name!r} cannot take {crop}x{crop} images ({_first_line(error)}); set "
-            "model_kwargs (e.g. img_size) to match crop_size / eval_crop_size, or change them"
+            f"model {name!r} cannot take {crop}x{crop} images{where} ({_first_line(error)}); "
+            "set model_kwargs (e.g. img_size) to match crop_size / eval_crop_size, or change them"
+        )
+    if not isinstance(output, torch.Tensor):
+        return (
+            f"model {name!r} returns {type(output).__name__} in training, not the logits the "
+            f"loss takes (its auxiliary classifiers' too); set model_kwargs to drop them ({aux})"
         )
     return None
 
 
-def adaptive_pools(model) -> list[str]:
-    """The model's adaptive average/max pooling layers to more than 1x1: their CUDA backward
-    is not deterministic (torch.use_deterministic_algorithms raises at the first backward)."""
-    import torch
+# Forward aten ops whose CUDA backward has no deterministic kernel: with
+# torch.use_deterministic_algorithms(True) torch raises at the first backward (its documentation
+# of that function lists them). Adaptive average pooling to 1x1 is a mean in aten (no
+# _adaptive_avg_pool2d), so the global pooling of most classifiers is not among them.
+NONDETERMINISTIC_CUDA_BACKWARD = {
+    "_adaptive_avg_pool2d": "adaptive average pooling",
+    "_adaptive_avg_pool3d": "adaptive average pooling",
+    "adaptive_max_pool2d": "adaptive max pooling",
+    "avg_pool3d": "3-D average pooling",
+    "fractional_max_pool2d": "fractional max pooling",
+    "fractional_max_pool3d": "fractional max pooling",
+    "max_unpool2d": "max unpooling",
+    "max_unpool3d": "max unpooling",
+    "upsample_linear1d": "interpolation",
+    "upsample_bilinear2d": "interpolation",
+    "upsample_bicubic2d": "interpolation",
+    "upsample_trilinear3d": "interpolation",
+    "_upsample_bilinear2d_aa": "interpolation",
+    "_upsample_bicubic2d_aa": "interpolation",
+    "reflection_pad1d": "reflection padding",
+    "reflection_pad2d": "reflection padding",
+    "reflection_pad3d": "reflection padding",
+    "grid_sampler_2d": "grid sampling",
+    "grid_sampler_3d": "grid sampling",
+}
 
-    pools = (torch.nn.AdaptiveAvgPool2d, torch.nn.AdaptiveMaxPool2d)
-    found = []
-    for module_name, module in model.named_modules():
-        if isinstance(module, pools):
-            size = module.output_size
-            size = (size, size) if isinstance(size, int) else tuple(size)
-            if any(s is not None and s > 1 for s in size):
-                found.append(module_name)
-    return found
+
+def nondeterministic_on_cuda(
+    name: str, model_kwargs: Mapping[str, Any], crops: tuple[int, ...] = (224,)
+) -> list[str]:
+    """The model's layers that have no deterministic CUDA backward, as "<module> (<what>)":
+    found from the aten ops a training-mode forward calls on the meta device at each crop on
+    tensors that need a gradient (resizing the image itself has no backward: timm's
+    CrossViT), each named by the innermost module calling it (whatever the family, and
+    functional calls too: timm's avgmax pooling, a ViT resampling its position embedding)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = _meta_model(name, model_kwargs).train()
+    names = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
+    stack: list[str] = [type(model).__name__]
+    found: dict[str, None] = {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            what = NONDETERMINISTIC_CUDA_BACKWARD.get(func.overloadpacket.__name__)
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            if what and any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+                found[f"{stack[-1]} ({what})"] = None  # not the image's: it has no backward
+            return func(*args, **(kwargs or {}))
+
+    def push(module, args) -> None:
+        stack.append(names.get(id(module), stack[-1]))
+
+    def pop(module, args, output) -> None:  # None: the output stays the module's
+        stack.pop()
+
+    hooks = torch.nn.modules.module
+    enter, leave = (
+        hooks.register_module_forward_pre_hook(push),
+        hooks.register_module_forward_hook(pop),
+    )
+    try:
+        for crop in sorted(set(crops)):
+            with torch.device("meta"), torch.enable_grad(), Record():
+                model(torch.empty(2, 3, crop, crop))
+    finally:
+        enter.remove()
+        leave.remove()
+    return list(found)
 
 
 # --------------------------------------------------------------------------- a weights file

@@ -1,15 +1,19 @@
-"""The optimizer factory: torch's SGD and AdamW, and every optimizer timm provides, by name.
+"""The optimizer factory: one registry, :data:`FAMILIES`, of torch's SGD and AdamW and every
+optimizer timm provides, by name.
 
-An ``optimizer`` setting names one:
+An ``optimizer`` setting names one family's optimizer:
 
     sgd, adamw          torch.optim.SGD / torch.optim.AdamW
     timm/<name>         timm.optim.create_optimizer_v2(opt=<name>): timm/lamb, timm/lars, ...
 
-The run settings ``lr`` (scaled), ``momentum``, ``nesterov`` and the parameter groups' weight
-decay are passed by the factory; ``optimizer_kwargs`` are the optimizer's own other options
+(torch's other optimizers are timm's too: ``timm/adam``, ``timm/rmsprop``, ... .) The run
+settings ``lr`` (scaled), ``momentum``, ``nesterov`` and the parameter groups' weight decay are
+passed by the family's builder; ``optimizer_kwargs`` are the optimizer's own other options
 (AdamW ``betas``, ``eps``; LAMB ``max_grad_norm`` ...), checked at the dry-run against its
-class's signature (:func:`optimizer_problem`). Adding a family is one branch of
-:func:`optimizer_class` and :func:`build_optimizer`.
+class's signature (:func:`optimizer_problem`). Adding a family is one :class:`Family` entry of
+:data:`FAMILIES` here (and a case in tests/test_models.py): its key is its one name, or its
+prefix ending in ``/`` for a family of names; the schema's ``optimizer`` pattern takes any
+``<name>`` or ``<prefix>/<name>``, and the dry-run refuses a name no family holds.
 
 Torch-free at import, as imagenet_ddp.models (the dry-run imports it while Snakemake parses).
 """
@@ -18,7 +22,8 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 TIMM_PREFIX = "timm/"
@@ -33,6 +38,97 @@ FROM_SETTINGS = {
 }
 
 
+@dataclass(frozen=True)
+class Family:
+    """One entry of :data:`FAMILIES`.
+
+    ``build(name, groups, lr, momentum, nesterov, kwargs)``: the optimizer over the parameter
+    groups (each with its weight decay). ``resolve(name)``: its class, whose signature
+    ``optimizer_kwargs`` are checked against (raises for a name the family lacks).
+    ``names()``: every name it holds, for the closest-name hint. ``packages``: what must be
+    importable to build it (found without importing). ``label`` and ``choices``: how the
+    unknown-name message names it ("a timm optimizer", "timm/<name of ...>")."""
+
+    build: Callable[..., Any]
+    resolve: Callable[[str], type]
+    names: Callable[[], list[str]]
+    packages: tuple[str, ...]
+    label: str
+    choices: str
+
+
+def _sgd(name, groups, *, lr, momentum, nesterov, kwargs):
+    import torch
+
+    nesterov = nesterov and momentum > 0  # torch refuses Nesterov without momentum
+    return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov, **kwargs)
+
+
+def _adamw(name, groups, *, lr, momentum, nesterov, kwargs):
+    import torch
+
+    return torch.optim.AdamW(groups, lr=lr, **kwargs)  # its betas are its own: optimizer_kwargs
+
+
+def _torch_class(attr: str) -> Callable[[str], type]:
+    def resolve(name: str) -> type:
+        import torch
+
+        return getattr(torch.optim, attr)
+
+    return resolve
+
+
+def _timm(name, groups, *, lr, momentum, nesterov, kwargs):
+    from timm.optim import create_optimizer_v2
+
+    # The groups carry their own weight decay; create_optimizer_v2 passes momentum only to
+    # the optimizers that take it, and each its own nesterov default (timm/sgd, timm/nlars:
+    # Nesterov; timm/momentum, timm/lars: classical): the run setting nesterov is SGD's.
+    return create_optimizer_v2(
+        list(groups), opt=name[len(TIMM_PREFIX) :], lr=lr, momentum=momentum, **kwargs
+    )
+
+
+def _timm_class(name: str) -> type:
+    from timm.optim import get_optimizer_class
+
+    return get_optimizer_class(name[len(TIMM_PREFIX) :], bind_defaults=False)
+
+
+def _timm_names() -> list[str]:
+    from timm.optim import list_optimizers
+
+    return [TIMM_PREFIX + n for n in list_optimizers()]
+
+
+FAMILIES: dict[str, Family] = {
+    "sgd": Family(_sgd, _torch_class("SGD"), lambda: ["sgd"], ("torch",), "sgd", "sgd"),
+    "adamw": Family(_adamw, _torch_class("AdamW"), lambda: ["adamw"], ("torch",), "adamw", "adamw"),
+    TIMM_PREFIX: Family(
+        _timm,
+        _timm_class,
+        _timm_names,
+        ("torch", "timm"),
+        "a timm optimizer",
+        "timm/<name of timm.optim.list_optimizers()>",
+    ),
+}
+
+
+def family(name: str) -> Family | None:
+    """The family holding ``name``: the entry of that key, or of the prefix it starts with."""
+    if name in FAMILIES:
+        return FAMILIES[name]
+    prefix = name.split("/")[0] + "/" if "/" in name else None
+    return FAMILIES.get(prefix) if prefix and name != prefix else None
+
+
+def named_by_registry(name: str) -> bool:
+    """Whether ``name`` is an entry's own key (sgd, adamw): known without importing torch."""
+    return name in FAMILIES and not name.endswith("/")
+
+
 def build_optimizer(
     name: str,
     groups: Iterable[dict],
@@ -43,38 +139,46 @@ def build_optimizer(
     kwargs: Mapping[str, Any] | None = None,
 ):
     """The optimizer ``name`` over ``groups`` (parameter groups, each with its weight decay)."""
-    import torch
-
-    kwargs = dict(kwargs or {})
-    if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, **kwargs)
-    if name == "sgd":
-        return torch.optim.SGD(
-            groups, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0, **kwargs
-        )
-    from timm.optim import create_optimizer_v2
-
-    # The groups carry their own weight decay; create_optimizer_v2 passes momentum only to
-    # the optimizers that take it. Its "nesterov"/"momentum" names select SGD variants.
-    return create_optimizer_v2(
-        list(groups), opt=name[len(TIMM_PREFIX) :], lr=lr, momentum=momentum, **kwargs
-    )
+    fam = family(name)
+    if fam is None:
+        raise ValueError(_unknown(name, []))
+    given = dict(kwargs or {})
+    return fam.build(name, groups, lr=lr, momentum=momentum, nesterov=nesterov, kwargs=given)
 
 
 def optimizer_class(name: str):
     """The optimizer's class (imports torch, and timm for ``timm/``)."""
-    import torch
-
-    if name in ("sgd", "adamw"):
-        return {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[name]
-    from timm.optim import get_optimizer_class
-
-    return get_optimizer_class(name[len(TIMM_PREFIX) :], bind_defaults=False)
+    fam = family(name)
+    if fam is None:
+        raise ValueError(_unknown(name, []))
+    return fam.resolve(name)
 
 
 def importable(name: str) -> bool:
-    packages = ("torch", "timm") if name.startswith(TIMM_PREFIX) else ("torch",)
-    return all(importlib.util.find_spec(p) is not None for p in packages)
+    """Whether the family's packages can be imported here (without importing them); a name
+    no family holds needs none to be refused."""
+    fam = family(name)
+    return fam is None or _packages_here(fam)
+
+
+def _unknown(name: str, close: list[str]) -> str:
+    entries = list(FAMILIES.values())
+    labels = ", ".join(f.label for f in entries[:-1]) + f" or {entries[-1].label}"
+    hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
+    choices = ", ".join(f.choices for f in entries)
+    return f"optimizer {name!r} is not {labels}; {hint}pick one of {choices}"
+
+
+def _close_names(name: str) -> list[str]:
+    """The three names closest to ``name`` of every family whose packages import here."""
+    import difflib
+
+    names = [n for f in FAMILIES.values() if _packages_here(f) for n in f.names()]
+    return difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+
+
+def _packages_here(fam: Family) -> bool:
+    return all(importlib.util.find_spec(p) is not None for p in fam.packages)
 
 
 def optimizer_problem(
@@ -83,21 +187,16 @@ def optimizer_problem(
     """An unknown optimizer (with the closest names), an ``optimizer_kwargs`` key that the run
     settings own or its class's signature lacks, or values it refuses (built over one dummy
     parameter, as the job would: SGD's nesterov with dampening), in one line; None when it
-    can be built."""
+    can be built. A name no family holds is refused without importing anything."""
     import difflib
 
+    fam = family(name)
+    if fam is None:
+        return _unknown(name, _close_names(name))
     try:
-        cls = optimizer_class(name)
+        cls = fam.resolve(name)
     except Exception:
-        from timm.optim import list_optimizers
-
-        names = ["sgd", "adamw", *(TIMM_PREFIX + n for n in list_optimizers())]
-        close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
-        hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
-        return (
-            f"optimizer {name!r} is not sgd, adamw or a timm optimizer; {hint}pick one of "
-            "sgd, adamw, timm/<name of timm.optim.list_optimizers()>"
-        )
+        return _unknown(name, _close_names(name))
     for key in kwargs:
         if key in FROM_SETTINGS:
             return f"optimizer_kwargs.{key}: set by the run setting {FROM_SETTINGS[key]}; remove it"

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -26,7 +28,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from imagenet_ddp import optimizers
-from imagenet_ddp.models import family, importable
+from imagenet_ddp.models import (
+    FAMILIES,
+    TORCHVISION_RESIDUAL_BN,
+    family,
+    importable,
+    unknown_name,
+)
 from imagenet_ddp.settings.evaluation import eval_settings
 from imagenet_ddp.settings.geometry import global_batch, loader_workers
 from imagenet_ddp.settings.presets import scaled_lr
@@ -80,14 +88,19 @@ def check_runs(
 def _model_problem(run: Mapping, models: frozenset[str]) -> str | None:
     """A torchvision name against the name list (no torch import: cached or kept here)."""
     model = run["model"]
+    if model in AUX_OUTPUTS_IN_TRAINING:
+        return (
+            f"model {model!r} returns its auxiliary classifiers' outputs too in training, not "
+            "the logits the loss takes; set model_kwargs: {aux_logits: false}"
+        )
     if model in models:
         return None
-    close = difflib.get_close_matches(model, sorted(models), n=3, cutoff=0.6)
-    hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
-    return (
-        f"model {model!r} is not a torchvision classification model; {hint}"
-        "pick one of torchvision.models.list_models(module=torchvision.models), or timm/<name>"
-    )
+    return unknown_name(model, difflib.get_close_matches(model, sorted(models), n=3, cutoff=0.6))
+
+
+# torchvision models whose training-mode forward returns a named tuple by default (with a
+# model_kwargs the meta-device build finds it: imagenet_ddp.models._forward_problem).
+AUX_OUTPUTS_IN_TRAINING = ("googlenet", "inception_v3")
 
 
 def _model_problems(run: Mapping, models: frozenset[str], cache_dir) -> list[str]:
@@ -99,7 +112,7 @@ def _model_problems(run: Mapping, models: frozenset[str], cache_dir) -> list[str
     name, kwargs = run["model"], dict(run.get("model_kwargs") or {})
     fam, _ = family(name)
     if not _exact(run):
-        return [p for p in (_model_problem(run, models),) if p] if fam == "torchvision" else []
+        return [p for p in (_model_problem(run, models),) if p] if _name_listed(fam) else []
     verdict = model_verdict(name, kwargs, _crops(run), cache_dir)
     problems = list(verdict["problems"])
     if not problems and run.get("zero_init_residual") and not verdict["residual_option"]:
@@ -109,10 +122,10 @@ def _model_problems(run: Mapping, models: frozenset[str], cache_dir) -> list[str
             "set zero_init_residual: false"
         )
     on_gpus = run.get("deterministic") and run["gpus_per_node"] > 0
-    if not problems and on_gpus and verdict["adaptive_pools"]:
+    if not problems and on_gpus and verdict["nondeterministic"]:
         problems.append(
-            f"deterministic true with model {name!r} on GPUs: its adaptive pooling "
-            f"{verdict['adaptive_pools'][:3]} has no deterministic CUDA backward (torch "
+            f"deterministic true with model {name!r} on GPUs: its layers "
+            f"{verdict['nondeterministic'][:3]} have no deterministic CUDA backward (torch "
             "would raise at the first step); set deterministic: false or pick another model"
         )
     return problems
@@ -121,7 +134,12 @@ def _model_problems(run: Mapping, models: frozenset[str], cache_dir) -> list[str
 def _exact(run: Mapping) -> bool:
     """Whether the model is judged from its meta-device build (else by name only)."""
     fam, _ = family(run["model"])
-    return (fam == "timm" or bool(run.get("model_kwargs"))) and importable(fam)
+    return (not _name_listed(fam) or bool(run.get("model_kwargs"))) and importable(fam)
+
+
+def _name_listed(fam: str) -> bool:
+    """A family whose bare names the dry-run judges by torchvision's name list (torch-free)."""
+    return FAMILIES[fam].name_list
 
 
 def _crops(run: Mapping) -> tuple[int, ...]:
@@ -136,7 +154,7 @@ def unchecked_model_notes(runs: Mapping[str, Mapping]) -> list[str]:
     notes = []
     for name, run in runs.items():
         fam, _ = family(run["model"])
-        exact = fam == "timm" or run.get("model_kwargs") or run.get("init_weights")
+        exact = not _name_listed(fam) or run.get("model_kwargs") or run.get("init_weights")
         if exact and not importable(fam):
             notes.append(
                 f"config.yaml: run {name!r}: model {run['model']!r} and its model_kwargs are "
@@ -145,7 +163,7 @@ def unchecked_model_notes(runs: Mapping[str, Mapping]) -> list[str]:
                 "the jobs' environment to check them now"
             )
         opt = run["optimizer"]
-        custom = opt not in ("sgd", "adamw") or run.get("optimizer_kwargs")
+        custom = not optimizers.named_by_registry(opt) or run.get("optimizer_kwargs")
         if custom and not optimizers.importable(opt):
             notes.append(
                 f"config.yaml: run {name!r}: optimizer {opt!r} and its optimizer_kwargs are "
@@ -162,10 +180,10 @@ def model_verdict(name: str, kwargs: Mapping, crops: tuple[int, ...], cache_dir)
         from imagenet_ddp import models as M
 
         problems = M.model_problems(name, kwargs, crops)
-        verdict = {"problems": problems, "residual_option": None, "adaptive_pools": []}
+        verdict = {"problems": problems, "residual_option": None, "nondeterministic": []}
         if not problems:
             verdict["residual_option"] = M.residual_option(name, kwargs)
-            verdict["adaptive_pools"] = M.adaptive_pools(M._meta_model(name, kwargs))
+            verdict["nondeterministic"] = M.nondeterministic_on_cuda(name, kwargs, crops)
         return verdict
 
     return _cached("model-check", [name, kwargs, crops], compute, cache_dir)
@@ -202,7 +220,7 @@ def _optimizer_problem(run: Mapping, cache_dir) -> str | None:
     """An unknown optimizer or a bad optimizer_kwargs key (imagenet_ddp.optimizers), where
     torch (and timm for timm/) is importable; unchecked where not, as models are."""
     name, kwargs = run["optimizer"], dict(run.get("optimizer_kwargs") or {})
-    if (name in ("sgd", "adamw") and not kwargs) or not optimizers.importable(name):
+    if (optimizers.named_by_registry(name) and not kwargs) or not optimizers.importable(name):
         return None
     given = {"momentum": run["momentum"], "nesterov": run["nesterov"]}
     verdict = _cached(
@@ -216,9 +234,12 @@ def _optimizer_problem(run: Mapping, cache_dir) -> str | None:
 
 def _cached(kind: str, parts: list, compute, cache_dir) -> dict:
     """``compute()``'s JSON result, kept in ``cache_dir`` per installed torch, torchvision and
-    timm and ``parts``: even a meta-device build imports them (seconds, in every parse)."""
-    versions = [_package_key(p) for p in ("torch", "torchvision", "timm")]
-    key = json.dumps([versions, *parts], sort_keys=True, default=str)
+    timm (their location, version file and distribution version), per version of the checks
+    themselves (the cache is shared by every checkout of a user) and ``parts``: even a
+    meta-device build imports them (seconds, in every parse)."""
+    packages = ("torch", "torchvision", "timm")
+    versions = [[_package_key(p), _distribution_version(p)] for p in packages]
+    key = json.dumps([versions, _checks_digest(), *parts], sort_keys=True, default=str)
     path = None
     if cache_dir is not None:
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -233,6 +254,27 @@ def _cached(kind: str, parts: list, compute, cache_dir) -> dict:
     if path is not None:
         _write_cache(path, {"key": key, "verdict": verdict})
     return verdict
+
+
+def _distribution_version(package: str) -> str | None:
+    """The installed distribution's version (its metadata; no import), None where absent."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def _checks_digest() -> str:
+    """The source of the checks a cached verdict comes from (this module, imagenet_ddp.models
+    and .optimizers): a checkout with other checks does not reuse another's verdicts."""
+    from imagenet_ddp import models
+
+    digest = hashlib.sha256()
+    for module in (models, optimizers):
+        digest.update(Path(module.__file__).read_bytes())
+    digest.update(Path(__file__).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _image_size_problems(run: Mapping, short_side: int) -> list[str]:
@@ -263,10 +305,6 @@ def _image_size_problems(run: Mapping, short_side: int) -> list[str]:
     return problems
 
 
-# The models whose torchvision builder takes zero_init_residual.
-RESIDUAL_BN_MODELS = ("resnet", "resnext", "wide_resnet")
-
-
 def _recipe_problems(run: Mapping) -> list[str]:
     """Recipe keys that could only fail on the GPU node, or silently do nothing."""
     problems = []
@@ -291,8 +329,8 @@ def _recipe_problems(run: Mapping) -> list[str]:
             "set sync_bn: false or train on GPUs (gpus_per_node > 0)"
         )
     # timm's, and any model with model_kwargs where it imports: _model_problems
-    torchvision = family(run["model"])[0] == "torchvision" and not _exact(run)
-    residual = run["model"].startswith(RESIDUAL_BN_MODELS)
+    torchvision = _name_listed(family(run["model"])[0]) and not _exact(run)
+    residual = run["model"].startswith(TORCHVISION_RESIDUAL_BN)
     if run.get("zero_init_residual") and torchvision and not residual:
         problems.append(
             f"zero_init_residual true with model {run['model']!r}: only torchvision's ResNet "

@@ -27,7 +27,8 @@ or a comm hook that would change DDP's code path. The profiler window (``profile
 Model FLOPs (:func:`flops_per_image`) are counted once per crop size with
 ``torch.utils.flop_counter.FlopCounterMode`` on the meta device (no memory, no compute): one
 forward and backward per image, so the matrix multiplications and convolutions only (not
-normalization, activations, the loss or the optimizer). MFU (:func:`mfu_percent`) compares
+normalization, activations, the loss or the optimizer; a grouped convolution's backward by
+:func:`_conv_backward_flops`, as torch's counts it dense). MFU (:func:`mfu_percent`) compares
 them, at the epoch's steady throughput, with the device's dense peak (:data:`PEAK_TFLOPS`).
 """
 
@@ -78,11 +79,11 @@ def flops_per_image(model_name: str, num_classes: int, crop: int, model_kwargs: 
     """Model FLOPs of one training step per image (forward and backward). Counted on a batch
     of 2 (BatchNorm in training mode refuses one value per channel, as a tiny crop gives).
     ``model_kwargs``: as JSON (hashable, for the cache)."""
+    from imagenet_ddp.models import on_meta
     from imagenet_ddp.training.model import build_model
 
-    with torch.device("meta"):
-        model = build_model(model_name, num_classes, json.loads(model_kwargs))
-        images = torch.empty(2, 3, crop, crop)
+    model = on_meta(lambda: build_model(model_name, num_classes, json.loads(model_kwargs)))
+    images = torch.empty(2, 3, crop, crop, device="meta")
     return count_flops(model, images) // 2
 
 
@@ -91,9 +92,22 @@ def count_flops(model: torch.nn.Module, images: torch.Tensor) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
     model.train()
-    with FlopCounterMode(display=False) as counter:
+    backward = {torch.ops.aten.convolution_backward: _conv_backward_flops}
+    with FlopCounterMode(display=False, custom_mapping=backward) as counter:
         model(images).sum().backward()
     return int(counter.get_total_flops())
+
+
+def _conv_backward_flops(grad_out_shape, x_shape, w_shape, *args, out_shape=None, **kwargs):
+    """A convolution's backward: each multiply-add of its forward is one of the input's
+    gradient and one of the weight's. torch's own formula (flop_counter.conv_backward_flop)
+    counts the weight's gradient as if the convolution were dense, ``groups`` times too many
+    for a grouped or depthwise one (RegNet, ResNeXt, EfficientNet, ConvNeXt, ...)."""
+    from torch.utils.flop_counter import conv_flop_count
+
+    transposed, output_mask = args[4], args[7]
+    forward = conv_flop_count(list(x_shape), list(w_shape), list(grad_out_shape), transposed)
+    return forward * (int(output_mask[0]) + int(output_mask[1]))
 
 
 def mfu_percent(flops_image: float | None, images_per_s: float | None, ranks: int, peak):
