@@ -19,7 +19,8 @@ check take it from this registry.
 Whatever starts the ranks, each rank is started with the job's spec path only and finds its
 rank, world and rendezvous in its environment (:mod:`imagenet_ddp.jobs.distributed`).
 
-Torch-free: the launcher process and the workflow at parse time import it.
+Torch-free at import: the workflow imports it while Snakemake parses the rules (the names);
+what starts processes imports :mod:`imagenet_ddp.jobs.signals` (torch) when it runs.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from typing import ClassVar
 
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.jobs.container import task_runtime
-from imagenet_ddp.jobs.signals import EXIT_REQUEUE, ForwardStopSignals
 from imagenet_ddp.settings.geometry import Geometry
 from imagenet_ddp.settings.node_memory import compile_threads_env
 
@@ -280,6 +280,8 @@ def _run_step(argv: list[str], geometry: Geometry) -> tuple[int, float]:
     kill the step, which refuses (the job is already ending), and the ranks have ``KillWait``
     seconds (docs/slurm-notes.md section 7).
     """
+    from imagenet_ddp.jobs.signals import ForwardStopSignals
+
     print("+ " + shlex.join(argv), flush=True)
     with ForwardStopSignals(srun=True) as forward:
         proc = subprocess.Popen(
@@ -340,6 +342,8 @@ def spawn_local_ranks(argv: list[str], geometry: Geometry, grace_seconds: float 
     Here a stop signal is passed on to the ranks and their exit code is returned. If a rank
     fails, the others are stopped (SIGTERM, SIGKILL after ``grace_seconds``), as torchrun does.
     """
+    from imagenet_ddp.jobs.signals import ForwardStopSignals
+
     env = worker_env(geometry)
     env.update(
         MASTER_ADDR="127.0.0.1",
@@ -396,6 +400,8 @@ def _exit_code(proc: subprocess.Popen) -> int:
 
 
 def _wait_for_ranks(procs: list[subprocess.Popen], grace_seconds: float) -> int:
+    from imagenet_ddp.jobs.signals import EXIT_REQUEUE
+
     failed = None
     while [p.poll() for p in procs].count(None):  # polls every rank (any() would stop early)
         failed = next((p for p in procs if p.returncode not in (None, 0, EXIT_REQUEUE)), None)
