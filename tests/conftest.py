@@ -24,6 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 CHECKOUT_OUTPUTS = tuple(
     str(REPO / name) for name in ("results", "resources", "logs", ".snakemake")
 )
+# Importing Snakemake puts the relative .snakemake/pip-deployments on sys.path; torch's first
+# lookup of its CUDA libraries (an import of timm, say) then probes paths below it. A library
+# search, not a test reading outputs, whichever test happens to import first.
+PIP_DEPLOYMENTS = str(REPO / ".snakemake" / "pip-deployments")
 _outputs_read: list[str] = []
 _recording = [False]  # off while the fixture lists the outputs itself
 
@@ -43,6 +47,9 @@ def _record_reads(event: str, args: tuple) -> None:
     if os.fsdecode(args[0]) in sys.path:
         return  # the import system (and importlib.metadata) scanning a sys.path entry: importing
         # Snakemake adds the relative .snakemake/pip-deployments; not the test reading outputs
+    path = os.path.abspath(os.fsdecode(args[0]))
+    if path == PIP_DEPLOYMENTS or path.startswith(PIP_DEPLOYMENTS + os.sep):
+        return
     if _under_outputs(args[0]):
         _outputs_read.append(os.fsdecode(args[0]))
 

@@ -218,6 +218,18 @@ def test_geometry_and_bookkeeping_do_not_enter_the_key():
     assert "gpus_per_node" not in key
 
 
+def test_a_run_recorded_before_a_setting_existed_joins_the_same_runs_group():
+    """A newer version records settings an earlier one did not (model_kwargs, accumulation,
+    warmup_steps, ...): at their x-earlier value the two runs are one scaling group; at another
+    value they are not."""
+    old = dict(BASE_CONFIG)
+    for key in ("model_kwargs", "optimizer_kwargs", "accumulation", "warmup_steps"):
+        old.pop(key, None)
+    new = {**old, "model_kwargs": {}, "optimizer_kwargs": {}, "accumulation": 1, "warmup_steps": 0}
+    assert scaling_key(old) == scaling_key(new)
+    assert scaling_key({**new, "model_kwargs": {"drop_path_rate": 0.1}}) != scaling_key(old)
+
+
 def test_one_gpu_and_one_full_node_of_gpus_are_one_group():
     one = scaling_key({**BASE_CONFIG, "nodes": 1, "tasks_per_node": 1, "gpus_per_node": 1})
     node = scaling_key({**BASE_CONFIG, "nodes": 1, "tasks_per_node": 8, "gpus_per_node": 8})

@@ -119,11 +119,12 @@ rule evaluate:
 rule preflight_run:
     """Check a run's geometry, staging, all-reduce, step and loader; project its cost."""
     input:
-        # as train's (see there)
+        # as train's (see there): its projection is of this data
         prepared=ancient(prepared_manifest("train")),
         split_train=ancient("results/split/train.csv"),
         split_holdout=ancient("results/split/holdout.csv"),
         data_key=DATA_KEY,
+        prepared_key=prepared_key("train"),
     output:
         report="results/preflight/{run}/preflight.json",
     log:

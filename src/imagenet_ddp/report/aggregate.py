@@ -147,8 +147,12 @@ def scaling_key(config: dict[str, Any]) -> str:
     # What may differ inside a group: the geometry being scaled (WORLD_KEYS), and the settings
     # whose kind is not compared (the run's name, bookkeeping; `preflight`: recorded, always
     # false, by versions whose TrainConfig had it). Everything else must be identical.
-    ignore = {*WORLD_KEYS, *declarations().not_compared()}
-    settings = {k: _canonical(v) for k, v in config.items() if k not in ignore}
+    # A setting at its x-earlier value is left out: a run recorded before it existed (no such
+    # key) and the same run recorded after are one group.
+    decl = declarations()
+    ignore = {*WORLD_KEYS, *decl.not_compared()}
+    kept = decl.without_earlier_values({k: v for k, v in config.items() if k not in ignore})
+    settings = {k: _canonical(v) for k, v in kept.items()}
     if not settings.get("gpu_type", True):
         del settings["gpu_type"]
     if "gpus_per_node" in settings:

@@ -127,6 +127,11 @@ class Declarations:
             or v != spec["x-earlier"]  # Python's ==: 1 and 1.0, [0.08, 1] and [0.08, 1.0]
         }
 
+    def without_earlier_values(self, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """``settings`` less those at the value a run had before the setting existed (its
+        ``x-earlier``): a run recorded by an earlier version, without them, compares equal."""
+        return self._as_before(dict(settings))
+
     def weight_settings(self, settings: Mapping[str, Any]) -> dict[str, Any]:
         """What the checkpoint fingerprint hashes of ``settings`` (a run as the rank gets it,
         or TrainConfig's fields): the settings that change the weights."""
