@@ -66,12 +66,15 @@ from tests.workflow_helpers import SNAKEMAKE, copy_workflow, shown_specs, snakem
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
 # 2 nodes x 1 rank, one loader worker, batch 2, crop 24, fp32: 81 steps, ~11 s per epoch on an
-# idle 2-core machine (measured in CI). The first three jobs are stopped as soon as they train;
-# the fourth trains until its warning, 60-90 s after its start (30-60 s before its 2-minute
-# limit: slurmctld checks every 30 s), 3-6 epochs after start-up; the next finishes, or is
-# warned and resubmitted on a loaded machine (max_allocations leaves room for that).
+# idle 2-core machine (measured in CI; ~8 s on a faster one). The first three jobs are stopped
+# as soon as they train (the third after 2 epochs on 1 node: 2-4 epochs done by then); the
+# fourth trains until its warning, 60-90 s after its start (30-60 s before its 2-minute limit:
+# slurmctld checks every 30 s), 4-9 epochs after start-up, so it must have more left than
+# that (with 8 epochs a fast machine's fourth job finished before its warning: seen in CI);
+# the next finishes, or is warned and resubmitted on a loaded machine (max_allocations leaves
+# room for that).
 RUN = {key: CONFIG[key] for key in CONFIG if key != "run"} | {
-    "name": "stops", "nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1, "epochs": 8,
+    "name": "stops", "nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1, "epochs": 12,
     "max_allocations": 12, "batch_size": 2, "crop_size": 24, "eval_resize": 24, "workers": 1,
     "precision": "fp32",  # deterministic CPU bf16 runs without oneDNN (~25x slower per step)
     "fallback_nodes": [1],  # elastic: on 1 node with accumulation 2
@@ -123,12 +126,16 @@ def running_train_job(cluster, workdir: Path, seen: set[int], proc, timeout: flo
                 lambda: f":\n{cluster.logs()}")  # fmt: skip
 
 
-def launcher_pid(workdir: Path) -> int:
-    """The `imagenet-ddp train` process of this workdir (the rule's shell exec'd it)."""
+def launcher_pid(workdir: Path, job: int) -> int:
+    """The `imagenet-ddp train` process of SLURM job ``job`` in this workdir (the rule's shell
+    exec'd it). By its job id: the crash run's launchers (the same workdir, beside it) are
+    `imagenet-ddp train` processes too."""
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
             ours = b"--job" in argv and (proc / "cwd").resolve() == workdir
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            ours = ours and f"SLURM_JOB_ID={job}".encode() in environ
             if ours and b"train" in argv and any(a.endswith(b"imagenet-ddp") for a in argv):
                 return int(proc.name)
         except OSError:
@@ -183,7 +190,7 @@ def stop_four_ways(cluster, workdir: Path, run: subprocess.Popen) -> dict[str, t
         cluster.run("scancel", "-s", "TERM", "--batch", str(job))
 
     stops = {
-        "kill": lambda job: os.kill(launcher_pid(workdir), signal.SIGTERM),
+        "kill": lambda job: os.kill(launcher_pid(workdir, job), signal.SIGTERM),
         # the job's end, as preemption and a time limit without --signal deliver it too
         "scancel": drain_then_scancel,
         # a one-rank job: its launcher inside the executor's srun step, not the batch step
