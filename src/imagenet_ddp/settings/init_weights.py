@@ -23,18 +23,13 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from imagenet_ddp.io import file_digest as io_file_digest
 from imagenet_ddp.settings.run_checks import _write_cache
-
-HASH_CHUNK = 1 << 20
 
 
 def sha256_of(path: str | os.PathLike[str]) -> str:
-    """The SHA-256 of the file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(HASH_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    """The SHA-256 of the file's bytes (streamed: imagenet_ddp.io.file_digest)."""
+    return io_file_digest(path, "sha256")
 
 
 def file_digest(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None) -> str:
