@@ -1,9 +1,7 @@
-"""The imagenet_ddp package (its modules: docs/layout.md); __version__ from its metadata."""
+"""The imagenet_ddp package (its modules: docs/layout.md).
 
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as _v
+``__version__`` is the one home of the version (pyproject.toml reads it): the workflow's parse
+stamps it into every job spec, and a job whose installed package is another version refuses
+(a `git pull` or an image not rebuilt since: imagenet_ddp.jobs.spec)."""
 
-try:
-    __version__ = _v("imagenet-ddp")
-except PackageNotFoundError:  # imported from the source tree (the workflow's parse-time checks)
-    __version__ = "0+source"
+__version__ = "0.2.0"

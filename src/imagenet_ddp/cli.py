@@ -142,19 +142,25 @@ def _add_out_arguments(p) -> None:
     p.add_argument("--prepared-dir", type=Path, help="the shared directory of the copies")
 
 
-def cmd_data_key(args: argparse.Namespace) -> None:
-    import json
-
+def cmd_data_content(args: argparse.Namespace) -> None:
+    from imagenet_ddp.data.prepared_layout import content_record
     from imagenet_ddp.io import write_json_atomic
 
-    write_json_atomic(args.out, json.loads(args.settings))
+    paths = (args.prepared_train, args.prepared_val, args.split_train, args.split_holdout)
+    write_json_atomic(args.out, content_record(*paths, args.classes))
+
+
+def cmd_check(args: argparse.Namespace) -> None:
+    from imagenet_ddp.settings.run_checks import write_check
+
+    write_check(args.run, args.num_classes, args.run_dir, args.out)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from imagenet_ddp.jobs.spec import load
+    from imagenet_ddp.jobs.spec import load, with_init_weights
     from imagenet_ddp.jobs.stages import train_job
 
-    job = load(args.job, "train")
+    job = with_init_weights(load(args.job, "train"), args.init_weights_sha256)
     if args.attempt_log:
         from imagenet_ddp.jobs.attempt_log import open_attempt_log
 
@@ -188,6 +194,11 @@ def _add_job_parser(sub, name: str, help_text: str, func) -> None:
     )
     if name == "train":
         p.add_argument(
+            "--init-weights-sha256",
+            default="",
+            help="the init_weights file's digest as the check read it (the rule's param)",
+        )
+        p.add_argument(
             "--attempt-log",
             metavar="LINK",
             help="write this job's output to its own log beside LINK "
@@ -199,7 +210,7 @@ def _add_job_parser(sub, name: str, help_text: str, func) -> None:
 def cmd_aggregate(args: argparse.Namespace) -> None:
     from imagenet_ddp.report.aggregate import write_aggregate
 
-    write_aggregate(args.run_dirs, args.csv, args.markdown, args.training_code)
+    write_aggregate(args.run_dirs, args.csv, args.markdown)
 
 
 def cmd_convert_checkpoint(args: argparse.Namespace) -> None:
@@ -293,10 +304,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_split)
 
     _add_prepare_parsers(sub)
-    p = sub.add_parser("data-key", help="record what the training data is made from")
+    p = sub.add_parser("data-content", help="record the digests of what trains and evaluates")
+    for flag in ("prepared-train", "prepared-val", "split-train", "split-holdout", "classes"):
+        p.add_argument(f"--{flag}", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--settings", required=True, help="the settings, as JSON")
-    p.set_defaults(func=cmd_data_key)
+    p.set_defaults(func=cmd_data_content)
+
+    p = sub.add_parser("check", help="check a run's model, optimizer and weights with torch")
+    p.add_argument("--run", required=True, help="the run's settings, as JSON")
+    p.add_argument("--num-classes", type=int, required=True)
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=cmd_check)
 
     _add_job_parser(sub, "train", "stage data on every node and run DDP training", cmd_train)
     _add_job_parser(
@@ -311,9 +330,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dirs", type=Path, nargs="+", required=True)
     p.add_argument("--csv", type=Path, required=True)
     p.add_argument("--markdown", type=Path, required=True)
-    p.add_argument(
-        "--training-code", help="the digest of today's training code: flag runs of another"
-    )
     p.set_defaults(func=cmd_aggregate)
 
     p = sub.add_parser("accounting", help="sacct accounting of each run's training job")

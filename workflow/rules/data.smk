@@ -40,9 +40,9 @@ rule verify:
     container:
         CONTAINER
     params:
-        data_dir=input_data_dir,
+        data_dir=lambda wildcards: data_dir(),
         check_md5="--check-md5" if config["data"]["check_md5"] else "--no-check-md5",
-        code=CODE["verify"],  # its code changed: rerun (common.smk CODE)
+        version=STAGE_VERSIONS["verify"],  # what it writes changed: rerun (stage_versions)
     shell:
         "imagenet-ddp verify --data-dir {params.data_dir:q} --report {output.report:q}"
         " {params.check_md5} > {log:q} 2>&1"
@@ -51,11 +51,10 @@ rule verify:
 rule index:
     """List every train and val image with its class from the archives and devkit."""
     input:
+        # Not verify's report: index reads the tars' headers beside verify's md5 pass, and a
+        # verify rerun (data.check_md5 flipped) reruns nothing after it. What trains waits
+        # for the report (data_content).
         **archive_paths(),
-        # A gate, not a data input (common.smk verify_gate): index waits for verify where
-        # the report is missing or older than an archive; otherwise a verify rerun
-        # (data.check_md5 flipped, its code changed) reruns nothing after it.
-        verified=verify_gate,
     output:
         classes="results/index/classes.csv",
         train="results/index/train.csv",
@@ -69,33 +68,13 @@ rule index:
     container:
         CONTAINER
     params:
-        data_dir=input_data_dir,
+        data_dir=lambda wildcards: data_dir(),
         out_dir=lambda wildcards, output: os.path.dirname(output.train),
         # A new index format reruns this rule: prepare never reads an index of an older one.
-        index_format=INDEX_FORMAT_VERSION,
-        code=CODE["index"],  # its code changed: rerun (common.smk CODE)
+        version=STAGE_VERSIONS["index"],
     shell:
         "imagenet-ddp index --data-dir {params.data_dir:q} --out-dir {params.out_dir:q}"
         " > {log:q} 2>&1"
-
-
-rule data_key:
-    """Record the settings the training data is made from: a change reruns the trainings."""
-    output:
-        DATA_KEY,
-    log:
-        "logs/data_key.log",
-    localrule: True
-    conda:
-        "../envs/imagenet-ddp.yaml"
-    container:
-        CONTAINER
-    params:
-        # Every setting the training data is made from (common.smk DATA_KEY), not check_md5
-        # nor any stage's code: a change of one reruns this job and every training after it.
-        settings=lambda wildcards: json.dumps(data_key_settings(), sort_keys=True),
-    shell:
-        "imagenet-ddp data-key --out {output:q} --settings {params.settings:q} > {log:q} 2>&1"
 
 
 rule split:
@@ -119,7 +98,7 @@ rule split:
         seed=config["split"]["seed"],
         index_dir=lambda wildcards, input: os.path.dirname(input.train),
         out_dir=lambda wildcards, output: os.path.dirname(output.train),
-        code=CODE["split"],  # its code changed: rerun (common.smk CODE)
+        version=STAGE_VERSIONS["split"],
     shell:
         "imagenet-ddp split --index-dir {params.index_dir:q}"
         " --holdout-fraction {params.holdout_fraction} --seed {params.seed}"
@@ -150,11 +129,11 @@ if PREPARE_JOBS == 1:
             CONTAINER
         threads: PREPARE["workers"]
         params:
-            data_dir=input_data_dir,
+            data_dir=lambda wildcards: data_dir(),
             index_dir=lambda wildcards, input: os.path.dirname(input.index),
             flags=prepare_flags,
             # A new prepared format reruns this rule: no job reads a copy of an older one.
-            format_version=PREPARED_FORMAT_VERSION,
+            version=STAGE_VERSIONS["prepare"],
             # Where the copies live (a function: --lint takes a plain prefix of the output
             # for a path to derive from it; the copies are not this job's outputs).
             prepared_dir=lambda wildcards: PREPARED_DIR,
@@ -190,11 +169,11 @@ else:
             CONTAINER
         threads: PREPARE["workers"]
         params:
-            data_dir=input_data_dir,
+            data_dir=lambda wildcards: data_dir(),
             index_dir=lambda wildcards, input: os.path.dirname(input.index),
             flags=prepare_flags,
             # A new prepared format reruns this rule: no job reads a copy of an older one.
-            format_version=PREPARED_FORMAT_VERSION,
+            version=STAGE_VERSIONS["prepare"],
             # a copy of the same index and settings there already: convert nothing
             prepared_dir=lambda wildcards: PREPARED_DIR,
         shell:
@@ -227,7 +206,7 @@ else:
         container:
             CONTAINER
         params:
-            format_version=PREPARED_FORMAT_VERSION,
+            version=STAGE_VERSIONS["prepare"],
             # Where the copies live (a function: --lint takes a plain prefix of the output
             # for a path to derive from it; the copies are not this job's outputs).
             prepared_dir=lambda wildcards: PREPARED_DIR,
@@ -235,3 +214,38 @@ else:
             "imagenet-ddp prepare-join --chunk-dirs {input.chunks:q}"
             " --manifest {output.manifest:q} --prepared-dir {params.prepared_dir:q}"
             " > {log:q} 2>&1"
+
+
+# What the trainings and evaluations read, by content: the sha256 of the prepared copies'
+# content (their prepared.json, which holds every shard's sha256) and of the split's files. A
+# checkpoint: Snakemake judges train and evaluate again once it has run, by their params (these
+# digests), not by its time, so a data stage that reruns and makes the same data (a new stage
+# version, another layout or data.dir with the same images) retrains nothing, and other images
+# retrain every run. A dry-run shows them waiting for it ("decided after data_content").
+checkpoint data_content:
+    """Record the content digest of the data each training and evaluation reads."""
+    input:
+        prepared_train=prepared_manifest("train"),
+        prepared_val=prepared_manifest("val"),
+        split_train="results/split/train.csv",
+        split_holdout="results/split/holdout.csv",
+        classes="results/index/classes.csv",
+        # What trains waits for verified archives; a verify rerun (check_md5) alone reruns
+        # nothing here (ancient: its report's time is no reason).
+        verified=ancient(VERIFY_REPORT),
+    output:
+        DATA_CONTENT,
+    log:
+        "logs/data_content.log",
+    localrule: True
+    conda:
+        "../envs/imagenet-ddp.yaml"
+    container:
+        CONTAINER
+    params:
+        version=STAGE_VERSIONS["data_content"],
+    shell:
+        "imagenet-ddp data-content --prepared-train {input.prepared_train:q}"
+        " --prepared-val {input.prepared_val:q} --split-train {input.split_train:q}"
+        " --split-holdout {input.split_holdout:q} --classes {input.classes:q}"
+        " --out {output:q} > {log:q} 2>&1"

@@ -42,7 +42,7 @@ rule accounting:
         CONTAINER
     params:
         run_dir=lambda wildcards, input: os.path.dirname(input.metrics),
-        code=CODE["accounting"],  # its code changed: rerun (common.smk CODE)
+        version=STAGE_VERSIONS["accounting"],
     shell:
         "imagenet-ddp accounting --run-dirs {params.run_dir:q} > {log:q} 2>&1"
 
@@ -73,13 +73,13 @@ rule aggregate:
         CONTAINER
     params:
         run_dirs=run_dirs(),
-        code=CODE["aggregate"],  # its code changed: rerun (common.smk CODE)
-        # The training code of today: a run whose model other code trained is flagged.
-        training_code=CODE["training"],
+        # What it writes: a new version reruns this local rule (a second), and its table flags
+        # a run trained by another package version.
+        version=STAGE_VERSIONS["aggregate"],
+        package=PACKAGE_VERSION,
     shell:
         "imagenet-ddp aggregate --run-dirs {params.run_dirs:q} --csv {output.csv:q}"
-        " --markdown {output.markdown:q} --training-code {params.training_code}"
-        " > {log:q} 2>&1"
+        " --markdown {output.markdown:q} > {log:q} 2>&1"
 
 
 rule plots:
@@ -127,7 +127,7 @@ rule plots:
         CONTAINER
     params:
         run_dirs=run_dirs(),
-        code=CODE["plots"],  # its code changed: rerun (common.smk CODE)
+        version=STAGE_VERSIONS["plots"],
     shell:
         "imagenet-ddp plots --runs-csv {input.runs:q} --run-dirs {params.run_dirs:q}"
         " --throughput {output.throughput:q} --efficiency {output.efficiency:q}"

@@ -1,14 +1,43 @@
+# The checks a run needs torch for, once per change of its settings or weights file and before
+# any of its GPU jobs: its model built on the meta device at its crops (constructor options,
+# training-mode outputs, CUDA determinism, residual zero-init), its optimizer, its init_weights
+# file's keys and shapes against the data's class count, and that file's sha256 (train's param).
+# Local: a few seconds on the machine that runs Snakemake. A checkpoint, so a check that reruns
+# (a setting changed) leaves train to its own params, which say whether it retrains.
+checkpoint check:
+    """Check a run's model, optimizer and weights file where torch is (before its GPU jobs)."""
+    output:
+        "results/checks/{run}.json",
+    log:
+        "logs/check/{run}.log",
+    localrule: True
+    conda:
+        "../envs/imagenet-ddp.yaml"
+    container:
+        CONTAINER
+    # The run's settings, bookkeeping included: a resource, so that only what the check judges
+    # (its params) reruns it.
+    resources:
+        run=lambda wildcards: json.dumps(
+            training_settings(wildcards.run), separators=(",", ":")
+        ),
+    params:
+        run=check_params,
+        version=STAGE_VERSIONS["check"],
+        num_classes=class_count,
+        run_dir=lambda wildcards: f"results/runs/{wildcards.run}",
+    shell:
+        "imagenet-ddp check --run {resources.run:q} --num-classes {params.num_classes}"
+        " --run-dir {params.run_dir:q} --out {output:q} > {log:q} 2>&1"
+
+
 rule train:
     """Train one run with DDP on its nodes x tasks_per_node ranks; resumed after a stop."""
     input:
-        # ancient: a rerun of the data stages that makes the same data resubmits no finished
-        # training; the split settings rerun it through data_key, the prepared copy's content
-        # through its key file (common.smk; docs/configuration.md "Reruns").
-        prepared=ancient(prepared_manifest("train")),
-        split_train=ancient("results/split/train.csv"),
-        split_holdout=ancient("results/split/holdout.csv"),
-        data_key=DATA_KEY,
-        prepared_key=prepared_key("train"),
+        # Checkpoints' records, by content (common.smk): their times are no reason; train's
+        # params below say whether the data or the weights file changed.
+        data=data_content_file,
+        check=run_check_file,
         preflight=preflight_input,  # runs with `preflight: true`: a passing preflight first
     output:
         model="results/runs/{run}/model.pt",
@@ -31,9 +60,9 @@ rule train:
     resources:
         # One SLURM task per GPU (rank) on every node; the rule launches them itself with srun,
         # which the SLURM executor requires to be declared with the `mpi` resource. The
-        # geometry itself is a result (params, rerun_params), these only size the job.
-        # A retry that will refuse (max_allocations, or no progress twice in a row) asks for
-        # one task without GPUs instead (common.smk train_resource).
+        # geometry itself is a result (params), these only size the job. A retry that will
+        # refuse (max_allocations, or no progress twice in a row) asks for one task without
+        # GPUs instead (common.smk train_resource).
         nodes=train_resource("nodes"),
         tasks_per_node=train_resource("tasks_per_node"),
         tasks=train_resource("tasks"),
@@ -41,30 +70,31 @@ rule train:
         gres=train_resource("gres"),
         tasks_per_gpu=0,  # else the plugin adds --ntasks-per-gpu=<all tasks> to GPU jobs
         mpi=train_resource("mpi"),
-        snakemake_attempt=lambda wildcards, attempt: attempt,  # 2, 3, ...: a resubmission (shown)
-        # The path of the whole job spec (imagenet_ddp.jobs.spec: the run's settings, geometry
-        # included, its paths, where and how it runs; common.smk job_spec, a file named by its
-        # content's digest), and a compact line of the hyperparameters (shown by
-        # `snakemake -n -p`): resources, not params, because a param's every change
-        # reruns the finished job (a new GPU allocation that resumes its final checkpoint and
-        # changes nothing) and bookkeeping such as log_interval or the launcher changes no
-        # result. `imagenet-ddp train` writes the spec once into <run dir>/job_spec.json, the
-        # one file every process of the job reads.
+        # The stop warning the ranks checkpoint on, then the site's flags (common.smk).
+        slurm_extra=train_slurm_extra,
+        snakemake_attempt=lambda wildcards, attempt: attempt,  # 2, 3, ...: a resubmission
+        # The whole job spec (imagenet_ddp.jobs.spec, compact JSON) and the hyperparameters on
+        # one line: resources, not params, because a param's every change reruns the
+        # finished job, and bookkeeping such as log_interval or the launcher changes no result.
+        # `imagenet-ddp train` writes the spec into <run dir>/job_spec.json, the one file every
+        # process of the job reads.
         job=job_spec("train", "train"),
         hyperparameters=run_hyperparameters,
     params:
-        # What reruns the training: the settings of the run's checkpoint key (kinds weights,
-        # numerics, geometry: imagenet_ddp.settings.kinds; docs/configuration.md "Reruns"),
-        # one param each, so that a dry-run's reason names the setting that changed.
-        **rerun_params(),
+        # What reruns the training (docs/configuration.md "Reruns"): its checkpoint key's
+        # settings on one line (kinds weights, numerics, geometry), what its data is by content
+        # and its weights file's content.
+        settings=run_rerun_settings,
+        data=data_content("train"),
+        init_weights=init_weights_sha256,
     # exec: the launcher replaces the rule's shell, which a stop signal would kill (SLURM
     # signals every process of the step) before the ranks have written their checkpoint.
     # Every job (attempt) writes its own log, logs/train/<run>/job-<SLURM job id>-attempt<n>-
     # <UTC start>.log, which Snakemake does not delete when it starts the next job; {log} links
-    # to the newest (imagenet_ddp.jobs.attempt_log). Not beside the checkpoints: a purged
-    # scratch would take the logs along. It starts with a header and the run's hyperparameters.
+    # to the newest (imagenet_ddp.jobs.attempt_log).
     shell:
-        "exec imagenet-ddp train --job {resources.job:q} --attempt-log {log:q}"
+        "exec imagenet-ddp train --job {resources.job:q} --init-weights-sha256"
+        " '{params.init_weights}' --attempt-log {log:q}"
 
 
 # Evaluation runs like training: DDP ranks on the GPUs of `evaluate` geometry (config.yaml
@@ -75,14 +105,13 @@ rule evaluate:
     """Evaluate a run's model on the holdout and the val (test) set, DDP ranks."""
     input:
         model="results/runs/{run}/model.pt",
-        # The shared prepared copy, read directly: no node-local staging (one sequential pass).
-        prepared_train=prepared_manifest("train"),
-        prepared_val=prepared_manifest("val"),
-        holdout="results/split/holdout.csv",
-        classes="results/index/classes.csv",
+        # The shared prepared copies, read directly (no staging: one sequential pass), the
+        # holdout list and the classes, by content (common.smk data_content_file).
+        data=data_content_file,
     output:
         metrics="results/runs/{run}/eval.json",
         per_class="results/runs/{run}/per_class.csv",
+        spec="results/runs/{run}/eval_spec.json",
     log:
         "logs/evaluate/{run}.log",
     conda:
@@ -103,10 +132,11 @@ rule evaluate:
         # it runs (common.smk job_spec; a resource: no rerun when it changes, see rule train).
         job=job_spec("evaluate", "evaluate"),
     params:
-        # What reruns the evaluation, as before the job spec (the geometry does not).
+        # What reruns the evaluation (the geometry does not): its data by content, its batch
+        # size and what the stage writes.
+        data=data_content("evaluate"),
         batch_size=evaluation_setting("batch_size"),
-        split_dir=lambda wildcards, input: os.path.dirname(input.holdout),
-        code=CODE["evaluate"],  # its code changed: rerun (common.smk CODE)
+        version=STAGE_VERSIONS["evaluate"],
     # exec: the launcher replaces the rule's shell (see rule train).
     shell:
         "exec imagenet-ddp evaluate --job {resources.job:q} > {log:q} 2>&1"
@@ -120,11 +150,8 @@ rule preflight_run:
     """Check a run's geometry, staging, all-reduce, step and loader; project its cost."""
     input:
         # as train's (see there): its projection is of this data
-        prepared=ancient(prepared_manifest("train")),
-        split_train=ancient("results/split/train.csv"),
-        split_holdout=ancient("results/split/holdout.csv"),
-        data_key=DATA_KEY,
-        prepared_key=prepared_key("train"),
+        data=data_content_file,
+        check=run_check_file,
     output:
         report="results/preflight/{run}/preflight.json",
     log:
@@ -153,7 +180,8 @@ rule preflight_run:
         # allocations of; train's checkpoint folder, where it measures the write rate.
         job=job_spec("preflight", "train"),
     params:
-        **rerun_params(),
+        settings=run_rerun_settings,
+        data=data_content("train"),
     shell:
         "exec imagenet-ddp preflight --job {resources.job:q} > {log:q} 2>&1"
 
@@ -163,7 +191,3 @@ rule preflight:
     """Target: the preflight of every run (nothing trains)."""
     input:
         expand("results/preflight/{run}/preflight.json", run=RUNS),
-
-
-# Records of an earlier version's finished runs, carried over (common.smk).
-migrate_recorded_params(rules.train, rules.preflight_run)

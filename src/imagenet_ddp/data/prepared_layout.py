@@ -104,8 +104,7 @@ def identity_digest(wanted: dict) -> str:
 
 
 def write_manifest(manifest: Path, copy: Path, wanted: dict, reused: bool) -> None:
-    """The workflow's pointer to its copy (its `prepare` output), written last, atomically;
-    then the copy's key file made current (:func:`mark_current_key`)."""
+    """The workflow's pointer to its copy (its `prepare` output), written last, atomically."""
     content = content_digest(copy)
     write_json_atomic(
         manifest,
@@ -118,18 +117,11 @@ def write_manifest(manifest: Path, copy: Path, wanted: dict, reused: bool) -> No
             "reused": reused,
         },
     )
-    mark_current_key(manifest, content)
 
 
-# ----------------------------------------------------------------------------- the key files
-# What a training is made from, by content: `train` takes the key file of the copy its manifest
-# names, results/prepared/keys/<which>-<content digest>. A file is written (a new mtime) only
-# when its content becomes the current one, so a prepare rerun that makes the same bytes again
-# (its code, the same images in another layout or another data.dir, --forcerun) retrains
-# nothing, and one that makes other bytes (other images, classes, settings) is newer than every
-# model trained before it. The manifest cannot carry this: Snakemake deletes it before every
-# prepare job.
-KEYS_DIR = "keys"
+# ----------------------------------------------------------------------------- content
+# What a training or an evaluation reads, by content (the workflow's data_content checkpoint):
+# the same images in any input layout or data.dir give the same digests, other images others.
 
 
 def content_digest(copy: str | os.PathLike[str]) -> str:
@@ -151,55 +143,33 @@ def prepared_content(path: str | os.PathLike[str]) -> str | None:
         return None
 
 
-def key_path(manifest: str | os.PathLike[str], content: str) -> Path:
-    """The key file of the copy with ``content``, beside ``manifest`` (results/prepared)."""
-    manifest = Path(manifest)
-    return manifest.parent / KEYS_DIR / copy_name(manifest.stem, content)
+def _sha256_file(path: str | os.PathLike[str]) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def mark_current_key(manifest: str | os.PathLike[str], content: str) -> Path:
-    """Make ``content``'s key file the newest of its kind: written unless it already is (the
-    copy's content did not change)."""
-    key = key_path(manifest, content)
-    others = key.parent.glob(f"{Path(manifest).stem}-*")
-    newest = max(others, key=lambda p: p.stat().st_mtime_ns, default=None)
-    if newest != key:
-        write_json_atomic(key, {"content_sha256": content, "manifest": str(manifest)})
-    return key
+def content_record(
+    prepared_train: Path, prepared_val: Path, split_train: Path, split_holdout: Path, classes: Path
+) -> dict[str, str]:
+    """The digests the workflow's train and evaluate jobs take as params: ``train`` of the
+    prepared train copy's content and the split (what a training reads), ``evaluate`` of both
+    copies' content, the holdout list and the classes (what an evaluation reads)."""
+    parts = {
+        "prepared_train": prepared_content(prepared_train),
+        "prepared_val": prepared_content(prepared_val),
+        "split_train": _sha256_file(split_train),
+        "split_holdout": _sha256_file(split_holdout),
+        "classes": _sha256_file(classes),
+    }
+    missing = [k for k, v in parts.items() if v is None]
+    if missing:
+        raise InputError(f"{', '.join(missing)}: no prepared copy to read; rerun prepare")
 
+    def digest(*keys: str) -> str:
+        return hashlib.sha256(" ".join(parts[k] for k in keys).encode()).hexdigest()
 
-def current_key(manifest: str | os.PathLike[str], adopt: bool = True) -> Path | None:
-    """The key file of the copy ``manifest`` names, None while there is none. ``adopt``: a
-    manifest of an earlier version (no key files yet) gets its key file at the epoch, older
-    than every model, so the upgrade retrains nothing."""
-    content = prepared_content(manifest) if Path(manifest).is_file() else None
-    if content is None:
-        return None
-    key = key_path(manifest, content)
-    if not key.exists():
-        if not adopt:
-            return None
-        write_json_atomic(key, {"content_sha256": content, "manifest": str(manifest)})
-        os.utime(key, (0, 0))
-    return key
-
-
-def adopt_earlier_copy(manifest: Path, root: Path, which: str) -> bool:
-    """A workflow prepared by a version without manifests (its copy at ``root/<which>``): the
-    manifest naming that copy as what it was made from, written at the epoch. Train takes the
-    manifest as ancient(), so an existing one triggers no finished training when prepare reruns
-    after the upgrade (for its code); prepare rewrites it then (the same copy where its index
-    and settings are the same: imagenet_ddp.data.prepare.shared_copy). True if written."""
-    manifest, copy = Path(manifest), Path(root) / which
-    if manifest.exists() or not (copy / PREPARED_JSON).is_file():
-        return False
-    try:
-        made_from = json.loads(provenance_file(copy).read_text())["config"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False  # not a complete copy of a known version: prepare decides
-    if not isinstance(made_from, dict) or made_from.get("which") != which:
-        return False
-    write_manifest(manifest, copy, made_from, reused=True)
-    os.utime(manifest, (0, 0))
-    os.utime(key_path(manifest, content_digest(copy)), (0, 0))
-    return True
+    return {
+        "train": digest("prepared_train", "split_train", "split_holdout"),
+        "evaluate": digest("prepared_train", "prepared_val", "split_holdout", "classes"),
+        **parts,
+    }

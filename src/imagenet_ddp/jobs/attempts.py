@@ -289,6 +289,7 @@ def begin(
         "attempt": len(mine) + 1,
         "key": key,
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0"),  # a requeued job's run
         "snakemake_attempt": attempt,
         "host": socket.gethostname(),
         "started": now,
@@ -313,6 +314,19 @@ def begin(
     attempts.append(entry)
     _save(checkpoint_root, attempts)
     return entry, why
+
+
+def ran_in_this_allocation(checkpoint_root, run: dict[str, Any]) -> dict | None:
+    """An ended attempt of the run in this very SLURM allocation (the same job id and restart
+    count), None if none: a rule's retries reach the jobstep's own Snakemake, which would run
+    the job again inside the allocation it ended in (snakemake-executor-plugin-slurm#284)."""
+    own = os.environ.get("SLURM_JOB_ID")
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+    for entry in of_run(load(checkpoint_root), settings_key(run)) if own else []:
+        same = entry.get("slurm_job_id") == own and entry.get("slurm_restart", "0") == restart
+        if same and entry.get("ended") is not None:
+            return entry
+    return None
 
 
 def _update(checkpoint_root, entry: dict[str, Any], **changes) -> None:

@@ -1,29 +1,24 @@
 """Which SLURM job holds a run: one train job of a run at a time, whoever submitted it.
 
 The controlling Snakemake may die while a train job runs (a login node rebooted, a lost ssh
-session, a CPU-time limit); the job keeps running. The same command again (after
-`snakemake --unlock`) would submit a second train job of the run at once (`rerun-incomplete`),
-which resumes from the first one's checkpoint and trains beside it into the same checkpoint
-folder. Two guards, both torch-free:
+session); the job keeps running. The same command again (after `snakemake --unlock`) submits a
+second train job of the run (`rerun-incomplete`). Nothing is asked of SLURM at submission: the
+job itself, before it records its attempt, looks for an open entry of another live job in the
+run's attempt record (:func:`begin_unless_held`; the check and the record under one lock, so
+two jobs that start at once cannot both find the run free). Where one holds the run, this job
+gives its allocation back at once (:func:`give_back`): it requeues itself behind the holder
+(``scontrol requeuehold``, ``update Dependency=afterany:<holder>``, ``release``), pending for
+free until the holder has ended, then resumes from its newest checkpoint. Where the site does
+not let a job requeue itself, it ends with exit 75, and Snakemake's retry submits it again.
+It never waits while holding GPUs.
 
-- the submitting Snakemake asks squeue for the run's live train jobs (:func:`holders_ahead`:
-  the executor's comment ``rule_train_wildcards_<run>`` and the workflow's directory, and the
-  attempt record's open entries) and submits the new job with ``--dependency=afterany:<id>``
-  (:func:`dependency_flag`): it pends for free and starts once that job has ended, resuming
-  from its newest checkpoint (or re-writing the finished run's outputs from its final one);
-- the job itself, before it records its attempt (:func:`wait_for_holders`), waits while an
-  open entry of another job of the run is live (squeue; where squeue cannot answer: a
-  heartbeat newer than :data:`STALE_SECONDS`), with one log line; the last check and the
-  record are made under one lock (:func:`begin_when_free`), so two jobs that start at once
-  cannot both find the run free.
-
-Where squeue is missing or fails, the first guard submits without a dependency (one warning
-line) and the second still holds.
+Torch-free.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -31,54 +26,36 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from imagenet_ddp.io import exclusive_lock, lock_path_for
-from imagenet_ddp.jobs.attempts import HEARTBEAT_SECONDS, RECORD, load, of_run, settings_key
+from imagenet_ddp.jobs.attempts import EXIT_REQUEUE, HEARTBEAT_SECONDS, RECORD, load, of_run
+from imagenet_ddp.jobs.attempts import settings_key
 
 T = TypeVar("T")
 
-# States of a job that has ended (squeue shows them for MinJobAge); any other is live.
+# States of a job that has ended (squeue shows them for MinJobAge); any other is live. A job an
+# admin holds in the queue is not running and holds nothing: only a started job holds a run.
 ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
          "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED"}  # fmt: skip
 # An open entry whose heartbeat is older than this is taken as dead where squeue cannot say.
 STALE_SECONDS = 3 * HEARTBEAT_SECONDS
-SQUEUE_SECONDS = 30  # a hung slurmctld must not hang the controller or the job
-WAIT_SECONDS = 30.0  # how often a waiting job asks again
+SLURM_SECONDS = 30  # a hung slurmctld must not hang the job
 
 
-def _squeue(*args: str) -> subprocess.CompletedProcess | None:
+def _slurm(*args: str) -> subprocess.CompletedProcess | None:
     try:
-        return subprocess.run(["squeue", *args], capture_output=True, text=True,
-                              timeout=SQUEUE_SECONDS)  # fmt: skip
+        return subprocess.run(list(args), capture_output=True, text=True, timeout=SLURM_SECONDS)
     except (OSError, subprocess.TimeoutExpired):
         return None
 
 
-def live_jobs() -> dict[str, dict[str, str]] | None:
-    """This user's live SLURM jobs: {job id: {state, comment, workdir}}; None where squeue
-    cannot answer (not installed, slurmctld down, a timeout)."""
-    result = _squeue("--me", "-h", "-o", "%i|%T|%k|%Z")
-    if result is None or result.returncode != 0:
-        return None
-    jobs = {}
-    for line in result.stdout.splitlines():
-        parts = line.split("|", 3)
-        if len(parts) == 4 and parts[1] not in ENDED:
-            jobs[parts[0]] = {"state": parts[1], "comment": parts[2], "workdir": parts[3]}
-    return jobs
-
-
 def job_state(job_id: str) -> str | None:
     """The job's state; "" when SLURM no longer knows it (ended); None: squeue cannot say."""
-    result = _squeue("-h", "-j", str(job_id), "-o", "%T")
+    result = _slurm("squeue", "-h", "-j", str(job_id), "-o", "%T")
     if result is None:
         return None
     if result.returncode == 0:
         state = result.stdout.strip()
         return "" if state in ENDED else state
     return "" if "Invalid job id" in result.stderr else None  # purged: long gone
-
-
-def _same_dir(a: str, b: str | os.PathLike[str]) -> bool:
-    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def open_entries(checkpoint_root, run: dict[str, Any], own_job: str | None) -> list[dict]:
@@ -90,98 +67,57 @@ def open_entries(checkpoint_root, run: dict[str, Any], own_job: str | None) -> l
     ]
 
 
-def executor_comment(rule: str, wildcards) -> str:
-    """The comment the SLURM executor gives a job of ``rule`` with these wildcard values
-    (plugin 2.8.0: ``rule_<rule>_wildcards_<values joined by _, / as _>``)."""
-    joined = "_".join(str(w) for w in wildcards).replace("/", "_")
-    return f"rule_{rule}_wildcards_{joined}" if joined else f"rule_{rule}"
-
-
-def _by_id(ids) -> list[str]:
-    return sorted(ids, key=lambda j: [int(p) for p in j.split("_") if p.isdigit()])
-
-
-def same_jobs(live: dict[str, dict[str, str]], comment: str, workdir) -> list[str]:
-    """The live jobs the SLURM executor submitted from ``workdir`` with ``comment``."""
-    return _by_id(j for j, job in live.items()
-                  if job["comment"] == comment and _same_dir(job["workdir"], workdir))  # fmt: skip
-
-
-def holders_ahead(
-    checkpoint_root, run: dict[str, Any], name: str, workdir, live: dict[str, dict[str, str]]
-) -> list[str]:
-    """The live train jobs of run ``name`` in the workflow at ``workdir`` (``live``:
-    :func:`live_jobs`), oldest first: those the SLURM executor submitted from there, and those
-    with an open entry in the run's attempt record."""
-    ids = set(same_jobs(live, executor_comment("train", [name]), workdir))
-    own = os.environ.get("SLURM_JOB_ID")
-    entries = open_entries(checkpoint_root, run, own)
-    ids |= {a["slurm_job_id"] for a in entries if a.get("slurm_job_id") in live}
-    ids.discard(own)
-    return _by_id(ids)
-
-
-def dependency_flag(ids: list[str]) -> str:
-    """The sbatch flag that starts a job once all of ``ids`` have ended, however they ended."""
-    return "--dependency=afterany:" + ":".join(ids)
-
-
-def _live_holders(entries: list[dict], now: float) -> list[dict]:
-    holding = []
-    for entry in entries:
+def live_holder(checkpoint_root, run: dict[str, Any], now: float | None = None) -> dict | None:
+    """The open entry of another job that still runs the run (squeue; where squeue cannot say,
+    a heartbeat newer than :data:`STALE_SECONDS`), with its ``state``; None if none."""
+    now = time.time() if now is None else now
+    for entry in open_entries(checkpoint_root, run, os.environ.get("SLURM_JOB_ID")):
         state = job_state(entry["slurm_job_id"]) if entry.get("slurm_job_id") else None
-        if state is None:  # squeue cannot say (or no SLURM): its heartbeat does
+        if state is None:
             if now - float(entry.get("alive") or entry["started"]) < STALE_SECONDS:
-                holding.append({**entry, "state": "heartbeat"})
-        elif state:
-            holding.append({**entry, "state": state})
-    return holding
+                return {**entry, "state": "heartbeat"}
+        elif state and state != "PENDING":
+            return {**entry, "state": state}
+    return None
 
 
-def wait_for_holders(
-    checkpoint_root,
-    run: dict[str, Any],
-    *,
-    log: Callable[[str], None] = print,
-    seconds: float = WAIT_SECONDS,
-    sleep: Callable[[float], None] = time.sleep,
-) -> float:
-    """Wait while another job holds the run (an open entry of a live job): the seconds waited.
-    Called before this job records its attempt (which would close the other's entry)."""
-    own = os.environ.get("SLURM_JOB_ID")
-    waited, said = 0.0, False
-    while True:
-        holding = _live_holders(open_entries(checkpoint_root, run, own), time.time())
-        if not holding:
-            if said:
-                log(f"run {run.get('run')!r}: the other job has ended after {waited:.0f} s; "
-                    "this job resumes from its newest checkpoint")  # fmt: skip
-            return waited
-        if not said:
-            h = holding[0]
-            log(f"run {run.get('run')!r}: job {h.get('slurm_job_id') or 'local'} (attempt "
-                f"{h['attempt']} on {h.get('host')}, {h['state']}) still trains it into "
-                f"{Path(checkpoint_root)}; this job waits for it to end before it trains (two "
-                "jobs must not write one run; docs/reliability.md)")  # fmt: skip
-            said = True
-        sleep(seconds)
-        waited += seconds
-
-
-def begin_when_free(
-    checkpoint_root,
-    run: dict[str, Any],
-    begin: Callable[[], T],
-    *,
-    log: Callable[[str], None] = print,
-    seconds: float = WAIT_SECONDS,
-) -> T:
-    """``begin()`` (this job's attempt entry: :func:`imagenet_ddp.jobs.attempts.begin`) once no
-    other live job holds the run, the check and the record under one lock on the attempt
-    record: of two jobs of a run that start within seconds (no dependency between them), the
-    second sees the first's open entry and waits for it. Across nodes where the checkpoint
-    folder's filesystem locks across nodes (flock, or the lock directory of
-    :func:`imagenet_ddp.io.exclusive_lock`). The lock is held while this job waits."""
+def begin_unless_held(
+    checkpoint_root, run: dict[str, Any], begin: Callable[[], T]
+) -> tuple[T | None, dict | None]:
+    """(``begin()``, None) where no other live job holds the run, else (None, its entry): the
+    check and this job's attempt entry under one lock on the attempt record, so of two jobs of
+    a run that start within seconds the second sees the first's open entry."""
     with exclusive_lock(lock_path_for(Path(checkpoint_root) / RECORD)):
-        wait_for_holders(checkpoint_root, run, log=log, seconds=seconds)
-        return begin()
+        holder = live_holder(checkpoint_root, run)
+        return (None, holder) if holder else (begin(), None)
+
+
+def give_back(holder: dict, run_name: str, log: Callable[[str], None] = print) -> int:
+    """This job's allocation given back while ``holder`` trains the run: requeued behind it
+    (the job pends, then resumes once the holder has ended), else ended with EXIT_REQUEUE (the
+    workflow's retry submits it again). The exit code for the launcher."""
+    own = os.environ.get("SLURM_JOB_ID")
+    said = (f"run {run_name!r}: job {holder.get('slurm_job_id') or 'local'} (attempt "
+            f"{holder['attempt']} on {holder.get('host')}, {holder['state']}) still trains it; "
+            "two jobs must not write one run (docs/reliability.md)")  # fmt: skip
+    if own and holder.get("slurm_job_id") and _requeue_behind(own, holder["slurm_job_id"]):
+        log(f"{said}: this job {own} is requeued behind it and resumes after it")
+        return EXIT_REQUEUE
+    log(f"{said}: this job ends without training; the workflow submits the run again")
+    return EXIT_REQUEUE
+
+
+def _requeue_behind(own: str, holder: str) -> bool:
+    """``own`` (this running job) back in the queue, held until ``holder`` has ended. Held
+    first, so that it cannot start again before the dependency is set; SLURM then ends this
+    allocation's processes; this one ignores SIGTERM meanwhile, so the three commands run."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for args in (("requeuehold", own),
+                 ("update", f"JobId={own}", f"Dependency=afterany:{holder}"),
+                 ("release", own)):  # fmt: skip
+        result = _slurm("scontrol", *args)
+        if result is None or result.returncode != 0:
+            if args[0] != "requeuehold":  # held without its dependency: let it run again
+                _slurm("scontrol", "release", own)
+            return False
+    return True

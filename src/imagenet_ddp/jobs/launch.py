@@ -35,7 +35,7 @@ from imagenet_ddp.data.stage import (
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.jobs import attempts
-from imagenet_ddp.jobs.holders import begin_when_free
+from imagenet_ddp.jobs.holders import begin_unless_held, give_back
 from imagenet_ddp.jobs.launchers import get_launcher
 from imagenet_ddp.jobs.signals import EXIT_REQUEUE, STOP_SIGNALS
 from imagenet_ddp.jobs.spec import EvalJob, TrainJob, read_spec, staging_report_path
@@ -141,7 +141,12 @@ def run_attempt(job: TrainJob, spec_path: Path) -> int:
     """
     run, root = job.run, job.paths.checkpoint_root
     geometry = job.geometry
-    entry, refused = begin_when_free(
+    ran = attempts.ran_in_this_allocation(root, run)
+    if ran:  # Snakemake's retry inside the allocation: the workflow's next job resumes it
+        print(f"run {run.get('run')!r}: attempt {ran['attempt']} ended in this allocation "
+              f"({ran['outcome']}); not again in it", flush=True)  # fmt: skip
+        return ran["exit_code"] or 1
+    begun, holder = begin_unless_held(
         root,
         run,
         lambda: attempts.begin(
@@ -153,6 +158,9 @@ def run_attempt(job: TrainJob, spec_path: Path) -> int:
             shape=geometry,
         ),
     )
+    if holder:  # started beside another job of the run after this job's first look
+        return give_back(holder, job.name)
+    entry, refused = begun
     print(f"run {run.get('run')!r}: attempt {entry['attempt']} (job "
           f"{entry['slurm_job_id'] or 'local'}), from epoch {entry['start']['epoch']} step "
           f"{entry['start']['step']}", flush=True)  # fmt: skip

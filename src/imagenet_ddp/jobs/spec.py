@@ -1,8 +1,8 @@
 """One typed spec describes a training, preflight or evaluation job; every process reads it.
 
-The rule builds the whole spec once (workflow/rules/common.smk ``job_spec``), writes it under its
-content's digest (:func:`store`) and passes that short path, ``imagenet-ddp train --job
-.snakemake/job_specs/train/<run>-<digest>.json`` (a JSON text works too); the CLI parses it once
+The rule builds the whole spec (workflow/rules/common.smk ``job_spec``) and passes it as compact
+JSON, ``imagenet-ddp train --job '{...}'`` (:func:`compact_spec`; a spec file's path works
+too); the CLI parses it once
 (:func:`parse`), resolves the launcher and writes it atomically into the job's folder
 (:func:`write_spec`). The launcher passes only that file's path to the per-node steps
 (staging, cleanup) and to every rank, which read it back (:func:`read_spec`) into the same
@@ -29,7 +29,6 @@ Torch-free: the launcher process reads it too.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import typing
@@ -37,11 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from imagenet_ddp import __version__
 from imagenet_ddp.data.prepared_layout import resolve_prepared
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.io import write_json_atomic, write_text_atomic
+from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.jobs.launchers import launcher_problem
 from imagenet_ddp.settings.geometry import LAUNCH_KEYS, Geometry
+from imagenet_ddp.settings.kinds import Declarations, declarations
 
 TRAIN_SPEC = "job_spec.json"  # in the run folder
 EVAL_SPEC = "eval_spec.json"  # beside eval.json
@@ -240,7 +241,7 @@ def parse(text: str, kinds: str | tuple[str, ...] | None = None, source: str = "
     """The job of a spec's JSON ``text``; ``source`` (a file) names it in the error."""
     where = source or "--job"
     try:
-        return from_dict(json.loads(text), kinds)
+        return from_dict(_from_compact(json.loads(text), where), kinds)
     except json.JSONDecodeError as error:
         raise SpecError(f"{where}: not JSON ({error})") from None
     except (SpecError, TypeError) as error:
@@ -282,20 +283,43 @@ def write_spec(path: str | os.PathLike[str], job: Job) -> Path:
     return path
 
 
-def store(data: dict[str, Any], directory: str | os.PathLike[str], name: str) -> str:
-    """``data`` (a checked spec, :func:`to_dict`) written once as
-    ``<directory>/<name>-<digest>.json``; its path. The rule passes this path, not the JSON
-    (a dry-run shows one short line per job, not 3 KB twice). The digest names the content:
-    the same spec is the same file (written by whichever Snakemake gets there first,
-    atomically), a changed one a new file, never a file a queued job still has to read.
-    Written at the dry-run too: the reviewer can read it."""
-    text = json.dumps(data, indent=1) + "\n"
-    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-    path = Path(directory) / f"{name}-{digest}.json"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, text)
-    return str(path)
+def compact_spec(data: dict[str, Any], settings: Declarations, version: str) -> str:
+    """``data`` (a spec's JSON values) checked, as the compact JSON the rule passes in
+    ``--job``: the run's settings at their declared default left out (the job fills them in
+    from its package's declarations, :func:`parse`) but its name and geometry, and the
+    workflow's package ``version``, which the job's own must equal."""
+    spec = to_dict(from_dict(data))
+    if "run" in spec:
+        defaults, keep = settings.rank_defaults(), {"run", *LAUNCH_KEYS}
+        spec["run"] = {k: v for k, v in spec["run"].items()
+                       if k in keep or k not in defaults or v != defaults[k]}  # fmt: skip
+    return json.dumps({"version": version, **spec}, separators=(",", ":"))
+
+
+def _from_compact(data: Any, where: str) -> Any:
+    """A compact spec (:func:`compact_spec`) with its run's defaults filled in, after its
+    version is checked against this package's; any other JSON as it is."""
+    if not isinstance(data, dict) or "version" not in data:
+        return data
+    data = dict(data)
+    version = data.pop("version")
+    if version != __version__:
+        raise SpecError(
+            f"the workflow is imagenet-ddp {version}, this job runs {__version__}: install the "
+            "workflow's version where its jobs run (pip install -e <workflow folder>, or "
+            "rebuild the image)"
+        )
+    if isinstance(data.get("run"), dict):
+        data["run"] = {**declarations().rank_defaults(), **data["run"]}
+    return data
+
+
+def with_init_weights(job: Job, sha256: str) -> Job:
+    """``job`` with its run's ``init_weights_sha256`` set to ``sha256`` (the check's digest of
+    the file, train's param: the rank verifies the bytes it reads against it), where given."""
+    if not sha256:
+        return job
+    return dataclasses.replace(job, run={**job.run, "init_weights_sha256": sha256})
 
 
 def with_launcher(job: Job, launcher: str) -> Job:

@@ -15,9 +15,8 @@ import time
 from pathlib import Path
 
 from imagenet_ddp.data.prepared_layout import prepared_content
-from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import write_json_atomic
-from imagenet_ddp.jobs.holders import wait_for_holders
+from imagenet_ddp.jobs.holders import give_back, live_holder
 from imagenet_ddp.jobs.launchers import resolve_launcher
 from imagenet_ddp.jobs.spec import (
     EVAL_SPEC,
@@ -28,7 +27,6 @@ from imagenet_ddp.jobs.spec import (
     write_spec,
 )
 from imagenet_ddp.provenance import provenance_path, write_provenance
-from imagenet_ddp.settings.code_digest import code_digest
 from imagenet_ddp.settings.geometry import LAUNCH_KEYS
 
 DELIVERED = "delivered.json"  # in the checkpoint root: this run's outputs were written
@@ -65,9 +63,11 @@ def train_job(job: TrainJob) -> int:
     from imagenet_ddp.jobs.launch import on_allocation, run_attempt
 
     _ = job.geometry  # a run without its geometry is refused before anything is written
-    # Another job of the run still training (its controller died, a new one submitted this one
-    # without a dependency): wait before writing anything of the run (imagenet_ddp.jobs.holders).
-    wait_for_holders(job.paths.checkpoint_root, job.run)
+    # Another job of the run still training (its controller died, a new one submitted this
+    # one): give the allocation back before writing anything of the run (jobs.holders).
+    holder = live_holder(job.paths.checkpoint_root, job.run)
+    if holder:
+        return give_back(holder, job.name)
     start_afresh_if_delivered(job.paths.checkpoint_root)
     job = on_allocation(with_launcher(job, resolve_launcher(job.execution.launcher)))
     run_dir = job.paths.run_dir
@@ -86,12 +86,9 @@ def train_job(job: TrainJob) -> int:
     # The worker's resolved settings (every default filled in), beside the model.
     config = json.loads((run_dir / "train_metrics.json").read_text())["config"]
     provenance = provenance_path(run_dir / "model.pt")
-    # The training code's digest: aggregate flags a model that other training code trained.
-    # What it trained on, by content: evaluate refuses this model for another copy.
-    extra = {
-        "training_code": code_digest("training"),
-        "prepared_train": prepared_content(job.paths.prepared_train),
-    }
+    # What it trained on, by content (the provenance's code block holds the package version,
+    # by which aggregate flags a model that another version trained).
+    extra = {"prepared_train": prepared_content(job.paths.prepared_train)}
     write_provenance(provenance, "train", config, seeds={"train": config["seed"]}, extra=extra)
     write_json_atomic(job.paths.checkpoint_root / DELIVERED, {"model": str(run_dir / "model.pt")})
     return 0
@@ -103,9 +100,6 @@ def evaluate_job(job: EvalJob) -> int:
     included) is added."""
     from imagenet_ddp.jobs.launch import run_evaluation
 
-    problem = trained_on_other_data(job.paths.model, job.paths.prepared_train)
-    if problem:
-        raise InputError(problem)
     job = with_launcher(job, resolve_launcher(job.execution.launcher))
     out = job.paths.out
     spec_path = write_spec(out.with_name(EVAL_SPEC), job)
@@ -117,24 +111,3 @@ def evaluate_job(job: EvalJob) -> int:
     result["evaluation"]["job_wall_seconds"] = time.time() - started
     write_json_atomic(out, result)
     return 0
-
-
-def trained_on_other_data(model: Path, prepared_train: Path) -> str | None:
-    """One line where ``model`` was trained on another prepared content than that of the copy
-    ``prepared_train`` stands for now (other images: another data.dir, new archives).
-    In the invocation whose data stages rerun Snakemake does not yet see that training must
-    rerun (it skips a job's own checks while a job upstream reruns); the next one retrains it
-    (common.smk prepared_key). None where they agree or either is unknown (a model of an
-    earlier version records none)."""
-    try:
-        trained_on = json.loads(provenance_path(model).read_text()).get("prepared_train")
-    except (OSError, ValueError, AttributeError):
-        return None
-    now = prepared_content(prepared_train)
-    if not trained_on or not now or trained_on == now:
-        return None
-    return (
-        f"{model} was trained on the prepared content {trained_on[:16]}, and {prepared_train} "
-        f"is now {now[:16]} (other images: data.dir or its content changed): run snakemake "
-        "again, it retrains the run first"
-    )

@@ -14,6 +14,7 @@ from typing import Any
 
 import pandas as pd
 
+from imagenet_ddp import __version__
 from imagenet_ddp.io import write_csv_atomic, write_text_atomic
 from imagenet_ddp.provenance import provenance_path, write_provenance
 from imagenet_ddp.settings.geometry import WORLD_KEYS
@@ -393,22 +394,17 @@ def add_scaling(table: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-def other_training_code(run_dir: Path, training_code: str | None) -> bool | None:
-    """Whether the run's model was trained by other training code than ``training_code`` (the
-    digest of today's, imagenet_ddp.settings.code_digest): no rule reruns a finished training
-    for a code change, the table says so instead. None: unknown (a model trained before the
-    provenance kept the digest, or no digest given)."""
-    recorded = json.loads(provenance_path(run_dir / "model.pt").read_text()).get("training_code")
-    if recorded is None or training_code is None:
-        return None
-    return recorded != training_code
+def other_training_code(run_dir: Path, version: str = __version__) -> bool | None:
+    """Whether the run's model was trained by another package version than ``version`` (this
+    one's): no rule reruns a finished training for a code change, the table says so instead.
+    None: unknown (no version recorded)."""
+    provenance = json.loads(provenance_path(run_dir / "model.pt").read_text())
+    recorded = (provenance.get("code") or {}).get("package_version")
+    return None if recorded is None else recorded != version
 
 
-def aggregate_runs(run_dirs: list[Path], training_code: str | None = None) -> pd.DataFrame:
-    rows = [
-        {**run_row(d), "trained_by_other_code": other_training_code(d, training_code)}
-        for d in run_dirs
-    ]
+def aggregate_runs(run_dirs: list[Path]) -> pd.DataFrame:
+    rows = [{**run_row(d), "trained_by_other_code": other_training_code(d)} for d in run_dirs]
     table = add_scaling(pd.DataFrame(rows))
     table["throughput_warmup_steps"] = table["throughput_warmup_steps"].astype("Int64")
     return table[COLUMNS].sort_values(["scaling_group", "world_size", "run"]).reset_index(drop=True)
@@ -501,7 +497,7 @@ DIVERGED_NOTE = (
 CODE_CHANGED = "\\* allocations of the run ran different code (checked out at each submission): "
 
 OTHER_CODE = (
-    "† trained by other training code than today's (no code change reruns a finished "
+    "† trained by another imagenet-ddp version than this one (no upgrade reruns a finished "
     'training; docs/configuration.md "Code changes" says how to retrain one): '
 )
 
@@ -539,11 +535,9 @@ def to_markdown(table: pd.DataFrame) -> str:
     return text + "\n\n" + MORE_FIGURES + "\n"
 
 
-def write_aggregate(
-    run_dirs: list[Path], csv: Path, markdown: Path, training_code: str | None = None
-) -> None:
+def write_aggregate(run_dirs: list[Path], csv: Path, markdown: Path) -> None:
     """The ``aggregate`` stage: runs.csv, runs.md and the provenance beside the CSV."""
-    table = aggregate_runs(run_dirs, training_code)
+    table = aggregate_runs(run_dirs)
     write_csv_atomic(csv, table)
     write_text_atomic(markdown, to_markdown(table))
     write_provenance(provenance_path(csv), "aggregate", {"run_dirs": [str(d) for d in run_dirs]})

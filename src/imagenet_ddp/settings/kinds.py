@@ -158,6 +158,11 @@ class Declarations:
         renamed = {RANK_NAMES.get(k, k): v for k, v in run.items()}
         return self._select(renamed, "rank")
 
+    def rank_defaults(self) -> dict[str, Any]:
+        """Every rank setting's declared default (a job spec leaves them out)."""
+        return {k: v["default"] for k, v in self.properties.items()
+                if "default" in v and KINDS[v["x-kind"]].rank}  # fmt: skip
+
     def rank_fields(self) -> tuple[str, ...]:
         """TrainConfig's fields, in declaration order."""
         return tuple(k for k in self.properties if KINDS[self.properties[k]["x-kind"]].rank)
@@ -201,6 +206,16 @@ def declarations(schema_path: str | os.PathLike[str] | None = None) -> Declarati
 def digest(settings: dict[str, Any]) -> str:
     """A short, stable hash of settings: the checkpoint fingerprint, the attempt record's key."""
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def rerun_line(settings: Mapping[str, Any]) -> str:
+    """``settings`` (a run's :meth:`Declarations.rerun_settings`) as train's one rerun param:
+    ``key=<JSON value>`` sorted by key, space-separated. A frozen format: Snakemake compares it
+    as text, so a change of it would rerun every finished training."""
+    return " ".join(
+        f"{k}={json.dumps(v, sort_keys=True, separators=(',', ':'))}"
+        for k, v in sorted(settings.items())
+    )
 
 
 def weight_settings(settings: Mapping[str, Any]) -> dict[str, Any]:

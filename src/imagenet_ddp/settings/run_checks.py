@@ -1,7 +1,7 @@
 """Dry-run checks of what the schema cannot see: the resolved runs, and the container image.
 
 The schema checks each key on its own; these checks combine keys (and torchvision's model
-registry) so that a run that could only fail, or silently train on upsampled or padded images,
+names) so that a run that could only fail, or silently train on upsampled or padded images,
 is refused by ``snakemake -n`` instead of on the GPU node. Each problem is one line::
 
     config.yaml: run '<name>': <key> <value> ...; <what to do>
@@ -14,16 +14,10 @@ sample adds zeros to the summed counts.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
-import functools
-import hashlib
-import importlib.metadata
 import importlib.util
-import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -36,6 +30,8 @@ from imagenet_ddp.models import (
     unknown_name,
 )
 from imagenet_ddp.settings.evaluation import eval_settings
+from imagenet_ddp.settings.init_weights import static_weights_problems
+from imagenet_ddp.settings.torchvision_models import CLASSIFICATION_MODELS
 from imagenet_ddp.settings.geometry import global_batch, loader_workers
 from imagenet_ddp.settings.presets import scaled_lr
 
@@ -47,23 +43,20 @@ def check_runs(
     runs: Mapping[str, Mapping],
     config: Mapping,
     *,
-    workdir: str | os.PathLike[str] | None = ".",
-    models: frozenset[str] | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
+    models: frozenset[str] = CLASSIFICATION_MODELS,
 ) -> list[str]:
-    """The problems of the resolved runs (``train_defaults`` merged with each run), one line
-    each, in run order; empty when every run can train. ``config`` and ``runs`` have the
-    schema's defaults filled in (Snakemake's ``validate`` in common.smk), so a key no run sets
-    is judged by the default training uses. ``models``: the valid model names (default:
-    torchvision's classification models, cached in ``cache_dir`` if given)."""
-    if models is None:
-        models = classification_models(cache_dir)
+    """The problems of the resolved runs (``train_defaults`` merged with each run) that the
+    config alone shows, torch-free, one line each, in run order; empty when every run can
+    train. ``config`` and ``runs`` have the schema's defaults filled in, so a key no run sets
+    is judged by the default training uses. ``models``: the torchvision names known here (the
+    local `check` rule judges each model with torch: :func:`deep_problems`)."""
     short_side = config["prepare"]["short_side"]
-    sizes = split_sizes(config, workdir)
+    sizes = split_sizes(config, None)
     problems = []
     for name, run in runs.items():
         found = [
-            *_model_problems(run, models, cache_dir),
+            _model_problem(run, models) if _name_listed(family(run["model"])[0]) else None,
+            *static_weights_problems(run),
             *_image_size_problems(run, short_side),
             _device_problem(run),
             _loader_workers_problem(run),
@@ -76,7 +69,6 @@ def check_runs(
             _profile_problem(run),
             _fallback_nodes_problem(run),
             _warmup_problem(run),
-            _optimizer_problem(run, cache_dir),
         ]
         problems += [f"config.yaml: run {name!r}: {p}" for p in found if p]
     return problems
@@ -103,38 +95,43 @@ def _model_problem(run: Mapping, models: frozenset[str]) -> str | None:
 AUX_OUTPUTS_IN_TRAINING = ("googlenet", "inception_v3")
 
 
-def _model_problems(run: Mapping, models: frozenset[str], cache_dir) -> list[str]:
-    """The model's problems. A torchvision name without model_kwargs: the name list only (fast,
-    torch-free). A timm model or model_kwargs: exact (imagenet_ddp.models.model_problems: built
-    on the meta device, its constructor's signature, a forward at the run's crops) where torch
-    and the family's package are importable, cached per installed versions; where not (a bare
-    login-node environment) unchecked, which :func:`unchecked_model_notes` says."""
+def deep_problems(run: Mapping, num_classes: int) -> list[str]:
+    """What the local `check` rule finds with torch, one line each (no run prefix): the model
+    built on the meta device at the run's crops (its constructor options, a training-mode
+    output the loss cannot take), its residual zero-init option, its CUDA determinism on GPUs,
+    the optimizer and its options, and the init_weights file against the model with
+    ``num_classes`` outputs (where the file is here)."""
+    from imagenet_ddp import models as M
+
     name, kwargs = run["model"], dict(run.get("model_kwargs") or {})
-    fam, _ = family(name)
-    if not _exact(run):
-        return [p for p in (_model_problem(run, models),) if p] if _name_listed(fam) else []
-    verdict = model_verdict(name, kwargs, _crops(run), cache_dir)
-    problems = list(verdict["problems"])
-    if not problems and run.get("zero_init_residual") and not verdict["residual_option"]:
+    problems = list(M.model_problems(name, kwargs, _crops(run)))
+    if problems:
+        return problems
+    if run.get("zero_init_residual") and not M.residual_option(name, kwargs):
         problems.append(
             f"zero_init_residual true with model {name!r}: its constructor has no residual "
             "BatchNorm zero-init (torchvision's zero_init_residual, timm's zero_init_last); "
             "set zero_init_residual: false"
         )
-    on_gpus = run.get("deterministic") and run["gpus_per_node"] > 0
-    if not problems and on_gpus and verdict["nondeterministic"]:
-        problems.append(
-            f"deterministic true with model {name!r} on GPUs: its layers "
-            f"{verdict['nondeterministic'][:3]} have no deterministic CUDA backward (torch "
-            "would raise at the first step); set deterministic: false or pick another model"
-        )
+    if run.get("deterministic") and run["gpus_per_node"] > 0:
+        layers = M.nondeterministic_on_cuda(name, kwargs, _crops(run))
+        if layers:
+            problems.append(
+                f"deterministic true with model {name!r} on GPUs: its layers {layers[:3]} have "
+                "no deterministic CUDA backward (torch would raise at the first step); set "
+                "deterministic: false or pick another model"
+            )
+    given = {"momentum": run["momentum"], "nesterov": run["nesterov"]}
+    problem = optimizers.optimizer_problem(
+        run["optimizer"], dict(run.get("optimizer_kwargs") or {}), **given
+    )
+    problems += [problem] if problem else []
+    path = run.get("init_weights")
+    if path and os.path.isfile(path):
+        exclude = list(run.get("init_weights_exclude") or [])
+        problem = M.init_weights_problem(name, kwargs, num_classes, path, exclude)
+        problems += [f"init_weights {problem}"] if problem else []
     return problems
-
-
-def _exact(run: Mapping) -> bool:
-    """Whether the model is judged from its meta-device build (else by name only)."""
-    fam, _ = family(run["model"])
-    return (not _name_listed(fam) or bool(run.get("model_kwargs"))) and importable(fam)
 
 
 def _name_listed(fam: str) -> bool:
@@ -147,134 +144,6 @@ def _crops(run: Mapping) -> tuple[int, ...]:
     if run.get("progressive_min_crop"):
         crops.add(run["progressive_min_crop"])
     return tuple(sorted(crops))
-
-
-def unchecked_model_notes(runs: Mapping[str, Mapping]) -> list[str]:
-    """One line per run whose model the dry-run could not check here (see _model_problems)."""
-    notes = []
-    for name, run in runs.items():
-        fam, _ = family(run["model"])
-        exact = not _name_listed(fam) or run.get("model_kwargs") or run.get("init_weights")
-        if exact and not importable(fam):
-            notes.append(
-                f"config.yaml: run {name!r}: model {run['model']!r} and its model_kwargs are "
-                f"not checked by this dry-run, nor its init_weights file (torch or {fam} not "
-                "importable here); the job checks them when it builds the model: dry-run in "
-                "the jobs' environment to check them now"
-            )
-        opt = run["optimizer"]
-        custom = not optimizers.named_by_registry(opt) or run.get("optimizer_kwargs")
-        if custom and not optimizers.importable(opt):
-            notes.append(
-                f"config.yaml: run {name!r}: optimizer {opt!r} and its optimizer_kwargs are "
-                "not checked by this dry-run (torch or timm not importable here); the job "
-                "builds it"
-            )
-    return notes
-
-
-def model_verdict(name: str, kwargs: Mapping, crops: tuple[int, ...], cache_dir) -> dict:
-    """imagenet_ddp.models' checks and facts of the model (cached: :func:`_cached`)."""
-
-    def compute() -> dict:
-        from imagenet_ddp import models as M
-
-        problems = M.model_problems(name, kwargs, crops)
-        verdict = {"problems": problems, "residual_option": None, "nondeterministic": []}
-        if not problems:
-            verdict["residual_option"] = M.residual_option(name, kwargs)
-            verdict["nondeterministic"] = M.nondeterministic_on_cuda(name, kwargs, crops)
-        return verdict
-
-    return _cached("model-check", [name, kwargs, crops], compute, cache_dir)
-
-
-def init_weights_problems(runs: Mapping[str, Mapping], num_classes: int, cache_dir) -> list[str]:
-    """One line per run whose ``init_weights`` file would not load into its model with
-    ``num_classes`` outputs (the data's class count, which the dry-run knows only once the
-    input layout is found: workflow/rules/common.smk calls this then): a file that is not a
-    weights file, keys or shapes that differ beyond ``init_weights_exclude``
-    (imagenet_ddp.models.init_weights_problem; cached per file digest). Unchecked where torch
-    or the model's family does not import here (:func:`unchecked_model_notes` says so)."""
-    problems = []
-    for name, run in runs.items():
-        path, digest = run.get("init_weights"), run.get("init_weights_sha256")
-        if not path or not digest or not importable(family(run["model"])[0]):
-            continue  # no file, or an unreadable one (settings.init_weights said so)
-        model, kwargs = run["model"], dict(run.get("model_kwargs") or {})
-        exclude = list(run.get("init_weights_exclude") or [])
-
-        def compute(model=model, kwargs=kwargs, path=path, exclude=exclude) -> dict:
-            from imagenet_ddp import models as M
-
-            return {"problem": M.init_weights_problem(model, kwargs, num_classes, path, exclude)}
-
-        parts = [model, kwargs, path, digest, exclude, num_classes]
-        verdict = _cached("init-weights-check", parts, compute, cache_dir)
-        if verdict["problem"]:
-            problems.append(f"config.yaml: run {name!r}: init_weights {verdict['problem']}")
-    return problems
-
-
-def _optimizer_problem(run: Mapping, cache_dir) -> str | None:
-    """An unknown optimizer or a bad optimizer_kwargs key (imagenet_ddp.optimizers), where
-    torch (and timm for timm/) is importable; unchecked where not, as models are."""
-    name, kwargs = run["optimizer"], dict(run.get("optimizer_kwargs") or {})
-    if (optimizers.named_by_registry(name) and not kwargs) or not optimizers.importable(name):
-        return None
-    given = {"momentum": run["momentum"], "nesterov": run["nesterov"]}
-    verdict = _cached(
-        "optimizer-check",
-        [name, kwargs, given],
-        lambda: {"problem": optimizers.optimizer_problem(name, kwargs, **given)},
-        cache_dir,
-    )
-    return verdict["problem"]
-
-
-def _cached(kind: str, parts: list, compute, cache_dir) -> dict:
-    """``compute()``'s JSON result, kept in ``cache_dir`` per installed torch, torchvision and
-    timm (their location, version file and distribution version), per version of the checks
-    themselves (the cache is shared by every checkout of a user) and ``parts``: even a
-    meta-device build imports them (seconds, in every parse)."""
-    packages = ("torch", "torchvision", "timm")
-    versions = [[_package_key(p), _distribution_version(p)] for p in packages]
-    key = json.dumps([versions, _checks_digest(), *parts], sort_keys=True, default=str)
-    path = None
-    if cache_dir is not None:
-        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        path = Path(cache_dir) / f"{kind}-{digest}.json"
-        try:
-            stored = json.loads(path.read_text())
-            if stored.get("key") == key:
-                return stored["verdict"]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            pass
-    verdict = compute()
-    if path is not None:
-        _write_cache(path, {"key": key, "verdict": verdict})
-    return verdict
-
-
-def _distribution_version(package: str) -> str | None:
-    """The installed distribution's version (its metadata; no import), None where absent."""
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-@functools.cache
-def _checks_digest() -> str:
-    """The source of the checks a cached verdict comes from (this module, imagenet_ddp.models
-    and .optimizers): a checkout with other checks does not reuse another's verdicts."""
-    from imagenet_ddp import models
-
-    digest = hashlib.sha256()
-    for module in (models, optimizers):
-        digest.update(Path(module.__file__).read_bytes())
-    digest.update(Path(__file__).read_bytes())
-    return digest.hexdigest()[:16]
 
 
 def _image_size_problems(run: Mapping, short_side: int) -> list[str]:
@@ -328,8 +197,8 @@ def _recipe_problems(run: Mapping) -> list[str]:
             "sync_bn true on the CPU: torch's SyncBatchNorm synchronizes GPU tensors only; "
             "set sync_bn: false or train on GPUs (gpus_per_node > 0)"
         )
-    # timm's, and any model with model_kwargs where it imports: _model_problems
-    torchvision = _name_listed(family(run["model"])[0]) and not _exact(run)
+    # timm's, and any model with model_kwargs: the check rule's (deep_problems)
+    torchvision = _name_listed(family(run["model"])[0]) and not run.get("model_kwargs")
     residual = run["model"].startswith(TORCHVISION_RESIDUAL_BN)
     if run.get("zero_init_residual") and torchvision and not residual:
         problems.append(
@@ -626,82 +495,21 @@ def _csv_rows(path: Path) -> int:
     return max(0, lines - 1)
 
 
-# --------------------------------------------------------------------------- model names
+def write_check(run_json: str, num_classes: int, run_dir: Path, out: Path) -> None:
+    """The ``check`` stage: :func:`deep_problems` of the run (given as its settings' JSON) and
+    its weights file's digest; refused with one line per problem, else ``out`` records the
+    digest train takes as its param."""
+    import json
 
+    from imagenet_ddp import __version__
+    from imagenet_ddp.errors import InputError
+    from imagenet_ddp.io import write_json_atomic
+    from imagenet_ddp.settings.init_weights import weights_digest
 
-def user_cache_dir() -> Path:
-    """Where the model names are cached: ``$XDG_CACHE_HOME/imagenet-ddp`` (``~/.cache/...``),
-    so every working directory of a user shares them, as matplotlib's font cache does."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "imagenet-ddp"
-
-
-def classification_models(cache_dir: str | os.PathLike[str] | None = None) -> frozenset[str]:
-    """torchvision's classification models (``list_models(module=torchvision.models)``:
-    no detection, segmentation, video or quantized ones, which ``train`` cannot build).
-
-    Importing torchvision (and torch) takes seconds, so the names are kept in ``cache_dir`` (if
-    given), one file per installed torchvision (its location and version file); unreadable or
-    stale files are rebuilt, and a cache that cannot be written is skipped. Without an
-    importable torchvision (a login node's bare Snakemake environment), the list kept with the
-    package (:mod:`imagenet_ddp.settings.torchvision_models`, the pinned torchvision's).
-    """
-    key = _torchvision_key()
-    if key is None and importlib.util.find_spec("torchvision") is None:
-        from imagenet_ddp.settings.torchvision_models import CLASSIFICATION_MODELS
-
-        return CLASSIFICATION_MODELS
-    path = None
-    if cache_dir is not None and key is not None:
-        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        path = Path(cache_dir) / f"torchvision-models-{digest}.json"
-        try:
-            stored = json.loads(path.read_text())
-            if stored.get("key") == key:
-                return frozenset(stored["models"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            pass
-    import torchvision
-
-    models = frozenset(torchvision.models.list_models(module=torchvision.models))
-    if path is not None:
-        _write_cache(path, {"key": key, "models": sorted(models)})
-    return models
-
-
-def _torchvision_key() -> str | None:
-    """Identifies the torchvision that an import would load, without importing it."""
-    return _package_key("torchvision", "models/__init__.py")
-
-
-def _package_key(package: str, marker: str = "__init__.py") -> str | None:
-    """Identifies the ``package`` an import would load (its version file and the mtime of
-    ``marker``), without importing it."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    root = Path(list(spec.submodule_search_locations)[0])
-    try:
-        stamp = hashlib.sha256((root / "version.py").read_bytes())
-        stamp.update(str((root / marker).stat().st_mtime_ns).encode())
-    except OSError:
-        return None
-    return f"{root} {stamp.hexdigest()}"
-
-
-def _write_cache(path: Path, data: dict) -> None:
-    """Best effort and atomic (unique temporary name, then rename): dry-runs may race."""
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(
-            "w", dir=path.parent, prefix=f".{path.name}.tmp-", delete=False
-        ) as f:
-            tmp = Path(f.name)
-            f.write(json.dumps(data) + "\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except OSError:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
+    run = json.loads(run_json)
+    digest, problem = weights_digest(run, run_dir)
+    problems = deep_problems(run, num_classes) + ([problem] if problem else [])
+    if problems:
+        name = run.get("run") or run.get("name")
+        raise InputError("\n".join(f"config.yaml: run {name!r}: {p}" for p in problems))
+    write_json_atomic(out, {"init_weights_sha256": digest, "checked_by": __version__})

@@ -19,7 +19,6 @@ from typing import Any
 
 import yaml
 
-from imagenet_ddp.settings.init_weights import fill_digests
 from imagenet_ddp.settings.presets import resolve_run
 from imagenet_ddp.settings.run_checks import check_runs
 from imagenet_ddp.settings.sweeps import SweepError, expand_runs, run_schema
@@ -54,18 +53,15 @@ def resolve_runs(
     config: Mapping[str, Any],
     written: Mapping[str, Any],
     schema_path: str | os.PathLike[str],
-    *,
-    workdir: str | os.PathLike[str] | None = ".",
-    models: frozenset[str] | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
+    **checks: Any,
 ) -> dict[str, dict[str, Any]]:
     """Every run by name, in order (hand-written runs, then each sweep's), resolved and checked.
 
     ``config``: validated (the schema's defaults filled in); ``written``: its
     :func:`written_settings` from before validation; ``schema_path``: the config schema, whose
-    ``runs`` item every expanded run is held to. ``workdir``, ``models``, ``cache_dir``: as
-    :func:`imagenet_ddp.settings.run_checks.check_runs` takes them. Raises :class:`RunsError` with
-    every problem, one line each.
+    ``runs`` item every expanded run is held to; ``checks``: passed to
+    :func:`imagenet_ddp.settings.run_checks.check_runs`. Raises :class:`RunsError` with every
+    problem, one line each.
     """
     with open(schema_path) as f:
         config_schema = yaml.safe_load(f)
@@ -80,9 +76,7 @@ def resolve_runs(
     runs = {
         entry["name"]: resolve_run(defaults, written["train_defaults"], entry) for entry in entries
     }
-    # the init_weights file's digest, a weights setting: filled before the checks and keys
-    problems = fill_digests(runs, check=workdir is not None, cache_dir=cache_dir)
-    problems += check_runs(runs, config, workdir=workdir, models=models, cache_dir=cache_dir)
+    problems = check_runs(runs, config, **checks)
     if problems:
         raise RunsError("\n".join(problems))
     return runs

@@ -1,0 +1,25 @@
+"""Each stage's output version, a param of its rule: bumped by hand when a release changes
+what the stage writes, so that exactly that stage reruns (and what reads its output, by
+Snakemake's own rules). Never derived from the source: a comment, a refactoring, a new Python
+or a reinstall reruns nothing. A finished training never reruns for code: the runs table
+flags a model trained by another package version (report.aggregate).
+
+Torch-free: the rules read it while Snakemake parses them. What a rerun costs at ImageNet
+scale: docs/configuration.md "Reruns".
+"""
+
+from imagenet_ddp.data.archive_names import INDEX_FORMAT_VERSION
+from imagenet_ddp.data.prepared_layout import FORMAT_VERSION as PREPARED_FORMAT_VERSION
+
+STAGE_VERSIONS = {
+    "verify": 1,
+    "index": INDEX_FORMAT_VERSION,
+    "split": 1,
+    "prepare": PREPARED_FORMAT_VERSION,
+    "data_content": 1,
+    "check": 1,
+    "evaluate": 1,
+    "accounting": 1,
+    "aggregate": 1,
+    "plots": 1,
+}
