@@ -9,11 +9,9 @@ import sys
 
 from snakemake.utils import min_version
 
-# pyproject.toml's range (snakemake>=9.20.0,<10): common.smk reads resources through the
-# Resource API (.value, .is_evaluable()) first shipped in 9.16.3 (9.16.2 fails at parse), and
-# 9.16.3 to 9.19 read a profile's `runtime: 1440` as seconds (train's -t: 24 min; fixed in
-# 9.20.0, snakemake #4053). CI runs the pinned 9.27.1, and a dry-run and --lint at this floor
-# (.ci/run's .venv-bare, tests/test_bare_env.py: train's runtime=1440 there).
+# pyproject.toml's range (snakemake>=9.20.0,<10): 9.16.3 to 9.19 read a profile's `runtime:
+# 1440` as seconds (train's -t: 24 min; fixed in 9.20.0, snakemake #4053). CI runs the pinned
+# 9.27.1, and a dry-run and --lint at this floor (.ci/run's .venv-bare, tests/test_bare_env.py).
 min_version("9.20.0")
 
 # What this Snakemake process itself needs, here because no job's command can do it for it:
@@ -54,4 +52,4 @@ rule all:
     """Every run trained, evaluated, tabulated and plotted."""
     input:
         REPORT_TARGETS,
-        VERIFY_REPORT,  # a gate of index (common.smk verify_gate), rerun on its own
+        VERIFY_REPORT,  # what trains waits for it (data_content); a rerun of it alone, no more

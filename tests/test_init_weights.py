@@ -18,7 +18,6 @@ from imagenet_ddp.jobs import distributed as D
 from imagenet_ddp.settings import init_weights as IW
 from imagenet_ddp.settings.geometry import Geometry
 from imagenet_ddp.settings.kinds import declarations
-from imagenet_ddp.settings.run_checks import init_weights_problems
 from imagenet_ddp.settings.runs import RunsError, resolve_runs
 from imagenet_ddp.training.model import save_model
 from imagenet_ddp.training.worker import build_job
@@ -26,7 +25,6 @@ from tests.test_resume import CONFIG, torchrun
 from tests.workflow_helpers import (
     copy_workflow,
     read_config,
-    shown_specs,
     snakemake,
     train_config,
     write_config,
@@ -66,22 +64,30 @@ def test_every_format_users_have_gives_the_same_state_dict(tmp_path):
     for name, write in files.items():
         path = tmp_path / name
         write(path)
-        assert_same(M.read_init_weights(path, IW.sha256_of(path)), state)
+        assert_same(M.read_init_weights(path, IW.file_digest(path, "sha256")), state)
         assert M.weights_file_shapes(path) == {k: tuple(v.shape) for k, v in state.items()}
     with pytest.raises(M.WeightsFileError, match="changed after the dry-run"):
         M.read_init_weights(tmp_path / "plain.pth", "0" * 64)
 
 
-def test_the_digest_is_hashed_once_per_file_identity(tmp_path, monkeypatch):
-    path, cache = tmp_path / "w.pth", tmp_path / "cache"
+def test_the_digest_is_the_files_and_a_gone_file_keeps_the_digest_its_run_had(tmp_path):
+    """The check's digest (train's param): the file's; where the file is gone (a purge), the
+    pinned one, else the one the run's last job started from; else one line, for that run."""
+    path, run_dir = tmp_path / "w.pth", tmp_path / "run"
     path.write_bytes(b"one")
-    first = IW.file_digest(path, cache)
-    assert first == IW.sha256_of(path)
-    monkeypatch.setattr(IW, "sha256_of", lambda p: pytest.fail("hashed again"))
-    assert IW.file_digest(path, cache) == first  # unchanged: a stat, no read
-    monkeypatch.undo()
-    path.write_bytes(b"two")  # another size and mtime: hashed again
-    assert IW.file_digest(path, cache) == IW.sha256_of(path) != first
+    run = {"run": "r", "init_weights": str(path), "init_weights_sha256": None}
+    digest = IW.file_digest(path, "sha256")
+    assert IW.weights_digest(run, run_dir) == (digest, None)
+    assert IW.weights_digest({**run, "init_weights": ""}, run_dir) == ("", None)
+    pinned = {**run, "init_weights_sha256": "0" * 64}
+    assert "pins" in IW.weights_digest(pinned, run_dir)[1]
+    path.unlink()
+    assert IW.weights_digest(pinned, run_dir) == ("0" * 64, None)  # pinned: goes on
+    kept, problem = IW.weights_digest(run, run_dir)
+    assert kept == "" and "cannot be read" in problem and "init_weights_sha256" in problem
+    run_dir.mkdir()  # its last job started from the file: resumes, the digest it had
+    (run_dir / "job_spec.json").write_text(json.dumps({"run": {"init_weights_sha256": digest}}))
+    assert IW.weights_digest(run, run_dir) == (digest, None)
 
 
 def test_the_content_is_the_weights_setting_the_path_is_not():
@@ -104,7 +110,9 @@ def _config(**run):
     return demo_config(**run)
 
 
-def test_bad_files_are_refused_at_the_dry_run_one_line_each(tmp_path):
+def test_bad_files_are_refused_by_the_check_one_line_each(tmp_path):
+    from imagenet_ddp.errors import InputError
+    from imagenet_ddp.settings.run_checks import write_check
     from imagenet_ddp.settings.runs import written_settings
 
     good = tmp_path / "good.pth"
@@ -115,16 +123,21 @@ def test_bad_files_are_refused_at_the_dry_run_one_line_each(tmp_path):
     torch.save({"model": {"head.weight": torch.zeros(10, 4)}}, vit)
     schema = "workflow/schemas/config.schema.yaml"
 
-    def problems(cache=None, **run) -> list[str]:
+    def problems(**run) -> list[str]:
         config = _config(**run)
         try:
-            runs = resolve_runs(config, written_settings(config), schema, workdir=tmp_path)
-        except RunsError as error:
+            runs = resolve_runs(config, written_settings(config), schema)
+        except RunsError as error:  # what the config alone shows: at the dry-run
             return str(error).splitlines()
-        return init_weights_problems(runs, num_classes=4, cache_dir=cache)
+        settings = json.dumps(declarations().rank_settings(runs["r"]))
+        try:
+            write_check(settings, 4, tmp_path / "run", tmp_path / "check.json")
+        except InputError as error:
+            return str(error).splitlines()
+        return []
 
     [missing] = problems(init_weights=str(tmp_path / "nope.pth"))
-    assert missing.startswith(f"config.yaml: run 'r': init_weights '{tmp_path}/nope.pth': ")
+    assert missing.startswith(f"config.yaml: run 'r': init_weights '{tmp_path}/nope.pth' ")
     [pinned] = problems(init_weights=str(good), init_weights_sha256="0" * 64)
     assert "pins" in pinned
     [stray] = problems(init_weights_exclude=["fc."])
@@ -133,10 +146,13 @@ def test_bad_files_are_refused_at_the_dry_run_one_line_each(tmp_path):
     assert f"init_weights {garbage}: not a readable torch or safetensors" in unreadable
     [other] = problems(init_weights=str(vit))
     assert "keys the file lacks: conv1.weight" in other and "keys the model lacks: head" in other
-    [head] = problems(cache=tmp_path / "cache", init_weights=str(good))  # 10 classes, data 4
+    [head] = problems(init_weights=str(good))  # 10 classes, data 4
     assert "fc.weight [10, 512] in the file, [4, 512] in the model" in head
     assert "init_weights_exclude" in head
     assert problems(init_weights=str(good), init_weights_exclude=["fc."]) == []
+    assert json.loads((tmp_path / "check.json").read_text())["init_weights_sha256"] == (
+        IW.file_digest(good, "sha256")
+    )
     [typo] = problems(init_weights=str(good), init_weights_exclude=["fc.", "head."])
     assert "prefixes matching no key of the model: head." in typo
 
@@ -172,7 +188,7 @@ def test_a_fresh_start_takes_the_file_on_every_rank_and_a_resume_never_reads_it(
     torch.save({"model": {f"module.{k}": v for k, v in file.items()}}, path)
     config = {**CONFIG, "epochs": 1, "lr": 1e-9, "weight_decay": 0.0, "ema_decay": 0.0}
     config |= {"init_weights": str(path), "init_weights_exclude": ["fc."]}
-    config["init_weights_sha256"] = IW.sha256_of(path)
+    config["init_weights_sha256"] = IW.file_digest(path, "sha256")
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     first = torchrun(prepared_demo["train"], demo_split, out, ckpt, "--stop-after-steps", "1",
                      config=config)  # fmt: skip
@@ -192,19 +208,25 @@ def test_a_fresh_start_takes_the_file_on_every_rank_and_a_resume_never_reads_it(
 
 
 def test_the_workflow_refuses_a_head_that_does_not_fit_and_passes_the_digest(tmp_path):
-    """A real dry-run: the data's class count (the demo's 6) against the file's 10."""
+    """A real workflow: the run's local check (before any of its GPU jobs) refuses the data's
+    class count (the demo's 6) against the file's 10, with one line in its log; with the head
+    excluded it passes, and a dry-run of train then passes the file's digest to the job."""
     workdir = copy_workflow(tmp_path / "wf")
     torch.save(trained_like(10).state_dict(), workdir / "in1k.pth")
     config = read_config(workdir)
+    run = config["runs"][0]["name"]
     config["runs"] = [{**config["runs"][0], "init_weights": "in1k.pth"}]
     write_config(workdir, config)
-    refused = snakemake(workdir, "-n", check=False)
+    target = f"results/checks/{run}.json"
+    refused = snakemake(workdir, "-c1", target, check=False)
     assert refused.returncode != 0
-    output = (refused.stdout + refused.stderr).splitlines()
-    [line] = [x for x in output if x.startswith("config.yaml: run") and "init_weights" in x]
+    log = (workdir / f"logs/check/{run}.log").read_text().splitlines()
+    [line] = [x for x in log if "init_weights" in x]
+    assert line.startswith(f"imagenet-ddp check: error: config.yaml: run '{run}': init_weights")
     assert "[10, 512] in the file, [6, 512] in the model" in line
     config["runs"][0]["init_weights_exclude"] = ["fc."]
     write_config(workdir, config)
-    result = snakemake(workdir, "-n", "-p")
-    [spec] = shown_specs(result.stdout, "train", workdir)
-    assert spec["run"]["init_weights_sha256"] == IW.sha256_of(workdir / "in1k.pth")
+    snakemake(workdir, "-c1", target)
+    result = snakemake(workdir, "-n", "-p", f"results/runs/{run}/model.pt")
+    digest = IW.file_digest(workdir / "in1k.pth", "sha256")
+    assert f"--init-weights-sha256 '{digest}'" in result.stdout

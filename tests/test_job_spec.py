@@ -85,19 +85,23 @@ def test_a_job_without_its_geometry_is_refused_by_the_launcher(tmp_path, capsys)
     assert not (tmp_path / "run_dir").exists()
 
 
-def test_a_stored_spec_is_named_by_its_content_and_reads_back(tmp_path):
-    """The rule passes a spec file's path (common.smk job_spec): the same spec is the same
-    file, a changed one a new file (never one a queued job still reads), and --job reads it."""
-    from imagenet_ddp.jobs.spec import load, store, to_dict
-    from tests.workflow_helpers import make_job
+def test_a_compact_spec_reads_back_whole_and_refuses_another_package_version():
+    """The rule passes the spec as compact JSON (common.smk job_spec): the run's settings at
+    their default left out, filled in again by the job from its package's declarations; a job
+    whose package is another version than the workflow's refuses in one line."""
+    from imagenet_ddp import __version__
+    from imagenet_ddp.jobs.spec import SpecError, compact_spec, load, to_dict
+    from imagenet_ddp.settings.kinds import declarations
+    from tests.workflow_helpers import make_job, run_settings
 
-    spec = to_dict(make_job("train", attempt=1))
-    first = store(spec, tmp_path / "train", "r")
-    assert store(dict(spec), tmp_path / "train", "r") == first
-    retry = {**spec, "execution": {**spec["execution"], "attempt": 2}}
-    again = store(retry, tmp_path / "train", "r")
-    assert again != first and (tmp_path / "train").is_dir()
-    assert sorted(p.name for p in (tmp_path / "train").iterdir()) == sorted(
-        [Path(first).name, Path(again).name]
-    )
-    assert to_dict(load(first, "train")) == spec
+    run = run_settings(run="r", nodes=1, tasks_per_node=1, cpus_per_task=1, lr=0.3)
+    spec = to_dict(make_job("train", run, attempt=2))
+    text = compact_spec(spec, declarations(), __version__)
+    sent = json.loads(text)["run"]
+    assert sent == {"run": "r", "nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1, "lr": 0.3}
+    assert len(text) < len(json.dumps(spec)) / 2
+    read = to_dict(load(text, "train"))
+    assert read == {**spec, "run": {**declarations().rank_defaults(), **spec["run"]}}
+    other = text.replace(f'"version":"{__version__}"', '"version":"0.0.1"')
+    with pytest.raises(SpecError, match="the workflow is imagenet-ddp 0.0.1, this job runs"):
+        load(other, "train")

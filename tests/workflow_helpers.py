@@ -42,13 +42,16 @@ def run_settings(**settings) -> dict:
     return {"run": "run", **passed, **settings}
 
 
-def shown_specs(text: str, kind: str, workdir: Path) -> list[dict]:
-    """The job specs of ``kind`` that ``snakemake -n -p`` in ``workdir`` printed (each rule's
-    `--job <file>`, a file the dry-run wrote: workflow/rules/common.smk job_spec), in order."""
+def shown_specs(text: str, kind: str, workdir: Path | None = None) -> list[dict]:
+    """The job specs of ``kind`` that ``snakemake -n -p`` printed (each rule's `--job '<JSON>'`,
+    workflow/rules/common.smk job_spec), in order, each run's settings completed as the job
+    completes them (imagenet_ddp.jobs.spec)."""
     import json
 
-    paths = re.findall(r"--job (\S+)", text)
-    specs = [json.loads((Path(workdir) / path.strip("'")).read_text()) for path in paths]
+    from imagenet_ddp.jobs.spec import _from_compact
+
+    found = re.findall(r"--job '(\{.*?\})'", text)
+    specs = [_from_compact(json.loads(spec), "--job") for spec in found]
     return [spec for spec in specs if spec["kind"] == kind]
 
 
