@@ -354,28 +354,30 @@ def test_the_preflights_projected_breakdown_stands_beside_the_measured_one(tmp_p
     assert cells == {"new-1x1": "2 % (preflight 20 %)", "old-1x1": "2 %", "none-1x1": "2 %"}
 
 
-def test_a_model_trained_by_other_training_code_is_flagged(tmp_path):
+def test_a_model_trained_by_another_package_version_is_flagged(tmp_path):
     """No code change reruns a finished training (issue 35): the table flags a run whose
-    provenance records another training-code digest than today's; one that records none
-    (trained before the digest was kept) is unknown, never flagged."""
-    from imagenet_ddp.settings.code_digest import code_digest
+    provenance records another package version than this one's; one that records none is
+    unknown, never flagged."""
+    from imagenet_ddp import __version__
 
-    today = code_digest("training")
     dirs = {
         name: write_run_dir(tmp_path, name, nodes=1, tasks_per_node=1, steady_per_worker=9.0)
         for name in ("same", "other", "older")
     }
-    for name, digest in (("same", today), ("other", "0" * 16)):
+    for name, version in (("same", __version__), ("other", "0.0.1"), ("older", None)):
         path = dirs[name] / "model.pt.provenance.json"
-        path.write_text(json.dumps({**json.loads(path.read_text()), "training_code": digest}))
+        provenance = json.loads(path.read_text())
+        provenance["code"] = {} if version is None else {"package_version": version}
+        path.write_text(json.dumps(provenance))
     csv, markdown = tmp_path / "runs.csv", tmp_path / "runs.md"
-    write_aggregate(list(dirs.values()), csv, markdown, training_code=today)
+    write_aggregate(list(dirs.values()), csv, markdown)
     flags = pd.read_csv(csv).set_index("run")["trained_by_other_code"]
     assert flags["other"] == True and flags["same"] == False  # noqa: E712
     assert pd.isna(flags["older"])
     text = markdown.read_text()
     assert "| other †" in text and "| same " in text and "same †" not in text
-    assert "† trained by other training code than today's" in text and ": other\n" in text
+    assert "† trained by another imagenet-ddp version than this one" in text
+    assert ": other\n" in text
 
 
 def test_a_diverged_run_is_marked_in_both_tables(tmp_path):

@@ -1,6 +1,7 @@
-"""One train job of a run at a time (imagenet_ddp.jobs.holders), with a fake squeue: the
-submitting Snakemake's view (which live jobs hold a run) and the job's own wait. On the real
-SLURM cluster: tests/test_slurm_e2e.py (its controller killed and restarted mid-train)."""
+"""One train job of a run at a time (imagenet_ddp.jobs.holders), with a fake squeue and
+scontrol: the job finds another live job holding its run and gives its allocation back at once
+(requeued behind it, or ended for the workflow's retry). On the real SLURM cluster:
+tests/test_slurm_e2e.py (its controller killed and restarted mid-train)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ def fake_squeue(tmp_path, monkeypatch):
         f"cat {tmp_path}/squeue.out\n"
     )
     script.chmod(0o755)
+    scontrol = bin_dir / "scontrol"  # records its calls; fails where tmp/scontrol.err exists
+    scontrol.write_text(
+        "#!/bin/sh\n"
+        f'echo "$@" >> {tmp_path}/scontrol.calls\n'
+        f"if [ -f {tmp_path}/scontrol.err ]; then cat {tmp_path}/scontrol.err >&2; exit 1; fi\n"
+    )
+    scontrol.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     (tmp_path / "squeue.out").write_text("")
@@ -40,66 +48,37 @@ def open_entry(root, job_id: str, alive: float) -> None:
     attempts._save(root, [entry])
 
 
-def test_live_jobs_are_this_users_unended_jobs_and_none_where_squeue_cannot_answer(fake_squeue):
-    (fake_squeue / "squeue.out").write_text(
-        "12|RUNNING|rule_train_wildcards_r|/w\n13|PENDING|rule_evaluate_wildcards_r|/w\n"
-        "14|COMPLETED|rule_train_wildcards_r|/w\n15|COMPLETING|a|b|c\n"
-    )
-    assert holders.live_jobs() == {
-        "12": {"state": "RUNNING", "comment": "rule_train_wildcards_r", "workdir": "/w"},
-        "13": {"state": "PENDING", "comment": "rule_evaluate_wildcards_r", "workdir": "/w"},
-        "15": {"state": "COMPLETING", "comment": "a", "workdir": "b|c"},
-    }
-    assert "--me" in (fake_squeue / "squeue.calls").read_text()
-    (fake_squeue / "squeue.err").write_text("slurm_load_jobs error: Unable to contact slurmctld")
-    assert holders.live_jobs() is None
+def test_a_job_gives_its_allocation_back_while_another_live_job_holds_the_run(
+    fake_squeue, monkeypatch
+):
+    """Job 41 finds job 40's open entry, running: it requeues itself behind it (held first,
+    then the dependency, then released), never waiting while it holds its GPUs; its own entry
+    (a requeued job keeps its id), a pending or an ended job holds nothing."""
+    import signal
 
-
-def test_the_runs_holders_are_its_train_jobs_from_this_workflow_and_its_open_entries(tmp_path):
-    workdir, root = tmp_path / "w", tmp_path / "ckpt"
-    workdir.mkdir()
-    open_entry(root, "30", time.time())
-    live = {
-        "20": {"state": "PENDING", "comment": "rule_train_wildcards_r", "workdir": str(workdir)},
-        "21": {"state": "RUNNING", "comment": "rule_train_wildcards_r", "workdir": "/other"},
-        "22": {"state": "RUNNING", "comment": "rule_train_wildcards_r2", "workdir": str(workdir)},
-        "23": {"state": "RUNNING", "comment": "rule_evaluate_wildcards_r", "workdir": str(workdir)},
-        "30": {"state": "RUNNING", "comment": "ours", "workdir": "/anywhere"},
-        "100": {"state": "RUNNING", "comment": "rule_train_wildcards_r", "workdir": str(workdir)},
-    }  # fmt: skip
-    assert holders.holders_ahead(root, RUN, "r", workdir, live) == ["20", "30", "100"]
-    # another rule's job: the same rule and wildcards, from this workflow (the executor's
-    # comment: rule_<rule>[_wildcards_<values joined by _, / as _>])
-    assert holders.executor_comment("evaluate", ["r"]) == "rule_evaluate_wildcards_r"
-    assert holders.executor_comment("prepare", ["a/b", "c"]) == "rule_prepare_wildcards_a_b_c"
-    assert holders.executor_comment("aggregate", []) == "rule_aggregate"
-    assert holders.same_jobs(live, "rule_evaluate_wildcards_r", workdir) == ["23"]
-    assert holders.dependency_flag(["20", "30"]) == "--dependency=afterany:20:30"
-    # an open entry of a job SLURM no longer runs (killed with its launcher) holds nothing
-    assert holders.holders_ahead(root, RUN, "r", workdir, {}) == []
-
-
-def test_a_job_waits_while_another_live_job_holds_the_run_then_goes_on(fake_squeue, monkeypatch):
     root = fake_squeue / "ckpt"
     open_entry(root, "40", time.time())
     (fake_squeue / "squeue.out").write_text("RUNNING\n")
     monkeypatch.setenv("SLURM_JOB_ID", "41")
-    lines, sleeps = [], []
-
-    def sleep(seconds):
-        sleeps.append(seconds)
-        if len(sleeps) == 2:  # job 40 ends: its launcher closes its entry
-            (fake_squeue / "squeue.out").write_text("")
-
-    waited = holders.wait_for_holders(root, RUN, log=lines.append, seconds=5, sleep=sleep)
-    assert waited == 10 and sleeps == [5, 5]
-    assert len(lines) == 2, lines
+    holder = holders.live_holder(root, RUN)
+    assert holder["slurm_job_id"] == "40" and holder["state"] == "RUNNING"
+    lines = []
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # SLURM's SIGTERM is ignored there
+    assert holders.give_back(holder, "r", log=lines.append) == attempts.EXIT_REQUEUE
+    calls = (fake_squeue / "scontrol.calls").read_text().splitlines()
+    assert calls == ["requeuehold 41", "update JobId=41 Dependency=afterany:40", "release 41"]
     assert "job 40 (attempt 1 on node1, RUNNING) still trains it" in lines[0], lines
-    assert "waits for it to end before it trains" in lines[0] and "after 10 s" in lines[1]
-    # its own entry (a requeued job keeps its id) holds nothing
+    assert "this job 41 is requeued behind it and resumes after it" in lines[0], lines
+    # a site that does not let a job requeue itself: it ends, for the workflow's retry
+    (fake_squeue / "scontrol.err").write_text("Requeue of JobId=41 not allowed")
+    assert holders.give_back(holder, "r", log=lines.append) == attempts.EXIT_REQUEUE
+    assert "this job ends without training; the workflow submits the run again" in lines[1]
+    for state in ("PENDING", ""):  # requeued or held by an admin; ended
+        (fake_squeue / "squeue.out").write_text(f"{state}\n")
+        assert holders.live_holder(root, RUN) is None, state
     open_entry(root, "41", time.time())
     (fake_squeue / "squeue.out").write_text("RUNNING\n")
-    assert holders.wait_for_holders(root, RUN, log=lines.append, sleep=pytest.fail) == 0
+    assert holders.live_holder(root, RUN) is None
 
 
 def test_without_squeue_a_fresh_heartbeat_holds_the_run_and_a_stale_one_does_not(
@@ -108,26 +87,19 @@ def test_without_squeue_a_fresh_heartbeat_holds_the_run_and_a_stale_one_does_not
     root = fake_squeue / "ckpt"
     (fake_squeue / "squeue.err").write_text("squeue: error: Unable to contact slurm controller")
     open_entry(root, "50", time.time() - holders.STALE_SECONDS - 5)  # killed with its launcher
-    assert holders.wait_for_holders(root, RUN, log=pytest.fail, sleep=pytest.fail) == 0
+    assert holders.live_holder(root, RUN) is None
     open_entry(root, "50", time.time())
-    lines = []
-
-    def sleep(seconds):  # its heartbeat stops
-        open_entry(root, "50", time.time() - holders.STALE_SECONDS - 5)
-
-    assert holders.wait_for_holders(root, RUN, log=lines.append, seconds=1, sleep=sleep) == 1
-    assert "job 50 (attempt 1 on node1, heartbeat)" in lines[0], lines
+    assert holders.live_holder(root, RUN)["state"] == "heartbeat"
     # a purged job id: ended, whatever its heartbeat says
     (fake_squeue / "squeue.err").write_text("slurm_load_jobs error: Invalid job id specified")
-    open_entry(root, "50", time.time())
-    assert holders.wait_for_holders(root, RUN, log=pytest.fail, sleep=pytest.fail) == 0
+    assert holders.live_holder(root, RUN) is None
 
 
-def test_two_jobs_that_start_at_once_train_one_after_the_other(tmp_path, monkeypatch):
-    """Two jobs of a run started together, neither with a dependency on the other (two
-    controllers, or one restarted within seconds): each finds the run free and records its
-    attempt a second later (a check that is not held with the record would let both train).
-    Under the lock the second sees the first's open entry and starts when it has ended."""
+def test_two_jobs_that_start_at_once_never_train_together(tmp_path, monkeypatch):
+    """Two jobs of a run started together (two controllers, or one restarted within seconds):
+    each finds the run free and records its attempt a second later (a check that is not held
+    with the record would let both train). Under the lock the second sees the first's open
+    entry and gives its allocation back; the first trains."""
     import subprocess
     import sys
     import textwrap
@@ -138,23 +110,24 @@ def test_two_jobs_that_start_at_once_train_one_after_the_other(tmp_path, monkeyp
     script.write_text(
         textwrap.dedent(
             f"""
-            import sys, time
+            import time
             from imagenet_ddp.jobs import attempts, holders
             run, root = {RUN!r}, {str(root)!r}
-            check = holders.wait_for_holders
+            check = holders.live_holder
 
             def slow_check(*args, **kwargs):  # a second between the check and the record
-                waited = check(*args, **kwargs)
+                found = check(*args, **kwargs)
                 time.sleep(1.0)
-                return waited
+                return found
 
-            holders.wait_for_holders = slow_check
+            holders.live_holder = slow_check
             begin = lambda: attempts.begin(root, run, attempt=1, gpus=0, cores=1)
-            entry, _ = holders.begin_when_free(root, run, begin, seconds=0.2)
+            begun, holder = holders.begin_unless_held(root, run, begin)
+            if holder:
+                raise SystemExit(holders.give_back(holder, "r"))
             print("began", time.time(), flush=True)
             time.sleep(2.0)  # trains
-            attempts.end(root, entry, 0)
-            print("ended", time.time(), flush=True)
+            attempts.end(root, begun[0], 0)
             """
         )
     )
@@ -163,13 +136,23 @@ def test_two_jobs_that_start_at_once_train_one_after_the_other(tmp_path, monkeyp
         for _ in range(2)
     ]
     outputs = [job.communicate(timeout=60)[0] for job in jobs]
-    spans = sorted(
-        tuple(float(line.split()[1]) for line in out.splitlines() if line[:5] in ("began", "ended"))
-        for out in outputs
-    )
-    assert sum("still trains it" in out for out in outputs) == 1, outputs  # the second waited
-    assert [job.returncode for job in jobs] == [0, 0]
-    (began_1, ended_1), (began_2, _) = spans
-    assert began_2 >= ended_1 > began_1, spans
+    assert sum("began" in out for out in outputs) == 1, outputs
+    assert sum("still trains it" in out for out in outputs) == 1, outputs
+    assert sorted(job.returncode for job in jobs) == [0, attempts.EXIT_REQUEUE]
     record = attempts.load(root)
-    assert [(a["attempt"], a["outcome"]) for a in record] == [(1, "completed"), (2, "completed")]
+    assert [(a["attempt"], a["outcome"]) for a in record] == [(1, "completed")]
+
+
+def test_a_retry_inside_the_allocation_it_ended_in_is_not_run(tmp_path, monkeypatch):
+    """A rule's retries reach the jobstep's own Snakemake (snakemake-executor-plugin-slurm#284),
+    which would run the job again in the allocation it ended in: the job sees its own ended
+    attempt (same job id and restart count) and does not; a requeued run of the job does."""
+    root = tmp_path / "ckpt"
+    monkeypatch.setenv("SLURM_JOB_ID", "60")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    entry, _ = attempts.begin(root, RUN, attempt=1, gpus=0, cores=1)
+    assert attempts.ran_in_this_allocation(root, RUN) is None  # still running
+    attempts.end(root, entry, attempts.EXIT_REQUEUE)
+    assert attempts.ran_in_this_allocation(root, RUN)["attempt"] == 1
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert attempts.ran_in_this_allocation(root, RUN) is None

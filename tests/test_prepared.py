@@ -358,53 +358,42 @@ def test_rgb_conversion_of_the_odd_images(prepared_demo):
     assert np.isfinite(means).all() and means.min() > 5 and means.max() < 250
 
 
-def test_a_key_file_is_new_only_when_the_copys_content_changes(tmp_path):
-    """Train's key file (prepared_layout KEYS_DIR): the same content made again (another
-    layout, prepare's code, --forcerun) keeps its file and mtime; other content gets a new,
-    newer one, and so does content that was current before (A, B, A again). An earlier
-    version's manifest gets its key at the epoch. A model trained on other content is refused
-    by evaluate with one line."""
-    import os
-
-    from imagenet_ddp.data.prepared_layout import current_key, write_manifest
-    from imagenet_ddp.jobs.stages import trained_on_other_data
+def test_the_data_content_record_follows_content_not_paths(tmp_path):
+    """What train and evaluate take as params (the data_content checkpoint): the same content
+    through another manifest or path gives the same digests; another copy, split or classes
+    file gives another, each only for the jobs that read it."""
+    from imagenet_ddp.data.prepared_layout import content_record, write_manifest
+    from imagenet_ddp.errors import InputError
 
     copies = {}
-    for name, samples in (("a", 3), ("b", 4)):
+    for name, samples in (("a", 3), ("a2", 3), ("b", 4)):
         copies[name] = tmp_path / "prepare.dir" / name
         copies[name].mkdir(parents=True)
         (copies[name] / "prepared.json").write_text(json.dumps({"num_samples": samples}))
+    files = {}
+    for name, text in (("train", "1\n2\n"), ("holdout", "3\n"), ("classes", "x\n")):
+        files[name] = tmp_path / f"{name}.csv"
+        files[name].write_text(text)
     manifest = tmp_path / "results/prepared/train.json"
     manifest.parent.mkdir(parents=True)
+    write_manifest(manifest, copies["a"], {"which": "train", "n": "a"}, reused=False)
 
-    def make(name, old=False):
-        write_manifest(manifest, copies[name], {"which": "train", "n": name}, reused=False)
-        key = current_key(manifest)
-        if old:  # an earlier write, seconds ago
-            os.utime(key, (key.stat().st_mtime - 10,) * 2)
-        return key, key.stat().st_mtime_ns
+    def record(train, val=None, **changed):
+        paths = {**files, **changed}
+        return content_record(
+            train, val or copies["b"], paths["train"], paths["holdout"], paths["classes"]
+        )
 
-    key_a, first = make("a", old=True)
-    assert make("a") == (key_a, first)  # the same content: untouched
-    key_b, b_time = make("b")
-    assert key_b != key_a and b_time > first
-    os.utime(key_b, (key_b.stat().st_mtime - 5,) * 2)
-    assert make("a")[1] > key_b.stat().st_mtime_ns  # current again: newer than B's
-    # an earlier version's manifest (no content digest, no key files): its key at the epoch
-    for key in manifest.parent.glob("keys/*"):
-        key.unlink()
-    manifest.write_text(json.dumps({"dir": str(copies["b"])}))
-    assert current_key(manifest, adopt=False) is None
-    assert current_key(manifest).stat().st_mtime == 0
-    # the model's record against the copy it would be evaluated on
-    model = tmp_path / "model.pt"
-    record = model.with_name("model.pt.provenance.json")
-    record.write_text(
-        json.dumps({"prepared_train": json.loads(key_b.read_text())["content_sha256"]})
-    )
-    assert trained_on_other_data(model, copies["b"]) is None
-    assert trained_on_other_data(model, manifest) is None
-    line = trained_on_other_data(model, copies["a"])
-    assert line.startswith(f"{model} was trained on the prepared content") and "\n" not in line
-    record.write_text(json.dumps({}))  # an earlier version's model: no record, no check
-    assert trained_on_other_data(model, copies["a"]) is None
+    first = record(manifest)
+    assert record(copies["a"]) == first  # the manifest or the copy it names
+    assert record(copies["a2"]) == first  # the same content in another copy
+    other = record(copies["b"])
+    assert other["train"] != first["train"] and other["evaluate"] != first["evaluate"]
+    moved = tmp_path / "moved.csv"
+    moved.write_text(files["classes"].read_text())
+    assert record(manifest, classes=moved) == first
+    moved.write_text("y\n")  # other classes: what evaluate reads, not what trains
+    changed = record(manifest, classes=moved)
+    assert changed["train"] == first["train"] and changed["evaluate"] != first["evaluate"]
+    with pytest.raises(InputError, match="prepared_val: no prepared copy to read"):
+        record(manifest, tmp_path / "nowhere")

@@ -6,8 +6,6 @@ non-zero exit and one line per problem naming the run and the key.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pandas as pd
 import pytest
@@ -30,7 +28,9 @@ from tests.workflow_helpers import (
 
 @pytest.fixture(scope="module")
 def models():
-    return run_checks.classification_models()
+    from imagenet_ddp.settings.torchvision_models import CLASSIFICATION_MODELS
+
+    return CLASSIFICATION_MODELS
 
 
 def resolved(config: dict) -> dict[str, dict]:
@@ -51,7 +51,7 @@ FED = {"cpus_per_task": 3}
 
 
 def problems(config: dict, models, tmp_path) -> list[str]:
-    return check_runs(resolved(config), config, workdir=tmp_path, models=models)
+    return check_runs(resolved(config), config, models=models)
 
 
 def test_the_repo_config_passes(models, tmp_path):
@@ -87,12 +87,16 @@ def test_models_that_are_not_classifiers_are_refused(models, tmp_path, model):
 
 
 # ---------------------------------------------------------------- timm, model_kwargs, optimizers
-# Exact where torch/torchvision/timm import (here): built on the meta device (imagenet_ddp.models).
+# Exact, by the run's local `check` rule (torch, torchvision and timm import there): built on the
+# meta device (imagenet_ddp.models); what the config alone shows, at the dry-run.
 
 
 def model_lines(tmp_path, **run) -> list[str]:
     config = demo_config(crop_size=32, eval_resize=36, **run)  # demo: prepare.short_side 40
-    return check_runs(resolved(config), config, workdir=tmp_path, cache_dir=tmp_path / "cache")
+    runs = resolved(config)
+    static = check_runs(runs, config)
+    deep = [f"config.yaml: run 'r': {p}" for p in run_checks.deep_problems(runs["r"], 4)]
+    return static or deep
 
 
 @pytest.mark.parametrize(
@@ -159,49 +163,16 @@ def test_timm_models_kwargs_and_optimizers_that_can_train_pass(tmp_path):
         {"model": "mobilenet_v3_small", "model_kwargs": {"dropout": 0.3}},
     ]:  # fmt: skip
         assert model_lines(tmp_path, **run) == [], run
-    # The verdicts are cached per model, options and installed packages: a later parse reads them.
-    assert len(list((tmp_path / "cache").glob("model-check-*.json"))) == 3
-    assert len(list((tmp_path / "cache").glob("optimizer-check-*.json"))) == 2
 
 
-def test_a_cached_verdict_is_not_reused_after_a_package_upgrade(monkeypatch, tmp_path):
-    """The key holds each package's distribution version (an upgrade that kept the version
-    file and mtimes still checks again, not reusing the older packages' verdict) and the
-    checks' own source."""
-    verdicts = iter([{"problem": "first"}, {"problem": "second"}])
-    compute = lambda: next(verdicts)  # noqa: E731
-    assert run_checks._cached("x", ["timm/m"], compute, tmp_path)["problem"] == "first"
-    assert run_checks._cached("x", ["timm/m"], compute, tmp_path)["problem"] == "first"  # read
-    real = run_checks.importlib.metadata.version
-    upgraded = lambda p: "99.0" if p == "timm" else real(p)  # noqa: E731
-    monkeypatch.setattr(run_checks.importlib.metadata, "version", upgraded)
-    assert run_checks._cached("x", ["timm/m"], compute, tmp_path)["problem"] == "second"
-    versions = [json.loads(p.read_text())["key"] for p in tmp_path.glob("x-*.json")]
-    assert len(versions) == 2 and any('"99.0"' in key for key in versions)
-    # nor by another version of the checks (a checkout sharing ~/.cache/imagenet-ddp)
-    monkeypatch.setattr(run_checks, "_checks_digest", lambda: "other checks")
-    verdicts = iter([{"problem": "third"}])
-    assert run_checks._cached("x", ["timm/m"], compute, tmp_path)["problem"] == "third"
-
-
-def test_without_the_packages_timm_and_model_kwargs_are_unchecked_and_said_so(
-    monkeypatch, tmp_path
-):
-    """A bare login-node environment: nothing refused that cannot be judged, one note per run."""
-    monkeypatch.setattr(run_checks, "importable", lambda family: False)
-    monkeypatch.setattr(run_checks.optimizers, "_packages_here", lambda family: False)
-    run = {"model": "timm/resnt18", "optimizer": "timm/lamb"}
-    assert model_lines(tmp_path, **run) == []
-    config = demo_config(**run)
-    [model_note, optimizer_note] = run_checks.unchecked_model_notes(resolved(config))
-    assert "model 'timm/resnt18' and its model_kwargs are not checked by this dry-run" in model_note
-    assert "optimizer 'timm/lamb'" in optimizer_note
-    # torchvision names are still checked against the list kept with the package
-    [line] = model_lines(tmp_path, model="resnet9000", model_kwargs={"dropout": 0.1})
+def test_torchvision_names_are_judged_at_the_dry_run_without_torch(tmp_path):
+    """The dry-run imports no torch: a torchvision name against the list kept with the package,
+    model_kwargs, timm models and optimizers by the run's check."""
+    config = demo_config(model="resnet9000", model_kwargs={"dropout": 0.1})
+    [line] = check_runs(resolved(config), config)
     assert "model 'resnet9000' is not a torchvision classification model" in line
-    # and an optimizer name no family holds needs no package to be refused
-    [line] = model_lines(tmp_path, optimizer="lamb")
-    assert "optimizer 'lamb' is not sgd, adamw or a timm optimizer; pick one of" in line
+    config = demo_config(model="timm/resnt18", optimizer="timm/lamd")
+    assert check_runs(resolved(config), config) == []  # the check's
 
 
 def test_classification_models_are_torchvisions(models):
@@ -219,45 +190,6 @@ def test_the_kept_model_list_is_the_pinned_torchvisions(models):
 
     assert torchvision.__version__.split("+")[0] == TORCHVISION_VERSION
     assert models == CLASSIFICATION_MODELS
-
-
-def test_without_torchvision_the_kept_list_is_used(monkeypatch, tmp_path):
-    from imagenet_ddp.settings.torchvision_models import CLASSIFICATION_MODELS
-
-    real_find_spec = run_checks.importlib.util.find_spec
-    monkeypatch.setattr(
-        run_checks.importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "torchvision" else real_find_spec(name, *a),
-    )
-    assert run_checks.classification_models(tmp_path) is CLASSIFICATION_MODELS
-    assert list(tmp_path.iterdir()) == []  # nothing cached: the list is the package's
-
-
-def test_model_names_are_cached_per_torchvision(tmp_path, models):
-    assert run_checks.classification_models(tmp_path) == models
-    [cache] = tmp_path.glob("torchvision-models-*.json")
-    stored = json.loads(cache.read_text())
-    stored["models"] = ["only_this"]
-    cache.write_text(json.dumps(stored))
-    assert run_checks.classification_models(tmp_path) == {"only_this"}  # read, not recomputed
-    stored["key"] = "another torchvision"
-    cache.write_text(json.dumps(stored))
-    assert run_checks.classification_models(tmp_path) == models  # stale: rebuilt
-    cache.write_text("not json")
-    assert run_checks.classification_models(tmp_path) == models
-    assert json.loads(cache.read_text())["models"] == sorted(models)
-    assert [p.name for p in tmp_path.iterdir()] == [cache.name]  # no temporaries left
-
-
-def test_an_unwritable_cache_is_skipped(tmp_path, models):
-    (tmp_path / "file").write_text("")
-    assert run_checks.classification_models(tmp_path / "file" / "cache") == models
-
-
-def test_the_cache_is_per_user(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert run_checks.user_cache_dir() == tmp_path / "imagenet-ddp"
 
 
 # ---------------------------------------------------------------- image sizes
@@ -439,15 +371,6 @@ def test_expected_split_sizes_are_exact(fraction):
     "override, expected",
     [
         ({"model": "resnet9000"}, "model 'resnet9000' is not a torchvision classification model"),
-        (
-            {"model": "timm/vit_tiny_patch16_24"},
-            "model 'timm/vit_tiny_patch16_24' is not a timm "
-            "classification model; did you mean 'timm/vit_tiny_patch16_224'",
-        ),
-        (
-            {"model": "timm/vit_tiny_patch16_224", "model_kwargs": {"drop_path": 0.1}},
-            "model_kwargs.drop_path: not a parameter of VisionTransformer",
-        ),
         ({"crop_size": 48}, "crop_size 48 is larger than prepare.short_side 40"),
         # Two problems of one run: two lines (a crop range the GPU node could only fail on).
         (
@@ -460,8 +383,6 @@ def test_expected_split_sizes_are_exact(fraction):
     ],
     ids=[
         "model",
-        "timm-model",
-        "model-kwargs",
         "image-size",
         "device",
         "gpus-vs-tasks",
@@ -578,3 +499,31 @@ def test_warm_up_in_epochs_and_in_steps_is_refused(models, tmp_path):
     config = demo_config(warmup_steps=10, warmup_epochs=1)
     (line,) = problems(config, models, tmp_path)
     assert "warmup_steps 10 and warmup_epochs 1 are both set" in line
+
+
+def test_the_runs_check_refuses_with_one_line_before_any_of_its_jobs(tmp_path):
+    """What needs torch (a timm name, model_kwargs): the run's local `check` job, which its
+    GPU jobs wait for, fails with one line naming the run and the key; the dry-run passes."""
+    workdir = copy_workflow(tmp_path / "wf")
+    config = read_config(workdir)
+    config["runs"] = [
+        {"name": "name", "model": "timm/vit_tiny_patch16_24"},
+        {
+            "name": "kwargs",
+            "model": "timm/vit_tiny_patch16_224",
+            "model_kwargs": {"drop_path": 0.1},
+        },
+    ]
+    write_config(workdir, config)
+    assert snakemake(workdir, "-n").returncode == 0
+    targets = ["results/checks/name.json", "results/checks/kwargs.json"]
+    result = snakemake(workdir, "-c1", "--keep-going", *targets, check=False)
+    assert result.returncode != 0
+    for run, expected in (
+        ("name", "model 'timm/vit_tiny_patch16_24' is not a timm classification model; did "
+         "you mean 'timm/vit_tiny_patch16_224'"),
+        ("kwargs", "model_kwargs.drop_path: not a parameter of VisionTransformer"),
+    ):  # fmt: skip
+        log = (workdir / f"logs/check/{run}.log").read_text().splitlines()
+        assert len(log) == 1 and f"config.yaml: run '{run}': " in log[0] and expected in log[0]
+        assert not (workdir / f"results/checks/{run}.json").exists()

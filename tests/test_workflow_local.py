@@ -257,9 +257,10 @@ def test_nothing_to_do_on_rerun_under_any_trigger_and_a_dry_run_writes_nothing(
         for path in (local_run / "src").rglob("*.py"):
             os.utime(path)
         assert planned_jobs(local_run, "-c2") == {}
-        assert "Nothing to be done" in snakemake(local_run, "-c2").stdout + snakemake(
-            local_run, "-c2"
-        ).stderr
+        assert (
+            "Nothing to be done"
+            in snakemake(local_run, "-c2").stdout + snakemake(local_run, "-c2").stderr
+        )
         assert planned_jobs(local_run, "-c2") == {}
     finally:
         shutil.rmtree(local_run / "src")

@@ -26,8 +26,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from imagenet_ddp.io import exclusive_lock, lock_path_for
-from imagenet_ddp.jobs.attempts import EXIT_REQUEUE, HEARTBEAT_SECONDS, RECORD, load, of_run
-from imagenet_ddp.jobs.attempts import settings_key
+from imagenet_ddp.jobs.attempts import (
+    EXIT_REQUEUE,
+    HEARTBEAT_SECONDS,
+    RECORD,
+    load,
+    of_run,
+    settings_key,
+)
 
 T = TypeVar("T")
 

@@ -291,8 +291,12 @@ def compact_spec(data: dict[str, Any], settings: Declarations, version: str) -> 
     spec = to_dict(from_dict(data))
     if "run" in spec:
         defaults, keep = settings.rank_defaults(), {"run", *LAUNCH_KEYS}
+
+        def same(a: Any, b: Any) -> bool:  # as JSON: 0 and 0.0 differ in a checkpoint key
+            return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
         spec["run"] = {k: v for k, v in spec["run"].items()
-                       if k in keep or k not in defaults or v != defaults[k]}  # fmt: skip
+                       if k in keep or k not in defaults or not same(v, defaults[k])}  # fmt: skip
     return json.dumps({"version": version, **spec}, separators=(",", ":"))
 
 

@@ -26,14 +26,13 @@ from imagenet_ddp.models import (
     FAMILIES,
     TORCHVISION_RESIDUAL_BN,
     family,
-    importable,
     unknown_name,
 )
 from imagenet_ddp.settings.evaluation import eval_settings
-from imagenet_ddp.settings.init_weights import static_weights_problems
-from imagenet_ddp.settings.torchvision_models import CLASSIFICATION_MODELS
 from imagenet_ddp.settings.geometry import global_batch, loader_workers
+from imagenet_ddp.settings.init_weights import static_weights_problems
 from imagenet_ddp.settings.presets import scaled_lr
+from imagenet_ddp.settings.torchvision_models import CLASSIFICATION_MODELS
 
 # Images in the ILSVRC2012 train archive (what `index` lists from the real archive).
 ILSVRC2012_TRAIN_IMAGES = 1_281_167
@@ -80,7 +79,7 @@ def check_runs(
 def _model_problem(run: Mapping, models: frozenset[str]) -> str | None:
     """A torchvision name against the name list (no torch import: cached or kept here)."""
     model = run["model"]
-    if model in AUX_OUTPUTS_IN_TRAINING:
+    if model in AUX_OUTPUTS_IN_TRAINING and not run.get("model_kwargs"):
         return (
             f"model {model!r} returns its auxiliary classifiers' outputs too in training, not "
             "the logits the loss takes; set model_kwargs: {aux_logits: false}"
@@ -295,8 +294,9 @@ NONDETERMINISTIC_ON_CUDA = ("vgg", "alexnet")
 def _determinism_problem(run: Mapping) -> str | None:
     if not (run.get("deterministic") and run["gpus_per_node"] > 0):
         return None
-    if _exact(run) or not run["model"].startswith(NONDETERMINISTIC_ON_CUDA):
-        return None  # timm models and model_kwargs: _model_problems, from the built model
+    exact = run.get("model_kwargs") or not _name_listed(family(run["model"])[0])
+    if exact or not run["model"].startswith(NONDETERMINISTIC_ON_CUDA):
+        return None  # timm models and model_kwargs: the check's, from the built model
     return (
         f"deterministic true with model {run['model']!r} on GPUs: its adaptive average "
         "pooling has no deterministic CUDA backward (torch would raise at the first step); "
