@@ -49,29 +49,43 @@ def test_every_dependency_is_pinned():
     assert not missing, f"pin these in requirements/constraints.txt: {missing}"
 
 
+TEST_TOOLS = {"pytest", "pytest-xdist", "execnet", "ruff", "snakefmt", "webdataset", "braceexpand"}
+
+
+def _env_pip(env_file: Path = ENVS / "imagenet-ddp.yaml") -> list[str]:
+    env = yaml.safe_load(env_file.read_text())
+    return next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+
+
 @pytest.mark.parametrize("env_file", sorted(ENVS.glob("*.yaml")), ids=lambda p: p.name)
-def test_conda_env_installs_through_the_constraints(env_file):
+def test_conda_env_holds_the_pins_and_the_packages_version(env_file):
+    """Issue 41: the env file holds every pin of requirements/constraints.txt but the test
+    tools, and the package's version, so a new pin or version is a new env (Snakemake hashes
+    the file's text); the package is a copy of the workflow's folder, never editable."""
+    from imagenet_ddp import __version__
+
     env = yaml.safe_load(env_file.read_text())
     conda = [d for d in env["dependencies"] if isinstance(d, str)]
-    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
     python = next(d for d in conda if _name(d) == "python")
     assert python.split("=", 1)[1] == python_minor_of_ci(), python
-    constraint = next(a.split(None, 1)[1] for a in pip if a.startswith("--constraint"))
-    assert Path(constraint.replace("${IMAGENET_DDP_ROOT}", str(REPO))) == CONSTRAINTS
-    # Anything pinned explicitly must agree with the constraints file.
-    for spec in [*conda, *(a for a in pip if not a.startswith("-"))]:
-        match = re.fullmatch(r"([A-Za-z0-9._-]+)\s*==?\s*([^\s,;]+)", spec)
-        if match and _name(spec) not in ("python", "pip"):
-            assert pins().get(_name(spec)) == match.group(2), f"{env_file.name}: {spec}"
+    pip = _env_pip(env_file)
+    pinned = {}
+    for spec in pip:
+        match = re.fullmatch(r"([A-Za-z0-9._-]+)==([^\s,;]+)", spec)
+        if match:
+            pinned[_name(spec)] = match.group(2)
+    assert pinned == {k: v for k, v in pins().items() if k not in TEST_TOOLS}
+    assert not any(a.startswith(("-e", "--editable", "--constraint")) for a in pip), pip
+    assert f"# imagenet-ddp {__version__}\n" in env_file.read_text()
 
 
 def test_conda_env_resolves_from_a_copy_in_another_prefix(tmp_path, monkeypatch):
     """`--sdm conda --conda-prefix ~/envs`: Snakemake copies the env file to
     <prefix>/<hash>.yaml (snakemake.deployment.conda Env.create) and conda writes its pip
     arguments into a requirements file beside that copy and runs pip there (conda_env's pip
-    installer). pip's own parser, run there, finds the constraints file and the checkout:
-    each argument names the workflow's folder through IMAGENET_DDP_ROOT, which the Snakefile
-    sets to its own folder, never a path relative to the file."""
+    installer). pip's own parser, run there, finds the checkout: it is named through
+    IMAGENET_DDP_ROOT, which the Snakefile sets to its own folder, never a path relative to
+    the file."""
     from pip._internal.network.session import PipSession
     from pip._internal.req.req_file import parse_requirements
 
@@ -80,19 +94,17 @@ def test_conda_env_resolves_from_a_copy_in_another_prefix(tmp_path, monkeypatch)
     prefix.mkdir()
     copied = prefix / "0123abcd.yaml"
     shutil.copyfile(ENVS / "imagenet-ddp.yaml", copied)
-    env = yaml.safe_load(copied.read_text())
-    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    pip = _env_pip(copied)
     assert not any(".." in arg for arg in pip), pip  # relative to a file that gets copied
     requirements = prefix / "condaenv.test.requirements.txt"
     requirements.write_text("\n".join(pip))
     monkeypatch.chdir(prefix)
     monkeypatch.setenv("IMAGENET_DDP_ROOT", str(REPO))  # the Snakefile's folder
     parsed = list(parse_requirements(str(requirements), session=PipSession()))
-    editable = [p.requirement for p in parsed if p.is_editable]
+    local = [p.requirement for p in parsed if not p.is_editable and p.requirement.startswith("/")]
     # the checkout, with the optional extras (test_every_optional_component_is_installed)
-    assert [Path(re.sub(r"\[[^]]*\]$", "", e)).resolve() for e in editable] == [REPO]
-    constrained = {_name(p.requirement) for p in parsed if p.constraint}
-    assert constrained == set(pins()), "every pin of requirements/constraints.txt, read there"
+    assert [Path(re.sub(r"\[[^]]*\]$", "", e)).resolve() for e in local] == [REPO]
+    assert not any(p.is_editable for p in parsed)
 
 
 def test_apptainer_image_installs_through_the_constraints_on_the_same_python():
@@ -208,10 +220,8 @@ def test_the_image_and_the_conda_env_hold_every_component_a_setting_can_ask_for(
     test = text.split("%test", 1)[1].split("%labels", 1)[0]
     imports = re.search(r'python -c "import ([^"]*)"\n', test.split("--help", 1)[1]).group(1)
     assert {module for module, _ in OPTIONAL_COMPONENTS.values()} <= set(imports.split(", "))
-    env = yaml.safe_load((ENVS / "imagenet-ddp.yaml").read_text())
-    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
-    editable = next(a for a in pip if a.startswith("--editable"))
-    assert set(re.search(r"\[([^\]]*)\]$", editable).group(1).split(",")) == extras, "conda env"
+    package = next(a for a in _env_pip() if a.startswith("${IMAGENET_DDP_ROOT}"))
+    assert set(re.search(r"\[([^\]]*)\]$", package).group(1).split(",")) == extras, "conda env"
 
 
 def test_a_setting_whose_component_the_jobs_lack_is_refused_in_one_line():
