@@ -281,34 +281,34 @@ def on_meta(build: Callable[[], Any]):
     no compute). Built under ``torch.device("meta")``, where every tensor is meta; a builder
     that computes its architecture from tensors cannot be (torchvision's RegNet:
     ``torch.arange(...).tolist()``), so it is built again with each parameter and buffer
-    moved to meta as its module registers it (as accelerate's init_empty_weights), all else
-    on the CPU."""
+    replaced by a meta one as its module registers it (torch's documented global
+    registration hooks, removed when the build returns), all else on the CPU."""
     import torch
+    from torch.nn.modules import module
 
     try:
         with torch.device("meta"):
             return build()
     except NotImplementedError:  # "Cannot copy out of meta tensor"
         pass
-    module = torch.nn.Module
-    register_parameter, register_buffer = module.register_parameter, module.register_buffer
 
-    def parameter(self, name, param):
-        register_parameter(self, name, param)
+    def parameter(owner, name, param):
         if param is not None:
-            self._parameters[name] = torch.nn.Parameter(
-                param.to("meta"), requires_grad=param.requires_grad
-            )
+            return torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        return None
 
-    def buffer(self, name, tensor, persistent=True):
-        tensor = tensor.to("meta") if tensor is not None else None
-        register_buffer(self, name, tensor, persistent=persistent)
+    def buffer(owner, name, tensor):
+        return tensor.to("meta") if tensor is not None else None
 
-    module.register_parameter, module.register_buffer = parameter, buffer
+    hooks = (
+        module.register_module_parameter_registration_hook(parameter),
+        module.register_module_buffer_registration_hook(buffer),
+    )
     try:
         return build()
     finally:
-        module.register_parameter, module.register_buffer = register_parameter, register_buffer
+        for hook in hooks:
+            hook.remove()
 
 
 def _init_parameters(model) -> set[str]:
@@ -400,8 +400,7 @@ def nondeterministic_on_cuda(
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             what = NONDETERMINISTIC_CUDA_BACKWARD.get(func.overloadpacket.__name__)
-            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-            if what and any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+            if what and any(t.requires_grad for t in _tensors((args, kwargs))):
                 found[f"{stack[-1]} ({what})"] = None  # not the image's: it has no backward
             return func(*args, **(kwargs or {}))
 
@@ -424,6 +423,19 @@ def nondeterministic_on_cuda(
         enter.remove()
         leave.remove()
     return list(found)
+
+
+def _tensors(value):
+    """The tensors in an aten call's (nested) arguments."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        yield from _tensors(list(value.values()))
 
 
 # --------------------------------------------------------------------------- a weights file
