@@ -28,6 +28,7 @@ checks, :func:`model_problems`); torch, torchvision and timm are imported when a
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import re
@@ -96,17 +97,18 @@ def build_model(
     num_classes: int,
     model_kwargs: Mapping[str, Any] | None = None,
     *,
-    zero_init_residual: bool = False,
+    zero_init_residual: bool | None = False,
 ):
     """A randomly initialised classification model ``name`` with ``num_classes`` outputs.
 
     ``model_kwargs``: the constructor's own options. ``zero_init_residual``: zero-init the last
     BatchNorm of each residual block, where the model has that option (torchvision's
     ``zero_init_residual``, timm's ``zero_init_last``; :func:`residual_option`): set either
-    way, as timm's default is True (torchvision's, False: the same model as before)."""
+    way, as timm's default is True (torchvision's, False: the same model as before); None:
+    the constructor's own default."""
     fam, arch = family(name)
     kwargs = dict(model_kwargs or {})
-    option = residual_option(name, kwargs)
+    option = residual_option(name, kwargs) if zero_init_residual is not None else None
     if option:
         kwargs[option] = zero_init_residual
     return FAMILIES[fam].build(arch, num_classes, kwargs)
@@ -117,6 +119,27 @@ def residual_option(name: str, model_kwargs: Mapping[str, Any] | None = None) ->
     torchvision's: from the name (torch-free); timm's: from the model class's signature (a
     meta-device build: timm must be importable)."""
     return FAMILIES[family(name)[0]].residual_option(name, model_kwargs or {})
+
+
+# The ImageNet mean and std (torchvision's models, timm's IMAGENET_DEFAULT_MEAN/STD).
+IMAGENET_MEAN_STD = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+
+
+@functools.cache
+def input_normalization(name: str, normalization: str = "imagenet") -> tuple[tuple, tuple]:
+    """(mean, std) a run of model ``name`` normalizes its images with: ImageNet's, or with
+    ``normalization: model`` a timm model's own, from its pretrained config (its tag's:
+    ``timm.models.get_pretrained_cfg``, nothing downloaded; (0.5, 0.5, 0.5) for augreg ViTs,
+    CLIP's for CLIP weights); torchvision's models were all trained with ImageNet's."""
+    fam, arch = family(name)
+    if normalization != "model" or fam != "timm":
+        return IMAGENET_MEAN_STD
+    from timm.models import get_pretrained_cfg
+
+    cfg = get_pretrained_cfg(arch)
+    if cfg is None:
+        return IMAGENET_MEAN_STD
+    return tuple(map(float, cfg.mean)), tuple(map(float, cfg.std))
 
 
 def convert_sync_batchnorm(name: str, model):
