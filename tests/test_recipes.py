@@ -383,8 +383,8 @@ def test_normalization_is_the_models_pretrained_config():
 
     for name in ("vit_tiny_patch16_224.augreg_in21k", "vit_base_patch16_clip_224.openai",
                  "resnet50.a1_in1k"):  # fmt: skip
-        model = timm.create_model(name, pretrained=False, num_classes=2, img_size=32) if (
-            "vit" in name) else timm.create_model(name, pretrained=False, num_classes=2)  # fmt: skip
+        size = {"img_size": 32} if "vit" in name else {}
+        model = timm.create_model(name, pretrained=False, num_classes=2, **size)
         config = resolve_data_config(model=model)
         assert input_normalization(f"timm/{name}", "model") == (config["mean"], config["std"])
     assert input_normalization("timm/vit_tiny_patch16_224.augreg_in21k", "model")[0] == (
