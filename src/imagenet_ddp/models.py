@@ -408,57 +408,41 @@ def nondeterministic_on_cuda(
     name: str, model_kwargs: Mapping[str, Any], crops: tuple[int, ...] = (224,)
 ) -> list[str]:
     """The model's layers that have no deterministic CUDA backward, as "<module> (<what>)":
-    found from the aten ops a training-mode forward calls on the meta device at each crop on
-    tensors that need a gradient (resizing the image itself has no backward: timm's
-    CrossViT), each named by the innermost module calling it (whatever the family, and
-    functional calls too: timm's avgmax pooling, a ViT resampling its position embedding)."""
+    a training step (forward and backward) on the meta device at each crop, under torch's
+    public ``FlopCounterMode`` counting the ops above and their backward ops by module. An op
+    counts where its backward ran (resizing the image itself has none: timm's CrossViT), or,
+    without a backward op of its own (max unpooling), where it ran; each is named by the
+    innermost modules whose forward called it (whatever the family, and functional calls
+    too: timm's avgmax pooling, a ViT resampling its position embedding)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
 
+    aten = torch.ops.aten
+    backward = {f: getattr(aten, f"{f}_backward", None) for f in NONDETERMINISTIC_CUDA_BACKWARD}
+    ops = {op for f in backward for op in (getattr(aten, f), backward[f]) if op is not None}
     model = _meta_model(name, model_kwargs).train()
-    names = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
-    stack: list[str] = [type(model).__name__]
+    root = type(model).__name__
     found: dict[str, None] = {}
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            what = NONDETERMINISTIC_CUDA_BACKWARD.get(func.overloadpacket.__name__)
-            if what and any(t.requires_grad for t in _tensors((args, kwargs))):
-                found[f"{stack[-1]} ({what})"] = None  # not the image's: it has no backward
-            return func(*args, **(kwargs or {}))
-
-    def push(module, args) -> None:
-        stack.append(names.get(id(module), stack[-1]))
-
-    def pop(module, args, output) -> None:  # None: the output stays the module's
-        stack.pop()
-
-    hooks = torch.nn.modules.module
-    enter, leave = (
-        hooks.register_module_forward_pre_hook(push),
-        hooks.register_module_forward_hook(pop),
-    )
-    try:
-        for crop in sorted(set(crops)):
-            with torch.device("meta"), torch.enable_grad(), Record():
-                model(torch.empty(2, 3, crop, crop))
-    finally:
-        enter.remove()
-        leave.remove()
+    for crop in sorted(set(crops)):
+        counter = FlopCounterMode(display=False, custom_mapping=dict.fromkeys(ops, _one))
+        with torch.device("meta"), torch.enable_grad(), counter:
+            model(torch.empty(2, 3, crop, crop)).sum().backward()
+        counts = counter.get_flop_counts()
+        ran = set(counts.get("Global", {}))
+        for f, what in NONDETERMINISTIC_CUDA_BACKWARD.items():
+            forward = getattr(aten, f)
+            if (backward[f] or forward) not in ran:
+                continue
+            callers = [k for k, v in counts.items() if k != "Global" and forward in v]
+            for key in callers:  # innermost: no caller below it
+                if not any(c.startswith(key + ".") for c in callers):
+                    found[f"{key.removeprefix(root + '.')} ({what})"] = None
     return list(found)
 
 
-def _tensors(value):
-    """The tensors in an aten call's (nested) arguments."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        yield from _tensors(list(value.values()))
+def _one(*shapes, **kwargs) -> int:
+    """FlopCounterMode's count of a listed op: one per call."""
+    return 1
 
 
 # --------------------------------------------------------------------------- a weights file
