@@ -585,7 +585,7 @@ TIMM_PRESETS = ["timm-resnet50-a1", "timm-resnet50-a2", "timm-resnet50-a3", "dei
 
 
 @pytest.mark.parametrize("preset", TIMM_PRESETS)
-def test_timms_and_deits_presets_pass_the_dry_run_at_2_x_8_gpus(preset, models, tmp_path):
+def test_timms_and_deits_presets_pass_the_dry_run_at_2_x_8_gpus(preset, tmp_path):
     """At the scale of the sources (2 nodes x 8 GPUs: their global batch), each preset passes
     every check (its timm model built on the meta device at its crops, its optimizer, the
     warm-up rule) and its log's hyperparameter line states the source's global batch and LR."""
@@ -599,7 +599,8 @@ def test_timms_and_deits_presets_pass_the_dry_run_at_2_x_8_gpus(preset, models, 
     config["runs"] = [{"name": preset, "recipe": preset, **shape}]
     defaults = {k: v for k, v in config["train_defaults"].items()}
     runs = {preset: resolve_run(defaults, {}, config["runs"][0])}
-    assert check_runs(runs, config, workdir=tmp_path, models=models) == []
+    assert check_runs(runs, config) == []
+    assert run_checks.deep_problems(runs[preset], num_classes=1000) == []  # the check rule's
     assert run_checks.warmup_warnings(runs, config, tmp_path) == []
     batch, lr = (1024, 1e-3) if preset.startswith("deit") else (2048, 5e-3)
     lr = 8e-3 if preset.endswith("a3") else lr
@@ -607,12 +608,14 @@ def test_timms_and_deits_presets_pass_the_dry_run_at_2_x_8_gpus(preset, models, 
     assert f"global_batch={batch} " in line and f"lr_used={lr}" in line, line
 
 
-def test_settings_timms_parts_would_ignore_are_refused(models, tmp_path):
+def test_settings_timms_parts_would_ignore_are_refused():
+    def problems(config):
+        return check_runs(resolved(config), config)
+
     config = demo_config(weight_decay_groups="timm", norm_weight_decay=0.0)
-    (line,) = problems(config, models, tmp_path)
+    (line,) = problems(config)
     assert line.startswith("config.yaml: run 'r': norm_weight_decay 0.0 with weight_decay_groups")
-    config = demo_config(loss="bce", label_smoothing=0.1, mixup_alpha=0.2)
-    (line,) = problems(config, models, tmp_path)
+    (line,) = problems(demo_config(loss="bce", label_smoothing=0.1, mixup_alpha=0.2))
     assert "BinaryCrossEntropy smooths one-hot targets only" in line
-    (line,) = problems(demo_config(bce_target_threshold=0.2), models, tmp_path)
+    (line,) = problems(demo_config(bce_target_threshold=0.2))
     assert "it applies to loss bce only" in line
