@@ -91,7 +91,9 @@ def test_a_model_whose_builder_computes_with_tensors_is_checked_on_meta_too():
     assert models.model_problems("regnet_y_400mf", {"stem_width": 16}, crops=(32,)) == []
     model = models.on_meta(lambda: models.build_model("regnet_y_400mf", 10))
     assert {p.device.type for p in model.parameters()} == {"meta"}
+    # torch's registration hooks, not a patched nn.Module, and removed after the build
     assert torch.nn.Module.register_parameter.__qualname__ == "Module.register_parameter"
+    assert torch.nn.Linear(2, 2).weight.device.type == "cpu"
 
 
 def test_model_file_rebuilds_a_timm_model_with_its_model_kwargs(tmp_path):

@@ -252,17 +252,74 @@ PUBLISHED = {
         "progressive_end_epoch": 76, "eval_crop_size": 256, "warmup_epochs": 2.0,
         "warmup_start_factor": 1e-4, "lr_schedule": "linear",
     },
+    # ResNet strikes back (arXiv:2110.00476) Table 1, A1: 600 epochs, batch 2048, LAMB lr 5e-3,
+    # wd 0.01, cosine, 5 warm-up epochs, BCE (target threshold 0.2), no label smoothing,
+    # stochastic depth 0.05, repeated augmentation, RandAugment 7/0.5, mixup 0.2, cutmix 1.0,
+    # train 224, test 224 at crop ratio 0.95; timm's train.py --warmup-lr 1e-4 --min-lr 1e-6
+    # (its defaults), bicubic; A2: 300 epochs, wd 0.02, mixup 0.1, no repeats; A3: 100
+    # epochs, lr 8e-3, wd 0.02, RandAugment 6/0.5, mixup 0.1, no stochastic depth, train 160.
+    "timm-resnet50-a1": {
+        "model": "timm/resnet50.a1_in1k", "epochs": 600, "global_batch": 2048,
+        "global_lr": 5e-3, "optimizer": "timm/lamb", "weight_decay": 0.01,
+        "lr_schedule": "cosine", "warmup_epochs": 5.0, "warmup_lr": 1e-4, "min_lr": 1e-6,
+        "loss": "bce", "bce_target_threshold": 0.2, "label_smoothing": 0.0,
+        "model_kwargs": {"drop_path_rate": 0.05}, "repeated_augmentation": 3,
+        "auto_augment": "rand-m7-mstd0.5-inc1", "mixup_alpha": 0.2, "cutmix_alpha": 1.0,
+        "crop_size": 224, "eval_crop_size": 224, "eval_resize": 235,
+        "interpolation": "bicubic", "zero_init_residual": True,
+    },
+    "timm-resnet50-a2": {
+        "model": "timm/resnet50.a1_in1k", "epochs": 300, "global_batch": 2048,
+        "global_lr": 5e-3, "weight_decay": 0.02, "warmup_lr": 1e-4, "min_lr": 1e-6,
+        "model_kwargs": {"drop_path_rate": 0.05}, "repeated_augmentation": 1,
+        "auto_augment": "rand-m7-mstd0.5-inc1", "mixup_alpha": 0.1, "crop_size": 224,
+        "eval_resize": 235, "loss": "bce", "bce_target_threshold": 0.2,
+    },
+    "timm-resnet50-a3": {
+        "model": "timm/resnet50.a1_in1k", "epochs": 100, "global_batch": 2048,
+        "global_lr": 8e-3, "weight_decay": 0.02, "warmup_lr": 1e-4, "min_lr": 1e-6,
+        "model_kwargs": {}, "repeated_augmentation": 1, "auto_augment": "rand-m6-mstd0.5-inc1",
+        "mixup_alpha": 0.1, "crop_size": 160, "eval_crop_size": 224, "eval_resize": 235,
+    },
+    # facebookresearch/deit main.py defaults with the README's commands (DeiT-B: 16 GPUs x
+    # batch 64; DeiT-S: 4 x 256): lr 5e-4 x 1024 / 512, AdamW eps 1e-8, wd 0.05, 300 epochs,
+    # cosine, warmup-epochs 5, warmup-lr 1e-6, min-lr 1e-5, smoothing 0.1, aa
+    # rand-m9-mstd0.5-inc1, train-interpolation bicubic, reprob 0.25, repeated-aug, mixup 0.8,
+    # cutmix 1.0, drop-path 0.1, eval_crop_ratio 0.875 (resize int(224 / 0.875) = 256).
+    "deit-small": {
+        "model": "timm/deit_small_patch16_224", "epochs": 300, "global_batch": 1024,
+        "global_lr": 1e-3, "optimizer": "adamw", "optimizer_kwargs": {"eps": 1e-8},
+        "weight_decay": 0.05, "warmup_epochs": 5.0, "warmup_lr": 1e-6, "min_lr": 1e-5,
+        "label_smoothing": 0.1, "auto_augment": "rand-m9-mstd0.5-inc1",
+        "interpolation": "bicubic", "random_erasing": 0.25, "repeated_augmentation": 3,
+        "mixup_alpha": 0.8, "cutmix_alpha": 1.0, "model_kwargs": {"drop_path_rate": 0.1},
+        "crop_size": 224, "eval_resize": 256, "eval_crop_size": 224,
+        "weight_decay_groups": "timm",
+    },
+    "deit-base": {
+        "model": "timm/deit_base_patch16_224", "global_batch": 1024, "global_lr": 1e-3,
+        "warmup_lr": 1e-6, "min_lr": 1e-5, "model_kwargs": {"drop_path_rate": 0.1},
+    },
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_each_preset_resolves_to_the_published_values(name):
     run = resolve_run(DEFAULTS, {"lr": 0.01, "epochs": 3}, {"name": "r", "recipe": name})
-    run.update(nodes=1, tasks_per_node=8)  # the sources' 8 GPUs
     published = dict(PUBLISHED[name])
-    assert scaled_lr(run) == pytest.approx(published.pop("global_lr"))
+    # the sources' 8 GPUs; timm's and DeiT's global batch at 2 nodes x 8 GPUs
+    run.update(nodes=2 if "global_batch" in published else 1, tasks_per_node=8)
+    from imagenet_ddp.settings.geometry import global_batch
+
+    assert global_batch(run) == published.pop("global_batch", 8 * run["batch_size"])
+    lr = published.pop("global_lr")
+    assert scaled_lr(run) == pytest.approx(lr)
+    # timm's absolute warm-up start and minimum LR, as factors of the source's LR
+    if "warmup_lr" in published:
+        assert run["warmup_start_factor"] * lr == pytest.approx(published.pop("warmup_lr"))
+        assert run["lr_min_ratio"] * lr == pytest.approx(published.pop("min_lr"))
     assert {k: run[k] for k in published} == published
-    assert run["model"] == "resnet50"
+    assert run["model"] == published.get("model", "resnet50")
 
 
 def test_presets_use_schema_keys_and_the_schema_lists_every_preset():
@@ -281,3 +338,165 @@ def test_keys_set_at_the_presets_level_or_below_win():
                       "torchvision-resnet50-v1", "epochs": 2})  # fmt: skip
     assert (run["lr"], run["epochs"], run["lr_schedule"]) == (0.1, 2, "step")
     assert resolve_run(DEFAULTS, {"lr": 0.5}, {"name": "c"})["mixup_alpha"] == 0.0
+
+
+# ------------------------------------------------------------------ timm's parts
+
+
+@pytest.mark.parametrize("name", ["timm/resnet10t", "timm/vit_tiny_patch16_224",
+                                  "timm/convnext_atto"])  # fmt: skip
+def test_timm_weight_decay_groups_are_timms_own(name):
+    """weight_decay_groups timm gives each parameter the weight decay timm's create_optimizer_v2
+    gives it (ResNet, ViT, ConvNeXt: BatchNorm, LayerNorm, LayerNorm2d, pos_embed, cls_token,
+    biases); torchvision's groups decay what timm exempts (the issue's defect, kept as the
+    default so earlier runs stay what they were)."""
+    from timm.optim import create_optimizer_v2
+
+    from imagenet_ddp import models
+
+    model = models.on_meta(lambda: models.build_model(name, 10))
+    theirs = create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05)
+    ours = recipe.build_optimizer(
+        train_config(optimizer="adamw", weight_decay=0.05, weight_decay_groups="timm"), model
+    )
+
+    def decay(optimizer):
+        return {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+
+    assert decay(ours) == decay(theirs)
+    assert len(decay(ours)) == len(list(model.parameters()))
+    named = dict(model.named_parameters())
+    exempt = {n for n, p in named.items() if decay(ours)[id(p)] == 0.0}
+    default = decay(recipe.build_optimizer(train_config(weight_decay=0.05), model))
+    if "pos_embed" in named:
+        assert {"pos_embed", "cls_token"} <= exempt and default[id(named["pos_embed"])] == 0.05
+    assert all(named[n].ndim <= 1 or n in ("pos_embed", "cls_token") for n in exempt)
+
+
+def test_normalization_is_the_models_pretrained_config():
+    """normalization: model takes mean and std from the timm model's tag, as timm's
+    resolve_data_config does for the built model (nothing downloaded)."""
+    import timm
+    from timm.data import resolve_data_config
+
+    from imagenet_ddp.models import IMAGENET_MEAN_STD, input_normalization
+
+    for name in ("vit_tiny_patch16_224.augreg_in21k", "vit_base_patch16_clip_224.openai",
+                 "resnet50.a1_in1k"):  # fmt: skip
+        size = {"img_size": 32} if "vit" in name else {}
+        model = timm.create_model(name, pretrained=False, num_classes=2, **size)
+        config = resolve_data_config(model=model)
+        assert input_normalization(f"timm/{name}", "model") == (config["mean"], config["std"])
+    assert input_normalization("timm/vit_tiny_patch16_224.augreg_in21k", "model")[0] == (
+        0.5, 0.5, 0.5)  # fmt: skip
+    assert input_normalization("timm/vit_tiny_patch16_224.augreg_in21k") == IMAGENET_MEAN_STD
+    assert input_normalization("vit_b_16", "model") == IMAGENET_MEAN_STD  # torchvision's
+    images = torch.full((1, 3, 2, 2), 255, dtype=torch.uint8)
+    from imagenet_ddp.data.dataset import normalize_batch
+
+    half = ((0.5,) * 3, (0.5,) * 3)
+    assert torch.equal(normalize_batch(images, *half), torch.ones(1, 3, 2, 2))
+
+
+@pytest.mark.parametrize("preset", ["timm-resnet50-a1", "timm-resnet50-a3", "deit-small"])
+def test_timm_presets_transforms_are_timms_create_transform(preset):
+    """The preset's training RandAugment (ops, magnitudes, noise, fill, translate, bicubic)
+    and evaluation resize/crop are those of timm's create_transform with the source's
+    arguments, and the same seeded draws give the same image."""
+    import random
+
+    import numpy as np
+    from timm.data import create_transform
+    from timm.data.auto_augment import RandAugment
+    from torchvision.transforms import v2
+
+    from imagenet_ddp.data.dataset import eval_transform
+
+    cfg = train_config(**PRESETS[preset])
+    crop = cfg.crop_size
+    mean, std = recipe.mean_std(cfg)
+    timms = create_transform(crop, is_training=True, auto_augment=cfg.auto_augment,
+                             interpolation="bicubic", mean=mean, std=std)  # fmt: skip
+    [theirs] = [t for t in timms.transforms if isinstance(t, RandAugment)]
+    ours = recipe.sample_transform(cfg, crop).transforms[1].transforms[1]
+
+    def ops(augment):
+        return [(o.name, o.prob, o.magnitude, o.magnitude_std, o.hparams) for o in augment.ops]
+
+    assert ops(ours) == ops(theirs) and ours.num_layers == theirs.num_layers == 2
+    image = v2.ToPILImage()(torch.randint(0, 256, (3, crop, crop), dtype=torch.uint8))
+    results = []
+    for augment in (ours, theirs):
+        random.seed(5)
+        np.random.seed(5)
+        results.append(np.asarray(augment(image)))
+    assert np.array_equal(*results)
+    evals = create_transform(224, is_training=False, interpolation="bicubic",
+                             crop_pct=0.95 if preset.startswith("timm") else 0.875)  # fmt: skip
+    resize, center = evals.transforms[:2]
+    ours = eval_transform(cfg.eval_resize, cfg.eval_crop, interpolation=cfg.interpolation)
+    assert (ours.transforms[0].size, ours.transforms[1].size) == (
+        [resize.size], (center.size[0], center.size[1]))  # fmt: skip
+    assert resize.interpolation.value == ours.transforms[0].interpolation.value == "bicubic"
+
+
+def test_bce_is_timms_with_its_target_threshold():
+    criterion = recipe.build_criterion(train_config(loss="bce", bce_target_threshold=0.2))
+    logits, mixed = torch.randn(4, 5), torch.softmax(torch.randn(4, 5), 1)
+    expected = torch.nn.functional.binary_cross_entropy_with_logits(logits, (mixed > 0.2).float())
+    assert torch.equal(criterion(logits, mixed), expected)
+    one_hot = torch.nn.functional.one_hot(torch.arange(4) % 5, 5).float()
+    assert torch.equal(criterion(logits, torch.arange(4) % 5), criterion(logits, one_hot))
+
+
+def deit_rasampler(n: int, world: int, rank: int, epoch: int, repeats: int = 3) -> list[int]:
+    """DeiT's samplers.RASampler (facebookresearch/deit), without its 256-rounding (n here
+    is a multiple of the global batch): the reference the sampler is checked against."""
+    g = torch.Generator().manual_seed(epoch)
+    indices = [i for i in torch.randperm(n, generator=g).tolist() for _ in range(repeats)]
+    total = int(math.ceil(n * repeats / world)) * world
+    indices += indices[: total - len(indices)]
+    return indices[rank:total:world][: n // world]
+
+
+def test_repeated_augmentation_is_deits_split_and_the_same_on_any_rank_count():
+    from imagenet_ddp.training.data import RepeatedAugmentationSampler
+
+    n, batch = 96, 4
+
+    def keys(world, accumulation, skip=0):
+        """Per (step, group): the keys, from every rank."""
+        groups = {}
+        for rank in range(world):
+            s = RepeatedAugmentationSampler(n, world, rank, 0, batch, accumulation, repeats=3)
+            s.set_epoch(2, skip)
+            flat = list(s)
+            for i in range(0, len(flat), batch):
+                micro = i // batch
+                step = skip + micro // accumulation
+                groups[(step, s.group(micro % accumulation))] = flat[i : i + batch]
+        return groups
+
+    four = keys(4, 1)
+    assert four == keys(2, 2) == keys(1, 4)
+    assert {k: v for k, v in four.items() if k[0] >= 3} == keys(2, 2, skip=3)  # a resume
+    for rank in range(4):  # one micro-batch per rank: DeiT's split, step by step
+        ours = [index for step in range(n // 16) for _, index, _ in four[(step, rank)]]
+        assert ours == deit_rasampler(n, 4, rank, epoch=2)
+    step0 = [(i, r) for g in range(4) for _, i, r in four[(0, g)]]
+    assert len({i for i, _ in step0}) < len(step0)  # an image's repeats in one step,
+    for group in range(4):  # each in another group's batch
+        assert len({i for _, i, _ in four[(0, group)]}) == batch
+
+
+def test_each_repeat_is_augmented_with_its_own_seed():
+    from torchvision import tv_tensors
+
+    from imagenet_ddp.training.data import SeededAugmentation
+
+    cfg = train_config(crop_size=16, auto_augment="rand-m9-mstd0.5-inc1")
+    image = tv_tensors.Image(torch.randint(0, 256, (3, 24, 24), dtype=torch.uint8))
+    data = SeededAugmentation([(image, 0)], recipe.EpochTransforms(cfg), 7, per_epoch=True)
+    assert torch.equal(data[(1, 0)][0], data[(1, 0, 0)][0])  # repeat 0: the sample's seed
+    assert not torch.equal(data[(1, 0, 0)][0], data[(1, 0, 1)][0])
+    assert torch.equal(data[(1, 0, 1)][0], data[(1, 0, 1)][0])  # timm's draws seeded too

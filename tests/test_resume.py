@@ -188,21 +188,34 @@ def test_evaluating_only_the_last_epoch_changes_neither_the_weights_nor_a_resume
     assert np.allclose(history["epoch_end_share"], work / history["epoch_seconds"])
 
 
-# Models beyond the presets (issue 34), each with its own options and another optimizer: timm's
-# ResNet (drop_path, zero_init_last, LAMB), timm's ViT at a 16-pixel img_size (drop_path,
-# AdamW betas/eps), a torchvision model outside the presets (MobileNetV3 dropout, SGD).
+# Models beyond the torchvision presets (issue 34), each with its own options and another
+# optimizer, the two timm ones under the values of timm's and DeiT's presets (issue 43) but
+# their sizes: timm's ResNet under timm-resnet50-a1 (LAMB with its max_grad_norm, BCE with its
+# target threshold, timm's RandAugment with magnitude noise, bicubic, timm's weight-decay
+# groups, repeated augmentation, drop_path, zero_init_last), timm's ViT at a 16-pixel img_size
+# under deit-small (AdamW betas/eps, random erasing, repeated augmentation, drop_path), a
+# torchvision model outside the presets (MobileNetV3 dropout, SGD).
+SIZES = ("crop_size", "eval_resize", "eval_crop_size", "batch_size", "epochs", "model_kwargs")
+
+
+def preset_values(name: str) -> dict:
+    from imagenet_ddp.settings.presets import PRESETS
+
+    return {"recipe": name, **{k: v for k, v in PRESETS[name].items() if k not in SIZES}}
+
+
 NON_PRESET_MODELS = {
     "timm-resnet": {
+        **preset_values("timm-resnet50-a1"),
         "model": "timm/resnet18.a1_in1k",
         "model_kwargs": {"drop_path_rate": 0.1},
-        "optimizer": "timm/lamb",
         "optimizer_kwargs": {"max_grad_norm": 2.0},
         "lr": 0.01,
     },
     "timm-vit": {
+        **preset_values("deit-small"),
         "model": "timm/vit_tiny_patch16_224",
         "model_kwargs": {"img_size": 16, "patch_size": 8, "drop_path_rate": 0.1},
-        "optimizer": "adamw",
         "optimizer_kwargs": {"betas": [0.9, 0.95], "eps": 1.0e-6},
         "lr": 0.001,
         "zero_init_residual": False,

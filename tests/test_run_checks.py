@@ -527,3 +527,44 @@ def test_the_runs_check_refuses_with_one_line_before_any_of_its_jobs(tmp_path):
         log = (workdir / f"logs/check/{run}.log").read_text().splitlines()
         assert len(log) == 1 and f"config.yaml: run '{run}': " in log[0] and expected in log[0]
         assert not (workdir / f"results/checks/{run}.json").exists()
+
+
+TIMM_PRESETS = ["timm-resnet50-a1", "timm-resnet50-a2", "timm-resnet50-a3", "deit-small",
+                "deit-base"]  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", TIMM_PRESETS)
+def test_timms_and_deits_presets_pass_the_dry_run_at_2_x_8_gpus(preset, tmp_path):
+    """At the scale of the sources (2 nodes x 8 GPUs: their global batch), each preset passes
+    every check (its timm model built on the meta device at its crops, its optimizer, the
+    warm-up rule) and its log's hyperparameter line states the source's global batch and LR."""
+    from imagenet_ddp.jobs.attempt_log import hyperparameter_line
+    from imagenet_ddp.settings.presets import resolve_run
+
+    config = demo_config()
+    config["demo"]["enabled"] = False  # ImageNet's 1.28 M images
+    config["prepare"]["short_side"] = 256
+    shape = {"nodes": 2, "tasks_per_node": 8, "gpus_per_node": 8, "cpus_per_task": 16}
+    config["runs"] = [{"name": preset, "recipe": preset, **shape}]
+    defaults = {k: v for k, v in config["train_defaults"].items()}
+    runs = {preset: resolve_run(defaults, {}, config["runs"][0])}
+    assert check_runs(runs, config) == []
+    assert run_checks.deep_problems(runs[preset], num_classes=1000) == []  # the check rule's
+    assert run_checks.warmup_warnings(runs, config, tmp_path) == []
+    batch, lr = (1024, 1e-3) if preset.startswith("deit") else (2048, 5e-3)
+    lr = 8e-3 if preset.endswith("a3") else lr
+    line = hyperparameter_line(runs[preset])
+    assert f"global_batch={batch} " in line and f"lr_used={lr}" in line, line
+
+
+def test_settings_timms_parts_would_ignore_are_refused():
+    def problems(config):
+        return check_runs(resolved(config), config)
+
+    config = demo_config(weight_decay_groups="timm", norm_weight_decay=0.0)
+    (line,) = problems(config)
+    assert line.startswith("config.yaml: run 'r': norm_weight_decay 0.0 with weight_decay_groups")
+    (line,) = problems(demo_config(loss="bce", label_smoothing=0.1, mixup_alpha=0.2))
+    assert "BinaryCrossEntropy smooths one-hot targets only" in line
+    (line,) = problems(demo_config(bce_target_threshold=0.2))
+    assert "it applies to loss bce only" in line

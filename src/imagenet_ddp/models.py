@@ -28,6 +28,7 @@ checks, :func:`model_problems`); torch, torchvision and timm are imported when a
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import re
@@ -96,17 +97,18 @@ def build_model(
     num_classes: int,
     model_kwargs: Mapping[str, Any] | None = None,
     *,
-    zero_init_residual: bool = False,
+    zero_init_residual: bool | None = False,
 ):
     """A randomly initialised classification model ``name`` with ``num_classes`` outputs.
 
     ``model_kwargs``: the constructor's own options. ``zero_init_residual``: zero-init the last
     BatchNorm of each residual block, where the model has that option (torchvision's
     ``zero_init_residual``, timm's ``zero_init_last``; :func:`residual_option`): set either
-    way, as timm's default is True (torchvision's, False: the same model as before)."""
+    way, as timm's default is True (torchvision's, False: the same model as before); None:
+    the constructor's own default."""
     fam, arch = family(name)
     kwargs = dict(model_kwargs or {})
-    option = residual_option(name, kwargs)
+    option = residual_option(name, kwargs) if zero_init_residual is not None else None
     if option:
         kwargs[option] = zero_init_residual
     return FAMILIES[fam].build(arch, num_classes, kwargs)
@@ -117,6 +119,27 @@ def residual_option(name: str, model_kwargs: Mapping[str, Any] | None = None) ->
     torchvision's: from the name (torch-free); timm's: from the model class's signature (a
     meta-device build: timm must be importable)."""
     return FAMILIES[family(name)[0]].residual_option(name, model_kwargs or {})
+
+
+# The ImageNet mean and std (torchvision's models, timm's IMAGENET_DEFAULT_MEAN/STD).
+IMAGENET_MEAN_STD = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+
+
+@functools.cache
+def input_normalization(name: str, normalization: str = "imagenet") -> tuple[tuple, tuple]:
+    """(mean, std) a run of model ``name`` normalizes its images with: ImageNet's, or with
+    ``normalization: model`` a timm model's own, from its pretrained config (its tag's:
+    ``timm.models.get_pretrained_cfg``, nothing downloaded; (0.5, 0.5, 0.5) for augreg ViTs,
+    CLIP's for CLIP weights); torchvision's models were all trained with ImageNet's."""
+    fam, arch = family(name)
+    if normalization != "model" or fam != "timm":
+        return IMAGENET_MEAN_STD
+    from timm.models import get_pretrained_cfg
+
+    cfg = get_pretrained_cfg(arch)
+    if cfg is None:
+        return IMAGENET_MEAN_STD
+    return tuple(map(float, cfg.mean)), tuple(map(float, cfg.std))
 
 
 def convert_sync_batchnorm(name: str, model):
@@ -281,34 +304,34 @@ def on_meta(build: Callable[[], Any]):
     no compute). Built under ``torch.device("meta")``, where every tensor is meta; a builder
     that computes its architecture from tensors cannot be (torchvision's RegNet:
     ``torch.arange(...).tolist()``), so it is built again with each parameter and buffer
-    moved to meta as its module registers it (as accelerate's init_empty_weights), all else
-    on the CPU."""
+    replaced by a meta one as its module registers it (torch's documented global
+    registration hooks, removed when the build returns), all else on the CPU."""
     import torch
+    from torch.nn.modules import module
 
     try:
         with torch.device("meta"):
             return build()
     except NotImplementedError:  # "Cannot copy out of meta tensor"
         pass
-    module = torch.nn.Module
-    register_parameter, register_buffer = module.register_parameter, module.register_buffer
 
-    def parameter(self, name, param):
-        register_parameter(self, name, param)
+    def parameter(owner, name, param):
         if param is not None:
-            self._parameters[name] = torch.nn.Parameter(
-                param.to("meta"), requires_grad=param.requires_grad
-            )
+            return torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        return None
 
-    def buffer(self, name, tensor, persistent=True):
-        tensor = tensor.to("meta") if tensor is not None else None
-        register_buffer(self, name, tensor, persistent=persistent)
+    def buffer(owner, name, tensor):
+        return tensor.to("meta") if tensor is not None else None
 
-    module.register_parameter, module.register_buffer = parameter, buffer
+    hooks = (
+        module.register_module_parameter_registration_hook(parameter),
+        module.register_module_buffer_registration_hook(buffer),
+    )
     try:
         return build()
     finally:
-        module.register_parameter, module.register_buffer = register_parameter, register_buffer
+        for hook in hooks:
+            hook.remove()
 
 
 def _init_parameters(model) -> set[str]:
@@ -385,45 +408,41 @@ def nondeterministic_on_cuda(
     name: str, model_kwargs: Mapping[str, Any], crops: tuple[int, ...] = (224,)
 ) -> list[str]:
     """The model's layers that have no deterministic CUDA backward, as "<module> (<what>)":
-    found from the aten ops a training-mode forward calls on the meta device at each crop on
-    tensors that need a gradient (resizing the image itself has no backward: timm's
-    CrossViT), each named by the innermost module calling it (whatever the family, and
-    functional calls too: timm's avgmax pooling, a ViT resampling its position embedding)."""
+    a training step (forward and backward) on the meta device at each crop, under torch's
+    public ``FlopCounterMode`` counting the ops above and their backward ops by module. An op
+    counts where its backward ran (resizing the image itself has none: timm's CrossViT), or,
+    without a backward op of its own (max unpooling), where it ran; each is named by the
+    innermost modules whose forward called it (whatever the family, and functional calls
+    too: timm's avgmax pooling, a ViT resampling its position embedding)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
 
+    aten = torch.ops.aten
+    backward = {f: getattr(aten, f"{f}_backward", None) for f in NONDETERMINISTIC_CUDA_BACKWARD}
+    ops = {op for f in backward for op in (getattr(aten, f), backward[f]) if op is not None}
     model = _meta_model(name, model_kwargs).train()
-    names = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
-    stack: list[str] = [type(model).__name__]
+    root = type(model).__name__
     found: dict[str, None] = {}
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            what = NONDETERMINISTIC_CUDA_BACKWARD.get(func.overloadpacket.__name__)
-            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-            if what and any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
-                found[f"{stack[-1]} ({what})"] = None  # not the image's: it has no backward
-            return func(*args, **(kwargs or {}))
-
-    def push(module, args) -> None:
-        stack.append(names.get(id(module), stack[-1]))
-
-    def pop(module, args, output) -> None:  # None: the output stays the module's
-        stack.pop()
-
-    hooks = torch.nn.modules.module
-    enter, leave = (
-        hooks.register_module_forward_pre_hook(push),
-        hooks.register_module_forward_hook(pop),
-    )
-    try:
-        for crop in sorted(set(crops)):
-            with torch.device("meta"), torch.enable_grad(), Record():
-                model(torch.empty(2, 3, crop, crop))
-    finally:
-        enter.remove()
-        leave.remove()
+    for crop in sorted(set(crops)):
+        counter = FlopCounterMode(display=False, custom_mapping=dict.fromkeys(ops, _one))
+        with torch.device("meta"), torch.enable_grad(), counter:
+            model(torch.empty(2, 3, crop, crop)).sum().backward()
+        counts = counter.get_flop_counts()
+        ran = set(counts.get("Global", {}))
+        for f, what in NONDETERMINISTIC_CUDA_BACKWARD.items():
+            forward = getattr(aten, f)
+            if (backward[f] or forward) not in ran:
+                continue
+            callers = [k for k, v in counts.items() if k != "Global" and forward in v]
+            for key in callers:  # innermost: no caller below it
+                if not any(c.startswith(key + ".") for c in callers):
+                    found[f"{key.removeprefix(root + '.')} ({what})"] = None
     return list(found)
+
+
+def _one(*shapes, **kwargs) -> int:
+    """FlopCounterMode's count of a listed op: one per call."""
+    return 1
 
 
 # --------------------------------------------------------------------------- a weights file

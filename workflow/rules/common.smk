@@ -27,7 +27,12 @@ from imagenet_ddp.jobs.container import host_runtime_env
 from imagenet_ddp.jobs.launchers import launcher_problem
 from imagenet_ddp.jobs.spec import SpecError, compact_spec
 from imagenet_ddp.settings.evaluation import eval_settings
-from imagenet_ddp.settings.geometry import GEOMETRY_KEYS, on_nodes, slurm_resources
+from imagenet_ddp.settings.geometry import (
+    GEOMETRY_KEYS,
+    global_batch,
+    on_nodes,
+    slurm_resources,
+)
 from imagenet_ddp.settings.kinds import declarations, rerun_line
 from imagenet_ddp.settings.node_memory import DataSizes, node_memory_problems
 from imagenet_ddp.settings.presets import scaled_lr
@@ -268,6 +273,7 @@ def run_hyperparameters(wildcards):
     shown = SETTINGS.shown_settings(run)
     always = ("model", "epochs", "batch_size", "lr", "lr_scaling")
     values = {k: shown[k] for k in always if k in shown}
+    values["global_batch"] = global_batch(run)  # as a published recipe states it
     values["lr_used"] = round(scaled_lr(run), 8)  # after lr_scaling
     values.update(sorted(SETTINGS.changed_from_default(shown).items()))
     return " ".join(

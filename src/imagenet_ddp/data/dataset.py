@@ -139,6 +139,7 @@ def train_transform(
     scale: Sequence[float] = (0.08, 1.0),
     ratio: Sequence[float] = (3 / 4, 4 / 3),
     hflip: float = 0.5,
+    interpolation: str = "bilinear",
 ):
     """Random resized crop (area ``scale`` and aspect ``ratio`` ranges, torchvision's and timm's
     defaults) + horizontal flip with probability ``hflip``. ``normalize=False`` keeps uint8
@@ -154,7 +155,11 @@ def train_transform(
     from imagenet_ddp.data.jpeg import RandomResizedCropDecode
 
     crop = RandomResizedCropDecode(
-        crop_size, scale=tuple(scale), ratio=tuple(ratio), antialias=True
+        crop_size,
+        scale=tuple(scale),
+        ratio=tuple(ratio),
+        interpolation=v2.InterpolationMode(interpolation),
+        antialias=True,
     )
     # The flip draws its random number whatever hflip is: the sample's later draws (and so
     # seeded augmentation and resume) do not depend on it.
@@ -165,29 +170,34 @@ def train_transform(
 
 
 @functools.cache
-def _normalization(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _normalization(device: torch.device, mean: tuple, std: tuple) -> tuple:
     """Mean and std on ``device``, made once: ``torch.tensor(..., device=cuda)`` per batch is a
     host-to-device copy from pageable memory, i.e. a host sync every step."""
     shape = (1, 3, 1, 1)
     return (
-        torch.tensor(IMAGENET_MEAN, device=device).view(shape),
-        torch.tensor(IMAGENET_STD, device=device).view(shape),
+        torch.tensor(mean, device=device).view(shape),
+        torch.tensor(std, device=device).view(shape),
     )
 
 
-def normalize_batch(images: torch.Tensor) -> torch.Tensor:
+def normalize_batch(
+    images: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD
+) -> torch.Tensor:
     """uint8 NCHW batch -> float, scaled and normalized as torchvision's ``ToDtype(scale=True)``
     and ``Normalize`` do (the same operations in the same order: bitwise the same values)."""
-    mean, std = _normalization(images.device)
+    mean, std = _normalization(images.device, tuple(mean), tuple(std))
     return images.float().mul_(1.0 / 255).sub_(mean).div_(std)
 
 
-def eval_transform(resize: int, crop_size: int, *, normalize: bool = True):
+def eval_transform(
+    resize: int, crop_size: int, *, normalize: bool = True, interpolation: str = "bilinear"
+):
     """Resize and center crop. ``normalize=False`` keeps uint8 crops, normalized on the
     device by :func:`normalize_batch` (4x fewer bytes through the loader, as in training)."""
     from torchvision.transforms import v2
 
-    steps = [v2.Resize(resize, antialias=True), v2.CenterCrop(crop_size)]
+    mode = v2.InterpolationMode(interpolation)
+    steps = [v2.Resize(resize, interpolation=mode, antialias=True), v2.CenterCrop(crop_size)]
     if normalize:
         steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
     return v2.Compose(steps)

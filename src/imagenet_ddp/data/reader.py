@@ -24,15 +24,21 @@ def create_dataset(
     *,
     train: bool = False,
     eval_size: tuple[int, int] | None = None,
+    interpolation: str = "bilinear",
     reader: str = "prepared",
 ):
     """The samples ``sample_ids`` (None: all) of the prepared copy at ``root``.
 
     ``train``: encoded JPEGs, for the training transform to decode after drawing its crop
     (imagenet_ddp.data.jpeg). ``eval_size`` (resize, crop): uint8 evaluation crops
-    (normalized on the device, training.accuracy). Neither: decoded images, untransformed."""
+    (normalized on the device, training.accuracy), resized with ``interpolation``. Neither:
+    decoded images, untransformed."""
     cls = READERS[reader]
     if train:
         return cls(Path(root), sample_ids, decode=False)
-    transform = None if eval_size is None else eval_transform(*eval_size, normalize=False)
+    transform = (
+        None
+        if eval_size is None
+        else eval_transform(*eval_size, normalize=False, interpolation=interpolation)
+    )
     return cls(Path(root), sample_ids, transform)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from imagenet_ddp.models import input_normalization
 from imagenet_ddp.settings.evaluation import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS
 from imagenet_ddp.settings.geometry import Geometry, loader_workers
 from imagenet_ddp.settings.presets import REPORTED_MODEL
@@ -85,6 +86,8 @@ def evaluate_run(
             "channels_last": bool(cfg.get("channels_last")),
             "rank": info.rank,
             "world_size": info.world_size,
+            # a model.pt from before the setting: ImageNet's, as it trained with
+            "mean_std": input_normalization(state["arch"], cfg.get("normalization", "imagenet")),
         }
         sets = _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv)
         D.barrier()
@@ -126,9 +129,12 @@ def _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv) -> dict[str, D
     # eval_crop_size 0 (or a model.pt from before it existed): the training crop.
     size = (cfg["eval_resize"], cfg.get("eval_crop_size") or cfg["crop_size"])
     holdout_ids = pd.read_csv(holdout_ids_csv, usecols=["sample_id"])["sample_id"].tolist()
+    mode = cfg.get("interpolation", "bilinear")  # a model.pt from before it: bilinear
     return {  # uint8 crops: see training.accuracy
-        "holdout": create_dataset(Path(prepared_train), holdout_ids, eval_size=size),
-        "test": create_dataset(Path(prepared_val), None, eval_size=size),
+        "holdout": create_dataset(
+            Path(prepared_train), holdout_ids, eval_size=size, interpolation=mode
+        ),
+        "test": create_dataset(Path(prepared_val), None, eval_size=size, interpolation=mode),
     }
 
 

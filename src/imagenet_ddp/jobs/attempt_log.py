@@ -16,14 +16,17 @@ import time
 from pathlib import Path
 
 from imagenet_ddp.jobs.spec import TrainJob
+from imagenet_ddp.settings.geometry import global_batch
 from imagenet_ddp.settings.kinds import declarations
 from imagenet_ddp.settings.presets import scaled_lr
 
 
 def hyperparameter_line(run: dict) -> str:
-    """Every shown setting of ``run`` (kinds: imagenet_ddp.settings.kinds), sorted, and the LR
-    the optimizer uses: the log's full record (the dry-run shows a compact line)."""
+    """Every shown setting of ``run`` (kinds: imagenet_ddp.settings.kinds), sorted, the global
+    batch and the LR the optimizer uses: the log's full record (the dry-run shows a compact
+    line)."""
     values = dict(sorted(declarations().shown_settings(run).items()))
+    values["global_batch"] = global_batch(run)
     values["lr_used"] = round(scaled_lr(run), 8)
     return " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in values.items())
 

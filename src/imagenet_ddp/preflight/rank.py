@@ -263,6 +263,7 @@ def eval_rate(cfg: TrainConfig, job, holdout, info: D.DistInfo, workers: int, de
     )
     settings = {"num_classes": holdout.num_classes, "device": device, "precision": cfg.precision}
     settings["channels_last"] = cfg.channels_last
+    settings["mean_std"] = recipe.mean_std(cfg)
     try:
         evaluate_loader(job.model, loader, **settings)
         started = time.perf_counter()
@@ -355,6 +356,7 @@ def measure(spec: PreflightJob, cfg: TrainConfig, info: D.DistInfo, device: torc
         staged_copy(paths.run_dir, info.host),
         seeded_sample(holdout_ids, info.world_size * cfg.batch_size * EVAL_BATCHES, cfg.seed),
         eval_size=(cfg.eval_resize, cfg.eval_crop),
+        interpolation=cfg.interpolation,
     )
     record.update(eval_rate(cfg, job, holdout, info, geometry.workers, device))
     record.update(checkpoint_cost(job, paths.checkpoint_root))

@@ -196,6 +196,7 @@ def _recipe_problems(run: Mapping) -> list[str]:
             "sync_bn true on the CPU: torch's SyncBatchNorm synchronizes GPU tensors only; "
             "set sync_bn: false or train on GPUs (gpus_per_node > 0)"
         )
+    problems += _timm_recipe_problems(run)
     # timm's, and any model with model_kwargs: the check rule's (deep_problems)
     torchvision = _name_listed(family(run["model"])[0]) and not run.get("model_kwargs")
     residual = run["model"].startswith(TORCHVISION_RESIDUAL_BN)
@@ -203,6 +204,32 @@ def _recipe_problems(run: Mapping) -> list[str]:
         problems.append(
             f"zero_init_residual true with model {run['model']!r}: only torchvision's ResNet "
             "family (resnet*, resnext*, wide_resnet*) has it; set zero_init_residual: false"
+        )
+    return problems
+
+
+def _timm_recipe_problems(run: Mapping) -> list[str]:
+    """Settings that timm's parts would silently ignore."""
+    problems = []
+    given = [k for k in ("norm_weight_decay", "bias_weight_decay") if run.get(k) is not None]
+    if run.get("weight_decay_groups") == "timm" and given:
+        problems.append(
+            f"{given[0]} {run[given[0]]} with weight_decay_groups timm: timm's groups exempt "
+            f"every 1-D parameter and bias from weight decay; set {given[0]}: null, or "
+            "weight_decay_groups: torchvision"
+        )
+    mixing = run.get("mixup_alpha", 0) > 0 or run.get("cutmix_alpha", 0) > 0
+    if run.get("loss") == "bce" and run.get("label_smoothing", 0) > 0 and mixing:
+        problems.append(
+            f"label_smoothing {run['label_smoothing']} with loss bce and mixup/cutmix: timm's "
+            "BinaryCrossEntropy smooths one-hot targets only, not the mixed ones; set "
+            "label_smoothing: 0 or loss: cross_entropy"
+        )
+    if run.get("bce_target_threshold") is not None and run.get("loss") != "bce":
+        problems.append(
+            f"bce_target_threshold {run['bce_target_threshold']} with loss "
+            f"{run.get('loss')}: it applies to loss bce only; set loss: bce or "
+            "bce_target_threshold: null"
         )
     return problems
 

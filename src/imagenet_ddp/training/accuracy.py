@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from imagenet_ddp.data.dataset import normalize_batch
 from imagenet_ddp.jobs.distributed import all_reduce_sum
 from imagenet_ddp.jobs.signals import ignore_stop_signals, loader_context, stop_signals_blocked
+from imagenet_ddp.models import IMAGENET_MEAN_STD
 from imagenet_ddp.precision import autocast
 
 
@@ -63,6 +64,7 @@ def evaluate_dataset(
     channels_last: bool = False,
     rank: int = 0,
     world_size: int = 1,
+    mean_std: tuple = IMAGENET_MEAN_STD,
 ) -> dict[str, Any]:
     """Evaluate ``dataset`` split across ranks; every rank returns the global result."""
     loader = shard_loader(
@@ -80,6 +82,7 @@ def evaluate_dataset(
         device=device,
         precision=precision,
         channels_last=channels_last,
+        mean_std=mean_std,
     )
 
 
@@ -92,8 +95,10 @@ def evaluate_loader(
     device: torch.device,
     precision: str = "fp32",
     channels_last: bool = False,
+    mean_std: tuple = IMAGENET_MEAN_STD,
 ) -> dict[str, Any]:
-    """Evaluate this rank's :func:`shard_loader`; every rank returns the global result."""
+    """Evaluate this rank's :func:`shard_loader`; every rank returns the global result.
+    ``mean_std``: the run's input normalization (models.input_normalization)."""
     was_training = model.training
     model.eval()
     # Counted on the device and read once per pass (_summarize): no host sync per batch.
@@ -109,7 +114,7 @@ def evaluate_loader(
     for images, targets in batches:
         images = images.to(device, non_blocking=True)
         if images.dtype == torch.uint8:  # eval_transform(normalize=False): normalize here
-            images = normalize_batch(images)
+            images = normalize_batch(images, *mean_std)
         if channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         targets = targets.to(device, non_blocking=True)

@@ -14,8 +14,10 @@ groups on any number of ranks, and a checkpoint resumes on another rank count
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -47,15 +49,27 @@ class SeededAugmentation(Dataset):
     def __len__(self) -> int:
         return len(self.base)
 
-    def __getitem__(self, key: tuple[int, int]):
-        epoch, index = key
+    def __getitem__(self, key: tuple[int, ...]):
+        """``key``: (epoch, index), or (epoch, index, repeat) from
+        :class:`RepeatedAugmentationSampler`: each repeat its own seed (repeat 0: the
+        sample's)."""
+        epoch, index, *repeat = key
         image, label = self.base[index]
         transform = self.transform(epoch) if self.per_epoch else self.transform
+        seed = sample_seed(self.seed, epoch, index + (repeat[0] << 34 if repeat else 0))
+        python, numpy = random.getstate(), np.random.get_state()
         with torch.random.fork_rng(devices=[]):
             # Not torch.manual_seed: on CUDA builds it also queues lazy seeding of every device
-            # type and costs ~10x more per call; only the CPU generator drives these transforms.
-            torch.default_generator.manual_seed(sample_seed(self.seed, epoch, index))
-            image = transform(image)
+            # type and costs ~10x more per call; only the CPU generator drives torchvision's
+            # transforms. timm's RandAugment draws from Python's and NumPy's: seeded too.
+            torch.default_generator.manual_seed(seed)
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            try:
+                image = transform(image)
+            finally:
+                random.setstate(python)
+                np.random.set_state(numpy)
         return image, label
 
 
@@ -106,6 +120,37 @@ class EpochSampler(Sampler):
 
     def __len__(self) -> int:
         return (self.steps - self.skip) * self.accumulation * self.batch_size
+
+
+class RepeatedAugmentationSampler(EpochSampler):
+    """Repeated augmentation (Hoffer et al. 2020; DeiT's RASampler, timm's RepeatAugSampler):
+    the epoch's permutation (:meth:`EpochSampler.order`) with each index ``repeats`` times in
+    a row, cut to the epoch's length, so an epoch keeps its steps and sees about
+    1/``repeats`` of the images. Within step ``s``'s G positions, micro-batch group ``g`` of
+    ``n = G / batch_size`` takes positions ``g, g + n, g + 2n, ...``: an image's repeats land
+    in consecutive groups (other ranks' batches of the same step), and with one micro-batch
+    per rank group ``g`` is rank ``g``, DeiT's split (``indices[rank::world_size]``; its
+    permutation is also ``randperm`` of a generator seeded with the epoch: ours at seed 0).
+    A function of (seed, epoch, G, batch_size) only: the same groups on any rank count,
+    resumable at any step. Keys are (epoch, index, repeat): each repeat is augmented with
+    its own seed."""
+
+    def __init__(self, *args, repeats: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.repeats = repeats
+
+    def order(self) -> list[tuple[int, int]]:
+        """The epoch's (index, repeat) sequence: a function of (seed, epoch) only."""
+        repeated = [(i, r) for i in super().order() for r in range(self.repeats)]
+        return repeated[: self.length]
+
+    def __iter__(self):
+        order, groups = self.order(), self.global_batch // self.batch_size
+        for step in range(self.skip, self.steps):
+            chunk = order[step * self.global_batch : (step + 1) * self.global_batch]
+            for micro in range(self.accumulation):
+                for index, repeat in chunk[self.group(micro) :: groups]:
+                    yield (self.epoch, index, repeat)
 
 
 def read_ids(path: Path) -> list[int]:

@@ -223,7 +223,7 @@ def micro_batches(job: TrainingState, loader: DataLoader, sampler, num_classes: 
     with stop_signals_blocked():  # workers are forked here; see imagenet_ddp.jobs.signals
         iterator = iter(loader)
     for micro, (images, targets) in enumerate(iterator):  # uint8 crops, normalized here
-        images = normalize_batch(images.to(device, non_blocking=True))
+        images = normalize_batch(images.to(device, non_blocking=True), *recipe.mean_std(cfg))
         targets = targets.to(device, non_blocking=True)
         if job.mixer is not None:  # seeded by (seed, epoch, step, group): any rank count
             at_step, group = (
@@ -306,6 +306,7 @@ def evaluate_holdout(job: TrainingState, model: torch.nn.Module, holdout: Holdou
         device=job.device,
         precision=job.cfg.precision,
         channels_last=job.cfg.channels_last,
+        mean_std=recipe.mean_std(job.cfg),
     )
 
 

@@ -50,7 +50,7 @@ def build_model(
     num_classes: int,
     model_kwargs: dict[str, Any] | None = None,
     *,
-    zero_init_residual: bool = False,
+    zero_init_residual: bool | None = False,
 ) -> torch.nn.Module:
     """A randomly initialised model: :func:`imagenet_ddp.models.build_model`, the one factory
     (torchvision's and timm's, by name; ``model_kwargs`` the constructor's own options)."""

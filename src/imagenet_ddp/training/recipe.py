@@ -15,8 +15,8 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchvision.transforms import v2
 
-from imagenet_ddp import optimizers
-from imagenet_ddp.data.dataset import IMAGENET_MEAN, train_transform
+from imagenet_ddp import models, optimizers
+from imagenet_ddp.data.dataset import train_transform
 from imagenet_ddp.settings.presets import scaled_lr
 from imagenet_ddp.training.config import TrainConfig
 
@@ -34,7 +34,10 @@ NORM_LAYERS = (
 
 
 def parameter_groups(cfg: TrainConfig, model: torch.nn.Module) -> list[dict]:
-    """Parameters grouped by weight decay: normalization layers, other biases, the rest."""
+    """Parameters grouped by weight decay (``weight_decay_groups``): torchvision's reference's
+    normalization layers, other biases, the rest; or timm's own (:func:`timm_groups`)."""
+    if cfg.weight_decay_groups == "timm":
+        return timm_groups(model, cfg.weight_decay)
     decay = {
         "norm": cfg.weight_decay if cfg.norm_weight_decay is None else cfg.norm_weight_decay,
         "bias": cfg.weight_decay if cfg.bias_weight_decay is None else cfg.bias_weight_decay,
@@ -56,6 +59,17 @@ def parameter_groups(cfg: TrainConfig, model: torch.nn.Module) -> list[dict]:
         for kind, params in groups.items()
         if params
     ]
+
+
+def timm_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """timm's groups, as its ``create_optimizer_v2`` (timm's train.py, DeiT) makes them:
+    every 1-D parameter and bias, and each name of the model's ``no_weight_decay()``
+    (pos_embed, cls_token, ...), without weight decay; the rest with ``weight_decay``."""
+    from timm.optim import param_groups_weight_decay
+
+    exempt = getattr(model, "no_weight_decay", set)()
+    groups = param_groups_weight_decay(model, weight_decay, no_weight_decay_list=exempt)
+    return [{**g, "group": "decay" if g["weight_decay"] else "no_decay"} for g in groups]
 
 
 def build_optimizer(
@@ -116,41 +130,79 @@ def build_scheduler(cfg: TrainConfig, optimizer, steps_per_epoch: int):
 
 
 def build_criterion(cfg: TrainConfig) -> torch.nn.Module:
-    """Cross-entropy; takes class indices, or mixed label distributions from mixup/cutmix."""
+    """Cross-entropy, or timm's binary cross-entropy (``loss: bce``, ResNet strikes back's:
+    one-hot targets smoothed by ``label_smoothing``, mixed ones binarized above
+    ``bce_target_threshold``); each takes class indices, or mixed label distributions from
+    mixup/cutmix."""
+    if cfg.loss == "bce":
+        from timm.loss import BinaryCrossEntropy
+
+        return BinaryCrossEntropy(
+            smoothing=cfg.label_smoothing, target_threshold=cfg.bce_target_threshold
+        )
     return torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
 
 
 # --------------------------------------------------------------------------- augmentation
 
-# Bilinear, as torchvision's reference passes its --interpolation (default "bilinear") to each
-# policy (references/classification/presets.py); the policies' own default is NEAREST, which
-# makes every rotate, shear and translate blockier than the published recipe trained with.
-INTERPOLATION = v2.InterpolationMode.BILINEAR
+# torchvision's reference passes its --interpolation (default "bilinear") to each policy
+# (references/classification/presets.py), timm its --interpolation to its RandAugment; the
+# policies' own default is NEAREST, which makes every rotate, shear and translate blockier
+# than the published recipes trained with.
 POLICIES = {
-    "randaugment": lambda: v2.RandAugment(interpolation=INTERPOLATION),
-    "trivialaugment": lambda: v2.TrivialAugmentWide(interpolation=INTERPOLATION),
-    "autoaugment": lambda: v2.AutoAugment(
-        v2.AutoAugmentPolicy.IMAGENET, interpolation=INTERPOLATION
-    ),
+    "randaugment": lambda mode: v2.RandAugment(interpolation=mode),
+    "trivialaugment": lambda mode: v2.TrivialAugmentWide(interpolation=mode),
+    "autoaugment": lambda mode: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET, interpolation=mode),
 }
+
+
+def mean_std(cfg: TrainConfig) -> tuple[tuple, tuple]:
+    """The run's input normalization (``normalization``; models.input_normalization)."""
+    return models.input_normalization(cfg.model, cfg.normalization)
+
+
+def timm_rand_augment(spec: str, crop_size: int, mean, interpolation: str):
+    """timm's RandAugment of a ``rand-...`` spec (magnitude noise ``mstd``, ``inc``
+    increasing ops) with the hyperparameters timm's ``create_transform`` gives it (translate
+    0.45 x the crop, fill with the mean colour, the train interpolation), on PIL images as
+    timm runs it. It draws from Python's and NumPy's generators, which
+    training.data.SeededAugmentation seeds per sample as it does torch's."""
+    from timm.data.auto_augment import rand_augment_transform
+    from timm.data.transforms import str_to_pil_interp
+
+    hparams = {
+        "translate_const": int(crop_size * 0.45),
+        "img_mean": tuple(round(255 * m) for m in mean),
+        "interpolation": str_to_pil_interp(interpolation),
+    }
+    return v2.Compose([v2.ToPILImage(), rand_augment_transform(spec, hparams), v2.PILToTensor()])
 
 
 def sample_transform(cfg: TrainConfig, crop_size: int):
     """Per-image training transform on uint8 crops (normalized later, on the device):
-    random resized crop (``crop_scale``, ``crop_ratio``) and flip (``hflip``), the
-    ``auto_augment`` policy, random erasing."""
+    random resized crop (``crop_scale``, ``crop_ratio``, ``interpolation``) and flip
+    (``hflip``), the ``auto_augment`` policy (torchvision's, or timm's ``rand-...``), random
+    erasing."""
+    mean = mean_std(cfg)[0]
     steps = [
         train_transform(
-            crop_size, normalize=False, scale=cfg.crop_scale, ratio=cfg.crop_ratio, hflip=cfg.hflip
+            crop_size,
+            normalize=False,
+            scale=cfg.crop_scale,
+            ratio=cfg.crop_ratio,
+            hflip=cfg.hflip,
+            interpolation=cfg.interpolation,
         )
     ]
-    if cfg.auto_augment != "none":
-        steps.append(POLICIES[cfg.auto_augment]())
+    mode = v2.InterpolationMode(cfg.interpolation)
+    if cfg.auto_augment.startswith("rand-"):
+        steps.append(timm_rand_augment(cfg.auto_augment, crop_size, mean, cfg.interpolation))
+    elif cfg.auto_augment != "none":
+        steps.append(POLICIES[cfg.auto_augment](mode))
     if cfg.random_erasing > 0:
         # Erased pixels get the mean colour: zero after normalization, as torchvision's
         # reference (which erases after normalizing) gives them.
-        mean = [round(255 * m) for m in IMAGENET_MEAN]
-        steps.append(v2.RandomErasing(p=cfg.random_erasing, value=mean))
+        steps.append(v2.RandomErasing(p=cfg.random_erasing, value=[round(255 * m) for m in mean]))
     return v2.Compose(steps)
 
 

@@ -57,6 +57,7 @@ from imagenet_ddp.training.checkpoint import (
 from imagenet_ddp.training.config import TrainConfig, resolve_geometry
 from imagenet_ddp.training.data import (
     EpochSampler,
+    RepeatedAugmentationSampler,
     SeededAugmentation,
     read_ids,
     shutdown_loader_workers,
@@ -217,7 +218,10 @@ def _holdout(cfg, info, device, geometry, train_data, split_dir) -> Holdout:
     """This rank's share of the holdout, made once: its loader's workers (forked at the first
     evaluation) serve every evaluation."""
     data = create_dataset(
-        train_data, read_ids(split_dir / "holdout.csv"), eval_size=(cfg.eval_resize, cfg.eval_crop)
+        train_data,
+        read_ids(split_dir / "holdout.csv"),
+        eval_size=(cfg.eval_resize, cfg.eval_crop),
+        interpolation=cfg.interpolation,
     )
     loader = shard_loader(
         data,
@@ -236,8 +240,12 @@ def _train_loader(cfg, info, device, geometry, base):
     than the training set is refused."""
     transforms = recipe.EpochTransforms(cfg)  # the crop size may change per epoch
     dataset = SeededAugmentation(base, transforms, cfg.seed, per_epoch=True)
-    sampler = EpochSampler(
-        len(dataset), info.world_size, info.rank, cfg.seed, cfg.batch_size, cfg.accumulation
+    shape = (len(dataset), info.world_size, info.rank, cfg.seed, cfg.batch_size, cfg.accumulation)
+    repeats = cfg.repeated_augmentation
+    sampler = (
+        RepeatedAugmentationSampler(*shape, repeats=repeats)
+        if repeats > 1
+        else EpochSampler(*shape)
     )
     if sampler.steps == 0:
         raise ValueError(
