@@ -242,7 +242,25 @@ def resolve_run(
         resolved.update(preset(train_defaults.get("recipe", "none")))
         resolved.update(train_defaults)
     resolved.update(run)
-    return resolved
+    return per_family(resolved)
+
+
+def per_family(run: dict[str, Any]) -> dict[str, Any]:
+    """The settings whose default is the model family's own (issue 43), made concrete: timm
+    models take timm's weight-decay groups, their constructor's residual zero-init (timm's
+    ResNets: on) and, fine-tuning, the normalization of the weights they start from; the
+    others torchvision's reference values, as before these settings existed (so no earlier run
+    reruns: a torchvision run resolves to what it had)."""
+    from imagenet_ddp.models import family
+
+    timm = family(run.get("model", ""))[0] == "timm"
+    if run.get("weight_decay_groups") == "auto":
+        run["weight_decay_groups"] = "timm" if timm else "torchvision"
+    if run.get("normalization") == "auto":
+        run["normalization"] = "model" if timm and run.get("init_weights") else "imagenet"
+    if run.get("zero_init_residual", False) is None and not timm:
+        run["zero_init_residual"] = False  # torchvision's constructors' own default
+    return run
 
 
 def preset(name: str) -> dict[str, Any]:

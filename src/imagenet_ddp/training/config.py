@@ -20,6 +20,7 @@ from imagenet_ddp.jobs import distributed as D
 from imagenet_ddp.settings.epoch_end import evaluates
 from imagenet_ddp.settings.geometry import GEOMETRY_KEYS, Geometry, loader_workers
 from imagenet_ddp.settings.kinds import EXTRA, declarations, digest, weight_settings
+from imagenet_ddp.settings.presets import per_family
 
 
 class _TrainConfig:
@@ -45,6 +46,7 @@ class _TrainConfig:
                 "workflow passes every setting (the schema's defaults filled in), and a job "
                 "spec written by hand must too"
             )
+        data = per_family(dict(data))  # "auto" made the model family's value, as the workflow does
         extra = {k: v for k, v in data.items() if k not in known}
         cfg = cls(**{k: v for k, v in data.items() if k in known})
         cfg.extra.update(extra)
