@@ -37,6 +37,7 @@ from imagenet_ddp.settings.kinds import declarations, rerun_line
 from imagenet_ddp.settings.node_memory import DataSizes, node_memory_problems
 from imagenet_ddp.settings.presets import scaled_lr
 from imagenet_ddp.settings.run_checks import (
+    CHECKED_SETTINGS,
     container_problem,
     optional_component_problems,
     split_sizes,
@@ -178,16 +179,19 @@ def init_weights_sha256(wildcards):
 
 
 def check_params(wildcards):
-    """What the run's check judges: its rerun settings and its weights file (path, size,
-    mtime: a replaced file is read again)."""
+    """What the run's check judges (run_checks.CHECKED_SETTINGS) and its weights file (path,
+    size, mtime: a replaced file is read again), on one line."""
     run = RUNS[wildcards.run]
+    checked = {k: run.get(k) for k in CHECKED_SETTINGS}
     path = run.get("init_weights") or ""
     try:
         stat = os.stat(path) if path else None
-        identity = f"{path} {stat.st_size} {stat.st_mtime_ns}" if stat else ""
+        checked["init_weights"] = (
+            f"{path} {stat.st_size} {stat.st_mtime_ns}" if stat else ""
+        )
     except OSError:
-        identity = f"{path} missing"
-    return {"settings": rerun_line(SETTINGS.rerun_settings(run)), "weights": identity}
+        checked["init_weights"] = f"{path} missing"
+    return rerun_line(checked)
 
 
 def preflight_input(wildcards):

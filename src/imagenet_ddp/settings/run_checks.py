@@ -94,6 +94,15 @@ def _model_problem(run: Mapping, models: frozenset[str]) -> str | None:
 AUX_OUTPUTS_IN_TRAINING = ("googlenet", "inception_v3")
 
 
+# What deep_problems reads of a run: the `check` rule's params (a change of another setting, lr
+# say, reruns no check, and train's own params then say what changed).
+CHECKED_SETTINGS = (
+    "model", "model_kwargs", "crop_size", "eval_crop_size", "progressive_min_crop",
+    "zero_init_residual", "deterministic", "gpus_per_node", "optimizer", "optimizer_kwargs",
+    "momentum", "nesterov", "init_weights_exclude", "init_weights_sha256",
+)  # fmt: skip
+
+
 def deep_problems(run: Mapping, num_classes: int) -> list[str]:
     """What the local `check` rule finds with torch, one line each (no run prefix): the model
     built on the meta device at the run's crops (its constructor options, a training-mode
