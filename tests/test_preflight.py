@@ -13,7 +13,6 @@ from imagenet_ddp.preflight.report import (
     bus_bandwidth,
     collective_figures,
     cpus_for_loader,
-    known_projection_problem,
     placement_problems,
     table,
 )
@@ -131,52 +130,6 @@ def write_preflight(folder, settings, out) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     write_spec(folder / "preflight_spec.json", make_job("preflight", settings))
     (folder / "preflight.json").write_text(json.dumps(out))
-
-
-def test_a_known_projection_is_checked_against_todays_runtime_and_bound(tmp_path):
-    settings = {**RUN, "run": "r", "max_allocations": 10}
-    write_preflight(tmp_path, settings, report(ranks()))  # 8.27 h: 9 allocations of 60 min
-    assert known_projection_problem("r", settings, tmp_path, 60.0) is None
-    line = known_projection_problem("r", settings, tmp_path, 30.0)  # a shorter runtime
-    assert line.startswith("config.yaml: run 'r': max_allocations 10 is too few: its preflight")
-    assert "needs 17 allocations of train's runtime (30.0 min)" in line, line
-    lowered = {**settings, "max_allocations": 5}  # a lower bound: the same settings
-    assert "max_allocations 5 is too few" in known_projection_problem("r", lowered, tmp_path, 60.0)
-    # other settings: this projection is not theirs (their preflight reruns)
-    assert known_projection_problem("r", {**settings, "epochs": 900}, tmp_path, 30.0) is None
-    assert known_projection_problem("r", {**settings, "workers": 9}, tmp_path, 30.0) is None
-    logged = {**settings, "mlflow_uri": "http://m", "log_interval": 3}  # bookkeeping only
-    assert "is too few" in known_projection_problem("r", logged, tmp_path, 30.0)
-    assert known_projection_problem("r", settings, tmp_path / "none", 30.0) is None
-    one = {**settings, "max_allocations": 1}
-    assert known_projection_problem("r", one, tmp_path, None) is None  # no time limit
-
-
-def test_the_dry_run_refuses_a_run_its_known_projection_does_not_fit(tmp_path):
-    """Real Snakemake: the projection of the run's last preflight (here a failed one,
-    preflight.failed.json), today's train runtime. Only the Snakemake that submits checks it:
-    another run's jobs, each parsing the workflow again in its own Snakemake with the plugin's
-    arguments, still parse (issue 36: one run's failed preflight broke every other run)."""
-    from tests.workflow_helpers import copy_workflow, job_snakemake, shown_specs, snakemake
-
-    runs = [{"name": "r", "epochs": 90}, {"name": "b", "epochs": 1}]
-    workdir = copy_workflow(tmp_path / "wf", runs=runs)
-    shown = snakemake(workdir, "-n", "-p", "results/runs/r/model.pt")
-    text = shown.stdout + shown.stderr
-    (settings,) = [spec["run"] for spec in shown_specs(text, "train", workdir)]
-    write_preflight(workdir / "results/preflight/r", settings, report(ranks()))
-    folder = workdir / "results/preflight/r"
-    (folder / "preflight.json").rename(folder / "preflight.failed.json")
-    fits = snakemake(workdir, "-n", "--set-resources", "train:runtime=60")
-    assert fits.returncode == 0
-    refused = snakemake(workdir, "-n", "--set-resources", "train:runtime=5", check=False)
-    assert refused.returncode != 0
-    assert "run 'r': max_allocations 10 is too few" in refused.stdout + refused.stderr
-    for job in ("train:run=b", "evaluate:run=b"):  # jobs the submitting Snakemake let through
-        parsed = job_snakemake(workdir, job, "train:runtime=5", "train:mem_mb=4000")
-        out = parsed.stdout + parsed.stderr
-        assert parsed.returncode == 0 and "is too few" not in out, out[-3000:]
-        assert f"rule {job.split(':')[0]}:" in out and "wildcards: run=b" in out
 
 
 def test_straggler_and_starving_loader_are_named():

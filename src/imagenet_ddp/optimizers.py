@@ -146,14 +146,6 @@ def build_optimizer(
     return fam.build(name, groups, lr=lr, momentum=momentum, nesterov=nesterov, kwargs=given)
 
 
-def optimizer_class(name: str):
-    """The optimizer's class (imports torch, and timm for ``timm/``)."""
-    fam = family(name)
-    if fam is None:
-        raise ValueError(_unknown(name, []))
-    return fam.resolve(name)
-
-
 def importable(name: str) -> bool:
     """Whether the family's packages can be imported here (without importing them); a name
     no family holds needs none to be refused."""

@@ -7,14 +7,10 @@ Torch-free and pure (dicts in, dicts out), so every definition is unit-tested wi
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
-from pathlib import Path
 from typing import Any
 
-from imagenet_ddp.errors import InputError
-from imagenet_ddp.jobs.spec import PREFLIGHT_SPEC, read_spec
 from imagenet_ddp.settings import epoch_end
 from imagenet_ddp.settings.geometry import global_batch, world_size
 from imagenet_ddp.settings.kinds import declarations
@@ -191,49 +187,6 @@ def allocations_needed(work_seconds: float, setup_seconds: float, runtime_minute
 def _not_bookkeeping(settings: dict[str, Any]) -> dict[str, Any]:
     not_compared = declarations().not_compared()  # change neither the speed nor the work
     return {k: v for k, v in settings.items() if k not in not_compared}
-
-
-def known_projection_problem(
-    name: str, settings: dict[str, Any], report_dir, runtime_minutes
-) -> str | None:
-    """The dry-run's check of a run against its last preflight (passed or failed) on the same
-    settings (``settings``: the run as the train rule passes it): one line when that projection
-    needs more allocations of today's train runtime than its ``max_allocations``; None when it
-    fits or no projection of these settings is known."""
-    folder, max_allocations = Path(report_dir), settings["max_allocations"]
-    try:
-        measured = read_spec(folder / PREFLIGHT_SPEC, "preflight").run
-        report = next(
-            json.loads(p.read_text()) for p in (folder / REPORT, folder / FAILED) if p.is_file()
-        )
-    except (InputError, OSError, ValueError, KeyError, StopIteration):
-        return None  # none, or a spec of an earlier format: no projection known
-    if _not_bookkeeping(measured) != _not_bookkeeping(settings):
-        return None  # settings that change the speed or the work differ: the preflight reruns
-    p = report["projection"]
-    work = p["total_seconds"] - p["setup_seconds"]
-    needs = allocations_needed(work, p["setup_seconds"], runtime_minutes)
-    if needs is not None and needs <= max_allocations:
-        return None
-    return (
-        f"config.yaml: run {name!r}: max_allocations {max_allocations} is too few: its preflight "
-        f"({folder}) projects {p['total_seconds'] / 3600:.2f} h, which needs "
-        f"{'more than any number of' if needs is None else needs} allocations of train's "
-        f"runtime ({runtime_minutes} min); raise max_allocations or the train rule's runtime "
-        "(set-resources)"
-    )
-
-
-def known_projection_problems(
-    runs: dict[str, dict[str, Any]], reports_dir, runtime_minutes
-) -> list[str]:
-    """:func:`known_projection_problem` of every run (``runs``: name -> settings), its
-    preflight under ``reports_dir``/<name>."""
-    found = (
-        known_projection_problem(name, settings, Path(reports_dir) / name, runtime_minutes)
-        for name, settings in runs.items()
-    )
-    return [line for line in found if line]
 
 
 def placement_problems(ranks: list[dict], gpus_per_node: int) -> list[str]:
