@@ -17,7 +17,8 @@ OUT=${OUT:-$(mktemp -d /tmp/gpu-check-out.XXXX)}
 mkdir -p "$OUT"
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 PY=${GPU_CHECK_PYTHON:-python3}
-BUDGET=${GPU_CHECK_BUDGET:-480}
+BUDGET=${GPU_CHECK_BUDGET:-$([ "$DEVICE" = cuda ] && echo 480 || echo 1200)}
+SKIP=" ${GPU_CHECK_SKIP:-} "  # step names to skip (dry runs), e.g. "bench_eager bench_compile"
 WORK=$(mktemp -d /tmp/gpu-check-work.XXXX)
 LOGS=$WORK/logs  # each step's log; appended to $OUT/all_logs.txt as it ends (8 files come back)
 mkdir -p "$LOGS"
@@ -28,19 +29,20 @@ START=$(date +%s)
 export PYTHONUNBUFFERED=1
 
 if [ "$DEVICE" = cuda ]; then
-    BACKEND=nccl; TRAIN_COMPILE=${GPU_CHECK_TRAIN_COMPILE:-1}
+    BACKEND=nccl; PRECISION=bf16; TRAIN_COMPILE=${GPU_CHECK_TRAIN_COMPILE:-1}
     CLASSES=10; PER_CLASS=150; SIDE=64; CROP=56; BATCH=16; EPOCHS=2; STOP=100; TWORKERS=4
     BENCH_COMMON="--steps 10 --repeats 3 --images 1024"
     BENCH_EAGER="$BENCH_COMMON --warmup 5"
     BENCH_COMPILE="$BENCH_COMMON --warmup 3 --compile"
     T_BENCH=120; T_BENCH_COMPILE=200; T_TRAIN=150; T_PREFLIGHT=150
 else  # CPU dry run: the same code paths at tiny sizes
-    BACKEND=gloo; TRAIN_COMPILE=${GPU_CHECK_TRAIN_COMPILE:-0}
+    BACKEND=gloo; PRECISION=fp32; TRAIN_COMPILE=${GPU_CHECK_TRAIN_COMPILE:-0}
     CLASSES=4; PER_CLASS=12; SIDE=32; CROP=24; BATCH=4; EPOCHS=2; STOP=5; TWORKERS=1
     BENCH_EAGER="--quick --warmup 1"; BENCH_COMPILE="--quick --warmup 1 --compile"
     T_BENCH=120; T_BENCH_COMPILE=300; T_TRAIN=150; T_PREFLIGHT=150
 fi
 MODEL=${GPU_CHECK_MODEL:-resnet18}
+PRECISION=${GPU_CHECK_PRECISION:-$PRECISION}  # the CPU dry run: fp32 (bf16 is emulated, slow)
 
 # keep FILE: append FILE to $OUT/all_logs.txt under a header
 keep() { { echo; echo "######## $(basename "$1")"; cat "$1"; } >>"$OUT/all_logs.txt" 2>&1; }
@@ -53,6 +55,7 @@ left() { echo $((BUDGET - ($(date +%s) - START))); }
 run_step() {
     local name=$1 limit=$2 rest code t0
     shift 2
+    case "$SKIP" in *" $name "*) say "$name: SKIPPED (GPU_CHECK_SKIP)"; return 200 ;; esac
     rest=$(left)
     [ "$rest" -lt "$limit" ] && limit=$rest
     if [ "$limit" -lt 20 ]; then
@@ -124,7 +127,7 @@ for name in ('torchvision', 'timm', 'numpy', 'pandas', 'simplejpeg', 'yaml', 'tq
 EOF"
 ENV_OK=$?
 grep -E "^(python|torch|device|nccl) " "$LOGS/env.log" | tee -a "$SUMMARY"
-grep MISSING "$LOGS/env.log" | sed 's/^/import: /' | tee -a "$SUMMARY"
+grep -E '^[a-zA-Z_]+ +MISSING \(' "$LOGS/env.log" | sed 's/^/import: /' | tee -a "$SUMMARY"
 CUDA_OK=0
 if [ "$DEVICE" = cuda ]; then
     grep -q "available True" "$LOGS/env.log" && CUDA_OK=1
@@ -197,7 +200,7 @@ kind, name, folder, extra, work = sys.argv[1], sys.argv[2], Path(sys.argv[3]), s
 settings = {
     "run": name, "model": "$MODEL", "epochs": $EPOCHS, "batch_size": $BATCH, "lr": 0.05,
     "lr_scaling": "none", "crop_size": $CROP, "eval_resize": $SIDE, "workers": $TWORKERS,
-    "seed": 0, "device": "$DEVICE", "backend": "$BACKEND", "precision": "bf16",
+    "seed": 0, "device": "$DEVICE", "backend": "$BACKEND", "precision": "$PRECISION",
     "channels_last": True, "compile": bool($TRAIN_COMPILE), "log_interval": 20,
     "throughput_warmup_steps": 5, **json.loads(extra),
 }
@@ -224,7 +227,7 @@ train_run() {
 }
 TRAIN_OK=0
 if [ "$DATA_OK" = 1 ]; then
-    say "train settings: $MODEL, batch $BATCH, crop $CROP, $EPOCHS epochs, bf16, channels_last, compile $TRAIN_COMPILE, $DEVICE/$BACKEND, workers $TWORKERS, 1 rank"
+    say "train settings: $MODEL, batch $BATCH, crop $CROP, $EPOCHS epochs, $PRECISION, channels_last, compile $TRAIN_COMPILE, $DEVICE/$BACKEND, workers $TWORKERS, 1 rank"
     make_spec train gpucheck "$WORK/full" '{}' >"$LOGS/spec.log" 2>&1 \
         && make_spec train gpucheck "$WORK/resumed" '{}' >>"$LOGS/spec.log" 2>&1 \
         && cp "$WORK/full/spec.json" "$LOGS/train_spec.json" && TRAIN_OK=1
@@ -302,7 +305,7 @@ if [ "$DATA_OK" = 1 ]; then
         run_step preflight "$T_PREFLIGHT" "$PY" -m imagenet_ddp.cli preflight --job "$WORK/preflight/spec.json"
         code=$?
         say "preflight: exit $code; $(gpu_sampler_stop preflight)"
-        grep -E "preflight of run|problem|img/s" "$LOGS/preflight.log" | head -12 | tee -a "$SUMMARY"
+        [ -f "$LOGS/preflight.log" ] && grep -E "preflight of run|problem|img/s" "$LOGS/preflight.log" | head -12 | tee -a "$SUMMARY"
         for f in "$WORK"/preflight/preflight*.json; do [ -f "$f" ] && cp "$f" "$LOGS/"; done
     else
         say "preflight: SKIPPED (spec failed)"; cat "$LOGS/preflight_spec.log"; keep "$LOGS/preflight_spec.log"

@@ -133,7 +133,7 @@ def test_image_has_the_verbs_libraries_nccl_needs_for_infiniband():
 def test_profile_binds_what_srun_needs_inside_the_container():
     """The launcher calls srun inside the rule's container: the example binds its config, the
     munge socket, the directory of libslurmfull.so and the plugins, and libmunge; no rank
-    needs scontrol any more (imagenet_ddp.jobs.hostlist)."""
+    needs scontrol any more (python-hostlist)."""
     text = (REPO / "profiles/slurm/config.yaml").read_text()
     args = re.search(r'^# apptainer-args: "([^"]*)"', text, re.M).group(1)
     binds = args.split("--bind ", 1)[1].split(",")

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from imagenet_ddp.jobs.hostlist import expand_hostlist
 
 
 @dataclass(frozen=True)
@@ -248,9 +247,15 @@ def master_port(job_id: int) -> int:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """SLURM hostlist expression -> host names, parsed here: no ``scontrol`` in a rank (a
-    container image has no SLURM client)."""
-    return expand_hostlist(nodelist)
+    """SLURM hostlist expression -> host names, parsed in Python (python-hostlist, LLNL's
+    syntax as SLURM writes it): no ``scontrol`` in a rank (a container image has no SLURM
+    client). ValueError naming the expression where it is not one."""
+    import hostlist
+
+    try:
+        return hostlist.expand_hostlist(nodelist, allow_duplicates=True)
+    except hostlist.BadHostlist as error:
+        raise ValueError(f"invalid SLURM hostlist {nodelist!r}: {error}") from None
 
 
 def rendezvous_from_slurm_env() -> None:
