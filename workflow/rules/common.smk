@@ -13,36 +13,28 @@ from snakemake.exceptions import WorkflowError
 from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
-# What runs while Snakemake parses the rules comes from this workflow's own source tree and
-# needs only Snakemake and its dependencies (no torch, numpy or pandas): a dry-run or --lint
-# works from a login node's bare Snakemake environment, the package not installed there.
+# What runs at parse comes from this workflow's own source tree and needs only Snakemake and its
+# dependencies: a dry-run or --lint works in a login node's bare Snakemake environment.
 sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 
 from imagenet_ddp import __version__ as PACKAGE_VERSION
-from imagenet_ddp.data.layouts import LAYOUTS, dry_run_layout, find_layout
-from imagenet_ddp.data.stage import configured_scratch_problem, scratch_in_ram
+from imagenet_ddp.data.layouts import LAYOUTS, dry_run_layout
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.jobs.attempts import nodes_ahead, refusal_ahead
 from imagenet_ddp.jobs.container import host_runtime_env
-from imagenet_ddp.jobs.launchers import launcher_problem
-from imagenet_ddp.jobs.spec import SpecError, compact_spec
+from imagenet_ddp.jobs.site import PREPARED
+from imagenet_ddp.jobs.site import job_spec as site_job_spec
+from imagenet_ddp.jobs.site import (
+    launch_prefix,
+    memory_problems,
+    site_problems,
+    train_resources,
+)
+from imagenet_ddp.jobs.spec import SpecError
 from imagenet_ddp.settings.evaluation import eval_settings
-from imagenet_ddp.settings.geometry import (
-    GEOMETRY_KEYS,
-    global_batch,
-    on_nodes,
-    slurm_resources,
-)
+from imagenet_ddp.settings.geometry import global_batch, slurm_resources
 from imagenet_ddp.settings.kinds import declarations, rerun_line
-from imagenet_ddp.settings.node_memory import DataSizes, node_memory_problems
 from imagenet_ddp.settings.presets import scaled_lr
-from imagenet_ddp.settings.run_checks import (
-    CHECKED_SETTINGS,
-    container_problem,
-    optional_component_problems,
-    split_sizes,
-    warmup_warnings,
-)
+from imagenet_ddp.settings.run_checks import CHECKED_SETTINGS, warmup_warnings
 from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
 from imagenet_ddp.settings.stage_versions import STAGE_VERSIONS
 
@@ -107,8 +99,7 @@ LAYOUT = _input_layout()
 
 
 def class_count(wildcards=None):
-    """The data's class count (the demo's, or the layout's: a folder count at most), for the
-    check of a weights file's classifier."""
+    """The data's class count (the demo's or the layout's), for a weights file's check."""
     if config["demo"]["enabled"]:
         return config["demo"]["num_classes"]
     return LAYOUT.class_count(data_dir()) if os.path.isdir(data_dir()) else 0
@@ -122,16 +113,12 @@ def archive_paths():
 def md5sums_input(wildcards):
     """md5sums is optional for real data; the demo set always writes one."""
     path = f"{data_dir()}/md5sums"
-    if LAYOUT.name != "archives":
-        return []
-    if config["demo"]["enabled"] or os.path.exists(path):
-        return [path]
-    return []
+    present = config["demo"]["enabled"] or os.path.exists(path)
+    return [path] if LAYOUT.name == "archives" and present else []
 
 
 def training_settings(name):
-    """The run's settings as the worker reads them, geometry included (no `evaluate` or
-    `preflight`: the workflow's, imagenet_ddp.settings.kinds)."""
+    """The run's settings as the rank gets them (imagenet_ddp.settings.kinds)."""
     return SETTINGS.rank_settings(RUNS[name])
 
 
@@ -172,8 +159,8 @@ def run_check_file(wildcards):
 
 
 def init_weights_sha256(wildcards):
-    """A param: the sha256 of the run's init_weights file as its check read it ('' without a
-    file), so another file's content retrains the run and a moved file does not."""
+    """A param: the run's init_weights file's sha256 as its check read it ('' without one):
+    another content retrains the run, a moved file does not."""
     with open(checkpoints.check.get(run=wildcards.run).output[0]) as f:
         return json.load(f)["init_weights_sha256"]
 
@@ -196,14 +183,12 @@ def check_params(wildcards):
 
 def preflight_input(wildcards):
     """A passing preflight before `train` for runs with `preflight: true`."""
-    if RUNS[wildcards.run]["preflight"]:
-        return f"results/preflight/{wildcards.run}/preflight.json"
-    return []
+    path = f"results/preflight/{wildcards.run}/preflight.json"
+    return [path] if RUNS[wildcards.run]["preflight"] else []
 
 
 def preflight_reports():
-    """The preflight reports of the runs with `preflight: true` (the aggregate table shows
-    their projection beside what training measured)."""
+    """The reports of the runs with `preflight: true` (aggregate shows their projection)."""
     return [
         f"results/preflight/{n}/preflight.json"
         for n, r in RUNS.items()
@@ -238,30 +223,12 @@ def _train_runtime():
     return value if isinstance(value, (int, float)) else None
 
 
-def data_sizes():
-    """What the memory check needs of the data: the split's sizes from the config (each loader
-    worker holds the dataset's arrays) and the train copy staged in RAM where stage.scratch_dir
-    is a tmpfs here (imagenet_ddp.data.stage.scratch_in_ram)."""
-    train, holdout, _ = split_sizes(config, None)
-    in_ram = scratch_in_ram(
-        config["stage"]["scratch_dir"],
-        f"{config['prepare']['dir']}/train",
-        train + holdout,
-        config["prepare"]["short_side"],
-    )
-    return (
-        DataSizes(train, holdout)
-        if in_ram is None
-        else DataSizes(train, holdout, *in_ram)
-    )
-
-
-# Memory per node: each run's training job against train's mem_mb (imagenet_ddp.settings.
-# node_memory): refused above the measured per-process figures, a warning above measured +
-# estimated. The node checks again before it stages, with its real limit.
+# Memory per node: each run's training job against train's mem_mb (settings.node_memory):
+# refused above the measured per-process figures, a warning above measured + estimated. The
+# node checks again before it stages, with its real limit.
 _mem_mb = _rule_resource("train", "mem_mb")
-_refusals, _warnings = node_memory_problems(
-    RUNS, _mem_mb if isinstance(_mem_mb, (int, float)) else None, data_sizes()
+_refusals, _warnings = memory_problems(
+    RUNS, config, _mem_mb if isinstance(_mem_mb, (int, float)) else None
 )
 if _refusals:
     refuse(_refusals)
@@ -293,19 +260,10 @@ def run_hyperparameters(wildcards):
 TRAIN_RETRIES = max([run["max_allocations"] for run in RUNS.values()] or [1]) - 1
 
 
-def run_setting(key):
-    """An input function: the run's setting `key` (its resolved value)."""
-    return lambda wildcards: RUNS[wildcards.run][key]
-
-
 def evaluation_settings(run_name):
     """The run's evaluation settings, on the GPU type it trained on."""
     run = RUNS[run_name]
     return {**eval_settings(config.get("evaluate"), run), "gpu_type": run["gpu_type"]}
-
-
-def evaluation_setting(key):
-    return lambda wildcards: evaluation_settings(wildcards.run)[key]
 
 
 def eval_threads(wildcards):
@@ -314,17 +272,17 @@ def eval_threads(wildcards):
     return settings["tasks_per_node"] * settings["cpus_per_task"]
 
 
-def slurm_resource(key, settings=lambda name: RUNS[name]):
-    """An input function: the SLURM resource `key` of the run's `train` job (with
-    evaluation_settings: of its `evaluate` job); None drops the resource."""
-    return lambda wildcards: slurm_resources(settings(wildcards.run))[key]
+def job_resource(key, settings=lambda name: RUNS[name]):
+    """An input function: the SLURM resource `key` of the run's preflight (with
+    evaluation_settings: its `evaluate` job); None drops the resource."""
 
+    def value(wildcards):
+        shape = settings(wildcards.run)
+        nodes, cpus = shape["nodes"], shape["cpus_per_task"]
+        return {**slurm_resources(shape), "nodes": nodes, "cpus_per_task": cpus}[key]
 
-# A retry that its job will refuse (max_allocations reached, or two attempts without progress)
-# only prints why and exits: Snakemake's retries are one rule-wide count, so it is still
-# submitted, but as one task on one node without GPUs.
-_REFUSED_SHAPE = {"nodes": 1, "cpus_per_task": 1, "tasks_per_node": None, "tasks": None,
-                  "gres": None, "mpi": None}  # fmt: skip
+    return value
+
 
 # When this invocation began: the attempt record's entries started since are its own
 # (imagenet_ddp.jobs.attempts.choose_nodes). Inherited by its jobs (sbatch --export=ALL), whose
@@ -335,23 +293,15 @@ INVOCATION_STARTED = float(
 
 
 def train_resource(key):
-    """A SLURM resource of `train`: the run's shape on the node count this submission asks
-    for (its `nodes`, or one of its `fallback_nodes` after a job that never started), or
-    _REFUSED_SHAPE for a retry that will refuse: read from the attempt record."""
+    """A SLURM resource of `train` (imagenet_ddp.jobs.site.train_resources): the shape this
+    submission asks for, or one task without GPUs for a retry that will refuse."""
 
     def value(wildcards, attempt):
-        root, settings = f"{CHECKPOINT_DIR}/{wildcards.run}", training_settings(
-            wildcards.run
-        )
-        if attempt > 1 and refusal_ahead(root, settings, attempt):
-            return _REFUSED_SHAPE[key]
-        nodes = nodes_ahead(root, settings, attempt, INVOCATION_STARTED)
-        shaped = on_nodes(RUNS[wildcards.run], nodes)
-        return (
-            shaped[key]
-            if key in ("nodes", "cpus_per_task")
-            else slurm_resources(shaped)[key]
-        )
+        name = wildcards.run
+        root = f"{CHECKPOINT_DIR}/{name}"
+        shape = train_resources(RUNS[name], training_settings(name), root, attempt,
+                                INVOCATION_STARTED)  # fmt: skip
+        return shape[key]
 
     return value
 
@@ -365,125 +315,59 @@ def train_slurm_extra(wildcards):
     return f"--signal={execution['stop_signal']} {execution['slurm_extra']}".strip()
 
 
-def launch_prefix(rule):
-    """The command that starts a job's ranks: the rule's `mpi` resource (Snakemake's launch
-    prefix; `--set-resources train:mpi="srun --mpi=pmix"`), plain `srun` where none is set.
-    Read here because a rule with one rank must not have `mpi` (the SLURM executor refuses it),
-    so its shell cannot read {resources.mpi}."""
-    given = _rule_resource(rule, "mpi")
-    prefix = (
-        given.strip("'\"") if isinstance(given, str) and given.strip("'\" ") else "srun"
-    )
-    if os.path.basename(prefix.split()[0]) != "srun":
-        refuse([f"--set-resources {rule}:mpi={prefix!r}: the ranks are started with srun;"
-                " give srun and its flags, e.g. 'srun --mpi=pmix'"])  # fmt: skip
-    return prefix
-
-
-LAUNCH_PREFIX = {rule: launch_prefix(rule) for rule in ("train", "evaluate")}
-
-
-def _execution(rule_name, attempt, staged):
-    """A job spec's execution block (imagenet_ddp.jobs.spec.Execution): where and how the job
-    runs. Not results: it travels in a resource, so no change of it reruns a finished job.
-    """
-    execution = config["execution"]
-    block = {
-        "launcher": execution["launcher"],
-        "launch_prefix": LAUNCH_PREFIX[rule_name],
-        "srun_extra": execution["srun_extra"],
-        "attempt": attempt,  # 2, 3, ...: a resubmission (imagenet_ddp.jobs.attempts)
-    }
-    if staged:  # train and its preflight copy the prepared train set to every node
-        block["stage"] = {
-            k: config["stage"][k] for k in ("scratch_dir", "verify", "cleanup")
-        }
-    return block
-
-
-def _job_parts(kind, wildcards):
-    """A spec's parts but its execution block, per kind (imagenet_ddp.jobs.spec)."""
-    run, paths = wildcards.run, {"prepared_train": prepared_manifest("train")}
-    if kind == "evaluate":
-        settings = evaluation_settings(run)
-        paths.update(
-            model=f"results/runs/{run}/model.pt",
-            prepared_val=prepared_manifest("val"),
-            split_dir="results/split",
-            classes="results/index/classes.csv",
-            out=f"results/runs/{run}/eval.json",
-            per_class=f"results/runs/{run}/per_class.csv",
-        )
-        return {
-            "geometry": {key: settings[key] for key in GEOMETRY_KEYS},
-            "settings": {
-                "batch_size": settings["batch_size"],
-                "workers": settings["workers"],
-            },
-            "paths": paths,
-        }
-    paths.update(split_dir="results/split", checkpoint_root=f"{CHECKPOINT_DIR}/{run}")
-    if kind == "preflight":
-        paths["out"] = f"results/preflight/{run}/preflight.json"
-        return {"run": training_settings(run), "paths": paths,
-                "train_runtime_minutes": _train_runtime()}  # fmt: skip
-    paths["run_dir"] = f"results/runs/{run}"
-    return {"run": training_settings(run), "paths": paths}
+# The command that starts a job's ranks: the rule's `mpi` resource, read here because a rule
+# with one rank must not have `mpi` (the SLURM executor refuses it), so its shell cannot read
+# {resources.mpi}.
+LAUNCH_PREFIX = {}
+for _rule in ("train", "evaluate"):
+    LAUNCH_PREFIX[_rule], _problem = launch_prefix(_rule, _rule_resource(_rule, "mpi"))
+    if _problem:
+        refuse([_problem])
 
 
 def job_spec(kind, mpi_rule):
-    """A resource: the job's whole spec as compact JSON (imagenet_ddp.jobs.spec.compact_spec:
-    the run's settings not at their default, its paths, the execution block), checked here (a
-    spec the job would refuse fails at the dry-run), for the shell's `imagenet-ddp <kind>
-    --job`. A resource, not a param: the spec holds bookkeeping too (log_interval, the
-    launcher: no rerun of a finished job); what reruns a job is its params. As a resource it
-    reaches every job that starts, so a run in progress gets a changed value at its next job.
-    `mpi_rule`: the rule whose `mpi` starts the ranks (the preflight's start as train's).
-    """
+    """A resource: the job's whole spec as compact JSON (imagenet_ddp.jobs.site.job_spec: the
+    run's settings not at their default, its paths, where and how it runs), checked here (a
+    spec the job would refuse fails at the dry-run). A resource, not a param: it holds
+    bookkeeping too (log_interval, the launcher), which reruns no finished job; as a resource
+    it reaches every job that starts. `mpi_rule`: whose `mpi` starts the ranks."""
 
     def value(wildcards, attempt):
-        spec = {
-            "kind": kind,
-            **_job_parts(kind, wildcards),
-            "execution": _execution(mpi_rule, attempt, staged=kind != "evaluate"),
-        }
+        name = wildcards.run
+        settings = (
+            evaluation_settings(name) if kind == "evaluate" else training_settings(name)
+        )
         try:
-            return compact_spec(spec, SETTINGS, PACKAGE_VERSION)
+            return site_job_spec(kind, name, settings, config, SETTINGS, attempt=attempt,
+                                 launch_prefix=LAUNCH_PREFIX[mpi_rule], version=PACKAGE_VERSION,
+                                 train_runtime=_train_runtime())  # fmt: skip
         except SpecError as error:
-            raise WorkflowError(
-                f"{kind} job of run {wildcards.run!r}: job spec: {error}"
-            )
+            raise WorkflowError(f"{kind} job of run {name!r}: job spec: {error}")
 
     return value
 
 
 def run_dirs():
-    return [f"results/runs/{name}" for name in RUNS]
+    return [
+        f"results/runs/{name}" for name in RUNS
+    ]  # every run's folder, for the tables
 
 
-# The image every job runs in with `--sdm apptainer` (ignored otherwise): built from
-# workflow/envs/imagenet-ddp.def. A local image that is missing fails here, at the dry-run.
+# The image every job runs in with `--sdm apptainer` (built from workflow/envs/imagenet-ddp.def),
+# and what would fail every job of the site (a missing local image, a component the jobs'
+# environment lacks, a shared scratch dir, an unknown launcher): one line each.
 CONTAINER = config["container"]["image"]
 _SDM = workflow.deployment_settings.deployment_method
 _APPTAINER = DeploymentMethod.APPTAINER in _SDM
-_problems = [container_problem(CONTAINER, apptainer=_APPTAINER)]
+_problems = site_problems(
+    config, RUNS, apptainer=_APPTAINER, conda=DeploymentMethod.CONDA in _SDM
+)
+if _problems:
+    refuse(_problems)
 # The srun tasks of a containerised job run the host's apptainer, by the absolute path this
 # Snakemake resolves here: the container's PATH lacks a module's apptainer (jobs.container).
 if _APPTAINER:
     os.environ.update(host_runtime_env())
-# A run that asks for W&B or MLflow where the jobs' environment lacks it would train untracked.
-_problems += optional_component_problems(
-    RUNS,
-    deployment=(
-        "apptainer" if _APPTAINER else "conda" if DeploymentMethod.CONDA in _SDM else ""
-    ),
-)
-# A scratch dir every node would share (each node checks its own view again before it copies).
-_problems.append(configured_scratch_problem(config["stage"]["scratch_dir"]))
-_problem = launcher_problem(config["execution"]["launcher"])
-_problems.append(_problem and f"config.yaml: {_problem}")
-if any(_problems):
-    refuse([p for p in _problems if p])
 
 
 # The training-ready copy; point several workflows (or users) at one shared directory to
@@ -495,7 +379,7 @@ PREPARED_DIR = config["prepare"]["dir"]
 
 
 def prepared_manifest(which):
-    return f"results/prepared/{which}.json"
+    return PREPARED.format(which)
 
 
 CHECKPOINT_DIR = config["execution"]["checkpoint_dir"]

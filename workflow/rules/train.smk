@@ -19,7 +19,7 @@ checkpoint check:
     # (its params) reruns it.
     resources:
         run=lambda wildcards: json.dumps(
-            training_settings(wildcards.run), separators=(",", ":")
+            SETTINGS.changed_from_default(training_settings(wildcards.run))
         ),
     params:
         run=check_params,
@@ -121,13 +121,13 @@ rule evaluate:
     # Cores this job takes on a local machine (ignored by the SLURM executor's sizing).
     threads: eval_threads
     resources:
-        nodes=evaluation_setting("nodes"),
-        tasks_per_node=slurm_resource("tasks_per_node", evaluation_settings),
-        tasks=slurm_resource("tasks", evaluation_settings),
-        cpus_per_task=evaluation_setting("cpus_per_task"),
-        gres=slurm_resource("gres", evaluation_settings),
+        nodes=job_resource("nodes", evaluation_settings),
+        tasks_per_node=job_resource("tasks_per_node", evaluation_settings),
+        tasks=job_resource("tasks", evaluation_settings),
+        cpus_per_task=job_resource("cpus_per_task", evaluation_settings),
+        gres=job_resource("gres", evaluation_settings),
         tasks_per_gpu=0,  # else the plugin adds --ntasks-per-gpu=<all tasks> to GPU jobs
-        mpi=slurm_resource("mpi", evaluation_settings),
+        mpi=job_resource("mpi", evaluation_settings),
         # The evaluation's job spec: its geometry, batch size, loader workers, paths and where
         # it runs (common.smk job_spec; a resource: no rerun when it changes, see rule train).
         job=job_spec("evaluate", "evaluate"),
@@ -135,7 +135,7 @@ rule evaluate:
         # What reruns the evaluation (the geometry does not): its data by content, its batch
         # size and what the stage writes.
         data=data_content("evaluate"),
-        batch_size=evaluation_setting("batch_size"),
+        batch_size=lambda wildcards: evaluation_settings(wildcards.run)["batch_size"],
         version=STAGE_VERSIONS["evaluate"],
     # exec: the launcher replaces the rule's shell (see rule train).
     shell:
@@ -166,13 +166,13 @@ rule preflight_run:
     resources:
         # The train rule's shape (see there); a short time limit of its own (a profile's
         # set-resources may change it).
-        nodes=run_setting("nodes"),
-        tasks_per_node=slurm_resource("tasks_per_node"),
-        tasks=slurm_resource("tasks"),
-        cpus_per_task=run_setting("cpus_per_task"),
-        gres=slurm_resource("gres"),
+        nodes=job_resource("nodes"),
+        tasks_per_node=job_resource("tasks_per_node"),
+        tasks=job_resource("tasks"),
+        cpus_per_task=job_resource("cpus_per_task"),
+        gres=job_resource("gres"),
         tasks_per_gpu=0,
-        mpi=slurm_resource("mpi"),
+        mpi=job_resource("mpi"),
         runtime=30,
         # Its job spec (a resource, as train's, see there): train's run and staging; its ranks
         # start as train's do (the launch prefix of train's `mpi`: --set-resources

@@ -542,7 +542,9 @@ def write_check(run_json: str, num_classes: int, run_dir: Path, out: Path) -> No
     from imagenet_ddp.io import write_json_atomic
     from imagenet_ddp.settings.init_weights import weights_digest
 
-    run = json.loads(run_json)
+    from imagenet_ddp.settings.kinds import declarations
+
+    run = {**declarations().rank_defaults(), **json.loads(run_json)}  # only those not at default
     digest, problem = weights_digest(run, run_dir)
     problems = deep_problems(run, num_classes) + ([problem] if problem else [])
     if problems:

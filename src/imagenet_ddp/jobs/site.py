@@ -1,0 +1,151 @@
+"""What the workflow's parse builds and checks of where its jobs run: each job's spec from the
+config (:func:`job_spec`), and the site's settings that would fail every job (:func:`site_problems`,
+:func:`memory_problems`). workflow/rules/common.smk calls these; the paths are the rules'.
+
+Torch-free: it runs while Snakemake parses the rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from imagenet_ddp.data.stage import configured_scratch_problem, scratch_in_ram
+from imagenet_ddp.jobs.attempts import nodes_ahead, refusal_ahead
+from imagenet_ddp.jobs.launchers import launcher_problem
+from imagenet_ddp.jobs.spec import compact_spec
+from imagenet_ddp.settings.geometry import GEOMETRY_KEYS, on_nodes, slurm_resources
+from imagenet_ddp.settings.kinds import Declarations
+from imagenet_ddp.settings.node_memory import DataSizes, node_memory_problems
+from imagenet_ddp.settings.run_checks import (
+    container_problem,
+    optional_component_problems,
+    split_sizes,
+)
+
+PREPARED = "results/prepared/{}.json"  # the prepare rule's manifest of train or val
+
+
+def _execution(config: Mapping, launch_prefix: str, attempt: int, staged: bool) -> dict:
+    """A spec's execution block (jobs.spec.Execution): where and how the job runs. Not
+    results: it travels in a resource, so no change of it reruns a finished job."""
+    execution = config["execution"]
+    block = {
+        "launcher": execution["launcher"],
+        "launch_prefix": launch_prefix,
+        "srun_extra": execution["srun_extra"],
+        "attempt": attempt,  # 2, 3, ...: a resubmission (jobs.attempts)
+    }
+    if staged:  # train and its preflight copy the prepared train set to every node
+        block["stage"] = {k: config["stage"][k] for k in ("scratch_dir", "verify", "cleanup")}
+    return block
+
+
+def job_spec(
+    kind: str,
+    name: str,
+    settings: Mapping[str, Any],
+    config: Mapping,
+    declarations: Declarations,
+    *,
+    attempt: int,
+    launch_prefix: str,
+    version: str,
+    train_runtime: float | None = None,
+) -> str:
+    """The compact JSON spec (jobs.spec.compact_spec) of run ``name``'s ``kind`` job (train,
+    preflight, evaluate): ``settings``, the run's as the rank gets them (an evaluation's:
+    its geometry, batch size and workers), its paths, the execution block."""
+    paths: dict[str, Any] = {"prepared_train": PREPARED.format("train")}
+    parts: dict[str, Any]
+    if kind == "evaluate":
+        paths.update(
+            model=f"results/runs/{name}/model.pt",
+            prepared_val=PREPARED.format("val"),
+            split_dir="results/split",
+            classes="results/index/classes.csv",
+            out=f"results/runs/{name}/eval.json",
+            per_class=f"results/runs/{name}/per_class.csv",
+        )
+        parts = {
+            "geometry": {key: settings[key] for key in GEOMETRY_KEYS},
+            "settings": {k: settings[k] for k in ("batch_size", "workers")},
+        }
+    else:
+        checkpoints = f"{config['execution']['checkpoint_dir']}/{name}"
+        paths.update(split_dir="results/split", checkpoint_root=checkpoints)
+        parts = {"run": dict(settings)}
+        if kind == "preflight":
+            paths["out"] = f"results/preflight/{name}/preflight.json"
+            parts["train_runtime_minutes"] = train_runtime  # what train's allocations last
+        else:
+            paths["run_dir"] = f"results/runs/{name}"
+    execution = _execution(config, launch_prefix, attempt, staged=kind != "evaluate")
+    spec = {"kind": kind, **parts, "paths": paths, "execution": execution}
+    return compact_spec(spec, declarations, version)
+
+
+def site_problems(
+    config: Mapping, runs: Mapping[str, Mapping], *, apptainer: bool, conda: bool
+) -> list[str]:
+    """What would fail every job of the site, one line each: a local image that is missing
+    (--sdm apptainer), a component a run asks for that the jobs' environment lacks, a scratch
+    dir every node shares, an unknown launcher."""
+    deployment = "apptainer" if apptainer else "conda" if conda else ""
+    launcher = launcher_problem(config["execution"]["launcher"])
+    problems = [
+        container_problem(config["container"]["image"], apptainer=apptainer),
+        *optional_component_problems(runs, deployment=deployment),
+        configured_scratch_problem(config["stage"]["scratch_dir"]),
+        launcher and f"config.yaml: {launcher}",
+    ]
+    return [p for p in problems if p]
+
+
+def memory_problems(
+    runs: Mapping[str, Mapping], config: Mapping, mem_mb: float | None
+) -> tuple[list[str], list[str]]:
+    """(refusals, warnings) of each run's training job against train's ``mem_mb`` per node
+    (settings.node_memory), with the split's sizes from the config and the train copy staged
+    in RAM where stage.scratch_dir is a tmpfs here (data.stage.scratch_in_ram)."""
+    train, holdout, _ = split_sizes(config, None)
+    in_ram = scratch_in_ram(
+        config["stage"]["scratch_dir"],
+        f"{config['prepare']['dir']}/train",
+        train + holdout,
+        config["prepare"]["short_side"],
+    )
+    data = DataSizes(train, holdout) if in_ram is None else DataSizes(train, holdout, *in_ram)
+    return node_memory_problems(runs, mem_mb, data)
+
+
+# A retry that its job will refuse (max_allocations reached, or two attempts without progress)
+# only prints why and exits: Snakemake's retries are one rule-wide count, so it is still
+# submitted, but as one task on one node without GPUs.
+REFUSED_SHAPE = {"nodes": 1, "cpus_per_task": 1, "tasks_per_node": None, "tasks": None,
+                 "gres": None, "mpi": None}  # fmt: skip
+
+
+def train_resources(
+    run: Mapping[str, Any], settings: Mapping, checkpoint_root: str, attempt: int, since: float
+) -> dict[str, Any]:
+    """The SLURM resources of a train job of ``run`` (``settings``: as the rank gets them):
+    its shape on the node count this submission asks for (its `nodes`, or one of its
+    `fallback_nodes` after a job that never started, in the invocation begun at ``since``),
+    or :data:`REFUSED_SHAPE` for a retry that will refuse; read from the attempt record."""
+    if attempt > 1 and refusal_ahead(checkpoint_root, settings, attempt):
+        return REFUSED_SHAPE
+    shaped = on_nodes(run, nodes_ahead(checkpoint_root, settings, attempt, since))
+    return {**slurm_resources(shaped), "nodes": shaped["nodes"],
+            "cpus_per_task": shaped["cpus_per_task"]}  # fmt: skip
+
+
+def launch_prefix(rule: str, given: Any) -> tuple[str, str | None]:
+    """(the command that starts a job's ranks, a problem): the rule's `mpi` resource as given
+    (Snakemake's launch prefix, `--set-resources train:mpi="srun --mpi=pmix"`; quotes
+    dropped), plain `srun` where none is set."""
+    prefix = given.strip("'\"") if isinstance(given, str) and given.strip("'\" ") else "srun"
+    if prefix.split()[0].rsplit("/", 1)[-1] != "srun":
+        return prefix, (f"--set-resources {rule}:mpi={prefix!r}: the ranks are started with srun;"
+                        " give srun and its flags, e.g. 'srun --mpi=pmix'")  # fmt: skip
+    return prefix, None
