@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 
-
 @dataclass(frozen=True)
 class DistInfo:
     rank: int

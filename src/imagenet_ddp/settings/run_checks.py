@@ -541,7 +541,6 @@ def write_check(run_json: str, num_classes: int, run_dir: Path, out: Path) -> No
     from imagenet_ddp.errors import InputError
     from imagenet_ddp.io import write_json_atomic
     from imagenet_ddp.settings.init_weights import weights_digest
-
     from imagenet_ddp.settings.kinds import declarations
 
     run = {**declarations().rank_defaults(), **json.loads(run_json)}  # only those not at default
