@@ -1,6 +1,6 @@
 """SLURM hostlists expanded in Python (python-hostlist, through jobs.distributed), checked
-against SLURM's own parser: ``scontrol show hostnames`` needs no daemon, only a config file it can read (a minimal
-one here; without any it retries for 60 s, then fails)."""
+against SLURM's own parser: ``scontrol show hostnames`` needs no daemon, only a config file it
+can read (a minimal one here; without any it retries for 60 s, then fails)."""
 
 from __future__ import annotations
 
