@@ -1,10 +1,17 @@
-"""Snakemake planning overhead: dry-run with 50 runs, and a no-op rerun of a finished pipeline.
+"""Snakemake planning overhead: a job's own parse, a newcomer's first dry-run, a dry-run with
+200 runs, and a no-op rerun of a finished pipeline.
 
-    .venv/bin/python benchmarks/bench_workflow.py [--quick] [--repeats 5] [--runs 50]
+    .venv/bin/python benchmarks/bench_workflow.py [--quick] [--repeats 5] [--runs 200]
 
-* **dry-run, 50 runs**: ``snakemake -n --profile profiles/local`` on a copy of the workflow
-  (``tests/workflow_helpers.copy_workflow``) whose config lists 50 runs (nothing computed yet:
-  every job is planned, 50 train + 50 evaluate + data + report jobs).
+* **a job's own parse**: what a SLURM job's own Snakemake does before its command runs (the
+  plugin's jobstep arguments, ``tests/workflow_helpers.job_snakemake``: ``--mode remote
+  --target-jobs train:run=... -n``) on the demo config; baseline: the one-rule Snakefile's
+  ``-n``. Target (issue 41): within 1.3x of the baseline, no torch imported.
+* **first dry-run**: ``snakemake -n`` of the shipped config in a fresh copy with an empty
+  ``$HOME`` (nothing cached anywhere: a newcomer's first command). Target: under 10 s.
+* **dry-run, 200 runs**: ``snakemake -n --profile profiles/local`` on a copy of the workflow
+  (``tests/workflow_helpers.copy_workflow``) whose config lists 200 runs (nothing computed yet:
+  every job is planned). Target: under 5 s once warm.
 * **no-op rerun**: ``snakemake --profile profiles/local`` (not ``-n``) after the tiny demo
   pipeline with 2 runs completed (1 epoch): what every re-invocation on a finished workdir
   costs (Snakemake reads the config, parses rules, checks every output and its metadata).
@@ -62,11 +69,14 @@ def wall(workdir: Path, args: list[str], repeats: int) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = C.quick_flag()
-    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--runs", type=int, default=None, help="default 200 (--quick: 20)")
     args = parser.parse_args(argv)
+    args.runs = args.runs or (20 if args.quick else 200)
     repeats = args.repeats or (1 if args.quick else 5)
 
-    from tests.workflow_helpers import copy_workflow, read_config, write_config
+    import os
+
+    from tests.workflow_helpers import copy_workflow, job_snakemake, read_config, write_config
 
     with tempfile.TemporaryDirectory(prefix="bench-workflow-") as tmp:
         tmp = Path(tmp)
@@ -76,6 +86,28 @@ def main(argv: list[str] | None = None) -> int:
         base_dry = wall(trivial, ["-n", "--cores", "1"], repeats)
         smk(trivial, "--cores", "1")
         base_noop = wall(trivial, ["--cores", "1"], repeats)
+
+        job = copy_workflow(tmp / "job", as_shipped=True)
+        first_home = tmp / "home"
+        first_home.mkdir()
+        env_before = dict(os.environ)
+        os.environ.update(HOME=str(first_home), XDG_CACHE_HOME=str(first_home / ".cache"))
+        try:
+            first = [C.timed(lambda: smk(job, "-n"))]  # the very first: nothing cached
+        finally:
+            os.environ.clear()
+            os.environ.update(env_before)
+        run = read_config(job)["runs"][0]["name"]
+        job_snakemake(job, f"train:run={run}", check=True)  # warm-up
+        job_parse = [
+            C.timed(lambda: job_snakemake(job, f"train:run={run}", check=True))
+            for _ in range(repeats)
+        ]
+        imports = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "snakemake", "-n", "--cores", "1"],
+            cwd=job, capture_output=True, text=True,
+        ).stderr  # fmt: skip
+        torch_free = not re.search(r"\|\s+torch$", imports, re.M)
 
         many = copy_workflow(
             tmp / "runs50",
@@ -105,6 +137,24 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [
         {
+            "metric": "a job's own parse (jobstep, -n), s",
+            "ours": C.median(job_parse),
+            "baseline": C.median(base_dry),
+            "unit": "s",
+            "ratio": C.median(base_dry) / C.median(job_parse),
+            "target": "<= 1.3x baseline",
+            "met": C.median(job_parse) <= 1.3 * C.median(base_dry),
+        },
+        {
+            "metric": "first dry-run, shipped config, empty $HOME, s",
+            "ours": C.median(first),
+            "baseline": C.median(base_dry),
+            "unit": "s",
+            "ratio": C.median(base_dry) / C.median(first),
+            "target": "< 10 s",
+            "met": C.median(first) < 10.0,
+        },
+        {
             "metric": f"snakemake -n, {args.runs} runs, s",
             "ours": C.median(dry),
             "baseline": C.median(base_dry),
@@ -130,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         rows,
         notes=[
             f"median of {repeats} (after 1 warm-up); dry-run planned {jobs[0] if jobs else '?'} "
-            f"jobs; rerun had nothing to do: {nothing}",
+            f"jobs; rerun had nothing to do: {nothing}; the parse imported no torch: "
+            f"{torch_free}",
             "baseline = same command on a trivial one-rule Snakefile (Snakemake start-up)",
         ],
         json_out=args.json,

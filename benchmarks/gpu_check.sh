@@ -93,7 +93,7 @@ say "gpu_check $(date -u '+%Y-%m-%d %H:%M:%S UTC'), device $DEVICE, budget ${BUD
 
 section "0. wheels (.whl) -> /tmp/site"
 if ls .whl/*.whl >/dev/null 2>&1; then
-    if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    if timeout -k 5 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl >"$LOGS/wheels.log" 2>&1; then
         say "wheels: installed $(ls .whl | tr '\n' ' ')"
         export PYTHONPATH=/tmp/site:$REPO/src:$REPO
@@ -190,7 +190,7 @@ fi
 # make_spec KIND RUN_NAME DIR [extra settings JSON]: a job spec as tests/workflow_helpers.py
 # make_job/run_settings build it (no Snakemake), written to DIR/spec.json
 make_spec() {
-    "$PY" - "$@" "$WORK" <<EOF
+    timeout -k 5 60 "$PY" - "$@" "$WORK" <<EOF
 import json, sys
 from pathlib import Path
 from imagenet_ddp.jobs.spec import write_spec
@@ -223,6 +223,7 @@ train_run() {
         -m imagenet_ddp.training.worker --spec "$dir/spec.json" --train-data "$WORK/prepared" "$@"
     local code=$?
     say "$name: exit $code; $(gpu_sampler_stop "$name")"
+    grep -hiE "diverg|Traceback|Error:" "$LOGS/$name.log" | head -3 | sed "s/^/$name: /" | tee -a "$SUMMARY"
     return $code
 }
 TRAIN_OK=0
@@ -240,14 +241,15 @@ if [ "$TRAIN_OK" = 1 ]; then
     if [ "$TRAIN_OK" = 1 ]; then
         train_run train_stop "$WORK/resumed" --stop-after-steps "$STOP"
         STOP_CODE=$?
-        say "train_stop: stopped after $STOP steps, exit $STOP_CODE (75 expected: stopped, checkpointed); $(grep -ho 'interrupted at[^,]*' "$LOGS/train_stop.log" | head -1)"
+        # the rank exits 75 (stopped, checkpointed); torchrun reports any non-zero exit as 1
+        say "train_stop: --stop-after-steps $STOP, exit $STOP_CODE (non-zero expected); $(grep -ho 'interrupted at.*' "$LOGS/train_stop.log" | head -1)"
     fi
-    if [ "$STOP_CODE" = 75 ]; then
+    if [ "$STOP_CODE" != 0 ] && grep -q "interrupted at" "$LOGS/train_stop.log" 2>/dev/null; then
         train_run train_resume "$WORK/resumed"
         say "train_resume: $(grep -ho 'resuming from.*' "$LOGS/train_resume.log" | head -1)"
     fi
     section "3b. training results"
-    "$PY" - "$WORK/full/out" "$WORK/resumed/out" <<'EOF' 2>&1 | tee "$LOGS/train_compare.log" | tee -a "$SUMMARY"
+    timeout -k 5 60 "$PY" - "$WORK/full/out" "$WORK/resumed/out" <<'EOF' 2>&1 | tee "$LOGS/train_compare.log" | tee -a "$SUMMARY"
 import json, sys
 from pathlib import Path
 import torch
@@ -255,7 +257,8 @@ from imagenet_ddp.training.model import read_model_file
 
 def figures(out):
     m = json.loads((out / "train_metrics.json").read_text())
-    rows = [f"{out.parent.name}: img/s {m['images_per_s']}, steady img/s {m['steady_images_per_s']}"]
+    rows = [f"{out.parent.name}: img/s {m['images_per_s']:.1f}, steady img/s {m['steady_images_per_s']:.1f}"
+            f" (global batch {m['global_batch']}: steady steps/s {m['steady_images_per_s'] / m['global_batch']:.2f})"]
     for e in m["epochs"]:
         keep = {k: v for k, v in e.items() if isinstance(v, (int, float)) and any(
             s in k for s in ("epoch", "step", "images_per_s", "loss", "acc", "seconds"))}
