@@ -132,15 +132,17 @@ def test_image_has_the_verbs_libraries_nccl_needs_for_infiniband():
 
 def test_profile_binds_what_srun_needs_inside_the_container():
     """The launcher calls srun inside the rule's container: the example binds its config, the
-    munge socket, the directory of libslurmfull.so and the plugins, and libmunge; no rank
-    needs scontrol any more (python-hostlist)."""
+    munge socket, the directory of libslurmfull.so and the plugins, and libmunge; squeue and
+    scontrol for a job that finds its run held (jobs.holders: requeued behind the holder). No
+    rank needs scontrol (python-hostlist)."""
     text = (REPO / "profiles/slurm/config.yaml").read_text()
     args = re.search(r'^# apptainer-args: "([^"]*)"', text, re.M).group(1)
     binds = args.split("--bind ", 1)[1].split(",")
-    for needed in ("/etc/slurm", "/run/munge", "/usr/bin/srun", "/usr/bin/squeue"):
-        assert needed in binds, needed
+    needed = ("/etc/slurm", "/run/munge", "/usr/bin/srun", "/usr/bin/squeue", "/usr/bin/scontrol")
+    for path in needed:
+        assert path in binds, path
     assert any(b.endswith("slurm-wlm") or b.endswith("lib64/slurm") for b in binds), binds
-    assert any("libmunge.so" in b for b in binds) and "/usr/bin/scontrol" not in binds
+    assert any("libmunge.so" in b for b in binds)
 
 
 def test_every_rule_with_a_shell_names_its_conda_env_and_container():

@@ -12,8 +12,9 @@ started with a `--config` on the command line, which once wiped the profile's la
 The controller dies on the way, as on a login node that reboots: Snakemake is SIGKILLed while
 the GPU run's train job trains, and the same command runs again as the controller job
 (profiles/slurm/controller.sbatch on the cluster's service partition, which unlocks first). It
-must not start a second train job of that run while the first runs: it submits the next one
-with a dependency on it, and the run's result is the first job's. Beside it, the controller
+must not start a second train job of that run while the first runs: the next one starts after
+it (its nodes busy, or requeued behind it: jobs.holders), and the run's result is the first
+job's. Beside it, the controller
 job's own restart at its time limit runs with a Snakemake that only waits.
 """
 
@@ -80,7 +81,7 @@ def _live_jobs(cluster, workdir: Path) -> dict[int, tuple[str, str]]:
 
 def _held_train_job(cluster, workdir: Path, proc, timeout: float = 900) -> int:
     """The GPU run's train job once it trains (other jobs may be queued or running: the
-    restarted controller submits each again with a dependency on it)."""
+    restarted controller submits each again)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, "snakemake ended before the GPU run trained"
@@ -251,10 +252,11 @@ def test_a_restarted_controller_waits_for_the_runs_live_train_job_and_adopts_its
 def test_every_job_went_through_sbatch_and_completed(slurm_run):
     first, second = slurm_run.logs
     total = int(re.search(r"(\d+) of \1 steps \(100%\) done", second).group(1))
-    # nothing ran here but the target, data_key (a JSON of settings) and the report rules
-    local = re.findall(r"localrule (\w+):", second)
-    assert set(re.findall(r"localrule (\w+):", slurm_run.log)) == {
-        "all", "data_key", "accounting", "aggregate", "plots"
+    # nothing ran here but the target, the runs' checks, the data's content record and the
+    # report rules
+    local = re.findall(r"local(?:rule|checkpoint) (\w+):", second)
+    assert set(re.findall(r"local(?:rule|checkpoint) (\w+):", slurm_run.log)) == {
+        "all", "check", "data_content", "accounting", "aggregate", "plots"
     }  # fmt: skip
     for log, uuid in zip(slurm_run.logs, slurm_run.uuids, strict=True):
         jobs = _jobs_of(slurm_run.cluster, uuid)

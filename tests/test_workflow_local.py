@@ -482,7 +482,7 @@ def _bump_stage_version(workdir: Path, stage: str) -> None:
     """The workflow's own source tree (common.smk puts <workflow>/src first on the path) with
     ``stage``'s output version bumped: a release whose stage writes something new."""
     shutil.copytree(REPO / "src", workdir / "src", ignore=shutil.ignore_patterns("__pycache__"))
-    path = workdir / "src/imagenet_ddp/settings/stage_versions.py"
+    path = workdir / "src/imagenet_ddp/jobs/stage_versions.py"
     text = path.read_text()
     line = re.search(rf'^    "{stage}": (\w+),$', text, re.M)
     path.write_text(text.replace(line.group(0), f'    "{stage}": {line.group(1)} + 1,'))

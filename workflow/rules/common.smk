@@ -36,7 +36,7 @@ from imagenet_ddp.settings.kinds import declarations, rerun_line
 from imagenet_ddp.settings.presets import scaled_lr
 from imagenet_ddp.settings.run_checks import CHECKED_SETTINGS, warmup_warnings
 from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
-from imagenet_ddp.settings.stage_versions import STAGE_VERSIONS
+from imagenet_ddp.jobs.stage_versions import STAGE_VERSIONS
 
 
 def refuse(lines):
