@@ -351,3 +351,32 @@ def test_a_stale_directory_lock_is_taken_over_and_other_errors_still_raise(monke
     monkeypatch.setattr(fcntl, "flock", bad)
     with pytest.raises(OSError, match="Bad file descriptor"), io.exclusive_lock(lock):
         pass
+
+
+def test_on_lustre_mounted_localflock_the_lock_is_a_directory_every_node_sees(tmp_path):
+    """localflock grants flock on each client alone (two nodes would both hold the lock):
+    there, read from the mount's options, the lock is the directory lock; with `flock` it is
+    flock."""
+    import fcntl
+
+    from imagenet_ddp import io
+    from imagenet_ddp.mounts import flock_is_node_local
+
+    shared = tmp_path / "lustre"
+    shared.mkdir()
+    info = tmp_path / "mountinfo"
+    lustre = f"52 22 0:62 / {shared} rw,relatime - lustre 10.0.0.1@o2ib:/fs rw,localflock\n"
+    info.write_text(MOUNTINFO + lustre)
+    lock = shared / "out" / ".train.lock"
+    assert flock_is_node_local(lock.parent, info)
+    assert not flock_is_node_local(Path("/lustre/x"), info)  # mounted `flock`: cluster-wide
+    with io.exclusive_lock(lock, mountinfo=info):
+        assert (shared / "out" / ".train.lock.d" / "owner").is_file()
+        with open(lock, "a") as other:  # no flock taken: another opener gets it at once
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert not (shared / "out" / ".train.lock.d").exists()
+    info.write_text(MOUNTINFO + lustre.replace("localflock", "flock"))
+    with io.exclusive_lock(lock, mountinfo=info), open(lock, "a") as other:
+        assert not (shared / "out" / ".train.lock.d").exists()
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)

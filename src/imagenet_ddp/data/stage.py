@@ -35,7 +35,6 @@ import socket
 import time
 from pathlib import Path
 
-from imagenet_ddp.data.mounts import MOUNTINFO, existing_ancestor, mount_of
 from imagenet_ddp.data.prepared_layout import PREPARED_JSON, SHARD_DIR
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import (
@@ -45,6 +44,7 @@ from imagenet_ddp.io import (
     lock_path_for,
     write_json_atomic,
 )
+from imagenet_ddp.mounts import MOUNTINFO, existing_ancestor, mount_of
 
 STAGE_DIR = "imagenet_ddp"
 MARKER = ".staged.json"
