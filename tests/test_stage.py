@@ -95,6 +95,41 @@ def test_a_shared_copy_is_removed_by_the_last_job_that_leaves(prepared_demo, tmp
     assert list((node_local / "scratch").iterdir()) == [], "the last run removes the copy"
 
 
+def test_a_job_after_the_runs_final_checkpoint_stages_nothing(prepared_demo, tmp_path, node_local):
+    """A job killed after its last epoch's checkpoint but before its outputs: the next one
+    only resumes it and writes them; it copies no train set to any node."""
+    from imagenet_ddp.jobs import attempts
+    from imagenet_ddp.jobs.launch import stage_this_node, unstage_this_node
+
+    run = {"run": "r", "epochs": 2, "batch_size": 4, "nodes": 1, "tasks_per_node": 1,
+           "cpus_per_task": 1}  # fmt: skip
+    root, scratch = tmp_path / "checkpoints", node_local / "scratch"
+    job = make_job(run=run, prepared_train=prepared_demo["val"], run_dir=tmp_path / "r",
+                   checkpoint_root=root, launcher="srun", scratch_dir=str(scratch))  # fmt: skip
+
+    def attempt(n: int, epoch: int) -> None:  # an attempt that checkpointed ``epoch``, stopped
+        entry, _ = attempts.begin(root, run, attempt=n, gpus=0, cores=1)
+        path = root / "fp-tag" / f"checkpoint-e{epoch:04d}-s0000000.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x")
+        attempts.end(root, entry, 75)
+
+    attempt(1, 1)
+    assert "in_place" not in stage_this_node(job)  # one epoch to go: copied
+    unstage_this_node(job)
+    attempt(2, 2)
+    other = make_job(run={**run, "lr": 0.5}, prepared_train=prepared_demo["val"],
+                     run_dir=tmp_path / "o", checkpoint_root=root, launcher="srun",
+                     scratch_dir=str(scratch))  # fmt: skip
+    assert "in_place" not in stage_this_node(other), "another settings' final is not this run's"
+    unstage_this_node(other)
+    report = stage_this_node(job)
+    assert report["dest"] == str(prepared_demo["val"]) and "final checkpoint" in report["in_place"]
+    assert not scratch.exists() or not any(scratch.rglob("*.json")), "nothing copied"
+    unstage_this_node(job)
+    assert (prepared_demo["val"] / stage.PREPARED_JSON).is_file(), "the data must stay"
+
+
 def test_incomplete_copy_is_replaced(prepared_demo, tmp_path):
     src = prepared_demo["val"]
     report = stage_dataset(src, tmp_path, verify="size")

@@ -138,6 +138,18 @@ def newest_checkpoint(checkpoint_root: str | os.PathLike[str]) -> dict[str, Any]
     return {"epoch": epoch, "step": step, "path": str(path), "written": mtime}
 
 
+def final_checkpoint(checkpoint_root, run: dict[str, Any]) -> str | None:
+    """The run's checkpoint after its last epoch, where an attempt of these settings recorded
+    it and it is still there (its job ended before writing the outputs): the next job has
+    nothing to train and needs no staged copy."""
+    recorded = load(checkpoint_root)
+    for entry in _of_settings(recorded, run) if recorded else []:
+        last = entry.get("last_checkpoint") or {}
+        if last.get("epoch", 0) >= run["epochs"] and Path(last["path"]).is_file():
+            return last["path"]
+    return None
+
+
 def made_progress(entry: dict[str, Any]) -> bool:
     """Whether the attempt wrote a checkpoint past the point it started from."""
     last, start = entry.get("last_checkpoint"), entry.get("start") or {}
