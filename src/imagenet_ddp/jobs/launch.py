@@ -25,6 +25,8 @@ from pathlib import Path
 from imagenet_ddp.data.stage import (
     cleanup_staged,
     in_place_report,
+    memory_limit,
+    ram_copy_problem,
     reclaim_stale_leases,
     refuse_shared_scratch,
     scratch_info,
@@ -67,6 +69,8 @@ def stage_this_node(job: TrainJob) -> dict:
         print(f"staging: reading {src} in place: {report['in_place']}", flush=True)
     elif problem:
         raise refuse_shared_scratch(scratch, origin, problem)
+    elif in_ram := ram_copy_problem(src, scratch, origin, job.run, memory_limit()):
+        raise InputError(in_ram)  # before the copy: in RAM it would be OOM-killed in epoch 0
     else:
         lease = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         reclaim_stale_leases(scratch)  # copies pinned by jobs killed before their cleanup
