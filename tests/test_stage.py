@@ -128,6 +128,10 @@ def test_a_copy_into_ram_above_the_jobs_memory_limit_is_refused_before_it_is_mad
     samples = json.loads((src / stage.PREPARED_JSON).read_text())["num_samples"]
     figures = estimate_mb(run, DataSizes(train_images=samples))
     need = copy + (figures["measured"] + figures["estimated"]) * 2**20
+    driver = tmp_path / "nvidia-gpus"  # /proc/driver/nvidia/gpus of a node with 8 GPUs
+    for bus in range(8):
+        (driver / f"0000:{bus:02x}:00.0").mkdir(parents=True)
+    monkeypatch.setattr(stage, "NVIDIA_GPUS", driver)
     tmpdir = Path(tempfile.mkdtemp(dir=shm, prefix="test-ram-"))
     try:
         monkeypatch.delenv("SLURM_TMPDIR", raising=False)
@@ -149,6 +153,13 @@ def test_a_copy_into_ram_above_the_jobs_memory_limit_is_refused_before_it_is_mad
         # a complete copy is there (charged when it was made): not refused again
         assert ram_copy_problem(src, tmpdir, "$TMPDIR", run, (1, "memory.max")) is None
         unstage_this_node(job)
+        # no driver (fake GPUs, the local cluster): the CUDA estimate is left out
+        without = (int(need - figures["estimated"] * 2**20) + 1, "x")
+        assert ram_copy_problem(src, tmpdir / "other", "$TMPDIR", run, without) is not None
+        nodriver = tmp_path / "no-driver"
+        assert ram_copy_problem(
+            src, tmpdir / "other", "$TMPDIR", run, without, stage.MOUNTINFO, nodriver
+        ) is None  # fmt: skip
         on_disk = tmp_path / "mountinfo"  # the same path on a disk: never a RAM problem
         on_disk.write_text("22 1 8:1 / / rw - ext4 /dev/sda1 rw\n")
         assert ram_copy_problem(src, tmpdir, "$TMPDIR", run, (1, "x"), on_disk) is None

@@ -164,6 +164,7 @@ def scratch_in_ram(
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one folder per GPU the driver found
 UNLIMITED = 2**60  # cgroup v1 writes "no limit" as 9223372036854771712
 
 
@@ -203,13 +204,14 @@ def memory_limit(
 
 def ram_copy_problem(
     src: Path, scratch: Path, origin: str, run: dict, limit: tuple[int, str] | None,
-    mountinfo: Path = MOUNTINFO,
+    mountinfo: Path = MOUNTINFO, nvidia: Path | None = None,
 ) -> str | None:  # fmt: skip
     """Why this node must not copy ``src`` into ``scratch``: on a tmpfs (a diskless node's
     /tmp) the copy is charged to the job's memory cgroup, and with the ranks' memory
-    (settings.node_memory's estimate for ``run``) above ``limit`` (:func:`memory_limit`) the
-    job is OOM-killed in its first epoch. None where it fits, no limit is known, scratch is
-    not in RAM, or a complete copy is there (charged when it was made)."""
+    (settings.node_memory's estimate for ``run``: its CUDA part where ``nvidia`` lists a GPU,
+    the driver loaded) above ``limit`` (:func:`memory_limit`) the job is OOM-killed in its
+    first epoch. None where it fits, no limit is known, scratch is not in RAM, or a complete
+    copy is there (charged when it was made)."""
     mount = mount_of(existing_ancestor(scratch), mountinfo)
     if limit is None or mount is None or mount.fs_type not in RAM_FS_TYPES:
         return None
@@ -218,7 +220,9 @@ def ram_copy_problem(
     copy = sum(size for _, size in _files(src))
     samples = json.loads((Path(src) / PREPARED_JSON).read_text()).get("num_samples", 0)
     figures = estimate_mb(run, DataSizes(train_images=samples))
-    ranks = (figures["measured"] + figures["estimated"]) * 2**20
+    nvidia = NVIDIA_GPUS if nvidia is None else nvidia
+    cuda = nvidia.is_dir() and any(nvidia.iterdir())  # not a fake GPU: CUDA's host memory
+    ranks = (figures["measured"] + cuda * figures["estimated"]) * 2**20
     if copy + ranks <= limit[0]:
         return None
     return (
