@@ -38,6 +38,7 @@ import shutil
 import signal
 import sys
 import tarfile
+import threading
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -159,8 +160,9 @@ def _converted(items: Iterator, workers: int) -> Iterator[tuple[int, bytes | Non
     cancelled, the running ones finish (16 images) and the pool ends (:func:`_worker_signals`),
     and the caller's temporary copy is removed (io.atomic_path)."""
     received: list[int] = []
+    main = threading.current_thread() is threading.main_thread()  # where handlers can be set
     previous = {sig: signal.signal(sig, lambda signum, _: received.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}  # fmt: skip
+                for sig in (signal.SIGINT, signal.SIGTERM) if main}  # fmt: skip
 
     def stop_if_signalled() -> None:
         if received and received[0] == signal.SIGINT:
