@@ -123,7 +123,8 @@ def test_bad_files_are_refused_at_the_dry_run_one_line_each(tmp_path):
             return str(error).splitlines()
         return init_weights_problems(runs, num_classes=4, cache_dir=cache)
 
-    assert problems(init_weights=str(tmp_path / "nope.pth")) == []  # gone: refused on its node
+    [missing] = problems(init_weights=str(tmp_path / "nope.pth"))
+    assert missing.startswith(f"config.yaml: run 'r': init_weights '{tmp_path}/nope.pth': ")
     [pinned] = problems(init_weights=str(good), init_weights_sha256="0" * 64)
     assert "pins" in pinned
     [stray] = problems(init_weights_exclude=["fc."])
@@ -138,56 +139,6 @@ def test_bad_files_are_refused_at_the_dry_run_one_line_each(tmp_path):
     assert problems(init_weights=str(good), init_weights_exclude=["fc."]) == []
     [typo] = problems(init_weights=str(good), init_weights_exclude=["fc.", "head."])
     assert "prefixes matching no key of the model: head." in typo
-
-
-def test_a_weights_file_gone_blocks_no_run_only_a_fresh_start_on_its_node(tmp_path, capsys):
-    """A scratch purge took the file: a pinned digest, or the one the run's last job ran with
-    (its job spec), stands for it, so its checkpoints resume and a finished run reruns
-    nothing; no other run is refused at the dry-run; a fresh start's rank refuses, one line."""
-    import dataclasses
-
-    from imagenet_ddp.settings.init_weights import fill_digests
-
-    gone, digest = str(tmp_path / "purged.pth"), "ab" * 32
-    (tmp_path / "started").mkdir()
-    spec = {"kind": "train", "run": {"init_weights": gone, "init_weights_sha256": digest}}
-    (tmp_path / "started" / "job_spec.json").write_text(json.dumps(spec))
-    runs = {
-        "pinned": {"init_weights": gone, "init_weights_sha256": "cd" * 32},
-        "started": {"init_weights": gone},
-        "fresh": {"init_weights": gone},
-        "other": {"init_weights": ""},
-    }
-    dirs = {name: tmp_path / name for name in runs}
-    assert fill_digests(runs, check=True, run_dirs=dirs) == []
-    assert runs["pinned"]["init_weights_sha256"] == "cd" * 32
-    assert runs["started"]["init_weights_sha256"] == digest
-    assert runs["fresh"]["init_weights_sha256"] == ""
-    warnings = capsys.readouterr().err.splitlines()
-    assert len(warnings) == 3 and "its checkpoints resume with sha256 abababab" in warnings[1]
-    assert "nothing to resume: a fresh start needs the file" in warnings[2]
-    # a job's own Snakemake (check=False) fills the same digests, so its params agree
-    again = {name: {"init_weights": gone} for name in ("started", "fresh")}
-    assert fill_digests(again, check=False, run_dirs=dirs) == [] and capsys.readouterr().err == ""
-    assert [r["init_weights_sha256"] for r in again.values()] == [digest, ""]
-    from imagenet_ddp.settings.runs import written_settings
-
-    config = _config(init_weights=gone)  # its run is named r: results/runs/r/job_spec.json
-    (tmp_path / "runs" / "r").mkdir(parents=True)
-    (tmp_path / "runs" / "r" / "job_spec.json").write_text(json.dumps(spec))
-    schema = "workflow/schemas/config.schema.yaml"
-    resolved = resolve_runs(config, written_settings(config), schema, runs_dir=tmp_path / "runs")
-    assert resolved["r"]["init_weights_sha256"] == digest
-    capsys.readouterr()
-
-    from imagenet_ddp.training.worker import initial_weights
-
-    cfg = train_config(init_weights=gone, init_weights_sha256=digest)
-    with pytest.raises(M.WeightsFileError) as error:
-        initial_weights(dataclasses.replace(cfg, run="fresh"))
-    line = str(error.value)
-    assert "\n" not in line and line.startswith("rank 0 (of 1 failing): run 'fresh': ")
-    assert f"init_weights {gone} not found on" in line and "put the file back" in line
 
 
 def _job(state, **settings):
@@ -257,3 +208,20 @@ def test_the_workflow_refuses_a_head_that_does_not_fit_and_passes_the_digest(tmp
     result = snakemake(workdir, "-n", "-p")
     [spec] = shown_specs(result.stdout, "train", workdir)
     assert spec["run"]["init_weights_sha256"] == IW.sha256_of(workdir / "in1k.pth")
+
+
+def test_a_fresh_start_whose_weights_file_is_gone_is_refused_by_its_rank_in_one_line(tmp_path):
+    """A scratch purge took the file: a resume never reads it (above); a fresh start's rank
+    says what is missing where, and what to do, with or without the digest."""
+    import dataclasses
+
+    from imagenet_ddp.training.worker import initial_weights
+
+    gone = str(tmp_path / "purged.pth")
+    for digest in ("ab" * 32, ""):
+        cfg = train_config(init_weights=gone, init_weights_sha256=digest)
+        with pytest.raises(M.WeightsFileError) as error:
+            initial_weights(dataclasses.replace(cfg, run="fresh"))
+        line = str(error.value)
+        assert "\n" not in line and line.startswith("rank 0 (of 1 failing): run 'fresh': ")
+        assert f"init_weights {gone} not found on" in line and "put the file back" in line

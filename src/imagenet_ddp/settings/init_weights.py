@@ -12,12 +12,6 @@ path, size, inode and mtime in nanoseconds, so a parse whose file is unchanged o
 A file rewritten in place with the same size and mtime to the nanosecond would keep its old
 digest; the rank's own digest of the bytes it loads refuses it then.
 
-A file that is gone (a scratch purge) blocks no run: a pinned ``init_weights_sha256`` stands
-for it, else the digest the run's last job ran with (``<run dir>/job_spec.json``,
-:func:`recorded_digest`), so a run with checkpoints resumes them and a finished one stays
-finished; only a fresh start needs the bytes, and its rank refuses it with one line
-(imagenet_ddp.training.worker.initial_weights).
-
 Torch-free: it runs while Snakemake parses the rules.
 """
 
@@ -26,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -61,33 +54,16 @@ def file_digest(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] 
     return digest
 
 
-RUN_SPEC = "job_spec.json"  # imagenet_ddp.jobs.spec.TRAIN_SPEC, written by each train job
-
-
-def recorded_digest(run_dir: str | os.PathLike[str] | None, path: str) -> str:
-    """The ``init_weights_sha256`` the run's last job ran with from the file ``path`` (its job
-    spec in ``run_dir``); empty where none did."""
-    try:
-        run = json.loads((Path(run_dir) / RUN_SPEC).read_text())["run"]
-    except (TypeError, OSError, ValueError, KeyError):
-        return ""
-    if run.get("init_weights") != path or not isinstance(run.get("init_weights_sha256"), str):
-        return ""
-    return run["init_weights_sha256"]
-
-
 def fill_digests(
     runs: Mapping[str, dict],
     *,
     check: bool,
     cache_dir: str | os.PathLike[str] | None = None,
-    run_dirs: Mapping[str, str | os.PathLike[str]] | None = None,
 ) -> list[str]:
     """Set each run's ``init_weights_sha256`` from its ``init_weights`` file (in place); the
     problems, one line each, where ``check`` (the Snakemake that submits; a job's own
-    Snakemake fills what it can read and judges nothing). A file that cannot be read is no
-    problem here: the pinned digest, else the one recorded in its run dir (``run_dirs``: by
-    run name) stands for it, else none (a fresh start: refused on the node)."""
+    Snakemake fills what it can read and judges nothing, so an unreadable file never fails
+    another run's job at its parse)."""
     problems = []
     for name, run in runs.items():
         path, exclude = run.get("init_weights") or "", run.get("init_weights_exclude") or []
@@ -105,18 +81,17 @@ def fill_digests(
                     "remove it or set init_weights"
                 )
             continue
-        pinned = run.get("init_weights_sha256") or ""
         try:
             digest = file_digest(path, cache_dir)
         except OSError as error:
-            digest = pinned or recorded_digest((run_dirs or {}).get(name), path)
-            run["init_weights_sha256"] = digest
             if check:
-                then = f"its checkpoints resume with sha256 {digest[:16]}..." if digest else ""
-                print(f"warning: {where}: cannot be read ({error.strerror or error}); "
-                      f"{then or 'nothing to resume'}: a fresh start needs the file and is "
-                      "refused on its node", file=sys.stderr)  # fmt: skip
+                problems.append(
+                    f"{where}: cannot be read ({error.strerror or error}); set init_weights "
+                    "to an existing weights file (a path relative to the working directory "
+                    "or absolute, on a filesystem the compute nodes see), or remove it"
+                )
             continue
+        pinned = run.get("init_weights_sha256") or ""
         if pinned and pinned != digest:
             if check:
                 problems.append(

@@ -201,8 +201,6 @@ def init_weights_problems(runs: Mapping[str, Mapping], num_classes: int, cache_d
         path, digest = run.get("init_weights"), run.get("init_weights_sha256")
         if not path or not digest or not importable(family(run["model"])[0]):
             continue  # no file, or an unreadable one (settings.init_weights said so)
-        if not os.path.isfile(path):
-            continue  # gone: the run resumes, a fresh start is refused on its node
         model, kwargs = run["model"], dict(run.get("model_kwargs") or {})
         exclude = list(run.get("init_weights_exclude") or [])
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -59,11 +58,8 @@ def resolve_runs(
     workdir: str | os.PathLike[str] | None = ".",
     models: frozenset[str] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
-    runs_dir: str | os.PathLike[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Every run by name, in order (hand-written runs, then each sweep's), resolved and checked.
-    ``runs_dir``: where each run's folder is (``<runs_dir>/<name>``), whose job spec names the
-    init_weights digest its last job ran with (settings.init_weights.recorded_digest).
 
     ``config``: validated (the schema's defaults filled in); ``written``: its
     :func:`written_settings` from before validation; ``schema_path``: the config schema, whose
@@ -85,8 +81,7 @@ def resolve_runs(
         entry["name"]: resolve_run(defaults, written["train_defaults"], entry) for entry in entries
     }
     # the init_weights file's digest, a weights setting: filled before the checks and keys
-    run_dirs = {name: Path(runs_dir) / name for name in runs} if runs_dir else None
-    problems = fill_digests(runs, check=workdir is not None, cache_dir=cache_dir, run_dirs=run_dirs)
+    problems = fill_digests(runs, check=workdir is not None, cache_dir=cache_dir)
     problems += check_runs(runs, config, workdir=workdir, models=models, cache_dir=cache_dir)
     if problems:
         raise RunsError("\n".join(problems))
