@@ -10,7 +10,7 @@ Works for any prepared directory (train or val).
 
 Scratch root (:func:`scratch_root`): ``stage.scratch_dir`` when set, else ``$SLURM_TMPDIR``,
 else ``$TMPDIR``, else ``/tmp``. Before any copy, a root on a network/parallel filesystem
-(:mod:`imagenet_ddp.data.mounts`) or on the filesystem of the prepared copy or the workdir is
+(:mod:`imagenet_ddp.mounts`) or on the filesystem of the prepared copy or the workdir is
 refused (:func:`scratch_problem`): every node would copy into one shared place, serialized by
 a cross-node lock, and train over the shared filesystem after all. The local launcher (one
 machine) reads the prepared copy in place instead where a copy would land on its own disk
