@@ -207,6 +207,23 @@ def test_a_fresh_start_takes_the_file_on_every_rank_and_a_resume_never_reads_it(
     assert recorded["init_weights_sha256"] == config["init_weights_sha256"]
 
 
+def test_a_fresh_start_whose_weights_file_is_gone_is_refused_by_its_rank_in_one_line(tmp_path):
+    """A scratch purge took the file: a resume never reads it (above); a fresh start's rank
+    says what is missing where, and what to do, with or without the digest."""
+    import dataclasses
+
+    from imagenet_ddp.training.worker import initial_weights
+
+    gone = str(tmp_path / "purged.pth")
+    for digest in ("ab" * 32, ""):
+        cfg = train_config(init_weights=gone, init_weights_sha256=digest)
+        with pytest.raises(M.WeightsFileError) as error:
+            initial_weights(dataclasses.replace(cfg, run="fresh"))
+        line = str(error.value)
+        assert "\n" not in line and line.startswith("rank 0 (of 1 failing): run 'fresh': ")
+        assert f"init_weights {gone} not found on" in line and "put the file back" in line
+
+
 def test_the_workflow_refuses_a_head_that_does_not_fit_and_passes_the_digest(tmp_path):
     """A real workflow: the run's local check (before any of its GPU jobs) refuses the data's
     class count (the demo's 6) against the file's 10, with one line in its log; with the head

@@ -82,10 +82,14 @@ def test_evaluation_and_training_ranks_start_as_one_srun_step(monkeypatch):
     steps = []
     monkeypatch.setattr(launchers, "_run_step", lambda argv, geometry: steps.append(argv) or (0, 0))
     srun = launchers.get_launcher("srun")
-    srun.start_ranks(_execution(srun_extra="--foo"), Geometry(2, 4, 8), ["python", "-m", "x"])
-    (argv,) = steps
-    assert argv[0] == "srun" and "--ntasks=8" in argv and "--cpus-per-task=8" in argv
-    assert "--foo" in argv and argv[-3:] == ["python", "-m", "x"]
+    extra = "--foo --comment='two words' --export=ALL,A=\"b c\""
+    srun.start_ranks(_execution(srun_extra=extra), Geometry(2, 4, 8), ["python", "-m", "x"])
+    srun.on_every_node(_execution(srun_extra=extra), Geometry(2, 4, 8), None, ["stage"])
+    for argv in steps:  # srun_extra split as a shell would (shlex), quoted values whole
+        assert argv[0] == "srun"
+        assert "--comment=two words" in argv and "--export=ALL,A=b c" in argv and "--foo" in argv
+    assert "--ntasks=8" in steps[0] and "--cpus-per-task=8" in steps[0]
+    assert steps[0][-3:] == ["python", "-m", "x"]
 
 
 def test_local_launcher_refuses_several_nodes():

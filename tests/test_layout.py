@@ -15,9 +15,9 @@ PACKAGE = REPO / "src" / "imagenet_ddp"
 # A unit is a module at the package's top level or a subpackage. A module may import its own
 # unit, any unit of its own layer, and any unit of a lower one: never a higher one.
 # LAYERS-BEGIN (the layers of docs/layout.md, lowest first; issue 30)
-TOP_LEVEL = {"cli", "errors", "io", "models", "optimizers", "precision", "provenance"}
+TOP_LEVEL = {"cli", "errors", "io", "models", "mounts", "optimizers", "precision", "provenance"}
 LAYERS = [
-    ("foundations", {"errors", "io", "models", "optimizers", "precision", "provenance"}),
+    ("foundations", {"errors", "io", "models", "mounts", "optimizers", "precision", "provenance"}),
     ("settings", {"settings"}),
     ("data", {"data"}),
     ("jobs", {"jobs"}),

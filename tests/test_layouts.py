@@ -188,12 +188,6 @@ def _empty_class_folder(data_dir: Path) -> str:
     return f"{victim} is empty"
 
 
-def _stray_file(data_dir: Path) -> str:
-    victim = sorted((data_dir / "train").iterdir())[0] / "notes.txt"
-    victim.write_text("x")
-    return f"{victim}: a stray file"
-
-
 def _missing_kaggle_val_image(data_dir: Path) -> str:
     sorted((data_dir / KAGGLE_VAL).iterdir())[0].unlink()
     return "labelled in LOC_val_solution.csv) not found"
@@ -226,14 +220,32 @@ def test_kaggle_missing_train_class_refused(copy_of):
     assert f"missing ['{victim.name}']" in _one_line(excinfo)
 
 
-def test_verify_refuses_a_stray_file_the_dry_run_does_not_list(copy_of):
-    """The dry-run lists the class folders, not the 1.28 M train files: verify lists them."""
+def test_files_that_are_no_image_are_skipped_as_torchvision_does_and_counted(
+    copy_of, tmp_path, capsys
+):
+    """A class folder's README or .DS_Store is left out (torchvision's ImageFolder keeps
+    IMG_EXTENSIONS only), not refused; the listing says how many; a folder of none is refused."""
     data_dir = copy_of("imagefolder")
-    expected = _stray_file(data_dir)
-    dry_run_layout(str(data_dir))
+    layout = find_layout(data_dir)
+    before = layout.verify(data_dir, check_files=True)["counts"]
+    first, second = sorted((data_dir / "train").iterdir())[:2]
+    (first / "notes.txt").write_text("x")
+    (first / ".DS_Store").write_bytes(b"\0")
+    (sorted((data_dir / "val").iterdir())[0] / "Thumbs.db").write_bytes(b"\0")
+    capsys.readouterr()
+    assert layout.verify(data_dir, check_files=True)["counts"] == before
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"data.dir {data_dir}: skipped 3 file(s) that are no image")
+    layouts.write_index(data_dir, tmp_path / "index")
+    index = (tmp_path / "index").rglob("*.csv")
+    assert not any("notes.txt" in p.read_text() or "Thumbs.db" in p.read_text() for p in index)
+    for image in second.iterdir():
+        image.unlink()
+    (second / "README").write_text("x")
+    dry_run_layout(str(data_dir))  # not empty: the dry-run lists no train file
     with pytest.raises(InputError) as excinfo:
-        find_layout(data_dir).verify(data_dir, check_files=False)
-    assert expected in _one_line(excinfo)
+        layout.verify(data_dir, check_files=False)
+    assert f"{second} is empty (no .jpg" in _one_line(excinfo)
 
 
 def test_verify_names_a_truncated_jpeg_the_dry_run_does_not_open(copy_of):

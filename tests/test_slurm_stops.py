@@ -67,7 +67,8 @@ pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
 # 2 nodes x 1 rank, one loader worker, batch 2, crop 24, fp32: 81 steps, ~11 s per epoch on an
 # idle 2-core machine (measured in CI; ~8 s on a faster one). The first three jobs are stopped
-# as soon as they train (the third after 2 epochs on 1 node: 2-4 epochs done by then); the
+# as soon as they train (the third after 2 epochs on 1 node, its time limit raised so that its
+# own warning never comes first: 2-4 epochs done by then); the
 # fourth trains until its warning, 60-90 s after its start (30-60 s before its 2-minute limit:
 # slurmctld checks every 30 s), 4-9 epochs after start-up, so it must have more left than
 # that (with 8 epochs a fast machine's fourth job finished before its warning: seen in CI);
@@ -204,6 +205,13 @@ def stop_four_ways(cluster, workdir: Path, run: subprocess.Popen) -> dict[str, t
             waiting, reason = pending_train_job(cluster, workdir, seen, run)
             cluster.run("scancel", str(waiting))
             seen.add(waiting)
+            # Its resubmission trains on 1 node at half the speed: its own warning (60-90 s
+            # after its start) could stop it before the two epochs this test waits for (seen:
+            # "no 2 epochs done by job 7 within 300 s"). A longer limit leaves its stop to the
+            # test, always, right after those epochs.
+            third = next_train_job(cluster, workdir, seen, run)
+            cluster.run("scontrol", "update", f"JobId={third}",
+                        f"TimeLimit={RUNTIME_MINUTES + 5}")  # fmt: skip
         job = running_train_job(cluster, workdir, seen, run)
         if how == "scancel --batch":  # on 1 node: a whole epoch there first (throughput, shape)
             nodes = int(cluster.run("squeue", "-h", "-j", str(job), "-o", "%D").stdout.split()[0])
@@ -223,6 +231,19 @@ def epochs_done(workdir: Path, job: int, count: int, proc, timeout: float = 300)
         return True if len(re.findall(r"^epoch \d+ done", text, flags=re.M)) >= count else None
 
     poll(find, proc, workdir, timeout, f"{count} epochs done by job {job}")
+
+
+def next_train_job(cluster, workdir: Path, seen: set[int], proc, timeout: float = 300) -> int:
+    """The next train job of the stops run (not in ``seen``), pending or running."""
+
+    def find() -> int | None:
+        for line in cluster.run("squeue", "-h", "-o", "%i|%k").stdout.splitlines():
+            job, comment = line.split("|")
+            if comment.startswith("rule_train") and "stops" in comment and int(job) not in seen:
+                return int(job)
+        return None
+
+    return poll(find, proc, workdir, timeout, "the next train job")
 
 
 def pending_train_job(cluster, workdir: Path, seen: set[int], proc, timeout: float = 300):

@@ -58,15 +58,113 @@ def test_train_and_val_stage_side_by_side(prepared_demo, tmp_path):
 
 
 @pytest.fixture
-def node_local():
+def node_local(monkeypatch):
     """A scratch dir on another filesystem than the tests' tmp dirs (the prepared data, the
-    workdir): /dev/shm, a tmpfs, as a node-local disk would be."""
+    workdir): /dev/shm, a tmpfs, as a node-local disk would be (this machine's own memory
+    limit left out: the copy-in-RAM check has its own tests)."""
+    from imagenet_ddp.jobs import launch
+
     shm = Path("/dev/shm")
     if not shm.is_dir() or shm.stat().st_dev == Path(tempfile.gettempdir()).stat().st_dev:
         pytest.skip("needs /dev/shm on its own filesystem")
+    monkeypatch.setattr(launch, "memory_limit", lambda: None)
     path = Path(tempfile.mkdtemp(dir=shm, prefix="test-stage-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def test_the_jobs_memory_limit_is_its_cgroups_lowest_or_slurms_mem_per_node(tmp_path):
+    """cgroup v2 (memory.max) and v1 (memory.limit_in_bytes), the job's level limited and
+    its step's not; $SLURM_MEM_PER_NODE where lower; none set: None."""
+    from imagenet_ddp.data.stage import memory_limit
+
+    def tree(lines: str, files: dict[str, str]) -> tuple[Path, Path]:
+        root = tmp_path / f"cg{len(list(tmp_path.iterdir()))}"
+        for rel, text in files.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(text + "\n")
+        (root / "self-cgroup").write_text(lines)
+        return root, root / "self-cgroup"
+
+    job = "system.slice/slurmstepd.scope/job_7"
+    root, proc = tree(f"0::/{job}/step_0/user/task_0\n", {
+        "memory.max": "max", f"{job}/memory.max": "134217728000",
+        f"{job}/step_0/memory.max": "max", f"{job}/step_0/user/task_0/memory.max": "max",
+    })  # fmt: skip
+    limit = memory_limit({}, root, proc)
+    assert limit == (134217728000, str(root / job / "memory.max"))
+    assert memory_limit({"SLURM_MEM_PER_NODE": "64000"}, root, proc) == (
+        64000 * 2**20, "$SLURM_MEM_PER_NODE",
+    )  # fmt: skip
+    root, proc = tree("5:devices:/slurm\n4:memory:/slurm/uid_0/job_7/step_0\n", {
+        "memory/memory.limit_in_bytes": "9223372036854771712",
+        "memory/slurm/uid_0/job_7/memory.limit_in_bytes": "134217728000",
+        "memory/slurm/uid_0/job_7/step_0/memory.limit_in_bytes": "9223372036854771712",
+    })  # fmt: skip
+    assert memory_limit({}, root, proc)[0] == 134217728000
+    root, proc = tree("0::/\n", {"memory.max": "max"})
+    assert memory_limit({}, root, proc) is None
+    assert memory_limit({}, root, tmp_path / "no-such-file") is None
+
+
+def test_a_copy_into_ram_above_the_jobs_memory_limit_is_refused_before_it_is_made(
+    prepared_demo, tmp_path, monkeypatch
+):
+    """A diskless node: $SLURM_TMPDIR unset, $TMPDIR a tmpfs (here the real /dev/shm), so the
+    copy is charged to the job's memory cgroup: the copy's real size plus the ranks'
+    estimate above the job's limit is refused with one line before any byte is copied."""
+    from imagenet_ddp.data.stage import ram_copy_problem
+    from imagenet_ddp.jobs import launch
+    from imagenet_ddp.jobs.launch import stage_this_node, unstage_this_node
+    from imagenet_ddp.settings.node_memory import DataSizes, estimate_mb
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == Path(tempfile.gettempdir()).stat().st_dev:
+        pytest.skip("needs /dev/shm on its own filesystem")
+    src = prepared_demo["train"]
+    run = {"nodes": 1, "tasks_per_node": 8, "gpus_per_node": 8, "cpus_per_task": 16,
+           "workers": "auto", "batch_size": 256, "crop_size": 224, "eval_crop_size": 0}  # fmt: skip
+    copy = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+    samples = json.loads((src / stage.PREPARED_JSON).read_text())["num_samples"]
+    figures = estimate_mb(run, DataSizes(train_images=samples))
+    need = copy + (figures["measured"] + figures["estimated"]) * 2**20
+    driver = tmp_path / "nvidia-gpus"  # /proc/driver/nvidia/gpus of a node with 8 GPUs
+    for bus in range(8):
+        (driver / f"0000:{bus:02x}:00.0").mkdir(parents=True)
+    monkeypatch.setattr(stage, "NVIDIA_GPUS", driver)
+    tmpdir = Path(tempfile.mkdtemp(dir=shm, prefix="test-ram-"))
+    try:
+        monkeypatch.delenv("SLURM_TMPDIR", raising=False)
+        monkeypatch.setenv("TMPDIR", str(tmpdir))
+        monkeypatch.chdir(tmp_path)
+        job = make_job(run=run, prepared_train=src, run_dir=tmp_path / "r", launcher="srun")
+        monkeypatch.setattr(launch, "memory_limit", lambda: (int(need) - 1, "memory.max"))
+        with pytest.raises(InputError) as info:
+            stage_this_node(job)
+        message = str(info.value)
+        assert "\n" not in message and message.startswith(
+            f"scratch {tmpdir} (from $TMPDIR) is tmpfs, in RAM: the train copy"
+        )
+        assert "above this job's memory limit" in message and "(memory.max)" in message
+        assert "set stage.scratch_dir to a node-local disk, or raise train's mem_mb" in message
+        assert list(tmpdir.iterdir()) == [], "refused before the copy"
+        monkeypatch.setattr(launch, "memory_limit", lambda: (int(need) + 1, "memory.max"))
+        assert stage_this_node(job)["reused"] is False  # it fits: copied
+        # a complete copy is there (charged when it was made): not refused again
+        assert ram_copy_problem(src, tmpdir, "$TMPDIR", run, (1, "memory.max")) is None
+        unstage_this_node(job)
+        # no driver (fake GPUs, the local cluster): the CUDA estimate is left out
+        without = (int(need - figures["estimated"] * 2**20) + 1, "x")
+        assert ram_copy_problem(src, tmpdir / "other", "$TMPDIR", run, without) is not None
+        nodriver = tmp_path / "no-driver"
+        assert ram_copy_problem(
+            src, tmpdir / "other", "$TMPDIR", run, without, stage.MOUNTINFO, nodriver
+        ) is None  # fmt: skip
+        on_disk = tmp_path / "mountinfo"  # the same path on a disk: never a RAM problem
+        on_disk.write_text("22 1 8:1 / / rw - ext4 /dev/sda1 rw\n")
+        assert ram_copy_problem(src, tmpdir, "$TMPDIR", run, (1, "x"), on_disk) is None
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def test_a_shared_copy_is_removed_by_the_last_job_that_leaves(prepared_demo, tmp_path, node_local):
@@ -93,6 +191,41 @@ def test_a_shared_copy_is_removed_by_the_last_job_that_leaves(prepared_demo, tmp
     assert again["reused"] is True and len(list(dest.parent.glob("*.leases/*"))) == 1
     unstage_this_node(spec("b"))
     assert list((node_local / "scratch").iterdir()) == [], "the last run removes the copy"
+
+
+def test_a_job_after_the_runs_final_checkpoint_stages_nothing(prepared_demo, tmp_path, node_local):
+    """A job killed after its last epoch's checkpoint but before its outputs: the next one
+    only resumes it and writes them; it copies no train set to any node."""
+    from imagenet_ddp.jobs import attempts
+    from imagenet_ddp.jobs.launch import stage_this_node, unstage_this_node
+
+    run = {"run": "r", "epochs": 2, "batch_size": 4, "nodes": 1, "tasks_per_node": 1,
+           "cpus_per_task": 1}  # fmt: skip
+    root, scratch = tmp_path / "checkpoints", node_local / "scratch"
+    job = make_job(run=run, prepared_train=prepared_demo["val"], run_dir=tmp_path / "r",
+                   checkpoint_root=root, launcher="srun", scratch_dir=str(scratch))  # fmt: skip
+
+    def attempt(n: int, epoch: int) -> None:  # an attempt that checkpointed ``epoch``, stopped
+        entry, _ = attempts.begin(root, run, attempt=n, gpus=0, cores=1)
+        path = root / "fp-tag" / f"checkpoint-e{epoch:04d}-s0000000.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x")
+        attempts.end(root, entry, 75)
+
+    attempt(1, 1)
+    assert "in_place" not in stage_this_node(job)  # one epoch to go: copied
+    unstage_this_node(job)
+    attempt(2, 2)
+    other = make_job(run={**run, "lr": 0.5}, prepared_train=prepared_demo["val"],
+                     run_dir=tmp_path / "o", checkpoint_root=root, launcher="srun",
+                     scratch_dir=str(scratch))  # fmt: skip
+    assert "in_place" not in stage_this_node(other), "another settings' final is not this run's"
+    unstage_this_node(other)
+    report = stage_this_node(job)
+    assert report["dest"] == str(prepared_demo["val"]) and "final checkpoint" in report["in_place"]
+    assert not scratch.exists() or not any(scratch.rglob("*.json")), "nothing copied"
+    unstage_this_node(job)
+    assert (prepared_demo["val"] / stage.PREPARED_JSON).is_file(), "the data must stay"
 
 
 def test_incomplete_copy_is_replaced(prepared_demo, tmp_path):
@@ -351,3 +484,32 @@ def test_a_stale_directory_lock_is_taken_over_and_other_errors_still_raise(monke
     monkeypatch.setattr(fcntl, "flock", bad)
     with pytest.raises(OSError, match="Bad file descriptor"), io.exclusive_lock(lock):
         pass
+
+
+def test_on_lustre_mounted_localflock_the_lock_is_a_directory_every_node_sees(tmp_path):
+    """localflock grants flock on each client alone (two nodes would both hold the lock):
+    there, read from the mount's options, the lock is the directory lock; with `flock` it is
+    flock."""
+    import fcntl
+
+    from imagenet_ddp import io
+    from imagenet_ddp.mounts import flock_is_node_local
+
+    shared = tmp_path / "lustre"
+    shared.mkdir()
+    info = tmp_path / "mountinfo"
+    lustre = f"52 22 0:62 / {shared} rw,relatime - lustre 10.0.0.1@o2ib:/fs rw,localflock\n"
+    info.write_text(MOUNTINFO + lustre)
+    lock = shared / "out" / ".train.lock"
+    assert flock_is_node_local(lock.parent, info)
+    assert not flock_is_node_local(Path("/lustre/x"), info)  # mounted `flock`: cluster-wide
+    with io.exclusive_lock(lock, mountinfo=info):
+        assert (shared / "out" / ".train.lock.d" / "owner").is_file()
+        with open(lock, "a") as other:  # no flock taken: another opener gets it at once
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert not (shared / "out" / ".train.lock.d").exists()
+    info.write_text(MOUNTINFO + lustre.replace("localflock", "flock"))
+    with io.exclusive_lock(lock, mountinfo=info), open(lock, "a") as other:
+        assert not (shared / "out" / ".train.lock.d").exists()
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -411,3 +411,26 @@ def test_a_checkpoint_of_an_earlier_version_is_refused_until_converted(tmp_path)
     random.seed(0)
     restore_rng_state(state["rng"][0], torch.device("cpu"))  # the same stream as before
     assert np.array_equal(np.random.rand(3), expected)
+
+
+def test_the_guards_gradient_norm_needs_no_torch_api_newer_than_the_packages_floor(monkeypatch):
+    """pyproject allows torch 2.4 (an NGC 24.x container): the guard's norm of a run without
+    grad_clip_norm must not call 2.6's get_total_norm (every step raised there)."""
+    import math
+    import re
+    from pathlib import Path
+
+    from imagenet_ddp.training.guard import gradient_norm
+
+    floor = re.search(r'"torch>=([\d.]+)"', Path("pyproject.toml").read_text()).group(1)
+    assert floor == "2.4", "a new floor: check the APIs this test removes against it"
+    for name in ("get_total_norm", "clip_grads_with_norm_"):  # new in torch 2.6
+        monkeypatch.delattr(torch.nn.utils, name, raising=False)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1, bias=False))
+    model[1].to(torch.bfloat16)  # mixed dtypes, as under a bf16 model's fp32 norms
+    model[0].weight.grad = torch.tensor([[1.0, -7.5, 2.0], [0.0, 3.0, 1.0]])
+    model[1].weight.grad = torch.tensor([[4.0, -2.0]], dtype=torch.bfloat16)
+    assert gradient_norm(model).item() == 7.5
+    model[1].weight.grad[0, 1] = math.inf
+    assert not math.isfinite(gradient_norm(model).item())
+    assert gradient_norm(torch.nn.Linear(2, 2)).item() == 0.0  # no gradients yet

@@ -365,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as exc:
         print(f"imagenet-ddp {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"imagenet-ddp {args.command}: interrupted", file=sys.stderr)
+        return 130
     return int(code or 0)
 
 

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from imagenet_ddp.mounts import MOUNTINFO, flock_is_node_local
+
 
 @contextlib.contextmanager
 def atomic_path(final: str | os.PathLike[str], *, is_dir: bool = False) -> Iterator[Path]:
@@ -85,16 +87,23 @@ POLL_S = 2.0
 
 
 @contextlib.contextmanager
-def exclusive_lock(lock_file: str | os.PathLike[str]) -> Iterator[None]:
+def exclusive_lock(
+    lock_file: str | os.PathLike[str], *, mountinfo: Path = MOUNTINFO
+) -> Iterator[None]:
     """Hold an exclusive lock on ``lock_file`` (created if needed), released on exit.
 
     flock works across processes and, on most shared file systems (NFS v4, Lustre mounted
     with ``flock``, GPFS), across nodes; it is released by the kernel if the holder dies.
-    Where the filesystem has no flock (:data:`NO_FLOCK_ERRNOS`), a lock directory beside it
-    (:func:`directory_lock`) holds across nodes instead.
+    Where the filesystem has no flock (:data:`NO_FLOCK_ERRNOS`) or one that locks within a
+    node only (Lustre's ``localflock``), a lock directory beside it (:func:`directory_lock`)
+    holds across nodes instead.
     """
     lock_file = Path(lock_file)
     lock_file.parent.mkdir(parents=True, exist_ok=True)
+    if flock_is_node_local(lock_file.parent, mountinfo):
+        with directory_lock(lock_file.with_name(lock_file.name + ".d")):
+            yield
+        return
     with open(lock_file, "a") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX)

@@ -27,6 +27,7 @@ import functools
 import hashlib
 import itertools
 import os
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -180,8 +181,9 @@ class _Folders(Layout):
     def words(self, data_dir: Path, classes: list[str]) -> dict[str, str]:
         raise NotImplementedError
 
-    def val_files(self, data_dir: Path, classes: list[str]) -> list[tuple[str, str, str]]:
-        """(class, folder relative to data.dir, file name) of every validation image."""
+    def val_files(self, data_dir: Path, classes: list[str], skipped=None) -> list[tuple]:
+        """(class, folder relative to data.dir, file name) of every validation image; the
+        paths of files there that are no image added to ``skipped``."""
         raise NotImplementedError
 
     def check_structure(self, data_dir: Path) -> None:
@@ -200,10 +202,10 @@ class _Folders(Layout):
         data_dir = Path(data_dir)
         self.check_structure(data_dir)
         classes = _class_folders(data_dir, self.train_dir)
+        skipped: list[str] = []  # non-image files, skipped as torchvision's ImageFolder does
         with ThreadPoolExecutor(_IO_THREADS) as pool:
-            per_class = list(
-                pool.map(lambda c: _image_files(data_dir, f"{self.train_dir}/{c}"), classes)
-            )
+            folder_files = functools.partial(_image_files, data_dir, skipped=skipped)
+            per_class = list(pool.map(lambda c: folder_files(f"{self.train_dir}/{c}"), classes))
         folders = [f"{self.train_dir}/{c}" for c in classes]  # one string per class, shared
         train = [
             (c, folder, name)
@@ -211,7 +213,11 @@ class _Folders(Layout):
             for name in names
         ]
         rank = {c: i for i, c in enumerate(classes)}
-        val = sorted(self.val_files(data_dir, classes), key=lambda s: (rank[s[0]], s[2]))
+        val = sorted(self.val_files(data_dir, classes, skipped), key=lambda s: (rank[s[0]], s[2]))
+        if skipped:
+            print(f"data.dir {data_dir}: skipped {len(skipped)} file(s) that are no image "
+                  f"({', '.join(IMAGE_SUFFIXES)}), e.g. {min(skipped)}",
+                  file=sys.stderr)  # fmt: skip
         return classes, train, val
 
     def verify(self, data_dir: Path, *, check_files: bool) -> dict:
@@ -272,14 +278,14 @@ class ImageFolder(_Folders):
             return {c: c for c in classes}
         return _read_synset_mapping(path, classes)
 
-    def val_files(self, data_dir: Path, classes: list[str]) -> list[tuple[str, str, str]]:
+    def val_files(self, data_dir: Path, classes: list[str], skipped=None) -> list[tuple]:
         val_classes = _class_folders(data_dir, self.val_dir, unlabelled=True)
         _same_classes(data_dir, classes, val_classes)
         files = []
         for name in classes:
             folder = f"{self.val_dir}/{name}"
             _require_not_empty(Path(data_dir) / folder)
-            files.extend((name, folder, f) for f in _image_files(data_dir, folder))
+            files.extend((name, folder, f) for f in _image_files(data_dir, folder, skipped))
         return files
 
 
@@ -306,9 +312,9 @@ class Kaggle(_Folders):
             _same_classes(data_dir, sorted(words), classes, first=str(path))
         return words
 
-    def val_files(self, data_dir: Path, classes: list[str]) -> list[tuple[str, str, str]]:
+    def val_files(self, data_dir: Path, classes: list[str], skipped=None) -> list[tuple]:
         labels = _read_val_solution(Path(data_dir) / "LOC_val_solution.csv", set(classes))
-        names = _image_files(data_dir, self.val_dir)
+        names = _image_files(data_dir, self.val_dir, skipped)
         unlabelled = [n for n in names if Path(n).stem not in labels]
         if unlabelled:
             raise InputError(
@@ -438,19 +444,27 @@ def _require_not_empty(folder: Path) -> None:
     raise InputError(f"{folder} is empty; remove the class folder or restore its images")
 
 
-def _image_files(data_dir: Path, folder: str) -> list[str]:
-    """The file names in ``folder`` (sorted); anything else there is refused."""
+def _image_files(data_dir: Path, folder: str, skipped: list[str] | None = None) -> list[str]:
+    """The image file names in ``folder`` (sorted); other files (a README, .DS_Store) are
+    left out as torchvision's ImageFolder leaves them, their paths added to ``skipped``; a
+    folder there is refused."""
     path = Path(data_dir) / folder
-    names = []
+    names, others = [], []
     for entry in _entries(path):
-        if entry.is_dir() or not entry.name.lower().endswith(IMAGE_SUFFIXES):
+        if entry.is_dir():
             raise InputError(
-                f"{path / entry.name}: a stray {'folder' if entry.is_dir() else 'file'} (a "
-                f"class folder holds only images: {', '.join(IMAGE_SUFFIXES)}); remove it"
+                f"{path / entry.name}: a stray folder (a class folder holds only images: "
+                f"{', '.join(IMAGE_SUFFIXES)}); remove it"
             )
-        names.append(entry.name)
+        image = entry.name.lower().endswith(IMAGE_SUFFIXES)
+        (names if image else others).append(entry.name)
+    if skipped is not None:
+        skipped.extend(str(path / name) for name in others)
     if not names:
-        raise InputError(f"{path} is empty; remove the class folder or restore its images")
+        raise InputError(
+            f"{path} is empty (no {', '.join(IMAGE_SUFFIXES)} file); remove the class folder "
+            "or restore its images"
+        )
     return names
 
 

@@ -25,17 +25,24 @@ interrupted run leaves nothing that looks complete.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import ctypes
 import hashlib
 import io
+import itertools
 import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import tarfile
 import threading
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import pandas as pd
@@ -64,6 +71,7 @@ from imagenet_ddp.provenance import write_provenance
 
 _TAR_END = bytes(2 * tarfile.BLOCKSIZE)
 _CHUNK = 16  # images per task sent to a worker
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def shard_name(number: int) -> str:
@@ -129,40 +137,85 @@ def _read_items(data_dir: Path, which: str, index: pd.DataFrame, short_side, qua
         yield sample_id, data, short_side, quality
 
 
+def _worker_signals() -> None:
+    """A pool worker runs in a process group of its own: a Ctrl-C (SIGINT to the terminal's
+    foreground group) or a kill of the command's group reaches the parent alone, which ends
+    the pool between chunks. A worker killed in the middle leaves the pool's pipes and locks
+    dirty: the parent hung for ever (multiprocessing.Pool, and ProcessPoolExecutor when the
+    worker died writing a result). SIGTERM sent to it alone (scancel) still ends it, and the
+    kernel kills it when the parent dies (a SIGKILL): outside the group, it would live on."""
+    os.setpgrp()
+    with contextlib.suppress(OSError, AttributeError):  # Linux: killed with its parent
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler, inherited by fork
+
+
 def _converted(items: Iterator, workers: int) -> Iterator[tuple[int, bytes | None, str | None]]:
-    """Converted images in input order; at most 4 chunks per worker read ahead."""
-    if workers <= 1:
-        for item in items:
-            yield _convert_one(item)
-        return
-    slots = threading.Semaphore(4 * workers)
-    stop = threading.Event()
+    """Converted images in input order; at most 4 chunks per worker read ahead.
 
-    def chunks() -> Iterator[list]:  # runs in the pool's feeder thread; blocks when enough ahead
-        chunk = []
-        for item in items:
-            chunk.append(item)
-            if len(chunk) == _CHUNK:
-                slots.acquire()
-                if stop.is_set():
-                    return
-                yield chunk
-                chunk = []
-        if chunk:
-            slots.acquire()
-            if not stop.is_set():
-                yield chunk
+    A stop (SIGINT: a Ctrl-C reaches every process of the group; SIGTERM: Snakemake or SLURM
+    ending the job) is noted and raised between chunks, as KeyboardInterrupt or SystemExit:
+    raised inside the pool's calls it could leave their locks held. Then the queued chunks are
+    cancelled, the running ones finish (16 images) and the pool ends (:func:`_worker_signals`),
+    and the caller's temporary copy is removed (io.atomic_path)."""
+    received: list[int] = []
+    main = threading.current_thread() is threading.main_thread()  # where handlers can be set
+    previous = {sig: signal.signal(sig, lambda signum, _: received.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM) if main}  # fmt: skip
 
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else None)
-    with context.Pool(workers) as pool:
-        try:
-            for results in pool.imap(_convert_chunk, chunks()):
-                slots.release()
-                yield from results
-        finally:  # unblock the feeder so that the pool can shut down
-            stop.set()
-            slots.release(4 * workers + 1)
+    def stop_if_signalled() -> None:
+        if received and received[0] == signal.SIGINT:
+            raise KeyboardInterrupt
+        if received:
+            raise SystemExit(128 + received[0])
+
+    pool, ahead, items = None, collections.deque(), iter(items)
+    try:
+        if workers <= 1:
+            for item in items:
+                stop_if_signalled()
+                yield _convert_one(item)
+            return
+        methods = multiprocessing.get_all_start_methods()
+        context = multiprocessing.get_context("fork" if "fork" in methods else None)
+        pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_signals)
+        while chunk := list(itertools.islice(items, _CHUNK)):
+            stop_if_signalled()
+            ahead.append(pool.submit(_convert_chunk, chunk))
+            if len(ahead) >= 4 * workers:
+                yield from _result(ahead.popleft(), stop_if_signalled)
+        while ahead:
+            yield from _result(ahead.popleft(), stop_if_signalled)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _result(future, stop_if_signalled) -> list:
+    """A chunk's results; a stop noted meanwhile first (a SIGTERM kills the workers: their
+    chunks fail with BrokenProcessPool)."""
+    try:
+        results = future.result()
+    except BrokenProcessPool:
+        stop_if_signalled()
+        raise
+    stop_if_signalled()
+    return results
+
+
+def remove_stale_temporaries(out: Path) -> None:
+    """Remove the temporary siblings of ``out`` (``.<name>.tmp-*``) that writers killed
+    (SIGKILL, a lost node) left behind: tens of GB each. Call it holding ``out``'s lock, which
+    every writer of ``out`` holds while its temporary exists."""
+    for stale in Path(out).parent.glob(f".{Path(out).name}.tmp-*"):
+        print(f"removing {stale}: the temporary copy of a prepare that was killed", flush=True)
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
 
 
 def sample_key(sample_id: int) -> str:
@@ -502,6 +555,7 @@ def prepare(data_dir: Path, index_dir: Path, which: str, out: Path, **settings) 
     with exclusive_lock(lock_path_for(out)):
         if is_prepared(out, wanted):
             return True
+        remove_stale_temporaries(out)
         index, num_classes = _read_inputs(index_dir, which)
         summary = prepare_split(
             data_dir, index, out, which=which, num_classes=num_classes, **settings
@@ -590,6 +644,7 @@ def join_chunks(chunk_dirs: list[Path], out: Path) -> bool:
     with exclusive_lock(lock_path_for(out)):
         if is_prepared(out, wanted):
             return True
+        remove_stale_temporaries(out)
         rows = pd.concat(
             [pd.read_csv(c["dir"] / CHUNK_ROWS, dtype="int64") for c in chunks],
             ignore_index=True,

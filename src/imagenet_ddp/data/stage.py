@@ -10,7 +10,7 @@ Works for any prepared directory (train or val).
 
 Scratch root (:func:`scratch_root`): ``stage.scratch_dir`` when set, else ``$SLURM_TMPDIR``,
 else ``$TMPDIR``, else ``/tmp``. Before any copy, a root on a network/parallel filesystem
-(:mod:`imagenet_ddp.data.mounts`) or on the filesystem of the prepared copy or the workdir is
+(:mod:`imagenet_ddp.mounts`) or on the filesystem of the prepared copy or the workdir is
 refused (:func:`scratch_problem`): every node would copy into one shared place, serialized by
 a cross-node lock, and train over the shared filesystem after all. The local launcher (one
 machine) reads the prepared copy in place instead where a copy would land on its own disk
@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import socket
 import time
 from pathlib import Path
 
-from imagenet_ddp.data.mounts import MOUNTINFO, existing_ancestor, mount_of
 from imagenet_ddp.data.prepared_layout import PREPARED_JSON, SHARD_DIR
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import (
@@ -45,6 +45,8 @@ from imagenet_ddp.io import (
     lock_path_for,
     write_json_atomic,
 )
+from imagenet_ddp.mounts import MOUNTINFO, existing_ancestor, mount_of
+from imagenet_ddp.settings.node_memory import DataSizes, estimate_mb
 
 STAGE_DIR = "imagenet_ddp"
 MARKER = ".staged.json"
@@ -158,6 +160,78 @@ def scratch_in_ram(
                 f"prepare.short_side {short_side}"
             ),
         )
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one folder per GPU the driver found
+UNLIMITED = 2**60  # cgroup v1 writes "no limit" as 9223372036854771712
+
+
+def memory_limit(
+    environ=None, cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP
+) -> tuple[int, str] | None:
+    """(bytes, what says so) this job may hold on this node: the lowest limit of this
+    process's memory cgroup and its ancestors (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``: SLURM's task/cgroup puts ``--mem`` there), and
+    ``$SLURM_MEM_PER_NODE`` (MiB); None where none is set. A tmpfs's own size cap is not it."""
+    environ = os.environ if environ is None else environ
+    found = []
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, name = cgroup_root, "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = cgroup_root / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        folder = base / path.strip("/")
+        for level in [folder, *folder.parents[: len(folder.parents) - len(base.parents)]]:
+            try:
+                text = (level / name).read_text().strip()
+            except OSError:
+                continue
+            if text.isdigit() and int(text) < UNLIMITED:
+                found.append((int(text), str(level / name)))
+    if environ.get("SLURM_MEM_PER_NODE", "").isdigit():
+        found.append((int(environ["SLURM_MEM_PER_NODE"]) * 2**20, "$SLURM_MEM_PER_NODE"))
+    return min(found) if found else None
+
+
+def ram_copy_problem(
+    src: Path, scratch: Path, origin: str, run: dict, limit: tuple[int, str] | None,
+    mountinfo: Path = MOUNTINFO, nvidia: Path | None = None,
+) -> str | None:  # fmt: skip
+    """Why this node must not copy ``src`` into ``scratch``: on a tmpfs (a diskless node's
+    /tmp) the copy is charged to the job's memory cgroup, and with the ranks' memory
+    (settings.node_memory's estimate for ``run``: its CUDA part where ``nvidia`` lists a GPU,
+    the driver loaded) above ``limit`` (:func:`memory_limit`) the job is OOM-killed in its
+    first epoch. None where it fits, no limit is known, scratch is not in RAM, or a complete
+    copy is there (charged when it was made)."""
+    mount = mount_of(existing_ancestor(scratch), mountinfo)
+    if limit is None or mount is None or mount.fs_type not in RAM_FS_TYPES:
+        return None
+    if (staged_path(src, scratch) / MARKER).is_file():
+        return None
+    copy = sum(size for _, size in _files(src))
+    samples = json.loads((Path(src) / PREPARED_JSON).read_text()).get("num_samples", 0)
+    figures = estimate_mb(run, DataSizes(train_images=samples))
+    nvidia = NVIDIA_GPUS if nvidia is None else nvidia
+    cuda = nvidia.is_dir() and any(nvidia.iterdir())  # not a fake GPU: CUDA's host memory
+    ranks = (figures["measured"] + cuda * figures["estimated"]) * 2**20
+    if copy + ranks <= limit[0]:
+        return None
+    return (
+        f"scratch {scratch} (from {origin}) is {mount.fs_type}, in RAM: the train copy "
+        f"({_human(copy)}) and the ranks ({_human(ranks)}, settings.node_memory's estimate) need "
+        f"{_human(copy + ranks)}, above this job's memory limit of {_human(limit[0])} "
+        f"({limit[1]}); set {SCRATCH_KEY} to a node-local disk, or raise train's mem_mb to "
+        f"{math.ceil((copy + ranks) / 2**20 / 1000) * 1000}"
+    )
 
 
 def refuse_shared_scratch(root: Path, origin: str, problem: str) -> InputError:

@@ -138,6 +138,18 @@ def newest_checkpoint(checkpoint_root: str | os.PathLike[str]) -> dict[str, Any]
     return {"epoch": epoch, "step": step, "path": str(path), "written": mtime}
 
 
+def final_checkpoint(checkpoint_root, run: dict[str, Any]) -> str | None:
+    """The run's checkpoint after its last epoch, where an attempt of these settings recorded
+    it and it is still there (its job ended before writing the outputs): the next job has
+    nothing to train and needs no staged copy."""
+    recorded = load(checkpoint_root)
+    for entry in _of_settings(recorded, run) if recorded else []:
+        last = entry.get("last_checkpoint") or {}
+        if last.get("epoch", 0) >= run["epochs"] and Path(last["path"]).is_file():
+            return last["path"]
+    return None
+
+
 def made_progress(entry: dict[str, Any]) -> bool:
     """Whether the attempt wrote a checkpoint past the point it started from."""
     last, start = entry.get("last_checkpoint"), entry.get("start") or {}
@@ -454,23 +466,36 @@ HUNG_SECONDS = 60.0  # a rank this far behind the others at the end is named as 
 
 
 class RankProgress:
-    """Each rank's last step, written every ``seconds`` from its training loop (the main
-    thread: a rank stopped or stuck in I/O stops writing), so the end of a job that a hung rank
-    ended through the process-group timeout names that rank and its host (:func:`hung_rank`)."""
+    """Each rank's last step, marked every ``seconds`` from its training loop (the main
+    thread: a rank stopped or stuck stops marking), so the end of a job that a hung rank
+    ended through the process-group timeout names that rank and its host (:func:`hung_rank`).
+    The file is written by a thread: a slow metadata server (16 ranks x 200 runs, a file each
+    every 15 s) never stalls a step; a mark due while the last write still waits is skipped."""
 
     def __init__(self, checkpoint_root, rank: int, host: str, seconds: float = PROGRESS_SECONDS):
         self.root = checkpoint_root
         self.path = Path(checkpoint_root) / PROGRESS_DIR / f"rank{rank}.json"
         self.rank, self.host, self.seconds, self.last = rank, host, seconds, 0.0
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._writer: threading.Thread | None = None
 
     def mark(self, epoch: int, step: int) -> None:
         now = time.time()
-        if now - self.last >= self.seconds:
-            self.last = now
-            mark = {"rank": self.rank, "host": self.host, "epoch": epoch, "step": step}
-            with contextlib.suppress(OSError):
-                write_json_atomic(self.path, {**mark, "time": now})
+        if now - self.last < self.seconds or (self._writer and self._writer.is_alive()):
+            return
+        self.last = now
+        mark = {"rank": self.rank, "host": self.host, "epoch": epoch, "step": step, "time": now}
+        self._writer = threading.Thread(target=self._write, args=(mark,), daemon=True)
+        self._writer.start()
+
+    def _write(self, mark: dict) -> None:
+        with contextlib.suppress(OSError):
+            write_json_atomic(self.path, mark)
+
+    def wait(self) -> None:
+        """Until the last mark is written (tests)."""
+        if self._writer is not None:
+            self._writer.join()
 
     def stopped(self, epoch: int, step: int, signum: int = 0) -> None:
         """This rank stops for requeue at (epoch, step): :func:`record_stop`."""

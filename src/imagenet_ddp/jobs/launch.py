@@ -25,6 +25,8 @@ from pathlib import Path
 from imagenet_ddp.data.stage import (
     cleanup_staged,
     in_place_report,
+    memory_limit,
+    ram_copy_problem,
     reclaim_stale_leases,
     refuse_shared_scratch,
     scratch_info,
@@ -58,11 +60,17 @@ def stage_this_node(job: TrainJob) -> dict:
     local = get_launcher(job.execution.launcher).single_node
     shared = {"prepare.dir": src} if local else {"prepare.dir": src, "the workdir": Path.cwd()}
     kind, problem = scratch_problem(scratch, shared) or (None, None)
-    if kind == "shared" and local:  # one machine, one disk: a copy would buy nothing
+    final = job.kind == "train" and attempts.final_checkpoint(paths.checkpoint_root, job.run)
+    if final:  # the ranks resume it and write the outputs: 50 GB per node copied for nothing
+        report = in_place_report(src, f"the run's final checkpoint {final} is written")
+        print(f"staging: none, {report['in_place']}: the ranks write the outputs", flush=True)
+    elif kind == "shared" and local:  # one machine, one disk: a copy would buy nothing
         report = in_place_report(src, f"scratch {scratch} (from {origin}) is {problem}")
         print(f"staging: reading {src} in place: {report['in_place']}", flush=True)
     elif problem:
         raise refuse_shared_scratch(scratch, origin, problem)
+    elif in_ram := ram_copy_problem(src, scratch, origin, job.run, memory_limit()):
+        raise InputError(in_ram)  # before the copy: in RAM it would be OOM-killed in epoch 0
     else:
         lease = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         reclaim_stale_leases(scratch)  # copies pinned by jobs killed before their cleanup

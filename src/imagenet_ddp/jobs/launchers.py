@@ -178,12 +178,12 @@ class Srun(Launcher):
         return task_python()
 
     def on_every_node(self, execution, geometry, here, argv):
-        extra = execution.srun_extra.split()
+        extra = shlex.split(execution.srun_extra)  # a quoted value is one word, as in a shell
         return _run_step([*srun_argv(geometry, per_node=True, extra=extra), *argv], geometry)
 
     def start_ranks(self, execution, geometry, argv):
         prefix = execution.launch_prefix or "srun"
-        extra = execution.srun_extra.split()
+        extra = shlex.split(execution.srun_extra)
         step = srun_argv(geometry, per_node=False, extra=extra, prefix=prefix)
         return _run_step([*step, *argv], geometry)
 

@@ -19,7 +19,8 @@ each loader worker unpickles the dataset's per-sample arrays (46 MB at the full 
 train split), and a train copy staged on a tmpfs (``/dev/shm``) is charged to the job's
 memory cgroup (tens of GB): measured with the prepared copy's own size, estimated without.
 Not counted: the launcher and staging (tens of MiB), and a tmpfs scratch the dry-run cannot
-see (an empty ``stage.scratch_dir``: the job's ``$TMPDIR``).
+see (an empty ``stage.scratch_dir``: the job's ``$TMPDIR`` or a diskless node's ``/tmp``): the
+node checks that one before it copies (imagenet_ddp.data.stage.ram_copy_problem).
 
 Torch-free: the workflow imports it while Snakemake parses the rules.
 """

@@ -128,11 +128,13 @@ class GuardRule:
 
 def gradient_norm(model: torch.nn.Module) -> torch.Tensor:
     """The gradients' largest absolute element, on the device: non-finite exactly when one of
-    them is (the check GradScaler makes; a 2-norm could overflow with finite elements)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    them is (the check GradScaler makes; a 2-norm could overflow with finite elements).
+    torch 2.4's API (pyproject's floor): get_total_norm is 2.6's."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None and p.grad.numel()]
     if not grads:
         return torch.zeros(())
-    return torch.nn.utils.get_total_norm(grads, norm_type=math.inf)
+    norms = [torch.linalg.vector_norm(g.detach(), math.inf, dtype=torch.float32) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), math.inf)
 
 
 class StepValues:

@@ -18,6 +18,7 @@ import faulthandler
 import os
 import random
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -267,7 +268,13 @@ def initial_weights(cfg: TrainConfig) -> dict | None:
     if not cfg.init_weights:
         return None
     state, error = None, None
-    if not cfg.init_weights_sha256:  # the workflow fills it; a spec written by hand must too
+    if not os.path.isfile(cfg.init_weights):  # a scratch purge: only a fresh start needs it
+        error = (
+            f"run {cfg.run!r}: init_weights {cfg.init_weights} not found on "
+            f"{socket.gethostname()}, and this run has no checkpoint of its settings to "
+            "resume: put the file back, or remove init_weights to start from random weights"
+        )
+    elif not cfg.init_weights_sha256:  # the workflow fills it; a spec written by hand must too
         error = (
             f"run {cfg.run!r}: init_weights {cfg.init_weights} without init_weights_sha256 "
             "(the workflow's dry-run fills it in); set it to the file's SHA-256"

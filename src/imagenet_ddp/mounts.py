@@ -1,6 +1,7 @@
 """Which filesystem holds a path: its mount point and type, read from ``/proc/self/mountinfo``.
 
-Staging uses it to refuse a scratch root that is not node-local (:mod:`imagenet_ddp.data.stage`).
+Staging uses it to refuse a scratch root that is not node-local (:mod:`imagenet_ddp.data.stage`);
+a lock on Lustre mounted ``localflock`` is taken as a directory (:mod:`imagenet_ddp.io`).
 The mount is the one whose mount point is the longest prefix of the path's real path; of
 several at one mount point the last listed wins (it is on top), as ``findmnt --target`` does.
 Linux only; torch-free.
@@ -31,6 +32,7 @@ class Mount:
     mount_point: str
     fs_type: str
     source: str
+    options: frozenset[str] = frozenset()  # the mount's and the filesystem's own
 
     @property
     def is_network(self) -> bool:
@@ -51,7 +53,10 @@ def parse_mountinfo(text: str) -> list[Mount]:
         if "-" not in fields[6:]:
             continue
         dash = fields.index("-", 6)
-        mounts.append(Mount(_unescape(fields[4]), fields[dash + 1], _unescape(fields[dash + 2])))
+        options = frozenset(",".join([fields[5], *fields[dash + 3 : dash + 4]]).split(","))
+        mounts.append(
+            Mount(_unescape(fields[4]), fields[dash + 1], _unescape(fields[dash + 2]), options)
+        )
     return mounts
 
 
@@ -77,3 +82,11 @@ def mount_of(path: Path, mountinfo: Path = MOUNTINFO) -> Mount | None:
         if holds and len(point) >= best_length:  # the deepest; at a tie the later (on top)
             best, best_length = mount, len(point)
     return best
+
+
+def flock_is_node_local(path: Path, mountinfo: Path = MOUNTINFO) -> bool:
+    """Whether flock(2) on ``path`` excludes only processes on this node: Lustre mounted
+    ``localflock`` grants flock locks on each client alone (lustre's mount.lustre(8)), so two
+    nodes would both hold one."""
+    mount = mount_of(path, mountinfo)
+    return mount is not None and "localflock" in mount.options
