@@ -153,8 +153,9 @@ def test_dry_run_and_lint_with_snakemake_alone(tmp_path):
     )  # fmt: skip
     log = pair.stdout + pair.stderr
     assert pair.returncode == 0, log[-4000:]
-    assert "model 'timm/resnet50.a1_in1k' and its model_kwargs are not checked" in log, log[-4000:]
-    assert "optimizer 'timm/lamb' and its optimizer_kwargs are not checked" in log
+    unchecked = "(timm/resnet50.a1_in1k): model, model_kwargs and init_weights not checked"
+    assert unchecked in log, log[-4000:]
+    assert "(timm/lamb): optimizer and optimizer_kwargs not checked" in log
     assert f"Using profiles {site} and workflow specific profile profiles/slurm" in log
     train = re.search(r"rule train:.*?resources: ([^\n]*)", log, re.S).group(1)
     assert "slurm_partition=gpu" in train and "runtime=1440" in train, train

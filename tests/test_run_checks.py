@@ -194,8 +194,13 @@ def test_without_the_packages_timm_and_model_kwargs_are_unchecked_and_said_so(
     assert model_lines(tmp_path, **run) == []
     config = demo_config(**run)
     [model_note, optimizer_note] = run_checks.unchecked_model_notes(resolved(config))
-    assert "model 'timm/resnt18' and its model_kwargs are not checked by this dry-run" in model_note
-    assert "optimizer 'timm/lamb'" in optimizer_note
+    assert str(model_note) == f"config.yaml: run 'r' (timm/resnt18): {run_checks.UNCHECKED_MODEL}"
+    assert optimizer_note == (
+        "optimizer and optimizer_kwargs not checked by this dry-run (torch "
+        "or timm not importable here); the job builds it",
+        "r",
+        "timm/lamb",
+    )
     # torchvision names are still checked against the list kept with the package
     [line] = model_lines(tmp_path, model="resnet9000", model_kwargs={"dropout": 0.1})
     assert "model 'resnet9000' is not a torchvision classification model" in line
@@ -554,12 +559,36 @@ def test_the_warm_up_rule_warns_for_a_4_rank_scale_up_and_not_for_its_1_and_2_ra
         for tasks, extra in ((1, {}), (2, {}), (4, {}), (4, {"warmup_epochs": 3}))
     ]
     config["runs"][-1]["name"] = "r4-long"
-    (line,) = run_checks.warmup_warnings(resolved(config), config, tmp_path)
-    assert line.startswith("config.yaml: run 'r4': lr_used 0.05 (lr 0.2 x lr_scaling linear at ")
-    assert "in 14 warm-up steps" in line and "Goyal et al. 2017" in line
-    assert "warmup_steps: 25 or warmup_epochs: 1.8" in line  # a value that satisfies it
+    (notice,) = run_checks.warmup_warnings(resolved(config), config, tmp_path)
+    assert str(notice).startswith(
+        "config.yaml: run 'r4' (lr_used 0.05 in 14 steps: warmup_steps: 25 or warmup_epochs: "
+        "1.8): warm-up shorter than the rule (Goyal et al. 2017"
+    )  # a value that satisfies it
     config["runs"] = [{"name": "r4", "tasks_per_node": 4, "warmup_steps": 25, "warmup_epochs": 0}]
     assert run_checks.warmup_warnings(resolved(config), config, tmp_path) == []
+
+
+def test_a_sweeps_warnings_are_one_short_line_per_kind(tmp_path):
+    """Issue 42: a 12-run sweep that shares a problem gets one line naming its runs."""
+    from imagenet_ddp.settings.notices import Notice, summarised
+
+    config = demo_config()
+    config["runs"] = [{"name": f"r{i}", "tasks_per_node": 4, "seed": i} for i in range(12)]
+    notices = run_checks.warmup_warnings(resolved(config), config, tmp_path)
+    notices.append(Notice("another kind", "r0"))
+    first, second = summarised(notices)
+    assert first == (
+        "config.yaml: runs 'r0', 'r1', 'r2' and 9 more (lr_used 0.05 in 14 steps: warmup_steps: "
+        f"25 or warmup_epochs: 1.8): {run_checks.WARMUP_TOO_SHORT}"
+    )
+    assert len(first) < 250
+    config["runs"][1]["warmup_epochs"] = 0.5  # its own figure, named with it
+    first = summarised(run_checks.warmup_warnings(resolved(config), config, tmp_path))[0]
+    assert first.startswith("config.yaml: runs 'r0' (lr_used 0.05 in 14 steps: warmup_steps: 25 or")
+    assert "'r1' (lr_used 0.05 in 7 steps: " in first and first.endswith(
+        "1.8) and 9 more: " + run_checks.WARMUP_TOO_SHORT
+    )
+    assert second == "config.yaml: run 'r0': another kind"
 
 
 @pytest.mark.parametrize("preset", ["torchvision-resnet50-v1", "torchvision-resnet50-v2",

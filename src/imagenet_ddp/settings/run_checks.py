@@ -37,6 +37,7 @@ from imagenet_ddp.models import (
 )
 from imagenet_ddp.settings.evaluation import eval_settings
 from imagenet_ddp.settings.geometry import global_batch, loader_workers
+from imagenet_ddp.settings.notices import Notice
 from imagenet_ddp.settings.presets import scaled_lr
 
 # Images in the ILSVRC2012 train archive (what `index` lists from the real archive).
@@ -149,28 +150,30 @@ def _crops(run: Mapping) -> tuple[int, ...]:
     return tuple(sorted(crops))
 
 
-def unchecked_model_notes(runs: Mapping[str, Mapping]) -> list[str]:
-    """One line per run whose model the dry-run could not check here (see _model_problems)."""
+def unchecked_model_notes(runs: Mapping[str, Mapping]) -> list[Notice]:
+    """A note per run whose model or optimizer the dry-run could not check here (see
+    _model_problems); :func:`imagenet_ddp.settings.notices.summarised` joins them."""
     notes = []
     for name, run in runs.items():
         fam, _ = family(run["model"])
         exact = not _name_listed(fam) or run.get("model_kwargs") or run.get("init_weights")
         if exact and not importable(fam):
-            notes.append(
-                f"config.yaml: run {name!r}: model {run['model']!r} and its model_kwargs are "
-                f"not checked by this dry-run, nor its init_weights file (torch or {fam} not "
-                "importable here); the job checks them when it builds the model: dry-run in "
-                "the jobs' environment to check them now"
-            )
+            notes.append(Notice(UNCHECKED_MODEL, name, run["model"]))
         opt = run["optimizer"]
         custom = not optimizers.named_by_registry(opt) or run.get("optimizer_kwargs")
         if custom and not optimizers.importable(opt):
-            notes.append(
-                f"config.yaml: run {name!r}: optimizer {opt!r} and its optimizer_kwargs are "
-                "not checked by this dry-run (torch or timm not importable here); the job "
-                "builds it"
-            )
+            notes.append(Notice(UNCHECKED_OPTIMIZER, name, opt))
     return notes
+
+
+UNCHECKED_MODEL = (
+    "model, model_kwargs and init_weights not checked by this dry-run (torch or timm not "
+    "importable here); the job checks them: dry-run in the jobs' environment to check them now"
+)
+UNCHECKED_OPTIMIZER = (
+    "optimizer and optimizer_kwargs not checked by this dry-run (torch or timm not importable "
+    "here); the job builds it"
+)
 
 
 def model_verdict(name: str, kwargs: Mapping, crops: tuple[int, ...], cache_dir) -> dict:
@@ -500,12 +503,12 @@ def required_warmup_steps(lr_used: float, batch: int) -> int:
     return math.ceil(GOYAL_WARMUP_STEPS * lr_used / GOYAL_LR * per_256 / GOYAL_NO_WARMUP_LR)
 
 
-def warmup_warnings(runs: Mapping[str, Mapping], config: Mapping, workdir=".") -> list[str]:
-    """One line per run whose scaled LR is reached in fewer warm-up steps than
+def warmup_warnings(runs: Mapping[str, Mapping], config: Mapping, workdir=".") -> list[Notice]:
+    """A warning per run whose scaled LR is reached in fewer warm-up steps than
     :func:`required_warmup_steps` (a warning: small problems may train regardless), naming a
     warmup_steps and a warmup_epochs that would satisfy it."""
     train = split_sizes(config, workdir)[0]
-    lines = []
+    notices = []
     for name, run in runs.items():
         batch = global_batch(run)
         per_epoch = max(1, train // batch)
@@ -515,14 +518,18 @@ def warmup_warnings(runs: Mapping[str, Mapping], config: Mapping, workdir=".") -
         if steps >= needed:
             continue
         epochs = math.ceil(needed / per_epoch * 10) / 10
-        lines.append(
-            f"config.yaml: run {name!r}: lr_used {lr_used:.4g} (lr {run['lr']} x lr_scaling "
-            f"{run['lr_scaling']} at global batch {batch}) is reached in {steps} warm-up steps "
-            f"({per_epoch} per epoch); the rule ({GOYAL_RULE}: {needed} steps here) asks for "
-            f"at least warmup_steps: {needed} or warmup_epochs: {epochs}, or a lower lr or "
-            "lr_scaling: sqrt; the divergence guard stops the run if it diverges"
+        detail = (
+            f"lr_used {lr_used:.4g} in {steps} steps: warmup_steps: {needed} or "
+            f"warmup_epochs: {epochs}"
         )
-    return lines
+        notices.append(Notice(WARMUP_TOO_SHORT, name, detail))
+    return notices
+
+
+WARMUP_TOO_SHORT = (
+    "warm-up shorter than the rule (Goyal et al. 2017, docs/configuration.md, Warm-up and "
+    "batch size): set the warm-up shown, or a lower lr"
+)
 
 
 def container_problem(
