@@ -14,6 +14,7 @@ from imagenet_ddp.report.aggregate import (
     ALONE_NOTE,
     BASELINE_NOTE,
     COLUMNS,
+    LOSS_SPIKE_NOTE,
     aggregate_runs,
     group_labels,
     scaling_key,
@@ -417,7 +418,7 @@ def test_progress_shows_the_finished_runs_while_one_failed_and_one_still_trains(
     busy.mkdir(parents=True)
     (busy / "job_spec.json").write_text(json.dumps({"kind": "train", "run": {"epochs": 90}}))
     last = {"epoch": 9, "images_per_s": 21000.0, "epoch_seconds": 60.0, "eval_seconds": 5.0,
-            "checkpoint_seconds": 1.0}  # fmt: skip
+            "checkpoint_seconds": 1.0, "loss_spike": "loss spiked to 7.4 at epoch 0"}  # fmt: skip
     (busy / PROGRESS).write_text(json.dumps(last))
     out = tmp_path / "results/progress"
     argv = ["progress", "--runs", *runs, "--run-dirs", *map(str, run_dirs),
@@ -432,6 +433,31 @@ def test_progress_shows_the_finished_runs_while_one_failed_and_one_still_trains(
     assert table.loc["a-1x1", "test_top1"] == pytest.approx(0.58)
     assert "CUDA error: out of memory" in table.loc["broken", "note"]
     assert table.loc["busy", "epochs_done"] == 10 and table.loc["busy", "epochs"] == 90
+    assert table.loc["busy", "note"].endswith("ago; loss spiked to 7.4 at epoch 0")
     assert table.loc["busy", "eta_hours"] == pytest.approx(80 * 66 / 3600)
     text = (out / "runs.md").read_text()
     assert "Finished: 2 of 5." in text and "| broken" in text and "10/90" in text
+
+
+def test_a_loss_spike_far_above_chance_is_named_even_when_the_run_recovers(tmp_path):
+    """Issue 42: 4 ranks, 10 classes, loss 7.4 after epoch 0 (ln 10 = 2.3), then recovered to
+    60 % top-1 without the divergence guard firing: the table names the spike."""
+    from imagenet_ddp.report.aggregate import loss_spike
+
+    chance = math.log(10)
+    losses = [7.4, 3.1, 1.2, 0.9]
+    epochs = [{"epoch": e, "train_loss": x, "chance_loss": chance} for e, x in enumerate(losses)]
+    spike = "loss spiked to 7.4 at epoch 0 (chance 2.3; last epoch 0.9)"
+    assert loss_spike(epochs) == spike
+    assert loss_spike(epochs, factor=4.0) == ""  # the run's divergence_loss_factor
+    assert loss_spike([{**e, "chance_loss": None} for e in epochs]) == ""  # not recorded
+    assert loss_spike([{**e, "train_loss": 1.0} for e in epochs]) == ""  # trained as it should
+    spiked = write_run_dir(tmp_path, "r4", nodes=1, tasks_per_node=4, steady_per_worker=90.0)
+    metrics = json.loads((spiked / "train_metrics.json").read_text())
+    (spiked / "train_metrics.json").write_text(json.dumps({**metrics, "epochs": epochs}))
+    calm = write_run_dir(tmp_path, "r1", nodes=1, tasks_per_node=1, steady_per_worker=100.0)
+    table = aggregate_runs([calm, spiked]).set_index("run")
+    assert table["loss_spike"].to_dict() == {"r1": "", "r4": spike}
+    text = to_markdown(table.reset_index())
+    assert "| r4 (loss spike)" in text and "| r1 " in text
+    assert LOSS_SPIKE_NOTE + f"r4: {spike}" in text

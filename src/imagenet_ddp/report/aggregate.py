@@ -92,6 +92,7 @@ COLUMNS = [
     "precision",
     "epochs",
     "diverged",
+    "loss_spike",
     "staging_seconds",
     "staging_gb_per_s",
     "mean_epoch_seconds",
@@ -217,6 +218,8 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         "epochs": cfg["epochs"],
         # Stopped by the divergence guard (training.guard): where and why; "" otherwise.
         "diverged": diverged_cell(train.get("diverged")),
+        # An epoch far above chance, in warm-up or after (recovered or not): loss_spike.
+        "loss_spike": loss_spike(train.get("epochs") or [], cfg.get("divergence_loss_factor", 2)),
         "staging_seconds": stage_seconds,
         "staging_gb_per_s": stage_bytes / stage_seconds / 1e9 if stage_seconds else float("nan"),
         "mean_epoch_seconds": train["mean_epoch_seconds"],
@@ -255,6 +258,25 @@ def diverged_cell(diverged: dict[str, Any] | None) -> str:
     return (
         f"epoch {diverged['epoch']} step {diverged['step']}: {diverged['reason']} (loss "
         f"{diverged['loss']}, lr {diverged['lr']})"
+    )
+
+
+def loss_spike(epochs: list[dict[str, Any]], factor: float = 2.0) -> str:
+    """The epoch whose mean training loss was highest above ``factor`` (the run's
+    divergence_loss_factor) x its ``chance_loss``, ln(classes), the loss of a uniform guess:
+    "loss spiked to 7.4 at epoch 0 (chance 2.3; last epoch 0.05)", even when the run recovered
+    (the divergence guard stops only a spike that lasts); "" if none or not recorded."""
+    over = [
+        (e["train_loss"], e["epoch"], e["chance_loss"])
+        for e in epochs
+        if e.get("chance_loss") and (e.get("train_loss") or 0) > factor * e["chance_loss"]
+    ]
+    if not over:
+        return ""
+    loss, epoch, chance = max(over)
+    return (
+        f"loss spiked to {loss:.3g} at epoch {epoch} (chance {chance:.2g}; last epoch "
+        f"{epochs[-1]['train_loss']:.3g})"
     )
 
 
@@ -476,6 +498,7 @@ SHORT_COLUMNS: list[tuple[str, str, Any]] = [
             + (" *" if _code_changed(row) else "")
             + (" †" if _other_code(row) else "")
             + (" (diverged)" if row["diverged"] else "")
+            + (" (loss spike)" if row.get("loss_spike") else "")
         ),
     ),
     ("model", "left", lambda row: row["model"]),
@@ -497,6 +520,11 @@ SHORT_COLUMNS: list[tuple[str, str, Any]] = [
 DIVERGED_NOTE = (
     "(diverged): stopped by the divergence guard, its accuracy that of its last good "
     'checkpoint (docs/reliability.md "Divergence"): '
+)
+LOSS_SPIKE_NOTE = (
+    "(loss spike): an epoch's mean training loss above divergence_loss_factor x ln(classes) "
+    "(chance, a uniform guess's), even where the run recovered: an LR too high for its warm-up "
+    "(docs/configuration.md#warm-up-and-batch-size): "
 )
 CODE_CHANGED = "\\* allocations of the run ran different code (checked out at each submission): "
 
@@ -536,6 +564,11 @@ def to_markdown(table: pd.DataFrame) -> str:
     diverged = [row for _, row in table.iterrows() if row["diverged"]]
     if diverged:
         text += "\n\n" + DIVERGED_NOTE + "; ".join(f"{r['run']}: {r['diverged']}" for r in diverged)
+    spiked = [row for _, row in table.iterrows() if row.get("loss_spike")]
+    if spiked:
+        text += (
+            "\n\n" + LOSS_SPIKE_NOTE + "; ".join(f"{r['run']}: {r['loss_spike']}" for r in spiked)
+        )
     return text + "\n\n" + MORE_FIGURES + "\n"
 
 
