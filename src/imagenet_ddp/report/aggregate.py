@@ -122,6 +122,9 @@ COLUMNS = [
 ]
 
 
+# Counts that may be unknown (a run from before they were kept): integers, empty where unknown.
+INTEGER_COLUMNS = ["throughput_warmup_steps", "allocations", "preflight_allocations"]
+
 BASELINE_NOTE = "baseline: smallest run of its group"
 ALONE_NOTE = "only run of its group"
 
@@ -412,6 +415,11 @@ def add_scaling(table: pd.DataFrame) -> pd.DataFrame:
             )
     table["scaling_efficiency"] = efficiency
     table["scaling_note"] = notes
+    # empty where the run is its own baseline (a group's smallest or only run): runs.csv names
+    # only another run
+    table["scaling_baseline"] = table["scaling_baseline"].where(
+        table["scaling_baseline"] != table["run"]
+    )
     return table
 
 
@@ -432,7 +440,8 @@ def aggregate_runs(run_dirs: list[Path], training_code: str | None = None) -> pd
         for d in run_dirs
     ]
     table = add_scaling(pd.DataFrame(rows))
-    table["throughput_warmup_steps"] = table["throughput_warmup_steps"].astype("Int64")
+    for column in INTEGER_COLUMNS:  # counts: 3, not 3.0; empty where unknown
+        table[column] = table[column].astype("Int64")
     return table[COLUMNS].sort_values(["scaling_group", "world_size", "run"]).reset_index(drop=True)
 
 
@@ -533,6 +542,37 @@ OTHER_CODE = (
     'training; docs/configuration.md "Code changes" says how to retrain one): '
 )
 
+# What each column of runs.md is, what it includes and why a cell may be empty or 0: under the
+# table, for a reader who has not read docs/results.md.
+LEGEND = [
+    ("run", "its name in config.yaml; a mark after it (*, †, diverged, loss spike) is explained "
+     "above"),
+    ("model", "torchvision name, or timm/<name>"),
+    ("nodes x ranks", "nodes x ranks per node of the last training job; (+ N x M): other "
+     "shapes an elastic run's allocations ran on"),
+    ("GPUs", "GPUs the ranks trained on; 0: on CPU"),
+    ("global batch", "images per optimizer step: batch_size x ranks x accumulation"),
+    ("precision", "fp32, or autocast to bf16 / fp16"),
+    ("epochs", "the run's epochs setting"),
+    ("img/s (steady)", "training images per second over all ranks, median over epochs of the "
+     "slowest rank, each epoch's first throughput_warmup_steps steps left out; holdout "
+     "evaluation, checkpoints and staging not included; empty: trained before it was measured"),
+    ("scaling eff.", "steady img/s per rank relative to the group's baseline, its smallest run "
+     "(same settings but nodes and ranks; 100 %: linear scaling); `baseline` for that run; "
+     "empty for a group's only run (nothing to compare with; runs.csv: scaling_note)"),
+    ("input-bound", "share of step time the most input-bound rank waited for its next batch "
+     "(median over epochs): a few % means the loader keeps up, a high share needs more loader "
+     "workers (cpus_per_task); (preflight N %): what the preflight projected; empty: not "
+     "measured"),
+    ("holdout top-1", "top-1 on the images split.holdout_fraction held out of the train set, "
+     "after the last epoch"),
+    ("test top-1", "top-1 on the validation set (the test set here), by the evaluate job"),
+    ("GPU-h", "allocated GPUs x wall time, summed over every allocation of the run (staging, "
+     "warm-up, holdout evaluation, checkpoints and lost work included); 0: no GPU allocated "
+     "(a CPU run); empty: not recorded"),
+    ("wall h:mm:ss", "the last training job's wall time, launch to end, staging included"),
+]  # fmt: skip
+
 MORE_FIGURES = (
     "Every figure of these runs (end-to-end and per-rank throughput, scaling groups and "
     "baselines, staging, the step-time breakdown and MFU, top-5, the EMA model's accuracy "
@@ -569,7 +609,8 @@ def to_markdown(table: pd.DataFrame) -> str:
         text += (
             "\n\n" + LOSS_SPIKE_NOTE + "; ".join(f"{r['run']}: {r['loss_spike']}" for r in spiked)
         )
-    return text + "\n\n" + MORE_FIGURES + "\n"
+    legend = "\n".join(f"- {heading}: {text}" for heading, text in LEGEND)
+    return text + "\n\nColumns:\n\n" + legend + "\n\n" + MORE_FIGURES + "\n"
 
 
 def write_aggregate(
