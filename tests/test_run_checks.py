@@ -630,6 +630,12 @@ def test_the_warm_up_rule_judges_the_ramp_per_step_whatever_the_batch(tmp_path):
     ]
 
 
+def test_a_run_without_warm_up_is_named_as_reaching_its_lr_at_once(tmp_path):
+    config = demo_config(tasks_per_node=4, warmup_epochs=0)
+    (notice,) = run_checks.warmup_warnings(resolved(config), config, tmp_path)
+    assert notice.detail.startswith("0 steps to lr_used 0.05: at once, max 0.002; warmup_steps 25")
+
+
 def test_a_warm_up_in_epochs_on_data_not_indexed_yet_is_judged_by_its_smallest_train_set(
     tmp_path,
 ):

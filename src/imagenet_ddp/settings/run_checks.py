@@ -530,10 +530,10 @@ def warmup_warnings(runs: Mapping[str, Mapping], config: Mapping, workdir=".") -
         steps = run["warmup_steps"] or int(run["warmup_epochs"] * per_epoch)
         if steps >= needed:
             continue
-        ramp = lr_used / max(steps, 1)
+        ramp = f"{lr_used / steps:.2g}/step" if steps else "at once"
         epochs = math.ceil(needed / per_epoch * 10) / 10
         detail = (
-            f"{steps} steps to lr_used {lr_used:.3g}: {ramp:.2g}/step, max "
+            f"{steps} steps to lr_used {lr_used:.3g}: {ramp}, max "
             f"{GOYAL_RAMP / (lr_used * 256 / batch):.2g}; warmup_steps {needed} or "
             f"warmup_epochs {epochs}"
         )
