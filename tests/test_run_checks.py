@@ -614,7 +614,11 @@ def test_the_warm_up_rule_judges_the_ramp_per_step_whatever_the_batch(tmp_path):
     notices = run_checks.warmup_warnings(resolved(config), config, tmp_path)
     assert [n.run for n in notices] == ["r1", "r2", "r4"]
     assert notices[2].detail == (
-        "10 steps to lr_used 0.2: 0.02/step, max 0.001; warmup_steps 196 or warmup_epochs 19.6"
+        "10 steps to lr_used 0.2: 0.02/step, max 0.001; 196 steps, over half the run: "
+        "lr_used <= 0.05"  # the 150-step run's fix: its 1- and 2-rank LR, 0.1 per 256
+    )
+    assert notices[1].detail == (
+        "20 steps to lr_used 0.1: 0.005/step, max 0.001; warmup_steps 98 or warmup_epochs 4.9"
     )
     # the invariant: the rise per step x the LR per 256 images is Goyal et al.'s at most
     assert pytest.approx(3.2 / 782 * 0.1) == run_checks.GOYAL_RAMP

@@ -531,11 +531,16 @@ def warmup_warnings(runs: Mapping[str, Mapping], config: Mapping, workdir=".") -
         if steps >= needed:
             continue
         ramp = f"{lr_used / steps:.2g}/step" if steps else "at once"
-        epochs = math.ceil(needed / per_epoch * 10) / 10
+        fix = f"warmup_steps {needed} or warmup_epochs {math.ceil(needed / per_epoch * 10) / 10}"
+        if needed > run["epochs"] * per_epoch / 2:  # a warm-up of most of the run: a lower LR
+            fit = max(
+                math.sqrt(steps * GOYAL_RAMP * batch / 256),
+                GOYAL_NO_WARMUP_LR * min(1, batch / 256),
+            )
+            fix = f"{needed} steps, over half the run: lr_used <= {fit:.2g}"
         detail = (
             f"{steps} steps to lr_used {lr_used:.3g}: {ramp}, max "
-            f"{GOYAL_RAMP / (lr_used * 256 / batch):.2g}; warmup_steps {needed} or "
-            f"warmup_epochs {epochs}"
+            f"{GOYAL_RAMP / (lr_used * 256 / batch):.2g}; {fix}"
         )
         notices.append(Notice(WARMUP_TOO_SHORT, name, detail))
     return notices
