@@ -545,8 +545,8 @@ OTHER_CODE = (
 # What each column of runs.md is, what it includes and why a cell may be empty or 0: under the
 # table, for a reader who has not read docs/results.md.
 LEGEND = [
-    ("run", "its name in config.yaml; a mark after it (*, †, diverged, loss spike) is explained "
-     "above"),
+    ("run", "its name in config.yaml; a mark after it (\\*, †, diverged, loss spike) is "
+     "explained above"),
     ("model", "torchvision name, or timm/<name>"),
     ("nodes x ranks", "nodes x ranks per node of the last training job; (+ N x M): other "
      "shapes an elastic run's allocations ran on"),
@@ -565,8 +565,8 @@ LEGEND = [
      "workers (cpus_per_task); (preflight N %): what the preflight projected; empty: not "
      "measured"),
     ("holdout top-1", "top-1 on the images split.holdout_fraction held out of the train set, "
-     "after the last epoch"),
-    ("test top-1", "top-1 on the validation set (the test set here), by the evaluate job"),
+     "by the evaluate job on the final weights"),
+    ("test top-1", "top-1 on the official validation set (the test set here), likewise"),
     ("GPU-h", "allocated GPUs x wall time, summed over every allocation of the run (staging, "
      "warm-up, holdout evaluation, checkpoints and lost work included); 0: no GPU allocated "
      "(a CPU run); empty: not recorded"),
