@@ -8,8 +8,11 @@
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh  # dry run
 #
 # Variables: OUT (results; default a temp dir), GPU_CHECK_DEVICE (cuda|cpu), GPU_CHECK_PYTHON,
-# GPU_CHECK_BUDGET (seconds for everything, default 480), GPU_CHECK_TRAIN_COMPILE (1|0),
-# GPU_CHECK_MODEL (training model, default resnet18).
+# GPU_CHECK_BUDGET (seconds for everything: no step starts, or runs, past it; default 480 on
+# cuda, 1200 on cpu), GPU_CHECK_TRAIN_COMPILE (1|0), GPU_CHECK_MODEL (training model, default
+# resnet18), GPU_CHECK_PRECISION (default bf16 on cuda, fp32 on cpu), GPU_CHECK_SKIP (step names).
+# $OUT gets 3 files (the device returns at most 8): summary.txt, all_logs.txt (every step's log,
+# appended as each ends), logs.tar.gz (the logs, bench JSONs, specs, train metrics, preflight).
 set -u
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -50,7 +53,7 @@ say() { echo "$*" | tee -a "$SUMMARY"; }
 section() { echo; echo "==================== $* ($(($(date +%s) - START)) s elapsed)"; }
 # left SECONDS: the budget not yet spent
 left() { echo $((BUDGET - ($(date +%s) - START))); }
-# run_step NAME LIMIT CMD...: CMD under timeout min(LIMIT, budget left), log $OUT/NAME.log;
+# run_step NAME LIMIT CMD...: CMD under timeout min(LIMIT, budget left), log $LOGS/NAME.log;
 # returns CMD's code (124: timed out; 200: skipped, too little budget left).
 run_step() {
     local name=$1 limit=$2 rest code t0
@@ -223,7 +226,8 @@ train_run() {
         -m imagenet_ddp.training.worker --spec "$dir/spec.json" --train-data "$WORK/prepared" "$@"
     local code=$?
     say "$name: exit $code; $(gpu_sampler_stop "$name")"
-    grep -hiE "diverg|Traceback|Error:" "$LOGS/$name.log" | head -3 | sed "s/^/$name: /" | tee -a "$SUMMARY"
+    # torchrun's ChildFailedError after the expected stop (exit 75) is left out
+    grep -hiE "diverg|Error:|error\b" "$LOGS/$name.log" | grep -vE "ChildFailedError|errors.html" | head -3 | sed "s/^/$name: /" | tee -a "$SUMMARY"
     return $code
 }
 TRAIN_OK=0
@@ -284,7 +288,7 @@ if (full / "model.pt").exists() and (resumed / "model.pt").exists():
     scale = max(a[k].float().abs().max().item() for k in diff) if diff else 0
     print(f"resume vs uninterrupted: bitwise equal {bitwise}; same keys {same_keys}; "
           f"tensors differing {sum(v > 0 for v in diff.values())}/{len(diff)}; "
-          f"max |diff| {diff.get(worst, 0):.3g} at {worst} (max |weight| {scale:.3g})")
+          f"max |diff| {diff.get(worst, 0):.3g} at {worst} (largest |value| of those tensors {scale:.3g})")
 else:
     print("resume vs uninterrupted: not compared (a model.pt is missing)")
 EOF
@@ -308,7 +312,7 @@ if [ "$DATA_OK" = 1 ]; then
         run_step preflight "$T_PREFLIGHT" "$PY" -m imagenet_ddp.cli preflight --job "$WORK/preflight/spec.json"
         code=$?
         say "preflight: exit $code; $(gpu_sampler_stop preflight)"
-        [ -f "$LOGS/preflight.log" ] && grep -E "preflight of run|problem|img/s" "$LOGS/preflight.log" | head -12 | tee -a "$SUMMARY"
+        [ -f "$LOGS/preflight.log" ] && sed -n '/rank(s) on/,/problems:/p; /passed in/p' "$LOGS/preflight.log" | head -14 | tee -a "$SUMMARY"
         for f in "$WORK"/preflight/preflight*.json; do [ -f "$f" ] && cp "$f" "$LOGS/"; done
     else
         say "preflight: SKIPPED (spec failed)"; cat "$LOGS/preflight_spec.log"; keep "$LOGS/preflight_spec.log"

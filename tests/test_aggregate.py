@@ -14,6 +14,8 @@ from imagenet_ddp.report.aggregate import (
     ALONE_NOTE,
     BASELINE_NOTE,
     COLUMNS,
+    LOSS_SPIKE_NOTE,
+    SHORT_COLUMNS,
     aggregate_runs,
     group_labels,
     scaling_key,
@@ -46,7 +48,7 @@ def test_different_precision_and_size_are_not_compared(tmp_path):
     for row in (fp32, bf16):
         assert math.isnan(row["scaling_efficiency"])
         assert row["scaling_note"] == ALONE_NOTE
-        assert row["scaling_baseline"] == row.name
+        assert pd.isna(row["scaling_baseline"])  # its own baseline: named by no other run
 
 
 def test_group_efficiency_is_relative_to_smallest_run_on_steady_figure(tmp_path):
@@ -64,7 +66,8 @@ def test_group_efficiency_is_relative_to_smallest_run_on_steady_figure(tmp_path)
     )  # fmt: skip
     assert table["scaling_group"].nunique() == 1
     assert table.loc["r18-1x1", "scaling_group"] == "resnet18"
-    assert (table["scaling_baseline"] == "r18-1x1").all()
+    assert pd.isna(table.loc["r18-1x1", "scaling_baseline"])  # not itself
+    assert (table["scaling_baseline"].drop("r18-1x1") == "r18-1x1").all()
     assert math.isnan(table.loc["r18-1x1", "scaling_efficiency"])
     assert table.loc["r18-1x1", "scaling_note"] == BASELINE_NOTE
     assert table.loc["r18-1x2", "scaling_efficiency"] == pytest.approx(0.95)
@@ -96,7 +99,10 @@ def test_equal_workers_tie_breaks_by_run_name(tmp_path):
             {"run": "r18-1x2", "nodes": 1, "tasks_per_node": 2, "steady_per_worker": 1000.0},
         ],
     )
-    assert (table["scaling_baseline"] == "r18-1x2").all()
+    assert table["scaling_baseline"].fillna("itself").to_dict() == {
+        "r18-1x2": "itself",
+        "r18-2x1": "r18-1x2",
+    }
     assert table.loc["r18-1x2", "scaling_note"] == BASELINE_NOTE
     assert table.loc["r18-2x1", "scaling_efficiency"] == pytest.approx(0.7)
 
@@ -256,9 +262,14 @@ def test_markdown_is_the_short_table_and_the_csv_keeps_every_figure(tmp_path):
         write_run_dir(tmp_path, "a-1x1", nodes=1, tasks_per_node=1, steady_per_worker=100.0),
         write_run_dir(tmp_path, "a-2x2", nodes=2, tasks_per_node=2, steady_per_worker=90.0),
     ]
+    metrics = json.loads((dirs[1] / "train_metrics.json").read_text())
+    metrics["cost"] = {"allocations": 3, "gpu_hours": 2.5}  # resumed twice
+    (dirs[1] / "train_metrics.json").write_text(json.dumps(metrics))
     csv, markdown = tmp_path / "runs.csv", tmp_path / "runs.md"
     write_aggregate(dirs, csv, markdown)
-    header, rule, *rows, blank, note = markdown.read_text().splitlines()
+    text = markdown.read_text()
+    table_text, columns, legend, note = text.split("\n\n")
+    header, rule, *rows = table_text.splitlines()
     assert [cell.strip() for cell in header.strip("|").split("|")] == [
         "run", "model", "nodes x ranks", "GPUs", "global batch", "precision", "epochs",
         "img/s (steady)", "scaling eff.", "input-bound", "holdout top-1", "test top-1", "GPU-h",
@@ -266,8 +277,30 @@ def test_markdown_is_the_short_table_and_the_csv_keeps_every_figure(tmp_path):
     ]  # fmt: skip
     assert [row.split("|")[3].strip() for row in rows] == ["1 x 1", "2 x 2"]
     assert [row.split("|")[10].strip() for row in rows] == ["2 %", "2 %"]  # input-bound
-    assert blank == "" and "runs.csv" in note and "report" in note
-    assert list(pd.read_csv(csv).columns) == COLUMNS
+    assert "runs.csv" in note and "report" in note
+    # a line under the table for every column: what it is, includes, and why empty or 0
+    assert columns == "Columns:" and [line.split(": ")[0] for line in legend.splitlines()] == [
+        f"- {heading}" for heading, *_ in SHORT_COLUMNS
+    ]
+    for words in (
+        "0: on CPU",
+        "empty for a group's only run",
+        "a few % means the loader keeps",
+        "warm-up, holdout evaluation, checkpoints and lost work included",
+        "0: no GPU allocated (a CPU run)",
+        "each epoch's first throughput_warmup_steps",
+    ):
+        assert words in legend, words  # fmt: skip
+    written = pd.read_csv(csv)
+    assert list(written.columns) == COLUMNS
+    # counts as integers, and no run named as its own baseline
+    cells = pd.read_csv(csv, dtype=str, keep_default_na=False)  # as written
+    assert cells["allocations"].tolist() == ["", "3"] and cells["gpus"].tolist() == ["1", "4"]
+    assert written["scaling_baseline"].tolist()[0] != "a-1x1"
+    assert (
+        pd.isna(written.loc[0, "scaling_baseline"])
+        and written.loc[1, "scaling_baseline"] == "a-1x1"
+    )
 
 
 def test_ema_accuracy_and_the_published_figure_it_compares_with(tmp_path):
@@ -419,7 +452,7 @@ def test_progress_shows_the_finished_runs_while_one_failed_and_one_still_trains(
     busy.mkdir(parents=True)
     (busy / "job_spec.json").write_text(json.dumps({"kind": "train", "run": {"epochs": 90}}))
     last = {"epoch": 9, "images_per_s": 21000.0, "epoch_seconds": 60.0, "eval_seconds": 5.0,
-            "checkpoint_seconds": 1.0}  # fmt: skip
+            "checkpoint_seconds": 1.0, "loss_spike": "loss spiked to 7.4 at epoch 0"}  # fmt: skip
     (busy / PROGRESS).write_text(json.dumps(last))
     out = tmp_path / "results/progress"
     argv = ["progress", "--runs", *runs, "--run-dirs", *map(str, run_dirs),
@@ -434,6 +467,31 @@ def test_progress_shows_the_finished_runs_while_one_failed_and_one_still_trains(
     assert table.loc["a-1x1", "test_top1"] == pytest.approx(0.58)
     assert "CUDA error: out of memory" in table.loc["broken", "note"]
     assert table.loc["busy", "epochs_done"] == 10 and table.loc["busy", "epochs"] == 90
+    assert table.loc["busy", "note"].endswith("ago; loss spiked to 7.4 at epoch 0")
     assert table.loc["busy", "eta_hours"] == pytest.approx(80 * 66 / 3600)
     text = (out / "runs.md").read_text()
     assert "Finished: 2 of 5." in text and "| broken" in text and "10/90" in text
+
+
+def test_a_loss_spike_far_above_chance_is_named_even_when_the_run_recovers(tmp_path):
+    """Issue 42: 4 ranks, 10 classes, loss 7.4 after epoch 0 (ln 10 = 2.3), then recovered to
+    60 % top-1 without the divergence guard firing: the table names the spike."""
+    from imagenet_ddp.report.aggregate import loss_spike
+
+    chance = math.log(10)
+    losses = [7.4, 3.1, 1.2, 0.9]
+    epochs = [{"epoch": e, "train_loss": x, "chance_loss": chance} for e, x in enumerate(losses)]
+    spike = "loss spiked to 7.4 at epoch 0 (chance 2.3; last epoch 0.9)"
+    assert loss_spike(epochs) == spike
+    assert loss_spike(epochs, factor=4.0) == ""  # the run's divergence_loss_factor
+    assert loss_spike([{**e, "chance_loss": None} for e in epochs]) == ""  # not recorded
+    assert loss_spike([{**e, "train_loss": 1.0} for e in epochs]) == ""  # trained as it should
+    spiked = write_run_dir(tmp_path, "r4", nodes=1, tasks_per_node=4, steady_per_worker=90.0)
+    metrics = json.loads((spiked / "train_metrics.json").read_text())
+    (spiked / "train_metrics.json").write_text(json.dumps({**metrics, "epochs": epochs}))
+    calm = write_run_dir(tmp_path, "r1", nodes=1, tasks_per_node=1, steady_per_worker=100.0)
+    table = aggregate_runs([calm, spiked]).set_index("run")
+    assert table["loss_spike"].to_dict() == {"r1": "", "r4": spike}
+    text = to_markdown(table.reset_index())
+    assert "| r4 (loss spike)" in text and "| r1 " in text
+    assert LOSS_SPIKE_NOTE + f"r4: {spike}" in text

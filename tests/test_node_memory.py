@@ -4,6 +4,8 @@ copy."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from imagenet_ddp.settings.node_memory import (
@@ -41,18 +43,19 @@ def test_measured_too_much_is_refused_estimated_too_much_warned():
     figures = estimate_mb(NODE)
     measured, total = figures["measured"], figures["measured"] + figures["estimated"]
     refusal, warning = memory_problem("r", NODE, measured - 1)
-    assert warning == "" and refusal.startswith(
+    assert warning is None and refusal.startswith(
         f"config.yaml: run 'r': train's mem_mb {measured - 1:.0f} per node is below the "
         f"{measured:.0f} MiB that 8 rank(s) per node with 15 loader worker(s) each hold"
     )
     assert "raise mem_mb to" in refusal and "\n" not in refusal
     refusal, warning = memory_problem("r", NODE, total - 1)
-    assert refusal == "" and "are estimated to hold (CUDA estimated)" in warning
+    assert refusal == "" and "is below the estimated need (CUDA estimated)" in warning.kind
+    assert warning.detail == f"~{total:.0f} MiB: mem_mb {math.ceil(total / 1000) * 1000}"
     _, warning = memory_problem("r", {**NODE, "compile": True}, total + 1)
-    assert "are estimated to hold (CUDA and compile workers estimated)" in warning
-    assert memory_problem("r", NODE, total) == ("", "")
-    assert memory_problem("r", NODE, None) == ("", "")  # no mem_mb: nothing to check
-    assert memory_problem("r", NODE, 128_000) == ("", "")  # the profile's 128 GB fits
+    assert "estimated need (CUDA and compile workers estimated)" in warning.kind
+    assert memory_problem("r", NODE, total) == ("", None)
+    assert memory_problem("r", NODE, None) == ("", None)  # no mem_mb: nothing to check
+    assert memory_problem("r", NODE, 128_000) == ("", None)  # the profile's 128 GB fits
 
 
 # A site's mount table (fake mountinfo): /dev/shm a tmpfs, the workdir on Lustre.
@@ -96,17 +99,16 @@ def test_a_2x8_v2_preset_run_staging_to_dev_shm_at_128_gb_is_warned_with_its_num
     assert estimate_mb(run, on_disk)["measured"] == pytest.approx(
         estimate_mb(run)["measured"] + arrays
     )
-    assert memory_problem("r", run, 128_000, on_disk) == ("", "")  # fits on a local disk
+    assert memory_problem("r", run, 128_000, on_disk) == ("", None)  # fits on a local disk
     refusal, warning = memory_problem("r", run, 128_000, in_ram)
     total = estimate_mb(run, on_disk)["measured"] + 8 * CUDA_RANK_EXTRA_MB + train_set_mib
-    assert refusal == "" and warning.startswith(
-        f"config.yaml: run 'r': train's mem_mb 128000 per node leaves less than 15% free beyond "
-        f"the {total:.0f} MiB that 8 rank(s) per node with 15 loader worker(s) each and the "
-        f"{train_set_mib:.0f} MiB train copy staged in RAM (stage.scratch_dir '/dev/shm' is "
-        "tmpfs; estimated as 1281167 images x 42.7 kB at prepare.short_side 256) are "
-        "estimated to hold (CUDA and the RAM copy estimated)"
+    assert refusal == "" and str(warning) == (
+        f"config.yaml: run 'r' (~{total:.0f} MiB: mem_mb 135000): train's mem_mb 128000 per node "
+        "leaves under 15% free beyond the estimate (CUDA and the RAM copy estimated) with the "
+        "train copy in RAM (stage.scratch_dir '/dev/shm' is tmpfs; estimated as 1281167 images "
+        "x 42.7 kB at prepare.short_side 256): raise it or stage on a node-local disk "
+        "(docs/configuration.md, memory per node)"
     ), warning
-    assert "raise mem_mb to 135000" in warning and "stage.scratch_dir to a node-local" in warning
     # the prepared copy's own size is a measured figure: above mem_mb, refused
     copied = DataSizes(train, holdout, 100_000, True, "its size")
     refusal, _ = memory_problem("r", run, 128_000, copied)
@@ -145,9 +147,10 @@ def test_the_dry_run_checks_trains_mem_mb_wherever_it_is_set(tmp_path):
     ]
     assert "Traceback" not in out and "Job stats" not in out
     code, out = dry_run(workdir, "--set-resources", "train:mem_mb=5000")
-    assert code == 0 and "warning: config.yaml: run 'gpu': train's mem_mb 5000" in out
+    assert code == 0 and "warning: config.yaml: run 'gpu' (~" in out
+    assert "train's mem_mb 5000 per node is below the estimated need" in out
     memory = "\n".join(line for line in out.splitlines() if "mem_mb" in line)
-    assert "are estimated to hold (CUDA estimated)" in out and "run 'cpu'" not in memory
+    assert "estimated need (CUDA estimated)" in out and "run 'cpu'" not in memory
     code, out = dry_run(workdir, "--set-resources", "train:mem=8G")
     # the tests' runs warm up in fewer steps than the warm-up rule asks (run_checks): not memory
     warnings = [line for line in out.splitlines() if "warning" in line and "warm-up" not in line]
@@ -163,11 +166,9 @@ def test_the_dry_run_checks_trains_mem_mb_wherever_it_is_set(tmp_path):
     code, out = dry_run(
         workdir, "--set-resources", f"train:mem_mb={gpu['measured'] + gpu['estimated'] + 300:.0f}"
     )
-    assert code == 0 and "warning: config.yaml: run 'gpu': train's mem_mb" in out, out[-2000:]
-    assert "leaves less than 15% free beyond the " in out
-    assert (
-        "train copy staged in RAM (stage.scratch_dir '/dev/shm/imagenet-ddp-test' is tmpfs" in out
-    )
+    assert code == 0 and "warning: config.yaml: run 'gpu' (~" in out, out[-2000:]
+    assert "train's mem_mb" in out and "leaves under 15% free beyond the estimate" in out
+    assert "train copy in RAM (stage.scratch_dir '/dev/shm/imagenet-ddp-test' is tmpfs" in out
 
 
 def _resolved() -> dict:

@@ -178,6 +178,34 @@ def test_throughput_draws_one_line_per_group(tmp_path, monkeypatch):
     assert sorted(labels) == sorted(run for run, *_ in FAKE_RUNS)
 
 
+@pytest.mark.parametrize("count", [1, 2, len(FAKE_RUNS)])
+def test_throughput_legends_lie_outside_the_axes_and_no_run_label_under_them(
+    tmp_path, monkeypatch, count
+):
+    """Issue 42: a single run's label sat under the style legend (upper left, in the axes).
+    Both legends are outside the axes; no point label meets either, nor a group's line."""
+    from matplotlib.legend import Legend
+
+    csv, run_dirs = make_fake_results(tmp_path, FAKE_RUNS[:count])
+    fig = _figures(monkeypatch, csv, run_dirs, tmp_path)["throughput"]
+    ax = fig.axes[0]
+    renderer = fig.canvas.get_renderer()
+    fig.draw(renderer)  # the extents as saved
+    legends = [ax.get_legend(), *(a for a in ax.artists if isinstance(a, Legend))]
+    assert len(legends) == 2 and legends[1].get_clip_on() is False  # drawn whole
+    area = ax.get_window_extent(renderer)
+    labels = [t.get_window_extent(renderer) for t in ax.texts]
+    assert len(labels) == count
+    for legend in legends:
+        box = legend.get_window_extent(renderer)
+        assert not box.overlaps(area), _legend_texts(legend)
+        assert not any(box.overlaps(label) for label in labels)
+    # the style legend between the title and the axes, within the figure
+    style = legends[1].get_window_extent(renderer)
+    assert area.y1 <= style.y0 and style.y1 < ax.title.get_window_extent(renderer).y0 + 1
+    plots.plt.close("all")  # _figures keeps them open
+
+
 def test_efficiency_draws_groups_with_a_baseline_and_names_lone_runs(tmp_path, monkeypatch):
     csv, run_dirs = make_fake_results(tmp_path)
     ax = _figures(monkeypatch, csv, run_dirs, tmp_path)["efficiency"].axes[0]

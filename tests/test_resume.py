@@ -10,6 +10,7 @@ sends a real SIGTERM.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -25,6 +26,7 @@ import torch
 from imagenet_ddp.jobs.signals import EXIT_REQUEUE
 from imagenet_ddp.jobs.spec import to_dict, write_spec
 from imagenet_ddp.training.model import read_model_file
+from tests.conftest import DEMO_KWARGS
 from tests.workflow_helpers import make_job, output_within, run_settings
 
 CONFIG = {
@@ -186,6 +188,8 @@ def test_evaluating_only_the_last_epoch_changes_neither_the_weights_nor_a_resume
     assert (history["checkpoint_seconds"] > 0).all()
     work = history["eval_seconds"] + history["checkpoint_seconds"]
     assert np.allclose(history["epoch_end_share"], work / history["epoch_seconds"])
+    # a uniform guess's loss, ln(classes): what aggregate.loss_spike judges each epoch against
+    assert np.allclose(history["chance_loss"], math.log(DEMO_KWARGS["num_classes"]))
 
 
 # Models beyond the torchvision presets (issue 34), each with its own options and another

@@ -475,11 +475,98 @@ def test_the_warm_up_rule_warns_for_a_4_rank_scale_up_and_not_for_its_1_and_2_ra
         for tasks, extra in ((1, {}), (2, {}), (4, {}), (4, {"warmup_epochs": 3}))
     ]
     config["runs"][-1]["name"] = "r4-long"
-    (line,) = run_checks.warmup_warnings(resolved(config), config, tmp_path)
-    assert line.startswith("config.yaml: run 'r4': lr_used 0.05 (lr 0.2 x lr_scaling linear at ")
-    assert "in 14 warm-up steps" in line and "Goyal et al. 2017" in line
-    assert "warmup_steps: 25 or warmup_epochs: 1.8" in line  # a value that satisfies it
+    (notice,) = run_checks.warmup_warnings(resolved(config), config, tmp_path)
+    assert str(notice).startswith(
+        "config.yaml: run 'r4' (14 steps to lr_used 0.05: 0.0036/step, max 0.002; "
+        "warmup_steps 25 or warmup_epochs 1.8): warm-up steeper than published (docs"
+    )  # a value that satisfies it
     config["runs"] = [{"name": "r4", "tasks_per_node": 4, "warmup_steps": 25, "warmup_epochs": 0}]
+    assert run_checks.warmup_warnings(resolved(config), config, tmp_path) == []
+
+
+def test_a_sweeps_warnings_are_one_short_line_per_kind(tmp_path):
+    """Issue 42: a 12-run sweep that shares a problem gets one line naming its runs."""
+    from imagenet_ddp.settings.notices import Notice, summarised
+
+    config = demo_config()
+    config["runs"] = [{"name": f"r{i}", "tasks_per_node": 4, "seed": i} for i in range(12)]
+    notices = run_checks.warmup_warnings(resolved(config), config, tmp_path)
+    notices.append(Notice("another kind", "r0"))
+    first, second = summarised(notices)
+    assert first == (
+        "config.yaml: runs 'r0', 'r1', 'r2' and 9 more (14 steps to lr_used 0.05: 0.0036/step, "
+        f"max 0.002; warmup_steps 25 or warmup_epochs 1.8): {run_checks.WARMUP_TOO_SHORT}"
+    )
+    assert len(first) <= 250  # 12 runs, one line
+    config["runs"][1]["warmup_epochs"] = 0.5  # its own figure, named with it
+    first = summarised(run_checks.warmup_warnings(resolved(config), config, tmp_path))[0]
+    assert first.startswith("config.yaml: runs 'r0' (14 steps to lr_used 0.05: 0.0036/step")
+    assert "'r1' (7 steps to lr_used 0.05: " in first and first.endswith(
+        "1.8) and 9 more: " + run_checks.WARMUP_TOO_SHORT
+    )
+    assert second == "config.yaml: run 'r0': another kind"
+
+
+def digits_config(tmp_path, indexed: bool) -> dict:
+    """Issue 42's runs: 10 classes, ResNet-18, batch 32 per rank, lr 0.4 per 256 scaled
+    linearly, a 1-epoch warm-up; an ImageFolder of 1,437 train images (1,293 after the
+    holdout: 10 steps per epoch at 4 ranks), indexed or not yet."""
+    config = demo_config()
+    config["demo"]["enabled"] = False
+    config["train_defaults"].update(batch_size=32, lr=0.4, warmup_epochs=1, epochs=15)
+    config["runs"] = [{"name": f"r{n}", "tasks_per_node": n} for n in (1, 2, 4)]
+    if indexed:
+        (tmp_path / "results" / "index").mkdir(parents=True)
+        (tmp_path / "results/index/train.csv").write_text("path,label\n" + "x,0\n" * 1437)
+    return config
+
+
+def test_the_warm_up_rule_judges_the_ramp_per_step_whatever_the_batch(tmp_path):
+    """Issue 42: 4 ranks reach lr_used 0.2 in 10 steps (0.02 per step; Goyal et al. ramp
+    0.0041 per step at a quarter of its LR per image) and train to 60 %: warned, with the
+    warm-up that the rule asks for. Its 1- and 2-rank runs, at the same LR per image, need
+    longer warm-ups than they had too (they trained: the rule is conservative, a warning)."""
+    config = digits_config(tmp_path, indexed=True)
+    notices = run_checks.warmup_warnings(resolved(config), config, tmp_path)
+    assert [n.run for n in notices] == ["r1", "r2", "r4"]
+    assert notices[2].detail == (
+        "10 steps to lr_used 0.2: 0.02/step, max 0.001; 196 steps, over half the run: "
+        "lr_used <= 0.05"  # the 150-step run's fix: its 1- and 2-rank LR, 0.1 per 256
+    )
+    assert notices[1].detail == (
+        "20 steps to lr_used 0.1: 0.005/step, max 0.001; warmup_steps 98 or warmup_epochs 4.9"
+    )
+    # the invariant: the rise per step x the LR per 256 images is Goyal et al.'s at most
+    assert pytest.approx(3.2 / 782 * 0.1) == run_checks.GOYAL_RAMP
+    for lr_used, batch in ((0.2, 128), (3.2, 8192), (0.8, 256), (12.8, 8192)):
+        steps = run_checks.required_warmup_steps(lr_used, batch)
+        assert lr_used / steps * (lr_used * 256 / batch) <= run_checks.GOYAL_RAMP * 1.0001
+        assert lr_used / (steps - 1) * (lr_used * 256 / batch) > run_checks.GOYAL_RAMP
+    config["train_defaults"]["warmup_epochs"] = 0
+    config["runs"][2]["warmup_steps"] = 196
+    assert [n.run for n in run_checks.warmup_warnings(resolved(config), config, tmp_path)] == [
+        "r1",
+        "r2",
+    ]
+
+
+def test_a_run_without_warm_up_is_named_as_reaching_its_lr_at_once(tmp_path):
+    config = demo_config(tasks_per_node=4, warmup_epochs=0)
+    (notice,) = run_checks.warmup_warnings(resolved(config), config, tmp_path)
+    assert notice.detail.startswith("0 steps to lr_used 0.05: at once, max 0.002; warmup_steps 25")
+
+
+def test_a_warm_up_in_epochs_on_data_not_indexed_yet_is_judged_by_its_smallest_train_set(
+    tmp_path,
+):
+    """The first dry-run on a folder of any size counts no images: the run is named with the
+    train set below which its warm-up is too short (not judged at ImageNet's 1.28 M)."""
+    config = digits_config(tmp_path, indexed=False)
+    notices = run_checks.warmup_warnings(resolved(config), config, tmp_path)
+    assert {n.kind for n in notices} == {run_checks.WARMUP_UNKNOWN}
+    assert notices[2] == (run_checks.WARMUP_UNKNOWN, "r4",
+                          "fewer than 25088 train images: warmup_steps 196")  # fmt: skip
+    config["data"]["layout"] = "archives"  # the archives' count is exact: judged, and enough
     assert run_checks.warmup_warnings(resolved(config), config, tmp_path) == []
 
 
@@ -490,6 +577,7 @@ def test_the_warm_up_rule_passes_the_presets_as_published(preset, tmp_path):
 
     config = demo_config()
     config["demo"]["enabled"] = False  # ImageNet's 1.28 M images
+    config["data"]["layout"] = "archives"  # their count exact before the index
     config["runs"] = [{"name": preset, **PRESETS[preset], "tasks_per_node": 8}]
     assert run_checks.required_warmup_steps(3.2, 8192) == run_checks.GOYAL_WARMUP_STEPS == 782
     assert run_checks.warmup_warnings(resolved(config), config, tmp_path) == []

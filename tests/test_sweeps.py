@@ -130,7 +130,7 @@ def test_collisions_are_a_clear_error(config, message):
     [
         (
             {"name": "x {nodes}", "grid": {"nodes": [1]}},
-            "sweep[0] (name 'x {nodes}'): run 'x 1' (nodes=1): name: 'x 1' does not match",
+            "sweep[0] (name 'x {nodes}'): run 'x 1' (nodes=1): name 'x 1': does not match",
         ),
         (
             {"name": "r-{lrr}", "grid": {"lr": [0.1]}},
@@ -138,11 +138,11 @@ def test_collisions_are_a_clear_error(config, message):
         ),
         (
             {"name": "r-{lr}", "grid": {"lrr": [0.1]}},
-            "run 'r-0.1' (lrr=0.1): run: Additional properties are not allowed",
+            "run 'r-0.1' (lrr=0.1): unknown key(s) ('lrr' was unexpected); did you mean lr?",
         ),
         (
             {"name": "r-{nodes}", "grid": {"nodes": [0]}},
-            "run 'r-0' (nodes=0): nodes: 0 is less than the minimum of 1",
+            "run 'r-0' (nodes=0): nodes 0: is less than the minimum of 1; use a value >= 1",
         ),
         (
             {"name": "r-{lr}-{seed}", "zip": {"lr": [0.1, 0.2], "seed": [0]}},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from types import SimpleNamespace
 
@@ -258,7 +259,10 @@ def test_monitor_logs_every_interval_and_each_epoch_to_tensorboard(tmp_path):
     for step in range(1, 5):
         meter.steps = step
         monitor.step(0, step, meter, lr=0.1)
-    monitor.epoch(0, {"train_loss": 2.4, "steady_images_per_s": None, "lr_end": 0.05})
+    spike = "loss spiked to 7.4 at epoch 0 (chance 2.3; last epoch 2.4)"  # aggregate.loss_spike
+    monitor.epoch(0, {"train_loss": 2.4, "steady_images_per_s": None, "lr_end": 0.05}, spike)
+    progress = json.loads((tmp_path / "progress.json").read_text())  # report.progress reads it
+    assert progress["loss_spike"] == spike and progress["train_loss"] == 2.4
     cost = monitor.finish(EPOCHS)
     assert cost["gpu_telemetry"]["available"] and cost["wall_seconds"] > 0
     events = EventAccumulator(str(tmp_path / "tensorboard"))

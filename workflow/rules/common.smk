@@ -11,7 +11,6 @@ import time
 
 from snakemake.exceptions import WorkflowError
 from snakemake.settings.types import DeploymentMethod
-from snakemake.utils import validate
 
 # What runs at parse comes from this workflow's own source tree and needs only Snakemake and its
 # dependencies: a dry-run or --lint works in a login node's bare Snakemake environment.
@@ -35,7 +34,9 @@ from imagenet_ddp.settings.geometry import global_batch, slurm_resources
 from imagenet_ddp.settings.kinds import declarations, rerun_line
 from imagenet_ddp.settings.presets import scaled_lr
 from imagenet_ddp.settings.run_checks import CHECKED_SETTINGS, warmup_warnings
+from imagenet_ddp.settings.notices import summarised
 from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
+from imagenet_ddp.settings.schema import config_problems
 from imagenet_ddp.jobs.stage_versions import STAGE_VERSIONS
 
 
@@ -48,12 +49,14 @@ def refuse(lines):
     sys.exit(1)
 
 
-# Validation fills in the schema's defaults, the one home of every setting's default: the rules
-# read config[...] directly. Runs resolve from their entries as written (settings.runs).
+# Validation fills in the schema's defaults (their one home); runs resolve as written.
 _WRITTEN = written_settings(config)
-validate(config, "../schemas/config.schema.yaml")
 _SCHEMA = os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml")
-# Each run setting's kind (x-kind in the schema): what a change of it reruns.
+_problems = config_problems(
+    config, _SCHEMA
+)  # as snakemake.utils.validate, one line each
+if _problems:
+    refuse(_problems)
 SETTINGS = declarations(_SCHEMA)
 
 # Every run, resolved (sweeps, presets, train_defaults) and checked from the config alone: what
@@ -65,8 +68,7 @@ except RunsError as error:
     refuse([str(error)])
 
 
-# A run is one of config.yaml's runs: a target of another name (results/runs/nope/model.pt) is
-# "No rule to produce" it, not an input function's KeyError.
+# A target of no configured run (results/runs/nope/model.pt) is "No rule to produce" it.
 wildcard_constraints:
     run="|".join(re.escape(name) for name in RUNS) or "(?!)",
 
@@ -232,8 +234,8 @@ _refusals, _warnings = memory_problems(
 )
 if _refusals:
     refuse(_refusals)
-for _line in _warnings + warmup_warnings(RUNS, config, None):
-    print(f"warning: {_line}", file=sys.stderr)
+for _line in summarised(_warnings + warmup_warnings(RUNS, config, None)):
+    print(f"warning: {_line}", file=sys.stderr)  # one line per kind, naming the runs
 
 
 def run_hyperparameters(wildcards):

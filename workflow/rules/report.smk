@@ -93,7 +93,7 @@ rule plots:
             PLOT_FILES["throughput"],
             caption="../report/throughput.rst",
             category="Throughput",
-            labels={"figure": "throughput vs workers"},
+            labels={"figure": "throughput vs ranks"},
         ),
         efficiency=report(
             PLOT_FILES["efficiency"],

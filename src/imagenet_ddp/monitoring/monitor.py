@@ -28,7 +28,7 @@ __all__ = ["RunMonitor"]
 
 # What progress.json keeps of an epoch's record (imagenet_ddp.report.progress reads it).
 PROGRESS_KEYS = ("epoch", "images_per_s", "epoch_seconds", "eval_seconds", "checkpoint_seconds",
-                 "train_loss", "holdout_top1")  # fmt: skip
+                 "train_loss", "holdout_top1", "loss_spike")  # fmt: skip
 
 # The experiment trackers beside TensorBoard: (attribute of RunMonitor, name in messages).
 TRACKERS = (("tracker", "MLflow"), ("wandb", "W&B"))
@@ -159,12 +159,13 @@ class RunMonitor:
         self._write("scalars", "train", values, global_step)
         self._gpu(global_step)
 
-    def epoch(self, epoch: int, record: dict[str, Any]) -> None:
+    def epoch(self, epoch: int, record: dict[str, Any], spike: str = "") -> None:
+        """``spike``: the run's worst loss spike so far (report.aggregate.loss_spike)."""
         global_step = self._global_step(epoch + 1, 0)
         self._write("epoch", record, global_step)
         self._gpu(global_step)
         self.mark = None
-        self._progress(record)
+        self._progress({**record, "loss_spike": spike})
 
     def _progress(self, record: dict[str, Any]) -> None:
         """<run dir>/progress.json: the last epoch's figures, for the runs table while the run

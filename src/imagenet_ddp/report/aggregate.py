@@ -93,6 +93,7 @@ COLUMNS = [
     "precision",
     "epochs",
     "diverged",
+    "loss_spike",
     "staging_seconds",
     "staging_gb_per_s",
     "mean_epoch_seconds",
@@ -121,6 +122,9 @@ COLUMNS = [
     "trained_by_other_code",
 ]
 
+
+# Counts that may be unknown (a run from before they were kept): integers, empty where unknown.
+INTEGER_COLUMNS = ["throughput_warmup_steps", "allocations", "preflight_allocations"]
 
 BASELINE_NOTE = "baseline: smallest run of its group"
 ALONE_NOTE = "only run of its group"
@@ -218,6 +222,8 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         "epochs": cfg["epochs"],
         # Stopped by the divergence guard (training.guard): where and why; "" otherwise.
         "diverged": diverged_cell(train.get("diverged")),
+        # An epoch far above chance, in warm-up or after (recovered or not): loss_spike.
+        "loss_spike": loss_spike(train.get("epochs") or [], cfg.get("divergence_loss_factor", 2)),
         "staging_seconds": stage_seconds,
         "staging_gb_per_s": stage_bytes / stage_seconds / 1e9 if stage_seconds else float("nan"),
         "mean_epoch_seconds": train["mean_epoch_seconds"],
@@ -256,6 +262,25 @@ def diverged_cell(diverged: dict[str, Any] | None) -> str:
     return (
         f"epoch {diverged['epoch']} step {diverged['step']}: {diverged['reason']} (loss "
         f"{diverged['loss']}, lr {diverged['lr']})"
+    )
+
+
+def loss_spike(epochs: list[dict[str, Any]], factor: float = 2.0) -> str:
+    """The epoch whose mean training loss was highest above ``factor`` (the run's
+    divergence_loss_factor) x its ``chance_loss``, ln(classes), the loss of a uniform guess:
+    "loss spiked to 7.4 at epoch 0 (chance 2.3; last epoch 0.05)", even when the run recovered
+    (the divergence guard stops only a spike that lasts); "" if none or not recorded."""
+    over = [
+        (e["train_loss"], e["epoch"], e["chance_loss"])
+        for e in epochs
+        if e.get("chance_loss") and (e.get("train_loss") or 0) > factor * e["chance_loss"]
+    ]
+    if not over:
+        return ""
+    loss, epoch, chance = max(over)
+    return (
+        f"loss spiked to {loss:.3g} at epoch {epoch} (chance {chance:.2g}; last epoch "
+        f"{epochs[-1]['train_loss']:.3g})"
     )
 
 
@@ -391,6 +416,11 @@ def add_scaling(table: pd.DataFrame) -> pd.DataFrame:
             )
     table["scaling_efficiency"] = efficiency
     table["scaling_note"] = notes
+    # empty where the run is its own baseline (a group's smallest or only run): runs.csv names
+    # only another run
+    table["scaling_baseline"] = table["scaling_baseline"].where(
+        table["scaling_baseline"] != table["run"]
+    )
     return table
 
 
@@ -406,7 +436,8 @@ def other_training_code(run_dir: Path, version: str = __version__) -> bool | Non
 def aggregate_runs(run_dirs: list[Path]) -> pd.DataFrame:
     rows = [{**run_row(d), "trained_by_other_code": other_training_code(d)} for d in run_dirs]
     table = add_scaling(pd.DataFrame(rows))
-    table["throughput_warmup_steps"] = table["throughput_warmup_steps"].astype("Int64")
+    for column in INTEGER_COLUMNS:  # counts: 3, not 3.0; empty where unknown
+        table[column] = table[column].astype("Int64")
     return table[COLUMNS].sort_values(["scaling_group", "world_size", "run"]).reset_index(drop=True)
 
 
@@ -472,6 +503,7 @@ SHORT_COLUMNS: list[tuple[str, str, Any]] = [
             + (" *" if _code_changed(row) else "")
             + (" †" if _other_code(row) else "")
             + (" (diverged)" if row["diverged"] else "")
+            + (" (loss spike)" if row.get("loss_spike") else "")
         ),
     ),
     ("model", "left", lambda row: row["model"]),
@@ -494,12 +526,48 @@ DIVERGED_NOTE = (
     "(diverged): stopped by the divergence guard, its accuracy that of its last good "
     'checkpoint (docs/reliability.md "Divergence"): '
 )
+LOSS_SPIKE_NOTE = (
+    "(loss spike): an epoch's mean training loss above divergence_loss_factor x ln(classes) "
+    "(chance, a uniform guess's), even where the run recovered: an LR too high for its warm-up "
+    "(docs/configuration.md#warm-up-and-batch-size): "
+)
 CODE_CHANGED = "\\* allocations of the run ran different code (checked out at each submission): "
 
 OTHER_CODE = (
     "† trained by another imagenet-ddp version than this one (no upgrade reruns a finished "
     'training; docs/configuration.md "Code changes" says how to retrain one): '
 )
+
+# What each column of runs.md is, what it includes and why a cell may be empty or 0: under the
+# table, for a reader who has not read docs/results.md.
+LEGEND = [
+    ("run", "its name in config.yaml; a mark after it (\\*, †, diverged, loss spike) is "
+     "explained above"),
+    ("model", "torchvision name, or timm/<name>"),
+    ("nodes x ranks", "nodes x ranks per node of the last training job; (+ N x M): other "
+     "shapes an elastic run's allocations ran on"),
+    ("GPUs", "GPUs the ranks trained on; 0: on CPU"),
+    ("global batch", "images per optimizer step: batch_size x ranks x accumulation"),
+    ("precision", "fp32, or autocast to bf16 / fp16"),
+    ("epochs", "the run's epochs setting"),
+    ("img/s (steady)", "training images per second over all ranks, median over epochs of the "
+     "slowest rank, each epoch's first throughput_warmup_steps steps left out; holdout "
+     "evaluation, checkpoints and staging not included; empty: trained before it was measured"),
+    ("scaling eff.", "steady img/s per rank relative to the group's baseline, its smallest run "
+     "(same settings but nodes and ranks; 100 %: linear scaling); `baseline` for that run; "
+     "empty for a group's only run (nothing to compare with; runs.csv: scaling_note)"),
+    ("input-bound", "share of step time the most input-bound rank waited for its next batch "
+     "(median over epochs): a few % means the loader keeps up, a high share needs more loader "
+     "workers (cpus_per_task); (preflight N %): what the preflight projected; empty: not "
+     "measured"),
+    ("holdout top-1", "top-1 on the images split.holdout_fraction held out of the train set, "
+     "by the evaluate job on the final weights"),
+    ("test top-1", "top-1 on the official validation set (the test set here), likewise"),
+    ("GPU-h", "allocated GPUs x wall time, summed over every allocation of the run (staging, "
+     "warm-up, holdout evaluation, checkpoints and lost work included); 0: no GPU allocated "
+     "(a CPU run); empty: not recorded"),
+    ("wall h:mm:ss", "the last training job's wall time, launch to end, staging included"),
+]  # fmt: skip
 
 MORE_FIGURES = (
     "Every figure of these runs (end-to-end and per-rank throughput, scaling groups and "
@@ -532,7 +600,13 @@ def to_markdown(table: pd.DataFrame) -> str:
     diverged = [row for _, row in table.iterrows() if row["diverged"]]
     if diverged:
         text += "\n\n" + DIVERGED_NOTE + "; ".join(f"{r['run']}: {r['diverged']}" for r in diverged)
-    return text + "\n\n" + MORE_FIGURES + "\n"
+    spiked = [row for _, row in table.iterrows() if row.get("loss_spike")]
+    if spiked:
+        text += (
+            "\n\n" + LOSS_SPIKE_NOTE + "; ".join(f"{r['run']}: {r['loss_spike']}" for r in spiked)
+        )
+    legend = "\n".join(f"- {heading}: {text}" for heading, text in LEGEND)
+    return text + "\n\nColumns:\n\n" + legend + "\n\n" + MORE_FIGURES + "\n"
 
 
 def write_aggregate(run_dirs: list[Path], csv: Path, markdown: Path) -> None:

@@ -134,6 +134,9 @@ def read_runs(path: Path) -> pd.DataFrame:
             "scaling groups; rewrite it with `snakemake --forcerun aggregate`"
         )
     _numeric(table, [c for c in SCALING_COLUMNS if c not in TEXT_COLUMNS], path)
+    # empty: the run is its own group's baseline (tables before 2026-11-27 named the run itself)
+    base = table["scaling_baseline"]  # all empty: read as float
+    table["scaling_baseline"] = base.astype(object).where(base.notna(), table["run"])
     for column in ("run", "model", "scaling_group", "scaling_baseline"):
         if table[column].isna().any():
             raise InputError(
@@ -285,21 +288,24 @@ def plot_throughput(table: pd.DataFrame, out: Path) -> None:
         labelled = table.assign(label_y=table["steady_images_per_s"].fillna(table["images_per_s"]))
         _label_points(ax, labelled, "label_y")
         ax.set_ylabel("Training throughput (images/s, all ranks)")
-        ax.set_title("Training throughput vs ranks")
+        ax.set_title("Training throughput vs ranks", pad=24)
         gray = {"color": "0.3"}
-        ax.add_artist(
-            ax.legend(
-                handles=[
-                    Line2D([], [], **gray, **STEADY, label="steady state (warm-up steps left out)"),
-                    Line2D([], [], **gray, **END_TO_END, label="end to end (whole epoch)"),
-                    Line2D(
-                        [], [], **gray, **IDEAL, label="ideal linear, from group's smallest run"
-                    ),
-                ],
-                loc="upper left",
-                frameon=False,
-            )
+        styles = ax.legend(
+            handles=[
+                Line2D([], [], **gray, **STEADY, label="steady state (warm-up left out)"),
+                Line2D([], [], **gray, **END_TO_END, label="end to end (whole epoch)"),
+                Line2D([], [], **gray, **IDEAL, label="ideal linear scaling"),
+            ],
+            # between the title and the axes, not in them: no point or label falls under it
+            loc="lower center",
+            bbox_to_anchor=(0.5, 1.0),
+            ncol=3,
+            fontsize=8,
+            handlelength=2.5,
+            frameon=False,
         )
+        ax.add_artist(styles)
+        styles.set_clip_on(False)  # add_artist clips to the axes
         _group_legend(ax, handles, "Scaling group (same settings, geometry varies)")
         _save(fig, out)
 

@@ -74,7 +74,14 @@ def _training(run_dir: Path) -> dict[str, Any]:
 
 
 def run_state(run: str, run_dir: Path, checkpoint_root: Path, now: float) -> dict[str, Any]:
-    """A row for a run that has not finished: its state from its last attempt."""
+    """A row for a run that has not finished: its state from its last attempt, and the worst
+    loss spike of its epochs so far (aggregate.loss_spike, kept in progress.json)."""
+    row = _state(run, run_dir, checkpoint_root, now)
+    spike = (_read(run_dir / PROGRESS) or {}).get("loss_spike")
+    return {**row, "note": "; ".join(p for p in (row["note"], spike) if p)}
+
+
+def _state(run: str, run_dir: Path, checkpoint_root: Path, now: float) -> dict[str, Any]:
     row = {"run": run, **_training(run_dir), "note": ""}
     last = _last_attempt(checkpoint_root)
     if last is None:
@@ -88,7 +95,7 @@ def run_state(run: str, run_dir: Path, checkpoint_root: Path, now: float) -> dic
     if outcome in ("failed", "refused", "killed"):
         error = (last.get("error") or "").splitlines()[:1]
         note = f"attempt {last.get('attempt')}: {error[0] if error else 'no error recorded'}"
-        return {**row, "state": outcome, "note": note[:200]}
+        return {**row, "state": outcome, "note": note[:160]}
     if outcome == "stopped":
         return {**row, "state": "stopped", "note": "checkpointed; resumes in its next job"}
     return {**row, "state": "trained", "note": "not evaluated yet"}  # completed

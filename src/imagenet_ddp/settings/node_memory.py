@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from imagenet_ddp.settings.geometry import loader_workers
+from imagenet_ddp.settings.notices import Notice
 
 MIB = 2**20
 # Measured (bench_memory.py): RSS of a rank (torch and torchvision imported, its loader
@@ -122,54 +123,57 @@ def estimate_mb(run: Mapping[str, Any], data: DataSizes = DataSizes()) -> dict[s
 
 def memory_problem(
     name: str, run: Mapping[str, Any], mem_mb: float | None, data: DataSizes = DataSizes()
-) -> tuple[str, str]:
-    """(refusal, warning) lines for run ``name`` against the train job's ``mem_mb`` per node;
-    empty strings where it fits or no ``mem_mb`` is known."""
+) -> tuple[str, Notice | None]:
+    """(refusal line, warning) for run ``name`` against the train job's ``mem_mb`` per node;
+    ``""`` and None where it fits or no ``mem_mb`` is known."""
     if mem_mb is None:
-        return "", ""
+        return "", None
     figures = estimate_mb(run, data)
     measured, total = figures["measured"], figures["measured"] + figures["estimated"]
     # with a copy in RAM the estimate must leave RAM_COPY_HEADROOM of mem_mb free
     room = 1 - RAM_COPY_HEADROOM if data.scratch_mb else 1.0
-    who = (
-        f"{run['tasks_per_node']} rank(s) per node with {figures['workers']} loader worker(s) "
-        "each"
-        + (
-            f" and the {data.scratch_mb:.0f} MiB train copy staged in RAM ({data.scratch_where})"
-            if data.scratch_mb
-            else ""
-        )
-    )
-    head = f"config.yaml: run {name!r}: train's mem_mb {mem_mb:.0f} per node"
+    copy = f" and the {data.scratch_mb:.0f} MiB train copy staged in RAM" if data.scratch_mb else ""
     advice = (
-        f"raise mem_mb to {math.ceil(total / room / 1000) * 1000} (set-resources train: "
-        "mem_mb), or lower tasks_per_node, workers or batch_size"
-        + (", or set stage.scratch_dir to a node-local disk" if data.scratch_mb else "")
+        "raise mem_mb (set-resources train: mem_mb), or lower tasks_per_node, workers or "
+        "batch_size"
+        + (", or set stage.scratch_dir to a node-local disk" if copy else "")
         + " (docs/configuration.md, memory per node)"
     )
+    needed = math.ceil(total / room / 1000) * 1000
     if measured > mem_mb:
         return (
-            f"{head} is below the {measured:.0f} MiB that {who} hold (measured figures); {advice}",
-            "",
+            f"config.yaml: run {name!r}: train's mem_mb {mem_mb:.0f} per node is below the "
+            f"{measured:.0f} MiB that {run['tasks_per_node']} rank(s) per node with "
+            f"{figures['workers']} loader worker(s) each{copy}"
+            + (f" ({data.scratch_where})" if copy else "")
+            + f" hold (measured figures); {advice.replace('mem_mb', f'mem_mb to {needed}', 1)}",
+            None,
         )
     parts = ["CUDA"] * (run["gpus_per_node"] > 0) + ["compile workers"] * bool(run.get("compile"))
     parts += ["the RAM copy"] * bool(data.scratch_mb and not data.scratch_measured)
-    held = f"are estimated to hold ({' and '.join(parts)} estimated)"
+    head = f"train's mem_mb {mem_mb:.0f} per node"
+    estimated = f"({' and '.join(parts)} estimated)"
+    docs = "(docs/configuration.md, memory per node)"
+    detail = f"~{total:.0f} MiB: mem_mb {needed}"
     if total > mem_mb:
-        return "", f"{head} is below the {total:.0f} MiB that {who} {held}; {advice}"
+        kind = f"{head} is below the estimated need {estimated}: raise it, or lower"
+        return "", Notice(f"{kind} tasks_per_node, workers or batch_size {docs}", name, detail)
     if total > room * mem_mb:
-        return "", (
-            f"{head} leaves less than {RAM_COPY_HEADROOM:.0%} free beyond the {total:.0f} MiB "
-            f"that {who} {held}: a copy in RAM cannot be reclaimed, and the page cache and "
-            f"pinned buffers not counted here need the rest; {advice}"
+        kind = f"{head} leaves under {RAM_COPY_HEADROOM:.0%} free beyond the estimate {estimated}"
+        return "", Notice(
+            f"{kind} with the train copy in RAM ({data.scratch_where}): raise it or stage on "
+            f"a node-local disk {docs}",
+            name,
+            detail,
         )
-    return "", ""
+    return "", None
 
 
 def node_memory_problems(
     runs: Mapping[str, Mapping[str, Any]], mem_mb: float | None, data: DataSizes = DataSizes()
-) -> tuple[list[str], list[str]]:
-    """(refusals, warnings) of every run's training job against ``mem_mb``."""
+) -> tuple[list[str], list[Notice]]:
+    """(refusal lines, warnings) of every run's training job against ``mem_mb``; the warnings
+    one line per kind through :func:`imagenet_ddp.settings.notices.summarised`."""
     refusals, warnings = [], []
     for name, run in runs.items():
         refusal, warning = memory_problem(name, run, mem_mb, data)

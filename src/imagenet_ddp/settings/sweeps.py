@@ -25,6 +25,8 @@ from typing import Any
 
 import jsonschema
 
+from imagenet_ddp.settings.schema import describe_error
+
 __all__ = ["SweepError", "expand_runs", "expand_sweep", "format_value", "run_schema"]
 
 
@@ -108,11 +110,8 @@ def expand_sweep(
             try:
                 jsonschema.validate(entry, run_schema)
             except jsonschema.ValidationError as error:
-                key = ".".join(str(p) for p in error.absolute_path) or "run"
-                raise SweepError(
-                    f"config.yaml: {where}: run {name!r} ({_describe(axes)}): {key}: "
-                    f"{error.message}; fix the sweep's values or name template"
-                ) from None
+                who = f"{where}: run {name!r} ({_describe(axes)})"
+                raise SweepError(describe_error(error, who=who)) from None
         runs.append((entry, axes))
     return runs
 

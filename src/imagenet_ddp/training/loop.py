@@ -14,6 +14,7 @@ of history.csv (``eval_seconds``, ``checkpoint_seconds``; metrics.EPOCH_END_NOTE
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from imagenet_ddp.data.dataset import normalize_batch
 from imagenet_ddp.jobs import distributed as D
 from imagenet_ddp.jobs.signals import EXIT_REQUEUE, stop_signals_blocked
 from imagenet_ddp.precision import autocast
+from imagenet_ddp.report.aggregate import loss_spike
 from imagenet_ddp.training import recipe
 from imagenet_ddp.training.accuracy import evaluate_loader
 from imagenet_ddp.training.checkpoint import save_job, settle_checkpoints
@@ -103,7 +105,8 @@ def run_epochs(
         end_epoch(job, epoch, meter, holdout, timer)
         stop.checkpointed()  # end_epoch wrote one
         if monitor is not None:  # TensorBoard epoch scalars
-            monitor.epoch(epoch, job.history[-1])
+            spike = loss_spike(job.history, job.cfg.divergence_loss_factor)
+            monitor.epoch(epoch, job.history[-1], spike)  # spike: progress.json
         if stop.agreed():  # signalled during the epoch: its checkpoint is written
             if job.progress is not None:  # the attempt record's proof of a stop (attempts)
                 job.progress.stopped(epoch + 1, 0, stop.signalled)
@@ -345,6 +348,7 @@ def end_epoch(
     record["eval_seconds"] = time.perf_counter() - began  # ends with a collective: all ranks
     record["crop_size"] = job.cfg.crop_for_epoch(epoch)
     record["shape"] = meter.shape  # nodes x ranks per node, or mixed (EpochMeter.shape_of)
+    record["chance_loss"] = math.log(max(holdout.num_classes, 2))  # a uniform guess's loss
     job.history.append(record)
     save_job(job, epoch + 1, 0, record=record)  # sets checkpoint_seconds on rank 0
     if job.info.is_main:
