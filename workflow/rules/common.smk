@@ -1,7 +1,6 @@
-# The rules' helpers: input functions, params and resources. What runs are and whether they can
-# train is decided in the package (imagenet_ddp.settings.runs), torch-free: this file runs in
-# every parse, the main Snakemake's and each job's own (the SLURM jobstep's), and does the same
-# in both. It writes nothing: what must be written is a rule's output.
+# The rules' helpers: input functions, params and resources; the logic is the package's. This
+# file runs in every parse (the main Snakemake's and each job's own), the same in both, and
+# writes nothing: what must be written is a rule's output.
 
 import json
 import os
@@ -41,9 +40,7 @@ from imagenet_ddp.jobs.stage_versions import STAGE_VERSIONS
 
 
 def refuse(lines):
-    """Stop the parse with ``lines``, each a whole refusal naming config.yaml (or the setting)
-    and the fix: one line each, no traceback (a WorkflowError would add the Snakefile's line).
-    """
+    """Stop the parse: one line per refusal, no traceback (a WorkflowError adds its own)."""
     for line in lines:
         print(line, file=sys.stderr)
     sys.exit(1)
@@ -102,9 +99,9 @@ LAYOUT = _input_layout()
 
 def class_count(wildcards=None):
     """The data's class count (the demo's or the layout's), for a weights file's check."""
-    if config["demo"]["enabled"]:
-        return config["demo"]["num_classes"]
-    return LAYOUT.class_count(data_dir()) if os.path.isdir(data_dir()) else 0
+    if config["demo"]["enabled"] or not os.path.isdir(data_dir()):
+        return config["demo"]["num_classes"] if config["demo"]["enabled"] else 0
+    return LAYOUT.class_count(data_dir())
 
 
 def archive_paths():
