@@ -85,3 +85,48 @@ def test_the_workflow_profile_leaves_the_sites_part_to_the_site():
     for rule in sorted(submitted):
         resources = profile["set-resources"].get(rule) or {}
         assert {"runtime", "mem_mb"} <= set(resources), rule
+
+
+def test_the_controller_job_passes_the_profiles_through_and_refuses_an_order_that_drops_ours(
+    tmp_path,
+):
+    """Issue 42: profiles/slurm/controller.sbatch run as a job with a site profile that sets
+    set-resources of its own (train: qos). Given as --profile <site> --workflow-profile
+    profiles/slurm, real Snakemake's plan keeps the workflow's train resources (partition,
+    runtime, memory, the stop warning) and the site's defaults (its account); a site's flag for
+    train goes in execution.slurm_extra (a profile's set-resources of a rule replaces the
+    other profile's whole, Snakemake's merge). The reverse order, or the site's alone, would
+    drop ours without a word, and is refused in one line before Snakemake runs."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.workflow_helpers import copy_workflow
+
+    workdir = copy_workflow(tmp_path / "wf")
+    site = workdir / "site"
+    site.mkdir()
+    (site / "config.yaml").write_text(
+        "executor: slurm\ndefault-resources: {slurm_account: site_account}\n"
+        "set-resources: {train: {qos: long}}\n"
+    )
+    env = {**os.environ, "IMAGENET_DDP_SNAKEMAKE": f"{sys.executable} -m snakemake"}
+    script = workdir / "profiles/slurm/controller.sbatch"
+
+    def controller(*args):
+        return subprocess.run(["bash", str(script), *args], cwd=workdir, env=env,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    ran = controller("--profile", "site", "--workflow-profile", "profiles/slurm", "-n",
+                     "--config", "execution={slurm_extra: --qos=long}")  # fmt: skip
+    assert ran.returncode == 0, (ran.stdout + ran.stderr)[-3000:]
+    train = re.search(r"rule train:.*?resources: ([^\n]*)", ran.stdout, re.S).group(1)
+    for kept in ("slurm_partition=gpu", "runtime=1440", "mem_mb=128000",
+                 "slurm_account=site_account", "slurm_extra=--signal=USR1@300 --qos=long"):  # fmt: skip
+        assert kept in train, (kept, train)
+    for wrong in (("--profile", "profiles/slurm", "--workflow-profile", "site"),
+                  ("--profile", "site")):  # fmt: skip
+        refused = controller(*wrong, "-n")
+        assert refused.returncode == 2 and "Snakefile" not in refused.stdout, refused.stdout
+        [line] = refused.stderr.splitlines()
+        assert "give --profile <site profile> --workflow-profile profiles/slurm" in line
