@@ -121,9 +121,10 @@ def test_the_controller_job_passes_the_profiles_through_and_refuses_an_order_tha
                      "--config", "execution={slurm_extra: --qos=long}")  # fmt: skip
     assert ran.returncode == 0, (ran.stdout + ran.stderr)[-3000:]
     train = re.search(r"rule train:.*?resources: ([^\n]*)", ran.stdout, re.S).group(1)
-    for kept in ("slurm_partition=gpu", "runtime=1440", "mem_mb=128000",
-                 "slurm_account=site_account", "slurm_extra=--signal=USR1@300 --qos=long"):  # fmt: skip
-        assert kept in train, (kept, train)
+    kept = ("slurm_partition=gpu", "runtime=1440", "mem_mb=128000", "slurm_account=site_account",
+            "slurm_extra=--signal=USR1@300 --qos=long")  # fmt: skip
+    for resource in kept:
+        assert resource in train, (resource, train)
     for wrong in (("--profile", "profiles/slurm", "--workflow-profile", "site"),
                   ("--profile", "site")):  # fmt: skip
         refused = controller(*wrong, "-n")
