@@ -104,8 +104,7 @@ def class_count(wildcards=None):
     return LAYOUT.class_count(data_dir())
 
 
-def archive_paths():
-    """The verify, index and prepare rules' inputs: the layout's archives or folders."""
+def archive_paths():  # verify's, index's and prepare's inputs: the archives or folders
     return LAYOUT.inputs(data_dir())
 
 
@@ -129,16 +128,13 @@ def run_rerun_settings(wildcards):
     return rerun_line(SETTINGS.rerun_settings(RUNS[wildcards.run]))
 
 
-# What a training is made from, by content (the data_content checkpoint: the sha256 of the
-# prepared copy's content and of the split's files). A checkpoint, so that each job reading
-# it is judged again once it has run: a data stage that reruns and makes the same data
-# retrains nothing; other images retrain every run (docs/configuration.md "Reruns").
+# What a training reads, by content (the data_content checkpoint): a checkpoint, so each job
+# reading it is judged again once it has run; the same data again retrains nothing, other
+# images retrain every run (docs/configuration.md "Reruns").
 DATA_CONTENT = "results/data/content.json"
 
 
-def data_content_file(wildcards):
-    """Train's and evaluate's input: the data content record, once written (ancient: its time
-    is no reason, its digest is their param)."""
+def data_content_file(wildcards):  # train's and evaluate's: its digest is their param
     return ancient(checkpoints.data_content.get().output[0])
 
 
@@ -303,6 +299,11 @@ def train_resource(key):
         return shape[key]
 
     return value
+
+
+STAGING = (
+    config["stage"]["scratch_dir"] or "$SLURM_TMPDIR|$TMPDIR|/tmp,chosen-on-each-node"
+)
 
 
 def train_slurm_extra(wildcards):

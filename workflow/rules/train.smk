@@ -72,6 +72,9 @@ rule train:
         mpi=train_resource("mpi"),
         # The stop warning the ranks checkpoint on, then the site's flags (common.smk).
         slurm_extra=train_slurm_extra,
+        # Shown for review: where each node stages the copy, the image the ranks enter.
+        staging=STAGING,
+        image=lambda wildcards: CONTAINER if _APPTAINER else None,
         snakemake_attempt=lambda wildcards, attempt: attempt,  # 2, 3, ...: a resubmission
         # The whole job spec (imagenet_ddp.jobs.spec, compact JSON) and the hyperparameters on
         # one line: resources, not params, because a param's every change reruns the
