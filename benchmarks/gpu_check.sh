@@ -205,7 +205,7 @@ settings = {
     "lr_scaling": "none", "crop_size": $CROP, "eval_resize": $SIDE, "workers": $TWORKERS,
     "seed": 0, "device": "$DEVICE", "backend": "$BACKEND", "precision": "$PRECISION",
     "channels_last": True, "compile": bool($TRAIN_COMPILE), "log_interval": 20,
-    "throughput_warmup_steps": 5, **json.loads(extra),
+    "throughput_warmup_steps": 5, "warmup_epochs": 0.5, **json.loads(extra),
 }
 folder.mkdir(parents=True, exist_ok=True)
 paths = dict(split_dir=work / "split", checkpoint_root=folder / "ckpt", prepared_train=work / "prepared")
@@ -232,7 +232,7 @@ train_run() {
 }
 TRAIN_OK=0
 if [ "$DATA_OK" = 1 ]; then
-    say "train settings: $MODEL, batch $BATCH, crop $CROP, $EPOCHS epochs, $PRECISION, channels_last, compile $TRAIN_COMPILE, $DEVICE/$BACKEND, workers $TWORKERS, 1 rank"
+    say "train settings: $MODEL, batch $BATCH, lr 0.05 (0.5 epoch warm-up), crop $CROP, $EPOCHS epochs, $PRECISION, channels_last, compile $TRAIN_COMPILE, $DEVICE/$BACKEND, workers $TWORKERS, 1 rank"
     make_spec train gpucheck "$WORK/full" '{}' >"$LOGS/spec.log" 2>&1 \
         && make_spec train gpucheck "$WORK/resumed" '{}' >>"$LOGS/spec.log" 2>&1 \
         && cp "$WORK/full/spec.json" "$LOGS/train_spec.json" && TRAIN_OK=1

@@ -476,7 +476,7 @@ def test_progress_shows_the_finished_runs_while_one_failed_and_one_still_trains(
 def test_a_loss_spike_far_above_chance_is_named_even_when_the_run_recovers(tmp_path):
     """Issue 42: 4 ranks, 10 classes, loss 7.4 after epoch 0 (ln 10 = 2.3), then recovered to
     60 % top-1 without the divergence guard firing: the table names the spike."""
-    from imagenet_ddp.report.aggregate import loss_spike
+    from imagenet_ddp.training.metrics import loss_spike
 
     chance = math.log(10)
     losses = [7.4, 3.1, 1.2, 0.9]

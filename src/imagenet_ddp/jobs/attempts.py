@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from imagenet_ddp.io import write_json_atomic
+from imagenet_ddp.jobs.early_signals import EXIT_REQUEUE  # torch-free, as this module
 from imagenet_ddp.provenance import code_version
 from imagenet_ddp.settings.geometry import (
     SAMPLE_ORDER,
@@ -59,7 +60,6 @@ from imagenet_ddp.settings.geometry import (
 from imagenet_ddp.settings.kinds import digest, weight_settings
 
 RECORD = "attempts.json"
-EXIT_REQUEUE = 75  # imagenet_ddp.jobs.signals.EXIT_REQUEUE (that module imports torch)
 HEARTBEAT_SECONDS = 30.0
 _CHECKPOINT = re.compile(r"checkpoint-e(\d+)-s(\d+)\.pt$")
 # Until 2026-11-24 an entry's key hashed every setting but these, so a changed `gpu_type` or

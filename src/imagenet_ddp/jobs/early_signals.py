@@ -18,8 +18,10 @@ import signal
 import sys
 import time
 
-# imagenet_ddp.jobs.signals.STOP_SIGNALS (that module imports torch)
+# The signals that stop a rank (their one home: jobs.signals, which imports torch, uses these)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# The exit code of a job stopped after writing its checkpoint (EX_TEMPFAIL: rerun to resume)
+EXIT_REQUEUE = 75
 ENTRY_MODULES = ("imagenet_ddp.training.worker",)
 
 _held: list[tuple[int, float]] = []  # (signal, when) in the order they came

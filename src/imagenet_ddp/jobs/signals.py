@@ -36,8 +36,7 @@ import torch.distributed as dist
 
 from imagenet_ddp.jobs import early_signals
 
-EXIT_REQUEUE = 75  # EX_TEMPFAIL: interrupted after writing a checkpoint; rerun to resume
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+EXIT_REQUEUE, STOP_SIGNALS = early_signals.EXIT_REQUEUE, early_signals.STOP_SIGNALS
 # The launcher also stops on SIGHUP (the terminal of an interactive allocation closed).
 LAUNCHER_SIGNALS = (*STOP_SIGNALS, signal.SIGHUP)
 # What srun passes on to its tasks unchanged (and the ranks take for a stop).

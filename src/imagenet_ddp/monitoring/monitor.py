@@ -160,7 +160,7 @@ class RunMonitor:
         self._gpu(global_step)
 
     def epoch(self, epoch: int, record: dict[str, Any], spike: str = "") -> None:
-        """``spike``: the run's worst loss spike so far (report.aggregate.loss_spike)."""
+        """``spike``: the run's worst loss spike so far (training.metrics.loss_spike)."""
         global_step = self._global_step(epoch + 1, 0)
         self._write("epoch", record, global_step)
         self._gpu(global_step)

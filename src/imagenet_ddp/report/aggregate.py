@@ -20,6 +20,7 @@ from imagenet_ddp.provenance import provenance_path, write_provenance
 from imagenet_ddp.settings.geometry import WORLD_KEYS
 from imagenet_ddp.settings.kinds import declarations
 from imagenet_ddp.settings.presets import REPORTED_MODEL, REPORTED_TOP1
+from imagenet_ddp.training.metrics import loss_spike
 
 # What a run cost (imagenet_ddp.monitoring.cost, imagenet_ddp.monitoring.telemetry,
 # imagenet_ddp.report.accounting); empty
@@ -262,25 +263,6 @@ def diverged_cell(diverged: dict[str, Any] | None) -> str:
     return (
         f"epoch {diverged['epoch']} step {diverged['step']}: {diverged['reason']} (loss "
         f"{diverged['loss']}, lr {diverged['lr']})"
-    )
-
-
-def loss_spike(epochs: list[dict[str, Any]], factor: float = 2.0) -> str:
-    """The epoch whose mean training loss was highest above ``factor`` (the run's
-    divergence_loss_factor) x its ``chance_loss``, ln(classes), the loss of a uniform guess:
-    "loss spiked to 7.4 at epoch 0 (chance 2.3; last epoch 0.05)", even when the run recovered
-    (the divergence guard stops only a spike that lasts); "" if none or not recorded."""
-    over = [
-        (e["train_loss"], e["epoch"], e["chance_loss"])
-        for e in epochs
-        if e.get("chance_loss") and (e.get("train_loss") or 0) > factor * e["chance_loss"]
-    ]
-    if not over:
-        return ""
-    loss, epoch, chance = max(over)
-    return (
-        f"loss spiked to {loss:.3g} at epoch {epoch} (chance {chance:.2g}; last epoch "
-        f"{epochs[-1]['train_loss']:.3g})"
     )
 
 

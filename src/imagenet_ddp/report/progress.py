@@ -75,7 +75,7 @@ def _training(run_dir: Path) -> dict[str, Any]:
 
 def run_state(run: str, run_dir: Path, checkpoint_root: Path, now: float) -> dict[str, Any]:
     """A row for a run that has not finished: its state from its last attempt, and the worst
-    loss spike of its epochs so far (aggregate.loss_spike, kept in progress.json)."""
+    loss spike of its epochs so far (training.metrics.loss_spike, kept in progress.json)."""
     row = _state(run, run_dir, checkpoint_root, now)
     spike = (_read(run_dir / PROGRESS) or {}).get("loss_spike")
     return {**row, "note": "; ".join(p for p in (row["note"], spike) if p)}

@@ -28,14 +28,13 @@ from imagenet_ddp.data.dataset import normalize_batch
 from imagenet_ddp.jobs import distributed as D
 from imagenet_ddp.jobs.signals import EXIT_REQUEUE, stop_signals_blocked
 from imagenet_ddp.precision import autocast
-from imagenet_ddp.report.aggregate import loss_spike
 from imagenet_ddp.training import recipe
 from imagenet_ddp.training.accuracy import evaluate_loader
 from imagenet_ddp.training.checkpoint import save_job, settle_checkpoints
 from imagenet_ddp.training.data import batch_seed
 from imagenet_ddp.training.discipline import check_device_discipline
 from imagenet_ddp.training.guard import DIVERGED, Divergence, gradient_norm
-from imagenet_ddp.training.metrics import EpochMeter, Progress, log_epoch
+from imagenet_ddp.training.metrics import EpochMeter, Progress, log_epoch, loss_spike
 from imagenet_ddp.training.state import TrainingState
 from imagenet_ddp.training.step_timing import StepTimer, breakdown_row, timed_steps
 

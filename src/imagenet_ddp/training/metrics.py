@@ -309,3 +309,22 @@ def write_run_metrics(
             "cuda": torch.version.cuda if torch.cuda.is_available() else None,
         },
     )
+
+
+def loss_spike(epochs: list[dict[str, Any]], factor: float = 2.0) -> str:
+    """The epoch whose mean training loss was highest above ``factor`` (the run's
+    divergence_loss_factor) x its ``chance_loss``, ln(classes), the loss of a uniform guess:
+    "loss spiked to 7.4 at epoch 0 (chance 2.3; last epoch 0.05)", even when the run recovered
+    (the divergence guard stops only a spike that lasts); "" if none or not recorded."""
+    over = [
+        (e["train_loss"], e["epoch"], e["chance_loss"])
+        for e in epochs
+        if e.get("chance_loss") and (e.get("train_loss") or 0) > factor * e["chance_loss"]
+    ]
+    if not over:
+        return ""
+    loss, epoch, chance = max(over)
+    return (
+        f"loss spiked to {loss:.3g} at epoch {epoch} (chance {chance:.2g}; last epoch "
+        f"{epochs[-1]['train_loss']:.3g})"
+    )
