@@ -10,7 +10,8 @@
 # Variables: OUT (results; default a temp dir), GPU_CHECK_DEVICE (cuda|cpu), GPU_CHECK_PYTHON,
 # GPU_CHECK_BUDGET (seconds for everything: no step starts, or runs, past it; default 480 on
 # cuda, 1200 on cpu), GPU_CHECK_TRAIN_COMPILE (1|0), GPU_CHECK_MODEL (training model, default
-# resnet18), GPU_CHECK_PRECISION (default bf16 on cuda, fp32 on cpu), GPU_CHECK_SKIP (step names).
+# resnet18), GPU_CHECK_PRECISION (default bf16 on cuda, fp32 on cpu), GPU_CHECK_SKIP (step names),
+# GPU_CHECK_DETERMINISTIC=1 (deterministic: true: the resume compared bitwise).
 # $OUT gets 3 files (the device returns at most 8): summary.txt, all_logs.txt (every step's log,
 # appended as each ends), logs.tar.gz (the logs, bench JSONs, specs, train metrics, preflight).
 set -u
@@ -205,7 +206,8 @@ settings = {
     "lr_scaling": "none", "crop_size": $CROP, "eval_resize": $SIDE, "workers": $TWORKERS,
     "seed": 0, "device": "$DEVICE", "backend": "$BACKEND", "precision": "$PRECISION",
     "channels_last": True, "compile": bool($TRAIN_COMPILE), "log_interval": 20,
-    "throughput_warmup_steps": 5, "warmup_epochs": 0.5, **json.loads(extra),
+    "throughput_warmup_steps": 5, "warmup_epochs": 0.5,
+    "deterministic": bool(${GPU_CHECK_DETERMINISTIC:-0}), **json.loads(extra),
 }
 folder.mkdir(parents=True, exist_ok=True)
 paths = dict(split_dir=work / "split", checkpoint_root=folder / "ckpt", prepared_train=work / "prepared")

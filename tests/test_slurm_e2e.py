@@ -163,7 +163,8 @@ def slurm_run(slurm_cluster, tmp_path_factory):
             "-p", slurm_cluster.service_partition, "-J", "ci_e2e_controller", "-c", "1",
             "--mem=500", "--time=30", f"--output={workdir.parent}/controller-%j.log",
             # the cluster's clients run with the environment it started with: FAKE_GPUS too
-            f"--chdir={workdir}", f"--export=ALL,{FAKE_GPUS}=1,"
+            # the test layer after profiles/slurm restates the rules' resources on purpose
+            f"--chdir={workdir}", f"--export=ALL,{FAKE_GPUS}=1,IMAGENET_DDP_PROFILES_AS_GIVEN=1,"
             f"IMAGENET_DDP_SNAKEMAKE={' '.join(SNAKEMAKE)}",
             "profiles/slurm/controller.sbatch", *SNAKEMAKE_ARGS[2:], cwd=workdir,  # its --profile
         )  # fmt: skip
