@@ -24,7 +24,7 @@ def resolve(config: dict, tmp_path) -> dict[str, dict]:
 
     written = written_settings(config)
     validate(config, str(SCHEMA))
-    return resolve_runs(config, written, SCHEMA, workdir=tmp_path, models=MODELS)
+    return resolve_runs(config, written, SCHEMA, models=MODELS)
 
 
 def repo_config(**changes) -> dict:

@@ -82,11 +82,11 @@ def test_empty_runs_beside_a_sweep_resolve_and_no_runs_at_all_is_one_line(tmp_pa
     config = repo_config(runs=[], sweep=sweep)
     written = written_settings(config)
     assert config_problems(config, SCHEMA) == []
-    runs = resolve_runs(config, written, SCHEMA, workdir=tmp_path, models=frozenset({"resnet18"}))
+    runs = resolve_runs(config, written, SCHEMA, models=frozenset({"resnet18"}))
     assert list(runs) == ["r-0.1", "r-0.2"]
 
     config = repo_config(runs=[], sweep=[])
     written = written_settings(config)
     assert config_problems(config, SCHEMA) == []
     with pytest.raises(RunsError, match=r"^config.yaml: no runs: add an entry under runs or a"):
-        resolve_runs(config, written, SCHEMA, workdir=tmp_path, models=frozenset({"resnet18"}))
+        resolve_runs(config, written, SCHEMA, models=frozenset({"resnet18"}))

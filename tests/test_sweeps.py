@@ -178,16 +178,17 @@ def test_dry_run_lists_every_expanded_run_with_its_resources(tmp_path):
     ]  # fmt: skip
     write_config(workdir, config)
     text = snakemake(workdir, "-n", "--profile", "profiles/local").stdout
+    blocks = text.split("\n\n")
     for name, nodes, per_node in [("resnet18-n1x1", 1, 1), ("resnet18-n2x2", 2, 2), ("hand", 1, 1)]:
-        block = text.split(f"wildcards: run={name}\n", 1)[1].split("\n\n", 1)[0]
+        [block] = [b for b in blocks if "rule train:" in b and f"wildcards: run={name}\n" in b]
         assert f"nodes={nodes}" in block and "cpus_per_task=1" in block, block
         assert "gres=" not in block, block  # no GPUs
         if nodes * per_node > 1:
             assert "mpi=srun" in block, block
     for gpu_type in ("a100", "h100"):
         blocks = [b.split("\n\n", 1)[0] for b in text.split(f"run=resnet18-{gpu_type}\n")[1:]]
-        gpu = [b for b in blocks if "gres=" in b]  # train, evaluate; not its accounting
-        assert len(blocks) == 3 and len(gpu) == 2, blocks
+        gpu = [b for b in blocks if "gres=" in b]  # train, evaluate; not its check, accounting
+        assert len(blocks) == 4 and len(gpu) == 2, blocks
         assert all(f"gres=gpu:{gpu_type}:2," in b for b in gpu), blocks
     assert text.count("rule train:") == 7
 

@@ -202,7 +202,10 @@ def _rule_resource(rule, key):
     ):
         given = None if resources is None or key not in resources else resources[key]
         if given is not None:
-            value = getattr(given, "value", given)
+            try:  # a number or string; an expression (`60 * attempt`): its text
+                value = getattr(given, "value", given)
+            except ValueError:
+                value = getattr(given, "raw", None)
             if isinstance(value, str) and key == "mem_mb":
                 match = re.fullmatch(
                     r"\s*['\"]?(\d+(?:\.\d+)?)\s*(\*\s*attempt)?['\"]?\s*", value
@@ -319,8 +322,8 @@ def train_slurm_extra(wildcards):
 # with one rank must not have `mpi` (the SLURM executor refuses it), so its shell cannot read
 # {resources.mpi}.
 LAUNCH_PREFIX = {}
-for _rule in ("train", "evaluate"):
-    LAUNCH_PREFIX[_rule], _problem = launch_prefix(_rule, _rule_resource(_rule, "mpi"))
+for _name in ("train", "evaluate"):
+    LAUNCH_PREFIX[_name], _problem = launch_prefix(_name, _rule_resource(_name, "mpi"))
     if _problem:
         refuse([_problem])
 

@@ -578,6 +578,8 @@ def write_check(run_json: str, num_classes: int, run_dir: Path, out: Path) -> No
 
     run = {**declarations().rank_defaults(), **json.loads(run_json)}  # only those not at default
     digest, problem = weights_digest(run, run_dir)
+    if problem:  # the file is gone or not the pinned one: nothing more to say of its keys
+        run = {**run, "init_weights": ""}
     problems = deep_problems(run, num_classes) + ([problem] if problem else [])
     if problems:
         name = run.get("run") or run.get("name")
