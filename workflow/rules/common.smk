@@ -71,17 +71,15 @@ wildcard_constraints:
 
 
 def data_dir():
-    """The directory holding the images in one input layout (the generated demo set if
-    enabled)."""
+    """The directory holding the images (the generated demo set if enabled)."""
     if config["demo"]["enabled"]:
         return "resources/demo/ILSVRC2012"
     return config["data"]["dir"]
 
 
 def _input_layout():
-    """data.dir's input layout (imagenet_ddp.data.layouts), checked where data.dir is mounted;
-    where it is not (a typo, or a node without that filesystem), the named layout, and the
-    verify rule's missing input names the file Snakemake looks for."""
+    """data.dir's input layout (data.layouts), checked where data.dir is mounted; elsewhere
+    the named one (verify's missing input then names the file Snakemake looks for)."""
     where, named = data_dir(), config["data"]["layout"]
     if config["demo"]["enabled"]:
         return LAYOUTS["archives"]  # written by the demo_data rule
@@ -89,9 +87,11 @@ def _input_layout():
         print(f"note: data.dir {where} does not exist here", file=sys.stderr)
         return LAYOUTS["archives" if named == "auto" else named]
     try:
-        return dry_run_layout(where, named)
+        layout = dry_run_layout(where, named)
     except InputError as error:
         refuse([str(error)])
+    print(f"data: {layout.summary} found in data.dir {where}", file=sys.stderr)
+    return layout
 
 
 LAYOUT = _input_layout()
@@ -108,8 +108,7 @@ def archive_paths():  # verify's, index's and prepare's inputs: the archives or 
     return LAYOUT.inputs(data_dir())
 
 
-def md5sums_input(wildcards):
-    """md5sums is optional for real data; the demo set always writes one."""
+def md5sums_input(wildcards):  # optional for real data; the demo set always writes one
     path = f"{data_dir()}/md5sums"
     present = config["demo"]["enabled"] or os.path.exists(path)
     return [path] if LAYOUT.name == "archives" and present else []
@@ -121,16 +120,14 @@ def training_settings(name):
 
 
 def run_rerun_settings(wildcards):
-    """What reruns the run's train (and preflight): one line `key=value ...` of its checkpoint
-    key's settings (kinds weights, numerics, geometry), a frozen format: a setting a newer
-    version adds stays off the line while at the value earlier runs had (x-earlier), so an
-    upgrade reruns nothing (imagenet_ddp.settings.kinds.rerun_line)."""
+    """What reruns the run's train (and preflight), on one line in a frozen format; a setting
+    a newer version adds at its x-earlier value stays off it (settings.kinds.rerun_line).
+    """
     return rerun_line(SETTINGS.rerun_settings(RUNS[wildcards.run]))
 
 
-# What a training reads, by content (the data_content checkpoint): a checkpoint, so each job
-# reading it is judged again once it has run; the same data again retrains nothing, other
-# images retrain every run (docs/configuration.md "Reruns").
+# What a training reads, by content (the data_content checkpoint): each job reading it is judged
+# again once it has run (docs/configuration.md "What the data is: by content").
 DATA_CONTENT = "results/data/content.json"
 
 
