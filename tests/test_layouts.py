@@ -350,7 +350,7 @@ def test_folder_layouts_train_and_evaluate_in_the_local_workflow(tmp_path):
 
     config["data"] = {"dir": str(tmp_path / "kaggle")}
     write_config(workdir, config)
-    snakemake(workdir, "--profile", "profiles/local", "--until", "prepare", "split")
+    snakemake(workdir, "--profile", "profiles/local", "--until", "prepare", "split", "verify")
     report = json.loads((workdir / "results/verify/report.json").read_text())
     assert report["layout"] == "kaggle"
     for which in ("train", "val"):

@@ -371,17 +371,19 @@ def test_the_data_content_record_follows_content_not_paths(tmp_path):
         copies[name].mkdir(parents=True)
         (copies[name] / "prepared.json").write_text(json.dumps({"num_samples": samples}))
     files = {}
-    for name, text in (("train", "1\n2\n"), ("holdout", "3\n"), ("classes", "x\n")):
+    texts = {"train": "sample_id,wnid\n1,a\n2,b\n", "holdout": "sample_id,wnid\n3,a\n",
+             "classes": "x\n"}  # fmt: skip
+    for name, text in texts.items():
         files[name] = tmp_path / f"{name}.csv"
         files[name].write_text(text)
     manifest = tmp_path / "results/prepared/train.json"
     manifest.parent.mkdir(parents=True)
     write_manifest(manifest, copies["a"], {"which": "train", "n": "a"}, reused=False)
 
-    def record(train, val=None, **changed):
+    def record(copy, val=None, **changed):
         paths = {**files, **changed}
         return content_record(
-            train, val or copies["b"], paths["train"], paths["holdout"], paths["classes"]
+            copy, val or copies["b"], paths["train"], paths["holdout"], paths["classes"]
         )
 
     first = record(manifest)
@@ -389,6 +391,9 @@ def test_the_data_content_record_follows_content_not_paths(tmp_path):
     assert record(copies["a2"]) == first  # the same content in another copy
     other = record(copies["b"])
     assert other["train"] != first["train"] and other["evaluate"] != first["evaluate"]
+    renamed = tmp_path / "renamed.csv"  # the same images, other class names: no retraining
+    renamed.write_text("sample_id,wnid\n1,q\n2,r\n")
+    assert record(manifest, train=renamed)["train"] == first["train"]
     moved = tmp_path / "moved.csv"
     moved.write_text(files["classes"].read_text())
     assert record(manifest, classes=moved) == first

@@ -148,17 +148,30 @@ def _sha256_file(path: str | os.PathLike[str]) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def _samples_digest(split_csv: str | os.PathLike[str]) -> str:
+    """The sha256 of a split file's sample ids, in its order: which images it holds, not their
+    class names or where a layout keeps their bytes (the same images in another layout agree)."""
+    import csv
+
+    digest = hashlib.sha256()
+    with open(split_csv, newline="") as f:
+        for row in csv.DictReader(f):
+            digest.update(f"{row['sample_id']}\n".encode())
+    return digest.hexdigest()
+
+
 def content_record(
     prepared_train: Path, prepared_val: Path, split_train: Path, split_holdout: Path, classes: Path
 ) -> dict[str, str]:
     """The digests the workflow's train and evaluate jobs take as params: ``train`` of the
-    prepared train copy's content and the split (what a training reads), ``evaluate`` of both
-    copies' content, the holdout list and the classes (what an evaluation reads)."""
+    prepared train copy's content (its images and class indices) and the split's sample ids
+    (what a training reads), ``evaluate`` of both copies' content, the holdout's ids and the
+    classes file (what an evaluation reads and writes: per-class rows name the classes)."""
     parts = {
         "prepared_train": prepared_content(prepared_train),
         "prepared_val": prepared_content(prepared_val),
-        "split_train": _sha256_file(split_train),
-        "split_holdout": _sha256_file(split_holdout),
+        "split_train": _samples_digest(split_train),
+        "split_holdout": _samples_digest(split_holdout),
         "classes": _sha256_file(classes),
     }
     missing = [k for k, v in parts.items() if v is None]
