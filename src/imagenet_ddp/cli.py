@@ -157,10 +157,19 @@ def cmd_check(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from imagenet_ddp.jobs.attempts import ran_in_this_allocation
     from imagenet_ddp.jobs.spec import load, with_init_weights
     from imagenet_ddp.jobs.stages import train_job
 
     job = with_init_weights(load(args.job, "train"), args.init_weights_sha256)
+    # A rule's retries reach the jobstep's own Snakemake (snakemake-executor-plugin-slurm#284),
+    # which would run the job again in the allocation it ended in: the workflow's next job
+    # resumes it. Before the attempt log: {log} keeps pointing at the attempt that ran.
+    ran = ran_in_this_allocation(job.paths.checkpoint_root, job.run)
+    if ran:
+        print(f"run {job.name!r}: attempt {ran['attempt']} ended in this allocation "
+              f"({ran['outcome']}); not again in it", file=sys.stderr)  # fmt: skip
+        return ran["exit_code"] or 1
     if args.attempt_log:
         from imagenet_ddp.jobs.attempt_log import open_attempt_log
 

@@ -149,11 +149,6 @@ def run_attempt(job: TrainJob, spec_path: Path) -> int:
     """
     run, root = job.run, job.paths.checkpoint_root
     geometry = job.geometry
-    ran = attempts.ran_in_this_allocation(root, run)
-    if ran:  # Snakemake's retry inside the allocation: the workflow's next job resumes it
-        print(f"run {run.get('run')!r}: attempt {ran['attempt']} ended in this allocation "
-              f"({ran['outcome']}); not again in it", flush=True)  # fmt: skip
-        return ran["exit_code"] or 1
     begun, holder = begin_unless_held(
         root,
         run,
