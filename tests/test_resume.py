@@ -540,8 +540,9 @@ def test_the_profiler_window_writes_a_trace_and_changes_no_weight(
 ):
     """profile: {epoch: 1, steps: 2, ranks: per_node}: a trace per node (one here) that
     parses as torch.profiler's Chrome-trace JSON, and weights bitwise those of the run without
-    it. Also the step-time breakdown of a real 2-rank run (training.step_timing): its parts
-    add up to the step time, and the steps to the epoch's time, within 10 %."""
+    it. Also the step-time breakdown of a real 2-rank run (training.step_timing): no part
+    exceeds the step time, the parts account for it within 10 %, and the steps for the
+    epoch's time."""
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     config = {**CONFIG, "profile": {"epoch": 1, "steps": 2, "ranks": "per_node"}}
     result = torchrun(prepared_demo["train"], split_dir, out, ckpt, config=config)
@@ -555,9 +556,13 @@ def test_the_profiler_window_writes_a_trace_and_changes_no_weight(
     assert history["profiled_steps"].tolist() == [0, 3]
     steps_per_epoch = history["images"] / (2 * CONFIG["batch_size"])
     for _, row in history.iterrows():
-        # each figure is the maximum over ranks on its own, so they add up within 10 %
+        # Each figure is the maximum over ranks on its own: on one rank data + compute (+ the
+        # loop's bookkeeping) is the step, so no part exceeds the step and the step exceeds
+        # the parts by at most the bookkeeping. The parts may add up to more than the step
+        # (DDP: the rank that waited for data waits less in the all-reduce).
         parts = row["data_wait_ms"] + row["compute_ms"]
-        assert abs(parts - row["step_ms"]) <= 0.1 * row["step_ms"], row
+        assert max(row["data_wait_ms"], row["compute_ms"]) <= row["step_ms"], row
+        assert row["step_ms"] <= 1.1 * parts, row
         assert 0 <= row["input_bound_pct"] <= 100
         assert row["flops_per_image"] > 0 and np.isnan(row["mfu_pct"])  # CPU: no known peak
     accounted = history["step_ms"] * steps_per_epoch / 1e3
