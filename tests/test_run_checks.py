@@ -51,7 +51,7 @@ FED = {"cpus_per_task": 3}
 
 
 def problems(config: dict, models, tmp_path) -> list[str]:
-    return check_runs(resolved(config), config, models=models)
+    return check_runs(resolved(config), config)
 
 
 def test_the_repo_config_passes(models, tmp_path):

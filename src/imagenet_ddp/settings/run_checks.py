@@ -1,20 +1,11 @@
-"""Dry-run checks of what the schema cannot see: the resolved runs, and the container image.
-
-The schema checks each key on its own; these checks combine keys (and torchvision's model
-names) so that a run that could only fail, or silently train on upsampled or padded images,
-is refused by ``snakemake -n`` instead of on the GPU node. Each problem is one line::
-
-    config.yaml: run '<name>': <key> <value> ...; <what to do>
-
-Not checked, because it does not fail: a global batch larger than the holdout set. The holdout
-is evaluated without ``drop_last`` (``accuracy.evaluate_dataset``), rank r taking samples
-r, r + W, ...: a batch larger than a rank's share is just one partial batch, and a rank with no
-sample adds zeros to the summed counts.
+"""Dry-run checks of what the schema cannot see: keys combined, torch-free, so that a run
+that could only fail (or silently train on upsampled or padded images) is refused by
+``snakemake -n``, one line each: ``config.yaml: run '<name>': <key> <value> ...; <what to do>``.
+What needs torch is the local `check` rule's (:func:`deep_problems`, :func:`write_check`).
 """
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import math
 import os
@@ -33,29 +24,20 @@ from imagenet_ddp.settings.geometry import global_batch, loader_workers
 from imagenet_ddp.settings.init_weights import static_weights_problems
 from imagenet_ddp.settings.notices import Notice
 from imagenet_ddp.settings.presets import scaled_lr
-from imagenet_ddp.settings.torchvision_models import CLASSIFICATION_MODELS
 
 # Images in the ILSVRC2012 train archive (what `index` lists from the real archive).
 ILSVRC2012_TRAIN_IMAGES = 1_281_167
 
 
-def check_runs(
-    runs: Mapping[str, Mapping],
-    config: Mapping,
-    *,
-    models: frozenset[str] = CLASSIFICATION_MODELS,
-) -> list[str]:
-    """The problems of the resolved runs (``train_defaults`` merged with each run) that the
-    config alone shows, torch-free, one line each, in run order; empty when every run can
-    train. ``config`` and ``runs`` have the schema's defaults filled in, so a key no run sets
-    is judged by the default training uses. ``models``: the torchvision names known here (the
-    local `check` rule judges each model with torch: :func:`deep_problems`)."""
+def check_runs(runs: Mapping[str, Mapping], config: Mapping) -> list[str]:
+    """The problems of the resolved runs that the config alone shows, one line each, in run
+    order (``config`` and ``runs`` with the schema's defaults filled in)."""
     short_side = config["prepare"]["short_side"]
     sizes = split_sizes(config, None)
     problems = []
     for name, run in runs.items():
         found = [
-            _model_problem(run, models) if _name_listed(family(run["model"])[0]) else None,
+            _model_problem(run) if _name_listed(family(run["model"])[0]) else None,
             *static_weights_problems(run),
             *_image_size_problems(run, short_side),
             _device_problem(run),
@@ -77,17 +59,15 @@ def check_runs(
 # --------------------------------------------------------------------------- the checks
 
 
-def _model_problem(run: Mapping, models: frozenset[str]) -> str | None:
-    """A torchvision name against the name list (no torch import: cached or kept here)."""
+def _model_problem(run: Mapping) -> str | None:
+    """A torchvision name against its torch-free name list."""
     model = run["model"]
     if model in AUX_OUTPUTS_IN_TRAINING and not run.get("model_kwargs"):
         return (
             f"model {model!r} returns its auxiliary classifiers' outputs too in training, not "
             "the logits the loss takes; set model_kwargs: {aux_logits: false}"
         )
-    if model in models:
-        return None
-    return unknown_name(model, difflib.get_close_matches(model, sorted(models), n=3, cutoff=0.6))
+    return unknown_name(model)
 
 
 # torchvision models whose training-mode forward returns a named tuple by default (with a

@@ -1,13 +1,13 @@
-"""torchvision's classification model names, kept with the package for the dry-run where
-torchvision cannot be imported (a login node's bare Snakemake environment): the list is
-``torchvision.models.list_models(module=torchvision.models)`` of the torchvision pinned in
-requirements/constraints.txt, and tests/test_run_checks.py holds it equal to the installed one.
+"""torchvision's classification model names, for the dry-run where torchvision cannot be
+imported (a login node's bare Snakemake environment) and the check's name test: the
+``torchvision.models.list_models(module=torchvision.models)`` of the pinned torchvision
+(tests/test_run_checks.py holds it equal to the installed one).
 """
 
 TORCHVISION_VERSION = "0.29.1"
 
 CLASSIFICATION_MODELS = frozenset(
-    (
+    [
         "alexnet",
         "convnext_base",
         "convnext_large",
@@ -88,5 +88,5 @@ CLASSIFICATION_MODELS = frozenset(
         "vit_l_32",
         "wide_resnet101_2",
         "wide_resnet50_2",
-    )
+    ]
 )
