@@ -6,6 +6,8 @@ non-zero exit and one line per problem naming the run and the key.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -190,6 +192,21 @@ def test_the_kept_model_list_is_the_pinned_torchvisions(models):
 
     assert torchvision.__version__.split("+")[0] == TORCHVISION_VERSION
     assert models == CLASSIFICATION_MODELS
+
+
+def test_the_kept_residual_prefixes_are_the_models_with_torchvisions_option(models):
+    """torchvision_models.RESIDUAL_BN names exactly the models whose class takes
+    zero_init_residual (what the check finds from the meta-device build)."""
+    from imagenet_ddp.models import _init_parameters, _meta_model
+    from imagenet_ddp.settings.torchvision_models import RESIDUAL_BN
+
+    one_each = {}  # the first model of each builder family (resnet, resnext, wide, vgg, ...)
+    for name in sorted(models, reverse=True):
+        one_each[re.match("[a-z]+", name)[0]] = name
+    built = {m: _init_parameters(_meta_model(m, {})) for m in one_each.values()}
+    found = {m for m, parameters in built.items() if "zero_init_residual" in parameters}
+    assert found == {m for m in built if m.startswith(RESIDUAL_BN)}
+    assert len(built) > 15 and len(found) == 3
 
 
 # ---------------------------------------------------------------- image sizes

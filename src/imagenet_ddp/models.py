@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from imagenet_ddp.settings.torchvision_models import CLASSIFICATION_MODELS
+from imagenet_ddp.settings.torchvision_models import CLASSIFICATION_MODELS, RESIDUAL_BN
 
 TIMM_PREFIX = "timm/"
 
@@ -139,12 +139,8 @@ def _torchvision(arch: str, num_classes: int, kwargs: dict):
     return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
 
 
-# torchvision builders whose model class takes zero_init_residual (its ResNet family).
-TORCHVISION_RESIDUAL_BN = ("resnet", "resnext", "wide_resnet")
-
-
 def _torchvision_residual(name: str, kwargs: Mapping[str, Any]) -> str | None:
-    return "zero_init_residual" if name.startswith(TORCHVISION_RESIDUAL_BN) else None
+    return "zero_init_residual" if name.startswith(RESIDUAL_BN) else None
 
 
 def _torch_sync_batchnorm(model):
