@@ -46,7 +46,7 @@ def test_parse_time_modules_import_without_heavy_packages():
         f"sys.path.insert(0, {str(REPO / 'src')!r})\n"
         f"for module in {modules!r}: __import__(module)\n"
         "assert 'imagenet_ddp.settings.presets' in sys.modules\n"  # run resolution imports it
-        "from imagenet_ddp.settings.torchvision_models import CLASSIFICATION_MODELS\n"
+        "from imagenet_ddp.models import CLASSIFICATION_MODELS\n"
         "assert len(CLASSIFICATION_MODELS) > 50\n"
     )
     # The installed (editable) package is on the path too, but src/ comes first, as in common.smk.

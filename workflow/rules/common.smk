@@ -226,7 +226,7 @@ _refusals, _warnings = memory_problems(
 )
 if _refusals:
     refuse(_refusals)
-for _line in summarised(_warnings + warmup_warnings(RUNS, config, None)):
+for _line in summarised(_warnings + warmup_warnings(RUNS, config)):
     print(f"warning: {_line}", file=sys.stderr)  # one line per kind, naming the runs
 
 

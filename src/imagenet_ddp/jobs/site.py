@@ -44,7 +44,7 @@ def memory_problems(
     """(refusals, warnings) of each run's training job against train's ``mem_mb`` per node
     (settings.node_memory), with the split's sizes from the config and the train copy staged
     in RAM where stage.scratch_dir is a tmpfs here (data.stage.scratch_in_ram)."""
-    train, holdout, _ = split_sizes(config, None)
+    train, holdout, _ = split_sizes(config)
     in_ram = scratch_in_ram(
         config["stage"]["scratch_dir"],
         f"{config['prepare']['dir']}/train",

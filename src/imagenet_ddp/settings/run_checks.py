@@ -13,17 +13,19 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from imagenet_ddp import optimizers
-from imagenet_ddp.models import FAMILIES, family, unknown_name
+from imagenet_ddp.models import (
+    AUX_OUTPUTS_IN_TRAINING,
+    FAMILIES,
+    NONDETERMINISTIC_ON_CUDA,
+    RESIDUAL_BN,
+    family,
+    unknown_name,
+)
 from imagenet_ddp.settings.evaluation import eval_settings
 from imagenet_ddp.settings.geometry import global_batch, loader_workers
 from imagenet_ddp.settings.init_weights import static_weights_problems
 from imagenet_ddp.settings.notices import Notice
 from imagenet_ddp.settings.presets import scaled_lr
-from imagenet_ddp.settings.torchvision_models import (
-    AUX_OUTPUTS_IN_TRAINING,
-    NONDETERMINISTIC_ON_CUDA,
-    RESIDUAL_BN,
-)
 
 # Images in the ILSVRC2012 train archive (what `index` lists from the real archive).
 ILSVRC2012_TRAIN_IMAGES = 1_281_167
@@ -33,7 +35,7 @@ def check_runs(runs: Mapping[str, Mapping], config: Mapping) -> list[str]:
     """The problems of the resolved runs that the config alone shows, one line each, in run
     order (``config`` and ``runs`` with the schema's defaults filled in)."""
     short_side = config["prepare"]["short_side"]
-    sizes = split_sizes(config, None)
+    sizes = split_sizes(config)
     problems = []
     for name, run in runs.items():
         found = [
@@ -361,12 +363,11 @@ def required_warmup_steps(lr_used: float, batch: int) -> int:
     return math.ceil(lr_used * per_256 / GOYAL_RAMP - 1e-9)
 
 
-def warmup_warnings(runs: Mapping[str, Mapping], config: Mapping, workdir=".") -> list[Notice]:
+def warmup_warnings(runs: Mapping[str, Mapping], config: Mapping) -> list[Notice]:
     """A warning per run that reaches its scaled LR in fewer warm-up steps than
-    :func:`required_warmup_steps`, naming a warm-up that would do. Before `index` has run, a
-    folder layout's size is unknown: a warm-up in epochs is judged by the smallest train set it
-    suits."""
-    train, _, where = split_sizes(config, workdir)
+    :func:`required_warmup_steps`, naming a warm-up that would do. A folder layout's size is
+    unknown here: a warm-up in epochs is judged by the smallest train set it suits."""
+    train, _, where = split_sizes(config)
     # ImageNet's count assumed (split_sizes): exact only for the archives' layout
     unknown = where.startswith(ASSUMED) and config["data"].get("layout") != "archives"
     notices = []
@@ -405,8 +406,8 @@ WARMUP_TOO_SHORT = (
     "the warm-up shown or a lower lr"
 )
 WARMUP_UNKNOWN = (
-    "warm-up in epochs too short for the rule if data.dir holds the train images shown (known "
-    "once `index` has run): set warmup_steps as shown or check after index"
+    "warm-up in epochs too short for the rule if data.dir holds the train images shown (its "
+    "size is not known at the dry-run): set warmup_steps as shown"
 )
 
 
@@ -460,49 +461,26 @@ def _importable(module: str) -> bool:
 # --------------------------------------------------------------------------- set sizes
 
 
-# split_sizes' source when its figures are ImageNet's, not data.dir's (not indexed yet)
+# split_sizes' source when its figures are ImageNet's, not data.dir's
 ASSUMED = f"the {ILSVRC2012_TRAIN_IMAGES} images of ILSVRC2012"
 
 
-def split_sizes(
-    config: Mapping, workdir: str | os.PathLike[str] | None = "."
-) -> tuple[int, int, str]:
-    """(train images, holdout images, where the figures come from) of the split training uses:
-    results/split's where it exists and agrees with the config, else the config's figures,
-    which are exact (holdout = round(n x holdout_fraction), n the demo's size or the real
-    archive's). ``workdir`` None: the config's figures, nothing read."""
-    fraction = config["split"]["holdout_fraction"]
-    demo = config["demo"]
+def split_sizes(config: Mapping) -> tuple[int, int, str]:
+    """(train images, holdout images, where the figures come from) of the split the config
+    makes, from the config alone (the parse reads no results): exact, as `split` takes
+    holdout = round(n x holdout_fraction), n the demo's size or the real archive's."""
+    fraction, demo = config["split"]["holdout_fraction"], config["demo"]
+    n, where = ILSVRC2012_TRAIN_IMAGES, ASSUMED
     if demo["enabled"]:
         classes, per_class = demo["num_classes"], demo["train_per_class"]
         n = classes * per_class
         where = f"demo.num_classes {classes} x demo.train_per_class {per_class}"
-    else:
-        n, where = ILSVRC2012_TRAIN_IMAGES, ASSUMED
-        index = Path(workdir or ".") / "results" / "index" / "train.csv"
-        if workdir is not None and index.is_file():  # any layout, any class count: as indexed
-            n, where = _csv_rows(index), "results/index/train.csv"
-    split_dir = Path(workdir or ".") / "results" / "split"
-    paths = [split_dir / "train.csv", split_dir / "holdout.csv"]
-    if workdir is not None and all(path.is_file() for path in paths):
-        train, holdout = (_csv_rows(path) for path in paths)
-        total = train + holdout
-        same_data = total == n or not demo["enabled"]
-        if same_data and holdout == _holdout_count(total, fraction):
-            return train, holdout, "results/split/train.csv"
     holdout = _holdout_count(n, fraction)
     return n - holdout, holdout, f"{where} less split.holdout_fraction {fraction}"
 
 
 def _holdout_count(n: int, fraction: float) -> int:
     return int(round(n * fraction))  # exactly as imagenet_ddp.data.split.stratified_split
-
-
-def _csv_rows(path: Path) -> int:
-    """Data rows of a CSV with a header (as pandas writes it), counted in bytes: fast at 1.2M."""
-    with open(path, "rb") as f:
-        lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
-    return max(0, lines - 1)
 
 
 def write_check(run_json: str, num_classes: int, run_dir: Path, out: Path) -> None:
