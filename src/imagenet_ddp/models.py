@@ -72,12 +72,10 @@ RESERVED_KWARGS = {
 
 @dataclass(frozen=True)
 class Family:
-    """One family of models. ``prefix``: how its names start ("" for bare names, one family);
-    ``build(arch, num_classes, kwargs)``: a randomly initialised model; ``names()``: its model
-    names, ``listing`` where a user finds them; ``residual_option(name, kwargs)``: the
-    constructor option that zero-inits residual BatchNorm (None: none); ``sync_batchnorm``:
-    its SyncBatchNorm converter; ``name_list``: ``names()`` is torch-free, so the dry-run
-    judges a bare name by it."""
+    """One family of models: ``prefix`` ("" for bare names, one family), ``build(arch,
+    num_classes, kwargs)``, ``names()`` and ``listing`` (where users find them),
+    ``residual_option(name, kwargs)`` (None: none), ``sync_batchnorm``; ``name_list``:
+    ``names()`` is torch-free, so the dry-run judges bare names by it."""
 
     prefix: str
     build: Callable[[str, int, dict], Any]

@@ -1,17 +1,11 @@
 """One typed spec describes a training, preflight or evaluation job; every process reads it.
 
-The workflow's parse builds it from the config (:func:`job_spec`) and the rule passes it as
-compact JSON, ``imagenet-ddp train --job '{...}'`` (the run's settings at their default left
-out, filled in again by the job, whose package version must be the workflow's). The CLI parses
-it once (:func:`load`) and writes it into the job's folder (:func:`write_spec`); the launcher
-passes that file's path to the per-node steps and every rank, which read it back
-(:func:`read_spec`) into the same frozen dataclasses: :class:`TrainJob` (``run``: the run's
-settings, geometry included; ``paths``; ``execution``: where and how it runs, with ``stage``),
-:class:`PreflightJob` (a TrainJob with ``paths.out`` and ``train_runtime_minutes``) and
-:class:`EvalJob` (``geometry``, ``settings``, ``paths``; it reads the copy in place). A
-missing or unknown key is refused with one line naming the file and the key.
-
-Torch-free: the workflow's parse and the launcher import it.
+Built at the workflow's parse (:func:`job_spec`) and passed as compact JSON (``--job '{...}'``:
+the run's settings at their default left out and filled in again by the job, whose package
+version must be the workflow's); parsed once by the CLI (:func:`load`), written into the job's
+folder (:func:`write_spec`) and read back by the per-node steps and every rank
+(:func:`read_spec`) into the same frozen dataclasses. A missing or unknown key is refused in
+one line naming the file and the key. Torch-free.
 """
 
 from __future__ import annotations
@@ -56,8 +50,7 @@ class Stage:
 
 @dataclass(frozen=True)
 class Execution:
-    """Where and how the job runs: the site's settings, not results (no rerun when they
-    change; the rule passes them as a resource)."""
+    """Where and how the job runs: the site's settings (a resource: no rerun when they change)."""
 
     launcher: str  # auto or a launcher's name (jobs.launchers); auto is resolved in the job
     launch_prefix: str  # the rule's mpi resource: the command starting the ranks' step
@@ -134,8 +127,7 @@ class TrainJob:
 
     @property
     def geometry(self) -> Geometry:
-        """The job's geometry, from its run (a rank started by hand, torchrun, reads it from
-        the ranks that started and needs none; the launcher does)."""
+        """The job's geometry, from its run (the launcher needs it; a rank reads its own)."""
         _check_run(self.run)
         return Geometry.of(self.run)
 
@@ -351,8 +343,7 @@ def _from_compact(data: Any, where: str) -> Any:
 
 
 def with_init_weights(job: Job, sha256: str) -> Job:
-    """``job`` with its run's ``init_weights_sha256`` set to ``sha256`` (the check's digest of
-    the file, train's param: the rank verifies the bytes it reads against it), where given."""
+    """``job`` with its run's ``init_weights_sha256`` (train's param, which the rank verifies)."""
     if not sha256:
         return job
     return dataclasses.replace(job, run={**job.run, "init_weights_sha256": sha256})

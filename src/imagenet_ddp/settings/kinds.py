@@ -41,22 +41,17 @@ class Kind:
 KINDS = {
     # What is learned: a change retrains from scratch.
     "weights": Kind(fingerprint=True, rerun=True, shown=True, compared=True),
-    # How it computes (device, backend): a CPU and a GPU run differ numerically, so their
-    # checkpoints never mix; not shown, like the geometry.
+    # How it computes (device, backend): CPU and GPU checkpoints never mix.
     "numerics": Kind(fingerprint=True, rerun=True, shown=False, compared=True),
     # A preset's name (`recipe`): its values are other settings; shown beside them.
     "preset": Kind(fingerprint=False, rerun=False, shown=True, compared=True),
-    # Where the figures are measured (nodes x ranks, CPUs, GPUs, loader workers): the
-    # checkpoint key's other part (geometry.Geometry.tag); shown as the job's resources.
+    # Where the figures are measured: the checkpoint key's other part (its tag).
     "geometry": Kind(fingerprint=False, rerun=True, shown=False, compared=True),
-    # How the figures are taken (throughput_warmup_steps; eval_interval: which epochs measure
-    # the holdout, so the wall time), and where a run trains (gpu_type): a run in progress
-    # resumes its checkpoints under the new value; a finished run keeps the figures it
-    # measured, and the value they were measured under.
+    # How the figures are taken, and where a run trains (gpu_type): a run in progress resumes
+    # under the new value; a finished run keeps its figures and the value they were taken at.
     "speed": Kind(fingerprint=False, rerun=False, shown=False, compared=True),
     "site": Kind(fingerprint=False, rerun=False, shown=False, compared=True),
-    # How a run is logged, bounded or checked: changes neither weights nor figures. A finished
-    # run stays finished; a run in progress gets the new value at its next job.
+    # How a run is logged, bounded or checked: its next job gets the new value.
     "bookkeeping": Kind(fingerprint=False, rerun=False, shown=False, compared=False),
     # What the workflow does around training (`evaluate`, `preflight`): no rank reads them.
     "workflow": Kind(fingerprint=False, rerun=False, shown=False, compared=False, rank=False),

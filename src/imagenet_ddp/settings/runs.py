@@ -1,17 +1,12 @@
-"""config.yaml to the workflow's runs, the one path: the config checked against its schema
-(:func:`config_problems`, one line per problem), ``sweep:`` blocks expanded beside the
-hand-written ``runs`` (:func:`expand_runs`), each run resolved over the schema's defaults,
-``train_defaults`` and its preset (:func:`imagenet_ddp.settings.presets.resolve_run`), then
-refused at the dry-run if it could only fail on the GPU node
-(:mod:`imagenet_ddp.settings.run_checks`). ``workflow/rules/common.smk`` calls it once per parse.
+"""config.yaml to the workflow's runs, the one path (common.smk calls :func:`resolve_runs` once
+per parse): the config checked against its schema (:func:`config_problems`), ``sweep:``
+blocks expanded beside the hand-written ``runs`` (:func:`expand_runs`), each run resolved
+(:func:`imagenet_ddp.settings.presets.resolve_run`) and checked
+(:mod:`imagenet_ddp.settings.run_checks`).
 
-A sweep is a name template, shared ``settings`` and axes over any run setting: ``grid`` (every
-combination of its lists, in the order written) and ``zip`` (lists of equal length walked
-together); with both, every grid combination is taken with every zip row. Names come from the
-template, ``str.format`` over the run's merged settings (``"{model}-n{nodes}"``): stable, as
-they depend on the run's own values only. A name produced twice is an error naming both.
-
-Torch-free (PyYAML and jsonschema come with Snakemake): it runs while Snakemake parses.
+A sweep is a name template, shared ``settings``, ``grid`` axes (every combination, in written
+order) and ``zip`` axes (equal lists walked together); names are ``str.format`` over the run's
+merged settings, so stable; a name produced twice is an error naming both. Torch-free.
 """
 
 from __future__ import annotations
