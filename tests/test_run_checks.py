@@ -627,7 +627,7 @@ def test_timms_and_deits_presets_pass_the_dry_run_at_2_x_8_gpus(preset, tmp_path
     runs = {preset: resolve_run(defaults, {}, config["runs"][0])}
     assert check_runs(runs, config) == []
     assert run_checks.deep_problems(runs[preset], num_classes=1000) == []  # the check rule's
-    assert run_checks.warmup_warnings(runs, config, tmp_path) == []
+    assert run_checks.warmup_warnings(runs, config) == []
     batch, lr = (1024, 1e-3) if preset.startswith("deit") else (2048, 5e-3)
     lr = 8e-3 if preset.endswith("a3") else lr
     line = hyperparameter_line(runs[preset])
