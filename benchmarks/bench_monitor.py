@@ -106,7 +106,7 @@ def dry_run(workdir: Path) -> float:
 
 
 def bench_sweep(repeats: int, tmp: Path) -> tuple[float, float]:
-    from imagenet_ddp.settings.sweeps import expand_runs
+    from imagenet_ddp.settings.runs import expand_runs
     from tests.workflow_helpers import copy_workflow, read_config, write_config
 
     sweep = {

@@ -45,8 +45,8 @@ def test_parse_time_modules_import_without_heavy_packages():
         f"for name in {HEAVY!r}: sys.modules[name] = None\n"
         f"sys.path.insert(0, {str(REPO / 'src')!r})\n"
         f"for module in {modules!r}: __import__(module)\n"
-        "assert 'imagenet_ddp.settings.sweeps' in sys.modules\n"  # run resolution imports it
-        "from imagenet_ddp.settings.torchvision_models import CLASSIFICATION_MODELS\n"
+        "assert 'imagenet_ddp.settings.presets' in sys.modules\n"  # run resolution imports it
+        "from imagenet_ddp.models import CLASSIFICATION_MODELS\n"
         "assert len(CLASSIFICATION_MODELS) > 50\n"
     )
     # The installed (editable) package is on the path too, but src/ comes first, as in common.smk.

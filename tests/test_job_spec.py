@@ -96,7 +96,7 @@ def test_a_compact_spec_reads_back_whole_and_refuses_another_package_version():
 
     run = run_settings(run="r", nodes=1, tasks_per_node=1, cpus_per_task=1, lr=0.3)
     spec = to_dict(make_job("train", run, attempt=2))
-    text = compact_spec(spec, declarations(), __version__)
+    text = compact_spec(spec)
     sent = json.loads(text)["run"]
     assert sent == {"run": "r", "nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1, "lr": 0.3}
     assert len(text) < len(json.dumps(spec)) / 2

@@ -133,7 +133,7 @@ def test_the_dry_run_checks_trains_mem_mb_wherever_it_is_set(tmp_path):
     from tests.workflow_helpers import read_config, with_schema_defaults, write_config
 
     workdir = copy_workflow(tmp_path / "wf", runs=[GPU_RUN, CPU_RUN])
-    sizes = DataSizes(*split_sizes(with_schema_defaults(read_config(workdir)), workdir)[:2])
+    sizes = DataSizes(*split_sizes(with_schema_defaults(read_config(workdir)))[:2])
     gpu = estimate_mb({**_resolved(), **GPU_RUN}, sizes)
     code, out = dry_run(workdir)
     assert code == 0 and "mem_mb" not in out  # nothing sets it: not checked

@@ -6,6 +6,8 @@ non-zero exit and one line per problem naming the run and the key.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -28,7 +30,7 @@ from tests.workflow_helpers import (
 
 @pytest.fixture(scope="module")
 def models():
-    from imagenet_ddp.settings.torchvision_models import CLASSIFICATION_MODELS
+    from imagenet_ddp.models import CLASSIFICATION_MODELS
 
     return CLASSIFICATION_MODELS
 
@@ -51,7 +53,7 @@ FED = {"cpus_per_task": 3}
 
 
 def problems(config: dict, models, tmp_path) -> list[str]:
-    return check_runs(resolved(config), config, models=models)
+    return check_runs(resolved(config), config)
 
 
 def test_the_repo_config_passes(models, tmp_path):
@@ -186,10 +188,24 @@ def test_the_kept_model_list_is_the_pinned_torchvisions(models):
     """The list a bare Snakemake environment checks names against (no torchvision there)."""
     import torchvision
 
-    from imagenet_ddp.settings.torchvision_models import CLASSIFICATION_MODELS, TORCHVISION_VERSION
+    from imagenet_ddp.models import CLASSIFICATION_MODELS, TORCHVISION_VERSION
 
     assert torchvision.__version__.split("+")[0] == TORCHVISION_VERSION
     assert models == CLASSIFICATION_MODELS
+
+
+def test_the_kept_residual_prefixes_are_the_models_with_torchvisions_option(models):
+    """models.RESIDUAL_BN names exactly the models whose class takes
+    zero_init_residual (what the check finds from the meta-device build)."""
+    from imagenet_ddp.models import RESIDUAL_BN, _init_parameters, _meta_model
+
+    one_each = {}  # the first model of each builder family (resnet, resnext, wide, vgg, ...)
+    for name in sorted(models, reverse=True):
+        one_each[re.match("[a-z]+", name)[0]] = name
+    built = {m: _init_parameters(_meta_model(m, {})) for m in one_each.values()}
+    found = {m for m, parameters in built.items() if "zero_init_residual" in parameters}
+    assert found == {m for m in built if m.startswith(RESIDUAL_BN)}
+    assert len(built) > 15 and len(found) == 3
 
 
 # ---------------------------------------------------------------- image sizes
@@ -319,37 +335,13 @@ def test_global_batch_larger_than_the_holdout_only_passes(models, tmp_path):
     assert problems(demo_config(batch_size=100, tasks_per_node=2), models, tmp_path) == []
 
 
-def test_split_sizes_from_the_config(tmp_path):
-    """No split on disk (a workdir of its own: the checkout's may hold the demo's)."""
+def test_split_sizes_from_the_config():
+    """From the config alone: the parse reads no results/ (issue 41)."""
     config = demo_config()
-    assert split_sizes(config, tmp_path)[:2] == (900, 100)
+    assert split_sizes(config)[:2] == (900, 100)
     config["demo"]["enabled"] = False
     holdout = round(ILSVRC2012_TRAIN_IMAGES * 0.1)
-    assert split_sizes(config, tmp_path)[:2] == (ILSVRC2012_TRAIN_IMAGES - holdout, holdout)
-
-
-def _write_split(tmp_path, train: int, holdout: int) -> None:
-    split = tmp_path / "results" / "split"
-    split.mkdir(parents=True, exist_ok=True)
-    for name, n in (("train", train), ("holdout", holdout)):
-        pd.DataFrame({"sample_id": range(n), "class_index": 0}).to_csv(
-            split / f"{name}.csv", index=False
-        )
-
-
-def test_split_sizes_from_the_split_on_disk(tmp_path):
-    config = demo_config()
-    config["demo"]["enabled"] = False
-    _write_split(tmp_path, 1800, 200)
-    assert split_sizes(config, tmp_path) == (1800, 200, "results/split/train.csv")
-
-
-def test_a_split_made_with_other_settings_is_not_used(tmp_path):
-    config = demo_config()
-    _write_split(tmp_path, 500, 500)  # holdout_fraction 0.5: `split` reruns with 0.1
-    assert split_sizes(config, tmp_path)[:2] == (900, 100)
-    _write_split(tmp_path, 1800, 200)  # 0.1, but of another demo size: reruns too
-    assert split_sizes(config, tmp_path)[:2] == (900, 100)
+    assert split_sizes(config)[:2] == (ILSVRC2012_TRAIN_IMAGES - holdout, holdout)
 
 
 @pytest.mark.parametrize("fraction", [0.1, 0.15, 0.333, 0.5])
@@ -475,13 +467,13 @@ def test_the_warm_up_rule_warns_for_a_4_rank_scale_up_and_not_for_its_1_and_2_ra
         for tasks, extra in ((1, {}), (2, {}), (4, {}), (4, {"warmup_epochs": 3}))
     ]
     config["runs"][-1]["name"] = "r4-long"
-    (notice,) = run_checks.warmup_warnings(resolved(config), config, tmp_path)
+    (notice,) = run_checks.warmup_warnings(resolved(config), config)
     assert str(notice).startswith(
         "config.yaml: run 'r4' (14 steps to lr_used 0.05: 0.0036/step, max 0.002; "
         "warmup_steps 25 or warmup_epochs 1.8): warm-up steeper than published (docs"
     )  # a value that satisfies it
     config["runs"] = [{"name": "r4", "tasks_per_node": 4, "warmup_steps": 25, "warmup_epochs": 0}]
-    assert run_checks.warmup_warnings(resolved(config), config, tmp_path) == []
+    assert run_checks.warmup_warnings(resolved(config), config) == []
 
 
 def test_a_sweeps_warnings_are_one_short_line_per_kind(tmp_path):
@@ -490,7 +482,7 @@ def test_a_sweeps_warnings_are_one_short_line_per_kind(tmp_path):
 
     config = demo_config()
     config["runs"] = [{"name": f"r{i}", "tasks_per_node": 4, "seed": i} for i in range(12)]
-    notices = run_checks.warmup_warnings(resolved(config), config, tmp_path)
+    notices = run_checks.warmup_warnings(resolved(config), config)
     notices.append(Notice("another kind", "r0"))
     first, second = summarised(notices)
     assert first == (
@@ -499,7 +491,7 @@ def test_a_sweeps_warnings_are_one_short_line_per_kind(tmp_path):
     )
     assert len(first) <= 250  # 12 runs, one line
     config["runs"][1]["warmup_epochs"] = 0.5  # its own figure, named with it
-    first = summarised(run_checks.warmup_warnings(resolved(config), config, tmp_path))[0]
+    first = summarised(run_checks.warmup_warnings(resolved(config), config))[0]
     assert first.startswith("config.yaml: runs 'r0' (14 steps to lr_used 0.05: 0.0036/step")
     assert "'r1' (7 steps to lr_used 0.05: " in first and first.endswith(
         "1.8) and 9 more: " + run_checks.WARMUP_TOO_SHORT
@@ -507,17 +499,14 @@ def test_a_sweeps_warnings_are_one_short_line_per_kind(tmp_path):
     assert second == "config.yaml: run 'r0': another kind"
 
 
-def digits_config(tmp_path, indexed: bool) -> dict:
-    """Issue 42's runs: 10 classes, ResNet-18, batch 32 per rank, lr 0.4 per 256 scaled
-    linearly, a 1-epoch warm-up; an ImageFolder of 1,437 train images (1,293 after the
-    holdout: 10 steps per epoch at 4 ranks), indexed or not yet."""
+def digits_config(known: bool) -> dict:
+    """Issue 42's runs: ResNet-18, batch 32 per rank, lr 0.4 per 256 scaled linearly, a
+    1-epoch warm-up, on 1,437 train images (1,293 after the holdout: 10 steps per epoch at 4
+    ranks): their size known (a demo set of that size) or not (data.dir, an ImageFolder)."""
     config = demo_config()
-    config["demo"]["enabled"] = False
+    config["demo"].update(enabled=known, num_classes=3, train_per_class=479)  # 1,437 images
     config["train_defaults"].update(batch_size=32, lr=0.4, warmup_epochs=1, epochs=15)
     config["runs"] = [{"name": f"r{n}", "tasks_per_node": n} for n in (1, 2, 4)]
-    if indexed:
-        (tmp_path / "results" / "index").mkdir(parents=True)
-        (tmp_path / "results/index/train.csv").write_text("path,label\n" + "x,0\n" * 1437)
     return config
 
 
@@ -526,8 +515,8 @@ def test_the_warm_up_rule_judges_the_ramp_per_step_whatever_the_batch(tmp_path):
     0.0041 per step at a quarter of its LR per image) and train to 60 %: warned, with the
     warm-up that the rule asks for. Its 1- and 2-rank runs, at the same LR per image, need
     longer warm-ups than they had too (they trained: the rule is conservative, a warning)."""
-    config = digits_config(tmp_path, indexed=True)
-    notices = run_checks.warmup_warnings(resolved(config), config, tmp_path)
+    config = digits_config(known=True)
+    notices = run_checks.warmup_warnings(resolved(config), config)
     assert [n.run for n in notices] == ["r1", "r2", "r4"]
     assert notices[2].detail == (
         "10 steps to lr_used 0.2: 0.02/step, max 0.001; 196 steps, over half the run: "
@@ -544,7 +533,7 @@ def test_the_warm_up_rule_judges_the_ramp_per_step_whatever_the_batch(tmp_path):
         assert lr_used / (steps - 1) * (lr_used * 256 / batch) > run_checks.GOYAL_RAMP
     config["train_defaults"]["warmup_epochs"] = 0
     config["runs"][2]["warmup_steps"] = 196
-    assert [n.run for n in run_checks.warmup_warnings(resolved(config), config, tmp_path)] == [
+    assert [n.run for n in run_checks.warmup_warnings(resolved(config), config)] == [
         "r1",
         "r2",
     ]
@@ -552,7 +541,7 @@ def test_the_warm_up_rule_judges_the_ramp_per_step_whatever_the_batch(tmp_path):
 
 def test_a_run_without_warm_up_is_named_as_reaching_its_lr_at_once(tmp_path):
     config = demo_config(tasks_per_node=4, warmup_epochs=0)
-    (notice,) = run_checks.warmup_warnings(resolved(config), config, tmp_path)
+    (notice,) = run_checks.warmup_warnings(resolved(config), config)
     assert notice.detail.startswith("0 steps to lr_used 0.05: at once, max 0.002; warmup_steps 25")
 
 
@@ -561,13 +550,13 @@ def test_a_warm_up_in_epochs_on_data_not_indexed_yet_is_judged_by_its_smallest_t
 ):
     """The first dry-run on a folder of any size counts no images: the run is named with the
     train set below which its warm-up is too short (not judged at ImageNet's 1.28 M)."""
-    config = digits_config(tmp_path, indexed=False)
-    notices = run_checks.warmup_warnings(resolved(config), config, tmp_path)
+    config = digits_config(known=False)
+    notices = run_checks.warmup_warnings(resolved(config), config)
     assert {n.kind for n in notices} == {run_checks.WARMUP_UNKNOWN}
     assert notices[2] == (run_checks.WARMUP_UNKNOWN, "r4",
                           "fewer than 25088 train images: warmup_steps 196")  # fmt: skip
     config["data"]["layout"] = "archives"  # the archives' count is exact: judged, and enough
-    assert run_checks.warmup_warnings(resolved(config), config, tmp_path) == []
+    assert run_checks.warmup_warnings(resolved(config), config) == []
 
 
 @pytest.mark.parametrize("preset", ["torchvision-resnet50-v1", "torchvision-resnet50-v2",
@@ -580,7 +569,7 @@ def test_the_warm_up_rule_passes_the_presets_as_published(preset, tmp_path):
     config["data"]["layout"] = "archives"  # their count exact before the index
     config["runs"] = [{"name": preset, **PRESETS[preset], "tasks_per_node": 8}]
     assert run_checks.required_warmup_steps(3.2, 8192) == run_checks.GOYAL_WARMUP_STEPS == 782
-    assert run_checks.warmup_warnings(resolved(config), config, tmp_path) == []
+    assert run_checks.warmup_warnings(resolved(config), config) == []
 
 
 def test_warm_up_in_epochs_and_in_steps_is_refused(models, tmp_path):
@@ -638,7 +627,7 @@ def test_timms_and_deits_presets_pass_the_dry_run_at_2_x_8_gpus(preset, tmp_path
     runs = {preset: resolve_run(defaults, {}, config["runs"][0])}
     assert check_runs(runs, config) == []
     assert run_checks.deep_problems(runs[preset], num_classes=1000) == []  # the check rule's
-    assert run_checks.warmup_warnings(runs, config, tmp_path) == []
+    assert run_checks.warmup_warnings(runs, config) == []
     batch, lr = (1024, 1e-3) if preset.startswith("deit") else (2048, 5e-3)
     lr = 8e-3 if preset.endswith("a3") else lr
     line = hyperparameter_line(runs[preset])

@@ -14,8 +14,6 @@ from imagenet_ddp.settings.presets import PRESETS
 from imagenet_ddp.settings.runs import RunsError, resolve_runs, run_defaults, written_settings
 from tests.workflow_helpers import REPO, SCHEMA
 
-MODELS = frozenset({"resnet18", "resnet50"})
-
 
 def resolve(config: dict, tmp_path) -> dict[str, dict]:
     """As workflow/rules/common.smk does: the written settings first, then Snakemake's
@@ -24,7 +22,7 @@ def resolve(config: dict, tmp_path) -> dict[str, dict]:
 
     written = written_settings(config)
     validate(config, str(SCHEMA))
-    return resolve_runs(config, written, SCHEMA, models=MODELS)
+    return resolve_runs(config, written, SCHEMA)
 
 
 def repo_config(**changes) -> dict:

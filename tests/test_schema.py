@@ -1,4 +1,4 @@
-"""config.yaml against its schema (imagenet_ddp.settings.schema.config_problems): the defaults
+"""config.yaml against its schema (imagenet_ddp.settings.runs.config_problems): the defaults
 filled in as Snakemake's validate fills them, and every problem one line naming the run (or
 section) and the key, with no jsonschema dump."""
 
@@ -9,8 +9,7 @@ import copy
 import pytest
 import yaml
 
-from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
-from imagenet_ddp.settings.schema import config_problems
+from imagenet_ddp.settings.runs import RunsError, config_problems, resolve_runs, written_settings
 from tests.workflow_helpers import REPO, SCHEMA
 
 
@@ -82,11 +81,11 @@ def test_empty_runs_beside_a_sweep_resolve_and_no_runs_at_all_is_one_line(tmp_pa
     config = repo_config(runs=[], sweep=sweep)
     written = written_settings(config)
     assert config_problems(config, SCHEMA) == []
-    runs = resolve_runs(config, written, SCHEMA, models=frozenset({"resnet18"}))
+    runs = resolve_runs(config, written, SCHEMA)
     assert list(runs) == ["r-0.1", "r-0.2"]
 
     config = repo_config(runs=[], sweep=[])
     written = written_settings(config)
     assert config_problems(config, SCHEMA) == []
     with pytest.raises(RunsError, match=r"^config.yaml: no runs: add an entry under runs or a"):
-        resolve_runs(config, written, SCHEMA, models=frozenset({"resnet18"}))
+        resolve_runs(config, written, SCHEMA)

@@ -1,4 +1,4 @@
-"""Sweep expansion (imagenet_ddp.settings.sweeps): grid and zip, names, collisions, schema, and the
+"""Sweep expansion (imagenet_ddp.settings.runs): grid and zip, names, collisions, schema, and the
 workflow's dry-run of an expanded sweep (its rerun behaviour: tests/test_workflow_local.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from imagenet_ddp.settings.sweeps import SweepError, expand_runs, run_schema
+from imagenet_ddp.settings.runs import SweepError, expand_runs, run_schema
 
 SCHEMA = run_schema(
     yaml.safe_load((Path(__file__).parents[1] / "workflow/schemas/config.schema.yaml").read_text())

@@ -1,35 +1,21 @@
 """The model factory: every torchvision classification model and every timm model, by name.
 
-A ``model`` setting names one family's model:
+``resnet50`` builds ``torchvision.models.get_model(name, weights=None, ...)``;
+``timm/resnet50.a1_in1k`` builds ``timm.create_model(name, pretrained=False, ...)`` (the tag
+after the dot selects timm's default config only). Nothing is downloaded: a model starts from
+random initialisation or from a local weights file (``init_weights``, read at a fresh start
+on every rank: :func:`read_init_weights`, :func:`load_init_weights`); loaded weights win over
+``zero_init_residual``, which applies to the excluded keys alone. ``model_kwargs`` go to the
+constructor as they are. A family is one :class:`Family` entry of :data:`FAMILIES`.
 
-    resnet50, vit_b_16, ...               torchvision.models.get_model(name, weights=None, ...)
-    timm/resnet50.a1_in1k, timm/vit_...   timm.create_model(name, pretrained=False, ...)
-
-(``timm/`` as on the Hugging Face hub, where timm's models live under the ``timm`` owner; the
-part after the dot is timm's pretrained tag, which only selects the model's default config.)
-Nothing is downloaded on a compute node: a model starts from random initialisation, or from
-a local weights file (the run settings ``init_weights`` and ``init_weights_exclude``;
-:func:`read_init_weights`, :func:`load_init_weights`): a plain state_dict, torchvision's or
-timm's downloaded ``.pth``/``.bin``/``.safetensors``, this workflow's model.pt or checkpoint
-(its ``model`` entry), with a DDP ``module.`` prefix stripped, read with ``weights_only=True``.
-The file is read at a fresh start only (a resume takes the checkpoint's weights), on every
-rank, before EMA copies the model and DDP wraps it. Loaded weights win over
-``zero_init_residual``: it applies to the excluded keys alone (they keep the constructor's
-initialisation, zero-init included).
-``model_kwargs`` go to the constructor as they are (``drop_path_rate``, ``img_size``,
-``stochastic_depth_prob``, ...). Adding a family is one :class:`Family` entry of
-:data:`FAMILIES` here (its prefix, builder, names, residual-BN option and SyncBatchNorm
-converter) and a case in tests/test_models.py: the dry-run, training and the per-model facts
-work from the entry and the built model.
-
-Torch-free at import: the workflow imports it while Snakemake parses the rules (the dry-run's
-checks, :func:`model_problems`); torch, torchvision and timm are imported when a model is built.
+Torch-free at import (the workflow's parse imports it); torch, torchvision and timm are
+imported when a model is built.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
-import importlib.util
 import inspect
 import re
 from collections.abc import Callable, Mapping
@@ -38,9 +24,40 @@ from typing import Any
 
 TIMM_PREFIX = "timm/"
 
-# Keys model_kwargs may not set: the workflow sets them (num_classes from the data), the
-# run setting with the same effect is the one home (zero_init_residual, init_weights), or
-# they load weights from the network (pretrained, weights).
+# What the dry-run knows of torchvision's models without torchvision (a login node's bare
+# Snakemake environment), their one home: the names, ``list_models(module=torchvision.models)``
+# of the pinned torchvision (tests/test_run_checks.py holds them to the installed one's), and
+# the facts the check finds again from the meta-device build.
+TORCHVISION_VERSION = "0.29.1"
+
+CLASSIFICATION_MODELS = frozenset((
+    "alexnet", "convnext_base", "convnext_large", "convnext_small", "convnext_tiny",
+    "densenet121", "densenet161", "densenet169", "densenet201", "efficientnet_b0",
+    "efficientnet_b1", "efficientnet_b2", "efficientnet_b3", "efficientnet_b4",
+    "efficientnet_b5", "efficientnet_b6", "efficientnet_b7", "efficientnet_v2_l",
+    "efficientnet_v2_m", "efficientnet_v2_s", "googlenet", "inception_v3", "maxvit_t",
+    "mnasnet0_5", "mnasnet0_75", "mnasnet1_0", "mnasnet1_3", "mobilenet_v2",
+    "mobilenet_v3_large", "mobilenet_v3_small", "regnet_x_16gf", "regnet_x_1_6gf",
+    "regnet_x_32gf", "regnet_x_3_2gf", "regnet_x_400mf", "regnet_x_800mf", "regnet_x_8gf",
+    "regnet_y_128gf", "regnet_y_16gf", "regnet_y_1_6gf", "regnet_y_32gf", "regnet_y_3_2gf",
+    "regnet_y_400mf", "regnet_y_800mf", "regnet_y_8gf", "resnet101", "resnet152", "resnet18",
+    "resnet34", "resnet50", "resnext101_32x8d", "resnext101_64x4d", "resnext50_32x4d",
+    "shufflenet_v2_x0_5", "shufflenet_v2_x1_0", "shufflenet_v2_x1_5", "shufflenet_v2_x2_0",
+    "squeezenet1_0", "squeezenet1_1", "swin_b", "swin_s", "swin_t", "swin_v2_b", "swin_v2_s",
+    "swin_v2_t", "vgg11", "vgg11_bn", "vgg13", "vgg13_bn", "vgg16", "vgg16_bn", "vgg19",
+    "vgg19_bn", "vit_b_16", "vit_b_32", "vit_h_14", "vit_l_16", "vit_l_32", "wide_resnet101_2",
+    "wide_resnet50_2",
+))  # fmt: skip
+
+# Builders whose model class takes zero_init_residual (torchvision's ResNet family).
+RESIDUAL_BN = ("resnet", "resnext", "wide_resnet")
+# Models returning a named tuple (the auxiliary classifiers' outputs too) in training.
+AUX_OUTPUTS_IN_TRAINING = ("googlenet", "inception_v3")
+# Adaptive average pooling to more than 1x1 (vgg, alexnet) has no deterministic CUDA backward:
+# torch raises at the first backward on the GPU (the CPU's is deterministic).
+NONDETERMINISTIC_ON_CUDA = ("vgg", "alexnet")
+
+# Keys model_kwargs may not set: the workflow's, a run setting's, or a download.
 RESERVED_KWARGS = {
     "num_classes": "the class count comes from the data",
     "weights": "weights are never downloaded; set the run setting init_weights to a local file",
@@ -55,20 +72,12 @@ RESERVED_KWARGS = {
 
 @dataclass(frozen=True)
 class Family:
-    """One entry of :data:`FAMILIES`: everything that distinguishes a family of models.
-
-    ``prefix``: how its names start in the ``model`` setting ("" for bare names; one family
-    has none). ``package``: imported to build it (found without importing). ``build(arch,
-    num_classes, kwargs)``: a randomly initialised model. ``names()``: every model name (for
-    the unknown-name check and its closest names); ``listing``: where a user finds them.
-    ``residual_option(name, kwargs)``: the constructor option that zero-inits residual
-    BatchNorm, None where there is none. ``sync_batchnorm(model)``: the model with
-    SyncBatchNorm. ``name_list``: a bare name without ``model_kwargs`` is judged by the
-    dry-run against a torch-free name list (settings.run_checks.classification_models)
-    instead of a meta-device build."""
+    """One family of models: ``prefix`` ("" for bare names, one family), ``build(arch,
+    num_classes, kwargs)``, ``names()`` and ``listing`` (where users find them),
+    ``residual_option(name, kwargs)`` (None: none), ``sync_batchnorm``; ``name_list``:
+    ``names()`` is torch-free, so the dry-run judges bare names by it."""
 
     prefix: str
-    package: str
     build: Callable[[str, int, dict], Any]
     names: Callable[[], list[str]]
     listing: str
@@ -78,18 +87,11 @@ class Family:
 
 
 def family(name: str) -> tuple[str, str]:
-    """(family, the name within it) of a ``model`` setting: the family whose prefix it starts
-    with, else the one of bare names."""
+    """(family, the name within it) of a ``model`` setting."""
     for key, fam in FAMILIES.items():
         if fam.prefix and name.startswith(fam.prefix):
             return key, name[len(fam.prefix) :]
     return next(k for k, f in FAMILIES.items() if not f.prefix), name
-
-
-def importable(fam: str) -> bool:
-    """Whether the family's package (and torch) can be imported here, without importing it."""
-    packages = ("torch", FAMILIES[fam].package)
-    return all(importlib.util.find_spec(m) is not None for m in packages)
 
 
 def build_model(
@@ -99,13 +101,9 @@ def build_model(
     *,
     zero_init_residual: bool | None = False,
 ):
-    """A randomly initialised classification model ``name`` with ``num_classes`` outputs.
-
-    ``model_kwargs``: the constructor's own options. ``zero_init_residual``: zero-init the last
-    BatchNorm of each residual block, where the model has that option (torchvision's
-    ``zero_init_residual``, timm's ``zero_init_last``; :func:`residual_option`): set either
-    way, as timm's default is True (torchvision's, False: the same model as before); None:
-    the constructor's own default."""
+    """A randomly initialised model ``name`` with ``num_classes`` outputs. ``zero_init_residual``
+    sets the model's residual option (:func:`residual_option`) either way, as timm's default
+    is True and torchvision's False; None: the constructor's own default."""
     fam, arch = family(name)
     kwargs = dict(model_kwargs or {})
     option = residual_option(name, kwargs) if zero_init_residual is not None else None
@@ -115,9 +113,8 @@ def build_model(
 
 
 def residual_option(name: str, model_kwargs: Mapping[str, Any] | None = None) -> str | None:
-    """The constructor option that zero-inits residual BatchNorm, None where there is none.
-    torchvision's: from the name (torch-free); timm's: from the model class's signature (a
-    meta-device build: timm must be importable)."""
+    """The constructor option that zero-inits residual BatchNorm, None where there is none
+    (torchvision's from the name, timm's from a meta-device build's signature)."""
     return FAMILIES[family(name)[0]].residual_option(name, model_kwargs or {})
 
 
@@ -127,10 +124,8 @@ IMAGENET_MEAN_STD = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 
 @functools.cache
 def input_normalization(name: str, normalization: str = "imagenet") -> tuple[tuple, tuple]:
-    """(mean, std) a run of model ``name`` normalizes its images with: ImageNet's, or with
-    ``normalization: model`` a timm model's own, from its pretrained config (its tag's:
-    ``timm.models.get_pretrained_cfg``, nothing downloaded; (0.5, 0.5, 0.5) for augreg ViTs,
-    CLIP's for CLIP weights); torchvision's models were all trained with ImageNet's."""
+    """(mean, std) of model ``name``'s input: ImageNet's, or with ``normalization: model`` a
+    timm model's pretrained config's (nothing downloaded)."""
     fam, arch = family(name)
     if normalization != "model" or fam != "timm":
         return IMAGENET_MEAN_STD
@@ -143,20 +138,20 @@ def input_normalization(name: str, normalization: str = "imagenet") -> tuple[tup
 
 
 def convert_sync_batchnorm(name: str, model):
-    """``model`` with SyncBatchNorm (``sync_bn``), by its family's converter."""
+    """``model`` with SyncBatchNorm, by its family's converter."""
     return FAMILIES[family(name)[0]].sync_batchnorm(model)
 
 
-def known_names(fam: str) -> list[str]:
-    """Every model name of the family (importing it)."""
-    return sorted(FAMILIES[fam].names())
-
-
-def unknown_name(name: str, close: list[str]) -> str:
-    """The dry-run's line for a name its family lacks, with the ``close`` names (full names):
-    a bare name may be meant for a prefixed family, so their prefixes are listed too."""
-    key, _ = family(name)
+def unknown_name(name: str) -> str | None:
+    """The line for a name its family lacks, with its closest names (None: known); a bare
+    name may be meant for a prefixed family, so their prefixes are listed too."""
+    key, arch = family(name)
     fam = FAMILIES[key]
+    names = sorted(fam.names())
+    if arch.split(".")[0] in names:
+        return None
+    found = difflib.get_close_matches(arch.split(".")[0], names, n=3, cutoff=0.6)
+    close = [fam.prefix + c for c in found]
     listing = fam.listing + "".join(
         f", or {f.prefix}<name>" for f in FAMILIES.values() if f.prefix and not fam.prefix
     )
@@ -173,18 +168,8 @@ def _torchvision(arch: str, num_classes: int, kwargs: dict):
     return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
 
 
-def _torchvision_names() -> list[str]:
-    import torchvision
-
-    return torchvision.models.list_models(module=torchvision.models)
-
-
-# torchvision builders whose model class takes zero_init_residual (its ResNet family).
-TORCHVISION_RESIDUAL_BN = ("resnet", "resnext", "wide_resnet")
-
-
 def _torchvision_residual(name: str, kwargs: Mapping[str, Any]) -> str | None:
-    return "zero_init_residual" if name.startswith(TORCHVISION_RESIDUAL_BN) else None
+    return "zero_init_residual" if name.startswith(RESIDUAL_BN) else None
 
 
 def _torch_sync_batchnorm(model):
@@ -211,8 +196,7 @@ def _timm_residual(name: str, kwargs: Mapping[str, Any]) -> str | None:
 
 
 def _timm_sync_batchnorm(model):
-    """timm's fused BatchNormAct2d (BatchNorm, then its activation and drop) needs timm's
-    converter: torch's would keep the BatchNorm and silently drop the activation."""
+    """timm's converter: torch's would drop the activation of timm's fused BatchNormAct2d."""
     from timm.layers import convert_sync_batchnorm
 
     return convert_sync_batchnorm(model)
@@ -221,9 +205,8 @@ def _timm_sync_batchnorm(model):
 FAMILIES: dict[str, Family] = {
     "torchvision": Family(
         prefix="",
-        package="torchvision",
         build=_torchvision,
-        names=_torchvision_names,
+        names=lambda: CLASSIFICATION_MODELS,  # torchvision's list_models, kept torch-free
         listing="torchvision.models.list_models(module=torchvision.models)",
         residual_option=_torchvision_residual,
         sync_batchnorm=_torch_sync_batchnorm,
@@ -231,7 +214,6 @@ FAMILIES: dict[str, Family] = {
     ),
     "timm": Family(
         prefix=TIMM_PREFIX,
-        package="timm",
         build=_timm,
         names=_timm_names,
         listing="timm.list_models()",
@@ -247,18 +229,12 @@ FAMILIES: dict[str, Family] = {
 def model_problems(
     name: str, model_kwargs: Mapping[str, Any], crops: tuple[int, ...] = ()
 ) -> list[str]:
-    """What would fail when the job builds and runs the model, one line each (empty: none):
-    an unknown name (with the closest names), a ``model_kwargs`` key that is reserved or not a
-    parameter of the constructor's signature, a constructor that refuses the values, a model
-    that refuses ``crops``-sized images. Exact: the model is built on torch's meta device (no
-    memory, no compute) and run forward on a meta batch. Needs torch and the family's package."""
-    import difflib
-
-    fam, arch = family(name)
-    names = known_names(fam)
-    if arch.split(".")[0] not in names:
-        close = difflib.get_close_matches(arch.split(".")[0], names, n=3, cutoff=0.6)
-        return [unknown_name(name, [FAMILIES[fam].prefix + c for c in close])]
+    """What would fail when the job builds and runs the model, one line each: an unknown name,
+    a reserved or unknown ``model_kwargs`` key, values the constructor refuses, a crop the
+    model refuses. Exact: built and run forward on torch's meta device (no memory, no compute)."""
+    unknown = unknown_name(name)
+    if unknown:
+        return [unknown]
     for key in model_kwargs:
         if key in RESERVED_KWARGS:
             return [f"model_kwargs.{key}: not settable ({RESERVED_KWARGS[key]}); remove it"]
@@ -278,8 +254,6 @@ def model_problems(
 
 
 def _unknown_key(name: str, key: str, model) -> str:
-    import difflib
-
     accepted = sorted(_init_parameters(model))
     close = difflib.get_close_matches(key, accepted, n=3, cutoff=0.6)
     hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
@@ -300,12 +274,10 @@ def _meta_model(name: str, model_kwargs: Mapping[str, Any], num_classes: int = 1
 
 
 def on_meta(build: Callable[[], Any]):
-    """``build()``'s model with its parameters and buffers on torch's meta device (no memory,
-    no compute). Built under ``torch.device("meta")``, where every tensor is meta; a builder
-    that computes its architecture from tensors cannot be (torchvision's RegNet:
-    ``torch.arange(...).tolist()``), so it is built again with each parameter and buffer
-    replaced by a meta one as its module registers it (torch's documented global
-    registration hooks, removed when the build returns), all else on the CPU."""
+    """``build()``'s model on torch's meta device. A builder that computes its architecture
+    from tensors (torchvision's RegNet: ``torch.arange(...).tolist()``) fails under
+    ``torch.device("meta")``: it is built again with each parameter and buffer moved to meta as
+    it registers (torch's global registration hooks, removed when the build returns)."""
     import torch
     from torch.nn.modules import module
 
@@ -335,9 +307,8 @@ def on_meta(build: Callable[[], Any]):
 
 
 def _init_parameters(model) -> set[str]:
-    """The named parameters of the model class's constructor (its whole MRO up to the first
-    without ``**kwargs``: torchvision's ConvNeXt takes and ignores **kwargs, so a misspelled
-    key would pass silently through the builder)."""
+    """The named parameters of the model class's constructors, up the MRO to the first without
+    ``**kwargs`` (torchvision's ConvNeXt takes and ignores **kwargs: a misspelled key)."""
     names: set[str] = set()
     for cls in type(model).__mro__:
         init = cls.__dict__.get("__init__")
@@ -351,9 +322,8 @@ def _init_parameters(model) -> set[str]:
 
 
 def _forward_problem(name: str, model, crop: int) -> str | None:
-    """A crop the model refuses, or a training-mode output that is not the logits (the job's
-    loss takes one tensor): torchvision's GoogLeNet and Inception v3 add their auxiliary
-    classifiers' outputs in training, and Inception's refuses crops below 299."""
+    """A crop the model refuses, or a training-mode output that is not the logits (GoogLeNet's
+    and Inception v3's auxiliary outputs)."""
     import torch
 
     aux = "torchvision's googlenet, inception_v3: aux_logits: false"
@@ -377,10 +347,8 @@ def _forward_problem(name: str, model, crop: int) -> str | None:
     return None
 
 
-# Forward aten ops whose CUDA backward has no deterministic kernel: with
-# torch.use_deterministic_algorithms(True) torch raises at the first backward (its documentation
-# of that function lists them). Adaptive average pooling to 1x1 is a mean in aten (no
-# _adaptive_avg_pool2d), so the global pooling of most classifiers is not among them.
+# Forward aten ops whose CUDA backward has no deterministic kernel (the list in
+# torch.use_deterministic_algorithms' documentation); pooling to 1x1 is a mean in aten.
 NONDETERMINISTIC_CUDA_BACKWARD = {
     "_adaptive_avg_pool2d": "adaptive average pooling",
     "_adaptive_avg_pool3d": "adaptive average pooling",
@@ -407,13 +375,10 @@ NONDETERMINISTIC_CUDA_BACKWARD = {
 def nondeterministic_on_cuda(
     name: str, model_kwargs: Mapping[str, Any], crops: tuple[int, ...] = (224,)
 ) -> list[str]:
-    """The model's layers that have no deterministic CUDA backward, as "<module> (<what>)":
-    a training step (forward and backward) on the meta device at each crop, under torch's
-    public ``FlopCounterMode`` counting the ops above and their backward ops by module. An op
-    counts where its backward ran (resizing the image itself has none: timm's CrossViT), or,
-    without a backward op of its own (max unpooling), where it ran; each is named by the
-    innermost modules whose forward called it (whatever the family, and functional calls
-    too: timm's avgmax pooling, a ViT resampling its position embedding)."""
+    """The model's layers without a deterministic CUDA backward, as "<module> (<what>)": a
+    training step on the meta device at each crop under torch's public ``FlopCounterMode``,
+    counting the ops above by module. An op counts where its backward ran (or, without one,
+    where it ran), named by the innermost modules that called it."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -447,9 +412,8 @@ def _one(*shapes, **kwargs) -> int:
 
 # --------------------------------------------------------------------------- a weights file
 
-# Where a dict checkpoint keeps its model's state_dict: this workflow's model.pt and
-# checkpoints ("model"), Lightning's and timm's train.py checkpoints ("state_dict"), the
-# common hand-written {"model_state_dict": ...}, DeepSpeed's ("module").
+# Where a dict checkpoint keeps its state_dict: ours ("model"), Lightning's and timm's
+# ("state_dict"), hand-written ones ("model_state_dict"), DeepSpeed's ("module").
 STATE_ENTRIES = ("model", "state_dict", "model_state_dict", "module")
 # Prefixes a wrapper adds to every key: DistributedDataParallel's, torch.compile's.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -460,10 +424,9 @@ class WeightsFileError(ValueError):
 
 
 def read_init_weights(path, sha256: str = "") -> dict:
-    """The state_dict of the weights file ``path`` (tensors on the CPU, wrapper prefixes
-    stripped), read once: its bytes are hashed and parsed from memory, so the digest checked
-    against ``sha256`` (the run's ``init_weights_sha256``; empty: unchecked) is that of the
-    weights loaded, even when the file is replaced meanwhile."""
+    """The state_dict of the weights file ``path`` (on the CPU, wrapper prefixes stripped). Its
+    bytes are read once, hashed and parsed from memory: the digest checked against ``sha256``
+    (empty: unchecked) is that of the weights loaded, even if the file is replaced meanwhile."""
     import hashlib
     import io
 
@@ -484,8 +447,8 @@ def read_init_weights(path, sha256: str = "") -> dict:
 
 
 def weights_file_shapes(path) -> dict[str, tuple[int, ...]]:
-    """The shape of each tensor of the file's state_dict, for the dry-run: without reading
-    the tensors where the format allows (a safetensors header; torch's zip format mmapped)."""
+    """The shape of each tensor of the file's state_dict, without reading the tensors where
+    the format allows (a safetensors header; torch's zip format mmapped)."""
     with open(path, "rb") as f:
         head = f.read(9)
     if _is_safetensors(head):
@@ -502,8 +465,7 @@ def weights_file_shapes(path) -> dict[str, tuple[int, ...]]:
 
 
 def _is_safetensors(head: bytes) -> bool:
-    """safetensors: an 8-byte header length, then the JSON header; torch's files start with
-    a zip's PK or a pickle's 0x80."""
+    """safetensors: an 8-byte length, then the JSON header (torch's: a zip's PK or 0x80)."""
     return len(head) == 9 and head[8:9] == b"{" and head[:2] != b"PK"
 
 
@@ -539,8 +501,7 @@ def _torch_load(path, source, *, mmap: bool = False):
 
 
 def _state_dict(path, obj) -> dict:
-    """The state_dict in ``obj``: ``obj`` itself, or the first of :data:`STATE_ENTRIES` that
-    holds tensors; wrapper prefixes stripped."""
+    """``obj`` itself or its first :data:`STATE_ENTRIES` entry of tensors, unwrapped."""
     import torch
 
     candidates = [obj] + [obj.get(e) for e in STATE_ENTRIES if isinstance(obj, Mapping)]
@@ -567,8 +528,7 @@ def init_weights_mismatch(
     model_shapes: Mapping[str, tuple], file_shapes: Mapping[str, tuple], exclude=()
 ) -> str | None:
     """What keeps the file's weights from loading into the model, in one phrase (None: they
-    load): keys the file lacks or the model lacks, shapes that differ, an ``exclude`` prefix
-    matching no key of the model; keys under an ``exclude`` prefix are left out."""
+    load); keys under an ``exclude`` prefix are left out, and a prefix must match a key."""
     prefixes = tuple(exclude)
 
     def kept(key: str) -> bool:
@@ -604,9 +564,8 @@ def _listed(what: str, items: list[str], most: int = 3) -> str:
 
 
 def load_init_weights(model, state: Mapping, exclude=(), where: str = "") -> list[str]:
-    """Copy ``state`` (:func:`read_init_weights`) into ``model`` but the keys under an
-    ``exclude`` prefix, which keep their initialisation; those keys. WeightsFileError where
-    the two do not match (:func:`init_weights_mismatch`)."""
+    """Copy ``state`` into ``model`` but the keys under an ``exclude`` prefix (returned: they
+    keep their initialisation); WeightsFileError where the two do not match."""
     own = model.state_dict()
     shapes = {k: tuple(v.shape) for k, v in own.items()}
     problem = init_weights_mismatch(shapes, {k: tuple(v.shape) for k, v in state.items()}, exclude)
@@ -621,9 +580,8 @@ def load_init_weights(model, state: Mapping, exclude=(), where: str = "") -> lis
 def init_weights_problem(
     name: str, model_kwargs: Mapping[str, Any], num_classes: int, path, exclude=()
 ) -> str | None:
-    """The dry-run's check of a weights file against the model it would start: ``path: what
-    is wrong; what to do`` (None: it loads). Cheap: the file's shapes without its tensors
-    (:func:`weights_file_shapes`), the model built on the meta device."""
+    """The check of a weights file against the model it would start (None: it loads), from
+    the file's shapes and the model built on the meta device."""
     try:
         file_shapes = weights_file_shapes(path)
     except WeightsFileError as error:

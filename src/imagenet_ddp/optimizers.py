@@ -1,21 +1,11 @@
-"""The optimizer factory: one registry, :data:`FAMILIES`, of torch's SGD and AdamW and every
-optimizer timm provides, by name.
+"""The optimizer factory: one registry, :data:`FAMILIES`: ``sgd`` and ``adamw`` (torch's) and
+``timm/<name>`` (``timm.optim.create_optimizer_v2``: timm/lamb, timm/lars, ...). The run
+settings ``lr`` (scaled), ``momentum``, ``nesterov`` and the groups' weight decay are passed
+by the family's builder; ``optimizer_kwargs`` are the optimizer's own other options, checked
+against its class's signature (:func:`optimizer_problem`). A family is one entry, keyed by its
+one name or by its prefix ending in ``/``.
 
-An ``optimizer`` setting names one family's optimizer:
-
-    sgd, adamw          torch.optim.SGD / torch.optim.AdamW
-    timm/<name>         timm.optim.create_optimizer_v2(opt=<name>): timm/lamb, timm/lars, ...
-
-(torch's other optimizers are timm's too: ``timm/adam``, ``timm/rmsprop``, ... .) The run
-settings ``lr`` (scaled), ``momentum``, ``nesterov`` and the parameter groups' weight decay are
-passed by the family's builder; ``optimizer_kwargs`` are the optimizer's own other options
-(AdamW ``betas``, ``eps``; LAMB ``max_grad_norm`` ...), checked at the dry-run against its
-class's signature (:func:`optimizer_problem`). Adding a family is one :class:`Family` entry of
-:data:`FAMILIES` here (and a case in tests/test_models.py): its key is its one name, or its
-prefix ending in ``/`` for a family of names; the schema's ``optimizer`` pattern takes any
-``<name>`` or ``<prefix>/<name>``, and the dry-run refuses a name no family holds.
-
-Torch-free at import, as imagenet_ddp.models (the dry-run imports it while Snakemake parses).
+Torch-free at import (the workflow's parse imports it).
 """
 
 from __future__ import annotations
@@ -40,14 +30,9 @@ FROM_SETTINGS = {
 
 @dataclass(frozen=True)
 class Family:
-    """One entry of :data:`FAMILIES`.
-
-    ``build(name, groups, lr, momentum, nesterov, kwargs)``: the optimizer over the parameter
-    groups (each with its weight decay). ``resolve(name)``: its class, whose signature
-    ``optimizer_kwargs`` are checked against (raises for a name the family lacks).
-    ``names()``: every name it holds, for the closest-name hint. ``packages``: what must be
-    importable to build it (found without importing). ``label`` and ``choices``: how the
-    unknown-name message names it ("a timm optimizer", "timm/<name of ...>")."""
+    """``build(name, groups, *, lr, momentum, nesterov, kwargs)``: the optimizer; ``resolve(name)``:
+    its class (raises for a name the family lacks); ``names()``: for the closest-name hint;
+    ``packages``: needed to list them; ``label``, ``choices``: the unknown-name line's words."""
 
     build: Callable[..., Any]
     resolve: Callable[[str], type]
@@ -82,9 +67,8 @@ def _torch_class(attr: str) -> Callable[[str], type]:
 def _timm(name, groups, *, lr, momentum, nesterov, kwargs):
     from timm.optim import create_optimizer_v2
 
-    # The groups carry their own weight decay; create_optimizer_v2 passes momentum only to
-    # the optimizers that take it, and each its own nesterov default (timm/sgd, timm/nlars:
-    # Nesterov; timm/momentum, timm/lars: classical): the run setting nesterov is SGD's.
+    # The groups carry their weight decay; momentum reaches the optimizers that take it, each
+    # with its own nesterov default (the run setting nesterov is torch's SGD's).
     return create_optimizer_v2(
         list(groups), opt=name[len(TIMM_PREFIX) :], lr=lr, momentum=momentum, **kwargs
     )
@@ -124,11 +108,6 @@ def family(name: str) -> Family | None:
     return FAMILIES.get(prefix) if prefix and name != prefix else None
 
 
-def named_by_registry(name: str) -> bool:
-    """Whether ``name`` is an entry's own key (sgd, adamw): known without importing torch."""
-    return name in FAMILIES and not name.endswith("/")
-
-
 def build_optimizer(
     name: str,
     groups: Iterable[dict],
@@ -144,13 +123,6 @@ def build_optimizer(
         raise ValueError(_unknown(name, []))
     given = dict(kwargs or {})
     return fam.build(name, groups, lr=lr, momentum=momentum, nesterov=nesterov, kwargs=given)
-
-
-def importable(name: str) -> bool:
-    """Whether the family's packages can be imported here (without importing them); a name
-    no family holds needs none to be refused."""
-    fam = family(name)
-    return fam is None or _packages_here(fam)
 
 
 def _unknown(name: str, close: list[str]) -> str:
@@ -176,10 +148,9 @@ def _packages_here(fam: Family) -> bool:
 def optimizer_problem(
     name: str, kwargs: Mapping[str, Any], *, momentum: float = 0.9, nesterov: bool = False
 ) -> str | None:
-    """An unknown optimizer (with the closest names), an ``optimizer_kwargs`` key that the run
-    settings own or its class's signature lacks, or values it refuses (built over one dummy
-    parameter, as the job would: SGD's nesterov with dampening), in one line; None when it
-    can be built. A name no family holds is refused without importing anything."""
+    """An unknown optimizer, an ``optimizer_kwargs`` key that a run setting owns or its class
+    lacks, or values it refuses (built over one dummy parameter, as the job would), in one
+    line; None when it can be built."""
     import difflib
 
     fam = family(name)

@@ -15,19 +15,18 @@ from snakemake.settings.types import DeploymentMethod
 # dependencies: a dry-run or --lint works in a login node's bare Snakemake environment.
 sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 
-from imagenet_ddp import __version__ as PACKAGE_VERSION
+from imagenet_ddp import __version__ as PACKAGE_VERSION  # report.smk's param
 from imagenet_ddp.data.layouts import LAYOUTS, dry_run_layout
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.jobs.container import host_runtime_env
-from imagenet_ddp.jobs.site import PREPARED
-from imagenet_ddp.jobs.site import job_spec as site_job_spec
 from imagenet_ddp.jobs.site import (
     launch_prefix,
     memory_problems,
     site_problems,
     train_resources,
 )
-from imagenet_ddp.jobs.spec import SpecError
+from imagenet_ddp.jobs.spec import PREPARED, SpecError
+from imagenet_ddp.jobs.spec import job_spec as spec_json
 from imagenet_ddp.settings.evaluation import eval_settings
 from imagenet_ddp.settings.geometry import global_batch, slurm_resources
 from imagenet_ddp.settings.kinds import declarations, rerun_line
@@ -35,7 +34,7 @@ from imagenet_ddp.settings.presets import scaled_lr
 from imagenet_ddp.settings.run_checks import CHECKED_SETTINGS, warmup_warnings
 from imagenet_ddp.settings.notices import summarised
 from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
-from imagenet_ddp.settings.schema import config_problems
+from imagenet_ddp.settings.runs import config_problems
 from imagenet_ddp.jobs.stage_versions import STAGE_VERSIONS
 
 
@@ -227,7 +226,7 @@ _refusals, _warnings = memory_problems(
 )
 if _refusals:
     refuse(_refusals)
-for _line in summarised(_warnings + warmup_warnings(RUNS, config, None)):
+for _line in summarised(_warnings + warmup_warnings(RUNS, config)):
     print(f"warning: {_line}", file=sys.stderr)  # one line per kind, naming the runs
 
 
@@ -326,7 +325,7 @@ for _name in ("train", "evaluate"):
 
 
 def job_spec(kind, mpi_rule):
-    """A resource: the job's whole spec as compact JSON (imagenet_ddp.jobs.site.job_spec: the
+    """A resource: the job's whole spec as compact JSON (imagenet_ddp.jobs.spec.job_spec: the
     run's settings not at their default, its paths, where and how it runs), checked here (a
     spec the job would refuse fails at the dry-run). A resource, not a param: it holds
     bookkeeping too (log_interval, the launcher), which reruns no finished job; as a resource
@@ -338,9 +337,9 @@ def job_spec(kind, mpi_rule):
             evaluation_settings(name) if kind == "evaluate" else training_settings(name)
         )
         try:
-            return site_job_spec(kind, name, settings, config, SETTINGS, attempt=attempt,
-                                 launch_prefix=LAUNCH_PREFIX[mpi_rule], version=PACKAGE_VERSION,
-                                 train_runtime=_train_runtime())  # fmt: skip
+            return spec_json(kind, name, settings, config, attempt=attempt,
+                             launch_prefix=LAUNCH_PREFIX[mpi_rule],
+                             train_runtime=_train_runtime())  # fmt: skip
         except SpecError as error:
             raise WorkflowError(f"{kind} job of run {name!r}: job spec: {error}")
 

@@ -1,6 +1,5 @@
-"""What the workflow's parse builds and checks of where its jobs run: each job's spec from the
-config (:func:`job_spec`), and the site's settings that would fail every job (:func:`site_problems`,
-:func:`memory_problems`). workflow/rules/common.smk calls these; the paths are the rules'.
+"""What the workflow's parse checks of where its jobs run (:func:`site_problems`,
+:func:`memory_problems`) and the SLURM shape of each train job (:func:`train_resources`).
 
 Torch-free: it runs while Snakemake parses the rules.
 """
@@ -13,76 +12,13 @@ from typing import Any
 from imagenet_ddp.data.stage import configured_scratch_problem, scratch_in_ram
 from imagenet_ddp.jobs.attempts import nodes_ahead, refusal_ahead
 from imagenet_ddp.jobs.launchers import launcher_problem
-from imagenet_ddp.jobs.spec import compact_spec
-from imagenet_ddp.settings.geometry import GEOMETRY_KEYS, on_nodes, slurm_resources
-from imagenet_ddp.settings.kinds import Declarations
+from imagenet_ddp.settings.geometry import on_nodes, slurm_resources
 from imagenet_ddp.settings.node_memory import DataSizes, node_memory_problems
 from imagenet_ddp.settings.run_checks import (
     container_problem,
     optional_component_problems,
     split_sizes,
 )
-
-PREPARED = "results/prepared/{}.json"  # the prepare rule's manifest of train or val
-
-
-def _execution(config: Mapping, launch_prefix: str, attempt: int, staged: bool) -> dict:
-    """A spec's execution block (jobs.spec.Execution): where and how the job runs. Not
-    results: it travels in a resource, so no change of it reruns a finished job."""
-    execution = config["execution"]
-    block = {
-        "launcher": execution["launcher"],
-        "launch_prefix": launch_prefix,
-        "srun_extra": execution["srun_extra"],
-        "attempt": attempt,  # 2, 3, ...: a resubmission (jobs.attempts)
-    }
-    if staged:  # train and its preflight copy the prepared train set to every node
-        block["stage"] = {k: config["stage"][k] for k in ("scratch_dir", "verify", "cleanup")}
-    return block
-
-
-def job_spec(
-    kind: str,
-    name: str,
-    settings: Mapping[str, Any],
-    config: Mapping,
-    declarations: Declarations,
-    *,
-    attempt: int,
-    launch_prefix: str,
-    version: str,
-    train_runtime: float | None = None,
-) -> str:
-    """The compact JSON spec (jobs.spec.compact_spec) of run ``name``'s ``kind`` job (train,
-    preflight, evaluate): ``settings``, the run's as the rank gets them (an evaluation's:
-    its geometry, batch size and workers), its paths, the execution block."""
-    paths: dict[str, Any] = {"prepared_train": PREPARED.format("train")}
-    parts: dict[str, Any]
-    if kind == "evaluate":
-        paths.update(
-            model=f"results/runs/{name}/model.pt",
-            prepared_val=PREPARED.format("val"),
-            split_dir="results/split",
-            classes="results/index/classes.csv",
-            out=f"results/runs/{name}/eval.json",
-            per_class=f"results/runs/{name}/per_class.csv",
-        )
-        parts = {
-            "geometry": {key: settings[key] for key in GEOMETRY_KEYS},
-            "settings": {k: settings[k] for k in ("batch_size", "workers")},
-        }
-    else:
-        checkpoints = f"{config['execution']['checkpoint_dir']}/{name}"
-        paths.update(split_dir="results/split", checkpoint_root=checkpoints)
-        parts = {"run": dict(settings)}
-        if kind == "preflight":
-            paths["out"] = f"results/preflight/{name}/preflight.json"
-            parts["train_runtime_minutes"] = train_runtime  # what train's allocations last
-        else:
-            paths["run_dir"] = f"results/runs/{name}"
-    execution = _execution(config, launch_prefix, attempt, staged=kind != "evaluate")
-    spec = {"kind": kind, **parts, "paths": paths, "execution": execution}
-    return compact_spec(spec, declarations, version)
 
 
 def site_problems(
@@ -108,7 +44,7 @@ def memory_problems(
     """(refusals, warnings) of each run's training job against train's ``mem_mb`` per node
     (settings.node_memory), with the split's sizes from the config and the train copy staged
     in RAM where stage.scratch_dir is a tmpfs here (data.stage.scratch_in_ram)."""
-    train, holdout, _ = split_sizes(config, None)
+    train, holdout, _ = split_sizes(config)
     in_ram = scratch_in_ram(
         config["stage"]["scratch_dir"],
         f"{config['prepare']['dir']}/train",

@@ -1,29 +1,11 @@
 """One typed spec describes a training, preflight or evaluation job; every process reads it.
 
-The rule builds the whole spec (workflow/rules/common.smk ``job_spec``) and passes it as compact
-JSON, ``imagenet-ddp train --job '{...}'`` (:func:`compact_spec`; a spec file's path works
-too); the CLI parses it once
-(:func:`parse`), resolves the launcher and writes it atomically into the job's folder
-(:func:`write_spec`). The launcher passes only that file's path to the per-node steps
-(staging, cleanup) and to every rank, which read it back (:func:`read_spec`) into the same
-frozen dataclasses: nothing downstream re-packs it or reads a dict key.
-
-A training spec (:class:`TrainJob`), as JSON::
-
-    {"kind": "train",
-     "run": {...},          # the run's settings, geometry included (training.config.TrainConfig)
-     "paths": {"prepared_train", "split_dir", "run_dir", "checkpoint_root"},
-     "execution": {"launcher", "launch_prefix", "srun_extra", "attempt",
-                   "stage": {"scratch_dir", "verify", "cleanup"}}}
-
-A preflight spec (:class:`PreflightJob`) has ``"kind": "preflight"``, ``paths`` (prepared_train,
-split_dir, out = preflight.json, checkpoint_root) and ``train_runtime_minutes``; it stages like
-training. An evaluation spec (:class:`EvalJob`) has ``"kind": "evaluate"``, ``geometry``,
-``settings`` (batch_size, workers, device), ``paths`` (model, prepared_train, prepared_val,
-split_dir, classes, out, per_class) and ``execution`` (no ``stage``: it reads in place).
-
-A missing or unknown key is refused with one line naming the file and the key.
-Torch-free: the launcher process reads it too.
+Built at the workflow's parse (:func:`job_spec`) and passed as compact JSON (``--job '{...}'``:
+the run's settings at their default left out and filled in again by the job, whose package
+version must be the workflow's); parsed once by the CLI (:func:`load`), written into the job's
+folder (:func:`write_spec`) and read back by the per-node steps and every rank
+(:func:`read_spec`) into the same frozen dataclasses. A missing or unknown key is refused in
+one line naming the file and the key. Torch-free.
 """
 
 from __future__ import annotations
@@ -32,6 +14,7 @@ import dataclasses
 import json
 import os
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -41,14 +24,15 @@ from imagenet_ddp.data.prepared_layout import resolve_prepared
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.jobs.launchers import launcher_problem
-from imagenet_ddp.settings.geometry import LAUNCH_KEYS, Geometry
-from imagenet_ddp.settings.kinds import Declarations, declarations
+from imagenet_ddp.settings.geometry import GEOMETRY_KEYS, LAUNCH_KEYS, Geometry
+from imagenet_ddp.settings.kinds import declarations
 
 TRAIN_SPEC = "job_spec.json"  # in the run folder
 EVAL_SPEC = "eval_spec.json"  # beside eval.json
 PREFLIGHT_SPEC = "preflight_spec.json"  # beside preflight.json
 STAGING_DIR = "staging"  # <run folder>/staging/<host>.json: one report per node
 PROGRESS = "progress.json"  # in the run folder: rank 0's last epoch (monitoring.monitor)
+PREPARED = "results/prepared/{}.json"  # the prepare rule's manifest of train or val
 
 
 class SpecError(InputError):
@@ -66,8 +50,7 @@ class Stage:
 
 @dataclass(frozen=True)
 class Execution:
-    """Where and how the job runs: the site's settings, not results (no rerun when they
-    change; the rule passes them as a resource)."""
+    """Where and how the job runs: the site's settings (a resource: no rerun when they change)."""
 
     launcher: str  # auto or a launcher's name (jobs.launchers); auto is resolved in the job
     launch_prefix: str  # the rule's mpi resource: the command starting the ranks' step
@@ -144,8 +127,7 @@ class TrainJob:
 
     @property
     def geometry(self) -> Geometry:
-        """The job's geometry, from its run (a rank started by hand, torchrun, reads it from
-        the ranks that started and needs none; the launcher does)."""
+        """The job's geometry, from its run (the launcher needs it; a rank reads its own)."""
         _check_run(self.run)
         return Geometry.of(self.run)
 
@@ -249,16 +231,14 @@ def parse(text: str, kinds: str | tuple[str, ...] | None = None, source: str = "
 
 
 def load(value: str, kinds: str | tuple[str, ...] | None = None) -> Job:
-    """``--job``'s value: a spec's JSON text (the rule's), or the path of a spec file; a
-    prepared path that is a manifest (the rule's input) is replaced by the copy it names."""
+    """``--job``'s value (a spec's JSON text, or a spec file's path), each prepared manifest
+    replaced by the copy it names, once, by the job's first process."""
     if value.lstrip().startswith("{"):
         return with_prepared_resolved(parse(value, kinds))
     return with_prepared_resolved(read_spec(value, kinds))
 
 
 def with_prepared_resolved(job: Job) -> Job:
-    """``job`` with each prepared path resolved (prepared_layout.resolve_prepared), once, by the
-    job's first process: the spec it writes names the copy itself for every step and rank."""
     resolved = {
         name: resolve_prepared(getattr(job.paths, name))
         for name in ("prepared_train", "prepared_val")
@@ -283,26 +263,70 @@ def write_spec(path: str | os.PathLike[str], job: Job) -> Path:
     return path
 
 
-def compact_spec(data: dict[str, Any], settings: Declarations, version: str) -> str:
-    """``data`` (a spec's JSON values) checked, as the compact JSON the rule passes in
-    ``--job``: the run's settings at their declared default left out (the job fills them in
-    from its package's declarations, :func:`parse`) but its name and geometry, and the
-    workflow's package ``version``, which the job's own must equal."""
+def job_spec(
+    kind: str,
+    name: str,
+    settings: Mapping[str, Any],
+    config: Mapping,
+    *,
+    attempt: int,
+    launch_prefix: str,
+    train_runtime: float | None = None,
+) -> str:
+    """The compact JSON spec of run ``name``'s ``kind`` job (train, preflight, evaluate), as the
+    rule passes it: ``settings``, the run's as the rank gets them (an evaluation's: its
+    geometry, batch size and workers), its paths, and the execution block: where and how it
+    runs, which reruns nothing (a resource, not a param)."""
+    paths: dict[str, Any] = {
+        "prepared_train": PREPARED.format("train"),
+        "split_dir": "results/split",
+    }
+    parts: dict[str, Any]
+    if kind == "evaluate":
+        paths.update(
+            model=f"results/runs/{name}/model.pt",
+            prepared_val=PREPARED.format("val"),
+            classes="results/index/classes.csv",
+            out=f"results/runs/{name}/eval.json",
+            per_class=f"results/runs/{name}/per_class.csv",
+        )
+        parts = {
+            "geometry": {key: settings[key] for key in GEOMETRY_KEYS},
+            "settings": {k: settings[k] for k in ("batch_size", "workers")},
+        }
+    else:
+        paths["checkpoint_root"] = f"{config['execution']['checkpoint_dir']}/{name}"
+        parts = {"run": dict(settings)}
+        if kind == "preflight":
+            paths["out"] = f"results/preflight/{name}/preflight.json"
+            parts["train_runtime_minutes"] = train_runtime  # what train's allocations last
+        else:
+            paths["run_dir"] = f"results/runs/{name}"
+    execution = config["execution"]
+    block = {"launcher": execution["launcher"], "launch_prefix": launch_prefix,
+             "srun_extra": execution["srun_extra"], "attempt": attempt}  # fmt: skip
+    if kind != "evaluate":  # train and its preflight copy the prepared train set to every node
+        block["stage"] = {k: config["stage"][k] for k in ("scratch_dir", "verify", "cleanup")}
+    return compact_spec({"kind": kind, **parts, "paths": paths, "execution": block})
+
+
+def compact_spec(data: dict[str, Any]) -> str:
+    """``data`` (a spec's JSON values) checked, as compact JSON: the run's settings at their
+    declared default left out but its name and geometry, and this package's version."""
     spec = to_dict(from_dict(data))
     if "run" in spec:
-        defaults, keep = settings.rank_defaults(), {"run", *LAUNCH_KEYS}
+        defaults, keep = declarations().rank_defaults(), {"run", *LAUNCH_KEYS}
 
         def same(a: Any, b: Any) -> bool:  # as JSON: 0 and 0.0 differ in a checkpoint key
             return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
         spec["run"] = {k: v for k, v in spec["run"].items()
                        if k in keep or k not in defaults or not same(v, defaults[k])}  # fmt: skip
-    return json.dumps({"version": version, **spec}, separators=(",", ":"))
+    return json.dumps({"version": __version__, **spec}, separators=(",", ":"))
 
 
 def _from_compact(data: Any, where: str) -> Any:
-    """A compact spec (:func:`compact_spec`) with its run's defaults filled in, after its
-    version is checked against this package's; any other JSON as it is."""
+    """A compact spec with its run's defaults filled in, its version checked; other JSON as is."""
     if not isinstance(data, dict) or "version" not in data:
         return data
     data = dict(data)
@@ -319,8 +343,7 @@ def _from_compact(data: Any, where: str) -> Any:
 
 
 def with_init_weights(job: Job, sha256: str) -> Job:
-    """``job`` with its run's ``init_weights_sha256`` set to ``sha256`` (the check's digest of
-    the file, train's param: the rank verifies the bytes it reads against it), where given."""
+    """``job`` with its run's ``init_weights_sha256`` (train's param, which the rank verifies)."""
     if not sha256:
         return job
     return dataclasses.replace(job, run={**job.run, "init_weights_sha256": sha256})

@@ -1,11 +1,7 @@
-"""Each stage's output version, a param of its rule: bumped by hand when a release changes
-what the stage writes, so that exactly that stage reruns (and what reads its output, by
-Snakemake's own rules). Never derived from the source: a comment, a refactoring, a new Python
-or a reinstall reruns nothing. A finished training never reruns for code: the runs table
-flags a model trained by another package version (report.aggregate).
-
-Torch-free: the rules read it while Snakemake parses them. What a rerun costs at ImageNet
-scale: docs/configuration.md "Reruns".
+"""Each stage's output version, a param of its rule, raised by hand when a release changes what
+the stage writes: exactly that stage reruns, never for a refactoring, a new Python or a
+reinstall. A finished training never reruns for code (the runs table flags another package
+version). Torch-free; costs at ImageNet scale: docs/configuration.md "Reruns".
 """
 
 from imagenet_ddp.data.archive_names import INDEX_FORMAT_VERSION

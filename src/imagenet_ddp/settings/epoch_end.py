@@ -1,10 +1,5 @@
 """What an epoch's end costs: which epochs evaluate the holdout (``eval_interval``), and the
-projection of a run's evaluation and checkpoint time from measured rates.
-
-At an epoch's end training stops while the holdout is evaluated (raw weights, and the EMA
-weights when the recipe keeps them) and while rank 0 copies the state for its background
-checkpoint write (imagenet_ddp.training.checkpoint). Torch-free: the preflight's report and the
-benchmark use the projection (:func:`projection`).
+projection of a run's evaluation and checkpoint time from measured rates. Torch-free.
 """
 
 from __future__ import annotations
@@ -48,12 +43,9 @@ def projection(
     checkpoint_hold_seconds: float,
     checkpoint_write_seconds: float,
 ) -> dict[str, Any]:
-    """A run's epoch-end time from per-rank rates.
-
-    ``eval_images_per_s``: one rank's holdout evaluation rate (its loader and forward pass,
-    whichever is slower); ``checkpoint_hold_seconds``: how long a save holds rank 0 (state
-    gather and the copy to the CPU); ``checkpoint_write_seconds``: the background write of one
-    checkpoint, which holds the next save only where it outlasts an epoch."""
+    """A run's epoch-end time from per-rank rates: ``eval_images_per_s`` one rank's holdout rate,
+    ``checkpoint_hold_seconds`` how long a save holds rank 0, ``checkpoint_write_seconds`` the
+    background write, which holds the next save only where it outlasts an epoch."""
     passes = 2 if ema else 1
     per_evaluation = passes * holdout_images / world / eval_images_per_s
     count = evaluations(epochs, eval_interval)

@@ -1,8 +1,4 @@
-"""Where a run's evaluation runs: its geometry and loader settings from config.yaml.
-
-Torch-free on purpose: the workflow imports it while Snakemake parses the rules, and the
-evaluation benchmark uses it to project the default geometry's wall time.
-"""
+"""Where a run's evaluation runs: its geometry and loader settings from config.yaml. Torch-free."""
 
 from __future__ import annotations
 
@@ -13,12 +9,8 @@ DEFAULT_WORKERS = "auto"  # cpus_per_task - 1, as in training (geometry.loader_w
 
 
 def eval_settings(evaluate: dict[str, Any] | None, run: dict[str, Any]) -> dict[str, Any]:
-    """The evaluation settings of one run (its train_defaults already merged in).
-
-    The run's own ``evaluate`` block overrides the top-level ``evaluate`` block key by key.
-    Unset keys follow the run: one node, the run's GPUs per node (``tasks_per_node``: one rank
-    per GPU, or one rank on CPU) and the run's ``cpus_per_task``.
-    """
+    """One run's evaluation settings: its ``evaluate`` block over the top-level one, key by key;
+    unset keys follow the run (one node, a rank per GPU, its ``cpus_per_task``)."""
     chosen = {**(evaluate or {}), **(run.get("evaluate") or {})}
     gpus = chosen.get("gpus_per_node", run.get("gpus_per_node", 0))
     return {

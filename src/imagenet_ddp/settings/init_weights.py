@@ -1,17 +1,7 @@
-"""A run's ``init_weights`` file: what the config shows of it, and its content's digest.
-
-The path says where the file is (kind bookkeeping: moving it retrains nothing); its SHA-256
-says what the run starts from. The local `check` rule hashes the file (:func:`weights_digest`)
-and train takes the digest as a param, so another content retrains the run and a moved file
-does not; the job puts it into the run's ``init_weights_sha256`` (a weights setting: the
-checkpoint fingerprint), and the rank refuses bytes with another digest
-(imagenet_ddp.models.read_init_weights). A user may pin ``init_weights_sha256`` in the config.
-
-A file that is gone (a scratch purge) stops only a run that would read it: one that has its
-model, or that pins the digest, keeps the digest it had; a fresh start is refused on the node
-(the rank cannot read the file).
-
-Torch-free.
+"""A run's ``init_weights`` file: what the config shows of it, and its content's digest. The
+local `check` rule hashes the file (:func:`weights_digest`) and train takes the digest as a
+param: another content retrains the run, a moved file does not; the rank refuses bytes with
+another digest. A file that is gone stops only a run that would read it. Torch-free.
 """
 
 from __future__ import annotations
@@ -55,9 +45,8 @@ def recorded_digest(run_dir: str | os.PathLike[str]) -> str | None:
 
 
 def weights_digest(run: Mapping, run_dir: str | os.PathLike[str]) -> tuple[str, str | None]:
-    """(the sha256 train takes as its param, a problem or None) of the run's init_weights: ''
-    without a file; the file's digest (which a pinned one must equal); where the file is gone,
-    the pinned digest, else the one its model was trained from; else a problem."""
+    """(train's param, a problem or None) of the run's init_weights: '' without a file; the file's
+    digest (a pinned one must equal it); where it is gone, the pinned or last used digest."""
     path, pinned = run.get("init_weights") or "", run.get("init_weights_sha256") or ""
     if not path:
         return "", None

@@ -1,18 +1,11 @@
 """What each run setting is, from its one declaration: the config schema's ``run_settings``,
-where every setting states its default and its kind (``x-kind``).
-
-A kind says what a change of the setting does (:data:`KINDS`); everything that treats settings
-differently derives from it: the checkpoint fingerprint (:func:`weight_settings`), what reruns
-`train` (:func:`rerun_settings`, the rule's params), the dry-run's hyperparameter line
-(:func:`shown_settings`), what a scaling group may differ in (:func:`not_compared`), what the
-rank gets (:func:`rank_settings`, training.config.TrainConfig's fields) and the docs' reruns
-table (tests/test_settings.py). Adding a setting touches its declaration and its use only.
+where every setting states its default and its kind (``x-kind``, :data:`KINDS`). Everything
+that treats settings differently derives from the kind: the checkpoint key, what reruns
+`train`, the dry-run's line, the scaling groups, what the rank gets (TrainConfig's fields).
 
 The schema ships inside the package (``config.schema.yaml``, a link to
-workflow/schemas/config.schema.yaml in the source tree): a rank keys its checkpoints by it, in
-an environment that has the package but not the workflow (the container image).
-
-Torch-free: the workflow reads it while Snakemake parses the rules.
+workflow/schemas/config.schema.yaml): a rank keys its checkpoints by it where the workflow is
+absent (the container image). Torch-free.
 """
 
 from __future__ import annotations
@@ -36,10 +29,8 @@ class Kind:
     """What a change of a setting of this kind does."""
 
     fingerprint: bool  # hashed into the checkpoint key: a change trains afresh
-    # In train's params: a change reruns train and what reads it. Exactly the settings of the
-    # checkpoint key (fingerprint and geometry): a rerun that would only resume a finished
-    # run's final checkpoint is a GPU allocation that changes nothing (and would label the
-    # figures measured before with the new value).
+    # In train's params: exactly the checkpoint key's settings (fingerprint and geometry): a
+    # rerun that would only resume a finished run's final checkpoint changes nothing.
     rerun: bool
     shown: bool  # on the dry-run's `hyperparameters:` line
     compared: bool  # must be equal between the runs of a scaling group
@@ -50,22 +41,17 @@ class Kind:
 KINDS = {
     # What is learned: a change retrains from scratch.
     "weights": Kind(fingerprint=True, rerun=True, shown=True, compared=True),
-    # How it computes (device, backend): a CPU and a GPU run differ numerically, so their
-    # checkpoints never mix; not shown, like the geometry.
+    # How it computes (device, backend): CPU and GPU checkpoints never mix.
     "numerics": Kind(fingerprint=True, rerun=True, shown=False, compared=True),
     # A preset's name (`recipe`): its values are other settings; shown beside them.
     "preset": Kind(fingerprint=False, rerun=False, shown=True, compared=True),
-    # Where the figures are measured (nodes x ranks, CPUs, GPUs, loader workers): the
-    # checkpoint key's other part (geometry.Geometry.tag); shown as the job's resources.
+    # Where the figures are measured: the checkpoint key's other part (its tag).
     "geometry": Kind(fingerprint=False, rerun=True, shown=False, compared=True),
-    # How the figures are taken (throughput_warmup_steps; eval_interval: which epochs measure
-    # the holdout, so the wall time), and where a run trains (gpu_type): a run in progress
-    # resumes its checkpoints under the new value; a finished run keeps the figures it
-    # measured, and the value they were measured under.
+    # How the figures are taken, and where a run trains (gpu_type): a run in progress resumes
+    # under the new value; a finished run keeps its figures and the value they were taken at.
     "speed": Kind(fingerprint=False, rerun=False, shown=False, compared=True),
     "site": Kind(fingerprint=False, rerun=False, shown=False, compared=True),
-    # How a run is logged, bounded or checked: changes neither weights nor figures. A finished
-    # run stays finished; a run in progress gets the new value at its next job.
+    # How a run is logged, bounded or checked: its next job gets the new value.
     "bookkeeping": Kind(fingerprint=False, rerun=False, shown=False, compared=False),
     # What the workflow does around training (`evaluate`, `preflight`): no rank reads them.
     "workflow": Kind(fingerprint=False, rerun=False, shown=False, compared=False, rank=False),
@@ -117,9 +103,9 @@ class Declarations:
             if (kind := self.kind(k)) is not None and getattr(kind, flag)
         }
 
-    def _as_before(self, settings: dict[str, Any]) -> dict[str, Any]:
-        """``settings`` without those at their ``x-earlier`` value: a setting added later, at
-        the value every earlier run had, changes no key (its checkpoints, its rule params)."""
+    def without_earlier_values(self, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """``settings`` less those at their ``x-earlier`` value (what every run had before the
+        setting existed): an earlier run's keys and params stay the same."""
         return {
             k: v
             for k, v in settings.items()
@@ -127,19 +113,13 @@ class Declarations:
             or v != spec["x-earlier"]  # Python's ==: 1 and 1.0, [0.08, 1] and [0.08, 1.0]
         }
 
-    def without_earlier_values(self, settings: Mapping[str, Any]) -> dict[str, Any]:
-        """``settings`` less those at the value a run had before the setting existed (its
-        ``x-earlier``): a run recorded by an earlier version, without them, compares equal."""
-        return self._as_before(dict(settings))
-
     def weight_settings(self, settings: Mapping[str, Any]) -> dict[str, Any]:
-        """What the checkpoint fingerprint hashes of ``settings`` (a run as the rank gets it,
-        or TrainConfig's fields): the settings that change the weights."""
-        return self._as_before(self._select(settings, "fingerprint"))
+        """What the checkpoint fingerprint hashes of ``settings``: those that change the weights."""
+        return self.without_earlier_values(self._select(settings, "fingerprint"))
 
     def rerun_settings(self, run: Mapping[str, Any]) -> dict[str, Any]:
         """What reruns train when it changes (the rule's params), of a resolved run."""
-        return self._as_before(self._select(run, "rerun"))
+        return self.without_earlier_values(self._select(run, "rerun"))
 
     def shown_settings(self, run: Mapping[str, Any]) -> dict[str, Any]:
         return self._select(run, "shown")
@@ -174,8 +154,7 @@ class Declarations:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML that refuses a key given twice in one mapping (plain YAML keeps the last one
-    silently: a setting declared twice would lose its first declaration unseen)."""
+    """YAML that refuses a key given twice in one mapping (plain YAML keeps the last one)."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -203,15 +182,17 @@ def declarations(schema_path: str | os.PathLike[str] | None = None) -> Declarati
     return Declarations.of_schema(load_schema(path), str(path))
 
 
+# Two forms of a run's settings, each for what reads it: :func:`digest` names things (the
+# checkpoint directory, the attempt record's key: a short hash); :func:`rerun_line` is train's
+# param, which Snakemake compares as text and shows in its reason (`lr=0.1` -> `lr=0.2`).
 def digest(settings: dict[str, Any]) -> str:
     """A short, stable hash of settings: the checkpoint fingerprint, the attempt record's key."""
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def rerun_line(settings: Mapping[str, Any]) -> str:
-    """``settings`` (a run's :meth:`Declarations.rerun_settings`) as train's one rerun param:
-    ``key=<JSON value>`` sorted by key, space-separated. A frozen format: Snakemake compares it
-    as text, so a change of it would rerun every finished training."""
+    """``settings`` as ``key=<JSON value>`` sorted by key, space-separated. A frozen format
+    (train's params): a change of it would rerun every finished training."""
     return " ".join(
         f"{k}={json.dumps(v, sort_keys=True, separators=(',', ':'))}"
         for k, v in sorted(settings.items())

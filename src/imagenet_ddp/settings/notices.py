@@ -1,10 +1,6 @@
-"""The dry-run's warnings and notes, one line per kind naming the runs it applies to.
-
-A 12-run sweep whose runs share a problem gets one line, not twelve: each producer
-(:func:`imagenet_ddp.settings.run_checks.warmup_warnings`,
-:func:`imagenet_ddp.settings.node_memory.node_memory_problems`'s warnings,
-:func:`imagenet_ddp.settings.run_checks.unchecked_model_notes`) returns :class:`Notice`
-records, and :func:`summarised` joins those of one kind.
+"""The dry-run's warnings, one line per kind naming the runs it applies to (a 12-run sweep
+sharing a problem gets one line): producers return :class:`Notice` records,
+:func:`summarised` joins those of one kind.
 """
 
 from __future__ import annotations

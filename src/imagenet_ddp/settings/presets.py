@@ -1,18 +1,12 @@
-"""Published ImageNet recipes by name (``recipe:`` in a run or in ``train_defaults``).
-
-A preset fills every key of its recipe; keys set at the same level or below win:
+"""Published ImageNet recipes by name (``recipe:`` in a run or in ``train_defaults``), each key
+checked against its source by tests/test_recipes.py; what a source used that is not
+implemented is named "Left out". Keys set at the same level or below win:
 
 - ``recipe`` in ``train_defaults``: schema defaults < preset < ``train_defaults`` < the run;
 - ``recipe`` in a run: schema defaults < ``train_defaults`` < preset < the run.
 
-Batch sizes are per rank and assume the sources' 8 GPUs (timm's and DeiT's: 2 nodes x 8
-GPUs, which gives the sources' global batch); ``lr`` is per 256 images
-(``lr_scaling: linear``), so another rank count keeps each source's LR per image. What a
-source used that this workflow does not implement is named in its comment ("Left out").
-Execution choices (precision, channels_last, compile, geometry) are not part of a recipe.
-``tests/test_recipes.py`` checks every preset against the sources' published values.
-
-Torch-free: the workflow reads it while Snakemake parses the rules.
+Batch sizes are per rank at the sources' 8 GPUs; ``lr`` is per 256 images (``lr_scaling:
+linear``), so another rank count keeps the source's LR per image. Torch-free.
 """
 
 from __future__ import annotations
@@ -213,27 +207,16 @@ REPORTED_TOP1 = {
     "deit-base": 81.8,
 }
 
-# Which weights the reported figure is of: "ema", the averaged model (torchvision's reference
-# evaluates model_ema with --test-only when the run has --model-ema, and IMAGENET1K_V2 are
-# those weights), or "model", the trained weights themselves. The runs table compares like
-# with like (aggregate.published_columns).
-REPORTED_MODEL = {
-    "torchvision-resnet50-v1": "model",
-    "torchvision-resnet50-v2": "ema",
-    "ffcv-resnet50": "model",
-    "timm-resnet50-a1": "model",
-    "timm-resnet50-a2": "model",
-    "timm-resnet50-a3": "model",
-    "deit-small": "model",
-    "deit-base": "model",
-}
+# Which weights each reported figure is of: "ema", the averaged model (torchvision's reference
+# evaluates model_ema with --model-ema: IMAGENET1K_V2 are those weights), or "model".
+REPORTED_MODEL = {name: "model" for name in PRESETS} | {"torchvision-resnet50-v2": "ema"}
 
 
 def resolve_run(
     defaults: Mapping[str, Any], train_defaults: Mapping[str, Any], run: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """One run's settings: ``defaults`` (the schema's), the presets and ``train_defaults``
-    and the run's own keys in the order the module docstring states."""
+    """One run's settings: ``defaults`` (the schema's), the preset, ``train_defaults`` and the
+    run's own keys, in the module docstring's order."""
     resolved = dict(defaults)
     if "recipe" in run:
         resolved.update({k: v for k, v in train_defaults.items() if k != "recipe"})
@@ -246,11 +229,9 @@ def resolve_run(
 
 
 def per_family(run: dict[str, Any]) -> dict[str, Any]:
-    """The settings whose default is the model family's own (issue 43), made concrete: timm
-    models take timm's weight-decay groups, their constructor's residual zero-init (timm's
-    ResNets: on) and, fine-tuning, the normalization of the weights they start from; the
-    others torchvision's reference values, as before these settings existed (so no earlier run
-    reruns: a torchvision run resolves to what it had)."""
+    """The settings whose default is the model family's (``auto``) made concrete: timm models take
+    timm's weight-decay groups and, fine-tuning, their weights' normalization; torchvision's,
+    the reference values they had before these settings existed (so no earlier run reruns)."""
     from imagenet_ddp.models import family
 
     timm = family(run.get("model", ""))[0] == "timm"
@@ -275,12 +256,10 @@ def preset(name: str) -> dict[str, Any]:
 
 
 def scaled_lr(run: Mapping[str, Any], world_size: int | None = None) -> float:
-    """The LR the optimizer uses (its one computation: the dry-run's `lr_used`, the rank's
-    optimizer): ``lr`` x global batch / 256 with ``lr_scaling: linear`` (the schema's default),
-    else ``lr``. The global batch (geometry.global_batch) counts ``accumulation``, so a run
-    resumed on fewer ranks with more accumulation keeps its LR. ``world_size``: the ranks that
-    started (a rank); else the run's nodes x tasks_per_node. ``lr_scaling: sqrt``: ``lr`` x
-    sqrt(global batch / 256) (Krizhevsky 2014, "One weird trick", section 5)."""
+    """The LR the optimizer uses, its one computation (the rank's optimizer, the dry-run's
+    `lr_used`, the warm-up rule, the log's header): ``lr`` x global batch / 256 with
+    ``lr_scaling: linear``, x sqrt(global batch / 256) with ``sqrt`` (Krizhevsky 2014), else
+    ``lr``. The global batch counts ``accumulation``; ``world_size``: the ranks that started."""
     if run["lr_scaling"] == "sqrt":
         return float(run["lr"]) * math.sqrt(global_batch(run, world_size) / 256)
     if run["lr_scaling"] != "linear":

@@ -1,20 +1,11 @@
-"""Dry-run checks of what the schema cannot see: the resolved runs, and the container image.
-
-The schema checks each key on its own; these checks combine keys (and torchvision's model
-names) so that a run that could only fail, or silently train on upsampled or padded images,
-is refused by ``snakemake -n`` instead of on the GPU node. Each problem is one line::
-
-    config.yaml: run '<name>': <key> <value> ...; <what to do>
-
-Not checked, because it does not fail: a global batch larger than the holdout set. The holdout
-is evaluated without ``drop_last`` (``accuracy.evaluate_dataset``), rank r taking samples
-r, r + W, ...: a batch larger than a rank's share is just one partial batch, and a rank with no
-sample adds zeros to the summed counts.
+"""Dry-run checks of what the schema cannot see: keys combined, torch-free, so that a run
+that could only fail (or silently train on upsampled or padded images) is refused by
+``snakemake -n``, one line each: ``config.yaml: run '<name>': <key> <value> ...; <what to do>``.
+What needs torch is the local `check` rule's (:func:`deep_problems`, :func:`write_check`).
 """
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import math
 import os
@@ -23,8 +14,10 @@ from pathlib import Path
 
 from imagenet_ddp import optimizers
 from imagenet_ddp.models import (
+    AUX_OUTPUTS_IN_TRAINING,
     FAMILIES,
-    TORCHVISION_RESIDUAL_BN,
+    NONDETERMINISTIC_ON_CUDA,
+    RESIDUAL_BN,
     family,
     unknown_name,
 )
@@ -33,29 +26,20 @@ from imagenet_ddp.settings.geometry import global_batch, loader_workers
 from imagenet_ddp.settings.init_weights import static_weights_problems
 from imagenet_ddp.settings.notices import Notice
 from imagenet_ddp.settings.presets import scaled_lr
-from imagenet_ddp.settings.torchvision_models import CLASSIFICATION_MODELS
 
 # Images in the ILSVRC2012 train archive (what `index` lists from the real archive).
 ILSVRC2012_TRAIN_IMAGES = 1_281_167
 
 
-def check_runs(
-    runs: Mapping[str, Mapping],
-    config: Mapping,
-    *,
-    models: frozenset[str] = CLASSIFICATION_MODELS,
-) -> list[str]:
-    """The problems of the resolved runs (``train_defaults`` merged with each run) that the
-    config alone shows, torch-free, one line each, in run order; empty when every run can
-    train. ``config`` and ``runs`` have the schema's defaults filled in, so a key no run sets
-    is judged by the default training uses. ``models``: the torchvision names known here (the
-    local `check` rule judges each model with torch: :func:`deep_problems`)."""
+def check_runs(runs: Mapping[str, Mapping], config: Mapping) -> list[str]:
+    """The problems of the resolved runs that the config alone shows, one line each, in run
+    order (``config`` and ``runs`` with the schema's defaults filled in)."""
     short_side = config["prepare"]["short_side"]
-    sizes = split_sizes(config, None)
+    sizes = split_sizes(config)
     problems = []
     for name, run in runs.items():
         found = [
-            _model_problem(run, models) if _name_listed(family(run["model"])[0]) else None,
+            _model_problem(run) if _name_listed(family(run["model"])[0]) else None,
             *static_weights_problems(run),
             *_image_size_problems(run, short_side),
             _device_problem(run),
@@ -77,26 +61,18 @@ def check_runs(
 # --------------------------------------------------------------------------- the checks
 
 
-def _model_problem(run: Mapping, models: frozenset[str]) -> str | None:
-    """A torchvision name against the name list (no torch import: cached or kept here)."""
+def _model_problem(run: Mapping) -> str | None:
+    """A torchvision name against its torch-free name list."""
     model = run["model"]
     if model in AUX_OUTPUTS_IN_TRAINING and not run.get("model_kwargs"):
         return (
             f"model {model!r} returns its auxiliary classifiers' outputs too in training, not "
             "the logits the loss takes; set model_kwargs: {aux_logits: false}"
         )
-    if model in models:
-        return None
-    return unknown_name(model, difflib.get_close_matches(model, sorted(models), n=3, cutoff=0.6))
+    return unknown_name(model)
 
 
-# torchvision models whose training-mode forward returns a named tuple by default (with a
-# model_kwargs the meta-device build finds it: imagenet_ddp.models._forward_problem).
-AUX_OUTPUTS_IN_TRAINING = ("googlenet", "inception_v3")
-
-
-# What deep_problems reads of a run: the `check` rule's params (a change of another setting, lr
-# say, reruns no check, and train's own params then say what changed).
+# What deep_problems reads of a run: the `check` rule's params (no other setting reruns it).
 CHECKED_SETTINGS = (
     "model", "model_kwargs", "crop_size", "eval_crop_size", "progressive_min_crop",
     "zero_init_residual", "deterministic", "gpus_per_node", "optimizer", "optimizer_kwargs",
@@ -106,10 +82,8 @@ CHECKED_SETTINGS = (
 
 def deep_problems(run: Mapping, num_classes: int) -> list[str]:
     """What the local `check` rule finds with torch, one line each (no run prefix): the model
-    built on the meta device at the run's crops (its constructor options, a training-mode
-    output the loss cannot take), its residual zero-init option, its CUDA determinism on GPUs,
-    the optimizer and its options, and the init_weights file against the model with
-    ``num_classes`` outputs (where the file is here)."""
+    on the meta device at the run's crops, its residual zero-init option, its CUDA determinism,
+    the optimizer, and the init_weights file against ``num_classes`` outputs."""
     from imagenet_ddp import models as M
 
     name, kwargs = run["model"], dict(run.get("model_kwargs") or {})
@@ -209,7 +183,7 @@ def _recipe_problems(run: Mapping) -> list[str]:
     problems += _timm_recipe_problems(run)
     # timm's, and any model with model_kwargs: the check rule's (deep_problems)
     torchvision = _name_listed(family(run["model"])[0]) and not run.get("model_kwargs")
-    residual = run["model"].startswith(TORCHVISION_RESIDUAL_BN)
+    residual = run["model"].startswith(RESIDUAL_BN)
     if run.get("zero_init_residual") and torchvision and not residual:
         problems.append(
             f"zero_init_residual true with model {run['model']!r}: only torchvision's ResNet "
@@ -284,16 +258,13 @@ def _device_problem(run: Mapping) -> str | None:
     return None
 
 
-# DataLoader workers a GPU rank needs at the least: ResNet-50 on one A100 steps 2,470 img/s
-# (bf16; NVIDIA DeepLearningExamples), one worker decodes and augments ~1,500 img/s at crop
-# 224 (benchmarks/README.md, bench_loader: 1,573 per core). Faster GPUs and smaller models
-# need more; the preflight measures the run's own need (its "loader" check).
+# ResNet-50 on an A100 steps 2,470 img/s (bf16), one worker decodes ~1,500 img/s at 224
+# (benchmarks/README.md): 2 at the least; the preflight measures the run's own need.
 MIN_GPU_LOADER_WORKERS = 2
 
 
 def _loader_workers_problem(run: Mapping) -> str | None:
-    """A GPU run whose ranks would decode in the training thread (0 workers: cpus_per_task 1,
-    the default) or with too few workers leaves its GPUs idle most of each step."""
+    """A GPU rank with fewer than MIN_GPU_LOADER_WORKERS loader workers idles its GPU."""
     gpus, cpus, setting = run["gpus_per_node"], run["cpus_per_task"], run["workers"]
     workers = loader_workers(setting, cpus)
     if gpus == 0 or run["device"] == "cpu" or workers >= MIN_GPU_LOADER_WORKERS:
@@ -310,8 +281,7 @@ def _loader_workers_problem(run: Mapping) -> str | None:
 
 
 def _gpu_tasks_problem(where: str, geometry: Mapping) -> str | None:
-    """One rank per GPU: more ranks than GPUs put two on one GPU (NCCL fails or hangs), fewer
-    leave GPUs idle that the job holds and the cost block counts."""
+    """One rank per GPU: more put two on one GPU (NCCL fails), fewer leave paid GPUs idle."""
     gpus, tasks = geometry["gpus_per_node"], geometry["tasks_per_node"]
     if gpus == 0 or tasks == gpus:
         return None
@@ -320,12 +290,6 @@ def _gpu_tasks_problem(where: str, geometry: Mapping) -> str | None:
         f"{'two ranks would share a GPU' if tasks > gpus else 'GPUs would idle, paid for'}; "
         f"set {'evaluate.' if where else ''}tasks_per_node: {gpus}"
     )
-
-
-# Models whose backward has no deterministic CUDA kernel: adaptive average pooling to more
-# than 1x1 (vgg 7x7, alexnet 6x6); with `deterministic: true`, torch raises at the first
-# backward on the GPU (CPU runs have a deterministic kernel, so no CPU test sees it).
-NONDETERMINISTIC_ON_CUDA = ("vgg", "alexnet")
 
 
 def _determinism_problem(run: Mapping) -> str | None:
@@ -352,9 +316,8 @@ def _gpu_type_problem(run: Mapping) -> str | None:
 
 
 def _batch_problem(run: Mapping, sizes: tuple[int, int, str]) -> str | None:
-    """Training drops an epoch's last partial global batch (training.data.EpochSampler): an
-    epoch has floor(train / global batch) steps, zero exactly when the global batch (batch_size
-    x world x accumulation) > train."""
+    """An epoch drops its last partial global batch (training.data.EpochSampler): none left
+    when the global batch is larger than the train set."""
     train, _holdout, source = sizes
     batch = global_batch(run)
     if batch <= train:
@@ -381,41 +344,30 @@ def _warmup_problem(run: Mapping) -> str | None:
 
 # --------------------------------------------------------------------------- warm-up rule
 
-# Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour"
-# (arXiv:1706.02677), sections 2.1-2.2 and 5: ResNet-50 at lr 0.1 per 256 images trains at batch
-# 256 without warm-up; at batch 8192 (lr 3.2) their gradual warm-up rises linearly to 3.2 over
-# 5 epochs of 1.28 M images, 782 steps: 0.0041 per step, the steepest ramp of the published
-# recipes (torchvision's and FFCV's ResNet-50 ramp 0.0001-0.0007 per step; test_run_checks).
-# The invariant, whatever the batch: the LR's rise per warm-up step x the LR per 256 images
-# stays within theirs (0.0041 x 0.1). Per step, because the curvature that makes an early high
-# LR diverge falls with the updates taken, not the images seen (Gilmer et al. 2021,
-# arXiv:2110.04369; Kalra & Barkeshli 2024, arXiv:2406.09405); scaled by the LR per image, as a
-# hotter LR per image than theirs (0.4 per 256 in issue 42) is outside the linear scaling rule's
-# tested range and must rise more gently. At their recipe exactly their 782 steps; none at or
-# below what they train without warm-up (0.1 per 256 images, and 0.1 at most). A heuristic
-# beyond that point, hence a warning, not a refusal. Issue 42's 4-rank run (lr_used 0.2 at
-# batch 128 and 0.4 per 256 in 10 steps: 0.02 per step, 20 x the 0.001 allowed) is warned.
+# Goyal et al. 2017 (arXiv:1706.02677, sections 2.1-2.2, 5): lr 0.1 per 256 images trains
+# without warm-up; at batch 8192 (lr 3.2) the warm-up rises over 5 epochs, 782 steps: 0.0041
+# per step, the steepest published ramp. The rule: rise per step x LR per 256 images stays
+# within theirs (0.0041 x 0.1); per step, as the curvature that makes an early high LR
+# diverge falls with the updates taken (Gilmer et al. 2021, arXiv:2110.04369). A heuristic
+# beyond their recipe, hence a warning (docs/configuration.md "Warm-up and batch size").
 GOYAL_NO_WARMUP_LR = 0.1  # per 256 images, and at most
 GOYAL_LR, GOYAL_WARMUP_STEPS = 3.2, round(5 * ILSVRC2012_TRAIN_IMAGES / 8192)  # 782
 GOYAL_RAMP = GOYAL_LR / GOYAL_WARMUP_STEPS * GOYAL_NO_WARMUP_LR  # per step x LR per 256 images
 
 
 def required_warmup_steps(lr_used: float, batch: int) -> int:
-    """The fewest warm-up steps in which the rule lets a run reach ``lr_used`` at global
-    batch ``batch``: none at or below the LR Goyal et al. train without warm-up."""
+    """The fewest warm-up steps in which the rule lets a run reach ``lr_used`` at ``batch``."""
     per_256 = lr_used * 256 / batch
     if lr_used <= GOYAL_NO_WARMUP_LR and per_256 <= GOYAL_NO_WARMUP_LR:
         return 0
     return math.ceil(lr_used * per_256 / GOYAL_RAMP - 1e-9)
 
 
-def warmup_warnings(runs: Mapping[str, Mapping], config: Mapping, workdir=".") -> list[Notice]:
-    """A warning per run whose scaled LR is reached in fewer warm-up steps than
-    :func:`required_warmup_steps` (a warning: small problems may train regardless), naming a
-    warmup_steps and a warmup_epochs that would satisfy it. Before data.dir is indexed (a
-    folder layout of any size) an epoch's steps are unknown: a warm-up in epochs is judged
-    then by the smallest train set it suits."""
-    train, _, where = split_sizes(config, workdir)
+def warmup_warnings(runs: Mapping[str, Mapping], config: Mapping) -> list[Notice]:
+    """A warning per run that reaches its scaled LR in fewer warm-up steps than
+    :func:`required_warmup_steps`, naming a warm-up that would do. A folder layout's size is
+    unknown here: a warm-up in epochs is judged by the smallest train set it suits."""
+    train, _, where = split_sizes(config)
     # ImageNet's count assumed (split_sizes): exact only for the archives' layout
     unknown = where.startswith(ASSUMED) and config["data"].get("layout") != "archives"
     notices = []
@@ -454,17 +406,15 @@ WARMUP_TOO_SHORT = (
     "the warm-up shown or a lower lr"
 )
 WARMUP_UNKNOWN = (
-    "warm-up in epochs too short for the rule if data.dir holds the train images shown (known "
-    "once `index` has run): set warmup_steps as shown or check after index"
+    "warm-up in epochs too short for the rule if data.dir holds the train images shown (its "
+    "size is not known at the dry-run): set warmup_steps as shown"
 )
 
 
 def container_problem(
     image: str, *, apptainer: bool, workdir: str | os.PathLike[str] = "."
 ) -> str | None:
-    """With ``--sdm apptainer`` every job runs in ``container.image``: a local image that is
-    missing fails here, at the dry-run, not in every job. A URI (docker://, oras://) is
-    pulled by Snakemake, and without apptainer the image is not used."""
+    """With ``--sdm apptainer``: a local ``container.image`` that is missing (a URI is pulled)."""
     if not apptainer or "://" in image or os.path.exists(os.path.join(workdir, image)):
         return None
     return (
@@ -474,19 +424,17 @@ def container_problem(
     )
 
 
-# A setting that asks for an optional component: (the module it imports, the package's extra
-# that installs it). The image and the conda env install every one of these extras
-# (tests/test_envs.py); a run in Snakemake's own environment is checked for them.
+# A setting's optional component: (its module, the extra installing it; the image and the conda
+# env install them all, tests/test_envs.py).
 OPTIONAL_COMPONENTS = {"wandb_project": ("wandb", "wandb"), "mlflow_uri": ("mlflow", "mlflow")}
 
 
 def optional_component_problems(
     runs: Mapping[str, Mapping], *, deployment: str, has_module=None
 ) -> list[str]:
-    """One line per run setting whose component the jobs' environment lacks. ``deployment``:
-    "" when the jobs run in this Snakemake's environment (checked here with ``has_module``,
-    default importlib's find_spec); "apptainer" or "conda" when they run in the image or
-    env, which install every extra of :data:`OPTIONAL_COMPONENTS`: nothing to check."""
+    """One line per run setting whose component the jobs' environment lacks; ``deployment``
+    "apptainer" or "conda": the image or env has every extra, nothing to check (``has_module``
+    default: importlib's find_spec)."""
     if deployment:
         return []
     has_module = has_module or _importable
@@ -513,41 +461,20 @@ def _importable(module: str) -> bool:
 # --------------------------------------------------------------------------- set sizes
 
 
-# split_sizes' source when its figures are ImageNet's, not data.dir's (not indexed yet)
+# split_sizes' source when its figures are ImageNet's, not data.dir's
 ASSUMED = f"the {ILSVRC2012_TRAIN_IMAGES} images of ILSVRC2012"
 
 
-def split_sizes(
-    config: Mapping, workdir: str | os.PathLike[str] | None = "."
-) -> tuple[int, int, str]:
-    """(train images, holdout images, where the figures come from) of the split training uses.
-
-    The split on disk when results/split/{train,holdout}.csv exist and agree with the config
-    (else `split` reruns and they are stale); otherwise the figures the config gives. Those are
-    exact, not bounds: `split` passes integer sizes to train_test_split, holdout =
-    round(n x holdout_fraction) and train = n - holdout whatever the per-class rounding, and n
-    is the demo's classes x train_per_class, or the 1,281,167 images of the real archive.
-    ``workdir`` None: the config's figures, nothing read (a job's own Snakemake).
-    """
-    fraction = config["split"]["holdout_fraction"]
-    demo = config["demo"]
+def split_sizes(config: Mapping) -> tuple[int, int, str]:
+    """(train images, holdout images, where the figures come from) of the split the config
+    makes, from the config alone (the parse reads no results): exact, as `split` takes
+    holdout = round(n x holdout_fraction), n the demo's size or the real archive's."""
+    fraction, demo = config["split"]["holdout_fraction"], config["demo"]
+    n, where = ILSVRC2012_TRAIN_IMAGES, ASSUMED
     if demo["enabled"]:
         classes, per_class = demo["num_classes"], demo["train_per_class"]
         n = classes * per_class
         where = f"demo.num_classes {classes} x demo.train_per_class {per_class}"
-    else:
-        n, where = ILSVRC2012_TRAIN_IMAGES, ASSUMED
-        index = Path(workdir or ".") / "results" / "index" / "train.csv"
-        if workdir is not None and index.is_file():  # any layout, any class count: as indexed
-            n, where = _csv_rows(index), "results/index/train.csv"
-    split_dir = Path(workdir or ".") / "results" / "split"
-    paths = [split_dir / "train.csv", split_dir / "holdout.csv"]
-    if workdir is not None and all(path.is_file() for path in paths):
-        train, holdout = (_csv_rows(path) for path in paths)
-        total = train + holdout
-        same_data = total == n or not demo["enabled"]
-        if same_data and holdout == _holdout_count(total, fraction):
-            return train, holdout, "results/split/train.csv"
     holdout = _holdout_count(n, fraction)
     return n - holdout, holdout, f"{where} less split.holdout_fraction {fraction}"
 
@@ -556,18 +483,9 @@ def _holdout_count(n: int, fraction: float) -> int:
     return int(round(n * fraction))  # exactly as imagenet_ddp.data.split.stratified_split
 
 
-def _csv_rows(path: Path) -> int:
-    """Data rows of a CSV with a header line, no embedded newlines and a final newline (as
-    pandas writes it); counts bytes, so 1.2M rows take a few tens of milliseconds."""
-    with open(path, "rb") as f:
-        lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
-    return max(0, lines - 1)
-
-
 def write_check(run_json: str, num_classes: int, run_dir: Path, out: Path) -> None:
-    """The ``check`` stage: :func:`deep_problems` of the run (given as its settings' JSON) and
-    its weights file's digest; refused with one line per problem, else ``out`` records the
-    digest train takes as its param."""
+    """The ``check`` stage: :func:`deep_problems` of the run (its settings' JSON) and its weights
+    file's digest, which ``out`` records for train's param; refused with one line per problem."""
     import json
 
     from imagenet_ddp import __version__

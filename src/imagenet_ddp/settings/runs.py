@@ -1,29 +1,271 @@
-"""The workflow's runs as the rules use them: config.yaml's runs and sweeps resolved, then checked.
+"""config.yaml to the workflow's runs, the one path (common.smk calls :func:`resolve_runs` once
+per parse): the config checked against its schema (:func:`config_problems`), ``sweep:``
+blocks expanded beside the hand-written ``runs`` (:func:`expand_runs`), each run resolved
+(:func:`imagenet_ddp.settings.presets.resolve_run`) and checked
+(:mod:`imagenet_ddp.settings.run_checks`).
 
-:func:`resolve_runs` is the one path from config.yaml to the runs: the hand-written ``runs`` and
-every sweep's expanded runs (:mod:`imagenet_ddp.settings.sweeps`), each resolved over the schema's
-defaults, ``train_defaults`` and its preset (:mod:`imagenet_ddp.settings.presets`: who wins),
-then refused at the dry-run if it could only fail on the GPU node
-(:mod:`imagenet_ddp.settings.run_checks`). ``workflow/rules/common.smk`` calls it once per parse.
-
-Torch-free (the standard library, PyYAML and jsonschema, which Snakemake brings): it runs while
-Snakemake parses the rules, also in a login node's bare Snakemake environment.
+A sweep is a name template, shared ``settings``, ``grid`` axes (every combination, in written
+order) and ``zip`` axes (equal lists walked together); names are ``str.format`` over the run's
+merged settings, so stable; a name produced twice is an error naming both. Torch-free.
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
+import itertools
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jsonschema
 import yaml
+from jsonschema import validators
 
 from imagenet_ddp.settings.presets import resolve_run
 from imagenet_ddp.settings.run_checks import check_runs
-from imagenet_ddp.settings.sweeps import SweepError, expand_runs, run_schema
 
-__all__ = ["RunsError", "resolve_runs", "run_defaults", "written_settings"]
+__all__ = ["RunsError", "SweepError", "config_problems", "expand_runs", "resolve_runs",
+           "run_defaults", "written_settings"]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the schema
+
+
+def _with_defaults(validator_class):
+    """Snakemake's validate's extension: each property's default set before it is checked."""
+    check_properties = validator_class.VALIDATORS["properties"]
+
+    def properties(validator, props, instance, schema):
+        if isinstance(instance, dict):
+            for key, sub in props.items():
+                if "default" in sub:
+                    instance.setdefault(key, sub["default"])
+        yield from check_properties(validator, props, instance, schema)
+
+    return validators.extend(validator_class, {"properties": properties})
+
+
+_Validator = _with_defaults(jsonschema.Draft202012Validator)
+
+
+def config_problems(
+    config: dict[str, Any], schema: str | os.PathLike[str] | Mapping[str, Any]
+) -> list[str]:
+    """Validate ``config`` in place as ``snakemake.utils.validate`` does (Draft 2020-12, the
+    schema's defaults filled in), but one line per problem (``config.yaml: run 'r50': model
+    ...; write ...``), not jsonschema's best match. ``schema``: its file or mapping."""
+    if not isinstance(schema, Mapping):
+        with open(schema) as f:
+            schema = yaml.safe_load(f)
+    errors = sorted(_Validator(schema).iter_errors(config), key=lambda e: list(map(str, e.path)))
+    return list(dict.fromkeys(describe_error(e, config) for e in errors))
+
+
+def _where(path: Sequence, config: Mapping) -> tuple[str, list]:
+    """("run 'name'" or "sweep[0]" or a section, the keys under it) for an error's path."""
+    path = list(path)
+    if len(path) < 2 or path[0] not in ("runs", "sweep") or not isinstance(path[1], int):
+        return "", path
+    entries = config.get(path[0]) or []
+    entry = entries[path[1]] if path[1] < len(entries) else None
+    name = entry.get("name") if isinstance(entry, Mapping) else None
+    named = isinstance(name, str) and name
+    if path[0] == "runs":
+        return (f"run {name!r}" if named else f"runs[{path[1]}] (unnamed)"), path[2:]
+    return f"sweep[{path[1]}]" + (f" (name {name!r})" if named else ""), path[2:]
+
+
+def _fix(error: jsonschema.ValidationError) -> str:
+    """What to do, from the failing keyword and the schema's own words."""
+    kind, arg, sub = error.validator, error.validator_value, error.schema
+    if kind in ("anyOf", "oneOf") and error.context:
+        # each form the value may take (`workers: 4` or `workers: auto`), said once
+        return " or ".join(dict.fromkeys(_fix(e) for e in error.context if not e.path))
+    if kind == "additionalProperties":
+        known = sorted(sub.get("properties", {}))
+        extra = [k for k in error.instance if k not in known] if known else []
+        close = [m for k in extra for m in difflib.get_close_matches(str(k), known, 1)]
+        hint = f"did you mean {', '.join(close)}?" if close else "remove it"
+        return f"{hint} (the keys here are those in docs/configuration.md)"
+    if kind == "enum":
+        return f"use one of {', '.join(map(repr, arg))}"
+    if kind == "const":
+        return f"use {arg!r}"
+    if kind == "type":
+        return f"write a{'n' if str(arg)[0] in 'aeiou' else ''} {arg}"
+    if kind in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        op = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
+        return f"use a value {op[kind]} {arg}"
+    if kind == "required":
+        return f"add {_missing(error)}"
+    if kind in ("minItems", "minProperties", "minLength"):
+        return f"give at least {arg}"
+    if kind == "pattern" and isinstance(error.instance, str):
+        lower = error.instance.lower()
+        if lower != error.instance and re.search(arg, lower):
+            return f"write it in lower case ({lower!r})"
+    if sub.get("description"):  # the schema's own words, up to their first clause
+        return f"write {sub['description'].split(';')[0]}"
+    if kind == "pattern":
+        return f"write a value matching {arg}"
+    return "see docs/configuration.md"
+
+
+def _missing(error: jsonschema.ValidationError) -> str:
+    """The key a `required` error names ("'dir' is a required property")."""
+    return error.message.split("'")[1] if "'" in error.message else "it"
+
+
+def describe_error(
+    error: jsonschema.ValidationError, config: Mapping | None = None, who: str | None = None
+) -> str:
+    """One line: ``config.yaml: <run 'name' | section>: <key> <value>: <what>; <fix>``.
+    ``who``: the run as its caller names it, the error's path then starting in that run."""
+    if who is None:
+        who, keys = _where(error.absolute_path, config or {})
+    else:
+        keys = list(error.absolute_path)
+    key = ".".join(map(str, keys))
+    what = error.message
+    if error.validator == "required":
+        key, what = ".".join([*map(str, keys), _missing(error)]), "is missing"
+    elif error.validator == "additionalProperties":
+        what = what.replace("Additional properties are not allowed ", "unknown key(s) ")
+    elif error.validator in ("anyOf", "oneOf"):
+        what = "is none of the forms allowed here"
+    if isinstance(error.instance, (str, int, float, bool)) or error.instance is None:
+        # the value is named beside its key; jsonschema's message repeats it first
+        value = repr(error.instance)
+        what = what[len(value) + 1 :] if what.startswith(value + " ") else what
+        key = f"{key} {value}".strip()
+    what = what if len(what) <= 120 else what[:117] + "..."
+    head = ": ".join(p for p in ("config.yaml", who, key) if p)
+    return f"{head}: {what}; {_fix(error)}"
+
+
+# --------------------------------------------------------------------------- sweeps
+
+
+class SweepError(ValueError):
+    """A sweep that cannot expand; the message names config.yaml, the sweep and the fix."""
+
+
+def run_schema(config_schema: Mapping[str, Any]) -> dict[str, Any]:
+    """The schema of one ``runs`` item (definitions kept): expanded runs obey the same rules."""
+    return {
+        "definitions": config_schema.get("definitions", {}),
+        **config_schema["properties"]["runs"]["items"],
+    }
+
+
+def format_value(value: Any) -> str:
+    """A setting as it appears in a run name: YAML spelling (``true``, ``0.1``, ``bf16``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+class _NameValues(dict):
+    """Settings for the template; YAML spelling, and a clear error for an unknown key."""
+
+    def __init__(self, settings: Mapping[str, Any], where: str):
+        super().__init__({k: format_value(v) for k, v in settings.items()})
+        self.where = where
+
+    def __missing__(self, key: str) -> str:
+        raise SweepError(
+            f"config.yaml: {self.where}: name template uses {{{key}}}, which is not a setting "
+            f"of the run; use one of {sorted(self)}"
+        )
+
+
+def _axis_rows(sweep: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
+    """Axis values of every run of one sweep: grid product x zip rows, in written order."""
+    grid = dict(sweep.get("grid") or {})
+    zipped = dict(sweep.get("zip") or {})
+    both = sorted(set(grid) & set(zipped))
+    if both:
+        raise SweepError(
+            f"config.yaml: {where}: {', '.join(both)} under both grid and zip; "
+            "give each setting one axis"
+        )
+    lengths = {key: len(values) for key, values in zipped.items()}
+    if len(set(lengths.values())) > 1:
+        raise SweepError(
+            f"config.yaml: {where}: zip lists must have equal lengths, got "
+            f"{', '.join(f'{k}={n}' for k, n in lengths.items())}; use grid for a product"
+        )
+    grid_rows = [dict(zip(grid, combo, strict=True)) for combo in itertools.product(*grid.values())]
+    count = next(iter(lengths.values()), 0)
+    zip_rows = [{k: values[i] for k, values in zipped.items()} for i in range(count)] or [{}]
+    return [{**g, **z} for g in grid_rows for z in zip_rows]
+
+
+def expand_sweep(
+    sweep: Mapping[str, Any],
+    index: int,
+    train_defaults: Mapping[str, Any],
+    run_schema: Mapping[str, Any] | None = None,
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """One sweep's runs as (run entry, axis values), in expansion order, each checked against
+    ``run_schema`` (a ``runs`` item's) where given."""
+    template = sweep["name"]
+    where = f"sweep[{index}] (name {template!r})"
+    shared = dict(sweep.get("settings") or {})
+    if "name" in shared:
+        raise SweepError(f"config.yaml: {where}: settings may not set name; the template does")
+    runs = []
+    for axes in _axis_rows(sweep, where):
+        merged = {**train_defaults, **shared, **axes}
+        name = template.format_map(_NameValues(merged, where))
+        entry = {"name": name, **shared, **axes}
+        if run_schema is not None:
+            try:
+                jsonschema.validate(entry, run_schema)
+            except jsonschema.ValidationError as error:
+                who = f"{where}: run {name!r} ({_describe(axes)})"
+                raise SweepError(describe_error(error, who=who)) from None
+        runs.append((entry, axes))
+    return runs
+
+
+def _describe(axes: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={format_value(v)}" for k, v in axes.items()) or "no axes"
+
+
+def expand_runs(config: Mapping[str, Any], run_schema: Mapping[str, Any] | None = None) -> list:
+    """The hand-written ``runs``, then every sweep's: run entries (a name and the settings over
+    ``train_defaults``). SweepError on a name used twice, naming where each came from."""
+    defaults = config.get("train_defaults") or {}
+    origin: dict[str, str] = {}
+    entries = []
+    for entry in config.get("runs") or []:
+        _claim(origin, entry["name"], "runs (hand-written)")
+        entries.append(dict(entry))
+    for index, sweep in enumerate(config.get("sweep") or []):
+        for entry, axes in expand_sweep(sweep, index, defaults, run_schema):
+            _claim(origin, entry["name"], f"sweep[{index}] ({_describe(axes)})")
+            entries.append(entry)
+    if not entries:
+        raise SweepError("config.yaml: no runs: add an entry under runs or a sweep")
+    return entries
+
+
+def _claim(origin: dict[str, str], name: str, where: str) -> None:
+    if name in origin:
+        raise SweepError(
+            f"config.yaml: run name {name!r} is produced twice: by {origin[name]} and by "
+            f"{where}; every run needs a unique name: put the setting that differs into the "
+            "sweep's name template (e.g. {precision}) or rename the hand-written run"
+        )
+    origin[name] = where
+
+
+# --------------------------------------------------------------------------- runs
 
 
 class RunsError(ValueError):
@@ -31,9 +273,8 @@ class RunsError(ValueError):
 
 
 def written_settings(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``train_defaults``, ``runs`` and ``sweep`` as written, copied before Snakemake's
-    ``validate`` fills the schema's defaults into them: filled in, every run's (and sweep's)
-    defaults would override ``train_defaults`` and presets. Runs resolve from these."""
+    """``train_defaults``, ``runs`` and ``sweep`` as written, copied before validation fills the
+    schema's defaults into them (filled, they would override ``train_defaults`` and presets)."""
     return copy.deepcopy(
         {
             "train_defaults": config.get("train_defaults") or {},
@@ -53,16 +294,10 @@ def resolve_runs(
     config: Mapping[str, Any],
     written: Mapping[str, Any],
     schema_path: str | os.PathLike[str],
-    **checks: Any,
 ) -> dict[str, dict[str, Any]]:
     """Every run by name, in order (hand-written runs, then each sweep's), resolved and checked.
-
-    ``config``: validated (the schema's defaults filled in); ``written``: its
-    :func:`written_settings` from before validation; ``schema_path``: the config schema, whose
-    ``runs`` item every expanded run is held to; ``checks``: passed to
-    :func:`imagenet_ddp.settings.run_checks.check_runs`. Raises :class:`RunsError` with every
-    problem, one line each.
-    """
+    ``config``: validated; ``written``: its :func:`written_settings` from before validation;
+    ``schema_path``: the config schema. Raises :class:`RunsError`, one line per problem."""
     with open(schema_path) as f:
         config_schema = yaml.safe_load(f)
     try:
@@ -76,7 +311,7 @@ def resolve_runs(
     runs = {
         entry["name"]: resolve_run(defaults, written["train_defaults"], entry) for entry in entries
     }
-    problems = check_runs(runs, config, **checks)
+    problems = check_runs(runs, config)
     if problems:
         raise RunsError("\n".join(problems))
     return runs

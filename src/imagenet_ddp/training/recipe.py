@@ -1,9 +1,6 @@
-"""The recipe: optimizer, learning-rate schedule, loss, augmentation and model EMA of a run.
-
-Built from torch/torchvision parts (``torch.optim``, ``torch.optim.lr_scheduler.LambdaLR``,
-``torchvision.transforms.v2``, ``torch.optim.swa_utils.AveragedModel``). The schedule is one
-closed-form factor per step in a LambdaLR: its state is the step count, so a resumed run gets
-exactly the LR of an uninterrupted one (chained schedulers recompute recursively).
+"""The recipe: optimizer, learning-rate schedule, loss, augmentation and model EMA of a run,
+from torch's and torchvision's parts. The schedule is one closed-form factor per step in a
+LambdaLR: a resumed run gets exactly the LR of an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -62,9 +59,8 @@ def parameter_groups(cfg: TrainConfig, model: torch.nn.Module) -> list[dict]:
 
 
 def timm_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """timm's groups, as its ``create_optimizer_v2`` (timm's train.py, DeiT) makes them:
-    every 1-D parameter and bias, and each name of the model's ``no_weight_decay()``
-    (pos_embed, cls_token, ...), without weight decay; the rest with ``weight_decay``."""
+    """timm's groups (``create_optimizer_v2``'s): every 1-D parameter, bias and name of the
+    model's ``no_weight_decay()`` without weight decay; the rest with ``weight_decay``."""
     from timm.optim import param_groups_weight_decay
 
     exempt = getattr(model, "no_weight_decay", set)()
@@ -90,13 +86,8 @@ def build_optimizer(
 
 
 def lr_lambda(steps_per_epoch: int, cfg: TrainConfig):
-    """The LR factor of each optimizer step: linear warm-up from ``warmup_start_factor``,
-    then ``lr_schedule`` (cosine or linear to ``lr_min_ratio``, step at ``lr_step_epochs``,
-    or constant).
-
-    The first step uses ``warmup_start_factor`` itself, as both sources do (torchvision's
-    LinearLR in its first epoch, FFCV's interpolation at step 0); at each epoch's first step
-    the factor is torchvision's per-epoch one, and FFCV's per-step one at every step."""
+    """The LR factor of each optimizer step: linear warm-up from ``warmup_start_factor`` (its
+    first step at that factor, as torchvision's LinearLR and FFCV), then ``lr_schedule``."""
     warmup = warmup_steps(cfg, steps_per_epoch)
     total = max(1, cfg.epochs * steps_per_epoch)
     milestones = sorted(e * steps_per_epoch for e in cfg.lr_step_epochs)
@@ -118,8 +109,7 @@ def lr_lambda(steps_per_epoch: int, cfg: TrainConfig):
 
 
 def warmup_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
-    """The warm-up's optimizer steps: ``warmup_steps`` when set, else ``warmup_epochs`` x
-    the steps of an epoch (the dry-run refuses both set)."""
+    """``warmup_steps``, else ``warmup_epochs`` x the steps of an epoch."""
     if cfg.warmup_steps > 0:
         return int(cfg.warmup_steps)
     return int(cfg.warmup_epochs * steps_per_epoch)
@@ -130,10 +120,8 @@ def build_scheduler(cfg: TrainConfig, optimizer, steps_per_epoch: int):
 
 
 def build_criterion(cfg: TrainConfig) -> torch.nn.Module:
-    """Cross-entropy, or timm's binary cross-entropy (``loss: bce``, ResNet strikes back's:
-    one-hot targets smoothed by ``label_smoothing``, mixed ones binarized above
-    ``bce_target_threshold``); each takes class indices, or mixed label distributions from
-    mixup/cutmix."""
+    """Cross-entropy, or timm's BinaryCrossEntropy (``loss: bce``, ResNet strikes back's); each
+    takes class indices or mixup/cutmix's label distributions."""
     if cfg.loss == "bce":
         from timm.loss import BinaryCrossEntropy
 
@@ -162,11 +150,9 @@ def mean_std(cfg: TrainConfig) -> tuple[tuple, tuple]:
 
 
 def timm_rand_augment(spec: str, crop_size: int, mean, interpolation: str):
-    """timm's RandAugment of a ``rand-...`` spec (magnitude noise ``mstd``, ``inc``
-    increasing ops) with the hyperparameters timm's ``create_transform`` gives it (translate
-    0.45 x the crop, fill with the mean colour, the train interpolation), on PIL images as
-    timm runs it. It draws from Python's and NumPy's generators, which
-    training.data.SeededAugmentation seeds per sample as it does torch's."""
+    """timm's RandAugment of a ``rand-...`` spec with ``create_transform``'s hyperparameters, on
+    PIL images as timm runs it (its Python and NumPy draws seeded per sample by
+    training.data.SeededAugmentation)."""
     from timm.data.auto_augment import rand_augment_transform
     from timm.data.transforms import str_to_pil_interp
 
@@ -179,10 +165,8 @@ def timm_rand_augment(spec: str, crop_size: int, mean, interpolation: str):
 
 
 def sample_transform(cfg: TrainConfig, crop_size: int):
-    """Per-image training transform on uint8 crops (normalized later, on the device):
-    random resized crop (``crop_scale``, ``crop_ratio``, ``interpolation``) and flip
-    (``hflip``), the ``auto_augment`` policy (torchvision's, or timm's ``rand-...``), random
-    erasing."""
+    """Per-image training transform on uint8 crops (normalized later, on the device): random
+    resized crop and flip, the ``auto_augment`` policy, random erasing."""
     mean = mean_std(cfg)[0]
     steps = [
         train_transform(
@@ -242,14 +226,9 @@ def mix_batch(mixer, images, targets, seed: int):
 
 
 def build_ema(cfg: TrainConfig, model: torch.nn.Module, world_size: int, device: torch.device):
-    """Exponential moving average of the weights and buffers, or None when ``ema_decay`` is 0.
-
-    ``device``: the model's. Without it AveragedModel keeps its ``n_averaged`` counter on the
-    CPU, and broadcasting the EMA's buffers over NCCL fails at the end of the first epoch.
-
-    As torchvision's reference: the decay is per image seen, so it is adjusted for the global
-    batch (``accumulation`` counted) and ``ema_steps`` (alpha = (1 - decay) x global batch x
-    ema_steps / epochs)."""
+    """The EMA of the weights and buffers on ``device`` (else NCCL's broadcast of its CPU
+    ``n_averaged`` fails), or None. As torchvision's reference, the decay is per image: alpha =
+    (1 - decay) x global batch x ema_steps / epochs."""
     if cfg.ema_decay <= 0:
         return None
     adjust = cfg.batch_size * world_size * cfg.accumulation * cfg.ema_steps / cfg.epochs
