@@ -651,7 +651,3 @@ def write_index(data_dir: Path, out_dir: Path, *, layout: str = AUTO) -> None:
         extra={"counts": {"classes": len(classes), "train": len(train), "val": len(val)}},
     )
 
-
-def check_which(which: str) -> None:
-    if which not in ("train", "val"):
-        raise ValueError(f"which must be 'train' or 'val', not {which!r}")
