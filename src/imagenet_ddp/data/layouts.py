@@ -650,4 +650,3 @@ def write_index(data_dir: Path, out_dir: Path, *, layout: str = AUTO) -> None:
         {"data_dir": str(data_dir), "layout": found.name},
         extra={"counts": {"classes": len(classes), "train": len(train), "val": len(val)}},
     )
-
