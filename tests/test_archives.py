@@ -22,7 +22,7 @@ from imagenet_ddp.data.archives import (
     verify_archives,
 )
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.io import write_csv_atomic
+from imagenet_ddp.io import file_digest, write_csv_atomic
 
 
 def _rewrite_tar(path, transform, *, gz=False):
@@ -106,7 +106,7 @@ def test_md5_mismatch_names_file_expected_and_actual(writable_archives):
     sums.write_text(
         "\n".join(wrong + line[32:] if VAL_ARCHIVE in line else line for line in lines) + "\n"
     )
-    actual = archives.md5_file(writable_archives / VAL_ARCHIVE)
+    actual = file_digest(writable_archives / VAL_ARCHIVE, "md5")
     with pytest.raises(InputError) as info:
         verify_archives(writable_archives)
     message = str(info.value)

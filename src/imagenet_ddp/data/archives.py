@@ -1,20 +1,14 @@
-"""The ILSVRC2012 archives: check them, and index them without extracting a single image.
-
-Input contract: one directory holding the files as downloaded from image-net.org::
+"""The ILSVRC2012 archives as downloaded from image-net.org: check them, and index them without
+extracting an image::
 
     ILSVRC2012_img_train.tar       outer tar of 1000 per-class tars nXXXXXXXX.tar
     ILSVRC2012_img_val.tar         flat ILSVRC2012_val_000NNNNN.JPEG
     ILSVRC2012_devkit_t12.tar.gz   ILSVRC2012_devkit_t12/data/{meta.mat, ..._ground_truth.txt}
     md5sums                        optional, ``md5sum`` format: "<hex>  <file name>"
 
-Class indices and sample order equal ``torchvision.datasets.ImageNet``'s: classes are the leaf
-synsets of ``meta.mat`` sorted by wnid; samples are sorted by class index, then by file name.
-
-Listing is fast enough for the full train set (1,281,167 images in 1000 inner tars): the outer
-tar is read with :mod:`tarfile` (1000 headers), the inner tars' headers are read in place with
-``os.pread`` (about 1 us per header instead of ~15 us for :mod:`tarfile`), skipping image data.
-Anything but a plain ustar/GNU regular-file header falls back to :mod:`tarfile`.
-"""
+Class indices and sample order are ``torchvision.datasets.ImageNet``'s. The inner tars' headers
+are read in place with ``os.pread`` (~1 us a header against ~15 us for :mod:`tarfile`, skipping
+the image data); any header but a plain ustar/GNU regular file falls back to :mod:`tarfile`."""
 
 from __future__ import annotations
 
@@ -36,6 +30,7 @@ import pandas as pd
 from imagenet_ddp.data.archive_names import (  # noqa: F401 (re-exported)
     ARCHIVES,
     DEVKIT_ARCHIVE,
+    IMAGE_SUFFIXES,
     INDEX_FORMAT_VERSION,
     MD5SUMS,
     TRAIN_ARCHIVE,
@@ -63,13 +58,10 @@ SAMPLE_COLUMNS = [
     "member_size",
     "offset",
 ]
-# INDEX_FORMAT_VERSION (archive_names) is bumped when SAMPLE_COLUMNS change.
 
 _WNID = re.compile(r"n\d{8}")
 _INNER_TAR = re.compile(r"(n\d{8})\.tar")
 _VAL_IMAGE = re.compile(r"ILSVRC2012_val_\d{8}\.JPEG")
-# What torchvision's ImageFolder accepts (torchvision.datasets.folder.IMG_EXTENSIONS).
-_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 _BLOCK = 512
 _ZERO_BLOCK = bytes(_BLOCK)
 _TAR_ERRORS = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, ValueError)
@@ -109,11 +101,8 @@ def require_archives(data_dir: Path, names: tuple[str, ...] = ARCHIVES) -> None:
 def _scan_plain_tar(
     fd: int, base: int, length: int, path: Path, *, require_end: bool = False
 ) -> list[Entry] | None:
-    """Headers of a plain ustar/GNU tar stored at ``[base, base + length)`` of ``fd``.
-
-    Returns None when a header needs the general parser (long names, pax, links, dirs...).
-    ``require_end``: a missing end-of-archive (zero) block means the file was cut short.
-    """
+    """Headers of a plain ustar/GNU tar at ``[base, base + length)`` of ``fd``; None where a
+    header needs tarfile. ``require_end``: a missing end-of-archive block means it was cut."""
     entries: list[Entry] = []
     pread = os.pread
     off = 0
@@ -238,7 +227,7 @@ def list_train_archive(data_dir: Path) -> TrainListing:
                     )
                 wnid = member.name[: -len(".tar")]
                 for name, _, _ in entries:
-                    if "/" in name or not name.lower().endswith(_IMAGE_SUFFIXES):
+                    if "/" in name or not name.lower().endswith(IMAGE_SUFFIXES):
                         raise InputError(
                             f"{label}: unexpected member {name!r} (expected flat image files "
                             f"like {wnid}_1234.JPEG); {_redownload(path)}"
@@ -422,10 +411,6 @@ def read_md5sums(path: Path) -> dict[str, str]:
     return sums
 
 
-def md5_file(path: Path) -> str:
-    return file_digest(path, "md5")
-
-
 # ----------------------------------------------------------------------------- public API
 
 
@@ -440,11 +425,8 @@ def _read_consistent_archives(data_dir: Path) -> tuple[Devkit, TrainListing, lis
 
 
 def verify_archives(data_dir: Path, *, check_md5: bool = True) -> dict:
-    """Check presence, structure (headers read to the end) and md5 of the three archives.
-
-    Structure is checked first (fast), md5 last (reads every byte). Raises InputError on the
-    first problem; returns a JSON-able report.
-    """
+    """Check presence, structure (every header) and, last, md5 of the three archives:
+    InputError on the first problem, else a JSON-able report."""
     data_dir = Path(data_dir)
     devkit, train, val = _read_consistent_archives(data_dir)
 
@@ -461,7 +443,7 @@ def verify_archives(data_dir: Path, *, check_md5: bool = True) -> dict:
         elif name not in expected:
             record["md5_status"] = "not listed in md5sums"
         else:
-            record["md5"] = md5_file(path)
+            record["md5"] = file_digest(path, "md5")
             record["md5_expected"] = expected[name]
             if record["md5"] != expected[name]:
                 raise InputError(
@@ -546,11 +528,8 @@ def _val_table(devkit, val_entries) -> pd.DataFrame:
 
 
 def build_index(data_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """(classes, train, val) tables, read from the archives' headers (no image is extracted).
-
-    classes: class_index, wnid, words. train/val: SAMPLE_COLUMNS, in torchvision's ImageNet order
-    (class index, then file name); val's member is "" (member_offset, member_size 0).
-    """
+    """(classes, train, val) tables from the archives' headers: CLASS_COLUMNS and
+    SAMPLE_COLUMNS, by class index then file name (val's member "", member_offset 0)."""
     devkit, train_listing, val_entries = _read_consistent_archives(Path(data_dir))
     train = _train_table(devkit.wnids, train_listing)
     val = _val_table(devkit, val_entries)
@@ -558,12 +537,8 @@ def build_index(data_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFram
 
 
 def header_matches(header: bytes, name: str, size: int) -> bool:
-    """Whether ``header`` (the 512 bytes before a member's data) describes ``name``, ``size``.
-
-    prepare reads each image's header and data in one pread and checks this, so an index that
-    no longer matches its archive (re-downloaded, replaced) fails instead of being misread.
-    A long (GNU/pax) name is stored cut to 100 bytes in this header; a prefix match suffices.
-    """
+    """Whether ``header`` (the 512 bytes before a member's data) describes ``name``, ``size``
+    (a long name is stored cut to 100 bytes: a prefix matches)."""
     if len(header) != _BLOCK:
         return False
     size_field = header[124:136]
@@ -578,11 +553,9 @@ def header_matches(header: bytes, name: str, size: int) -> bool:
 
 
 def read_archive_items(archive: Path, index: pd.DataFrame) -> Iterator[tuple[int, bytes]]:
-    """(sample_id, raw bytes) in index order, read from ``archive`` (train or val tar).
-
-    One pread per image at the index's offsets, header included: the header must name the
-    same file and size, so an archive changed since indexing fails here, never decodes wrong.
-    """
+    """(sample_id, raw bytes) in index order from ``archive``: one pread per image, its header
+    included, which must name the same file and size (an archive changed since indexing fails
+    here, never decodes wrong)."""
     require_archives(archive.parent, (archive.name,))
     columns = ("sample_id", "member", "name", "size", "member_offset", "offset")
     fd = os.open(archive, os.O_RDONLY)
