@@ -12,13 +12,11 @@ the image data); any header but a plain ustar/GNU regular file falls back to :mo
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import io
 import os
 import re
 import tarfile
-import tempfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -266,31 +264,6 @@ def list_val_archive(data_dir: Path) -> list[Entry]:
 # ----------------------------------------------------------------------------- devkit
 
 
-# The two parsers are torchvision's (torchvision.datasets.imagenet.parse_devkit_archive), copied
-# because torchvision defines them as closures: they cannot be imported on their own, and the
-# public parse_devkit_archive insists on the official devkit's md5. tests/test_archives.py checks
-# that they agree with torchvision.datasets.ImageNet on the demo devkit.
-def parse_meta_mat(devkit_root: str) -> tuple[dict[int, str], dict[str, tuple[str, ...]]]:
-    import scipy.io as sio
-
-    metafile = os.path.join(devkit_root, "data", "meta.mat")
-    meta = sio.loadmat(metafile, squeeze_me=True)["synsets"]
-    nums_children = list(zip(*meta, strict=True))[4]
-    meta = [meta[idx] for idx, num_children in enumerate(nums_children) if num_children == 0]
-    idcs, wnids, classes = list(zip(*meta, strict=True))[:3]
-    classes = [tuple(clss.split(", ")) for clss in classes]
-    idx_to_wnid = {idx: wnid for idx, wnid in zip(idcs, wnids, strict=True)}
-    wnid_to_classes = {wnid: clss for wnid, clss in zip(wnids, classes, strict=True)}
-    return idx_to_wnid, wnid_to_classes
-
-
-def parse_val_groundtruth_txt(devkit_root: str) -> list[int]:
-    file = os.path.join(devkit_root, "data", "ILSVRC2012_validation_ground_truth.txt")
-    with open(file) as txtfh:
-        val_idcs = txtfh.readlines()
-    return [int(val_idx) for val_idx in val_idcs]
-
-
 @dataclass(frozen=True)
 class Devkit:
     idx_to_wnid: dict[int, str]  # ILSVRC2012_ID -> wnid (leaf classes only)
@@ -302,55 +275,54 @@ class Devkit:
         return sorted(self.wnid_to_words)
 
 
-@contextlib.contextmanager
-def _extracted_devkit(path: Path) -> Iterator[Path]:
-    """Extract only meta.mat and the ground truth into a temporary devkit root."""
+def _devkit_members(path: Path) -> dict[str, bytes]:
+    """meta.mat and the ground truth from the devkit. All of the .gz is decompressed (2.5 MB),
+    so that a damaged one fails on its CRC trailer even where the tar inside looks whole."""
     wanted = {META_MAT, VAL_GROUND_TRUTH}
-    with tempfile.TemporaryDirectory(prefix="imagenet_ddp-devkit-") as tmp:
-        found = set()
-        try:
-            # The devkit is small (2.5 MB): decompress all of it, so that a cut-off or damaged
-            # .gz fails on its CRC/length trailer even where the tar inside looks complete.
-            with gzip.open(path, "rb") as gz:
-                data = gz.read()
-            with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-                for member in tar:
-                    name = member.name.removeprefix("./")
-                    if name in wanted and member.isreg():
-                        target = Path(tmp) / name
-                        target.parent.mkdir(parents=True, exist_ok=True)
-                        target.write_bytes(tar.extractfile(member).read())
-                        found.add(name)
-        except (*_TAR_ERRORS, OSError) as exc:
-            raise _corrupt(path, str(exc) or type(exc).__name__) from None
-        missing = sorted(wanted - found)
-        if missing:
-            raise InputError(
-                f"{path}: {', '.join(missing)} missing from the devkit; {_redownload(path)}"
-            )
-        yield Path(tmp) / DEVKIT_ROOT
+    try:
+        with gzip.open(path, "rb") as gz:
+            data = gz.read()
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            found = {
+                m.name.removeprefix("./"): tar.extractfile(m).read()
+                for m in tar
+                if m.isreg() and m.name.removeprefix("./") in wanted
+            }
+    except (*_TAR_ERRORS, OSError) as exc:
+        raise _corrupt(path, str(exc) or type(exc).__name__) from None
+    missing = sorted(wanted - set(found))
+    if missing:
+        raise InputError(
+            f"{path}: {', '.join(missing)} missing from the devkit; {_redownload(path)}"
+        )
+    return found
 
 
 def read_devkit(data_dir: Path) -> Devkit:
-    """Leaf classes and val labels from the devkit, parsed as torchvision parses them."""
+    """Leaf classes and val labels from the devkit, parsed as torchvision's ImageNet parses them
+    (torchvision.datasets.imagenet.parse_devkit_archive, which insists on the official md5)."""
+    import scipy.io as sio
+
     path = Path(data_dir) / DEVKIT_ARCHIVE
     require_archives(data_dir, (DEVKIT_ARCHIVE,))
-    with _extracted_devkit(path) as root:
-        try:
-            idx_to_wnid, wnid_to_classes = parse_meta_mat(str(root))
-        except Exception as exc:  # scipy raises many kinds on a bad .mat
-            raise InputError(
-                f"{path}: {META_MAT} is not a valid ILSVRC2012 meta.mat ({exc}); "
-                f"{_redownload(path)}"
-            ) from None
-        try:
-            val_ids = parse_val_groundtruth_txt(str(root))
-        except ValueError as exc:
-            raise InputError(
-                f"{path}: {VAL_GROUND_TRUTH} must hold one class id per line ({exc}); "
-                f"{_redownload(path)}"
-            ) from None
-    idx_to_wnid = {int(i): str(w) for i, w in idx_to_wnid.items()}
+    members = _devkit_members(path)
+    try:
+        synsets = sio.loadmat(io.BytesIO(members[META_MAT]), squeeze_me=True)["synsets"]
+        # (ILSVRC2012_ID, WNID, words, gloss, num_children, ...): the leaves are the classes
+        leaves = [s for s in synsets if s[4] == 0]
+        idx_to_wnid = {int(s[0]): str(s[1]) for s in leaves}
+        wnid_to_words = {str(s[1]): str(s[2]) for s in leaves}
+    except Exception as exc:  # scipy raises many kinds on a bad .mat
+        raise InputError(
+            f"{path}: {META_MAT} is not a valid ILSVRC2012 meta.mat ({exc}); {_redownload(path)}"
+        ) from None
+    try:
+        val_ids = [int(line) for line in members[VAL_GROUND_TRUTH].decode().splitlines()]
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InputError(
+            f"{path}: {VAL_GROUND_TRUTH} must hold one class id per line ({exc}); "
+            f"{_redownload(path)}"
+        ) from None
     if len(set(idx_to_wnid.values())) != len(idx_to_wnid):
         raise InputError(f"{path}: meta.mat lists a wnid twice; {_redownload(path)}")
     bad = sorted(w for w in idx_to_wnid.values() if not _WNID.fullmatch(w))
@@ -362,7 +334,6 @@ def read_devkit(data_dir: Path) -> Devkit:
             f"{path}: the val ground truth uses class ids {unknown[:5]} that meta.mat does not "
             f"define as leaf classes; {_redownload(path)}"
         )
-    wnid_to_words = {str(w): ", ".join(c) for w, c in wnid_to_classes.items()}
     return Devkit(idx_to_wnid, wnid_to_words, val_ids)
 
 
