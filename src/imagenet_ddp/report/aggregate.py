@@ -23,38 +23,18 @@ from imagenet_ddp.training.metrics import loss_spike
 # What a run cost (monitoring.cost, monitoring.telemetry, report.accounting); empty where not
 # measured, never zero. docs/results.md "Cost and efficiency" says what each includes.
 COST_COLUMNS = [
-    "allocations",
-    "gpu_hours",
-    "core_hours",
-    "gpu_hours_lost",
-    "core_hours_lost",
-    "gpu_hours_per_epoch",
-    "core_hours_per_epoch",
-    "gpu_utilization_percent",
-    "gpu_peak_memory_gb",
-    "gpu_power_watts",
-    "energy_kwh",
-    "energy_wh_per_1k_images",
-    "slurm_job_id",
-    "slurm_state",
-    "slurm_elapsed_seconds",
-    "slurm_gpu_hours",
-    "slurm_core_hours",
-    "slurm_max_rss_gb",
-]
+    "allocations", "gpu_hours", "core_hours", "gpu_hours_lost", "core_hours_lost",
+    "gpu_hours_per_epoch", "core_hours_per_epoch", "gpu_utilization_percent", "gpu_peak_memory_gb",
+    "gpu_power_watts", "energy_kwh", "energy_wh_per_1k_images", "slurm_job_id", "slurm_state",
+    "slurm_elapsed_seconds", "slurm_gpu_hours", "slurm_core_hours", "slurm_max_rss_gb",
+]  # fmt: skip
 
 # What the run's preflight projected, beside what training measured; empty without one.
 PREFLIGHT_COLUMNS = [
-    "preflight_epoch_seconds",
-    "preflight_images_per_s",
-    "preflight_total_seconds",
-    "preflight_allocations",
-    "preflight_busbw_gbps",
-    "preflight_loader_over_model",
-    "preflight_compute_ms",
-    "preflight_input_bound_pct",
-    "epoch_seconds_over_preflight",
-]
+    "preflight_epoch_seconds", "preflight_images_per_s", "preflight_total_seconds",
+    "preflight_allocations", "preflight_busbw_gbps", "preflight_loader_over_model",
+    "preflight_compute_ms", "preflight_input_bound_pct", "epoch_seconds_over_preflight",
+]  # fmt: skip
 
 # The step-time breakdown's medians over epochs; mfu_pct NaN on CPU or a GPU of unknown peak.
 BREAKDOWN_COLUMNS = ["data_wait_ms", "compute_ms", "input_bound_pct", "flops_per_image", "mfu_pct"]
@@ -62,56 +42,25 @@ BREAKDOWN_COLUMNS = ["data_wait_ms", "compute_ms", "input_bound_pct", "flops_per
 # The EMA model's accuracy (empty without ema_decay), and the run's preset's published top-1
 # (a fraction) with the column it compares with (presets.REPORTED_MODEL).
 EMA_COLUMNS = [
-    "holdout_top1_ema",
-    "holdout_top5_ema",
-    "test_top1_ema",
-    "test_top5_ema",
-    "published_top1",
+    "holdout_top1_ema", "holdout_top5_ema", "test_top1_ema", "test_top5_ema", "published_top1",
     "published_compare_with",
-]
+]  # fmt: skip
 
 COLUMNS = [
-    "run",
-    "model",
-    "nodes",
-    "world_size",
-    "gpus",
-    "gpu_type",
-    "global_batch",
-    "shape",
-    "allocation_shapes",
-    "throughput_by_shape",
-    "precision",
-    "epochs",
-    "diverged",
-    "loss_spike",
-    "staging_seconds",
-    "staging_gb_per_s",
-    "mean_epoch_seconds",
-    "epoch_end_share",
-    "images_per_s",
-    "images_per_s_per_rank",
-    "throughput_warmup_steps",
-    "steady_images_per_s",
+    "run", "model", "nodes", "world_size", "gpus", "gpu_type", "global_batch", "shape",
+    "allocation_shapes", "throughput_by_shape", "precision", "epochs", "diverged", "loss_spike",
+    "staging_seconds", "staging_gb_per_s", "mean_epoch_seconds", "epoch_end_share", "images_per_s",
+    "images_per_s_per_rank", "throughput_warmup_steps", "steady_images_per_s",
     "steady_images_per_s_per_rank",
     *BREAKDOWN_COLUMNS,
-    "scaling_efficiency",
-    "scaling_baseline",
-    "scaling_note",
-    "scaling_group",
-    "holdout_top1",
-    "holdout_top5",
-    "test_top1",
-    "test_top5",
+    "scaling_efficiency", "scaling_baseline", "scaling_note", "scaling_group", "holdout_top1",
+    "holdout_top5", "test_top1", "test_top5",
     *EMA_COLUMNS,
     "wall_seconds",
     *PREFLIGHT_COLUMNS,
     *COST_COLUMNS,
-    "git_commit",
-    "code_changed",
-    "code_versions",
-    "trained_by_other_code",
-]
+    "git_commit", "code_changed", "code_versions", "trained_by_other_code",
+]  # fmt: skip
 
 
 # Counts that may be unknown (a run from before they were kept): integers, empty where unknown.
