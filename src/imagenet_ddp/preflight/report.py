@@ -14,8 +14,8 @@ from imagenet_ddp.settings.geometry import global_batch, world_size
 FAILED = "preflight.failed.json"  # the report of a preflight with problems (no preflight.json)
 
 STRAGGLER = 0.8  # a rank below this share of the median rank's rate is named as a straggler
-# A multi-node GPU job's all-reduce bus bandwidth below this is a network problem: NCCL over
-# TCP sockets gives a few GB/s, InfiniBand/RoCE tens to hundreds (nccl-tests on A100/H100).
+# A multi-node all-reduce bus bandwidth below this is NCCL over TCP sockets (a few GB/s), not
+# InfiniBand/RoCE (tens to hundreds: nccl-tests on A100/H100).
 MIN_INTERNODE_BUSBW_GBPS = 10.0
 NCCL_HINT = (
     "check NCCL_IB_HCA / NCCL_SOCKET_IFNAME / NCCL_NET_GDR_LEVEL, and that NCCL_DEBUG=INFO "
@@ -24,7 +24,7 @@ NCCL_HINT = (
 
 
 def bus_bandwidth(algbw: float, world: int) -> float:
-    """nccl-tests' all-reduce bus bandwidth: algbw x 2(n-1)/n (the bytes each link carries)."""
+    """nccl-tests' all-reduce bus bandwidth: algbw x 2(n-1)/n."""
     return algbw * 2 * (world - 1) / world if world > 1 else 0.0
 
 
@@ -43,7 +43,7 @@ def allreduce_figures(nbytes: int, seconds_per_rank: list[float]) -> dict[str, A
 
 
 def spread(values: dict[int, float], hosts: dict[int, str]) -> dict[str, Any]:
-    """Median, slowest rank (with its host) and its share of the median, of a per-rank rate."""
+    """Median, slowest rank and host, and its share of the median, of a per-rank rate."""
     median = statistics.median(values.values())
     slowest = min(values, key=values.__getitem__)
     return {
@@ -205,9 +205,8 @@ def speed_problems(report: dict[str, Any], run: dict[str, Any]) -> list[str]:
     """Stragglers, a starving loader, a slow network, too many allocations."""
     problems = []
     s = report["model"]["compute_spread"]  # without the all-reduce, where ranks differ
-    # GPU runs only: CPU ranks share cores with each other and the node's daemons, and their
-    # spread is chance (on the test cluster's 2 fake nodes on 2 cores: 82 % in one run, below
-    # 80 % in the next, which failed CI), not a slow node.
+    # GPU runs only: CPU ranks share cores with each other and the node's daemons (the test
+    # cluster's spread was 82 % in one run, below 80 % in the next): chance, not a slow node.
     cuda = report["device_type"] == "cuda"
     if cuda and s["slowest_over_median"] is not None and s["slowest_over_median"] < STRAGGLER:
         problems.append(
@@ -380,15 +379,14 @@ def _nodes(ranks: list[dict], staging: list[dict]) -> dict[str, dict]:
                 "in_place": s.get("in_place"),  # local launcher: read where it is, no copy
                 # A reused copy (or none) measured no copy: its rate is unknown, not zero.
                 "gb_per_s": None if s["reused"] or s.get("in_place") else s["bytes_per_s"] / 1e9,
-                "projected_full_copy_seconds": s["seconds"],
             },
         }
     return out
 
 
 def collective_figures(ranks: list[dict], gradient_bytes: int) -> dict[str, Any]:
-    """Per size: ``world`` (all ranks) and, with several multi-rank nodes, ``intra_node`` (the
-    node whose all-reduce is slowest, named) from every rank's seconds per operation."""
+    """Per size: ``world`` and, with several multi-rank nodes, ``intra_node`` (the slowest
+    node's, named), from every rank's seconds per operation."""
     seconds = [r["allreduce_seconds"] for r in ranks]
     sizes = []
     for nbytes in sorted(int(n) for n in seconds[0]["world"]):
