@@ -93,9 +93,6 @@ def require_archives(data_dir: Path, names: tuple[str, ...] = ARCHIVES) -> None:
         )
 
 
-# ----------------------------------------------------------------------------- tar listing
-
-
 def _scan_plain_tar(
     fd: int, base: int, length: int, path: Path, *, require_end: bool = False
 ) -> list[Entry] | None:
@@ -261,9 +258,6 @@ def list_val_archive(data_dir: Path) -> list[Entry]:
     return entries
 
 
-# ----------------------------------------------------------------------------- devkit
-
-
 @dataclass(frozen=True)
 class Devkit:
     idx_to_wnid: dict[int, str]  # ILSVRC2012_ID -> wnid (leaf classes only)
@@ -337,9 +331,6 @@ def read_devkit(data_dir: Path) -> Devkit:
     return Devkit(idx_to_wnid, wnid_to_words, val_ids)
 
 
-# ----------------------------------------------------------------------------- consistency
-
-
 def _check_consistent(data_dir: Path, devkit: Devkit, train: TrainListing, val) -> None:
     data_dir = Path(data_dir)
     if train.wnids != devkit.wnids:
@@ -364,9 +355,6 @@ def _check_consistent(data_dir: Path, devkit: Devkit, train: TrainListing, val) 
         )
 
 
-# ----------------------------------------------------------------------------- md5
-
-
 def read_md5sums(path: Path) -> dict[str, str]:
     """``md5sum`` output -> {file name: hex digest}."""
     sums = {}
@@ -380,9 +368,6 @@ def read_md5sums(path: Path) -> dict[str, str]:
             )
         sums[Path(match.group(2)).name] = match.group(1).lower()
     return sums
-
-
-# ----------------------------------------------------------------------------- public API
 
 
 def _read_consistent_archives(data_dir: Path) -> tuple[Devkit, TrainListing, list[Entry]]:

@@ -39,9 +39,6 @@ _MAT_HEADER = b"MATLAB 5.0 MAT-file, Platform: GLNXA64, Created on: imagenet_ddp
 _JPEG_QUALITY = 90
 
 
-# ----------------------------------------------------------------------------- archive writing
-
-
 def _tarinfo(name: str, size: int = 0, *, directory: bool = False) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.size = size
@@ -66,9 +63,6 @@ def _tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
         for name, data in members:
             _add(tar, name, data)
     return buf.getvalue()
-
-
-# ----------------------------------------------------------------------------- classes
 
 
 def _wnids(rng: np.random.Generator, count: int, low: int, high: int) -> list[str]:
@@ -106,9 +100,6 @@ def _meta_mat(synsets: list[dict]) -> bytes:
     data = bytearray(buf.getvalue())
     data[:116] = _MAT_HEADER.ljust(116)  # scipy writes the current time here
     return bytes(data)
-
-
-# ----------------------------------------------------------------------------- images
 
 
 def _class_style(c: int, num_classes: int) -> dict:
@@ -154,9 +145,6 @@ def _encode(pixels: np.ndarray, kind: str = "rgb") -> bytes:
             image = image.convert("CMYK")
         image.save(buf, format="JPEG", quality=_JPEG_QUALITY)
     return buf.getvalue()
-
-
-# ----------------------------------------------------------------------------- public API
 
 
 def make_demo_dataset(

@@ -81,9 +81,6 @@ def check_imagenet_counts(where: str, train: dict[str, int], val: dict[str, int]
         )
 
 
-# ----------------------------------------------------------------------------- the layouts
-
-
 class Layout:
     """One way of keeping the images; a layout also has ``class_count(data_dir)`` (as cheap as
     the dry-run's checks), ``verify(data_dir, check_files=)``, ``build_index(data_dir)``,
@@ -375,9 +372,6 @@ def dry_run_layout(data_dir: str, named: str = AUTO) -> Layout:
     return layout
 
 
-# ----------------------------------------------------------------------------- folder helpers
-
-
 def _entries(folder: Path) -> list[os.DirEntry]:
     try:
         with os.scandir(folder) as it:
@@ -580,9 +574,6 @@ def _sample_table(data_dir: Path, samples: list[tuple[str, str, str]], rank: dic
             "offset": np.zeros(n, dtype=np.int64),
         }
     )
-
-
-# ----------------------------------------------------------------------------- the stages
 
 
 def write_verify_report(data_dir: Path, report: Path, *, check_md5: bool, layout: str = AUTO):

@@ -70,7 +70,6 @@ METADATA = {
 SUPPORTED_SUFFIXES = tuple(METADATA)
 
 
-# --------------------------------------------------------------------------------- inputs
 def _read_csv(
     path: Path, required: Sequence[str], what: str, fix: str, empty: bool = False
 ) -> pd.DataFrame:
@@ -158,7 +157,6 @@ def _groups(table: pd.DataFrame) -> list[tuple[str, pd.DataFrame, pd.Series]]:
     return groups
 
 
-# -------------------------------------------------------------------------------- helpers
 def _save(fig: Figure, path: Path) -> None:
     suffix = Path(path).suffix.lower()  # checked by make_plots
     with atomic_path(path) as tmp:
@@ -205,7 +203,6 @@ def _label_points(ax, table: pd.DataFrame, y: str) -> None:
         )
 
 
-# -------------------------------------------------------------------------------- figures
 # Line styles shared by the figures and their style legends.
 STEADY = {"linestyle": "-", "marker": "o"}
 END_TO_END = {"linestyle": ":", "marker": "o", "markerfacecolor": "none", "alpha": 0.8}
@@ -531,7 +528,6 @@ def plot_cost(table: pd.DataFrame, out: Path) -> None:
         _save(fig, out)
 
 
-# ------------------------------------------------------------------------------------ CLI
 def make_plots(
     runs_csv: Path,
     run_dirs: Sequence[Path],
