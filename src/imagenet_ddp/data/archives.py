@@ -187,14 +187,7 @@ def list_train_archive(data_dir: Path) -> TrainListing:
     except _TAR_ERRORS as exc:
         raise _corrupt(path, str(exc) or type(exc).__name__) from None
     wnids = sorted(per_wnid)
-    return TrainListing(
-        path,
-        wnids,
-        [per_wnid[w][0] for w in wnids],
-        [per_wnid[w][1] for w in wnids],
-        [per_wnid[w][2] for w in wnids],
-        [per_wnid[w][3] for w in wnids],
-    )
+    return TrainListing(path, wnids, *map(list, zip(*(per_wnid[w] for w in wnids), strict=True)))
 
 
 def list_val_archive(data_dir: Path) -> list[Entry]:

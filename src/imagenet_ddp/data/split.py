@@ -113,16 +113,8 @@ def split_index(index_dir: Path, out_dir: Path, holdout_fraction: float, seed: i
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv_atomic(out_dir / "train.csv", train_part)
     write_csv_atomic(out_dir / "holdout.csv", holdout)
-    counts = (
-        pd.DataFrame(
-            {
-                "train": train_part.groupby("class_index").size(),
-                "holdout": holdout.groupby("class_index").size(),
-            }
-        )
-        .fillna(0)
-        .astype(int)
-    )
+    sizes = {"train": train_part, "holdout": holdout}
+    counts = pd.DataFrame({k: v.groupby("class_index").size() for k, v in sizes.items()})
     write_csv_atomic(out_dir / "class_counts.csv", counts.reset_index())
     write_provenance(
         provenance_path(out_dir),

@@ -155,10 +155,8 @@ def run_accounting(run_dirs: list[Path], **query) -> dict[Path, dict[str, Any]]:
     return out
 
 
-def write_accounting(
-    run_dirs: list[Path], *, timeout: float = TIMEOUT_SECONDS, out_name: str = "accounting.json"
-) -> None:
+def write_accounting(run_dirs: list[Path]) -> None:
     """``<run dir>/accounting.json`` of every run (``imagenet-ddp accounting``, the rule)."""
-    for run_dir, record in run_accounting(run_dirs, timeout=timeout).items():
-        write_json_atomic(run_dir / out_name, record)
+    for run_dir, record in run_accounting(run_dirs).items():
+        write_json_atomic(run_dir / "accounting.json", record)
         print(f"{run_dir}: {record.get('state') or record.get('reason')}", flush=True)
