@@ -41,20 +41,12 @@ META_MAT = f"{DEVKIT_ROOT}/data/meta.mat"
 VAL_GROUND_TRUTH = f"{DEVKIT_ROOT}/data/ILSVRC2012_validation_ground_truth.txt"
 
 CLASS_COLUMNS = ["class_index", "wnid", "words"]
-# member_offset/member_size: where the per-class tar lies in the outer train tar (val: 0, 0);
-# offset: where the image's data starts inside that member (val: inside the val tar); size: its
-# bytes. prepare reads an image with one pread at member_offset + offset, nothing is re-listed.
+# member_offset/member_size: the per-class tar in the outer train tar (val: 0, 0); offset: the
+# image's data in it (val: in the val tar). prepare reads it at member_offset + offset.
 SAMPLE_COLUMNS = [
-    "sample_id",
-    "class_index",
-    "wnid",
-    "member",
-    "name",
-    "size",
-    "member_offset",
-    "member_size",
+    "sample_id", "class_index", "wnid", "member", "name", "size", "member_offset", "member_size",
     "offset",
-]
+]  # fmt: skip
 
 _WNID = re.compile(r"n\d{8}")
 _INNER_TAR = re.compile(r"(n\d{8})\.tar")

@@ -48,11 +48,9 @@ from imagenet_ddp.training.worker import build_job, seed_everything
 # The first warm-up step holds torch.compile; "timed" steps with DDP, then as many without
 # its all-reduce (a rank's own speed).
 MODEL_STEPS = {"warmup": 3, "timed": 10}
-# The loader in rounds of one batch per worker (workers 0: one batch): iter() hands every
-# worker prefetch_factor batches at once, so a fixed count of batches after a short warm-up
-# was decoded during the warm-up and times only the copy (with 12+ workers all of them).
-# The warm-up round ends when the slowest worker's first batch arrives; every worker then
-# stays busy (the queue refills as batches are taken), so the timed rounds are steady state.
+# The loader in rounds of one batch per worker: iter() hands each worker prefetch_factor batches
+# at once, so batches counted after a short warm-up were decoded during it. The warm-up round
+# ends at the slowest worker's first batch; then every worker stays busy: steady state.
 LOADER_ROUNDS = {"warmup": 1, "timed": 4}
 ALLREDUCE_OPS = {"warmup": 2, "timed": 5}
 EVAL_BATCHES = 8  # per rank: the holdout sample each evaluation pass reads

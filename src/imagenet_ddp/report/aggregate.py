@@ -351,9 +351,8 @@ def aggregate_runs(run_dirs: list[Path]) -> pd.DataFrame:
     return table[COLUMNS].sort_values(["scaling_group", "world_size", "run"]).reset_index(drop=True)
 
 
-# runs.md: the figures a person compares first, as (heading, alignment, how to show a row),
-# numbers right-aligned. Every other figure stays in runs.csv and the HTML report; the note
-# under the table says so.
+# runs.md: the figures a person compares first, as (heading, alignment, how to show a row);
+# every other figure stays in runs.csv and the HTML report.
 def _percent(value: Any) -> str:
     return "" if pd.isna(value) else f"{100 * value:.1f} %"
 
@@ -445,8 +444,7 @@ OTHER_CODE = (
     'training; docs/configuration.md "Code changes" says how to retrain one): '
 )
 
-# What each column of runs.md is, what it includes and why a cell may be empty or 0: under the
-# table, for a reader who has not read docs/results.md.
+# What each column of runs.md is and why a cell may be empty or 0, under the table.
 LEGEND = [
     ("run", "its name in config.yaml; a mark after it (\\*, †, diverged, loss spike) is "
      "explained above"),
