@@ -380,47 +380,24 @@ def finish_prepared(
 
 
 def prepare_split(
-    data_dir: Path,
-    index: pd.DataFrame,
-    out_dir: Path,
-    *,
-    which: str,
-    short_side: int,
-    num_classes: int,
-    shard_samples: int,
-    quality: int,
-    workers: int,
-    on_corrupt: str,
-) -> dict:
+    data_dir: Path, index: pd.DataFrame, out_dir: Path, *, which: str, num_classes: int,
+    workers: int, **settings,
+) -> dict:  # fmt: skip
     """Write the prepared copy of ``index`` to out_dir; return prepared.json's content plus
-    ``out_dir``. No lock, no reuse (:func:`prepare` adds those); the settings are the schema's,
-    checked there."""
+    ``out_dir``. ``settings``: short_side, quality, shard_samples, on_corrupt (the schema's,
+    checked there). No lock, no reuse (:func:`prepare` adds those)."""
     index = check_index(index, which)
     data_dir, out_dir = Path(data_dir), Path(out_dir)
-    settings = {
-        "which": which,
-        "short_side": short_side,
-        "quality": quality,
-        "num_classes": num_classes,
-        "shard_samples": shard_samples,
-    }
+    shards = range(num_shards(len(index), settings["shard_samples"]))
     with atomic_path(out_dir, is_dir=True) as tmp:
         parts_dir = tmp / ".parts"
         rows, records, skipped = write_shard_parts(
-            data_dir,
-            index,
-            parts_dir,
-            range(num_shards(len(index), shard_samples)),
-            which=which,
-            short_side=short_side,
-            quality=quality,
-            shard_samples=shard_samples,
-            workers=workers,
-            on_corrupt=on_corrupt,
+            data_dir, index, parts_dir, shards, which=which, workers=workers, **settings
         )
         info = finish_prepared(
-            tmp, [(parts_dir, r) for r in records], rows, skipped, settings, move=True
-        )
+            tmp, [(parts_dir, r) for r in records], rows, skipped,
+            {**settings, "which": which, "num_classes": num_classes}, move=True,
+        )  # fmt: skip
         shutil.rmtree(parts_dir, ignore_errors=True)
     return {**info, "out_dir": str(out_dir)}
 
