@@ -13,8 +13,7 @@ from pathlib import Path
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import write_json_atomic
 
-# The value stays "imagenet_ddp.prepared" (the module that wrote it first): it is recorded in
-# every prepared.json, and a copy of another format is rebuilt.
+# Recorded in every prepared.json: a copy of another format is rebuilt.
 FORMAT = "imagenet_ddp.prepared"
 # 2: shards are tar files with WebDataset member names (1: bare concatenated JPEGs, .bin)
 FORMAT_VERSION = 2

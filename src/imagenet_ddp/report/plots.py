@@ -195,7 +195,6 @@ def _label_points(ax, table: pd.DataFrame, y: str) -> None:
         )
 
 
-# Line styles shared by the figures and their style legends.
 STEADY = {"linestyle": "-", "marker": "o"}
 END_TO_END = {"linestyle": ":", "marker": "o", "markerfacecolor": "none", "alpha": 0.8}
 IDEAL = {"linestyle": "--", "alpha": 0.7}
