@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import io
-import os
 import tarfile
 
 import numpy as np
@@ -22,7 +21,7 @@ from imagenet_ddp.data.archives import (
     verify_archives,
 )
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.io import write_csv_atomic
+from imagenet_ddp.io import file_digest, write_csv_atomic
 
 
 def _rewrite_tar(path, transform, *, gz=False):
@@ -106,7 +105,7 @@ def test_md5_mismatch_names_file_expected_and_actual(writable_archives):
     sums.write_text(
         "\n".join(wrong + line[32:] if VAL_ARCHIVE in line else line for line in lines) + "\n"
     )
-    actual = archives.md5_file(writable_archives / VAL_ARCHIVE)
+    actual = file_digest(writable_archives / VAL_ARCHIVE, "md5")
     with pytest.raises(InputError) as info:
         verify_archives(writable_archives)
     message = str(info.value)
@@ -225,8 +224,8 @@ def test_index_csvs_are_identical_when_rebuilt(demo_archives, demo_index, tmp_pa
     assert (read.member == "").all()
 
 
-def test_general_tar_parser_fallback_agrees(tmp_path):
-    """Long names (GNU 'L' records) and pax headers go through tarfile, with the same result."""
+def test_every_tar_format_lists_the_same(tmp_path):
+    """Long names (GNU 'L' records) and pax headers give the same names, sizes and offsets."""
     path = tmp_path / "x.tar"
     payloads = {"a" * 150 + ".JPEG": b"x" * 700, "b.JPEG": b"y" * 3, "c.JPEG": b""}
     for fmt in (tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT):
@@ -242,9 +241,8 @@ def test_general_tar_parser_fallback_agrees(tmp_path):
         assert all(data[o : o + s] == payloads[n] for n, s, o in entries)
 
 
-def test_in_place_scan_lists_many_headers(tmp_path):
-    """~20k headers through the in-place scan (its speed is measured by
-    benchmarks/bench_index_split.py, not here)."""
+def test_a_listing_of_many_headers_points_at_each_members_data(tmp_path):
+    """~20k headers."""
     path = tmp_path / "many.tar"
     with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
         for i in range(20_000):
@@ -253,9 +251,4 @@ def test_in_place_scan_lists_many_headers(tmp_path):
             tar.addfile(info, io.BytesIO(b"0123456789"))
     entries = archives._list_flat_tar(path)
     assert len(entries) == 20_000 and entries[5][1] == 10
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        assert archives._scan_plain_tar(fd, 0, path.stat().st_size, path) is not None
-    finally:
-        os.close(fd)
     assert np.all(np.diff([o for _, _, o in entries]) == 1024)

@@ -27,7 +27,8 @@ CLI = [sys.executable, "-m", "imagenet_ddp.cli"]
 @pytest.fixture(scope="module")
 def bigger_demo(tmp_path_factory) -> dict[str, Path]:
     """1,200 train images at 160 px (the archives), their index, and the ImageFolder tree."""
-    from imagenet_ddp.data.demo import extract_demo_layout, make_demo_dataset
+    from imagenet_ddp.data.demo import make_demo_dataset
+    from tests.demo_layouts import extract_demo_layout
 
     root = tmp_path_factory.mktemp("interrupt")
     make_demo_dataset(root / "archives", num_classes=8, train_per_class=150, val_per_class=4,

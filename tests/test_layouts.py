@@ -13,11 +13,11 @@ import pandas as pd
 import pytest
 
 from imagenet_ddp.data import layouts
-from imagenet_ddp.data.demo import extract_demo_layout
 from imagenet_ddp.data.layouts import SAME_COLUMNS, dry_run_layout, find_layout
 from imagenet_ddp.data.prepare import prepare
 from imagenet_ddp.data.split import split_index
 from imagenet_ddp.errors import InputError
+from tests.demo_layouts import extract_demo_layout
 
 KAGGLE_VAL = "ILSVRC/Data/CLS-LOC/val"
 

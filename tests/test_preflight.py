@@ -28,7 +28,7 @@ def rank(r: int, host: str, gpu: str, model: float = 100.0, loader: float = 400.
         "rank": r, "host": host, "gpu": gpu, "visible": ["0", "1"], "device": "cpu",
         "model_images_per_s": model, "compute_images_per_s": 1.5 * model,
         "loader_images_per_s": loader, "compile_seconds": 0.0,
-        "peak_memory_gb": 1.0, "workers": 3,
+        "peak_memory_gb": 1.0, "workers": 3, "eval_images_per_s": 3 * model,
         "allreduce_seconds": {"world": {"400": 1e-3, "1600": 2e-3}},
     }  # fmt: skip
 
@@ -69,7 +69,7 @@ def test_every_figure_follows_from_its_definition():
     p = out["projection"]
     assert p["steps_per_epoch"] == 128_000 // 4 // 32
     assert p["epoch_seconds"] == pytest.approx(1000 * 32 / 100.0)
-    # eval_interval auto: 18 of 90 epochs evaluate the holdout (estimated: no measured rate)
+    # eval_interval auto: 18 of 90 epochs evaluate the holdout, at 300 img/s
     assert p["epoch_end"]["evaluations"] == 18
     assert p["total_seconds"] == pytest.approx(10.0 + 90 * 320 + 18 * 12_800 / 4 / 300)
     assert p["gpu_hours"] == pytest.approx(p["total_seconds"] / 3600 * 4)

@@ -1,10 +1,6 @@
-"""Reading the prepared copy: the dataset, its transforms and the normalization.
-
-:class:`PreparedImageDataset` reads each sample at its (shard, offset, length) in
-``samples.csv`` through ``np.memmap`` (the format and why: :mod:`imagenet_ddp.data.prepared_layout`;
-its writer: :mod:`imagenet_ddp.data.prepare`). :func:`train_transform` and :func:`eval_transform`
-crop and augment on tensors; :func:`normalize_batch` normalizes uint8 batches on the device.
-"""
+"""Reading the prepared copy (:mod:`imagenet_ddp.data.prepared_layout`): the dataset (each
+sample at its shard, offset and length through ``np.memmap``), the transforms on tensors, and
+the normalization of uint8 batches on the device."""
 
 from __future__ import annotations
 
@@ -53,12 +49,10 @@ def read_prepared_info(root: Path) -> dict:
 class PreparedImageDataset(torch.utils.data.Dataset):
     """(uint8 CHW RGB tensor after ``transform``, class_index) from a prepared directory.
 
-    ``sample_ids`` selects and orders samples (None: all, in sample_id order). Ids skipped at
-    preparation (``on_corrupt: skip``) are dropped with a warning; unknown ids are an error.
-    Shards are memory-mapped lazily in each DataLoader worker (the dataset pickles without them).
-    ``decode=False`` hands the encoded JPEG (a uint8 numpy array) to ``transform`` instead, for
-    ``train_transform``, which then decodes only what its random crop needs.
-    """
+    ``sample_ids`` selects and orders samples (None: all); ids skipped at preparation are
+    dropped with a warning, unknown ids refused. Shards are mapped lazily in each loader worker.
+    ``decode=False`` hands ``transform`` the encoded JPEG (``train_transform`` decodes only what
+    its crop needs)."""
 
     def __init__(
         self,
@@ -141,15 +135,10 @@ def train_transform(
     hflip: float = 0.5,
     interpolation: str = "bilinear",
 ):
-    """Random resized crop (area ``scale`` and aspect ``ratio`` ranges, torchvision's and timm's
-    defaults) + horizontal flip with probability ``hflip``. ``normalize=False`` keeps uint8
-    crops (4x fewer bytes through the loader and pinned memory); the training loop then
-    normalizes on the device per batch.
-
-    Takes a decoded uint8 CHW tensor, or the encoded JPEG (``PreparedImageDataset(...,
-    decode=False)``): then the crop box is drawn before decoding and the decode is reduced to
-    what the box needs (``RandomResizedCropDecode``). Further tensor augmentations go after
-    the first step."""
+    """Random resized crop (torchvision's and timm's default ranges) and a flip with probability
+    ``hflip``, of a decoded uint8 tensor or an encoded JPEG (the crop drawn before the decode:
+    ``RandomResizedCropDecode``). ``normalize=False`` keeps uint8 crops (4x fewer bytes through
+    the loader), normalized on the device per batch."""
     from torchvision.transforms import v2
 
     from imagenet_ddp.data.jpeg import RandomResizedCropDecode
@@ -171,8 +160,7 @@ def train_transform(
 
 @functools.cache
 def _normalization(device: torch.device, mean: tuple, std: tuple) -> tuple:
-    """Mean and std on ``device``, made once: ``torch.tensor(..., device=cuda)`` per batch is a
-    host-to-device copy from pageable memory, i.e. a host sync every step."""
+    """Mean and std on ``device``, made once (per batch, a host sync every step)."""
     shape = (1, 3, 1, 1)
     return (
         torch.tensor(mean, device=device).view(shape),
@@ -183,8 +171,7 @@ def _normalization(device: torch.device, mean: tuple, std: tuple) -> tuple:
 def normalize_batch(
     images: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD
 ) -> torch.Tensor:
-    """uint8 NCHW batch -> float, scaled and normalized as torchvision's ``ToDtype(scale=True)``
-    and ``Normalize`` do (the same operations in the same order: bitwise the same values)."""
+    """uint8 NCHW batch -> float, bitwise as ``ToDtype(scale=True)`` then ``Normalize``."""
     mean, std = _normalization(images.device, tuple(mean), tuple(std))
     return images.float().mul_(1.0 / 255).sub_(mean).div_(std)
 
@@ -192,8 +179,7 @@ def normalize_batch(
 def eval_transform(
     resize: int, crop_size: int, *, normalize: bool = True, interpolation: str = "bilinear"
 ):
-    """Resize and center crop. ``normalize=False`` keeps uint8 crops, normalized on the
-    device by :func:`normalize_batch` (4x fewer bytes through the loader, as in training)."""
+    """Resize and center crop; ``normalize=False`` keeps uint8 crops (:func:`normalize_batch`)."""
     from torchvision.transforms import v2
 
     mode = v2.InterpolationMode(interpolation)

@@ -1,10 +1,8 @@
 """A small synthetic ILSVRC2012 in exactly the real layout, so the whole workflow runs anywhere.
 
-``make_demo_dataset`` writes ``ILSVRC2012_img_train.tar`` (outer tar of per-class tars),
-``ILSVRC2012_img_val.tar``, ``ILSVRC2012_devkit_t12.tar.gz`` (a real-format ``meta.mat`` that
-torchvision parses, with a few non-leaf synsets and ILSVRC2012_IDs that are *not* in wnid order,
-as in the real devkit) and ``md5sums``. Everything is a pure function of the arguments:
-rerunning gives byte-identical archives (fixed tar metadata, gzip mtime 0, fixed .mat header).
+``make_demo_dataset`` writes the three archives (a real-format ``meta.mat`` with non-leaf
+synsets and ILSVRC2012_IDs *not* in wnid order, as in the real devkit) and ``md5sums``,
+byte-identical for the same arguments (fixed tar metadata, gzip mtime 0, fixed .mat header).
 
 Images carry a class signal a small CNN learns in a couple of CPU epochs (per-class hue, stripe
 orientation and frequency; per-image noise, phase, scale and size/aspect jitter). As in the real
@@ -17,7 +15,6 @@ from __future__ import annotations
 
 import colorsys
 import gzip
-import hashlib
 import io
 import math
 import tarfile
@@ -35,13 +32,11 @@ from imagenet_ddp.data.archives import (
     VAL_ARCHIVE,
     VAL_GROUND_TRUTH,
 )
+from imagenet_ddp.io import atomic_path, file_digest
 
 _MTIME = 1_335_830_400  # 2012-05-01, any fixed value keeps the archives reproducible
 _MAT_HEADER = b"MATLAB 5.0 MAT-file, Platform: GLNXA64, Created on: imagenet_ddp demo"
 _JPEG_QUALITY = 90
-
-
-# ----------------------------------------------------------------------------- archive writing
 
 
 def _tarinfo(name: str, size: int = 0, *, directory: bool = False) -> tarfile.TarInfo:
@@ -68,17 +63,6 @@ def _tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
         for name, data in members:
             _add(tar, name, data)
     return buf.getvalue()
-
-
-def _md5(path: Path) -> str:
-    digest = hashlib.md5(usedforsecurity=False)
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-# ----------------------------------------------------------------------------- classes
 
 
 def _wnids(rng: np.random.Generator, count: int, low: int, high: int) -> list[str]:
@@ -116,9 +100,6 @@ def _meta_mat(synsets: list[dict]) -> bytes:
     data = bytearray(buf.getvalue())
     data[:116] = _MAT_HEADER.ljust(116)  # scipy writes the current time here
     return bytes(data)
-
-
-# ----------------------------------------------------------------------------- images
 
 
 def _class_style(c: int, num_classes: int) -> dict:
@@ -166,9 +147,6 @@ def _encode(pixels: np.ndarray, kind: str = "rgb") -> bytes:
     return buf.getvalue()
 
 
-# ----------------------------------------------------------------------------- public API
-
-
 def make_demo_dataset(
     out_dir: Path,
     *,
@@ -200,7 +178,7 @@ def make_demo_dataset(
     ground_truth = "".join(f"{int(ids[c])}\n" for c in val_classes).encode()
     _write_devkit(out_dir, synsets, ground_truth)
     lines = [
-        f"{_md5(out_dir / name)}  {name}\n"
+        f"{file_digest(out_dir / name, 'md5')}  {name}\n"
         for name in sorted((TRAIN_ARCHIVE, VAL_ARCHIVE, DEVKIT_ARCHIVE))
     ]
     (out_dir / MD5SUMS).write_text("".join(lines))
@@ -208,45 +186,24 @@ def make_demo_dataset(
 
 def _synsets(rng, wnids, ids, styles, train_per_class: int) -> list[dict]:
     """The devkit's synsets: the leaves, then two internal nodes (torchvision must drop them)."""
-    num_classes = len(wnids)
-    synsets = [
-        {
-            "id": int(ids[c]),
-            "wnid": wnids[c],
-            "words": f"demo class {c}, synthetic {wnids[c]}",
-            "gloss": f"synthetic images: hue {styles[c]['hue']:.2f}, stripes",
-            "children": [],
-            "height": 0,
-            "num_train_images": train_per_class,
-        }
-        for c in range(num_classes)
-    ]
-    synsets.sort(key=lambda s: s["id"])
-    parents = _wnids(rng, 2, 1_000, 1_000_000)
-    half = (num_classes + 1) // 2
-    synsets.append(
-        {
-            "id": num_classes + 1,
-            "wnid": parents[0],
-            "words": "demo group",
-            "gloss": "first half of the demo classes",
-            "children": [int(i) for i in sorted(ids[:half])],
-            "height": 1,
-            "num_train_images": train_per_class * half,
-        }
-    )
-    synsets.append(
-        {
-            "id": num_classes + 2,
-            "wnid": parents[1],
-            "words": "entity",
-            "gloss": "root",
-            "children": [num_classes + 1],
-            "height": 2,
-            "num_train_images": train_per_class * num_classes,
-        }
-    )
-    return synsets
+    n = len(wnids)
+
+    def synset(id_, wnid, words, gloss, children, height, images) -> dict:
+        return {"id": id_, "wnid": wnid, "words": words, "gloss": gloss, "children": children,
+                "height": height, "num_train_images": images}  # fmt: skip
+
+    leaves = [
+        synset(int(ids[c]), wnids[c], f"demo class {c}, synthetic {wnids[c]}",
+               f"synthetic images: hue {styles[c]['hue']:.2f}, stripes", [], 0, train_per_class)
+        for c in range(n)
+    ]  # fmt: skip
+    parents, half = _wnids(rng, 2, 1_000, 1_000_000), (n + 1) // 2
+    return [
+        *sorted(leaves, key=lambda s: s["id"]),
+        synset(n + 1, parents[0], "demo group", "first half of the demo classes",
+               [int(i) for i in sorted(ids[:half])], 1, train_per_class * half),
+        synset(n + 2, parents[1], "entity", "root", [n + 1], 2, train_per_class * n),
+    ]  # fmt: skip
 
 
 def _write_train(out_dir, rng, wnids, styles, train_per_class, image_size, seed) -> None:
@@ -304,56 +261,6 @@ def _write_devkit(out_dir, synsets, ground_truth: bytes) -> None:
 
 
 def write_demo_dataset(out: Path, **settings) -> None:
-    """The ``demo_data`` stage: :func:`make_demo_dataset` into ``out``, which appears only
-    complete (written under a temporary name, then renamed)."""
-    from imagenet_ddp.io import atomic_path
-
+    """The ``demo_data`` stage: :func:`make_demo_dataset` into ``out``, which appears whole."""
     with atomic_path(out, is_dir=True) as tmp:
         make_demo_dataset(tmp, **settings)
-
-
-# ----------------------------------------------------------------------------- other layouts
-
-
-def extract_demo_layout(archives_dir: Path, out: Path, layout: str) -> None:
-    """The demo archives' images, byte for byte, in the ``imagefolder`` or ``kaggle`` input
-    layout (imagenet_ddp.data.layouts) under ``out``: as valprep.sh and Kaggle keep ILSVRC2012.
-
-    Read with tarfile and the devkit's parser, not with the index, so that a test comparing the
-    layouts' indexes compares two independent readings. The Kaggle tree carries what Kaggle's
-    has beside (a test/ folder, LOC_train_solution.csv), which must be ignored; its val
-    solution lists images in another order than their names.
-    """
-    from imagenet_ddp.data.archives import read_devkit
-
-    archives_dir, out = Path(archives_dir), Path(out)
-    if layout not in ("imagefolder", "kaggle"):
-        raise ValueError(f"layout must be imagefolder or kaggle, not {layout!r}")
-    base = out / "ILSVRC/Data/CLS-LOC" if layout == "kaggle" else out
-    devkit = read_devkit(archives_dir)
-    with tarfile.open(archives_dir / TRAIN_ARCHIVE) as outer:
-        for member in outer:
-            wnid = member.name.removesuffix(".tar")
-            with tarfile.open(fileobj=outer.extractfile(member)) as inner:
-                for image in inner:
-                    _write_file(base / "train" / wnid / image.name, inner.extractfile(image).read())
-    labels = []
-    with tarfile.open(archives_dir / VAL_ARCHIVE) as val:
-        names = sorted(m.name for m in val.getmembers())
-        for name, class_id in zip(names, devkit.val_ids, strict=True):
-            wnid = devkit.idx_to_wnid[class_id]
-            folder = base / "val" if layout == "kaggle" else base / "val" / wnid
-            _write_file(folder / name, val.extractfile(name).read())
-            labels.append((name.removesuffix(".JPEG"), wnid))
-    mapping = "".join(f"{w} {devkit.wnid_to_words[w]}\n" for w in devkit.wnids)
-    (out / "LOC_synset_mapping.txt").write_text(mapping)
-    if layout == "kaggle":
-        rows = [f"{image_id},{wnid} 0 0 9 9\n" for image_id, wnid in reversed(labels)]
-        (out / "LOC_val_solution.csv").write_text("ImageId,PredictionString\n" + "".join(rows))
-        (out / "LOC_train_solution.csv").write_text("ImageId,PredictionString\n")
-        _write_file(base / "test" / "ILSVRC2012_test_00000001.JPEG", b"not read")
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)

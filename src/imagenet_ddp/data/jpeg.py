@@ -1,11 +1,6 @@
-"""JPEG decoding for the training and evaluation paths, and the crop that decodes only what it
-needs.
-
-simplejpeg (libjpeg-turbo, bundled in its wheel) is the decoder: in ``benchmarks/bench_loader.py``
-it is as fast as or faster than ``torchvision.io.decode_jpeg`` (deprecated in torchvision 0.29)
-and TorchCodec, with identical pixels, and unlike them it exposes libjpeg-turbo's DCT-domain
-downscaling. Numbers and the libraries considered: benchmarks/README.md.
-"""
+"""JPEG decoding, and the crop that decodes only what it needs. simplejpeg (libjpeg-turbo) is
+as fast as ``torchvision.io.decode_jpeg`` (deprecated in 0.29) and TorchCodec with identical
+pixels, and exposes DCT-domain downscaling (benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -33,14 +28,10 @@ def jpeg_size(data) -> tuple[int, int]:
 
 
 class RandomResizedCropDecode(v2.RandomResizedCrop):
-    """``v2.RandomResizedCrop`` that also takes the encoded JPEG and decodes what the crop needs.
-
-    The crop box is drawn first, from the header's size, by ``v2.RandomResizedCrop``'s own
-    ``make_params`` (the same random draws as on a decoded image, so per-sample seeding and
-    resume are unchanged). When the box is at least 2x larger than the output on both sides,
-    the JPEG is decoded at a reduced DCT scale (1/2, 1/4 or 1/8) that keeps the box at least
-    output-sized. A decoded tensor takes the plain ``v2.RandomResizedCrop`` path.
-    """
+    """``v2.RandomResizedCrop`` that also takes the encoded JPEG: the box is drawn first from the
+    header's size by its own ``make_params`` (the same draws as on a decoded image), and where
+    it is at least 2x the output on both sides the JPEG is decoded at a reduced DCT scale that
+    keeps the box output-sized. A decoded tensor takes the plain path."""
 
     def forward(self, *inputs):
         data = inputs[0] if len(inputs) == 1 else None

@@ -1,27 +1,21 @@
 """Input layouts: the registry of the ways a data directory (``data.dir``) may hold the images.
 
 ``archives``     the three files downloaded from image-net.org (:mod:`imagenet_ddp.data.archives`)
-``imagefolder``  an extracted torchvision ImageFolder tree: ``train/<class>/*``, ``val/<class>/*``
-                 (as ``valprep.sh`` makes it); any class names and count; the class words from
-                 an optional ``LOC_synset_mapping.txt`` (``<class> <words>`` per line)
-``kaggle``       Kaggle's ILSVRC tree: ``ILSVRC/Data/CLS-LOC/train/<wnid>/*``, a flat
-                 ``ILSVRC/Data/CLS-LOC/val/``, ``LOC_val_solution.csv``, ``LOC_synset_mapping.txt``
+``imagefolder``  an extracted ImageFolder tree ``train/<class>/*``, ``val/<class>/*`` (as
+                 ``valprep.sh`` makes it); the words from an optional ``LOC_synset_mapping.txt``
+``kaggle``       Kaggle's ILSVRC tree: ``ILSVRC/Data/CLS-LOC/{train/<wnid>,val}/*``,
+                 ``LOC_val_solution.csv``, ``LOC_synset_mapping.txt``
 
-A layout is found from what is on disk (the first in ``LAYOUTS`` whose marker paths all exist)
-or named (``data.layout``). Every layout gives the same index: classes sorted by name (wnid),
-samples by class, then file name, as torchvision's ImageNet and ImageFolder order them. The
-same images in any layout give identical classes.csv and identical sample columns
-(``SAME_COLUMNS``); only the location columns (member, member_offset, member_size, offset) say
-where this layout keeps the bytes. The split and the prepared copy read only the former, so
-they are byte-identical (tests/test_layouts.py).
-
-Only the standard library at import: the dry-run (Snakemake parsing the rules on a login node)
-finds the layout and checks its structure without numpy or pandas. Adding a layout: a class with
-the methods of ``Layout`` below, one entry in ``LAYOUTS``, and its case in tests/test_layouts.py.
-"""
+A layout is named (``data.layout``) or found (the first in ``LAYOUTS`` whose markers all exist).
+Every layout gives the same index for the same images: classes sorted by name, samples by class
+then file name (torchvision's order), equal ``SAME_COLUMNS``; only the location columns differ,
+which the split and the prepared copy do not read (tests/test_layouts.py). Only the standard
+library at import: the dry-run checks the structure without numpy or pandas. A new layout: a
+class with ``Layout``'s methods, an entry in ``LAYOUTS``, its case in tests/test_layouts.py."""
 
 from __future__ import annotations
 
+import collections
 import csv
 import functools
 import hashlib
@@ -32,20 +26,22 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from imagenet_ddp.data.archive_names import ARCHIVES, DEVKIT_ARCHIVE, TRAIN_ARCHIVE, VAL_ARCHIVE
+from imagenet_ddp.data.archive_names import (
+    ARCHIVES,
+    DEVKIT_ARCHIVE,
+    IMAGE_SUFFIXES,
+    TRAIN_ARCHIVE,
+    VAL_ARCHIVE,
+)
 from imagenet_ddp.errors import InputError
 
 AUTO = "auto"
 # The columns equal in every layout for the same images; the rest say where the bytes are.
 SAME_COLUMNS = ["sample_id", "class_index", "wnid", "name", "size"]
 SYNSET_MAPPING = "LOC_synset_mapping.txt"
-# What torchvision's ImageFolder accepts (torchvision.datasets.folder.IMG_EXTENSIONS).
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
-# ILSVRC2012 (ImageNet-1k), recognised by the sha256 of its 1,000 sorted wnids joined by "\n":
-# its counts are checked (50 val images per class; 732 to 1,300 train images per class,
-# 1,281,167 in all). No official per-class train table is shipped, so a class is checked
-# against that range, the set against the total.
+# ILSVRC2012, recognised by the sha256 of its sorted wnids joined by "\n": its counts are checked
+# (no official per-class train table: a class against the range, the set against the total).
 ILSVRC2012_WNIDS_SHA256 = "385e0240499426c022b773be1ae4da780f057b89c9694c7f47199f62746b6edd"
 ILSVRC2012_TRAIN_IMAGES = 1_281_167
 ILSVRC2012_TRAIN_PER_CLASS = (732, 1300)
@@ -85,15 +81,16 @@ def check_imagenet_counts(where: str, train: dict[str, int], val: dict[str, int]
         )
 
 
-# ----------------------------------------------------------------------------- the layouts
-
-
 class Layout:
-    """One way of keeping the images. ``markers``: paths under data.dir that all exist."""
+    """One way of keeping the images; a layout also has ``class_count(data_dir)`` (as cheap as
+    the dry-run's checks), ``verify(data_dir, check_files=)``, ``build_index(data_dir)``,
+    ``read_items(data_dir, which, index)`` ((sample_id, bytes) in index order; InputError where
+    the data changed since indexing) and ``place(data_dir, which, member, name)`` (for a
+    message)."""
 
     name: str
     summary: str
-    markers: tuple[str, ...]
+    markers: tuple[str, ...]  # paths under data.dir that all exist
     input_keys: tuple[str, ...]  # the rules' input names of the markers
     remedy: str  # what to do where a marker is missing
 
@@ -104,26 +101,6 @@ class Layout:
 
     def check_structure(self, data_dir: Path) -> None:
         """Cheap checks for the dry-run (no file is opened): InputError on the first problem."""
-
-    def class_count(self, data_dir: Path) -> int:
-        """How many classes the data has, as cheaply as the dry-run's checks (the classifier
-        an init_weights file must fit)."""
-        raise NotImplementedError
-
-    def verify(self, data_dir: Path, *, check_files: bool) -> dict:
-        raise NotImplementedError
-
-    def build_index(self, data_dir: Path):
-        raise NotImplementedError
-
-    def read_items(self, data_dir: Path, which: str, index) -> Iterator[tuple[int, bytes]]:
-        """(sample_id, the image's bytes) in index order; InputError where the data changed
-        since the index was built."""
-        raise NotImplementedError
-
-    def place(self, data_dir: Path, which: str, member: str, name: str) -> str:
-        """Where an image is, for a message."""
-        raise NotImplementedError
 
 
 class Archives(Layout):
@@ -173,18 +150,12 @@ def _check_index_counts(data_dir, classes, train, val) -> None:
 
 
 class _Folders(Layout):
-    """Extracted image files: the train classes are folders; each sample is a file."""
+    """Extracted image files: the train classes are folders; each sample is a file. A subclass
+    has ``words(data_dir, classes)`` and ``val_files(data_dir, classes, skipped)``: (class,
+    folder, file name) of every validation image, files that are no image added to skipped."""
 
     train_dir: str
     val_dir: str
-
-    def words(self, data_dir: Path, classes: list[str]) -> dict[str, str]:
-        raise NotImplementedError
-
-    def val_files(self, data_dir: Path, classes: list[str], skipped=None) -> list[tuple]:
-        """(class, folder relative to data.dir, file name) of every validation image; the
-        paths of files there that are no image added to ``skipped``."""
-        raise NotImplementedError
 
     def check_structure(self, data_dir: Path) -> None:
         data_dir = Path(data_dir)
@@ -252,8 +223,7 @@ class _Folders(Layout):
         )
 
     def read_items(self, data_dir: Path, which: str, index) -> Iterator[tuple[int, bytes]]:
-        # Opened on threads, 256 ahead: at an assumed (not measured here) 1 ms per open on a
-        # parallel filesystem, one after another would take 20 min a pass over ImageNet.
+        # On threads, 256 ahead: at an assumed 1 ms an open, serial would take 20 min a pass.
         columns = ("sample_id", "member", "name", "size")
         rows = zip(*(index[c].tolist() for c in columns), strict=True)
         read = functools.partial(_read_sample, Path(data_dir))
@@ -332,8 +302,7 @@ class Kaggle(_Folders):
         return [(labels[Path(n).stem], self.val_dir, n) for n in names]
 
 
-# The order is the precedence when one data.dir holds several layouts (torchvision's ImageNet
-# class extracts train/ and val/ beside the archives): the archives, verified by md5, first.
+# The precedence where data.dir holds several (torchvision extracts beside the archives).
 LAYOUTS: dict[str, Layout] = {
     layout.name: layout for layout in (Archives(), ImageFolder(), Kaggle())
 }
@@ -387,11 +356,8 @@ def find_layout(data_dir: str | os.PathLike[str], named: str = AUTO) -> Layout:
 
 
 def dry_run_layout(data_dir: str, named: str = AUTO) -> Layout:
-    """The layout the jobs will read (found as they find it) after its structure checks.
-
-    The jobs find the layout from data.dir themselves (their commands name none, so that this
-    feature reran no earlier result): a named layout must be the one found first.
-    """
+    """The layout the jobs will read, after its structure checks; the jobs find it from
+    data.dir themselves, so a named layout must be the one found first."""
     layout = find_layout(data_dir, named)
     first = find_layout(data_dir)
     if first is not layout:
@@ -402,9 +368,6 @@ def dry_run_layout(data_dir: str, named: str = AUTO) -> Layout:
         )
     layout.check_structure(Path(data_dir))
     return layout
-
-
-# ----------------------------------------------------------------------------- folder helpers
 
 
 def _entries(folder: Path) -> list[os.DirEntry]:
@@ -445,9 +408,8 @@ def _require_not_empty(folder: Path) -> None:
 
 
 def _image_files(data_dir: Path, folder: str, skipped: list[str] | None = None) -> list[str]:
-    """The image file names in ``folder`` (sorted); other files (a README, .DS_Store) are
-    left out as torchvision's ImageFolder leaves them, their paths added to ``skipped``; a
-    folder there is refused."""
+    """The image file names in ``folder``, sorted; other files are left out as ImageFolder
+    leaves them (their paths added to ``skipped``); a folder there is refused."""
     path = Path(data_dir) / folder
     names, others = [], []
     for entry in _entries(path):
@@ -530,15 +492,12 @@ def _read_val_solution(path: Path, classes: set[str]) -> dict[str, str]:
 
 
 def _counts(classes: list[str], samples: list[tuple[str, str, str]]) -> dict[str, int]:
-    counts = dict.fromkeys(classes, 0)
-    for name, _, _ in samples:
-        counts[name] += 1
-    return counts
+    return {**dict.fromkeys(classes, 0), **collections.Counter(c for c, _, _ in samples)}
 
 
 def _file_problem(path: Path) -> str | None:
-    """Why ``path`` is not a whole image file, without decoding it: unreadable, empty, or a
-    JPEG cut short (no end-of-image marker in its tail). None when it looks whole."""
+    """Why ``path`` is not a whole image file (unreadable, empty, a JPEG without its end
+    marker), without decoding it; None when it looks whole."""
     try:
         with open(path, "rb") as f:
             head = f.read(3)
@@ -573,8 +532,8 @@ def _read_sample(data_dir: Path, row: tuple[int, str, str, int]) -> bytes:
 
 
 def _threaded(function, items: Iterator, batch: int = 4096) -> Iterator[tuple]:
-    """(item, function(item)) in order, ``_IO_THREADS`` at a time. Batches: Executor.map
-    submits all at once, a million futures for ImageNet's files."""
+    """(item, function(item)) in order, ``_IO_THREADS`` at a time, in batches (Executor.map
+    would submit a million futures at once)."""
     items = iter(items)
     with ThreadPoolExecutor(_IO_THREADS) as pool:
         while chunk := list(itertools.islice(items, batch)):
@@ -582,8 +541,7 @@ def _threaded(function, items: Iterator, batch: int = 4096) -> Iterator[tuple]:
 
 
 def _check_files(data_dir: Path, samples: list[tuple[str, str, str]]) -> None:
-    """Open every image (threads: latency-bound on shared storage); the first problem in
-    sample order is refused, naming its path."""
+    """Open every image (on threads); the first problem in sample order is refused."""
     paths = (Path(data_dir) / folder / name for _, folder, name in samples)
     for path, problem in _threaded(_file_problem, paths):
         if problem:
@@ -614,9 +572,6 @@ def _sample_table(data_dir: Path, samples: list[tuple[str, str, str]], rank: dic
             "offset": np.zeros(n, dtype=np.int64),
         }
     )
-
-
-# ----------------------------------------------------------------------------- the stages
 
 
 def write_verify_report(data_dir: Path, report: Path, *, check_md5: bool, layout: str = AUTO):
@@ -650,8 +605,3 @@ def write_index(data_dir: Path, out_dir: Path, *, layout: str = AUTO) -> None:
         {"data_dir": str(data_dir), "layout": found.name},
         extra={"counts": {"classes": len(classes), "train": len(train), "val": len(val)}},
     )
-
-
-def check_which(which: str) -> None:
-    if which not in ("train", "val"):
-        raise ValueError(f"which must be 'train' or 'val', not {which!r}")

@@ -1,27 +1,12 @@
-"""Writing the prepared copy (its format: :mod:`imagenet_ddp.data.prepared_layout`): the prepare
-stage.
+"""Writing the prepared copy (its format: :mod:`imagenet_ddp.data.prepared_layout`).
 
-One job (:func:`prepare`) or K jobs (:func:`prepare_chunk` for each k, then :func:`join_chunks`)
-give the same directory byte for byte: job k converts the shard range :func:`chunk_shards` of
-the fixed shard plan into its own chunk directory, and the join places the whole shard files
-(hard link, else copy) and rebuilds samples.csv and prepared.json from the chunks' rows,
-exactly as the one-job path does with its own parts.
-
-The final copy may live on storage shared by several workflows: writers hold a lock beside it,
-it appears by an atomic rename, and a complete copy made from the same index, classes and
-settings (its provenance says so) is reused instead of rebuilt. In the workflow its name is the
-digest of those (:func:`prepare_shared`, :func:`join_shared`) and the rule's output is a
-manifest naming it: Snakemake, which deletes a job's outputs before the job, deletes only the
-manifest, never a copy that another workflow or a running job reads.
-
-Preparation reads the image bytes straight out of the archives (one ``os.pread`` each at the
-offsets the index holds; nothing is extracted or listed again) in sample_id order, converts them
-in a process pool of ``workers`` (ordered, bounded in flight), and writes the shards in order.
-Which images go to which shard depends on the index alone (:func:`num_shards`), so the output
-is byte-identical for any ``workers`` and for any split into independent jobs joined by
-:func:`join_chunks`. It writes into a temporary directory renamed into place at the end: an
-interrupted run leaves nothing that looks complete.
-"""
+The image bytes are read at the index's offsets in sample_id order, converted in a process pool
+(ordered, bounded in flight) and written into shards fixed by the index alone
+(:func:`num_shards`): one job (:func:`prepare`) or K jobs (:func:`prepare_chunk`, then
+:func:`join_chunks`) give the same bytes for any ``workers``. A copy appears by an atomic rename
+under a lock beside it, and one made from the same index, classes and settings is reused; in
+the workflow it is content-addressed in prepare.dir and named by a manifest, the rule's output
+(:func:`prepare_shared`, :func:`join_shared`), so Snakemake never deletes a copy in use."""
 
 from __future__ import annotations
 
@@ -48,6 +33,7 @@ from pathlib import Path
 import pandas as pd
 from PIL import Image
 
+from imagenet_ddp.data.layouts import find_layout
 from imagenet_ddp.data.prepared_layout import (
     FORMAT,
     FORMAT_VERSION,
@@ -72,13 +58,12 @@ from imagenet_ddp.provenance import write_provenance
 _TAR_END = bytes(2 * tarfile.BLOCKSIZE)
 _CHUNK = 16  # images per task sent to a worker
 PR_SET_PDEATHSIG = 1  # prctl(2)
+INDEX_COLUMNS = ("sample_id", "class_index", "member", "name", "size", "member_offset", "offset")
+ROW_COLUMNS = ["sample_id", "class_index", "shard", "offset", "length"]
 
 
 def shard_name(number: int) -> str:
     return f"shard-{number:05d}.tar"
-
-
-# ----------------------------------------------------------------------------- conversion
 
 
 def convert_image(data: bytes, short_side: int, quality: int) -> bytes:
@@ -111,9 +96,6 @@ def _convert_chunk(items: list) -> list:
     return [_convert_one(item) for item in items]
 
 
-INDEX_COLUMNS = ("sample_id", "class_index", "member", "name", "size", "member_offset", "offset")
-
-
 def check_index(index: pd.DataFrame, which: str) -> pd.DataFrame:
     """The index sorted by sample_id; a clear error for one written without archive offsets."""
     missing = sorted(set(INDEX_COLUMNS) - set(index.columns))
@@ -128,22 +110,11 @@ def check_index(index: pd.DataFrame, which: str) -> pd.DataFrame:
     return index
 
 
-def _read_items(data_dir: Path, which: str, index: pd.DataFrame, short_side, quality):
-    """Yield (sample_id, raw bytes, short_side, quality) in index order, read as the input
-    layout keeps them (imagenet_ddp.data.layouts: it refuses data changed since indexing)."""
-    from imagenet_ddp.data.layouts import find_layout
-
-    for sample_id, data in find_layout(data_dir).read_items(data_dir, which, index):
-        yield sample_id, data, short_side, quality
-
-
 def _worker_signals() -> None:
-    """A pool worker runs in a process group of its own: a Ctrl-C (SIGINT to the terminal's
-    foreground group) or a kill of the command's group reaches the parent alone, which ends
-    the pool between chunks. A worker killed in the middle leaves the pool's pipes and locks
-    dirty: the parent hung for ever (multiprocessing.Pool, and ProcessPoolExecutor when the
-    worker died writing a result). SIGTERM sent to it alone (scancel) still ends it, and the
-    kernel kills it when the parent dies (a SIGKILL): outside the group, it would live on."""
+    """A pool worker in a process group of its own: a Ctrl-C or a kill of the command's group
+    reaches the parent alone, which ends the pool between chunks (a worker killed mid-write
+    leaves the pool's pipes dirty: the parent hung for ever). SIGTERM to it alone (scancel)
+    still ends it, and the kernel kills it when the parent dies."""
     os.setpgrp()
     with contextlib.suppress(OSError, AttributeError):  # Linux: killed with its parent
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -152,13 +123,10 @@ def _worker_signals() -> None:
 
 
 def _converted(items: Iterator, workers: int) -> Iterator[tuple[int, bytes | None, str | None]]:
-    """Converted images in input order; at most 4 chunks per worker read ahead.
-
-    A stop (SIGINT: a Ctrl-C reaches every process of the group; SIGTERM: Snakemake or SLURM
-    ending the job) is noted and raised between chunks, as KeyboardInterrupt or SystemExit:
-    raised inside the pool's calls it could leave their locks held. Then the queued chunks are
-    cancelled, the running ones finish (16 images) and the pool ends (:func:`_worker_signals`),
-    and the caller's temporary copy is removed (io.atomic_path)."""
+    """Converted images in input order; at most 4 chunks per worker read ahead. A SIGINT or
+    SIGTERM is noted and raised between chunks (inside the pool's calls it could leave their
+    locks held), as KeyboardInterrupt or SystemExit: the queued chunks are cancelled, the
+    running ones finish, and the caller's temporary copy is removed (io.atomic_path)."""
     received: list[int] = []
     main = threading.current_thread() is threading.main_thread()  # where handlers can be set
     previous = {sig: signal.signal(sig, lambda signum, _: received.append(signum))
@@ -195,8 +163,7 @@ def _converted(items: Iterator, workers: int) -> Iterator[tuple[int, bytes | Non
 
 
 def _result(future, stop_if_signalled) -> list:
-    """A chunk's results; a stop noted meanwhile first (a SIGTERM kills the workers: their
-    chunks fail with BrokenProcessPool)."""
+    """A chunk's results; a stop noted meanwhile first (a SIGTERM kills the workers)."""
     try:
         results = future.result()
     except BrokenProcessPool:
@@ -207,9 +174,8 @@ def _result(future, stop_if_signalled) -> list:
 
 
 def remove_stale_temporaries(out: Path) -> None:
-    """Remove the temporary siblings of ``out`` (``.<name>.tmp-*``) that writers killed
-    (SIGKILL, a lost node) left behind: tens of GB each. Call it holding ``out``'s lock, which
-    every writer of ``out`` holds while its temporary exists."""
+    """Remove the temporary siblings of ``out`` (tens of GB each) that killed writers left;
+    call it holding ``out``'s lock, which every writer holds while its temporary exists."""
     for stale in Path(out).parent.glob(f".{Path(out).name}.tmp-*"):
         print(f"removing {stale}: the temporary copy of a prepare that was killed", flush=True)
         if stale.is_dir():
@@ -219,14 +185,12 @@ def remove_stale_temporaries(out: Path) -> None:
 
 
 def sample_key(sample_id: int) -> str:
-    """The shard member stem of a sample: ``<key>.jpg`` and ``<key>.cls`` (WebDataset groups
-    members by the name up to the first dot)."""
+    """The shard member stem of a sample (WebDataset groups members by it)."""
     return f"{sample_id:010d}"
 
 
 def _tar_member(name: str, data: bytes) -> bytes:
-    """One ustar member: 512-byte header, the data, zero padding to a 512-byte boundary.
-    Fixed owner, mode and mtime, so that a shard's bytes depend on its samples only."""
+    """One ustar member, fixed owner, mode and mtime: a shard's bytes depend on its samples."""
     info = tarfile.TarInfo(name)
     info.size, info.mode, info.mtime = len(data), 0o444, 0
     header = info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "strict")
@@ -234,11 +198,9 @@ def _tar_member(name: str, data: bytes) -> bytes:
 
 
 class _ShardWriter:
-    """Shards as POSIX (ustar) tar files: per sample ``<key>.jpg`` then ``<key>.cls`` (the class
-    index in decimal), ended by the two zero blocks, so ``tar``, ``webdataset``/``wids`` and
-    DALI's webdataset reader read them as they are; ``write`` returns the JPEG's offset inside
-    the shard for samples.csv. A shard is closed before a sample would take it past
-    ``shard_bytes`` (a larger first sample gets a shard of its own)."""
+    """Shards as ustar tar files: per sample ``<key>.jpg`` and ``<key>.cls`` (the class index);
+    ``write`` returns (shard, the JPEG's offset in it). A shard is closed before a sample would
+    take it past ``shard_bytes``."""
 
     def __init__(self, directory: Path, shard_bytes: int):
         self.directory, self.shard_bytes = directory, shard_bytes
@@ -286,25 +248,14 @@ class _ShardWriter:
 
 
 def num_shards(num_samples: int, shard_samples: int) -> int:
-    """Shard ``s`` holds index positions ``[s * shard_samples, (s + 1) * shard_samples)``.
-
-    Fixed by the index alone (not by converted sizes), so any range of shards can be written
-    by an independent job and the joined result equals the one-job result byte for byte.
-    """
+    """Shard ``s`` holds index positions ``[s * shard_samples, (s + 1) * shard_samples)``:
+    fixed by the index alone, so independent jobs can write any range of shards."""
     return -(-num_samples // shard_samples)
 
 
 def chunk_shards(total_shards: int, chunk: int, chunks: int) -> range:
     """The shards of job ``chunk`` of ``chunks``: contiguous, sizes differ by at most one."""
     return range(total_shards * chunk // chunks, total_shards * (chunk + 1) // chunks)
-
-
-def check_source(data_dir: Path, which: str) -> None:
-    """``which`` is train or val, and data_dir holds an input layout (one line if not)."""
-    from imagenet_ddp.data.layouts import check_which, find_layout
-
-    check_which(which)
-    find_layout(data_dir)
 
 
 def write_shard_parts(
@@ -320,28 +271,30 @@ def write_shard_parts(
     workers: int,
     on_corrupt: str,
 ) -> tuple[list[tuple[int, int, int, int, int]], list[dict], list[dict]]:
-    """Convert the images of ``shards`` (of a ``check_index``-ed index) into ``parts_dir``.
-
-    Each shard is written by its own ``_ShardWriter`` into ``parts_dir/<s>/`` (so the shard
-    format stays the writer's business). Returns rows (sample_id, class_index, shard s, offset,
-    length), one record per non-empty shard (the writer's, plus ``shard`` s and ``part``: its
-    file relative to parts_dir) and the skipped images.
-    """
-    check_source(data_dir, which)
+    """Convert the images of ``shards`` (of a ``check_index``-ed index) into ``parts_dir/<s>/``,
+    one writer a shard. Returns rows (ROW_COLUMNS), one record per non-empty shard (the
+    writer's, plus ``shard`` s and ``part``: its file in parts_dir) and the skipped images."""
+    layout = find_layout(data_dir)
     start = shards.start * shard_samples
     part = index.iloc[start : min(len(index), shards.stop * shard_samples)]
     class_index = part["class_index"].tolist()
     rows: list[tuple[int, int, int, int, int]] = []
     skipped: list[dict] = []
     writers: dict[int, _ShardWriter] = {}
-    items = _read_items(data_dir, which, part, short_side, quality)
-    converted = _converted(items, workers)
+    read = layout.read_items(data_dir, which, part)  # refuses data changed since indexing
+    converted = _converted(((i, data, short_side, quality) for i, data in read), workers)
     try:
         for position, (sample_id, data, error) in enumerate(converted):
             if data is None:
                 row = part.iloc[position]
-                place = _place(data_dir, which, row)
-                skipped.append(_undecodable(place, row, sample_id, error, on_corrupt))
+                if on_corrupt == "fail":
+                    raise InputError(
+                        f"{layout.place(data_dir, which, row['member'], row['name'])} (sample "
+                        f"{sample_id}) cannot be decoded ({error}); replace it (re-download the "
+                        "archive), or set prepare.on_corrupt: skip to leave such images out"
+                    )
+                skipped.append({"sample_id": sample_id, "member": row["member"],
+                                "name": row["name"], "error": error})  # fmt: skip
                 continue
             shard = (start + position) // shard_samples
             writer = _shard_writer(writers, parts_dir, shard)
@@ -359,25 +312,6 @@ def write_shard_parts(
     return rows, records, skipped
 
 
-def _place(data_dir: Path, which: str, row: pd.Series) -> str:
-    from imagenet_ddp.data.layouts import find_layout
-
-    return find_layout(data_dir).place(data_dir, which, row["member"], row["name"])
-
-
-def _undecodable(place: str, row: pd.Series, sample_id: int, error: str, on_corrupt: str):
-    """An image that cannot be decoded: the one-line error (``on_corrupt: fail``) or its
-    record among the skipped (``skip``)."""
-    member, name = row["member"], row["name"]
-    if on_corrupt == "fail":
-        raise InputError(
-            f"{place} (sample {sample_id}) cannot be decoded ({error}); "
-            "replace it (re-download the archive), or set prepare.on_corrupt: skip to leave "
-            "such images out"
-        )
-    return {"sample_id": sample_id, "member": member, "name": name, "error": error}
-
-
 def _shard_writer(writers: dict[int, _ShardWriter], parts_dir: Path, shard: int) -> _ShardWriter:
     """The writer of ``shard``; a new shard closes the previous ones (images come in order)."""
     writer = writers.get(shard)
@@ -391,7 +325,7 @@ def _shard_writer(writers: dict[int, _ShardWriter], parts_dir: Path, shard: int)
 
 
 def _place_file(src: Path, dest: Path, *, move: bool) -> None:
-    """Move, hard-link (same file system) or copy ``src`` to ``dest``: whole files, any format."""
+    """Move, hard-link (same file system) or copy ``src`` to ``dest``."""
     if move:
         os.replace(src, dest)
         return
@@ -410,12 +344,9 @@ def finish_prepared(
     *,
     move: bool,
 ) -> dict:
-    """Place the shard files as ``shards/shard_name(i)`` (i: position among non-empty shards),
-    write samples.csv and prepared.json into ``tmp``; return prepared.json's content.
-
-    ``parts``: (parts_dir, record) per non-empty shard, in shard order; ``rows`` in sample_id
-    order with the planned shard number, renumbered here.
-    """
+    """Place the shard files as ``shards/shard_name(i)`` (i: position among the non-empty
+    ``parts``, (parts_dir, record) in shard order), write samples.csv (``rows``' planned shard
+    numbers renumbered) and prepared.json into ``tmp``; return prepared.json's content."""
     (tmp / SHARD_DIR).mkdir(exist_ok=True)
     position = {}
     shards = []
@@ -426,9 +357,7 @@ def finish_prepared(
         shards.append(
             {**{k: v for k, v in record.items() if k not in ("shard", "part")}, "name": name}
         )
-    samples = pd.DataFrame(
-        rows, columns=["sample_id", "class_index", "shard", "offset", "length"]
-    ).astype("int64")
+    samples = pd.DataFrame(rows, columns=ROW_COLUMNS).astype("int64")
     samples["shard"] = samples["shard"].map(position).astype("int64")
     write_csv_atomic(tmp / SAMPLES_CSV, samples)
     info = {
@@ -451,57 +380,27 @@ def finish_prepared(
 
 
 def prepare_split(
-    data_dir: Path,
-    index: pd.DataFrame,
-    out_dir: Path,
-    *,
-    which: str,
-    short_side: int,
-    num_classes: int,
-    shard_samples: int,
-    quality: int,
-    workers: int,
-    on_corrupt: str,
-) -> dict:
-    """Write the prepared copy of ``index`` (a train/val table from ``build_index``) to out_dir.
-
-    ``num_classes``: from classes.csv. Returns a summary: prepared.json's content plus
-    ``out_dir``. With ``on_corrupt="skip"`` undecodable images are left out and listed under
-    ``skipped``. No lock, no reuse: :func:`imagenet_ddp.data.prepare.prepare` adds those. The
-    settings' defaults and allowed values are the workflow schema's, checked there once.
-    """
-    check_source(data_dir, which)
+    data_dir: Path, index: pd.DataFrame, out_dir: Path, *, which: str, num_classes: int,
+    workers: int, **settings,
+) -> dict:  # fmt: skip
+    """Write the prepared copy of ``index`` to out_dir; return prepared.json's content plus
+    ``out_dir``. ``settings``: short_side, quality, shard_samples, on_corrupt (the schema's,
+    checked there). No lock, no reuse (:func:`prepare` adds those)."""
     index = check_index(index, which)
     data_dir, out_dir = Path(data_dir), Path(out_dir)
-    settings = {
-        "which": which,
-        "short_side": short_side,
-        "quality": quality,
-        "num_classes": num_classes,
-        "shard_samples": shard_samples,
-    }
+    shards = range(num_shards(len(index), settings["shard_samples"]))
     with atomic_path(out_dir, is_dir=True) as tmp:
         parts_dir = tmp / ".parts"
         rows, records, skipped = write_shard_parts(
-            data_dir,
-            index,
-            parts_dir,
-            range(num_shards(len(index), shard_samples)),
-            which=which,
-            short_side=short_side,
-            quality=quality,
-            shard_samples=shard_samples,
-            workers=workers,
-            on_corrupt=on_corrupt,
+            data_dir, index, parts_dir, shards, which=which, workers=workers, **settings
         )
         info = finish_prepared(
-            tmp, [(parts_dir, r) for r in records], rows, skipped, settings, move=True
-        )
+            tmp, [(parts_dir, r) for r in records], rows, skipped,
+            {**settings, "which": which, "num_classes": num_classes}, move=True,
+        )  # fmt: skip
         shutil.rmtree(parts_dir, ignore_errors=True)
     return {**info, "out_dir": str(out_dir)}
 
-
-# ----------------------------------------------------------------------------- the stage
 
 CLASSES_CSV = "classes.csv"
 CHUNK_JSON = "chunk.json"
@@ -547,10 +446,8 @@ def is_prepared(out: Path, wanted: dict) -> bool:
 
 
 def prepare(data_dir: Path, index_dir: Path, which: str, out: Path, **settings) -> bool:
-    """Build ``out`` in this job unless an identical copy is there. True if it was reused.
-
-    settings: short_side, quality, on_corrupt, shard_samples, workers.
-    """
+    """Build ``out`` unless an identical copy is there; True if it was reused. ``settings``:
+    short_side, quality, on_corrupt, shard_samples, workers."""
     wanted = identity(index_dir, which, settings)
     with exclusive_lock(lock_path_for(out)):
         if is_prepared(out, wanted):
@@ -578,12 +475,11 @@ def prepare_chunk(
     shared_root: Path | None = None,
     **settings,
 ) -> dict:
-    """Job ``chunk`` of ``chunks``: convert its shard range into ``chunk_dir`` (atomically).
-    With ``shared_root`` (prepare.dir) holding a complete copy of the same identity already
-    (another workflow's), it converts nothing: the chunk records the copy, the join reuses it."""
+    """Job ``chunk`` of ``chunks``: convert its shard range into ``chunk_dir`` (atomically);
+    nothing where ``shared_root`` (prepare.dir) holds the copy already (the join reuses it)."""
     if not 0 <= chunk < chunks:
         raise InputError(f"chunk {chunk} of {chunks}: use 0 <= chunk < chunks (prepare.jobs)")
-    check_source(data_dir, which)
+    find_layout(data_dir)
     wanted = identity(index_dir, which, settings)
     if shared_root is not None and is_prepared(shared_copy(shared_root, wanted), wanted):
         record = {"identity": wanted, "chunk": chunk, "chunks": chunks, "reuses": True}
@@ -596,8 +492,7 @@ def prepare_chunk(
         rows, records, skipped = write_shard_parts(
             data_dir, index, tmp / CHUNK_PARTS, shards, which=which, workers=workers, **settings
         )
-        columns = ["sample_id", "class_index", "shard", "offset", "length"]
-        write_csv_atomic(tmp / CHUNK_ROWS, pd.DataFrame(rows, columns=columns))
+        write_csv_atomic(tmp / CHUNK_ROWS, pd.DataFrame(rows, columns=ROW_COLUMNS))
         record = {
             "identity": wanted,
             "num_classes": num_classes,
@@ -637,8 +532,8 @@ def _read_chunks(chunk_dirs: list[Path]) -> list[dict]:
 
 
 def join_chunks(chunk_dirs: list[Path], out: Path) -> bool:
-    """Join finished chunks into ``out`` (as :func:`prepare` would have written it) unless an
-    identical copy is there. True if it was reused. The chunks are left as they are."""
+    """Join finished chunks into ``out``, as :func:`prepare` writes it, unless an identical copy
+    is there; True if it was reused."""
     chunks = _read_chunks(chunk_dirs)
     wanted = chunks[0]["identity"]
     with exclusive_lock(lock_path_for(out)):
@@ -666,16 +561,8 @@ def join_chunks(chunk_dirs: list[Path], out: Path) -> bool:
     return False
 
 
-# ----------------------------------------------------------------------------- shared copies
-
-
 def shared_copy(root: Path, wanted: dict) -> Path:
-    """Where the copy made from ``wanted`` lives in prepare.dir ``root``: a copy of the same
-    identity at the name of earlier versions (``root/<which>``, still read in place, never
-    replaced), else its content-addressed folder (prepared_layout.copy_name)."""
-    legacy = Path(root) / wanted["which"]
-    if is_prepared(legacy, wanted):
-        return legacy
+    """The content-addressed folder in prepare.dir ``root`` of the copy made from ``wanted``."""
     return Path(root) / copy_name(wanted["which"], identity_digest(wanted))
 
 
@@ -683,8 +570,7 @@ def prepare_shared(
     data_dir: Path, index_dir: Path, which: str, manifest: Path, root: Path, **settings
 ) -> Path:
     """:func:`prepare` into the content-addressed copy in ``root`` (made once, reused by every
-    workflow whose index and settings are the same), then ``manifest`` naming it. A copy that
-    another workflow reads is never written again: its name is its content."""
+    workflow of the same index and settings), then ``manifest`` naming it."""
     wanted = identity(index_dir, which, settings)
     copy = shared_copy(root, wanted)
     reused = prepare(data_dir, index_dir, which, copy, **settings)

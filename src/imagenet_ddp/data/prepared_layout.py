@@ -1,40 +1,7 @@
-"""The prepared copy's format: its layout, file names and version, and why it is so.
-
-Written by :mod:`imagenet_ddp.data.prepare`, read by :mod:`imagenet_ddp.data.dataset`.
-
-Torch-free: the rules (a format change reruns ``prepare``) and the staging steps import it.
-A workflow points at its copy through a manifest (:func:`resolve_prepared`).
-
-Layout of a prepared directory::
-
-    shards/shard-00000.tar ...   POSIX tar files (``shard_samples`` images each) of baseline
-                                 JPEGs, members <key>.jpg and <key>.cls (class index) per
-                                 sample, WebDataset style (key = sample_id, 10 digits): `tar -t`,
-                                 webdataset/wids and DALI's webdataset reader read them as they are
-    samples.csv                  sample_id, class_index, shard, offset, length (sample_id order;
-                                 offset is that of the JPEG's bytes inside the tar)
-    prepared.json                format version, short_side, quality, counts, per-shard bytes
-                                 and sha256, skipped images
-
-Why this format (what ``benchmarks/`` measures against reading the archives or an extracted
-ImageFolder):
-
-* **Sequential, few files.** 1.28M small files are slow on parallel file systems (one metadata
-  lookup per image) and slow to copy to node-local scratch; a few hundred 256 MiB shards copy at
-  disk bandwidth (see :mod:`imagenet_ddp.data.stage`) and are read through the page cache via
-  ``np.memmap``. ``samples.csv`` gives each image's (shard, offset, length): random access, no
-  tar parsing at train time. The tar framing costs ~1.5 KB per image (headers, padding, the
-  .cls member), ~3 % of a 43 KB image.
-* **Decoded once, pre-resized.** Every image is decoded once at preparation (PIL,
-  ``convert("RGB")``, so grayscale, CMYK and PNG-named-.JPEG all become RGB), resized so its
-  shorter side is ``short_side`` and re-encoded as a baseline JPEG. An average ImageNet JPEG
-  is ~400x350; at ``short_side`` 160 the per-epoch decode is ~5x cheaper and the data ~4x
-  smaller.
-* **Fast decode.** Training decodes with :mod:`imagenet_ddp.data.jpeg` (libjpeg-turbo through
-  simplejpeg) straight into a uint8 tensor, no PIL round trip, drawing the random crop box
-  before decoding so that a box much larger than the output is decoded at a reduced DCT scale;
-  it augments with ``transforms.v2`` on tensors.
-"""
+"""The prepared copy's format (``shards/shard-NNNNN.tar``, ``samples.csv``, ``prepared.json``;
+what and why: docs/stages.md "Prepared shards"), the manifest naming a workflow's copy
+(:func:`resolve_prepared`), and its content digests. Written by :mod:`imagenet_ddp.data.prepare`,
+read by :mod:`imagenet_ddp.data.dataset`. Torch-free: the rules and the staging steps import it."""
 
 from __future__ import annotations
 
@@ -46,8 +13,7 @@ from pathlib import Path
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import write_json_atomic
 
-# The value stays "imagenet_ddp.prepared" (the module that wrote it first): it is recorded in
-# every prepared.json, and a copy of another format is rebuilt.
+# Recorded in every prepared.json: a copy of another format is rebuilt.
 FORMAT = "imagenet_ddp.prepared"
 # 2: shards are tar files with WebDataset member names (1: bare concatenated JPEGs, .bin)
 FORMAT_VERSION = 2
@@ -55,12 +21,9 @@ SHARD_DIR = "shards"
 SAMPLES_CSV = "samples.csv"
 PREPARED_JSON = "prepared.json"
 
-# ----------------------------------------------------------------------------- the manifest
-# A workflow's `prepare` output is a small manifest under its own results/, naming the copy in
-# prepare.dir; the copy's name holds the digest of what determines its bytes (index, classes,
-# settings, format, code). Snakemake deletes a job's outputs before it runs the job: the
-# manifest, never a copy that another workflow (or a running job of this one) reads. No stage
-# removes a copy; a copy that no manifest names is removed by hand (docs/configuration.md).
+# A workflow's `prepare` output is a manifest naming its copy in prepare.dir, whose name is the
+# digest of what makes its bytes: Snakemake deletes a job's outputs before the job, so the
+# manifest, never a copy another workflow reads. No stage removes a copy (docs/configuration.md).
 MANIFEST_FORMAT = "imagenet_ddp.prepared-manifest"
 DIGEST_CHARS = 16  # of the sha256: the copy's name, unique among the copies of one dir
 
@@ -71,8 +34,7 @@ def copy_name(which: str, digest: str) -> str:
 
 
 def resolve_prepared(path: str | os.PathLike[str]) -> Path:
-    """The prepared directory that ``path`` stands for: the copy a manifest names (its
-    absolute path), or ``path`` itself (a directory)."""
+    """The prepared directory that ``path`` stands for: the copy a manifest names, or ``path``."""
     path = Path(path)
     if not path.is_file():
         return path
@@ -92,8 +54,7 @@ def resolve_prepared(path: str | os.PathLike[str]) -> Path:
 
 
 def provenance_file(out: Path) -> Path:
-    """Beside the prepared directory, not inside: the directory holds exactly the data (staged
-    to every node and fingerprinted), and is replaced as a whole by an atomic rename."""
+    """Beside the prepared directory, which holds exactly the data (staged, fingerprinted)."""
     out = Path(out)
     return out.with_name(out.name + ".provenance.json")
 
@@ -119,20 +80,15 @@ def write_manifest(manifest: Path, copy: Path, wanted: dict, reused: bool) -> No
     )
 
 
-# ----------------------------------------------------------------------------- content
 # What a training or an evaluation reads, by content (the workflow's data_content checkpoint):
 # the same images in any input layout or data.dir give the same digests, other images others.
-
-
 def content_digest(copy: str | os.PathLike[str]) -> str:
-    """The sha256 of a prepared copy's content: of its prepared.json, which holds the sha256
-    of every shard and of samples.csv (the same for the same images in any input layout)."""
+    """The sha256 of a copy's prepared.json, which holds every shard's and samples.csv's."""
     return hashlib.sha256((Path(copy) / PREPARED_JSON).read_bytes()).hexdigest()
 
 
 def prepared_content(path: str | os.PathLike[str]) -> str | None:
-    """The content digest of the copy ``path`` stands for (a manifest, or the copy itself);
-    None where there is none to read."""
+    """The content digest of the copy ``path`` stands for; None where there is none."""
     path = Path(path)
     try:
         if path.is_dir():
@@ -149,8 +105,7 @@ def _sha256_file(path: str | os.PathLike[str]) -> str:
 
 
 def _samples_digest(split_csv: str | os.PathLike[str]) -> str:
-    """The sha256 of a split file's sample ids, in its order: which images it holds, not their
-    class names or where a layout keeps their bytes (the same images in another layout agree)."""
+    """The sha256 of a split file's sample ids in its order: which images, in any layout."""
     import csv
 
     digest = hashlib.sha256()
@@ -163,10 +118,9 @@ def _samples_digest(split_csv: str | os.PathLike[str]) -> str:
 def content_record(
     prepared_train: Path, prepared_val: Path, split_train: Path, split_holdout: Path, classes: Path
 ) -> dict[str, str]:
-    """The digests the workflow's train and evaluate jobs take as params: ``train`` of the
-    prepared train copy's content (its images and class indices) and the split's sample ids
-    (what a training reads), ``evaluate`` of both copies' content, the holdout's ids and the
-    classes file (what an evaluation reads and writes: per-class rows name the classes)."""
+    """The digests the train and evaluate jobs take as params: of what a training reads (train
+    copy, split ids) and of what an evaluation reads and writes (both copies, holdout ids, the
+    classes its per-class rows name)."""
     parts = {
         "prepared_train": prepared_content(prepared_train),
         "prepared_val": prepared_content(prepared_val),

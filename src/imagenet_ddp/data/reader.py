@@ -1,12 +1,6 @@
-"""The one factory of the dataset a rank reads: training and its holdout probe
-(training/worker.py, whose holdout training/accuracy.py evaluates), evaluation
-(evaluation/evaluate.py) and the preflight (preflight/rank.py) all call
-:func:`create_dataset`, as timm's ``create_dataset`` is its scripts' one.
-
-Every input layout is prepared into the same training-ready copy (data/prepare.py), so a
-rank has one reader, :class:`imagenet_ddp.data.dataset.PreparedImageDataset`; another reader
-(another on-disk format of the prepared copy) is one entry of :data:`READERS` and its test.
-"""
+"""The one factory of the dataset a rank reads (training, its holdout, evaluation, the
+preflight), as timm's ``create_dataset``: every input layout is prepared into one format, so one
+reader; another format would be one entry of :data:`READERS` and its test."""
 
 from __future__ import annotations
 
@@ -27,12 +21,9 @@ def create_dataset(
     interpolation: str = "bilinear",
     reader: str = "prepared",
 ):
-    """The samples ``sample_ids`` (None: all) of the prepared copy at ``root``.
-
-    ``train``: encoded JPEGs, for the training transform to decode after drawing its crop
-    (imagenet_ddp.data.jpeg). ``eval_size`` (resize, crop): uint8 evaluation crops
-    (normalized on the device, training.accuracy), resized with ``interpolation``. Neither:
-    decoded images, untransformed."""
+    """The samples ``sample_ids`` (None: all) of the prepared copy at ``root``: encoded JPEGs
+    (``train``: the training transform decodes after its crop), uint8 evaluation crops
+    (``eval_size``: resize, crop), or decoded images."""
     cls = READERS[reader]
     if train:
         return cls(Path(root), sample_ids, decode=False)

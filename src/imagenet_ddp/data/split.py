@@ -1,15 +1,12 @@
-"""Stratified train/holdout split of the ILSVRC2012 train set.
-
-Selects exactly what the common recipe selects over torchvision's sample order (= sample_id)::
+"""Stratified train/holdout split of the train set: exactly what the common recipe selects
+over torchvision's sample order (= sample_id)::
 
     n = len(targets); n_valid = int(round(n * holdout_fraction)); n_train = n - n_valid
     train_idx, valid_idx = train_test_split(
         np.arange(n), train_size=n_train, test_size=n_valid,
         random_state=np.random.RandomState(seed), shuffle=True, stratify=targets)
 
-so a holdout made here can be compared with one made by any script using that recipe.
-Vectorised: 1.28M rows / 1000 classes take about a second.
-"""
+Vectorised: 1.28M rows / 1000 classes take about a second."""
 
 from __future__ import annotations
 
@@ -106,8 +103,7 @@ def stratified_split(
 
 
 def split_index(index_dir: Path, out_dir: Path, holdout_fraction: float, seed: int) -> None:
-    """The ``split`` stage: train.csv, holdout.csv, class_counts.csv and provenance in
-    ``out_dir`` from ``index_dir/train.csv``."""
+    """The ``split`` stage: train.csv, holdout.csv, class_counts.csv in ``out_dir``."""
     train = pd.read_csv(Path(index_dir) / "train.csv", keep_default_na=False)
     # The sample columns only: the location columns differ between input layouts (the same
     # images give the same split files in every layout: imagenet_ddp.data.layouts).
@@ -117,16 +113,8 @@ def split_index(index_dir: Path, out_dir: Path, holdout_fraction: float, seed: i
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv_atomic(out_dir / "train.csv", train_part)
     write_csv_atomic(out_dir / "holdout.csv", holdout)
-    counts = (
-        pd.DataFrame(
-            {
-                "train": train_part.groupby("class_index").size(),
-                "holdout": holdout.groupby("class_index").size(),
-            }
-        )
-        .fillna(0)
-        .astype(int)
-    )
+    sizes = {"train": train_part, "holdout": holdout}
+    counts = pd.DataFrame({k: v.groupby("class_index").size() for k, v in sizes.items()})
     write_csv_atomic(out_dir / "class_counts.csv", counts.reset_index())
     write_provenance(
         provenance_path(out_dir),

@@ -19,12 +19,8 @@ from imagenet_ddp.provenance import provenance_path, write_provenance
 
 
 def preflight_job(job: PreflightJob) -> int:
-    """Preflight ``job.run`` (its settings as the train rule passes them); 0 when it may go.
-
-    ``job.train_runtime_minutes``: the train rule's SLURM time limit (None: none, e.g.
-    locally); the projection counts the allocations of that length the run needs.
-    ``job.paths.checkpoint_root``: the run's checkpoint directory, whose write rate the
-    projection uses."""
+    """Preflight ``job.run`` (the train rule's settings); 0 when it may go. The projection
+    counts allocations of ``job.train_runtime_minutes`` (the train rule's limit; None: none)."""
     from imagenet_ddp.jobs.launch import run_staged
     from imagenet_ddp.jobs.launchers import resolve_launcher
 

@@ -1,20 +1,14 @@
-"""One rank of a preflight: placement, all-reduce, the run's training step and its loader.
-
-Started by the launcher like a training rank (``python -m imagenet_ddp.preflight.rank``), on
-the copy its host staged. It builds the run's model, DDP wrapper, optimizer and step with the
-training code itself (:func:`imagenet_ddp.training.worker.build_job`, :func:`.loop.train_step`),
-so what it times is what training will run. Rank 0 gathers every rank's figures and writes
-the report (:mod:`imagenet_ddp.preflight.report`).
-
-Budget (docs/preflight.md "Budget"): fixed step counts, whatever the data set; the
-loader reads a seeded sample of the staged copy. Only staging (the full copy, as training
-does) and ``torch.compile`` grow with the run.
-"""
+"""One rank of a preflight: placement, all-reduce, the run's training step, loader, holdout
+evaluation and checkpoint. Started like a training rank, on its host's staged copy, it builds the
+job with the training code itself (training.worker.build_job, loop.train_step), so it times
+what training runs; rank 0 writes the report (:mod:`imagenet_ddp.preflight.report`). Fixed step
+counts whatever the data set (docs/preflight.md "Budget")."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import resource
 import shutil
@@ -51,15 +45,12 @@ from imagenet_ddp.training.loop import train_step
 from imagenet_ddp.training.metrics import synchronize
 from imagenet_ddp.training.worker import build_job, seed_everything
 
-# Fixed step counts: the preflight's time does not grow with the data set.
 # The first warm-up step holds torch.compile; "timed" steps with DDP, then as many without
 # its all-reduce (a rank's own speed).
 MODEL_STEPS = {"warmup": 3, "timed": 10}
-# The loader in rounds of one batch per worker (workers 0: one batch): iter() hands every
-# worker prefetch_factor batches at once, so a fixed count of batches after a short warm-up
-# was decoded during the warm-up and times only the copy (with 12+ workers all of them).
-# The warm-up round ends when the slowest worker's first batch arrives; every worker then
-# stays busy (the queue refills as batches are taken), so the timed rounds are steady state.
+# The loader in rounds of one batch per worker: iter() hands each worker prefetch_factor batches
+# at once, so batches counted after a short warm-up were decoded during it. The warm-up round
+# ends at the slowest worker's first batch; then every worker stays busy: steady state.
 LOADER_ROUNDS = {"warmup": 1, "timed": 4}
 ALLREDUCE_OPS = {"warmup": 2, "timed": 5}
 EVAL_BATCHES = 8  # per rank: the holdout sample each evaluation pass reads
@@ -67,9 +58,8 @@ SIZE_FACTORS = (1 / 16, 1 / 4, 1, 2)  # all-reduce sizes around the run's gradie
 
 
 def placement(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> dict:
-    """Where this rank runs and which GPU it uses (on a GPU node) or would use (the test
-    cluster's fake GPUs: the visible GPU :func:`imagenet_ddp.jobs.distributed.select_device` chose,
-    as training would; a rank without a GPU of its own failed there, as training would)."""
+    """Where this rank runs and which GPU it uses, or would (fake GPUs: the one
+    distributed.select_device chose, as training would)."""
     visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
     record = {
         "rank": info.rank,
@@ -83,14 +73,11 @@ def placement(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> dict:
         "gpu": None,
         "gpu_name": None,
         "gpu_memory_gb": None,
-        "gpu_uuid": None,
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        record.update(
-            gpu=str(props.uuid), gpu_name=props.name, gpu_memory_gb=props.total_memory / 1e9,
-            gpu_uuid=str(props.uuid),
-        )  # fmt: skip
+        record.update(gpu=str(props.uuid), gpu_name=props.name,
+                      gpu_memory_gb=props.total_memory / 1e9)  # fmt: skip
     elif (cfg.gpus_per_node or 0) > 0:
         ids = visible or [str(i) for i in range(cfg.gpus_per_node)]
         if D.WOULD_SELECT:  # fake GPUs: select_device's choice
@@ -110,8 +97,7 @@ def _peak_memory_gb(device: torch.device) -> float:
 
 
 def _step_seconds(job, images, targets, steps: int) -> list[float]:
-    """Seconds of each of ``steps`` training steps (``accumulation`` micro-batches each), the
-    device synchronized after each."""
+    """Seconds of each of ``steps`` training steps, the device synchronized after each."""
     times = []
     for _ in range(steps):
         started = time.perf_counter()
@@ -122,16 +108,14 @@ def _step_seconds(job, images, targets, steps: int) -> list[float]:
 
 
 def _without_allreduce(job):
-    """DDP's no_sync(): the step without its gradient all-reduce, so a rank's own speed shows
-    (with it every rank waits for the slowest, and all report the same rate)."""
+    """DDP's no_sync(): without the all-reduce, which makes every rank wait for the slowest."""
     ddp = getattr(job.step_model, "_orig_mod", job.step_model)  # under torch.compile
     return ddp.no_sync() if isinstance(ddp, DistributedDataParallel) else contextlib.nullcontext()
 
 
 def model_step(job, cfg: TrainConfig, num_classes: int) -> dict:
-    """img/s of the run's training step on a fixed random batch (the loader untouched): the
-    DDP step (all-reduce included: what training runs) and the rank's compute alone; medians
-    of per-step times. torch.compile's time is the first step's excess over a steady one."""
+    """img/s (medians) of the run's step on a fixed random batch, with and without DDP's
+    all-reduce; torch.compile's time is the first step's excess over a steady one."""
     g = torch.Generator().manual_seed(cfg.seed)
     crop = cfg.crop_for_epoch(0)
     images = torch.randn(cfg.batch_size, 3, crop, crop, generator=g).to(job.device)
@@ -167,8 +151,8 @@ def _time_allreduce(numel: int, group, device: torch.device) -> float:
 
 
 def collectives(gradient_bytes: int, device: torch.device, hosts: list[str], rank: int) -> dict:
-    """This rank's seconds per all-reduce, per scope (``world``; ``intra_node``: its node's
-    ranks, when there are several nodes with several ranks each) and size in bytes."""
+    """This rank's seconds per all-reduce per scope (``world``; ``intra_node`` with several
+    multi-rank nodes) and size in bytes."""
     sizes = sorted({max(4, int(gradient_bytes * f)) // 4 * 4 for f in SIZE_FACTORS})
     if len(hosts) == 1:
         return {"world": {str(n): 0.0 for n in sizes}}  # one rank: nothing to reduce
@@ -186,8 +170,8 @@ def collectives(gradient_bytes: int, device: torch.device, hosts: list[str], ran
 
 
 class _Epochs(Sampler):
-    """``epochs`` epochs of ``sampler`` in one pass: one iter() of the loader, so no epoch
-    boundary (where the last batches run out of work for the workers) falls in the timing."""
+    """``epochs`` epochs of ``sampler`` in one iter() of the loader: no epoch boundary (where
+    workers run out of work) falls in the timing."""
 
     def __init__(self, sampler: EpochSampler, epochs: int):
         self.sampler, self.epochs = sampler, epochs
@@ -208,8 +192,7 @@ def loader_batches(workers: int) -> dict[str, int]:
 
 
 def preflight_loader(dataset, info: D.DistInfo, seed: int, batch_size: int, workers: int, pin):
-    """The run's DataLoader (:func:`train_loader`) over as many epochs of this rank's share
-    as the measurement takes."""
+    """The run's DataLoader over as many epochs of this rank's share as the timing takes."""
     sampler = EpochSampler(len(dataset), info.world_size, info.rank, seed, batch_size)
     if len(sampler) < batch_size:
         raise ValueError(
@@ -222,9 +205,8 @@ def preflight_loader(dataset, info: D.DistInfo, seed: int, batch_size: int, work
 
 
 def steady_loader_rate(loader, workers: int, batch_size: int, device) -> dict:
-    """img/s of ``loader`` once its pipeline is full (:data:`LOADER_ROUNDS`), each batch
-    copied to ``device`` as training does; start-up (the workers' fork and first round)
-    apart."""
+    """img/s of ``loader`` once its pipeline is full (:data:`LOADER_ROUNDS`), each batch copied
+    to ``device``; the start-up apart."""
     counts = loader_batches(workers)
     started = time.perf_counter()
     with stop_signals_blocked():  # workers are forked here; see imagenet_ddp.jobs.signals
@@ -248,10 +230,9 @@ def steady_loader_rate(loader, workers: int, batch_size: int, device) -> dict:
 
 
 def eval_rate(cfg: TrainConfig, job, holdout, info: D.DistInfo, workers: int, device) -> dict:
-    """img/s of this rank's holdout evaluation as training runs it (imagenet_ddp.training.loop):
-    a persistent loader of its shard, the run's model, a first pass to start the workers and
-    tune the kernels, then one whole pass timed, pipeline fill included (every evaluation of a
-    training run refills it). ``holdout``: a sample of the holdout, EVAL_BATCHES per rank."""
+    """img/s of this rank's holdout evaluation as training runs it: a persistent loader, a
+    first pass to start its workers, then a pass timed, pipeline fill included (every
+    evaluation refills it)."""
     loader = shard_loader(
         holdout,
         device=device,
@@ -275,9 +256,8 @@ def eval_rate(cfg: TrainConfig, job, holdout, info: D.DistInfo, workers: int, de
 
 
 def checkpoint_cost(job, directory: Path) -> dict:
-    """Rank 0: how long a checkpoint holds it (the ranks' RNG gather, the copy to the CPU) and
-    how long the background write of that copy takes into ``directory`` (the run's checkpoint
-    root, whose filesystem the checkpoints use); the file is removed. Collective."""
+    """Rank 0: how long a checkpoint holds it (RNG gather, CPU copy) and how long the
+    background write takes into ``directory`` (the checkpoints' filesystem). Collective."""
     began = time.perf_counter()
     state = job_state(job, 0, 0, None)
     if not job.info.is_main:
@@ -305,8 +285,7 @@ def checkpoint_cost(job, directory: Path) -> dict:
 
 
 def loader_rate(cfg: TrainConfig, base, info: D.DistInfo, workers: int, device) -> dict:
-    """img/s of this rank's DataLoader with the run's augmentation and workers, in steady
-    state (:func:`steady_loader_rate`)."""
+    """img/s of this rank's DataLoader with the run's augmentation and workers."""
     dataset = SeededAugmentation(base, recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
     try:
         loader = preflight_loader(
@@ -315,11 +294,6 @@ def loader_rate(cfg: TrainConfig, base, info: D.DistInfo, workers: int, device) 
     except ValueError as error:
         raise ValueError(f"run {cfg.run!r}: {error}") from None
     return steady_loader_rate(loader, workers, cfg.batch_size, device)
-
-
-def sample_ids(ids: list[int], world: int, batch: int, seed: int, workers: int) -> list[int]:
-    """A seeded sample of the training ids, enough for every rank's loader batches."""
-    return seeded_sample(ids, world * batch * (sum(loader_batches(workers).values()) + 1), seed)
 
 
 def seeded_sample(ids: list[int], wanted: int, seed: int) -> list[int]:
@@ -336,11 +310,10 @@ def measure(spec: PreflightJob, cfg: TrainConfig, info: D.DistInfo, device: torc
     paths = spec.paths
     split = paths.split_dir
     train_ids = read_ids(split / "train.csv")
-    base = create_dataset(
-        staged_copy(paths.run_dir, info.host),
-        sample_ids(train_ids, info.world_size, cfg.batch_size, cfg.seed, geometry.workers),
-        train=True,
-    )
+    batches = sum(loader_batches(geometry.workers).values()) + 1  # per rank
+    wanted = info.world_size * cfg.batch_size * batches
+    copy = staged_copy(paths.run_dir, info.host)
+    base = create_dataset(copy, seeded_sample(train_ids, wanted, cfg.seed), train=True)
     record = placement(cfg, info, device)
     hosts = [r["host"] for r in D.all_gather_objects({"host": info.host})]
     steps_per_epoch = max(1, len(train_ids) // info.world_size // cfg.batch_size)
@@ -353,7 +326,7 @@ def measure(spec: PreflightJob, cfg: TrainConfig, info: D.DistInfo, device: torc
     record.update(loader_rate(cfg, base, info, geometry.workers, device))
     holdout_ids = read_ids(split / "holdout.csv")
     holdout = create_dataset(
-        staged_copy(paths.run_dir, info.host),
+        copy,
         seeded_sample(holdout_ids, info.world_size * cfg.batch_size * EVAL_BATCHES, cfg.seed),
         eval_size=(cfg.eval_resize, cfg.eval_crop),
         interpolation=cfg.interpolation,
@@ -365,8 +338,6 @@ def measure(spec: PreflightJob, cfg: TrainConfig, info: D.DistInfo, device: torc
 
 
 def staging_reports(run_dir: Path) -> list[dict]:
-    import json
-
     return [json.loads(p.read_text()) for p in sorted((run_dir / STAGING_DIR).glob("*.json"))]
 
 

@@ -1,9 +1,6 @@
-"""The preflight's figures from what its ranks measured: per node, slowest against the median,
-the projection of the run, the problems that stop it, and the table in the rule's log.
-
-Torch-free and pure (dicts in, dicts out), so every definition is unit-tested without ranks.
-:mod:`imagenet_ddp.preflight.rank` measures; :mod:`imagenet_ddp.preflight.job` runs the job.
-"""
+"""The preflight's figures from what its ranks measured (:mod:`imagenet_ddp.preflight.rank`):
+per node, slowest against median, the run's projection, the problems that stop it, the log's
+table. Torch-free and pure (dicts in, dicts out): unit-tested without ranks."""
 
 from __future__ import annotations
 
@@ -13,26 +10,21 @@ from typing import Any
 
 from imagenet_ddp.settings import epoch_end
 from imagenet_ddp.settings.geometry import global_batch, world_size
-from imagenet_ddp.settings.kinds import declarations
 
-REPORT = "preflight.json"
 FAILED = "preflight.failed.json"  # the report of a preflight with problems (no preflight.json)
 
 STRAGGLER = 0.8  # a rank below this share of the median rank's rate is named as a straggler
-# A multi-node GPU job's all-reduce bus bandwidth below this is a network problem: NCCL over
-# TCP sockets gives a few GB/s, InfiniBand/RoCE tens to hundreds (nccl-tests on A100/H100).
+# A multi-node all-reduce bus bandwidth below this is NCCL over TCP sockets (a few GB/s), not
+# InfiniBand/RoCE (tens to hundreds: nccl-tests on A100/H100).
 MIN_INTERNODE_BUSBW_GBPS = 10.0
 NCCL_HINT = (
     "check NCCL_IB_HCA / NCCL_SOCKET_IFNAME / NCCL_NET_GDR_LEVEL, and that NCCL_DEBUG=INFO "
     "shows 'NET/IB' rather than 'NET/Socket'"
 )
-# Evaluation's forward pass is about a third of a training step's cost (forward + backward):
-# the estimate where a report has no measured evaluation rate.
-EVAL_COST_RATIO = 1 / 3
 
 
 def bus_bandwidth(algbw: float, world: int) -> float:
-    """nccl-tests' all-reduce bus bandwidth: algbw x 2(n-1)/n (the bytes each link carries)."""
+    """nccl-tests' all-reduce bus bandwidth: algbw x 2(n-1)/n."""
     return algbw * 2 * (world - 1) / world if world > 1 else 0.0
 
 
@@ -51,7 +43,7 @@ def allreduce_figures(nbytes: int, seconds_per_rank: list[float]) -> dict[str, A
 
 
 def spread(values: dict[int, float], hosts: dict[int, str]) -> dict[str, Any]:
-    """Median, slowest rank (with its host) and its share of the median, of a per-rank rate."""
+    """Median, slowest rank and host, and its share of the median, of a per-rank rate."""
     median = statistics.median(values.values())
     slowest = min(values, key=values.__getitem__)
     return {
@@ -72,9 +64,8 @@ def per_node(ranks: list[dict], key: str) -> dict[str, dict[str, float]]:
 
 
 def cpus_for_loader(loader_rate: float, workers: int, model_rate: float) -> int:
-    """cpus_per_task whose DataLoader workers (cpus - 1, as `workers: auto` gives) would feed
-    the model step, assuming the loader's rate grows with its workers (the main process
-    loads when there are none)."""
+    """cpus_per_task whose loader workers (cpus - 1: `workers: auto`) would feed the model step,
+    the loader's rate taken to grow with its workers."""
     per_worker = loader_rate / max(1, workers)
     if per_worker <= 0:
         return 0
@@ -84,15 +75,9 @@ def cpus_for_loader(loader_rate: float, workers: int, model_rate: float) -> int:
 def projection(
     run: dict[str, Any], rates: dict[str, float], sizes: dict[str, int], limits: dict[str, Any]
 ) -> dict[str, Any]:
-    """Epoch and total time of the run at the measured rates, its GPU-hours and allocations.
-
-    ``rates``: the slowest rank's model and loader img/s, its loader's workers (for
-    :func:`step_breakdown`, whose step sets the epoch), compile and staging seconds, and for
-    the epoch ends (:func:`epoch_end_figures`) its holdout evaluation img/s and rank 0's
-    checkpoint hold and write seconds; ``sizes``: train and holdout samples;
-    ``limits``: train_runtime_minutes (None: no limit).
-    A synchronous step waits for the slowest rank, and a rank for its loader.
-    """
+    """Epoch and total time of the run at the slowest rank's ``rates`` (a synchronous step
+    waits for it, and a rank for its loader), its GPU-hours and allocations. ``sizes``: train
+    and holdout samples; ``limits``: train_runtime_minutes (None: no limit), max_allocations."""
     world = world_size(run)
     step = step_breakdown(global_batch(run) // world, rates)
     steps = sizes["train"] // global_batch(run)  # optimizer steps (training.data.EpochSampler)
@@ -127,12 +112,9 @@ SERIAL_BASIS = "no overlap: workers 0, the training process loads each batch bet
 
 
 def step_breakdown(images_per_step: int, rates: dict[str, Any]) -> dict[str, Any]:
-    """The step-time breakdown training will record (training.step_timing's figures), per
-    optimizer step of ``images_per_step`` images a rank (batch_size x accumulation), from the
-    slowest rank's model and loader img/s: ``compute_ms`` is the model step's time (its
-    all-reduce included), ``data_wait_ms`` the loader's time beyond it (0 when the loader is
-    faster) while workers prefetch, all of the loader's time without workers
-    (``rates["workers"]`` 0); ``input_bound_pct`` the wait's share of the step."""
+    """The step-time breakdown training records (training.step_timing), per optimizer step of
+    ``images_per_step`` images a rank: compute (all-reduce included), and the loader's time
+    beyond it (all of it without workers) as the data wait."""
     overlap = rates.get("workers", 1) > 0
     compute = 1e3 * images_per_step / rates["model"]
     load = 1e3 * images_per_step / rates["loader"]
@@ -150,17 +132,15 @@ def step_breakdown(images_per_step: int, rates: dict[str, Any]) -> dict[str, Any
 def epoch_end_figures(
     run: dict[str, Any], rates: dict[str, float], holdout: int, epoch_seconds: float
 ) -> dict[str, Any]:
-    """The run's holdout evaluations and checkpoint holds (imagenet_ddp.settings.epoch_end), at the
-    measured rates; a report without them (an older rank) estimates the evaluation from the
-    step and counts no checkpoint time, and ``basis`` says so."""
-    measured = rates.get("eval") is not None
+    """The run's holdout evaluations and checkpoint holds (settings.epoch_end) at the measured
+    rates."""
     figures = epoch_end.projection(
         epochs=run["epochs"],
         eval_interval=run.get("eval_interval", "auto"),
         ema=run.get("ema_decay", 0.0) > 0,
         holdout_images=holdout,
         world=world_size(run),
-        eval_images_per_s=rates["eval"] if measured else rates["model"] / EVAL_COST_RATIO,
+        eval_images_per_s=rates["eval"],
         epoch_seconds=epoch_seconds,
         checkpoint_hold_seconds=rates.get("checkpoint_hold_seconds") or 0.0,
         checkpoint_write_seconds=rates.get("checkpoint_write_seconds") or 0.0,
@@ -168,30 +148,22 @@ def epoch_end_figures(
     figures["basis"] = (
         "measured: holdout evaluation img/s of the slowest rank (its loader and forward pass), "
         "rank 0's checkpoint hold and write to the checkpoint directory"
-        if measured
-        else "estimated: evaluation at 3x the step's img/s, checkpoints not counted"
     )
     return figures
 
 
 def allocations_needed(work_seconds: float, setup_seconds: float, runtime_minutes) -> int | None:
-    """Allocations of ``runtime_minutes`` (None: no limit) that ``work_seconds`` of training and
-    holdout need when each allocation first spends ``setup_seconds`` (staging, compile); None
-    when not even the set-up fits."""
+    """Allocations of ``runtime_minutes`` (None: no limit) for ``work_seconds``, each first
+    spending ``setup_seconds`` (staging, compile); None when not even the set-up fits."""
     if runtime_minutes is None:
         return 1
     usable = runtime_minutes * 60 - setup_seconds
     return math.ceil(work_seconds / usable) if usable > 0 else None
 
 
-def _not_bookkeeping(settings: dict[str, Any]) -> dict[str, Any]:
-    not_compared = declarations().not_compared()  # change neither the speed nor the work
-    return {k: v for k, v in settings.items() if k not in not_compared}
-
-
 def placement_problems(ranks: list[dict], gpus_per_node: int) -> list[str]:
     """Two ranks on one GPU, or a node's GPUs that no rank uses (``gpu``: the GPU a rank
-    computes on, or would on a GPU node: the one distributed.gpu_index picks)."""
+    computes on, or would: rank.placement)."""
     if gpus_per_node == 0:
         return []
     problems, users = [], {}
@@ -233,9 +205,8 @@ def speed_problems(report: dict[str, Any], run: dict[str, Any]) -> list[str]:
     """Stragglers, a starving loader, a slow network, too many allocations."""
     problems = []
     s = report["model"]["compute_spread"]  # without the all-reduce, where ranks differ
-    # GPU runs only: CPU ranks share cores with each other and the node's daemons, and their
-    # spread is chance (on the test cluster's 2 fake nodes on 2 cores: 82 % in one run, below
-    # 80 % in the next, which failed CI), not a slow node.
+    # GPU runs only: CPU ranks share cores with each other and the node's daemons (the test
+    # cluster's spread was 82 % in one run, below 80 % in the next): chance, not a slow node.
     cuda = report["device_type"] == "cuda"
     if cuda and s["slowest_over_median"] is not None and s["slowest_over_median"] < STRAGGLER:
         problems.append(
@@ -335,8 +306,7 @@ def build_report(
     run: dict[str, Any], ranks: list[dict], collectives: dict[str, Any], staging: list[dict],
     sizes: dict[str, int], limits: dict[str, Any],
 ) -> dict[str, Any]:  # fmt: skip
-    """preflight.json: every rank's figures, per node, slowest against median, projection
-    and problems (``collectives``: gradient_bytes and per size {scope: allreduce_figures})."""
+    """preflight.json (``collectives``: :func:`collective_figures`)."""
     hosts = {r["rank"]: r["host"] for r in ranks}
     model = {r["rank"]: r["model_images_per_s"] for r in ranks}
     loader = {r["rank"]: r["loader_images_per_s"] for r in ranks}
@@ -383,12 +353,10 @@ def build_report(
 
 
 def epoch_end_rates(ranks: list[dict]) -> dict[str, float | None]:
-    """The slowest rank's holdout evaluation img/s, rank 0's checkpoint hold and write seconds
-    (None where the ranks did not measure them)."""
-    evals = [r["eval_images_per_s"] for r in ranks if r.get("eval_images_per_s")]
+    """The slowest rank's holdout evaluation img/s, rank 0's checkpoint hold and write seconds."""
     main = next(r for r in ranks if r["rank"] == 0)
     return {
-        "eval": min(evals) if evals else None,
+        "eval": min(r["eval_images_per_s"] for r in ranks),
         "checkpoint_hold_seconds": main.get("checkpoint_hold_seconds"),
         "checkpoint_write_seconds": main.get("checkpoint_write_seconds"),
     }
@@ -411,15 +379,14 @@ def _nodes(ranks: list[dict], staging: list[dict]) -> dict[str, dict]:
                 "in_place": s.get("in_place"),  # local launcher: read where it is, no copy
                 # A reused copy (or none) measured no copy: its rate is unknown, not zero.
                 "gb_per_s": None if s["reused"] or s.get("in_place") else s["bytes_per_s"] / 1e9,
-                "projected_full_copy_seconds": s["seconds"],
             },
         }
     return out
 
 
 def collective_figures(ranks: list[dict], gradient_bytes: int) -> dict[str, Any]:
-    """Per size: ``world`` (all ranks) and, with several multi-rank nodes, ``intra_node`` (the
-    node whose all-reduce is slowest, named) from every rank's seconds per operation."""
+    """Per size: ``world`` and, with several multi-rank nodes, ``intra_node`` (the slowest
+    node's, named), from every rank's seconds per operation."""
     seconds = [r["allreduce_seconds"] for r in ranks]
     sizes = []
     for nbytes in sorted(int(n) for n in seconds[0]["world"]):

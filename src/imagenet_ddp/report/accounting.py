@@ -1,20 +1,8 @@
-"""SLURM's own accounting of each run's training job, read with ``sacct`` after the job ended.
-
-Rank 0 records the job ids of every allocation of the run in ``train_metrics.json``
-(``cost.slurm_job_ids``, :mod:`imagenet_ddp.jobs.attempts`); the workflow's ``accounting`` rule
-runs after every training job and asks ``sacct`` once for all of them, and sums each run's:
-state, exit code, elapsed time, allocated TRES (CPUs, memory, GPUs, nodes), CPU time and the
-largest MaxRSS of any step (where the cluster gathers it: ``JobAcctGatherType``). From TRES
-and elapsed time it derives the allocation's GPU-hours and core-hours: what SLURM bills, staging
-and launcher start-up included, unlike the training wall time of ``train_metrics.json``.
-
-``sacct`` can hang for ever where slurmdbd is down or missing (docs/slurm-notes.md, section 2):
-it runs with a timeout, and a run without an answer gets ``available: false`` and the reason,
-as does a run that did not train in a SLURM job. Accounting never fails the workflow.
-
-Usage (the rule): ``imagenet-ddp accounting --run-dirs DIR...`` writes
-``<run dir>/accounting.json`` for every run.
-"""
+"""SLURM's own accounting of each run's training jobs, read with ``sacct`` after they ended
+(the ``accounting`` rule: ``<run dir>/accounting.json``): per run, over every allocation
+``cost.slurm_job_ids`` names, state, elapsed time, TRES, CPU time, the largest MaxRSS, and the
+GPU- and core-hours SLURM bills. ``sacct`` hangs where slurmdbd is down: it runs with a timeout,
+and a run without an answer gets ``available: false`` and why. It never fails the workflow."""
 
 from __future__ import annotations
 
@@ -27,8 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from imagenet_ddp.io import write_json_atomic
-
-__all__ = ["FIELDS", "parse_sacct", "query_sacct", "run_accounting"]
 
 FIELDS = (
     "JobIDRaw",
@@ -65,7 +51,7 @@ def _tres(value: str) -> dict[str, str]:
 
 def parse_sacct(text: str) -> dict[str, dict[str, Any]]:
     """``sacct --parsable2 --noheader --format=<FIELDS>`` output: one record per job id, its
-    steps folded in (largest MaxRSS, the allocation line's state, TRES and elapsed time)."""
+    steps folded in."""
     jobs: dict[str, dict[str, Any]] = {}
     for line in text.splitlines():
         parts = line.split("|")
@@ -117,16 +103,14 @@ def query_sacct(
 
 
 def job_ids_of(cost: dict[str, Any] | None) -> list[str]:
-    """Every SLURM job the run trained in (``cost.slurm_job_ids``, one per allocation;
-    files from before list only ``slurm_job_id``, the last)."""
+    """Every SLURM job the run trained in (files from before name only the last)."""
     cost = cost or {}
     ids = cost.get("slurm_job_ids") or [cost.get("slurm_job_id")]
     return [str(j) for j in ids if j]
 
 
 def summed(jobs: list[dict[str, Any]]) -> dict[str, Any]:
-    """A run's record over its jobs: the last job's state and exit code; elapsed time,
-    GPU-/core-hours and CPU time summed; the largest MaxRSS; every job under ``jobs``."""
+    """A run's record over its jobs: the last one's state; times summed; the largest MaxRSS."""
     last = jobs[-1]
 
     def total(key):
@@ -148,8 +132,7 @@ def summed(jobs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_accounting(run_dirs: list[Path], **query) -> dict[Path, dict[str, Any]]:
-    """Each run's accounting record over all its jobs, or ``available: false`` with the
-    reason."""
+    """Each run's accounting record, or ``available: false`` with the reason."""
     job_ids = {}
     for run_dir in run_dirs:
         metrics = json.loads((run_dir / "train_metrics.json").read_text())
@@ -172,10 +155,8 @@ def run_accounting(run_dirs: list[Path], **query) -> dict[Path, dict[str, Any]]:
     return out
 
 
-def write_accounting(
-    run_dirs: list[Path], *, timeout: float = TIMEOUT_SECONDS, out_name: str = "accounting.json"
-) -> None:
+def write_accounting(run_dirs: list[Path]) -> None:
     """``<run dir>/accounting.json`` of every run (``imagenet-ddp accounting``, the rule)."""
-    for run_dir, record in run_accounting(run_dirs, timeout=timeout).items():
-        write_json_atomic(run_dir / out_name, record)
+    for run_dir, record in run_accounting(run_dirs).items():
+        write_json_atomic(run_dir / "accounting.json", record)
         print(f"{run_dir}: {record.get('state') or record.get('reason')}", flush=True)

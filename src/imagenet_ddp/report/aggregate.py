@@ -1,9 +1,7 @@
-"""One table across all runs: throughput, scaling, staging, accuracy, provenance.
+"""One table across all runs: throughput, scaling, staging, accuracy, cost, provenance.
 
-Scaling efficiency compares only like with like: runs are grouped by their settings minus the
-geometry (:func:`scaling_key`), and within a group each run's steady-state per-rank
-throughput is divided by that of the group's smallest run.
-"""
+Scaling efficiency compares like with like: within a group of runs whose settings differ only in
+geometry (:func:`scaling_key`), steady per-rank throughput over the group's smallest run's."""
 
 from __future__ import annotations
 
@@ -22,106 +20,47 @@ from imagenet_ddp.settings.kinds import declarations
 from imagenet_ddp.settings.presets import REPORTED_MODEL, REPORTED_TOP1
 from imagenet_ddp.training.metrics import loss_spike
 
-# What a run cost (imagenet_ddp.monitoring.cost, imagenet_ddp.monitoring.telemetry,
-# imagenet_ddp.report.accounting); empty
-# where not measured (no GPU, no SLURM, files from before), never zero. docs/results.md "Cost
-# and efficiency" says what each includes.
+# What a run cost (monitoring.cost, monitoring.telemetry, report.accounting); empty where not
+# measured, never zero. docs/results.md "Cost and efficiency" says what each includes.
 COST_COLUMNS = [
-    "allocations",
-    "gpu_hours",
-    "core_hours",
-    "gpu_hours_lost",
-    "core_hours_lost",
-    "gpu_hours_per_epoch",
-    "core_hours_per_epoch",
-    "gpu_utilization_percent",
-    "gpu_peak_memory_gb",
-    "gpu_power_watts",
-    "energy_kwh",
-    "energy_wh_per_1k_images",
-    "slurm_job_id",
-    "slurm_state",
-    "slurm_elapsed_seconds",
-    "slurm_gpu_hours",
-    "slurm_core_hours",
-    "slurm_max_rss_gb",
-]
+    "allocations", "gpu_hours", "core_hours", "gpu_hours_lost", "core_hours_lost",
+    "gpu_hours_per_epoch", "core_hours_per_epoch", "gpu_utilization_percent", "gpu_peak_memory_gb",
+    "gpu_power_watts", "energy_kwh", "energy_wh_per_1k_images", "slurm_job_id", "slurm_state",
+    "slurm_elapsed_seconds", "slurm_gpu_hours", "slurm_core_hours", "slurm_max_rss_gb",
+]  # fmt: skip
 
-# What the run's preflight (imagenet_ddp.preflight.job) projected, beside what training measured
-# (mean_epoch_seconds, images_per_s, wall_seconds, compute_ms, input_bound_pct); empty for a
-# run without a preflight, and the breakdown's for a preflight.json written before it.
+# What the run's preflight projected, beside what training measured; empty without one.
 PREFLIGHT_COLUMNS = [
-    "preflight_epoch_seconds",
-    "preflight_images_per_s",
-    "preflight_total_seconds",
-    "preflight_allocations",
-    "preflight_busbw_gbps",
-    "preflight_loader_over_model",
-    "preflight_compute_ms",
-    "preflight_input_bound_pct",
-    "epoch_seconds_over_preflight",
-]
+    "preflight_epoch_seconds", "preflight_images_per_s", "preflight_total_seconds",
+    "preflight_allocations", "preflight_busbw_gbps", "preflight_loader_over_model",
+    "preflight_compute_ms", "preflight_input_bound_pct", "epoch_seconds_over_preflight",
+]  # fmt: skip
 
-# The EMA model's accuracy (runs with ema_decay > 0; empty otherwise), and what the run's
-# preset's source published: its top-1 (a fraction, as test_top1) and which of this table's
-# columns it is to be compared with (test_top1, or test_top1_ema where the source reports its
-# EMA model: presets.REPORTED_MODEL). Empty for a run without a preset.
-# The step-time breakdown's headline figures (medians over epochs of train_metrics.json); NaN
-# for a run trained before it, or (mfu_pct) on CPU or a GPU without a known peak;
-# flops_per_image: the model's at the last epoch's crop (any model: imagenet_ddp.models).
+# The step-time breakdown's medians over epochs; mfu_pct NaN on CPU or a GPU of unknown peak.
 BREAKDOWN_COLUMNS = ["data_wait_ms", "compute_ms", "input_bound_pct", "flops_per_image", "mfu_pct"]
 
+# The EMA model's accuracy (empty without ema_decay), and the run's preset's published top-1
+# (a fraction) with the column it compares with (presets.REPORTED_MODEL).
 EMA_COLUMNS = [
-    "holdout_top1_ema",
-    "holdout_top5_ema",
-    "test_top1_ema",
-    "test_top5_ema",
-    "published_top1",
+    "holdout_top1_ema", "holdout_top5_ema", "test_top1_ema", "test_top5_ema", "published_top1",
     "published_compare_with",
-]
+]  # fmt: skip
 
 COLUMNS = [
-    "run",
-    "model",
-    "nodes",
-    "world_size",
-    "gpus",
-    "gpu_type",
-    "global_batch",
-    "shape",
-    "allocation_shapes",
-    "throughput_by_shape",
-    "precision",
-    "epochs",
-    "diverged",
-    "loss_spike",
-    "staging_seconds",
-    "staging_gb_per_s",
-    "mean_epoch_seconds",
-    "epoch_end_share",
-    "images_per_s",
-    "images_per_s_per_rank",
-    "throughput_warmup_steps",
-    "steady_images_per_s",
+    "run", "model", "nodes", "world_size", "gpus", "gpu_type", "global_batch", "shape",
+    "allocation_shapes", "throughput_by_shape", "precision", "epochs", "diverged", "loss_spike",
+    "staging_seconds", "staging_gb_per_s", "mean_epoch_seconds", "epoch_end_share", "images_per_s",
+    "images_per_s_per_rank", "throughput_warmup_steps", "steady_images_per_s",
     "steady_images_per_s_per_rank",
     *BREAKDOWN_COLUMNS,
-    "scaling_efficiency",
-    "scaling_baseline",
-    "scaling_note",
-    "scaling_group",
-    "holdout_top1",
-    "holdout_top5",
-    "test_top1",
-    "test_top5",
+    "scaling_efficiency", "scaling_baseline", "scaling_note", "scaling_group", "holdout_top1",
+    "holdout_top5", "test_top1", "test_top5",
     *EMA_COLUMNS,
     "wall_seconds",
     *PREFLIGHT_COLUMNS,
     *COST_COLUMNS,
-    "git_commit",
-    "code_changed",
-    "code_versions",
-    "trained_by_other_code",
-]
+    "git_commit", "code_changed", "code_versions", "trained_by_other_code",
+]  # fmt: skip
 
 
 # Counts that may be unknown (a run from before they were kept): integers, empty where unknown.
@@ -143,18 +82,10 @@ def _canonical(value: Any) -> Any:
 
 
 def scaling_key(config: dict[str, Any]) -> str:
-    """The scaling group of a run's config: runs with equal keys differ only in geometry.
-
-    GPUs enter as GPUs per rank, not per node: 1 rank on 1 GPU and 8 ranks on 8 GPUs of a node
-    are the same per-rank setup at two scales (one GPU each), which is what scaling compares.
-    The GPU type is a setting like the others (an A100 run is never an H100 run's baseline);
-    unset (files from before it existed) is the same as "" (any type).
-    """
-    # What may differ inside a group: the geometry being scaled (WORLD_KEYS), and the settings
-    # whose kind is not compared (the run's name, bookkeeping; `preflight`: recorded, always
-    # false, by versions whose TrainConfig had it). Everything else must be identical.
-    # A setting at its x-earlier value is left out: a run recorded before it existed (no such
-    # key) and the same run recorded after are one group.
+    """The scaling group of a run's config: runs with equal keys differ only in geometry
+    (WORLD_KEYS) and in settings not compared (name, bookkeeping). GPUs enter per rank (1 rank
+    on 1 GPU and 8 on 8 are one per-rank setup at two scales); gpu_type unset or "" is any
+    type; a setting at its x-earlier value is left out (recorded before it existed or not)."""
     decl = declarations()
     ignore = {*WORLD_KEYS, *decl.not_compared()}
     kept = decl.without_earlier_values({k: v for k, v in config.items() if k not in ignore})
@@ -199,7 +130,7 @@ def _float(value: Any) -> float:
     return float("nan") if value is None else float(value)
 
 
-def run_row(run_dir: Path) -> dict[str, Any]:
+def run_row(run_dir: Path, version: str = __version__) -> dict[str, Any]:
     """Collect one run's numbers from the files its train/evaluate rules wrote."""
     train = json.loads((run_dir / "train_metrics.json").read_text())
     evaluation = json.loads((run_dir / "eval.json").read_text())
@@ -253,7 +184,14 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         **cost_row(train.get("cost"), _read_optional(run_dir / "accounting.json")),
         "git_commit": provenance["code"].get("git_commit", "unknown"),
         **code_row(train.get("cost")),
+        # No rule reruns a finished training for a code change: the table says so instead.
+        "trained_by_other_code": _other_version(provenance, version),
     }
+
+
+def _other_version(provenance: dict[str, Any], version: str) -> bool | None:
+    recorded = (provenance.get("code") or {}).get("package_version")
+    return None if recorded is None else recorded != version
 
 
 def diverged_cell(diverged: dict[str, Any] | None) -> str:
@@ -406,26 +344,15 @@ def add_scaling(table: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-def other_training_code(run_dir: Path, version: str = __version__) -> bool | None:
-    """Whether the run's model was trained by another package version than ``version`` (this
-    one's): no rule reruns a finished training for a code change, the table says so instead.
-    None: unknown (no version recorded)."""
-    provenance = json.loads(provenance_path(run_dir / "model.pt").read_text())
-    recorded = (provenance.get("code") or {}).get("package_version")
-    return None if recorded is None else recorded != version
-
-
 def aggregate_runs(run_dirs: list[Path]) -> pd.DataFrame:
-    rows = [{**run_row(d), "trained_by_other_code": other_training_code(d)} for d in run_dirs]
-    table = add_scaling(pd.DataFrame(rows))
+    table = add_scaling(pd.DataFrame([run_row(d) for d in run_dirs]))
     for column in INTEGER_COLUMNS:  # counts: 3, not 3.0; empty where unknown
         table[column] = table[column].astype("Int64")
     return table[COLUMNS].sort_values(["scaling_group", "world_size", "run"]).reset_index(drop=True)
 
 
-# runs.md: the figures a person compares first, as (heading, alignment, how to show a row),
-# numbers right-aligned. Every other figure stays in runs.csv and the HTML report; the note
-# under the table says so.
+# runs.md: the figures a person compares first, as (heading, alignment, how to show a row);
+# every other figure stays in runs.csv and the HTML report.
 def _percent(value: Any) -> str:
     return "" if pd.isna(value) else f"{100 * value:.1f} %"
 
@@ -444,12 +371,9 @@ def _shapes(row: pd.Series) -> str:
     return mine + "".join(f" (+ {s})" for s in others)
 
 
-def _code_changed(row: pd.Series) -> bool:
-    return not pd.isna(row["code_changed"]) and bool(row["code_changed"])
-
-
-def _other_code(row: pd.Series) -> bool:
-    return not pd.isna(row["trained_by_other_code"]) and bool(row["trained_by_other_code"])
+def _flag(row: pd.Series, column: str) -> bool:
+    """A yes/no column that may be unknown (empty)."""
+    return not pd.isna(row[column]) and bool(row[column])
 
 
 def _efficiency(row: pd.Series) -> str:
@@ -482,8 +406,8 @@ SHORT_COLUMNS: list[tuple[str, str, Any]] = [
         "left",
         lambda row: (
             row["run"]
-            + (" *" if _code_changed(row) else "")
-            + (" †" if _other_code(row) else "")
+            + (" *" if _flag(row, "code_changed") else "")
+            + (" †" if _flag(row, "trained_by_other_code") else "")
             + (" (diverged)" if row["diverged"] else "")
             + (" (loss spike)" if row.get("loss_spike") else "")
         ),
@@ -520,8 +444,7 @@ OTHER_CODE = (
     'training; docs/configuration.md "Code changes" says how to retrain one): '
 )
 
-# What each column of runs.md is, what it includes and why a cell may be empty or 0: under the
-# table, for a reader who has not read docs/results.md.
+# What each column of runs.md is and why a cell may be empty or 0, under the table.
 LEGEND = [
     ("run", "its name in config.yaml; a mark after it (\\*, †, diverged, loss spike) is "
      "explained above"),
@@ -569,24 +492,20 @@ def to_markdown(table: pd.DataFrame) -> str:
     align = [side for _, side, _ in SHORT_COLUMNS]
     short = pd.DataFrame(rows, columns=headings, dtype=object)
     text = short.to_markdown(index=False, disable_numparse=True, colalign=align)
-    changed = [row for _, row in table.iterrows() if _code_changed(row)]
-    if changed:
-        text += (
-            "\n\n"
-            + CODE_CHANGED
-            + ", ".join(f"{row['run']} ({row['code_versions']})" for row in changed)
-        )
-    other = [row["run"] for _, row in table.iterrows() if _other_code(row)]
-    if other:
-        text += "\n\n" + OTHER_CODE + ", ".join(other)
-    diverged = [row for _, row in table.iterrows() if row["diverged"]]
-    if diverged:
-        text += "\n\n" + DIVERGED_NOTE + "; ".join(f"{r['run']}: {r['diverged']}" for r in diverged)
-    spiked = [row for _, row in table.iterrows() if row.get("loss_spike")]
-    if spiked:
-        text += (
-            "\n\n" + LOSS_SPIKE_NOTE + "; ".join(f"{r['run']}: {r['loss_spike']}" for r in spiked)
-        )
+    rows = [row for _, row in table.iterrows()]
+    notes = (  # (note, the runs it names, how it names one, separator)
+        (CODE_CHANGED, [r for r in rows if _flag(r, "code_changed")],
+         lambda r: f"{r['run']} ({r['code_versions']})", ", "),
+        (OTHER_CODE, [r for r in rows if _flag(r, "trained_by_other_code")],
+         lambda r: r["run"], ", "),
+        (DIVERGED_NOTE, [r for r in rows if r["diverged"]],
+         lambda r: f"{r['run']}: {r['diverged']}", "; "),
+        (LOSS_SPIKE_NOTE, [r for r in rows if r.get("loss_spike")],
+         lambda r: f"{r['run']}: {r['loss_spike']}", "; "),
+    )  # fmt: skip
+    for note, named, show, separator in notes:
+        if named:
+            text += "\n\n" + note + separator.join(map(show, named))
     legend = "\n".join(f"- {heading}: {text}" for heading, text in LEGEND)
     return text + "\n\nColumns:\n\n" + legend + "\n\n" + MORE_FIGURES + "\n"
 

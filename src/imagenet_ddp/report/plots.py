@@ -1,18 +1,11 @@
-"""Figures for the report: scaling (throughput, efficiency), training curves, per-class accuracy.
-
-Inputs are the aggregate table (``results/aggregate/runs.csv``) and each run's ``history.csv``
-and ``per_class.csv``. Every figure is written atomically; the format follows the output's
-suffix (``.png`` or ``.svg``), and reruns on the same inputs write byte-identical files.
-
-    imagenet-ddp plots --runs-csv results/aggregate/runs.csv \\
-        --run-dirs results/runs/a results/runs/b \\
-        --throughput t.png --efficiency e.png --curves c.png --per-class p.png
-"""
+"""Figures for the report: scaling (throughput, efficiency), training curves, per-class accuracy,
+cost. From the aggregate table (runs.csv) and each run's history.csv and per_class.csv; written
+atomically as .png or .svg (the output's suffix), byte-identical for the same inputs."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
@@ -36,11 +29,12 @@ from matplotlib.ticker import (  # noqa: E402
 from imagenet_ddp.errors import InputError  # noqa: E402
 from imagenet_ddp.io import atomic_path  # noqa: E402
 
-RUNS_COLUMNS = ["run", "model", "world_size", "images_per_s", "images_per_s_per_rank"]
-# Tables written before 2026-11-24 named the rank count "workers" (the loader's setting's name).
-EARLIER_NAMES = {"world_size": "workers", "images_per_s_per_rank": "images_per_s_per_worker"}
-# Written by aggregate.py since scaling compares only runs of identical settings.
-SCALING_COLUMNS = [
+RUNS_COLUMNS = [
+    "run",
+    "model",
+    "world_size",
+    "images_per_s",
+    "images_per_s_per_rank",
     "steady_images_per_s",
     "steady_images_per_s_per_rank",
     "scaling_efficiency",
@@ -49,7 +43,7 @@ SCALING_COLUMNS = [
 ]
 TEXT_COLUMNS = ("run", "model", "class_index", "scaling_group", "scaling_baseline")
 HISTORY_COLUMNS = ["epoch", "train_loss", "holdout_loss", "train_top1", "holdout_top1"]
-# Written by aggregate.py since cost is measured; absent in older tables (plotted as missing).
+# Absent in tables from before cost was measured: plotted as missing.
 COST_PLOT_COLUMNS = ["gpu_hours_per_epoch", "core_hours_per_epoch", "energy_wh_per_1k_images"]
 PER_CLASS_COLUMNS = ["class_index", "test_top1", "test_total"]
 
@@ -76,16 +70,11 @@ METADATA = {
 SUPPORTED_SUFFIXES = tuple(METADATA)
 
 
-# --------------------------------------------------------------------------------- inputs
 def _read_csv(
-    path: Path,
-    required: Sequence[str],
-    what: str,
-    earlier: Mapping[str, str] | None = None,
-    empty: bool = False,
+    path: Path, required: Sequence[str], what: str, fix: str, empty: bool = False
 ) -> pd.DataFrame:
-    """``path`` as a frame with the ``required`` columns; ``earlier`` maps a column to the name
-    an earlier version wrote it under, so that such a table is refused with its fix."""
+    """``path`` as a frame with the ``required`` columns (numeric but TEXT_COLUMNS); ``fix``:
+    what to do where it lacks some."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: {what} not found; run the rule that writes it first")
@@ -94,17 +83,8 @@ def _read_csv(
     except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: cannot read {what} as CSV ({exc})") from exc
     missing = [c for c in required if c not in frame.columns]
-    renamed = [(earlier or {}).get(c) for c in missing]
-    if any(name in frame.columns for name in renamed):
-        raise InputError(
-            f"{path}: {what} has the earlier column names ({', '.join(filter(None, renamed))}); "
-            "rewrite it with `snakemake --forcerun aggregate`"
-        )
     if missing:
-        raise InputError(
-            f"{path}: {what} lacks column(s) {', '.join(missing)} "
-            f"(has: {', '.join(map(str, frame.columns)) or 'none'})"
-        )
+        raise InputError(f"{path}: {what} lacks column(s) {', '.join(missing)}; {fix}")
     if frame.empty and not empty:
         raise InputError(f"{path}: {what} has no rows")
     _numeric(frame, [c for c in required if c not in TEXT_COLUMNS], path)
@@ -125,28 +105,13 @@ def _numeric(frame: pd.DataFrame, columns: Sequence[str], path: Path) -> None:
 
 def read_runs(path: Path) -> pd.DataFrame:
     """The aggregate table, with the scaling groups and baselines aggregate.py assigned."""
-    table = _read_csv(path, RUNS_COLUMNS, "aggregate runs table", EARLIER_NAMES)
-    missing = [c for c in SCALING_COLUMNS if c not in table.columns]
-    if missing:
-        # Refuse rather than guess: grouping by model alone compared fp32 with bf16 runs.
-        raise InputError(
-            f"{path}: aggregate runs table lacks column(s) {', '.join(missing)}: it predates "
-            "scaling groups; rewrite it with `snakemake --forcerun aggregate`"
-        )
-    _numeric(table, [c for c in SCALING_COLUMNS if c not in TEXT_COLUMNS], path)
-    # empty: the run is its own group's baseline (tables before 2026-11-27 named the run itself)
+    fix = "rewrite it with `snakemake --forcerun aggregate`"
+    table = _read_csv(path, RUNS_COLUMNS, "aggregate runs table", fix)
+    # empty: the run is its own group's baseline
     base = table["scaling_baseline"]  # all empty: read as float
     table["scaling_baseline"] = base.astype(object).where(base.notna(), table["run"])
     for column in ("run", "model", "scaling_group", "scaling_baseline"):
-        if table[column].isna().any():
-            raise InputError(
-                f"{path}: column {column!r} is empty in row {_first(table[column].isna())}"
-            )
         table[column] = table[column].astype(str)
-    if table["run"].duplicated().any():
-        raise InputError(f"{path}: run {table['run'][table['run'].duplicated()].iloc[0]!r} twice")
-    if (table["world_size"] < 1).any():
-        raise InputError(f"{path}: 'world_size' must be >= 1 in every row")
     group_of = table.set_index("run")["scaling_group"]
     orphan = ~table["scaling_baseline"].map(group_of).eq(table["scaling_group"])
     if orphan.any():
@@ -168,10 +133,9 @@ def read_run_dir(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     # A run the divergence guard stopped in its first epoch has no epoch row (no curve).
     metrics = run_dir / "train_metrics.json"
     diverged = metrics.is_file() and bool(json.loads(metrics.read_text()).get("diverged"))
-    history = _read_csv(
-        run_dir / "history.csv", HISTORY_COLUMNS, "training history", empty=diverged
-    )
-    per_class = _read_csv(run_dir / "per_class.csv", PER_CLASS_COLUMNS, "per-class accuracy")
+    fix = "rerun the rule that writes it"
+    history = _read_csv(run_dir / "history.csv", HISTORY_COLUMNS, "training history", fix, diverged)
+    per_class = _read_csv(run_dir / "per_class.csv", PER_CLASS_COLUMNS, "per-class accuracy", fix)
     return history.sort_values("epoch"), per_class
 
 
@@ -185,12 +149,8 @@ def _groups(table: pd.DataFrame) -> list[tuple[str, pd.DataFrame, pd.Series]]:
     return groups
 
 
-# -------------------------------------------------------------------------------- helpers
 def _save(fig: Figure, path: Path) -> None:
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix not in METADATA:
-        raise InputError(f"{path}: unsupported figure format; use one of {SUPPORTED_SUFFIXES}")
+    suffix = Path(path).suffix.lower()  # checked by make_plots
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format=suffix[1:], metadata=METADATA[suffix], bbox_inches="tight")
     plt.close(fig)
@@ -235,8 +195,6 @@ def _label_points(ax, table: pd.DataFrame, y: str) -> None:
         )
 
 
-# -------------------------------------------------------------------------------- figures
-# Line styles shared by the figures and their style legends.
 STEADY = {"linestyle": "-", "marker": "o"}
 END_TO_END = {"linestyle": ":", "marker": "o", "markerfacecolor": "none", "alpha": 0.8}
 IDEAL = {"linestyle": "--", "alpha": 0.7}
@@ -561,7 +519,6 @@ def plot_cost(table: pd.DataFrame, out: Path) -> None:
         _save(fig, out)
 
 
-# ------------------------------------------------------------------------------------ CLI
 def make_plots(
     runs_csv: Path,
     run_dirs: Sequence[Path],

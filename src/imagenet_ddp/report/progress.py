@@ -1,17 +1,7 @@
-"""The runs so far: the table of the runs that finished, and a row for every other run.
-
-``aggregate`` waits for every run; a study of days wants its table as runs finish. This reads
-what each run has written so far and needs no other run: a finished run (trained and
-evaluated) gets its full row (:func:`imagenet_ddp.report.aggregate.run_row`, scaling among the
-finished ones); a run still training its last epoch, throughput and an ETA from
-``<run dir>/progress.json`` (rank 0 writes it after each epoch:
-:mod:`imagenet_ddp.monitoring.monitor`) and its total epochs from the job's spec; a failed run
-the outcome and first error of its last attempt (``attempts.json`` beside its checkpoints,
-:mod:`imagenet_ddp.jobs.attempts`); a run not started yet says so.
-
-Usage (the ``progress`` rule; ``snakemake progress``, also while the workflow runs):
-``imagenet-ddp progress --run-dirs DIR... --checkpoint-roots DIR... --csv F --markdown F``.
-"""
+"""The runs so far (the ``progress`` rule, also while the workflow runs): a finished run's full
+row (:func:`imagenet_ddp.report.aggregate.run_row`), and for every other run its state from
+what it has written: epochs, throughput and ETA from ``progress.json``, the outcome and first
+error of its last attempt (``attempts.json``), or not started."""
 
 from __future__ import annotations
 
@@ -56,8 +46,7 @@ def _last_attempt(checkpoint_root: Path) -> dict[str, Any] | None:
 
 
 def _training(run_dir: Path) -> dict[str, Any]:
-    """Epochs done, the last epoch's throughput and the ETA of the remaining epochs at the
-    last epoch's pace (its training, holdout evaluation and checkpoint)."""
+    """Epochs done, the last epoch's throughput, and the ETA at its pace (epoch end included)."""
     progress = _read(run_dir / PROGRESS) or {}
     spec = _read(run_dir / TRAIN_SPEC) or {}
     epochs = (spec.get("run") or {}).get("epochs")
@@ -74,8 +63,7 @@ def _training(run_dir: Path) -> dict[str, Any]:
 
 
 def run_state(run: str, run_dir: Path, checkpoint_root: Path, now: float) -> dict[str, Any]:
-    """A row for a run that has not finished: its state from its last attempt, and the worst
-    loss spike of its epochs so far (training.metrics.loss_spike, kept in progress.json)."""
+    """A row for a run that has not finished: its last attempt's state, its worst loss spike."""
     row = _state(run, run_dir, checkpoint_root, now)
     spike = (_read(run_dir / PROGRESS) or {}).get("loss_spike")
     return {**row, "note": "; ".join(p for p in (row["note"], spike) if p)}
@@ -149,8 +137,7 @@ def write_progress(
     runs: list[str], run_dirs: list[Path], checkpoint_roots: list[Path], csv: Path,
     markdown: Path,
 ) -> None:  # fmt: skip
-    """results/progress/: runs.csv (every run: the finished ones' figures, the others' state)
-    and runs.md (the finished runs' table, then the others)."""
+    """results/progress/: runs.csv (every run) and runs.md (finished runs, then the others)."""
     table, others = progress_tables(runs, run_dirs, checkpoint_roots)
     csv.parent.mkdir(parents=True, exist_ok=True)
     finished_rows = table.assign(state="finished") if len(table) else table
