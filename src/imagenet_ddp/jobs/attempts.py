@@ -4,12 +4,12 @@ A run that outlives its time limit trains in several jobs (Snakemake resubmits a
 job: the rule's ``retries``). Each job (an *attempt*; on SLURM one allocation) appends one
 entry to ``<checkpoint_root>/attempts.json``, outside the rule's outputs, so Snakemake's
 cleanup of a failed attempt keeps it. The launcher writes the entry (:func:`begin`) before
-staging and closes it (:func:`end`) when its ranks are gone; a heartbeat (:class:`Heartbeat`)
-keeps ``alive`` current, so an attempt killed with the launcher (SIGKILL after KillWait, a
-node failure) is closed by the next one at its last sign of life.
+staging and closes it (:func:`end`) when its ranks are gone; its job's heartbeat
+(:func:`beat_path`, the entry's ``beat``) says it lives, so an attempt killed with the launcher
+(SIGKILL after KillWait, a node failure) is closed by the next one at its last sign of life.
 
 An entry: ``attempt`` (1, 2, ... per line of checkpoints: :func:`settings_key`),
-``slurm_job_id``, ``host``, ``started``/``alive``/``ended`` (Unix seconds), ``exit_code``,
+``slurm_job_id``, ``host``, ``started``/``ended`` (Unix seconds), ``beat``, ``exit_code``,
 ``outcome`` (completed, stopped: exit 75 after a checkpoint, or its ranks recorded a stop and
 wrote its checkpoint: :func:`stopped_by_ranks`, failed, killed: no end recorded, refused,
 diverged: stopped by the divergence guard, its outputs written and marked, exit 0 so that
@@ -42,12 +42,11 @@ import os
 import re
 import signal
 import socket
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from imagenet_ddp.io import write_json_atomic
+from imagenet_ddp.io import HEARTBEAT_S, Heartbeat, last_beat, write_json_atomic
 from imagenet_ddp.jobs.early_signals import EXIT_REQUEUE  # torch-free, as this module
 from imagenet_ddp.provenance import code_version
 from imagenet_ddp.settings.geometry import (
@@ -60,13 +59,8 @@ from imagenet_ddp.settings.geometry import (
 from imagenet_ddp.settings.kinds import digest, weight_settings
 
 RECORD = "attempts.json"
-HEARTBEAT_SECONDS = 30.0
 _CHECKPOINT = re.compile(r"checkpoint-e(\d+)-s(\d+)\.pt$")
-# Until 2026-11-24 an entry's key hashed every setting but these, so a changed `gpu_type` or
-# `mlflow_uri` started a new count while training resumed; begin() moves the entries of today's
-# settings under that key to the current one, so a run in flight keeps its count.
-_LEGACY_NOT_IN_KEY = ("max_allocations", "checkpoint_interval_minutes", "log_interval",
-                      "timeout_minutes", "keep_checkpoints", "throughput_warmup_steps")  # fmt: skip
+ALIVE_DIR = "alive"  # the jobs' heartbeats (io.Heartbeat), one file per job
 
 
 def record_path(checkpoint_root: str | os.PathLike[str]) -> Path:
@@ -88,14 +82,22 @@ def settings_key(run: dict[str, Any]) -> str:
     return digest({**weight_settings(run), "geometry": geometry, **order})
 
 
-def _legacy_key(run: dict[str, Any]) -> str:
-    return digest({k: v for k, v in run.items() if k not in _LEGACY_NOT_IN_KEY})
-
-
 def _of_settings(attempts: list[dict[str, Any]], run: dict[str, Any]) -> list[dict[str, Any]]:
-    """The entries of ``run``'s checkpoints, those recorded under the legacy key included."""
-    keys = {settings_key(run), _legacy_key(run)}
-    return [a for a in attempts if a.get("key") in keys]
+    return of_run(attempts, settings_key(run))
+
+
+def beat_path(checkpoint_root) -> Path:
+    """This job's heartbeat file (the same in each of its srun tasks): the SLURM job and its
+    restart count, or the host and the launcher's pid."""
+    job, restart = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_RESTART_COUNT", "0")
+    name = f"{job}-{restart}" if job else f"local-{socket.gethostname()}-{os.getpid()}"
+    return Path(checkpoint_root) / ALIVE_DIR / name
+
+
+def last_sign(checkpoint_root, entry: dict[str, Any]) -> float:
+    """When the entry's job last beat (its start where it never did)."""
+    beat = entry.get("beat") and last_beat(Path(checkpoint_root) / ALIVE_DIR / entry["beat"])
+    return max(beat or 0.0, entry["started"])
 
 
 def has_record(checkpoint_root: str | os.PathLike[str]) -> bool:
@@ -167,7 +169,7 @@ def _close_killed(entry: dict[str, Any], checkpoint_root, ahead: bool = False) -
     ``ahead``: read by the workflow as soon as SLURM says the job ended, while the ranks may
     still write that checkpoint (KillWait): a recorded stop is a stop (SLURM's signal, not a
     node failure); the next job's own reading decides for good."""
-    entry["outcome"], entry["ended"] = "killed", entry.get("alive") or entry["started"]
+    entry["outcome"], entry["ended"] = "killed", last_sign(checkpoint_root, entry)
     last = newest_checkpoint(checkpoint_root)
     if last and last["written"] >= entry["started"]:
         entry["last_checkpoint"] = last
@@ -254,7 +256,7 @@ def _settle(checkpoint_root, run: dict[str, Any], seconds: float = SETTLE_SECOND
         last = mine[-1] if mine else None
         if last is None or last.get("ended") is not None:
             return
-        if time.time() - (last.get("alive") or 0) > HEARTBEAT_SECONDS + 5:
+        if time.time() - last_sign(checkpoint_root, last) > HEARTBEAT_S + 5:
             return  # long silent: killed (a node failure), nothing to wait for
         if stopped_by_ranks(checkpoint_root, last, checkpointed=False):
             return
@@ -294,8 +296,6 @@ def begin(
     """Close a killed predecessor, append this attempt; returns (entry, refusal reason)."""
     attempts, key = load(checkpoint_root), settings_key(run)
     mine = _closed(_of_settings(attempts, run), checkpoint_root)
-    for entry in mine:
-        entry["key"] = key  # a legacy key's entries join the current one (saved below)
     now = time.time()
     entry = {
         "attempt": len(mine) + 1,
@@ -305,7 +305,7 @@ def begin(
         "snakemake_attempt": attempt,
         "host": socket.gethostname(),
         "started": now,
-        "alive": now,
+        "beat": beat_path(checkpoint_root).name,
         "ended": None,
         "exit_code": None,
         "outcome": "running",
@@ -465,37 +465,29 @@ PROGRESS_SECONDS = 15.0
 HUNG_SECONDS = 60.0  # a rank this far behind the others at the end is named as hung
 
 
-class RankProgress:
-    """Each rank's last step, marked every ``seconds`` from its training loop (the main
-    thread: a rank stopped or stuck stops marking), so the end of a job that a hung rank
-    ended through the process-group timeout names that rank and its host (:func:`hung_rank`).
-    The file is written by a thread: a slow metadata server (16 ranks x 200 runs, a file each
-    every 15 s) never stalls a step; a mark due while the last write still waits is skipped."""
+class RankProgress(Heartbeat):
+    """Each rank's last step, so the end of a job that a hung rank ended through the
+    process-group timeout names that rank and its host (:func:`hung_rank`). The training loop
+    notes it (:meth:`mark`: no I/O, a slow metadata server never stalls a step); the heartbeat
+    writes it every ``seconds`` when it changed, so a rank stuck in its main thread goes
+    silent."""
 
     def __init__(self, checkpoint_root, rank: int, host: str, seconds: float = PROGRESS_SECONDS):
-        self.root = checkpoint_root
-        self.path = Path(checkpoint_root) / PROGRESS_DIR / f"rank{rank}.json"
-        self.rank, self.host, self.seconds, self.last = rank, host, seconds, 0.0
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._writer: threading.Thread | None = None
+        path = Path(checkpoint_root) / PROGRESS_DIR / f"rank{rank}.json"
+        super().__init__(path, seconds, news=self._news)
+        self.root, self.rank, self.host = checkpoint_root, rank, host
+        self._step = self._written = None
+        self.__enter__()  # a daemon thread for the rank's life
 
     def mark(self, epoch: int, step: int) -> None:
-        now = time.time()
-        if now - self.last < self.seconds or (self._writer and self._writer.is_alive()):
-            return
-        self.last = now
-        mark = {"rank": self.rank, "host": self.host, "epoch": epoch, "step": step, "time": now}
-        self._writer = threading.Thread(target=self._write, args=(mark,), daemon=True)
-        self._writer.start()
+        self._step = (epoch, step)
 
-    def _write(self, mark: dict) -> None:
-        with contextlib.suppress(OSError):
-            write_json_atomic(self.path, mark)
-
-    def wait(self) -> None:
-        """Until the last mark is written (tests)."""
-        if self._writer is not None:
-            self._writer.join()
+    def _news(self) -> str | None:
+        if self._step == self._written:
+            return None
+        self._written = (epoch, step) = self._step
+        mark = {"rank": self.rank, "host": self.host, "epoch": epoch, "step": step}
+        return json.dumps({**mark, "time": time.time()})
 
     def stopped(self, epoch: int, step: int, signum: int = 0) -> None:
         """This rank stops for requeue at (epoch, step): :func:`record_stop`."""
@@ -522,28 +514,6 @@ def hung_rank(checkpoint_root, since: float) -> str | None:
         f"rank {m['rank']} on {m['host']} made no step for {behind:.0f} s while the others "
         f"trained (hung or stopped; last at epoch {m['epoch']} step {m['step']})"
     )
-
-
-class Heartbeat:
-    """Keeps the entry's ``alive`` current while the attempt runs (a daemon thread)."""
-
-    def __init__(self, checkpoint_root, entry: dict[str, Any], seconds: float = HEARTBEAT_SECONDS):
-        self.root, self.entry, self.seconds = checkpoint_root, entry, seconds
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.seconds):
-            with contextlib.suppress(OSError):  # a full disk: the end record says more
-                _update(self.root, self.entry, alive=time.time())
-
-    def __enter__(self) -> Heartbeat:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 # ------------------------------------------------------------------------ the cost sum

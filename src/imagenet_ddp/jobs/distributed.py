@@ -275,27 +275,17 @@ def rendezvous_from_slurm_env() -> None:
 
 
 def interface_towards(host: str) -> str:
-    """The network interface this node uses to reach ``host``.
-
-    Gloo (the CPU group that carries the stop-signal agreement beside NCCL) binds the address
-    its own hostname resolves to; where that is 127.0.1.1 (Debian's /etc/hosts default) ranks
-    on other nodes cannot connect. The kernel's route to another node of the job names the
-    right interface; GLOO_SOCKET_IFNAME set by the user wins.
-    """
-    import fcntl
-    import struct
+    """The network interface this node uses to reach ``host``: gloo (the CPU group beside
+    NCCL) binds the address its own hostname resolves to, which may be 127.0.1.1 (Debian's
+    /etc/hosts), unreachable from other nodes; the kernel's route to another node names the
+    right one."""
+    import psutil
 
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((socket.gethostbyname(host), 9))  # UDP: nothing is sent
         local = probe.getsockname()[0]
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                request = struct.pack("256s", name[:15].encode())
-                address = fcntl.ioctl(s.fileno(), 0x8915, request)[20:24]  # SIOCGIFADDR
-            except OSError:  # no IPv4 address on this interface
-                continue
-        if socket.inet_ntoa(address) == local:
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == local for a in addresses):
             return name
     raise OSError(f"no interface holds {local}, the address towards {host}")
 

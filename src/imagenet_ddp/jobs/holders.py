@@ -25,15 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from imagenet_ddp.io import exclusive_lock, lock_path_for
-from imagenet_ddp.jobs.attempts import (
-    EXIT_REQUEUE,
-    HEARTBEAT_SECONDS,
-    RECORD,
-    load,
-    of_run,
-    settings_key,
-)
+from imagenet_ddp.io import HEARTBEAT_S, exclusive_lock, lock_path_for
+from imagenet_ddp.jobs.attempts import EXIT_REQUEUE, RECORD, last_sign, load, of_run, settings_key
 
 T = TypeVar("T")
 
@@ -42,7 +35,7 @@ T = TypeVar("T")
 ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
          "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED"}  # fmt: skip
 # An open entry whose heartbeat is older than this is taken as dead where squeue cannot say.
-STALE_SECONDS = 3 * HEARTBEAT_SECONDS
+STALE_SECONDS = 3 * HEARTBEAT_S
 SLURM_SECONDS = 30  # a hung slurmctld must not hang the job
 
 
@@ -64,23 +57,16 @@ def job_state(job_id: str) -> str | None:
     return "" if "Invalid job id" in result.stderr else None  # purged: long gone
 
 
-def open_entries(checkpoint_root, run: dict[str, Any], own_job: str | None) -> list[dict]:
-    """The run's attempt entries that no launcher closed, of jobs other than ``own_job``."""
-    return [
-        a
-        for a in of_run(load(checkpoint_root), settings_key(run))
-        if a.get("ended") is None and (own_job is None or a.get("slurm_job_id") != own_job)
-    ]
-
-
 def live_holder(checkpoint_root, run: dict[str, Any], now: float | None = None) -> dict | None:
     """The open entry of another job that still runs the run (squeue; where squeue cannot say,
     a heartbeat newer than :data:`STALE_SECONDS`), with its ``state``; None if none."""
-    now = time.time() if now is None else now
-    for entry in open_entries(checkpoint_root, run, os.environ.get("SLURM_JOB_ID")):
+    now, own = time.time() if now is None else now, os.environ.get("SLURM_JOB_ID")
+    for entry in of_run(load(checkpoint_root), settings_key(run)):
+        if entry.get("ended") is not None or (own and entry.get("slurm_job_id") == own):
+            continue
         state = job_state(entry["slurm_job_id"]) if entry.get("slurm_job_id") else None
         if state is None:
-            if now - float(entry.get("alive") or entry["started"]) < STALE_SECONDS:
+            if now - last_sign(checkpoint_root, entry) < STALE_SECONDS:
                 return {**entry, "state": "heartbeat"}
         elif state and state != "PENDING":
             return {**entry, "state": state}

@@ -19,7 +19,6 @@ import os
 import signal
 import socket
 import sys
-import uuid
 from pathlib import Path
 
 from imagenet_ddp.data.stage import (
@@ -35,7 +34,7 @@ from imagenet_ddp.data.stage import (
     stage_dataset,
 )
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.io import write_json_atomic
+from imagenet_ddp.io import Heartbeat, write_json_atomic
 from imagenet_ddp.jobs import attempts
 from imagenet_ddp.jobs.holders import begin_unless_held, give_back
 from imagenet_ddp.jobs.launchers import get_launcher
@@ -71,15 +70,15 @@ def stage_this_node(job: TrainJob) -> dict:
         raise refuse_shared_scratch(scratch, origin, problem)
     elif in_ram := ram_copy_problem(src, scratch, origin, job.run, memory_limit()):
         raise InputError(in_ram)  # before the copy: in RAM it would be OOM-killed in epoch 0
-    else:
-        lease = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    else:  # the lease names this job's heartbeat, which every node sees
+        lease = os.path.abspath(attempts.beat_path(paths.checkpoint_root))
         reclaim_stale_leases(scratch)  # copies pinned by jobs killed before their cleanup
         report = stage_dataset(src, scratch, verify=stage.verify, lease=lease)
         report["lease"] = lease
     report["scratch"] = scratch_info(scratch, origin)  # a site's node-local disk shows here
     # An earlier attempt of this run (requeued, or killed before its cleanup) left its lease:
     # give it up now that this attempt holds its own.
-    if previous.get("lease") and not previous.get("cleaned"):
+    if previous.get("lease") not in (None, report.get("lease")) and not previous.get("cleaned"):
         cleanup_staged(Path(previous["dest"]), previous["lease"])
     write_json_atomic(staging_report_path(paths.run_dir, report["host"]), report)
     return report
@@ -172,9 +171,7 @@ def run_attempt(job: TrainJob, spec_path: Path) -> int:
         return 1
     code = 1
     try:
-        with attempts.Heartbeat(root, entry):
-            code = unfinished_is_stopped(run_staged(job, spec_path), job)
-            code = stopped_by_its_ranks(code, job, entry)
+        code = stopped_after_all(run_staged(job, spec_path), job, entry)
     except Exception as error:
         entry["error"] = f"launcher on {socket.gethostname()}: {type(error).__name__}: {error}"
         raise
@@ -183,25 +180,17 @@ def run_attempt(job: TrainJob, spec_path: Path) -> int:
     return code
 
 
-def unfinished_is_stopped(code: int, job: TrainJob) -> int:
-    """The job's exit code: EXIT_REQUEUE where the ranks' step exited 0 but rank 0 wrote no
-    ``train_metrics.json`` (it does after the last epoch only). srun exits 0 after a stop signal
-    when it gives up waiting for the step ("srun: error: Timed out waiting for job step to
-    complete", seen in CI at a time limit) although the ranks checkpointed and exited 75: the
-    job must not be taken for complete, its attempt recorded "completed", its outputs written."""
+def stopped_after_all(code: int, job: TrainJob, entry: dict) -> int:
+    """``code``, or EXIT_REQUEUE (stopped: the next job resumes) where the ranks' step exited 0
+    without finishing the run (no ``train_metrics.json``: srun exits 0 when it gives up waiting
+    for a stopped step, "Timed out waiting for job step to complete", seen in CI), or failed
+    after its ranks recorded a stop whose checkpoint was written (:func:`attempts.
+    stopped_by_ranks`: ``scancel -s TERM --batch`` reaches only the batch shell, then the job's
+    end the ranks, and one still tearing down is killed KillWait seconds later; seen in CI)."""
     if code == 0 and not (job.paths.run_dir / "train_metrics.json").is_file():
         print("the ranks' step exited 0 but the run did not finish (no train_metrics.json): "
               "stopped, the next job resumes from the newest checkpoint", flush=True)  # fmt: skip
         return EXIT_REQUEUE
-    return code
-
-
-def stopped_by_its_ranks(code: int, job: TrainJob, entry: dict) -> int:
-    """EXIT_REQUEUE where the ranks' step failed but its ranks recorded a stop and its
-    checkpoint was written (:func:`attempts.stopped_by_ranks`), whether or not the signal
-    reached the launcher: ``scancel -s TERM --batch`` signals only the batch shell, the job's
-    end then the ranks, and a rank still tearing down after the checkpoint is killed KillWait
-    seconds later (seen in CI: the attempt recorded failed)."""
     if code in (0, EXIT_REQUEUE):
         return code
     stop = attempts.stopped_by_ranks(job.paths.checkpoint_root, entry)
@@ -214,37 +203,39 @@ def stopped_by_its_ranks(code: int, job: TrainJob, entry: dict) -> int:
 
 
 def run_staged(job: TrainJob, spec_path: Path) -> int:
-    """Stage on every node, run the ranks of ``job``'s kind, clean up: the exit code.
-    Training and its preflight (a TrainJob too) stage the same way."""
-    geometry, execution = job.geometry, job.execution
+    """Stage on every node, run the ranks of ``job``'s kind, clean up: the exit code. Training
+    and its preflight stage the same way; the job's heartbeat beats meanwhile (its leases on
+    the nodes' copies and its attempt entry name it)."""
+    execution = job.execution
     launcher = get_launcher(execution.launcher)
-    launcher.check(geometry)
+    launcher.check(job.geometry)
     python = launcher.python()
 
     def on_every_node(command: str, here) -> tuple[int, float]:
         # one task per node (stage-node, unstage-node: main below), or a call here
         argv = [*python, "-m", "imagenet_ddp.jobs.launch", command, "--spec", str(spec_path)]
-        return launcher.on_every_node(execution, geometry, lambda: here(job), argv)
+        return launcher.on_every_node(execution, job.geometry, lambda: here(job), argv)
 
-    code, signalled = on_every_node("stage-node", stage_this_node)
-    # Stopped while staging (the launcher was signalled, or a node's step was: exit 75 after
-    # finishing its copy): no ranks, rerun to resume.
-    if code == EXIT_REQUEUE or (code == 0 and signalled):
-        print("stop signal while staging: the ranks are not started", flush=True)
-        return EXIT_REQUEUE
-    if code != 0:
+    with Heartbeat(attempts.beat_path(job.paths.checkpoint_root)):
+        code, signalled = on_every_node("stage-node", stage_this_node)
+        # Stopped while staging (the launcher was signalled, or a node's step exited 75 after
+        # finishing its copy): no ranks, rerun to resume.
+        if code == EXIT_REQUEUE or (code == 0 and signalled):
+            print("stop signal while staging: the ranks are not started", flush=True)
+            return EXIT_REQUEUE
+        if code != 0:
+            return code
+        signalled = 0.0
+        try:
+            ranks = rank_argv(job, spec_path, python)
+            code, signalled = launcher.start_ranks(execution, job.geometry, ranks)
+            code = killed_after_its_checkpoint(code, signalled, job)
+        finally:
+            if execution.stage.cleanup and signalled and launcher.stop_skips_cleanup():
+                print("stop signal received: node-local copies are left to the job's epilog")
+            elif execution.stage.cleanup:
+                on_every_node("unstage-node", unstage_this_node)
         return code
-    signalled = 0.0
-    try:
-        ranks = rank_argv(job, spec_path, python)
-        code, signalled = launcher.start_ranks(execution, geometry, ranks)
-        code = killed_after_its_checkpoint(code, signalled, job)
-    finally:
-        if execution.stage.cleanup and signalled and launcher.stop_skips_cleanup():
-            print("stop signal received: node-local copies are left to the job's epilog")
-        elif execution.stage.cleanup:
-            on_every_node("unstage-node", unstage_this_node)
-    return code
 
 
 def killed_after_its_checkpoint(code: int, signalled: float, job: TrainJob) -> int:

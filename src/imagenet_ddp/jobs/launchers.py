@@ -34,8 +34,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import ClassVar
+
+import psutil
 
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.jobs.container import task_runtime
@@ -353,7 +354,7 @@ def spawn_local_ranks(argv: list[str], geometry: Geometry, grace_seconds: float 
     )
     print("+ " + shlex.join(argv) + f"  (x {geometry.tasks_per_node} ranks)", flush=True)
     _become_subreaper()
-    before = _children()
+    before = {p.pid for p in psutil.Process().children()}
     with ForwardStopSignals() as forward:
         try:
             for rank in range(geometry.tasks_per_node):
@@ -373,25 +374,17 @@ def _become_subreaper() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 
 
-def _children() -> set[int]:
-    me, found = str(os.getpid()), set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError):
-            if stat.read_text().rsplit(")", 1)[1].split()[1] == me:
-                found.add(int(stat.parent.name))
-    return found
-
-
 def _end_leftovers(before: set[int]) -> None:
     """Kill what the ranks left running once they are gone. A rank killed by SIGKILL (OOM
     killer, ``kill -9``) leaves its loader fork server and workers behind: their parent is the
     fork server, so their watchdog never sees the rank go, and they would hold the job's log
     open for ever. (srun ends every process of a step itself.) ``before``: children this
     process had before the ranks started, left alone."""
-    for pid in _children() - before:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+    for child in psutil.Process().children():
+        if child.pid not in before:
+            with contextlib.suppress(psutil.Error, OSError):
+                child.kill()
+                os.waitpid(child.pid, 0)
 
 
 def _exit_code(proc: subprocess.Popen) -> int:
