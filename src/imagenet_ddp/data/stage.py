@@ -1,26 +1,18 @@
 """Copy a prepared directory to node-local scratch, once per node, and remove it afterwards.
 
-Destination: ``<scratch_root>/imagenet_ddp/<fingerprint>/<src.name>``, where the fingerprint is
-the first 16 hex digits of the sha256 of ``src/prepared.json`` (which holds every shard's
-sha256, so equal fingerprints mean equal content). A copy is complete only once its marker
-``.staged.json`` exists (written last, after verification); a complete copy is reused. Copies go
-to a temporary sibling directory renamed into place, under an exclusive lock, so concurrent
-stagers on one node (e.g. two jobs sharing a scratch dir) never see or make a partial copy.
-Works for any prepared directory (train or val).
+Destination: ``<scratch_root>/imagenet_ddp/<fingerprint>/<src.name>`` (the fingerprint: of
+``prepared.json``, which holds every shard's sha256). A copy is made in a temporary sibling
+renamed into place under an exclusive lock, and is complete once its marker ``.staged.json``
+(written last, after verification) exists; a complete copy is reused.
 
-Scratch root (:func:`scratch_root`): ``stage.scratch_dir`` when set, else ``$SLURM_TMPDIR``,
-else ``$TMPDIR``, else ``/tmp``. Before any copy, a root on a network/parallel filesystem
-(:mod:`imagenet_ddp.mounts`) or on the filesystem of the prepared copy or the workdir is
-refused (:func:`scratch_problem`): every node would copy into one shared place, serialized by
-a cross-node lock, and train over the shared filesystem after all. The local launcher (one
-machine) reads the prepared copy in place instead where a copy would land on its own disk
-(launch.py ``stage_this_node``).
+Scratch root (:func:`scratch_root`): ``stage.scratch_dir``, else ``$SLURM_TMPDIR``, else
+``$TMPDIR``, else ``/tmp``. A root on a network filesystem or on the filesystem of the prepared
+copy or the workdir is refused before any copy (:func:`scratch_problem`): every node would copy
+into one shared place. The local launcher reads the prepared copy in place there instead.
 
-Jobs that share a copy (several runs on one node with the same scratch dir) each hold a lease
-on it (``<fp>/<name>.leases/<lease>``, naming the job's heartbeat file: io.Heartbeat); cleanup
-removes the copy only when the last lease goes. A lease whose job's heartbeat is gone or silent
-for io.STALE_S (a job killed before its cleanup) is reclaimed by the next job that stages on the
-node (:func:`reclaim_stale_leases`).
+Jobs that share a copy each hold a lease on it (``<fp>/<name>.leases/``, naming the job's
+heartbeat file: io.Heartbeat); the last lease to go removes the copy, and a lease whose
+heartbeat is gone or silent for io.STALE_S is reclaimed (:func:`reclaim_stale_leases`).
 """
 
 from __future__ import annotations
@@ -60,15 +52,13 @@ NODE_LOCAL_EXAMPLE = (
     "e.g. /local/scratch; /dev/shm only with mem_mb raised by the train set's size, "
     "which the dry-run adds"
 )
-# Where a node stages when stage.scratch_dir is unset, in this order. SLURM itself sets neither
-# variable to anything node-local: slurmstepd keeps the TMPDIR the job inherited (from the
-# submitting shell, or a site's prolog/plugin) and sets TMPDIR=/tmp only where none is set.
+# Where a node stages when stage.scratch_dir is unset. SLURM sets neither to anything
+# node-local itself: slurmstepd keeps the TMPDIR the job inherited, else /tmp.
 SCRATCH_VARIABLES = ("SLURM_TMPDIR", "TMPDIR")
 
 
 def scratch_root(configured: str | None, environ=None) -> tuple[Path, str]:
-    """Where this node stages, and what chose it: ``configured`` (stage.scratch_dir) when
-    set, else $SLURM_TMPDIR, else $TMPDIR, else /tmp."""
+    """Where this node stages, and what chose it."""
     environ = os.environ if environ is None else environ
     if configured:
         return Path(configured), SCRATCH_KEY
