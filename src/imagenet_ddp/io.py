@@ -1,4 +1,4 @@
-"""Atomic file writing: nothing half-written ever carries a final name."""
+"""Atomic file writing (nothing half-written ever carries a final name), locks, heartbeats."""
 
 from __future__ import annotations
 

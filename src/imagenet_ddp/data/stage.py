@@ -143,14 +143,8 @@ def scratch_in_ram(
         return info["total_bytes"] / 2**20, True, f"{where}; the prepared copy's size"
     except (OSError, ValueError, KeyError, TypeError):
         per_image = PREPARED_BYTES_PER_IMAGE_AT_256 * (short_side / 256) ** 2
-        return (
-            images * per_image / 2**20,
-            False,
-            (
-                f"{where}; estimated as {images} images x {per_image / 1000:.1f} kB at "
-                f"prepare.short_side {short_side}"
-            ),
-        )
+        estimate = f"estimated as {images} images x {per_image / 1000:.1f} kB at prepare.short_side"
+        return images * per_image / 2**20, False, f"{where}; {estimate} {short_side}"
 
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -322,9 +316,7 @@ def stage_dataset(src: Path, scratch_root: Path, *, verify: str, lease: str | No
     ``verify``: ``size`` or ``sha256`` (stage.verify). ``lease``: the staging job's heartbeat
     file (io.Heartbeat); :func:`cleanup_staged` with it removes the copy only if no other job
     holds a lease on it."""
-    src, scratch_root = Path(src), Path(scratch_root)
-    fp = fingerprint(src)
-    dest = scratch_root / STAGE_DIR / fp / src.name
+    src, fp, dest = Path(src), fingerprint(src), staged_path(src, scratch_root)
     files = _files(src)
     total = sum(size for _, size in files)
     started = time.perf_counter()

@@ -64,10 +64,6 @@ def settings_key(run: dict[str, Any]) -> str:
     return digest({**weight_settings(run), "geometry": geometry, **order})
 
 
-def _of_settings(attempts: list[dict[str, Any]], run: dict[str, Any]) -> list[dict[str, Any]]:
-    return of_run(attempts, settings_key(run))
-
-
 def beat_path(checkpoint_root) -> Path:
     """This job's heartbeat file (the same in each of its srun tasks): the SLURM job and its
     restart count, or the host and the launcher's pid."""
@@ -124,8 +120,7 @@ def newest_checkpoint(checkpoint_root: str | os.PathLike[str]) -> dict[str, Any]
 def final_checkpoint(checkpoint_root, run: dict[str, Any]) -> str | None:
     """The checkpoint after the run's last epoch, where an attempt recorded it and it is still
     there (its job ended before the outputs): the next job needs no staged copy."""
-    recorded = load(checkpoint_root)
-    for entry in _of_settings(recorded, run) if recorded else []:
+    for entry in of_run(load(checkpoint_root), settings_key(run)):
         last = entry.get("last_checkpoint") or {}
         if last.get("epoch", 0) >= run["epochs"] and Path(last["path"]).is_file():
             return last["path"]
@@ -201,7 +196,7 @@ def refusal_ahead(checkpoint_root, run: dict[str, Any], attempt: int) -> str | N
     """What :func:`begin` of this attempt will refuse, read without writing."""
     if attempt == 1:
         return None
-    mine = _closed(_of_settings(load(checkpoint_root), run), checkpoint_root, ahead=True)
+    mine = _closed(of_run(load(checkpoint_root), settings_key(run)), checkpoint_root, ahead=True)
     return refusal(mine, attempt, int(run.get("max_allocations", 10)))
 
 
@@ -212,7 +207,7 @@ def nodes_ahead(checkpoint_root, run: dict[str, Any], attempt: int, since: float
     if attempt == 1 or len(counts) == 1:
         return counts[0]
     _settle(checkpoint_root, run)
-    mine = _closed(_of_settings(load(checkpoint_root), run), checkpoint_root, ahead=True)
+    mine = _closed(of_run(load(checkpoint_root), settings_key(run)), checkpoint_root, ahead=True)
     return choose_nodes(mine, counts, attempt, since)
 
 
@@ -225,7 +220,7 @@ def _settle(checkpoint_root, run: dict[str, Any], seconds: float = SETTLE_SECOND
     stop would count as a node failure."""
     deadline = time.time() + seconds
     while time.time() < deadline:
-        mine = _of_settings(load(checkpoint_root), run)
+        mine = of_run(load(checkpoint_root), settings_key(run))
         last = mine[-1] if mine else None
         if last is None or last.get("ended") is not None:
             return
@@ -265,7 +260,7 @@ def begin(
 ) -> tuple[dict[str, Any], str | None]:
     """Close a killed predecessor, append this attempt; returns (entry, refusal reason)."""
     attempts, key = load(checkpoint_root), settings_key(run)
-    mine = _closed(_of_settings(attempts, run), checkpoint_root)
+    mine = _closed(of_run(attempts, key), checkpoint_root)
     now = time.time()
     entry = {
         "attempt": len(mine) + 1,

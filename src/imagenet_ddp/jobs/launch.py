@@ -1,14 +1,7 @@
-"""A job's attempt: stage on every node, start its ranks (training, preflight, evaluation),
-unstage; the per-node staging steps themselves.
-
-The job's launcher (:mod:`imagenet_ddp.jobs.launchers`: ``srun``, ``local``, by name) starts
-the steps and the ranks; this module is the same for every launcher. Evaluation starts its
-ranks the same way (without staging). Every step and rank gets the path of the job's spec
-file (:mod:`imagenet_ddp.jobs.spec`), nothing else; a rank is its kind's own module
-(``python -m imagenet_ddp.training.worker --spec FILE``, :data:`RANK_MODULES`), started
-directly.
-
-Each node writes ``<run_dir>/staging/<host>.json``; each rank reads the copy its host staged.
+"""A job's attempt through its launcher (:mod:`imagenet_ddp.jobs.launchers`): stage on every
+node, start its ranks (training, preflight; evaluation without staging), unstage; and the
+per-node staging steps. Every step and rank gets the job spec's path only; a rank is its kind's
+own module (:data:`RANK_MODULES`). Each node writes ``<run_dir>/staging/<host>.json``.
 """
 
 from __future__ import annotations
@@ -36,9 +29,9 @@ from imagenet_ddp.data.stage import (
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import Heartbeat, write_json_atomic
 from imagenet_ddp.jobs import attempts
+from imagenet_ddp.jobs.early_signals import EXIT_REQUEUE, STOP_SIGNALS
 from imagenet_ddp.jobs.holders import begin_unless_held, give_back
 from imagenet_ddp.jobs.launchers import get_launcher
-from imagenet_ddp.jobs.signals import EXIT_REQUEUE, STOP_SIGNALS
 from imagenet_ddp.jobs.spec import EvalJob, TrainJob, read_spec, staging_report_path
 from imagenet_ddp.settings.geometry import on_nodes
 
@@ -46,11 +39,9 @@ STAGED_KINDS = ("train", "preflight")  # jobs that stage the prepared copy on ev
 
 
 def stage_this_node(job: TrainJob) -> dict:
-    """Copy the prepared data into this node's scratch (or, with a one-node launcher such as
-    ``local``, read it in place where a copy would land on its own filesystem); write the
-    node's staging report.
-    A scratch root that every node shares (or on a network filesystem) is refused before any
-    copy, under srun always: that is the multi-node case staging exists for."""
+    """Copy the prepared data into this node's scratch (a one-node launcher reads it in place
+    where a copy would land on its own filesystem; a shared scratch is refused otherwise);
+    write the node's staging report."""
     paths, stage = job.paths, job.execution.stage
     path = staging_report_path(paths.run_dir, socket.gethostname())
     previous = json.loads(path.read_text()) if path.is_file() else {}
@@ -85,8 +76,7 @@ def stage_this_node(job: TrainJob) -> dict:
 
 
 def unstage_this_node(job: TrainJob) -> None:
-    """Give up this run's lease on the node's copy; the copy goes with the last lease (another
-    run on this node may still read it). A copy read in place is left alone."""
+    """Give up this run's lease on the node's copy (which goes with the last lease)."""
     path = staging_report_path(job.paths.run_dir, socket.gethostname())
     report = json.loads(path.read_text())
     # cleaned: this run gave up its copy; removed: the copy is gone (no other run holds it)
@@ -98,10 +88,8 @@ def unstage_this_node(job: TrainJob) -> None:
     write_json_atomic(path, report)
 
 
-# The module each kind of job runs as its ranks (``python -m MODULE --spec FILE``): the
-# rank's own entry point, which parses its arguments once and reads the spec once.
-# Names, not imports: a process boundary, so jobs/ may name modules of the stages above
-# it here (docs/layout.md).
+# Each kind's ranks: ``python -m MODULE --spec FILE``. Names, not imports: a process
+# boundary, so jobs/ may name the stages above it (docs/layout.md).
 RANK_MODULES = {
     "train": "imagenet_ddp.training.worker",
     "preflight": "imagenet_ddp.preflight.rank",
@@ -115,11 +103,8 @@ def rank_argv(job: TrainJob | EvalJob, spec_path: Path, python: list[str]) -> li
 
 
 def on_allocation(job: TrainJob) -> TrainJob:
-    """``job`` on the node count of its allocation. A run with ``fallback_nodes`` may be given
-    fewer than ``nodes`` (common.smk asks for a smaller count after a failed or never-started
-    job): it trains there with the same global batch, ``accumulation`` scaled to match
-    (settings.geometry.on_nodes). Other runs, and launchers that always get the run's nodes
-    (``local``), keep their settings."""
+    """``job`` on its allocation's node count: a run with ``fallback_nodes`` given fewer nodes
+    keeps its global batch, ``accumulation`` scaled (settings.geometry.on_nodes)."""
     run = job.run
     if not run.get("fallback_nodes"):
         return job
@@ -139,13 +124,9 @@ def on_allocation(job: TrainJob) -> TrainJob:
 
 
 def run_attempt(job: TrainJob, spec_path: Path) -> int:
-    """Stage on every node, run the ranks, clean up: the exit code of the job.
-
-    ``job``: the job spec the caller wrote at ``spec_path`` (:mod:`imagenet_ddp.jobs.spec`);
-    every step and rank gets only the path and reads the rest.
-    The job is one attempt of the run (:mod:`imagenet_ddp.jobs.attempts`): recorded before staging,
-    refused at once where a retry cannot help, closed with its exit code.
-    """
+    """One attempt of the run (:mod:`imagenet_ddp.jobs.attempts`): recorded (unless another
+    job holds the run), refused where a retry cannot help, staged and run, closed with its
+    exit code, which it returns."""
     run, root = job.run, job.paths.checkpoint_root
     geometry = job.geometry
     begun, holder = begin_unless_held(
@@ -240,11 +221,9 @@ def run_staged(job: TrainJob, spec_path: Path) -> int:
 
 def killed_after_its_checkpoint(code: int, signalled: float, job: TrainJob) -> int:
     """EXIT_REQUEUE where the ranks' step failed after a stop signal reached the launcher
-    (``signalled``: when; scancel, the job's end) but a checkpoint was written since: SLURM
-    kills what still runs KillWait seconds after its SIGTERM, and a rank still tearing down
-    (loader workers, the process group) is killed after its checkpoint. The run lost nothing:
-    the attempt is stopped, not failed (after a failed one an elastic run asks for fewer
-    nodes, docs/reliability.md)."""
+    (``signalled``: when) but a checkpoint was written since: a rank still tearing down is
+    killed KillWait seconds after SLURM's SIGTERM. Stopped, not failed (after which an
+    elastic run would ask for fewer nodes)."""
     if not signalled or code in (0, EXIT_REQUEUE):
         return code
     newest = attempts.newest_checkpoint(job.paths.checkpoint_root)
@@ -265,16 +244,14 @@ def run_evaluation(job: EvalJob, spec_path: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The per-node steps of a staged job (``stage-node``, ``unstage-node``: one srun task per
-    node, not meant to be called by hand); each reads the job spec whose path it is given.
-    The ranks are their own modules (:data:`RANK_MODULES`)."""
+    node, not meant to be called by hand)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m imagenet_ddp.jobs.launch")
     parser.add_argument("command", choices=["stage-node", "unstage-node"])
     parser.add_argument("--spec", type=Path, required=True, help="the job spec file")
     args = parser.parse_args(argv)
-    # A stop signal (the launcher's SIGUSR1 through srun, --signal=USR1@N) must not kill a
-    # copy half-way: the step finishes it (SIGKILL still ends it), then exits 75 and the
+    # A stop signal must not kill a copy half-way: the step finishes it, exits 75, and the
     # launcher starts no ranks (they would never hear of a warning that came before them).
     received: list[int] = []
     for sig in STOP_SIGNALS:

@@ -116,12 +116,8 @@ def resolve_launcher(name: str, environ: Mapping[str, str] | None = None) -> str
 # that inherits them runs that many BLAS/OpenMP threads and the ranks oversubscribe the node
 # (measured: 2 ranks on 2 cores drop from ~330 to 30-150 img/s).
 THREAD_COUNT_VARIABLES = (
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "GOTO_NUM_THREADS",
+    *(f"{lib}_NUM_THREADS" for lib in ("OMP", "MKL", "OPENBLAS", "GOTO", "NUMEXPR")),
     "VECLIB_MAXIMUM_THREADS",
-    "NUMEXPR_NUM_THREADS",
 )
 
 

@@ -130,19 +130,24 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
-def plain(obj: Any) -> Any:
-    """``obj`` with numpy arrays as tensors and numpy scalars as numbers (``weights_only``)."""
+def _each_leaf(obj: Any, leaf) -> Any:
+    """``obj`` with ``leaf`` applied to all but its dicts, lists and tuples (copied)."""
+    if isinstance(obj, dict):
+        return {key: _each_leaf(value, leaf) for key, value in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_each_leaf(value, leaf) for value in obj)
+    return leaf(obj)
+
+
+def _plain_leaf(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         return torch.from_numpy(obj.copy())
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, dict):
-        return {key: plain(value) for key, value in obj.items()}
-    if isinstance(obj, list):
-        return [plain(value) for value in obj]
-    if isinstance(obj, tuple):
-        return tuple(plain(value) for value in obj)
-    return obj
+    return obj.item() if isinstance(obj, np.generic) else obj
+
+
+def plain(obj: Any) -> Any:
+    """``obj`` with numpy arrays as tensors and numpy scalars as numbers (``weights_only``)."""
+    return _each_leaf(obj, _plain_leaf)
 
 
 def convert_trusted(path: Path) -> Path:
@@ -259,14 +264,12 @@ def job_state(job: TrainingState, epoch: int, step: int, partial: list | None) -
 
 def cpu_copy(obj: Any) -> Any:
     """A copy with every tensor on the CPU, nothing shared with the live job."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {key: cpu_copy(value) for key, value in obj.items()}
-    if isinstance(obj, list | tuple):
-        copied = [cpu_copy(value) for value in obj]
-        return copied if isinstance(obj, list) else type(obj)(copied)
-    return copy.deepcopy(obj)
+    return _each_leaf(
+        obj,
+        lambda x: (
+            x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else copy.deepcopy(x)
+        ),
+    )
 
 
 class CheckpointWriter:
