@@ -54,12 +54,9 @@ def dist_info_from_env() -> DistInfo:
 
 def tasks_on_this_node(counts: str, node_id: int) -> int:
     """This node's entry of ``SLURM_STEP_TASKS_PER_NODE`` (``8(x2)``, ``3(x2),1``); 1 unset."""
-    expanded: list[int] = []
-    for part in filter(None, counts.split(",")):
-        count, _, repeat = part.partition("(x")
-        expanded += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
-    if not expanded:
-        return 1
+    import hostlist
+
+    expanded = hostlist.parse_slurm_tasks_per_node(counts) if counts else [1]
     return expanded[min(node_id, len(expanded) - 1)]
 
 

@@ -22,7 +22,7 @@ import multiprocessing
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -156,10 +156,8 @@ class ForwardStopSignals:
     SIGTERM), or to ``srun`` as SIGUSR1, which srun forwards unchanged. :meth:`relay` sends it
     again (srun drops one while it still launches its step)."""
 
-    def __init__(
-        self, children: Sequence[subprocess.Popen] | None = None, *, srun: bool = False
-    ) -> None:
-        self.children = list(children or [])
+    def __init__(self, *, srun: bool = False) -> None:
+        self.children: list[subprocess.Popen] = []
         self.received = 0
         self.received_at = 0.0  # when the first stop signal came (Unix seconds)
         self.srun = srun
@@ -182,12 +180,8 @@ class ForwardStopSignals:
     def relay(self, signum: int | None = None) -> None:
         """Pass a stop on to the children still running (``signum``: the one received)."""
         signum = signum or self.received
-        if self.srun:
-            forwarded = SRUN_STOP_SIGNAL
-        elif signum in (signal.SIGINT, signal.SIGHUP):
-            forwarded = signal.SIGTERM
-        else:
-            forwarded = signum
+        soft = {signal.SIGINT: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
+        forwarded = SRUN_STOP_SIGNAL if self.srun else soft.get(signum, signum)
         for child in self.children:
             if child.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

@@ -349,14 +349,9 @@ class ResumePoint:
     path: str | None = None
 
 
-UNREAD = object()  # resume_job's state not yet read
-
-
-def resume_job(job: TrainingState, state: dict[str, Any] | None | object = UNREAD) -> ResumePoint:
-    """Load :func:`agreed_checkpoint` (or ``state``, read already; None: none) into ``job``:
-    where it resumes. Collective."""
-    if state is UNREAD:
-        state = agreed_checkpoint(job.checkpoint_dir)
+def resume_job(job: TrainingState, state: dict[str, Any] | None) -> ResumePoint:
+    """Load ``state`` (:func:`agreed_checkpoint`'s; None: none) into ``job``: where it resumes.
+    Collective."""
     if state is None:
         root, tag = job.checkpoint_dir.parent, job.checkpoint_dir.name.split("-", 1)[1]
         others = other_geometries(root, job.cfg.fingerprint(), tag)
