@@ -22,11 +22,8 @@ from imagenet_ddp.mounts import flock_is_node_local
 
 @contextlib.contextmanager
 def atomic_path(final: str | os.PathLike[str], *, is_dir: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling path; rename it onto ``final`` only if the block succeeds.
-
-    The temporary lives in the same directory so the rename is atomic on POSIX file systems.
-    On error the temporary is removed and ``final`` is left untouched.
-    """
+    """Yield a temporary sibling path (a rename in one directory is atomic), renamed onto
+    ``final`` only if the block succeeds; else removed, ``final`` untouched."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     prefix = f".{final.name}.tmp-"

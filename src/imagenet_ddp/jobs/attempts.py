@@ -84,9 +84,7 @@ def has_record(checkpoint_root: str | os.PathLike[str]) -> bool:
 
 def load(checkpoint_root: str | os.PathLike[str]) -> list[dict[str, Any]]:
     path = record_path(checkpoint_root)
-    if not path.is_file():
-        return []
-    return json.loads(path.read_text())["attempts"]
+    return json.loads(path.read_text())["attempts"] if path.is_file() else []
 
 
 def _save(checkpoint_root, attempts: list[dict[str, Any]]) -> None:
