@@ -45,7 +45,7 @@ def open_entry(root, job_id: str, alive: float) -> None:
     """An attempt of job ``job_id`` that its launcher has not closed (it is training), whose
     job's heartbeat last beat at ``alive``."""
     entry = {"attempt": 1, "key": attempts.settings_key(RUN), "slurm_job_id": job_id,
-             "host": "node1", "started": alive - 600, "beat": f"{job_id}-0", "ended": None,
+             "host": "node1", "started": alive - 600, "beat": job_id, "ended": None,
              "outcome": "running"}  # fmt: skip
     attempts._save(root, [entry])
     beat = root / attempts.ALIVE_DIR / entry["beat"]

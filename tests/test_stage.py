@@ -366,7 +366,7 @@ def test_a_lease_left_by_a_killed_job_is_reclaimed_by_the_next_stager(prepared_d
     from imagenet_ddp import io
     from imagenet_ddp.data.stage import reclaim_stale_leases
 
-    killed, alive = tmp_path / "alive" / "7-0", tmp_path / "alive" / "8-0"
+    killed, alive = tmp_path / "alive" / "7", tmp_path / "alive" / "8"
     with Heartbeat(alive, seconds=60):
         killed.touch()
         report = stage_dataset(prepared_demo["val"], tmp_path, verify="size", lease=str(killed))

@@ -65,10 +65,10 @@ def settings_key(run: dict[str, Any]) -> str:
 
 
 def beat_path(checkpoint_root) -> Path:
-    """This job's heartbeat file (the same in each of its srun tasks): the SLURM job and its
-    restart count, or the host and the launcher's pid."""
-    job, restart = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_RESTART_COUNT", "0")
-    name = f"{job}-{restart}" if job else f"local-{socket.gethostname()}-{os.getpid()}"
+    """This job's heartbeat file: its SLURM job id (what every srun task of it sees alike; a
+    requeued job's earlier run is dead before it starts), or the host and launcher's pid."""
+    job = os.environ.get("SLURM_JOB_ID")
+    name = job or f"local-{socket.gethostname()}-{os.getpid()}"
     return Path(checkpoint_root) / ALIVE_DIR / name
 
 
@@ -118,7 +118,8 @@ def newest_checkpoint(checkpoint_root: str | os.PathLike[str]) -> dict[str, Any]
 def final_checkpoint(checkpoint_root, run: dict[str, Any]) -> str | None:
     """The checkpoint after the run's last epoch, where an attempt recorded it and it is still
     there (its job ended before the outputs): the next job needs no staged copy."""
-    for entry in of_run(load(checkpoint_root), settings_key(run)):
+    recorded = load(checkpoint_root)
+    for entry in of_run(recorded, settings_key(run)) if recorded else []:
         last = entry.get("last_checkpoint") or {}
         if last.get("epoch", 0) >= run["epochs"] and Path(last["path"]).is_file():
             return last["path"]
