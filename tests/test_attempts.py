@@ -254,15 +254,13 @@ def test_a_rank_marks_its_progress_from_a_thread_so_a_slow_filesystem_stalls_no_
     blocks that thread, not the step, and a rank whose steps stopped writes nothing more."""
     import threading
 
-    from imagenet_ddp import io
-
     released, written = threading.Event(), []
 
-    def slow_write(path, text):
+    def slow_write(path, data):
         released.wait(timeout=30)
-        written.append(json.loads(text)["step"])
+        written.append(data["step"])
 
-    monkeypatch.setattr(io, "write_text_atomic", slow_write)
+    monkeypatch.setattr(attempts, "write_json_atomic", slow_write)
     progress = attempts.RankProgress(tmp_path, 3, "node4", seconds=0.01)
     started = time.monotonic()
     for step in range(50):

@@ -82,22 +82,19 @@ POLL_S = 2.0
 
 
 class Heartbeat:
-    """The one liveness mechanism: while active, a daemon thread touches ``path`` every
-    ``seconds``, so its mtime (:func:`last_beat`) is the holder's last sign of life. With
-    ``news`` it writes what ``news()`` returns instead, and nothing when it returns None: a
-    rank's last step, which its main thread stops changing when it hangs (jobs.attempts)."""
+    """The one liveness mechanism: while active, a daemon thread calls :meth:`beat` every
+    ``seconds``, touching ``path``, whose mtime (:func:`last_beat`) is then the holder's last
+    sign of life; it is removed when the holder is done. (jobs.attempts.RankProgress beats
+    only when its rank stepped: its main thread stops that when it hangs.)"""
 
-    def __init__(self, path, seconds: float = HEARTBEAT_S, news=None) -> None:
-        self.path, self.seconds, self.news = Path(path), seconds, news
+    def __init__(self, path, seconds: float = HEARTBEAT_S) -> None:
+        self.path, self.seconds = Path(path), seconds
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def beat(self) -> None:
-        if self.news is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.touch()
-        elif (text := self.news()) is not None:
-            write_text_atomic(self.path, text)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.touch()
 
     def _run(self) -> None:
         while not self._stop.wait(self.seconds):
@@ -112,9 +109,8 @@ class Heartbeat:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        if self.news is None:  # its holder is done: silence, at once
-            with contextlib.suppress(OSError):
-                self.path.unlink()
+        with contextlib.suppress(OSError):  # its holder is done: silence, at once
+            self.path.unlink()
 
 
 def last_beat(path) -> float | None:

@@ -440,8 +440,7 @@ class RankProgress(Heartbeat):
     silent."""
 
     def __init__(self, checkpoint_root, rank: int, host: str, seconds: float = PROGRESS_SECONDS):
-        path = Path(checkpoint_root) / PROGRESS_DIR / f"rank{rank}.json"
-        super().__init__(path, seconds, news=self._news)
+        super().__init__(Path(checkpoint_root) / PROGRESS_DIR / f"rank{rank}.json", seconds)
         self.root, self.rank, self.host = checkpoint_root, rank, host
         self._step = self._written = None
         self.__enter__()  # a daemon thread for the rank's life
@@ -449,12 +448,11 @@ class RankProgress(Heartbeat):
     def mark(self, epoch: int, step: int) -> None:
         self._step = (epoch, step)
 
-    def _news(self) -> str | None:
-        if self._step == self._written:
-            return None
-        self._written = (epoch, step) = self._step
-        mark = {"rank": self.rank, "host": self.host, "epoch": epoch, "step": step}
-        return json.dumps({**mark, "time": time.time()})
+    def beat(self) -> None:
+        if self._step != self._written:
+            self._written = (epoch, step) = self._step
+            mark = {"rank": self.rank, "host": self.host, "epoch": epoch, "step": step}
+            write_json_atomic(self.path, {**mark, "time": time.time()})
 
     def stopped(self, epoch: int, step: int, signum: int = 0) -> None:
         """This rank stops for requeue at (epoch, step): :func:`record_stop`."""
