@@ -1,9 +1,5 @@
-"""Which filesystem holds a path: its mount point and type, from psutil's mount table.
-
-Staging uses it to refuse a scratch root that is not node-local (:mod:`imagenet_ddp.data.stage`);
-a lock on Lustre mounted ``localflock`` is taken as a directory (:mod:`imagenet_ddp.io`).
-The mount is the one whose mount point is the longest prefix of the path's real path; of
-several at one mount point the last listed wins (it is on top), as ``findmnt --target`` does.
+"""Which filesystem holds a path (psutil's mount table): staging refuses a scratch root that
+is not node-local, a lock on Lustre mounted ``localflock`` is a directory (imagenet_ddp.io).
 Linux only; torch-free.
 """
 

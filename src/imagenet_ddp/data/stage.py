@@ -94,9 +94,8 @@ def scratch_info(root: Path, origin: str) -> dict:
 
 
 def configured_scratch_problem(scratch_dir: str) -> str | None:
-    """What the dry-run can already tell about ``stage.scratch_dir`` (the node's own view is
-    checked again when it stages): a relative path (in the workdir, which every node shares),
-    or a path that exists here on a network filesystem (the same path on the nodes)."""
+    """What the dry-run can tell about ``stage.scratch_dir`` (the node checks again): relative
+    (in the workdir every node shares), or on a network filesystem here."""
     if not scratch_dir:
         return None
     if not os.path.isabs(scratch_dir):
@@ -130,10 +129,9 @@ def _ram_fs(path: Path) -> str | None:
 def scratch_in_ram(
     scratch_dir: str, prepared_train: Path, images: int, short_side: int
 ) -> tuple[float, bool, str] | None:
-    """(MiB, measured, what) of the train copy each node stages when ``stage.scratch_dir`` is
-    on a tmpfs here (e.g. /dev/shm, the same on every node): the prepared copy's own size when
-    it exists (``measured``), else ``images`` at ``short_side``; None when it is not in RAM or
-    not known at the dry-run (empty: the job's $SLURM_TMPDIR/$TMPDIR, seen only on the node)."""
+    """(MiB, measured, what) of the train copy each node stages where ``stage.scratch_dir`` is
+    a tmpfs here (/dev/shm): the prepared copy's size, else ``images`` at ``short_side``; None
+    where not in RAM or unknown at the dry-run (empty: seen only on the node)."""
     fs_type = os.path.isabs(scratch_dir or "") and _ram_fs(Path(scratch_dir))
     if not fs_type:
         return None
@@ -156,10 +154,9 @@ UNLIMITED = 2**60  # cgroup v1 writes "no limit" as 9223372036854771712
 def memory_limit(
     environ=None, cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP
 ) -> tuple[int, str] | None:
-    """(bytes, what says so) this job may hold on this node: the lowest limit of this
-    process's memory cgroup and its ancestors (v2 ``memory.max``, v1
-    ``memory.limit_in_bytes``: SLURM's task/cgroup puts ``--mem`` there), and
-    ``$SLURM_MEM_PER_NODE`` (MiB); None where none is set. A tmpfs's own size cap is not it."""
+    """(bytes, what says so) this job may hold on this node: the lowest of its memory cgroups'
+    limits (v2 ``memory.max``, v1 ``memory.limit_in_bytes``: SLURM's ``--mem``) and
+    ``$SLURM_MEM_PER_NODE``; None where none is set (psutil reads no cgroup)."""
     environ = os.environ if environ is None else environ
     found = []
     try:
@@ -351,8 +348,8 @@ def stage_dataset(src: Path, scratch_root: Path, *, verify: str, lease: str | No
 
 
 def cleanup_staged(dest: Path, lease: str | None = None) -> bool:
-    """Give up ``lease`` on a staged copy; remove the copy if no other lease remains, then its
-    fingerprint dir and ``imagenet_ddp/`` if left empty. Returns whether the copy is gone."""
+    """Give up ``lease`` on a staged copy; remove it (and empty parents) if no lease remains.
+    Returns whether the copy is gone."""
     dest = Path(dest)
     if dest.parent.parent.name != STAGE_DIR:
         raise ValueError(f"{dest} is not a staged copy (<scratch>/{STAGE_DIR}/<fp>/<name>)")
@@ -385,8 +382,7 @@ def _owner_gone(lease: Path) -> bool:
 
 
 def reclaim_stale_leases(scratch_root: Path) -> list[Path]:
-    """Remove the leases of ended jobs under ``scratch_root``, and each copy no live lease
-    holds any more. Returns the removed copies."""
+    """Remove ended jobs' leases under ``scratch_root`` and the copies no lease holds now."""
     removed = []
     for leases in sorted((Path(scratch_root) / STAGE_DIR).glob("*/*.leases")):
         stale = [p for p in leases.iterdir() if _owner_gone(p)]

@@ -99,12 +99,8 @@ def of_run(attempts: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
 
 def newest_checkpoint(checkpoint_root: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The newest checkpoint under the root (any geometry): epoch, step, path, mtime."""
-    root = Path(checkpoint_root)
-    found = []
-    for path in root.glob("*/checkpoint-*.pt") if root.is_dir() else []:
-        match = _CHECKPOINT.search(path.name)
-        if match:
-            found.append((int(match.group(1)), int(match.group(2)), path))
+    paths = Path(checkpoint_root).glob("*/checkpoint-*.pt")
+    found = [(int(m[1]), int(m[2]), p) for p in paths if (m := _CHECKPOINT.search(p.name))]
     if not found:
         return None
     epoch, step, path = max(found)
@@ -304,15 +300,6 @@ def ran_in_this_allocation(checkpoint_root, run: dict[str, Any]) -> dict | None:
     return None
 
 
-def _update(checkpoint_root, entry: dict[str, Any], **changes) -> None:
-    attempts = load(checkpoint_root)
-    for i, other in enumerate(attempts):
-        if other["key"] == entry["key"] and other["attempt"] == entry["attempt"]:
-            attempts[i] = {**other, **changes}
-    entry.update(changes)
-    _save(checkpoint_root, attempts)
-
-
 def end(checkpoint_root, entry: dict[str, Any], exit_code: int) -> None:
     """Close this attempt: its end, exit code, outcome, newest checkpoint and first error."""
     last = newest_checkpoint(checkpoint_root)
@@ -328,10 +315,11 @@ def end(checkpoint_root, entry: dict[str, Any], exit_code: int) -> None:
     if hung:
         print(f"watchdog: {hung}", flush=True)
         error = f"{hung}; {error}" if error else hung
-    _update(
-        checkpoint_root, entry, ended=time.time(), exit_code=exit_code, outcome=outcome,
-        last_checkpoint=last, error=error, **({"stop": stop} if stop else {}),
-    )  # fmt: skip
+    entry.update(ended=time.time(), exit_code=exit_code, outcome=outcome, last_checkpoint=last,
+                 error=error, **({"stop": stop} if stop else {}))  # fmt: skip
+    mine = (entry["key"], entry["attempt"])
+    attempts = [a | entry if (a["key"], a["attempt"]) == mine else a for a in load(checkpoint_root)]
+    _save(checkpoint_root, attempts)
 
 
 # ------------------------------------------------------------------ errors of the ranks
@@ -433,11 +421,9 @@ HUNG_SECONDS = 60.0  # a rank this far behind the others at the end is named as 
 
 
 class RankProgress(Heartbeat):
-    """Each rank's last step, so the end of a job that a hung rank ended through the
-    process-group timeout names that rank and its host (:func:`hung_rank`). The training loop
+    """Each rank's last step, so a job a hung rank ended names it (:func:`hung_rank`). The loop
     notes it (:meth:`mark`: no I/O, a slow metadata server never stalls a step); the heartbeat
-    writes it every ``seconds`` when it changed, so a rank stuck in its main thread goes
-    silent."""
+    writes it when it changed, so a rank stuck in its main thread goes silent."""
 
     def __init__(self, checkpoint_root, rank: int, host: str, seconds: float = PROGRESS_SECONDS):
         super().__init__(Path(checkpoint_root) / PROGRESS_DIR / f"rank{rank}.json", seconds)
