@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any, TypeVar
 
 from imagenet_ddp.io import HEARTBEAT_S, exclusive_lock, lock_path_for
 from imagenet_ddp.jobs.attempts import EXIT_REQUEUE, RECORD, last_sign, load, of_run, settings_key
+from imagenet_ddp.jobs.launchers import slurm
 
 T = TypeVar("T")
 
@@ -29,19 +29,11 @@ ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED"
          "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED"}  # fmt: skip
 # An open entry whose heartbeat is older than this is taken as dead where squeue cannot say.
 STALE_SECONDS = 3 * HEARTBEAT_S
-SLURM_SECONDS = 30  # a hung slurmctld must not hang the job
-
-
-def _slurm(*args: str) -> subprocess.CompletedProcess | None:
-    try:
-        return subprocess.run(list(args), capture_output=True, text=True, timeout=SLURM_SECONDS)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
 
 
 def job_state(job_id: str) -> str | None:
     """The job's state; "" when SLURM no longer knows it (ended); None: squeue cannot say."""
-    result = _slurm("squeue", "-h", "-j", str(job_id), "-o", "%T")
+    result = slurm("squeue", "-h", "-j", str(job_id), "-o", "%T")
     if result is None:
         return None
     if result.returncode == 0:
@@ -96,9 +88,9 @@ def _requeue_behind(own: str, holder: str) -> bool:
     for args in (("requeuehold", own),
                  ("update", f"JobId={own}", f"Dependency=afterany:{holder}"),
                  ("release", own)):  # fmt: skip
-        result = _slurm("scontrol", *args)
+        result = slurm("scontrol", *args)
         if result is None or result.returncode != 0:
             if args[0] != "requeuehold":  # held without its dependency: let it run again
-                _slurm("scontrol", "release", own)
+                slurm("scontrol", "release", own)
             return False
     return True

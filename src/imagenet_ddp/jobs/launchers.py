@@ -206,16 +206,25 @@ def task_python(environ=None) -> list[str]:
     return [task_runtime(environ), "exec", "--nv", image, sys.executable]
 
 
+SLURM_SECONDS = 30
+
+
+def slurm(*args: str) -> subprocess.CompletedProcess | None:
+    """A SLURM client command's result; None where it cannot run or a hung slurmctld holds it
+    past SLURM_SECONDS (it must not hang the job)."""
+    try:
+        return subprocess.run(list(args), capture_output=True, text=True, timeout=SLURM_SECONDS)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
 def allocated_nodes() -> int:
     """The node count of this SLURM job, from squeue (the SLURM executor strips
     SLURM_JOB_NUM_NODES, docs/slurm-notes.md section 3)."""
     job_id = os.environ.get("SLURM_JOB_ID", "")
     try:
-        result = subprocess.run(
-            ["squeue", "-h", "-j", job_id, "-o", "%D"], capture_output=True, text=True, timeout=60
-        )
-        return int(result.stdout.split()[0])
-    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return int(slurm("squeue", "-h", "-j", job_id, "-o", "%D").stdout.split()[0])
+    except (AttributeError, ValueError, IndexError):
         raise InputError(
             f"job {job_id or '(no SLURM_JOB_ID)'}: cannot read the allocation's node count "
             "with squeue, which a run with fallback_nodes needs (in a container: bind squeue, "
