@@ -389,7 +389,7 @@ def test_the_dry_run_refuses_a_relative_or_network_scratch_dir(tmp_path, monkeyp
 
     fake_mounts(monkeypatch, [("nas:/export/home", str(tmp_path), "nfs4", "rw")])  # "on nfs4"
     assert "is relative" in configured_scratch_problem("scratch")
-    assert "on nfs4 (nas:/export/home)" in configured_scratch_problem(str(tmp_path))
+    assert f"on nfs4 (nas:/export/home at {tmp_path})" in configured_scratch_problem(str(tmp_path))
     assert configured_scratch_problem(str(tmp_path / "missing-here")) is None  # node's
     assert configured_scratch_problem("") is None
     assert configured_scratch_problem("/dev/shm") is None

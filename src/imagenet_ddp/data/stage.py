@@ -104,12 +104,10 @@ def configured_scratch_problem(scratch_dir: str) -> str | None:
             "shares: set an absolute node-local path, or leave it empty ($SLURM_TMPDIR, "
             "$TMPDIR, /tmp)"
         )
-    mount = mount_of(Path(scratch_dir)) if Path(scratch_dir).exists() else None
-    if mount is not None and is_network(mount):
-        return (
-            f"{SCRATCH_KEY} {scratch_dir!r} is on {mount.fstype} ({mount.device}), which "
-            f"every node shares: set a node-local path ({NODE_LOCAL_EXAMPLE})"
-        )
+    problem = scratch_problem(Path(scratch_dir), {}) if Path(scratch_dir).exists() else None
+    if problem:  # no shared paths given: a network filesystem
+        return (f"{SCRATCH_KEY} {scratch_dir!r} is {problem[1]}, which every node shares: set "
+                f"a node-local path ({NODE_LOCAL_EXAMPLE})")  # fmt: skip
     return None
 
 
