@@ -73,9 +73,10 @@ def beat_path(checkpoint_root) -> Path:
 
 
 def last_sign(checkpoint_root, entry: dict[str, Any]) -> float:
-    """When the entry's job last beat (its start where it never did)."""
+    """When the entry's job last beat (its start where it never did; ``alive``: an entry of a
+    version before the heartbeat file)."""
     beat = entry.get("beat") and last_beat(Path(checkpoint_root) / ALIVE_DIR / entry["beat"])
-    return max(beat or 0.0, entry["started"])
+    return max(beat or 0.0, entry.get("alive") or 0.0, entry["started"])
 
 
 def has_record(checkpoint_root: str | os.PathLike[str]) -> bool:
