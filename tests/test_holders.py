@@ -5,6 +5,7 @@ tests/test_slurm_e2e.py (its controller killed and restarted mid-train)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -41,11 +42,16 @@ def fake_squeue(tmp_path, monkeypatch):
 
 
 def open_entry(root, job_id: str, alive: float) -> None:
-    """An attempt of job ``job_id`` that its launcher has not closed (it is training)."""
+    """An attempt of job ``job_id`` that its launcher has not closed (it is training), whose
+    job's heartbeat last beat at ``alive``."""
     entry = {"attempt": 1, "key": attempts.settings_key(RUN), "slurm_job_id": job_id,
-             "host": "node1", "started": alive - 60, "alive": alive, "ended": None,
+             "host": "node1", "started": alive - 600, "beat": job_id, "ended": None,
              "outcome": "running"}  # fmt: skip
     attempts._save(root, [entry])
+    beat = root / attempts.ALIVE_DIR / entry["beat"]
+    beat.parent.mkdir(exist_ok=True)
+    beat.touch()
+    os.utime(beat, (alive, alive))
 
 
 def test_a_job_gives_its_allocation_back_while_another_live_job_holds_the_run(

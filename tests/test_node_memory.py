@@ -58,16 +58,18 @@ def test_measured_too_much_is_refused_estimated_too_much_warned():
     assert memory_problem("r", NODE, 128_000) == ("", None)  # the profile's 128 GB fits
 
 
-# A site's mount table (fake mountinfo): /dev/shm a tmpfs, the workdir on Lustre.
-MOUNTINFO = """\
-22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
-30 22 0:40 / /dev/shm rw,nosuid,nodev shared:2 - tmpfs tmpfs rw
-42 22 0:52 / /lustre rw,relatime - lustre 10.0.0.1@o2ib:/fs rw
-45 22 8:17 / /local/scratch rw,relatime - xfs /dev/sdb1 rw
-"""
+# A site's mount table (psutil's, faked): /dev/shm a tmpfs, the workdir on Lustre.
+MOUNTS = [
+    ("/dev/sda1", "/", "ext4", "rw,relatime"),
+    ("tmpfs", "/dev/shm", "tmpfs", "rw,nosuid,nodev"),
+    ("10.0.0.1@o2ib:/fs", "/lustre", "lustre", "rw,relatime"),
+    ("/dev/sdb1", "/local/scratch", "xfs", "rw,relatime"),
+]
 
 
-def test_a_2x8_v2_preset_run_staging_to_dev_shm_at_128_gb_is_warned_with_its_numbers(tmp_path):
+def test_a_2x8_v2_preset_run_staging_to_dev_shm_at_128_gb_is_warned_with_its_numbers(
+    tmp_path, monkeypatch
+):
     """Issue 36: the tmpfs copy (~52 GB at short_side 256) and each loader worker's dataset
     arrays (46 MB at the full train split, 120 workers per node) count against mem_mb."""
     import json
@@ -76,21 +78,21 @@ def test_a_2x8_v2_preset_run_staging_to_dev_shm_at_128_gb_is_warned_with_its_num
     from imagenet_ddp.settings.node_memory import DATASET_BYTES_PER_SAMPLE, DataSizes
     from imagenet_ddp.settings.presets import preset
     from imagenet_ddp.settings.run_checks import ILSVRC2012_TRAIN_IMAGES
+    from tests.test_stage import fake_mounts
 
-    info = tmp_path / "mountinfo"
-    info.write_text(MOUNTINFO)
+    fake_mounts(monkeypatch, [], base=MOUNTS)
     holdout = 128_117
     train = ILSVRC2012_TRAIN_IMAGES - holdout
     assert train * DATASET_BYTES_PER_SAMPLE == pytest.approx(46e6, rel=0.01)  # per worker
     prepared = tmp_path / "prepared/train"  # not prepared yet: estimated from the images
-    size, measured, where = scratch_in_ram("/dev/shm", prepared, train + holdout, 256, info)
+    size, measured, where = scratch_in_ram("/dev/shm", prepared, train + holdout, 256)
     assert not measured and size == pytest.approx(train_set_mib := 1_281_167 * 42_700 / 2**20)
     assert where.startswith("stage.scratch_dir '/dev/shm' is tmpfs; estimated as 1281167 images")
-    assert scratch_in_ram("/local/scratch/me", prepared, 10, 256, info) is None  # a disk
-    assert scratch_in_ram("", prepared, 10, 256, info) is None  # the job's $TMPDIR: unknown
+    assert scratch_in_ram("/local/scratch/me", prepared, 10, 256) is None  # a disk
+    assert scratch_in_ram("", prepared, 10, 256) is None  # the job's $TMPDIR: unknown
     prepared.mkdir(parents=True)
     (prepared / "prepared.json").write_text(json.dumps({"total_bytes": 54_700 * 2**20}))
-    assert scratch_in_ram("/dev/shm/x", prepared, 10, 256, info)[:2] == (54_700, True)
+    assert scratch_in_ram("/dev/shm/x", prepared, 10, 256)[:2] == (54_700, True)
 
     run = {**NODE, "cpus_per_task": 16, **preset("torchvision-resnet50-v2")}
     on_disk = DataSizes(train, holdout)

@@ -14,6 +14,8 @@ import pytest
 from imagenet_ddp.data import stage
 from imagenet_ddp.data.stage import cleanup_staged, scratch_problem, scratch_root, stage_dataset
 from imagenet_ddp.errors import InputError
+from imagenet_ddp.io import Heartbeat
+from imagenet_ddp.jobs.attempts import beat_path
 from tests.workflow_helpers import make_job
 
 
@@ -157,12 +159,9 @@ def test_a_copy_into_ram_above_the_jobs_memory_limit_is_refused_before_it_is_mad
         without = (int(need - figures["estimated"] * 2**20) + 1, "x")
         assert ram_copy_problem(src, tmpdir / "other", "$TMPDIR", run, without) is not None
         nodriver = tmp_path / "no-driver"
-        assert ram_copy_problem(
-            src, tmpdir / "other", "$TMPDIR", run, without, stage.MOUNTINFO, nodriver
-        ) is None  # fmt: skip
-        on_disk = tmp_path / "mountinfo"  # the same path on a disk: never a RAM problem
-        on_disk.write_text("22 1 8:1 / / rw - ext4 /dev/sda1 rw\n")
-        assert ram_copy_problem(src, tmpdir, "$TMPDIR", run, (1, "x"), on_disk) is None
+        assert ram_copy_problem(src, tmpdir / "other", "$TMPDIR", run, without, nodriver) is None
+        fake_mounts(monkeypatch, [], base=[MOUNTS[0]])  # on a disk: never a RAM problem
+        assert ram_copy_problem(src, tmpdir, "$TMPDIR", run, (1, "x")) is None
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
@@ -175,9 +174,13 @@ def test_a_shared_copy_is_removed_by_the_last_job_that_leaves(prepared_demo, tmp
     def spec(run):
         return make_job(
             prepared_train=prepared_demo["val"], run_dir=tmp_path / run, launcher="srun",
-            scratch_dir=str(node_local / "scratch"),
+            scratch_dir=str(node_local / "scratch"), checkpoint_root=tmp_path / f"ckpt-{run}",
         )  # fmt: skip
 
+    # each job's heartbeat (run_staged's) lives while it reads the copy
+    beats = [Heartbeat(beat_path(spec(run).paths.checkpoint_root)) for run in "ab"]
+    for beat in beats:
+        beat.__enter__()
     first, second = stage_this_node(spec("a")), stage_this_node(spec("b"))
     dest = Path(first["dest"])
     assert second["dest"] == first["dest"] and second["reused"] is True
@@ -191,6 +194,8 @@ def test_a_shared_copy_is_removed_by_the_last_job_that_leaves(prepared_demo, tmp
     assert again["reused"] is True and len(list(dest.parent.glob("*.leases/*"))) == 1
     unstage_this_node(spec("b"))
     assert list((node_local / "scratch").iterdir()) == [], "the last run removes the copy"
+    for beat in beats:
+        beat.__exit__()
 
 
 def test_a_job_after_the_runs_final_checkpoint_stages_nothing(prepared_demo, tmp_path, node_local):
@@ -284,15 +289,25 @@ def test_scratch_root_is_the_setting_else_slurm_tmpdir_else_tmpdir_else_tmp(tmp_
     assert scratch_root(None, {}) == (Path("/tmp"), "the default /tmp")
 
 
-MOUNTINFO = """\
-22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
-30 22 0:40 / /dev/shm rw,nosuid,nodev shared:2 - tmpfs tmpfs rw
-41 22 0:51 / /gpfs/work rw,relatime shared:20 - gpfs work rw
-42 22 0:52 / /lustre rw,relatime - lustre 10.0.0.1@o2ib:/fs rw,flock
-43 22 0:53 / /home rw,relatime shared:21 - nfs4 nas:/export/home rw,vers=4.2
-44 22 0:54 / /mnt/my\\040data rw,relatime - fuse.sshfs user@host:/d rw
-45 42 8:17 / /lustre/local rw,relatime - xfs /dev/sdb1 rw
-"""
+# The mount table as psutil gives it (device, mount point, type, options), in mount order.
+MOUNTS = [
+    ("/dev/sda1", "/", "ext4", "rw,relatime"),
+    ("tmpfs", "/dev/shm", "tmpfs", "rw,nosuid,nodev"),
+    ("work", "/gpfs/work", "gpfs", "rw,relatime"),
+    ("10.0.0.1@o2ib:/fs", "/lustre", "lustre", "rw,relatime,flock"),
+    ("nas:/export/home", "/home", "nfs4", "rw,relatime,vers=4.2"),
+    ("user@host:/d", "/mnt/my data", "fuse.sshfs", "rw,relatime"),
+    ("/dev/sdb1", "/lustre/local", "xfs", "rw,relatime"),
+]
+
+
+def fake_mounts(monkeypatch, extra, base=MOUNTS) -> None:
+    """psutil's mount table, as it would read ``base`` and ``extra`` mounted."""
+    import psutil
+
+    part = namedtuple("sdiskpart", "device mountpoint fstype opts")
+    table = [part(*m) for m in [*base, *extra]]
+    monkeypatch.setattr(psutil, "disk_partitions", lambda all=False: table)
 
 
 @pytest.mark.parametrize(
@@ -300,14 +315,13 @@ MOUNTINFO = """\
     [("/home/me/scratch", "nfs4"), ("/lustre/proj/tmp", "lustre"), ("/gpfs/work", "gpfs"),
      ("/mnt/my data/x", "fuse.sshfs")],
 )  # fmt: skip
-def test_a_scratch_root_on_a_network_filesystem_is_refused(tmp_path, path, fs):
-    info = tmp_path / "mountinfo"
-    info.write_text(MOUNTINFO)
-    kind, text = scratch_problem(Path(path), {}, mountinfo=info)
+def test_a_scratch_root_on_a_network_filesystem_is_refused(monkeypatch, path, fs):
+    fake_mounts(monkeypatch, [])
+    kind, text = scratch_problem(Path(path), {})
     assert kind == "network" and text.startswith(f"on {fs} "), text
     # A node-local filesystem mounted below a network one is not refused for its parent's type.
-    assert scratch_problem(Path("/lustre/local/x"), {}, mountinfo=info) is None
-    assert scratch_problem(Path("/dev/shm/x"), {}, mountinfo=info) is None
+    assert scratch_problem(Path("/lustre/local/x"), {}) is None
+    assert scratch_problem(Path("/dev/shm/x"), {}) is None
 
 
 def test_a_scratch_root_on_the_filesystem_of_the_data_or_workdir_is_refused(
@@ -343,39 +357,42 @@ def test_a_scratch_root_on_the_filesystem_of_the_data_or_workdir_is_refused(
 
 
 def test_a_lease_left_by_a_killed_job_is_reclaimed_by_the_next_stager(prepared_demo, tmp_path):
-    """A job killed before its cleanup, never retried: its lease must not pin the copy."""
-    import socket
-    import subprocess
-    import sys
+    """A job killed before its cleanup, never retried: its lease must not pin the copy. A
+    lease names its job's heartbeat (io.Heartbeat), on the shared filesystem every node sees:
+    gone or silent for io.STALE_S, the job has ended."""
+    import os
+    import time
 
+    from imagenet_ddp import io
     from imagenet_ddp.data.stage import reclaim_stale_leases
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True).stdout.strip()  # fmt: skip
-    report = stage_dataset(prepared_demo["val"], tmp_path, verify="size", lease="killed")
-    dest = Path(report["dest"])
-    lease = dest.parent / f"{dest.name}.leases" / "killed"
-    owner = json.loads(lease.read_text())
-    assert owner["pid"] > 0 and owner["host"] == socket.gethostname()
-    alive = stage_dataset(prepared_demo["val"], tmp_path, verify="size", lease="alive")
-    assert alive["reused"]
-    lease.write_text(json.dumps({**owner, "pid": int(dead)}))  # its process is gone
-    assert reclaim_stale_leases(tmp_path) == []  # "alive" (this process) still holds it
-    assert not lease.exists() and dest.is_dir()
-    (lease.parent / "alive").write_text(json.dumps({**owner, "pid": int(dead)}))
+    killed, alive = tmp_path / "alive" / "7", tmp_path / "alive" / "8"
+    with Heartbeat(alive, seconds=60):
+        killed.touch()
+        report = stage_dataset(prepared_demo["val"], tmp_path, verify="size", lease=str(killed))
+        dest = Path(report["dest"])
+        leases = dest.parent / f"{dest.name}.leases"
+        assert [p.read_text() for p in leases.iterdir()] == [str(killed)]
+        again = stage_dataset(prepared_demo["val"], tmp_path, verify="size", lease=str(alive))
+        assert again["reused"] and len(list(leases.iterdir())) == 2
+        assert reclaim_stale_leases(tmp_path) == [] and len(list(leases.iterdir())) == 2
+        silent = time.time() - io.STALE_S - 5  # SIGKILLed with its job (or its node lost)
+        os.utime(killed, (silent, silent))
+        assert reclaim_stale_leases(tmp_path) == []  # the live job still holds it
+        assert [p.read_text() for p in leases.iterdir()] == [str(alive)] and dest.is_dir()
+    assert not alive.exists()  # its job ended (its copy left to the next stager: a stop)
     assert reclaim_stale_leases(tmp_path) == [dest] and not dest.exists()
 
 
-def test_the_dry_run_refuses_a_relative_or_network_scratch_dir(tmp_path):
+def test_the_dry_run_refuses_a_relative_or_network_scratch_dir(tmp_path, monkeypatch):
     from imagenet_ddp.data.stage import configured_scratch_problem
 
-    info = tmp_path / "mountinfo"
-    info.write_text(MOUNTINFO.replace(" /home ", f" {tmp_path} "))  # tmp_path "on nfs4"
-    assert "is relative" in configured_scratch_problem("scratch", info)
-    assert "on nfs4 (nas:/export/home)" in configured_scratch_problem(str(tmp_path), info)
-    assert configured_scratch_problem(str(tmp_path / "missing-here"), info) is None  # node's
-    assert configured_scratch_problem("", info) is None
-    assert configured_scratch_problem("/dev/shm", info) is None
+    fake_mounts(monkeypatch, [("nas:/export/home", str(tmp_path), "nfs4", "rw")])  # "on nfs4"
+    assert "is relative" in configured_scratch_problem("scratch")
+    assert f"on nfs4 (nas:/export/home at {tmp_path})" in configured_scratch_problem(str(tmp_path))
+    assert configured_scratch_problem(str(tmp_path / "missing-here")) is None  # node's
+    assert configured_scratch_problem("") is None
+    assert configured_scratch_problem("/dev/shm") is None
 
 
 def test_the_rules_pass_the_scratch_setting_and_the_dry_run_refuses_a_relative_one(
@@ -486,7 +503,9 @@ def test_a_stale_directory_lock_is_taken_over_and_other_errors_still_raise(monke
         pass
 
 
-def test_on_lustre_mounted_localflock_the_lock_is_a_directory_every_node_sees(tmp_path):
+def test_on_lustre_mounted_localflock_the_lock_is_a_directory_every_node_sees(
+    tmp_path, monkeypatch
+):
     """localflock grants flock on each client alone (two nodes would both hold the lock):
     there, read from the mount's options, the lock is the directory lock; with `flock` it is
     flock."""
@@ -497,19 +516,18 @@ def test_on_lustre_mounted_localflock_the_lock_is_a_directory_every_node_sees(tm
 
     shared = tmp_path / "lustre"
     shared.mkdir()
-    info = tmp_path / "mountinfo"
-    lustre = f"52 22 0:62 / {shared} rw,relatime - lustre 10.0.0.1@o2ib:/fs rw,localflock\n"
-    info.write_text(MOUNTINFO + lustre)
+    lustre = ("10.0.0.1@o2ib:/fs", str(shared), "lustre", "rw,relatime,localflock,lazystatfs")
+    fake_mounts(monkeypatch, [lustre])
     lock = shared / "out" / ".train.lock"
-    assert flock_is_node_local(lock.parent, info)
-    assert not flock_is_node_local(Path("/lustre/x"), info)  # mounted `flock`: cluster-wide
-    with io.exclusive_lock(lock, mountinfo=info):
+    assert flock_is_node_local(lock.parent)
+    assert not flock_is_node_local(Path("/lustre/x"))  # mounted `flock`: cluster-wide
+    with io.exclusive_lock(lock):
         assert (shared / "out" / ".train.lock.d" / "owner").is_file()
         with open(lock, "a") as other:  # no flock taken: another opener gets it at once
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
     assert not (shared / "out" / ".train.lock.d").exists()
-    info.write_text(MOUNTINFO + lustre.replace("localflock", "flock"))
-    with io.exclusive_lock(lock, mountinfo=info), open(lock, "a") as other:
+    fake_mounts(monkeypatch, [(*lustre[:3], "rw,relatime,flock")])
+    with io.exclusive_lock(lock), open(lock, "a") as other:
         assert not (shared / "out" / ".train.lock.d").exists()
         with pytest.raises(BlockingIOError):
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -1,4 +1,4 @@
-"""Atomic file writing: nothing half-written ever carries a final name."""
+"""Atomic file writing (nothing half-written ever carries a final name), locks, heartbeats."""
 
 from __future__ import annotations
 
@@ -17,16 +17,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from imagenet_ddp.mounts import MOUNTINFO, flock_is_node_local
+from imagenet_ddp.mounts import flock_is_node_local
 
 
 @contextlib.contextmanager
 def atomic_path(final: str | os.PathLike[str], *, is_dir: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling path; rename it onto ``final`` only if the block succeeds.
-
-    The temporary lives in the same directory so the rename is atomic on POSIX file systems.
-    On error the temporary is removed and ``final`` is left untouched.
-    """
+    """Yield a temporary sibling path (a rename in one directory is atomic), renamed onto
+    ``final`` only if the block succeeds; else removed, ``final`` untouched."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     prefix = f".{final.name}.tmp-"
@@ -77,31 +74,64 @@ def lock_path_for(path: str | os.PathLike[str]) -> Path:
 # mounted without `flock` (the default before 2.13) answers ENOSYS; some NFS/FUSE mounts
 # EOPNOTSUPP or ENOLCK.
 NO_FLOCK_ERRNOS = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK})
-# The fallback lock (a directory made with mkdir, atomic on every shared filesystem): its
-# holder touches it every HEARTBEAT_S; a waiter takes it over once it is older than STALE_S
-# (a holder killed with SIGKILL or on a lost node), generous against clocks that differ
-# between nodes.
+# A holder's sign of life (:class:`Heartbeat`) every HEARTBEAT_S; a directory lock silent for
+# STALE_S is taken over (generous against clocks that differ between nodes).
 HEARTBEAT_S = 30.0
 STALE_S = 600.0
 POLL_S = 2.0
 
 
-@contextlib.contextmanager
-def exclusive_lock(
-    lock_file: str | os.PathLike[str], *, mountinfo: Path = MOUNTINFO
-) -> Iterator[None]:
-    """Hold an exclusive lock on ``lock_file`` (created if needed), released on exit.
+class Heartbeat:
+    """The one liveness mechanism: while active, a daemon thread calls :meth:`beat` every
+    ``seconds``, touching ``path``, whose mtime (:func:`last_beat`) is then the holder's last
+    sign of life; it is removed when the holder is done. (jobs.attempts.RankProgress beats
+    only when its rank stepped: its main thread stops that when it hangs.)"""
 
-    flock works across processes and, on most shared file systems (NFS v4, Lustre mounted
-    with ``flock``, GPFS), across nodes; it is released by the kernel if the holder dies.
-    Where the filesystem has no flock (:data:`NO_FLOCK_ERRNOS`) or one that locks within a
-    node only (Lustre's ``localflock``), a lock directory beside it (:func:`directory_lock`)
-    holds across nodes instead.
-    """
+    def __init__(self, path, seconds: float = HEARTBEAT_S) -> None:
+        self.path, self.seconds = Path(path), seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def beat(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.touch()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.seconds):
+            with contextlib.suppress(OSError):  # a full disk: the holder's own errors say more
+                self.beat()
+
+    def __enter__(self) -> Heartbeat:
+        self.beat()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        with contextlib.suppress(OSError):  # its holder is done: silence, at once
+            self.path.unlink()
+
+
+def last_beat(path) -> float | None:
+    """When ``path``'s :class:`Heartbeat` last beat (Unix seconds); None: it never did."""
+    try:
+        return os.stat(path).st_mtime
+    except (OSError, TypeError):
+        return None
+
+
+@contextlib.contextmanager
+def exclusive_lock(lock_file: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock_file`` (created if needed), released on exit: flock,
+    which the kernel releases if the holder dies; where the filesystem has none
+    (:data:`NO_FLOCK_ERRNOS`) or one that locks within a node only (Lustre's ``localflock``),
+    a lock directory beside it (:func:`directory_lock`)."""
     lock_file = Path(lock_file)
     lock_file.parent.mkdir(parents=True, exist_ok=True)
-    if flock_is_node_local(lock_file.parent, mountinfo):
-        with directory_lock(lock_file.with_name(lock_file.name + ".d")):
+    fallback = directory_lock(lock_file.with_name(lock_file.name + ".d"))
+    if flock_is_node_local(lock_file.parent):
+        with fallback:
             yield
         return
     with open(lock_file, "a") as handle:
@@ -110,7 +140,7 @@ def exclusive_lock(
         except OSError as error:
             if error.errno not in NO_FLOCK_ERRNOS:
                 raise
-            with directory_lock(lock_file.with_name(lock_file.name + ".d")):
+            with fallback:
                 yield
             return
         try:
@@ -121,47 +151,34 @@ def exclusive_lock(
 
 @contextlib.contextmanager
 def directory_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock that needs no flock: ``mkdir(path)`` succeeds for one process on any
-    node; ``path/owner`` names the holder (host, pid), whose thread touches it every
-    :data:`HEARTBEAT_S`. A lock untouched for :data:`STALE_S` is renamed away (one waiter
-    wins the rename) and taken."""
-    owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    """A lock that needs no flock: ``mkdir(path)`` succeeds for one process on any node, whose
+    :class:`Heartbeat` keeps it fresh; one silent for :data:`STALE_S` (its holder SIGKILLed or
+    its node lost) is renamed away (one waiter wins the rename) and taken. ``path/owner``
+    names the holder.
+
+    Not filelock's: its SoftFileLock breaks a dead holder's marker on the same host only, and
+    its SoftFileLease (filelock 3.30) takes one over across hosts by renameat2's
+    RENAME_EXCHANGE, which NFS, older Lustre and FUSE answer with EINVAL: there a dead
+    holder's lease is never taken (tried with filelock 4.3.1). A plain rename works on all."""
     while True:
         try:
             os.mkdir(path)
             break
         except FileExistsError:
-            _break_if_stale(path)
+            silent = time.time() - (last_beat(path) or time.time())
+            if silent > STALE_S:
+                stale = path.with_name(f"{path.name}.stale-{socket.gethostname()}-{os.getpid()}")
+                with contextlib.suppress(FileNotFoundError):  # another waiter renamed it first
+                    os.rename(path, stale)
+                    shutil.rmtree(stale, ignore_errors=True)
             time.sleep(POLL_S)
+    owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
     (path / "owner").write_text(json.dumps(owner) + "\n")
-    stop = threading.Event()
-    beat = threading.Thread(target=_heartbeat, args=(path, stop), daemon=True)
-    beat.start()
     try:
-        yield
+        with Heartbeat(path, HEARTBEAT_S):
+            yield
     finally:
-        stop.set()
-        beat.join()
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _heartbeat(path: Path, stop: threading.Event) -> None:
-    while not stop.wait(HEARTBEAT_S):
-        with contextlib.suppress(OSError):
-            os.utime(path)
-
-
-def _break_if_stale(path: Path) -> None:
-    try:
-        age = time.time() - path.stat().st_mtime
-    except FileNotFoundError:
-        return  # released meanwhile
-    if age < STALE_S:
-        return
-    stale = path.with_name(f"{path.name}.stale-{socket.gethostname()}-{os.getpid()}")
-    with contextlib.suppress(FileNotFoundError):  # another waiter renamed it first
-        os.rename(path, stale)
-        shutil.rmtree(stale, ignore_errors=True)
 
 
 def file_digest(path: str | os.PathLike[str], algorithm: str) -> str:

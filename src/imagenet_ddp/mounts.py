@@ -1,20 +1,14 @@
-"""Which filesystem holds a path: its mount point and type, read from ``/proc/self/mountinfo``.
-
-Staging uses it to refuse a scratch root that is not node-local (:mod:`imagenet_ddp.data.stage`);
-a lock on Lustre mounted ``localflock`` is taken as a directory (:mod:`imagenet_ddp.io`).
-The mount is the one whose mount point is the longest prefix of the path's real path; of
-several at one mount point the last listed wins (it is on top), as ``findmnt --target`` does.
+"""Which filesystem holds a path (psutil's mount table): staging refuses a scratch root that
+is not node-local, a lock on Lustre mounted ``localflock`` is a directory (imagenet_ddp.io).
 Linux only; torch-free.
 """
 
 from __future__ import annotations
 
 import os
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
-MOUNTINFO = Path("/proc/self/mountinfo")
+import psutil
 
 # Filesystems whose files every node of a cluster sees (or that live across the network):
 # staging into one is no node-local copy. fuse.* types are named by their daemon.
@@ -27,37 +21,8 @@ NETWORK_FS_TYPES = frozenset({
 })  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Mount:
-    mount_point: str
-    fs_type: str
-    source: str
-    options: frozenset[str] = frozenset()  # the mount's and the filesystem's own
-
-    @property
-    def is_network(self) -> bool:
-        return self.fs_type in NETWORK_FS_TYPES
-
-
-def _unescape(field: str) -> str:
-    """mountinfo writes space, tab, newline and backslash in paths as octal escapes."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def parse_mountinfo(text: str) -> list[Mount]:
-    """Each line: ``id parent major:minor root mount_point options [optional...] - type
-    source super_options`` (proc(5)); the optional fields end at the lone ``-``."""
-    mounts = []
-    for line in text.splitlines():
-        fields = line.split()
-        if "-" not in fields[6:]:
-            continue
-        dash = fields.index("-", 6)
-        options = frozenset(",".join([fields[5], *fields[dash + 3 : dash + 4]]).split(","))
-        mounts.append(
-            Mount(_unescape(fields[4]), fields[dash + 1], _unescape(fields[dash + 2]), options)
-        )
-    return mounts
+def is_network(mount) -> bool:
+    return mount.fstype in NETWORK_FS_TYPES
 
 
 def existing_ancestor(path: Path) -> Path:
@@ -68,25 +33,26 @@ def existing_ancestor(path: Path) -> Path:
     return path
 
 
-def mount_of(path: Path, mountinfo: Path = MOUNTINFO) -> Mount | None:
-    """The mount holding ``path`` (or the ancestor that will hold it); None if unreadable."""
+def mount_of(path: Path):
+    """The mount holding ``path`` (or the ancestor that will hold it), as psutil lists it
+    (``device``, ``mountpoint``, ``fstype``, ``opts``); None if the table is unreadable."""
     try:
-        mounts = parse_mountinfo(mountinfo.read_text())
+        mounts = psutil.disk_partitions(all=True)  # network ones too; in mount order
     except OSError:
         return None
     target = os.path.realpath(path)  # resolves what exists, keeps the rest
     best, best_length = None, -1
     for mount in mounts:
-        point = mount.mount_point.rstrip("/")
+        point = mount.mountpoint.rstrip("/")
         holds = point == "" or target == point or target.startswith(point + "/")
         if holds and len(point) >= best_length:  # the deepest; at a tie the later (on top)
             best, best_length = mount, len(point)
     return best
 
 
-def flock_is_node_local(path: Path, mountinfo: Path = MOUNTINFO) -> bool:
+def flock_is_node_local(path: Path) -> bool:
     """Whether flock(2) on ``path`` excludes only processes on this node: Lustre mounted
-    ``localflock`` grants flock locks on each client alone (lustre's mount.lustre(8)), so two
-    nodes would both hold one."""
-    mount = mount_of(path, mountinfo)
-    return mount is not None and "localflock" in mount.options
+    ``localflock`` grants flock locks on each client alone (mount.lustre(8)), so two nodes
+    would both hold one."""
+    mount = mount_of(path)
+    return mount is not None and "localflock" in mount.opts.split(",")

@@ -1,32 +1,23 @@
 """Copy a prepared directory to node-local scratch, once per node, and remove it afterwards.
 
-Destination: ``<scratch_root>/imagenet_ddp/<fingerprint>/<src.name>``, where the fingerprint is
-the first 16 hex digits of the sha256 of ``src/prepared.json`` (which holds every shard's
-sha256, so equal fingerprints mean equal content). A copy is complete only once its marker
-``.staged.json`` exists (written last, after verification); a complete copy is reused. Copies go
-to a temporary sibling directory renamed into place, under an exclusive lock, so concurrent
-stagers on one node (e.g. two jobs sharing a scratch dir) never see or make a partial copy.
-Works for any prepared directory (train or val).
+Destination: ``<scratch_root>/imagenet_ddp/<fingerprint>/<src.name>`` (the fingerprint: of
+``prepared.json``, which holds every shard's sha256). A copy is made in a temporary sibling
+renamed into place under an exclusive lock, and is complete once its marker ``.staged.json``
+(written last, after verification) exists; a complete copy is reused.
 
-Scratch root (:func:`scratch_root`): ``stage.scratch_dir`` when set, else ``$SLURM_TMPDIR``,
-else ``$TMPDIR``, else ``/tmp``. Before any copy, a root on a network/parallel filesystem
-(:mod:`imagenet_ddp.mounts`) or on the filesystem of the prepared copy or the workdir is
-refused (:func:`scratch_problem`): every node would copy into one shared place, serialized by
-a cross-node lock, and train over the shared filesystem after all. The local launcher (one
-machine) reads the prepared copy in place instead where a copy would land on its own disk
-(launch.py ``stage_this_node``).
+Scratch root (:func:`scratch_root`): ``stage.scratch_dir``, else ``$SLURM_TMPDIR``, else
+``$TMPDIR``, else ``/tmp``. A root on a network filesystem or on the filesystem of the prepared
+copy or the workdir is refused before any copy (:func:`scratch_problem`): every node would copy
+into one shared place. The local launcher reads the prepared copy in place there instead.
 
-Jobs that share a copy (several runs on one node with the same scratch dir: the local launcher,
-or a cluster without a per-job scratch dir) each hold a lease on it
-(``<fp>/<name>.leases/<lease>``); cleanup removes the copy only when the last lease goes, so one
-job's cleanup never deletes the data another is still reading. A lease left by a job killed
-before its cleanup (SIGKILL, node failure, a run never retried) is reclaimed by the next job
-that stages on the node (:func:`reclaim_stale_leases`): the copy does not stay pinned until
-scratch is purged.
+Jobs that share a copy each hold a lease on it (``<fp>/<name>.leases/``, naming the job's
+heartbeat file: io.Heartbeat); the last lease to go removes the copy, and a lease whose
+heartbeat is gone or silent for io.STALE_S is reclaimed (:func:`reclaim_stale_leases`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -39,13 +30,15 @@ from pathlib import Path
 from imagenet_ddp.data.prepared_layout import PREPARED_JSON, SHARD_DIR
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import (
+    STALE_S,
     atomic_path,
     exclusive_lock,
     file_digest,
+    last_beat,
     lock_path_for,
     write_json_atomic,
 )
-from imagenet_ddp.mounts import MOUNTINFO, existing_ancestor, mount_of
+from imagenet_ddp.mounts import existing_ancestor, is_network, mount_of
 from imagenet_ddp.settings.node_memory import DataSizes, estimate_mb
 
 STAGE_DIR = "imagenet_ddp"
@@ -59,15 +52,13 @@ NODE_LOCAL_EXAMPLE = (
     "e.g. /local/scratch; /dev/shm only with mem_mb raised by the train set's size, "
     "which the dry-run adds"
 )
-# Where a node stages when stage.scratch_dir is unset, in this order. SLURM itself sets neither
-# variable to anything node-local: slurmstepd keeps the TMPDIR the job inherited (from the
-# submitting shell, or a site's prolog/plugin) and sets TMPDIR=/tmp only where none is set.
+# Where a node stages when stage.scratch_dir is unset. SLURM sets neither to anything
+# node-local itself: slurmstepd keeps the TMPDIR the job inherited, else /tmp.
 SCRATCH_VARIABLES = ("SLURM_TMPDIR", "TMPDIR")
 
 
 def scratch_root(configured: str | None, environ=None) -> tuple[Path, str]:
-    """Where this node stages, and what chose it: ``configured`` (stage.scratch_dir) when
-    set, else $SLURM_TMPDIR, else $TMPDIR, else /tmp."""
+    """Where this node stages, and what chose it."""
     environ = os.environ if environ is None else environ
     if configured:
         return Path(configured), SCRATCH_KEY
@@ -77,16 +68,13 @@ def scratch_root(configured: str | None, environ=None) -> tuple[Path, str]:
     return Path("/tmp"), "the default /tmp"
 
 
-def scratch_problem(
-    root: Path, shared: dict[str, Path], mountinfo: Path = MOUNTINFO
-) -> tuple[str, str] | None:
+def scratch_problem(root: Path, shared: dict[str, Path]) -> tuple[str, str] | None:
     """Why ``root`` cannot hold a node-local copy, as (kind, text), or None. Kind ``network``:
-    it is on a network/parallel filesystem; ``shared``: on the same filesystem (st_dev) as
-    one of ``shared`` ({what: path}, e.g. the prepared copy and the workdir, which every node
-    sees). A root that does not exist yet is judged by the ancestor it will be created in."""
-    mount = mount_of(root, mountinfo)
-    if mount is not None and mount.is_network:
-        return "network", f"on {mount.fs_type} ({mount.source} at {mount.mount_point})"
+    on a network filesystem; ``shared``: on the filesystem (st_dev) of one of ``shared``
+    ({what: path}, which every node sees). A root not there yet is judged by its ancestor."""
+    mount = mount_of(root)
+    if mount is not None and is_network(mount):
+        return "network", f"on {mount.fstype} ({mount.device} at {mount.mountpoint})"
     device = existing_ancestor(root).stat().st_dev
     for what, path in shared.items():
         if Path(path).exists() and Path(path).stat().st_dev == device:
@@ -100,15 +88,14 @@ def scratch_info(root: Path, origin: str) -> dict:
     return {
         "root": str(root),
         "from": origin,
-        "fs_type": mount.fs_type if mount else None,
-        "source": mount.source if mount else None,
+        "fs_type": mount.fstype if mount else None,
+        "source": mount.device if mount else None,
     }
 
 
-def configured_scratch_problem(scratch_dir: str, mountinfo: Path = MOUNTINFO) -> str | None:
-    """What the dry-run can already tell about ``stage.scratch_dir`` (the node's own view is
-    checked again when it stages): a relative path (in the workdir, which every node shares),
-    or a path that exists here on a network filesystem (the same path on the nodes)."""
+def configured_scratch_problem(scratch_dir: str) -> str | None:
+    """What the dry-run can tell about ``stage.scratch_dir`` (the node checks again): relative
+    (in the workdir every node shares), or on a network filesystem here."""
     if not scratch_dir:
         return None
     if not os.path.isabs(scratch_dir):
@@ -117,12 +104,10 @@ def configured_scratch_problem(scratch_dir: str, mountinfo: Path = MOUNTINFO) ->
             "shares: set an absolute node-local path, or leave it empty ($SLURM_TMPDIR, "
             "$TMPDIR, /tmp)"
         )
-    mount = mount_of(Path(scratch_dir), mountinfo) if Path(scratch_dir).exists() else None
-    if mount is not None and mount.is_network:
-        return (
-            f"{SCRATCH_KEY} {scratch_dir!r} is on {mount.fs_type} ({mount.source}), which "
-            f"every node shares: set a node-local path ({NODE_LOCAL_EXAMPLE})"
-        )
+    problem = scratch_problem(Path(scratch_dir), {}) if Path(scratch_dir).exists() else None
+    if problem:  # no shared paths given: a network filesystem
+        return (f"{SCRATCH_KEY} {scratch_dir!r} is {problem[1]}, which every node shares: set "
+                f"a node-local path ({NODE_LOCAL_EXAMPLE})")  # fmt: skip
     return None
 
 
@@ -133,33 +118,29 @@ RAM_FS_TYPES = frozenset({"tmpfs", "ramfs"})
 PREPARED_BYTES_PER_IMAGE_AT_256 = 42_700
 
 
+def _ram_fs(path: Path) -> str | None:
+    """The filesystem type of ``path`` where it lives in RAM (charged to the job's memory)."""
+    mount = mount_of(existing_ancestor(path))
+    return mount.fstype if mount is not None and mount.fstype in RAM_FS_TYPES else None
+
+
 def scratch_in_ram(
-    scratch_dir: str, prepared_train: Path, images: int, short_side: int,
-    mountinfo: Path = MOUNTINFO,
-) -> tuple[float, bool, str] | None:  # fmt: skip
-    """(MiB, measured, what) of the train copy each node stages when ``stage.scratch_dir`` is
-    on a tmpfs here (e.g. /dev/shm, the same on every node): the prepared copy's own size when
-    it exists (``measured``), else ``images`` at ``short_side``; None when it is not in RAM or
-    not known at the dry-run (empty: the job's $SLURM_TMPDIR/$TMPDIR, seen only on the node)."""
-    if not scratch_dir or not os.path.isabs(scratch_dir):
+    scratch_dir: str, prepared_train: Path, images: int, short_side: int
+) -> tuple[float, bool, str] | None:
+    """(MiB, measured, what) of the train copy each node stages where ``stage.scratch_dir`` is
+    a tmpfs here (/dev/shm): the prepared copy's size, else ``images`` at ``short_side``; None
+    where not in RAM or unknown at the dry-run (empty: seen only on the node)."""
+    fs_type = os.path.isabs(scratch_dir or "") and _ram_fs(Path(scratch_dir))
+    if not fs_type:
         return None
-    mount = mount_of(existing_ancestor(Path(scratch_dir)), mountinfo)
-    if mount is None or mount.fs_type not in RAM_FS_TYPES:
-        return None
-    where = f"{SCRATCH_KEY} {scratch_dir!r} is {mount.fs_type}"
+    where = f"{SCRATCH_KEY} {scratch_dir!r} is {fs_type}"
     try:
         info = json.loads((Path(prepared_train) / PREPARED_JSON).read_text())
         return info["total_bytes"] / 2**20, True, f"{where}; the prepared copy's size"
     except (OSError, ValueError, KeyError, TypeError):
         per_image = PREPARED_BYTES_PER_IMAGE_AT_256 * (short_side / 256) ** 2
-        return (
-            images * per_image / 2**20,
-            False,
-            (
-                f"{where}; estimated as {images} images x {per_image / 1000:.1f} kB at "
-                f"prepare.short_side {short_side}"
-            ),
-        )
+        estimate = f"estimated as {images} images x {per_image / 1000:.1f} kB at prepare.short_side"
+        return images * per_image / 2**20, False, f"{where}; {estimate} {short_side}"
 
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -171,10 +152,9 @@ UNLIMITED = 2**60  # cgroup v1 writes "no limit" as 9223372036854771712
 def memory_limit(
     environ=None, cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP
 ) -> tuple[int, str] | None:
-    """(bytes, what says so) this job may hold on this node: the lowest limit of this
-    process's memory cgroup and its ancestors (v2 ``memory.max``, v1
-    ``memory.limit_in_bytes``: SLURM's task/cgroup puts ``--mem`` there), and
-    ``$SLURM_MEM_PER_NODE`` (MiB); None where none is set. A tmpfs's own size cap is not it."""
+    """(bytes, what says so) this job may hold on this node: the lowest of its memory cgroups'
+    limits (v2 ``memory.max``, v1 ``memory.limit_in_bytes``: SLURM's ``--mem``) and
+    ``$SLURM_MEM_PER_NODE``; None where none is set (psutil reads no cgroup)."""
     environ = os.environ if environ is None else environ
     found = []
     try:
@@ -204,16 +184,14 @@ def memory_limit(
 
 def ram_copy_problem(
     src: Path, scratch: Path, origin: str, run: dict, limit: tuple[int, str] | None,
-    mountinfo: Path = MOUNTINFO, nvidia: Path | None = None,
+    nvidia: Path | None = None,
 ) -> str | None:  # fmt: skip
-    """Why this node must not copy ``src`` into ``scratch``: on a tmpfs (a diskless node's
-    /tmp) the copy is charged to the job's memory cgroup, and with the ranks' memory
-    (settings.node_memory's estimate for ``run``: its CUDA part where ``nvidia`` lists a GPU,
-    the driver loaded) above ``limit`` (:func:`memory_limit`) the job is OOM-killed in its
-    first epoch. None where it fits, no limit is known, scratch is not in RAM, or a complete
-    copy is there (charged when it was made)."""
-    mount = mount_of(existing_ancestor(scratch), mountinfo)
-    if limit is None or mount is None or mount.fs_type not in RAM_FS_TYPES:
+    """Why this node must not copy ``src`` into ``scratch``: in RAM (a diskless node's /tmp)
+    the copy and the ranks (settings.node_memory's estimate for ``run``, its CUDA part where
+    ``nvidia`` lists a GPU) above ``limit`` (:func:`memory_limit`) would be OOM-killed in the
+    first epoch. None where it fits, no limit is known, or a complete copy is there."""
+    fs_type = _ram_fs(scratch)
+    if limit is None or fs_type is None:
         return None
     if (staged_path(src, scratch) / MARKER).is_file():
         return None
@@ -226,7 +204,7 @@ def ram_copy_problem(
     if copy + ranks <= limit[0]:
         return None
     return (
-        f"scratch {scratch} (from {origin}) is {mount.fs_type}, in RAM: the train copy "
+        f"scratch {scratch} (from {origin}) is {fs_type}, in RAM: the train copy "
         f"({_human(copy)}) and the ranks ({_human(ranks)}, settings.node_memory's estimate) need "
         f"{_human(copy + ranks)}, above this job's memory limit of {_human(limit[0])} "
         f"({limit[1]}); set {SCRATCH_KEY} to a node-local disk, or raise train's mem_mb to "
@@ -241,24 +219,16 @@ def refuse_shared_scratch(root: Path, origin: str, problem: str) -> InputError:
     )
 
 
+def _report(src: Path, dest: Path, files: list, verify: str | None, **more) -> dict:
+    return {"host": socket.gethostname(), "src": str(src), "dest": str(dest),
+            "bytes": sum(size for _, size in files), "files": len(files), "verify": verify,
+            "fingerprint": fingerprint(src), "seconds": 0.0, "bytes_per_s": 0.0,
+            "reused": False, **more}  # fmt: skip
+
+
 def in_place_report(src: Path, why: str) -> dict:
-    """The staging report of a prepared copy read where it is (no copy made): ``dest`` is
-    ``src``, ``in_place`` says why; there is nothing to clean up."""
-    src = Path(src)
-    files = _files(src)
-    return {
-        "host": socket.gethostname(),
-        "src": str(src),
-        "dest": str(src),
-        "bytes": sum(size for _, size in files),
-        "files": len(files),
-        "verify": None,
-        "fingerprint": fingerprint(src),
-        "seconds": 0.0,
-        "bytes_per_s": 0.0,
-        "reused": False,
-        "in_place": why,
-    }
+    """The report of a prepared copy read where it is (``in_place``: why; nothing copied)."""
+    return _report(Path(src), Path(src), _files(Path(src)), None, in_place=why)
 
 
 def fingerprint(src: Path) -> str:
@@ -331,37 +301,27 @@ def _leases(dest: Path) -> Path:
     return dest.parent / f"{dest.name}.leases"
 
 
+def _lease_file(dest: Path, lease: str) -> Path:
+    return _leases(dest) / hashlib.sha256(lease.encode()).hexdigest()[:16]
+
+
 def stage_dataset(src: Path, scratch_root: Path, *, verify: str, lease: str | None = None) -> dict:
     """Copy ``src`` (a prepared dir) under ``scratch_root`` unless a verified copy is there.
 
-    ``verify``: ``size`` or ``sha256`` (stage.verify; the workflow's schema checks it).
-    ``lease``: a name unique to the staging job; :func:`cleanup_staged` with the same name
-    removes the copy only if no other job holds a lease on it."""
-    src, scratch_root = Path(src), Path(scratch_root)
-    fp = fingerprint(src)
-    dest = scratch_root / STAGE_DIR / fp / src.name
+    ``verify``: ``size`` or ``sha256`` (stage.verify). ``lease``: the staging job's heartbeat
+    file (io.Heartbeat); :func:`cleanup_staged` with it removes the copy only if no other job
+    holds a lease on it."""
+    src, fp, dest = Path(src), fingerprint(src), staged_path(src, scratch_root)
     files = _files(src)
     total = sum(size for _, size in files)
     started = time.perf_counter()
-    report = {
-        "host": socket.gethostname(),
-        "src": str(src),
-        "dest": str(dest),
-        "bytes": total,
-        "files": len(files),
-        "verify": verify,
-        "fingerprint": fp,
-    }
     with exclusive_lock(lock_path_for(dest)):
         if lease is not None:  # taken before the copy: a concurrent cleanup must keep it
             _leases(dest).mkdir(parents=True, exist_ok=True)
-            # Whose it is: a lease whose job is gone is reclaimed (reclaim_stale_leases).
-            owner = {"host": socket.gethostname(), "pid": os.getpid(),
-                     "job_id": os.environ.get("SLURM_JOB_ID")}  # fmt: skip
-            (_leases(dest) / lease).write_text(json.dumps(owner))
+            _lease_file(dest, lease).write_text(lease)
         if _is_complete(dest, fp, files):
             seconds = time.perf_counter() - started
-            return {**report, "seconds": seconds, "bytes_per_s": 0.0, "reused": True}
+            return _report(src, dest, files, verify, seconds=seconds, reused=True)
         free = shutil.disk_usage(dest.parent).free
         if dest.exists():  # an incomplete copy: its space is about to be freed
             free += sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
@@ -381,17 +341,13 @@ def stage_dataset(src: Path, scratch_root: Path, *, verify: str, lease: str | No
                 {"fingerprint": fp, "src": str(src), "files": [list(f) for f in files]},
             )
     seconds = time.perf_counter() - started
-    return {
-        **report,
-        "seconds": seconds,
-        "bytes_per_s": total / seconds if seconds > 0 else 0.0,
-        "reused": False,
-    }
+    rate = total / seconds if seconds > 0 else 0.0
+    return _report(src, dest, files, verify, seconds=seconds, bytes_per_s=rate)
 
 
 def cleanup_staged(dest: Path, lease: str | None = None) -> bool:
-    """Give up ``lease`` on a staged copy; remove the copy if no other lease remains, then its
-    fingerprint dir and ``imagenet_ddp/`` if left empty. Returns whether the copy is gone."""
+    """Give up ``lease`` on a staged copy; remove it (and empty parents) if no lease remains.
+    Returns whether the copy is gone."""
     dest = Path(dest)
     if dest.parent.parent.name != STAGE_DIR:
         raise ValueError(f"{dest} is not a staged copy (<scratch>/{STAGE_DIR}/<fp>/<name>)")
@@ -401,7 +357,7 @@ def cleanup_staged(dest: Path, lease: str | None = None) -> bool:
     with exclusive_lock(lock):
         leases = _leases(dest)
         if lease is not None:
-            (leases / lease).unlink(missing_ok=True)
+            _lease_file(dest, lease).unlink(missing_ok=True)
         if leases.is_dir() and any(leases.iterdir()):
             return False  # another job still reads it; the last one removes it
         shutil.rmtree(leases, ignore_errors=True)
@@ -416,42 +372,18 @@ def cleanup_staged(dest: Path, lease: str | None = None) -> bool:
 
 
 def _owner_gone(lease: Path) -> bool:
-    """Whether the job that took ``lease`` has ended: its SLURM job is no longer known to
-    ``squeue``, or (no SLURM) its process on this host is gone. Unknown: not gone."""
-    try:
-        owner = json.loads(lease.read_text() or "{}")
-    except (OSError, ValueError):
-        return False
-    if owner.get("job_id"):
-        import subprocess
-
-        try:
-            result = subprocess.run(
-                ["squeue", "-h", "-j", str(owner["job_id"]), "-o", "%T"],
-                capture_output=True, text=True, timeout=20,
-            )  # fmt: skip
-        except (OSError, subprocess.TimeoutExpired):
-            return False
-        if result.returncode == 0:
-            return not result.stdout.strip()
-        return "Invalid job id" in result.stderr  # purged from slurmctld: long gone
-    if owner.get("host") != socket.gethostname() or not owner.get("pid"):
-        return False
-    try:
-        os.kill(int(owner["pid"]), 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
+    """Whether the job that took ``lease`` has ended: its heartbeat is gone or long silent."""
+    with contextlib.suppress(OSError):
+        beat = last_beat(lease.read_text())
+        return beat is None or time.time() - beat > STALE_S
     return False
 
 
-def reclaim_stale_leases(scratch_root: Path, *, keep: str | None = None) -> list[Path]:
-    """Remove the leases of ended jobs under ``scratch_root``, and each copy no live lease
-    holds any more. ``keep``: a lease never touched (the caller's). Returns removed copies."""
+def reclaim_stale_leases(scratch_root: Path) -> list[Path]:
+    """Remove ended jobs' leases under ``scratch_root`` and the copies no lease holds now."""
     removed = []
     for leases in sorted((Path(scratch_root) / STAGE_DIR).glob("*/*.leases")):
-        stale = [p for p in leases.iterdir() if p.name != keep and _owner_gone(p)]
+        stale = [p for p in leases.iterdir() if _owner_gone(p)]
         if not stale:
             continue
         dest = leases.with_name(leases.name[: -len(".leases")])

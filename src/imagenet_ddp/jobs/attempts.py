@@ -1,37 +1,22 @@
-"""Every allocation of a run: the attempt record kept beside its checkpoints.
+"""Every allocation of a run: the attempt record ``<checkpoint_root>/attempts.json``.
 
-A run that outlives its time limit trains in several jobs (Snakemake resubmits a stopped
-job: the rule's ``retries``). Each job (an *attempt*; on SLURM one allocation) appends one
-entry to ``<checkpoint_root>/attempts.json``, outside the rule's outputs, so Snakemake's
-cleanup of a failed attempt keeps it. The launcher writes the entry (:func:`begin`) before
-staging and closes it (:func:`end`) when its ranks are gone; a heartbeat (:class:`Heartbeat`)
-keeps ``alive`` current, so an attempt killed with the launcher (SIGKILL after KillWait, a
-node failure) is closed by the next one at its last sign of life.
+Each job of a run (an *attempt*; on SLURM one allocation) appends one entry, outside the rule's
+outputs so that Snakemake's cleanup keeps it: :func:`begin` before staging, :func:`end` when
+its ranks are gone. An entry its launcher never closed (SIGKILLed with the batch step, a lost
+node) is closed by the next job at its heartbeat's last beat (:func:`beat_path`), stopped where
+its ranks recorded a stop and wrote its checkpoint (:func:`stopped_by_ranks`).
 
-An entry: ``attempt`` (1, 2, ... per line of checkpoints: :func:`settings_key`),
-``slurm_job_id``, ``host``, ``started``/``alive``/``ended`` (Unix seconds), ``exit_code``,
-``outcome`` (completed, stopped: exit 75 after a checkpoint, or its ranks recorded a stop and
-wrote its checkpoint: :func:`stopped_by_ranks`, failed, killed: no end recorded, refused,
-diverged: stopped by the divergence guard, its outputs written and marked, exit 0 so that
-nothing retries it: a retry would diverge again), ``start`` (the checkpoint it resumed from:
-epoch, step, path, or epoch 0 step 0),
-``last_checkpoint`` (the newest it wrote, with its mtime), ``error`` (the first rank's error
-line), ``gpus``, ``cores``, ``code`` (the commit the launcher ran, whether the checkout had
-uncommitted changes and their digest: :func:`imagenet_ddp.provenance.code_version`), ``stop``
-(for a stopped one: the ranks' stop record, the signal a rank got and where it stopped). A run
-resubmitted over days runs whatever is checked out at each submission; :func:`code_versions`
-says whether its attempts ran different code.
+Fields: ``attempt`` (per line of checkpoints: :func:`settings_key`), ``slurm_job_id``,
+``host``, ``started``/``ended``, ``beat``, ``exit_code``, ``outcome`` (completed; stopped:
+exit 75 after a checkpoint; failed; killed: never closed; refused; diverged: the guard stopped
+it, exit 0, never retried), ``start`` and ``last_checkpoint`` (epoch, step, path), ``error``
+(the first rank's line), ``gpus``, ``cores``, ``shape``, ``code`` (:func:`code_versions`
+flags a run whose attempts ran different code), ``stop`` (the ranks' stop record).
 
-Two rules use it (:func:`refusal`): a Snakemake retry (``attempt`` > 1 in this invocation)
-after two attempts in a row that failed without writing a checkpoint refuses at once with the
-error (one real retry: a bad node or a transient start-up failure gets a second chance; a crash
-that repeats at start uses two jobs), and no invocation runs more than ``max_allocations`` jobs
-of a run. The workflow asks the same question before it submits a retry
-(:func:`refusal_ahead`) and submits a retry that will refuse as a one-CPU job, so it holds no
-GPU and no queue slot of the run's size. The cost block sums all attempts
-(:func:`cost_over_attempts`).
-
-Torch-free: the launcher reads and writes it.
+:func:`refusal`: a retry after two attempts in a row that failed without a checkpoint refuses
+at once with the error, and no invocation runs more than ``max_allocations`` jobs of a run; the
+workflow asks first (:func:`refusal_ahead`) and submits such a retry without GPUs.
+:func:`cost_over_attempts` sums them all. Torch-free.
 """
 
 from __future__ import annotations
@@ -42,12 +27,11 @@ import os
 import re
 import signal
 import socket
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from imagenet_ddp.io import write_json_atomic
+from imagenet_ddp.io import HEARTBEAT_S, Heartbeat, last_beat, write_json_atomic
 from imagenet_ddp.jobs.early_signals import EXIT_REQUEUE  # torch-free, as this module
 from imagenet_ddp.provenance import code_version
 from imagenet_ddp.settings.geometry import (
@@ -60,13 +44,8 @@ from imagenet_ddp.settings.geometry import (
 from imagenet_ddp.settings.kinds import digest, weight_settings
 
 RECORD = "attempts.json"
-HEARTBEAT_SECONDS = 30.0
 _CHECKPOINT = re.compile(r"checkpoint-e(\d+)-s(\d+)\.pt$")
-# Until 2026-11-24 an entry's key hashed every setting but these, so a changed `gpu_type` or
-# `mlflow_uri` started a new count while training resumed; begin() moves the entries of today's
-# settings under that key to the current one, so a run in flight keeps its count.
-_LEGACY_NOT_IN_KEY = ("max_allocations", "checkpoint_interval_minutes", "log_interval",
-                      "timeout_minutes", "keep_checkpoints", "throughput_warmup_steps")  # fmt: skip
+ALIVE_DIR = "alive"  # the jobs' heartbeats (io.Heartbeat), one file per job
 
 
 def record_path(checkpoint_root: str | os.PathLike[str]) -> Path:
@@ -74,12 +53,9 @@ def record_path(checkpoint_root: str | os.PathLike[str]) -> Path:
 
 
 def settings_key(run: dict[str, Any]) -> str:
-    """Which entries belong together: the attempts that train one line of checkpoints, keyed
-    as the checkpoints are (training.checkpoint.checkpoint_tag: the settings that change the
-    weights, the global batch, the sample order's version and the geometry but its rank
-    count). A changed `max_allocations` or `gpu_type`, or another node count with the same
-    global batch (`accumulation`), resumes the checkpoints and continues the count; a changed
-    `lr` or global batch starts both afresh."""
+    """The entries of one line of checkpoints, keyed as they are (training.checkpoint.
+    checkpoint_tag): a changed `lr` or global batch starts both afresh; `max_allocations`,
+    `gpu_type` or another node count with the same global batch continue them."""
     # The tag's fields, as the run states them (workers may say "auto").
     geometry = {k: run.get(k) for k in ("cpus_per_task", "gpus_per_node", "workers")}
     if run.get("sync_bn"):  # its checkpoints key on the rank count too
@@ -88,14 +64,19 @@ def settings_key(run: dict[str, Any]) -> str:
     return digest({**weight_settings(run), "geometry": geometry, **order})
 
 
-def _legacy_key(run: dict[str, Any]) -> str:
-    return digest({k: v for k, v in run.items() if k not in _LEGACY_NOT_IN_KEY})
+def beat_path(checkpoint_root) -> Path:
+    """This job's heartbeat file: its SLURM job id (what every srun task of it sees alike; a
+    requeued job's earlier run is dead before it starts), or the host and launcher's pid."""
+    job = os.environ.get("SLURM_JOB_ID")
+    name = job or f"local-{socket.gethostname()}-{os.getpid()}"
+    return Path(checkpoint_root) / ALIVE_DIR / name
 
 
-def _of_settings(attempts: list[dict[str, Any]], run: dict[str, Any]) -> list[dict[str, Any]]:
-    """The entries of ``run``'s checkpoints, those recorded under the legacy key included."""
-    keys = {settings_key(run), _legacy_key(run)}
-    return [a for a in attempts if a.get("key") in keys]
+def last_sign(checkpoint_root, entry: dict[str, Any]) -> float:
+    """When the entry's job last beat (its start where it never did; ``alive``: an entry of a
+    version before the heartbeat file)."""
+    beat = entry.get("beat") and last_beat(Path(checkpoint_root) / ALIVE_DIR / entry["beat"])
+    return max(beat or 0.0, entry.get("alive") or 0.0, entry["started"])
 
 
 def has_record(checkpoint_root: str | os.PathLike[str]) -> bool:
@@ -104,9 +85,7 @@ def has_record(checkpoint_root: str | os.PathLike[str]) -> bool:
 
 def load(checkpoint_root: str | os.PathLike[str]) -> list[dict[str, Any]]:
     path = record_path(checkpoint_root)
-    if not path.is_file():
-        return []
-    return json.loads(path.read_text())["attempts"]
+    return json.loads(path.read_text())["attempts"] if path.is_file() else []
 
 
 def _save(checkpoint_root, attempts: list[dict[str, Any]]) -> None:
@@ -120,14 +99,9 @@ def of_run(attempts: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
 
 
 def newest_checkpoint(checkpoint_root: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The newest checkpoint file under the run's checkpoint root (any geometry directory):
-    epoch, step, path, mtime. Names sort by (epoch, step) (training.checkpoint)."""
-    root = Path(checkpoint_root)
-    found = []
-    for path in root.glob("*/checkpoint-*.pt") if root.is_dir() else []:
-        match = _CHECKPOINT.search(path.name)
-        if match:
-            found.append((int(match.group(1)), int(match.group(2)), path))
+    """The newest checkpoint under the root (any geometry): epoch, step, path, mtime."""
+    paths = Path(checkpoint_root).glob("*/checkpoint-*.pt")
+    found = [(int(m[1]), int(m[2]), p) for p in paths if (m := _CHECKPOINT.search(p.name))]
     if not found:
         return None
     epoch, step, path = max(found)
@@ -139,11 +113,10 @@ def newest_checkpoint(checkpoint_root: str | os.PathLike[str]) -> dict[str, Any]
 
 
 def final_checkpoint(checkpoint_root, run: dict[str, Any]) -> str | None:
-    """The run's checkpoint after its last epoch, where an attempt of these settings recorded
-    it and it is still there (its job ended before writing the outputs): the next job has
-    nothing to train and needs no staged copy."""
+    """The checkpoint after the run's last epoch, where an attempt recorded it and it is still
+    there (its job ended before the outputs): the next job needs no staged copy."""
     recorded = load(checkpoint_root)
-    for entry in _of_settings(recorded, run) if recorded else []:
+    for entry in of_run(recorded, settings_key(run)) if recorded else []:
         last = entry.get("last_checkpoint") or {}
         if last.get("epoch", 0) >= run["epochs"] and Path(last["path"]).is_file():
             return last["path"]
@@ -160,14 +133,11 @@ def made_progress(entry: dict[str, Any]) -> bool:
 
 
 def _close_killed(entry: dict[str, Any], checkpoint_root, ahead: bool = False) -> None:
-    """An entry its launcher never closed: it ended at its last heartbeat, killed; or, where
-    its ranks recorded a stop and the checkpoint of that stop was written, stopped at that
-    checkpoint (under ``proctrack/cgroup`` slurmstepd SIGKILLs the launcher with the batch
-    step on scancel, preemption and the time limit while the ranks still checkpoint).
-    ``ahead``: read by the workflow as soon as SLURM says the job ended, while the ranks may
-    still write that checkpoint (KillWait): a recorded stop is a stop (SLURM's signal, not a
-    node failure); the next job's own reading decides for good."""
-    entry["outcome"], entry["ended"] = "killed", entry.get("alive") or entry["started"]
+    """An entry its launcher never closed: killed at its last heartbeat, or stopped where its
+    ranks recorded a stop and wrote its checkpoint (``proctrack/cgroup`` SIGKILLs the launcher
+    with the batch step while the ranks still checkpoint). ``ahead``: the workflow's reading,
+    while the ranks may still write it: a recorded stop counts; the next job decides."""
+    entry["outcome"], entry["ended"] = "killed", last_sign(checkpoint_root, entry)
     last = newest_checkpoint(checkpoint_root)
     if last and last["written"] >= entry["started"]:
         entry["last_checkpoint"] = last
@@ -183,9 +153,8 @@ def _failed_without_progress(entry: dict[str, Any]) -> bool:
 
 
 def refusal(mine: list[dict[str, Any]], attempt: int, max_allocations: int) -> str | None:
-    """Why this job must not train (None: it may). ``mine``: the run's earlier attempts, oldest
-    first, the newest closed; ``attempt``: Snakemake's attempt number in this invocation (1: not
-    a retry)."""
+    """Why this job must not train (None: it may). ``mine``: the run's earlier attempts, the
+    newest closed; ``attempt``: Snakemake's in this invocation (1: not a retry)."""
     if attempt > max_allocations:
         return (
             f"this is job {attempt} of the run in this invocation, above its max_allocations "
@@ -213,30 +182,28 @@ def refusal(mine: list[dict[str, Any]], attempt: int, max_allocations: int) -> s
 
 
 def _closed(mine: list[dict[str, Any]], checkpoint_root, ahead=False) -> list[dict[str, Any]]:
-    """``mine`` with a newest entry its launcher never closed closed as killed or stopped (in
-    place; ``ahead``: :func:`_close_killed`)."""
+    """``mine``, its newest entry closed in place where its launcher never did."""
     if mine and mine[-1].get("ended") is None:
         _close_killed(mine[-1], checkpoint_root, ahead)
     return mine
 
 
 def refusal_ahead(checkpoint_root, run: dict[str, Any], attempt: int) -> str | None:
-    """What :func:`begin` of this attempt will refuse, read without writing: the workflow asks
-    before it submits a retry (a refused retry needs no GPU)."""
+    """What :func:`begin` of this attempt will refuse, read without writing."""
     if attempt == 1:
         return None
-    mine = _closed(_of_settings(load(checkpoint_root), run), checkpoint_root, ahead=True)
+    mine = _closed(of_run(load(checkpoint_root), settings_key(run)), checkpoint_root, ahead=True)
     return refusal(mine, attempt, int(run.get("max_allocations", 10)))
 
 
 def nodes_ahead(checkpoint_root, run: dict[str, Any], attempt: int, since: float) -> int:
-    """The node count the workflow asks for Snakemake's ``attempt`` of ``run`` in the
-    invocation that began at ``since`` (Unix seconds): :func:`choose_nodes` over the record."""
+    """The node count the workflow asks for ``attempt`` of ``run`` in the invocation that began
+    at ``since``: :func:`choose_nodes` over the record."""
     counts = accepted_nodes(run)
     if attempt == 1 or len(counts) == 1:
         return counts[0]
     _settle(checkpoint_root, run)
-    mine = _closed(_of_settings(load(checkpoint_root), run), checkpoint_root, ahead=True)
+    mine = _closed(of_run(load(checkpoint_root), settings_key(run)), checkpoint_root, ahead=True)
     return choose_nodes(mine, counts, attempt, since)
 
 
@@ -244,17 +211,16 @@ SETTLE_SECONDS = 30.0
 
 
 def _settle(checkpoint_root, run: dict[str, Any], seconds: float = SETTLE_SECONDS) -> None:
-    """Wait, at most ``seconds``, while the newest entry is open, was alive a heartbeat ago
-    and no rank recorded a stop: SLURM reports a job ended (scancel, preemption, the time
-    limit) while its ranks are still agreeing to stop and its launcher still closing the
-    entry; read then, a stop would count as a node failure."""
+    """Wait, at most ``seconds``, while the newest entry is open, beat lately and no rank
+    recorded a stop: SLURM says a job ended while its ranks still agree to stop; read then, a
+    stop would count as a node failure."""
     deadline = time.time() + seconds
     while time.time() < deadline:
-        mine = _of_settings(load(checkpoint_root), run)
+        mine = of_run(load(checkpoint_root), settings_key(run))
         last = mine[-1] if mine else None
         if last is None or last.get("ended") is not None:
             return
-        if time.time() - (last.get("alive") or 0) > HEARTBEAT_SECONDS + 5:
+        if time.time() - last_sign(checkpoint_root, last) > HEARTBEAT_S + 5:
             return  # long silent: killed (a node failure), nothing to wait for
         if stopped_by_ranks(checkpoint_root, last, checkpointed=False):
             return
@@ -265,12 +231,9 @@ def choose_nodes(
     mine: list[dict[str, Any]], counts: tuple[int, ...], attempt: int, since: float
 ) -> int:
     """The node count of submission ``attempt`` of this invocation (``counts``: preferred
-    first, then smaller). The first asks for the preferred count; after a job that was
-    stopped (time limit, scancel, preemption: it checkpointed and exits 75) the next asks for
-    it again; after one that failed or was killed (a node failure, a rank's error) or that
-    left no entry because it never started (cancelled while pending: a long queue wait), the
-    next asks for the next smaller count, the smallest staying the smallest. Entries that
-    began before ``since`` belong to earlier invocations."""
+    first). After a stopped or completed job the preferred again; after one that failed, was
+    killed or never started (no entry: cancelled while pending) the next smaller. Entries
+    before ``since`` are earlier invocations'."""
     ours = {a.get("snakemake_attempt"): a for a in mine if a["started"] >= since}
     nodes = counts[0]
     for submission in range(1, attempt):
@@ -293,9 +256,7 @@ def begin(
 ) -> tuple[dict[str, Any], str | None]:
     """Close a killed predecessor, append this attempt; returns (entry, refusal reason)."""
     attempts, key = load(checkpoint_root), settings_key(run)
-    mine = _closed(_of_settings(attempts, run), checkpoint_root)
-    for entry in mine:
-        entry["key"] = key  # a legacy key's entries join the current one (saved below)
+    mine = _closed(of_run(attempts, key), checkpoint_root)
     now = time.time()
     entry = {
         "attempt": len(mine) + 1,
@@ -305,7 +266,7 @@ def begin(
         "snakemake_attempt": attempt,
         "host": socket.gethostname(),
         "started": now,
-        "alive": now,
+        "beat": beat_path(checkpoint_root).name,
         "ended": None,
         "exit_code": None,
         "outcome": "running",
@@ -314,7 +275,6 @@ def begin(
         "error": None,
         "gpus": gpus,
         "cores": cores,
-        # nodes x ranks per node this attempt ran on, and its micro-batches per rank and step:
         # an elastic run's attempts may differ (docs/reliability.md)
         "shape": None if shape is None else shape.shape,
         "accumulation": int(run.get("accumulation") or 1),
@@ -329,9 +289,9 @@ def begin(
 
 
 def ran_in_this_allocation(checkpoint_root, run: dict[str, Any]) -> dict | None:
-    """An ended attempt of the run in this very SLURM allocation (the same job id and restart
-    count), None if none: a rule's retries reach the jobstep's own Snakemake, which would run
-    the job again inside the allocation it ended in (snakemake-executor-plugin-slurm#284)."""
+    """An ended attempt of the run in this very allocation (job id and restart count): a
+    rule's retries reach the jobstep's own Snakemake, which would run the job again inside it
+    (snakemake-executor-plugin-slurm#284)."""
     own = os.environ.get("SLURM_JOB_ID")
     restart = os.environ.get("SLURM_RESTART_COUNT", "0")
     for entry in of_run(load(checkpoint_root), settings_key(run)) if own else []:
@@ -339,15 +299,6 @@ def ran_in_this_allocation(checkpoint_root, run: dict[str, Any]) -> dict | None:
         if same and entry.get("ended") is not None:
             return entry
     return None
-
-
-def _update(checkpoint_root, entry: dict[str, Any], **changes) -> None:
-    attempts = load(checkpoint_root)
-    for i, other in enumerate(attempts):
-        if other["key"] == entry["key"] and other["attempt"] == entry["attempt"]:
-            attempts[i] = {**other, **changes}
-    entry.update(changes)
-    _save(checkpoint_root, attempts)
 
 
 def end(checkpoint_root, entry: dict[str, Any], exit_code: int) -> None:
@@ -365,10 +316,11 @@ def end(checkpoint_root, entry: dict[str, Any], exit_code: int) -> None:
     if hung:
         print(f"watchdog: {hung}", flush=True)
         error = f"{hung}; {error}" if error else hung
-    _update(
-        checkpoint_root, entry, ended=time.time(), exit_code=exit_code, outcome=outcome,
-        last_checkpoint=last, error=error, **({"stop": stop} if stop else {}),
-    )  # fmt: skip
+    entry.update(ended=time.time(), exit_code=exit_code, outcome=outcome, last_checkpoint=last,
+                 error=error, **({"stop": stop} if stop else {}))  # fmt: skip
+    mine = (entry["key"], entry["attempt"])
+    attempts = [a | entry if (a["key"], a["attempt"]) == mine else a for a in load(checkpoint_root)]
+    _save(checkpoint_root, attempts)
 
 
 # ------------------------------------------------------------------ errors of the ranks
@@ -376,22 +328,41 @@ def end(checkpoint_root, entry: dict[str, Any], exit_code: int) -> None:
 ERRORS_DIR = "errors"
 
 
-def record_error(checkpoint_root, rank: int, host: str, error: BaseException) -> None:
-    """A rank's uncaught error, one line, for the attempt record (worker.main calls it)."""
+def _write_line(checkpoint_root, name: str, line: str) -> None:
     folder = Path(checkpoint_root) / ERRORS_DIR
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(f"{time.time()}\n{line}\n")
+
+
+def _first_line(checkpoint_root, pattern: str, since: float) -> str | None:
+    """The earliest line of :func:`_write_line`'s files ``pattern`` written since ``since``."""
+    found = []
+    for path in (Path(checkpoint_root) / ERRORS_DIR).glob(pattern):
+        stamp, _, line = path.read_text().partition("\n")
+        if float(stamp) >= since:
+            found.append((float(stamp), line.strip()))
+    return min(found)[1] if found else None
+
+
+def _marks(checkpoint_root, folder: str, since: float) -> list[dict[str, Any]]:
+    """The ranks' JSON marks in ``folder`` written since ``since``."""
+    marks = []
+    for path in (Path(checkpoint_root) / folder).glob("rank*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            mark = json.loads(path.read_text())
+            if mark["time"] >= since:
+                marks.append(mark)
+    return marks
+
+
+def record_error(checkpoint_root, rank: int, host: str, error: BaseException) -> None:
+    """A rank's uncaught error, one line, for the attempt record (worker.main calls it)."""
     line = f"rank {rank} on {host}: {type(error).__name__}: {error}".splitlines()[0][:500]
-    (folder / f"rank{rank}.txt").write_text(f"{time.time()}\n{line}\n")
+    _write_line(checkpoint_root, f"rank{rank}.txt", line)
 
 
 def first_error(checkpoint_root, entry: dict[str, Any]) -> str | None:
-    """The earliest error a rank recorded during this attempt."""
-    found = []
-    for path in sorted((Path(checkpoint_root) / ERRORS_DIR).glob("rank*.txt")):
-        stamp, _, line = path.read_text().partition("\n")
-        if float(stamp) >= entry["started"]:
-            found.append((float(stamp), line.strip()))
-    return min(found)[1] if found else None
+    return _first_line(checkpoint_root, "rank*.txt", entry["started"])
 
 
 # ------------------------------------------------------------------ stops of the ranks
@@ -402,11 +373,9 @@ STOPS_DIR = "stops"
 def record_stop(
     checkpoint_root, rank: int, host: str, epoch: int, step: int, signum: int = 0
 ) -> None:
-    """A rank stops for requeue at (``epoch``, ``step``), the position of the checkpoint it
-    stops at (``signum``: the signal this rank got, 0 for another rank's). Written before that
-    checkpoint is complete, so a rank killed afterwards (KillWait) has recorded it, and the
-    attempt is ``stopped`` once that checkpoint is on disk whoever got the signal and whether
-    or not the launcher lived to close the entry (:func:`stopped_by_ranks`)."""
+    """A rank stops for requeue at the checkpoint (``epoch``, ``step``) (``signum``: its
+    signal, 0 for another rank's); written before that checkpoint, so a rank killed after it
+    (KillWait) has said so, whether or not its launcher lives (:func:`stopped_by_ranks`)."""
     name = signal.Signals(signum).name if signum else None
     mark = {"rank": rank, "host": host, "epoch": epoch, "step": step, "signal": name}
     with contextlib.suppress(OSError):  # a full disk: the checkpoint fails and says so
@@ -418,16 +387,9 @@ def record_stop(
 def stopped_by_ranks(
     checkpoint_root, entry: dict[str, Any], checkpointed: bool = True
 ) -> dict[str, Any] | None:
-    """The stop this attempt's ranks recorded (:func:`record_stop`; the earliest, a signalled
-    rank's first), where a checkpoint at or past its position was written during the attempt
-    (``checkpointed=False``: written or not); None otherwise (no stop, or the checkpoint never
-    completed: work was lost)."""
-    stops = []
-    for path in (Path(checkpoint_root) / STOPS_DIR).glob("rank*.json"):
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            mark = json.loads(path.read_text())
-            if mark["time"] >= entry["started"]:
-                stops.append(mark)
+    """The earliest stop this attempt's ranks recorded (a signalled rank's first), where a
+    checkpoint at or past it was written during the attempt (or ``checkpointed=False``)."""
+    stops = _marks(checkpoint_root, STOPS_DIR, entry["started"])
     if not stops:
         return None
     stop = min(stops, key=lambda m: (m["signal"] is None, m["time"]))
@@ -446,18 +408,12 @@ DIVERGED = "diverged.txt"  # in ERRORS_DIR: the guard's line (training.guard)
 
 def record_divergence(checkpoint_root, line: str) -> None:
     """Rank 0 of a run the divergence guard stopped: its one line, for the attempt record."""
-    folder = Path(checkpoint_root) / ERRORS_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / DIVERGED).write_text(f"{time.time()}\n{line}\n")
+    _write_line(checkpoint_root, DIVERGED, line)
 
 
 def divergence(checkpoint_root, since: float) -> str | None:
     """The guard's line if it stopped the run at or after ``since`` (this attempt)."""
-    path = Path(checkpoint_root) / ERRORS_DIR / DIVERGED
-    if not path.is_file():
-        return None
-    stamp, _, line = path.read_text().partition("\n")
-    return line.strip() if float(stamp) >= since else None
+    return _first_line(checkpoint_root, DIVERGED, since)
 
 
 PROGRESS_DIR = "progress"
@@ -465,37 +421,25 @@ PROGRESS_SECONDS = 15.0
 HUNG_SECONDS = 60.0  # a rank this far behind the others at the end is named as hung
 
 
-class RankProgress:
-    """Each rank's last step, marked every ``seconds`` from its training loop (the main
-    thread: a rank stopped or stuck stops marking), so the end of a job that a hung rank
-    ended through the process-group timeout names that rank and its host (:func:`hung_rank`).
-    The file is written by a thread: a slow metadata server (16 ranks x 200 runs, a file each
-    every 15 s) never stalls a step; a mark due while the last write still waits is skipped."""
+class RankProgress(Heartbeat):
+    """Each rank's last step, so a job a hung rank ended names it (:func:`hung_rank`). The loop
+    notes it (:meth:`mark`: no I/O, a slow metadata server never stalls a step); the heartbeat
+    writes it when it changed, so a rank stuck in its main thread goes silent."""
 
     def __init__(self, checkpoint_root, rank: int, host: str, seconds: float = PROGRESS_SECONDS):
-        self.root = checkpoint_root
-        self.path = Path(checkpoint_root) / PROGRESS_DIR / f"rank{rank}.json"
-        self.rank, self.host, self.seconds, self.last = rank, host, seconds, 0.0
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._writer: threading.Thread | None = None
+        super().__init__(Path(checkpoint_root) / PROGRESS_DIR / f"rank{rank}.json", seconds)
+        self.root, self.rank, self.host = checkpoint_root, rank, host
+        self._step = self._written = None
+        self.__enter__()  # a daemon thread for the rank's life
 
     def mark(self, epoch: int, step: int) -> None:
-        now = time.time()
-        if now - self.last < self.seconds or (self._writer and self._writer.is_alive()):
-            return
-        self.last = now
-        mark = {"rank": self.rank, "host": self.host, "epoch": epoch, "step": step, "time": now}
-        self._writer = threading.Thread(target=self._write, args=(mark,), daemon=True)
-        self._writer.start()
+        self._step = (epoch, step)
 
-    def _write(self, mark: dict) -> None:
-        with contextlib.suppress(OSError):
-            write_json_atomic(self.path, mark)
-
-    def wait(self) -> None:
-        """Until the last mark is written (tests)."""
-        if self._writer is not None:
-            self._writer.join()
+    def beat(self) -> None:
+        if self._step != self._written:
+            self._written = (epoch, step) = self._step
+            mark = {"rank": self.rank, "host": self.host, "epoch": epoch, "step": step}
+            write_json_atomic(self.path, {**mark, "time": time.time()})
 
     def stopped(self, epoch: int, step: int, signum: int = 0) -> None:
         """This rank stops for requeue at (epoch, step): :func:`record_stop`."""
@@ -503,14 +447,8 @@ class RankProgress:
 
 
 def hung_rank(checkpoint_root, since: float) -> str | None:
-    """The rank whose last step lies more than HUNG_SECONDS before the others' (this attempt's
-    marks only), as one line; None when no rank fell behind."""
-    marks = []
-    for path in (Path(checkpoint_root) / PROGRESS_DIR).glob("rank*.json"):
-        with contextlib.suppress(OSError, ValueError):
-            mark = json.loads(path.read_text())
-            if mark["time"] >= since:
-                marks.append(mark)
+    """One line naming the rank whose last step lies HUNG_SECONDS before the others'."""
+    marks = _marks(checkpoint_root, PROGRESS_DIR, since)
     if len(marks) < 2:
         return None
     marks.sort(key=lambda m: m["time"])
@@ -524,34 +462,11 @@ def hung_rank(checkpoint_root, since: float) -> str | None:
     )
 
 
-class Heartbeat:
-    """Keeps the entry's ``alive`` current while the attempt runs (a daemon thread)."""
-
-    def __init__(self, checkpoint_root, entry: dict[str, Any], seconds: float = HEARTBEAT_SECONDS):
-        self.root, self.entry, self.seconds = checkpoint_root, entry, seconds
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.seconds):
-            with contextlib.suppress(OSError):  # a full disk: the end record says more
-                _update(self.root, self.entry, alive=time.time())
-
-    def __enter__(self) -> Heartbeat:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 # ------------------------------------------------------------------------ the cost sum
 
 
 def code_label(code: dict[str, Any] | None) -> str | None:
-    """One attempt's code as one word: the commit, `+dirty:<digest>` for uncommitted changes;
-    None where not known (an entry from before it was recorded, no git, no commit)."""
+    """One attempt's code as one word (`<commit>[+dirty:<digest>]`); None where unknown."""
     commit = (code or {}).get("git_commit")
     if not commit or commit == "unknown":
         return None
@@ -561,16 +476,14 @@ def code_label(code: dict[str, Any] | None) -> str | None:
 
 
 def code_versions(attempts: list[dict[str, Any]]) -> tuple[list[str], bool]:
-    """(the code labels of the attempts, each once, in order; whether they ran different code).
-    Attempts of unknown code are left out: they neither flag a run nor clear it."""
+    """(the attempts' code labels, each once; whether they differ); unknown ones left out."""
     labels = list(dict.fromkeys(filter(None, (code_label(a.get("code")) for a in attempts))))
     return labels, len(labels) > 1
 
 
 def cost_over_attempts(checkpoint_root, key: str, now: float) -> dict[str, Any]:
-    """Allocations, wall time and GPU-/core-hours summed over the run's attempts (this one,
-    still running, up to ``now``), and the GPU-hours lost after the last checkpoint of each
-    interrupted attempt. ``key``: :func:`settings_key` of the run."""
+    """Allocations, wall time and GPU-/core-hours over the run's attempts (a running one up to
+    ``now``), and those lost after each interrupted one's last checkpoint."""
     mine = [a for a in of_run(load(checkpoint_root), key) if a["outcome"] != "refused"]
     rows = []
     for a in mine:

@@ -1,9 +1,8 @@
 """Process-group setup shared by training, evaluation and preflight ranks: rank, GPU, rendezvous.
 
-Ranks come from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK) or, when launched by
-``srun``, from SLURM's per-task variables (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID). Local
-ranks get MASTER_ADDR/MASTER_PORT from the launcher (:mod:`imagenet_ddp.jobs.launch`); srun tasks
-derive them from the job (:func:`rendezvous_from_slurm_env`) before they join the group.
+Ranks come from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK) or SLURM's per-task ones
+(SLURM_PROCID, ...); srun tasks derive MASTER_ADDR/PORT from the job
+(:func:`rendezvous_from_slurm_env`), local ranks get them from the launcher.
 """
 
 from __future__ import annotations
@@ -54,15 +53,10 @@ def dist_info_from_env() -> DistInfo:
 
 
 def tasks_on_this_node(counts: str, node_id: int) -> int:
-    """This node's entry of SLURM's per-node task counts (``SLURM_STEP_TASKS_PER_NODE``:
-    ``8(x2)``, ``2,1`` or ``3(x2),1``; set without ``--ntasks-per-node``, where
-    ``SLURM_NTASKS_PER_NODE`` is not); 1 when unset."""
-    expanded: list[int] = []
-    for part in filter(None, counts.split(",")):
-        count, _, repeat = part.partition("(x")
-        expanded += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
-    if not expanded:
-        return 1
+    """This node's entry of ``SLURM_STEP_TASKS_PER_NODE`` (``8(x2)``, ``3(x2),1``); 1 unset."""
+    import hostlist
+
+    expanded = hostlist.parse_slurm_tasks_per_node(counts) if counts else [1]
     return expanded[min(node_id, len(expanded) - 1)]
 
 
@@ -73,22 +67,12 @@ def select_device(
     local_world_size: int | None = None,
     timeout_minutes: float = 10.0,
 ) -> torch.device:
-    """``auto`` picks this rank's GPU when the run asked for GPUs (``gpus_per_node > 0``),
-    else the CPU, even where CUDA is available (a CPU run on a GPU node stays a CPU run).
-
-    A job that asked SLURM for GPUs never falls back to the CPU: on a node where CUDA is
-    unusable (driver, ``CUDA_VISIBLE_DEVICES``, a CPU build of torch) that would burn the GPU
-    allocation at CPU speed and report CPU figures as the run's.
-    Sites bind GPUs to tasks in several ways (docs/slurm-notes.md): every task sees all GPUs
-    of the node (``--gres=gpu:N``), only its own (``--gpus-per-task=1``, a MIG instance), or
-    a subset it shares with some other tasks (``--gpu-bind=closest``: a socket's GPUs, each
-    renumbered from 0). A rank takes the GPU at its position among the ranks of its node that
-    see the same GPUs (:func:`gpu_index`, learned through the rendezvous store:
-    :func:`ranks_sharing_my_gpus`), which gives each rank its own in every one of these.
-    ``torch.cuda.set_device`` comes first, before the process group and any CUDA tensor, so
-    NCCL and the caching allocator never touch GPU 0 from every rank. ``timeout_minutes``:
-    how long to wait for the other ranks at the store (the run's, as the process group's).
-    """
+    """``auto``: this rank's GPU where the run asked for GPUs, else the CPU. A job that asked
+    for GPUs never falls back to the CPU (it would burn the allocation and report CPU figures).
+    Whether each task sees all the node's GPUs, its own, or a subset shared with others
+    (``--gpu-bind=closest``, docs/slurm-notes.md), a rank takes the GPU at its position among
+    its node's ranks that see the same ones (:func:`gpu_index`, through the rendezvous store),
+    and sets it first, so NCCL and the allocator never touch GPU 0 from every rank."""
     wants_gpu = requested == "cuda" or (requested == "auto" and (gpus_per_node or 0) > 0)
     if requested == "cpu" or not wants_gpu:
         return torch.device("cpu")
@@ -114,17 +98,15 @@ def select_device(
 
 
 def visible_gpus_key(count: int) -> str:
-    """The physical GPUs this process sees (their UUIDs): equal for two ranks exactly when
-    they see the same GPUs, however each numbers them. Reads properties only: no CUDA
-    context is created on any GPU (only a real GPU shows it; docs/proven.md)."""
-    return ",".join(str(torch.cuda.get_device_properties(i).uuid) for i in range(count))
+    """The UUIDs of the GPUs this process sees, however it numbers them; reads properties
+    only, creating no CUDA context (only a real GPU shows it; docs/proven.md)."""
+    return ",".join(gpu_identity(i) for i in range(count))
 
 
 def _choose_gpu(
     local_rank: int, visible: int, local_world_size: int | None, key, minutes: float
 ) -> int:
-    """:func:`gpu_index` with the ranks sharing this rank's GPUs: from the rendezvous store
-    when there are several ranks, else this rank alone (one GPU) or all local ranks."""
+    """:func:`gpu_index` among the ranks sharing this rank's GPUs (from the store)."""
     info = dist_info_from_env()
     if info.world_size > 1 and visible > 0:
         sharing = ranks_sharing_my_gpus(rendezvous_store(info, minutes), info, key())
@@ -135,21 +117,15 @@ def _choose_gpu(
     return gpu_index(local_rank, visible, sharing)
 
 
-# Tests only: the local SLURM cluster's GPUs are device files (tests/slurm_cluster). With this
-# set to 1, a rank that would use a GPU chooses it from CUDA_VISIBLE_DEVICES exactly as on a
-# GPU node, records the choice in WOULD_SELECT, and computes on the CPU (gloo).
+# The local SLURM cluster's fake GPUs (tests/slurm_cluster): =1, a rank chooses its GPU from
+# CUDA_VISIBLE_DEVICES as on a GPU node, records it in WOULD_SELECT and computes on the CPU.
 FAKE_GPUS = "IMAGENET_DDP_FAKE_GPUS"
 WOULD_SELECT: list[str] = []
 
 
 def gpu_index(local_rank: int, visible: int, sharing: list[int]) -> int:
-    """The index, among the ``visible`` GPUs, of this rank's GPU: its position among
-    ``sharing``, the local ranks of its node that see the same GPUs (itself included). The
-    one choice that training, evaluation and the preflight (what a rank would use) all make.
-
-    All GPUs visible to every rank: the local rank. One each: 0. A per-socket subset shared by
-    some ranks: the rank's position among them, whatever order the site's distribution gives
-    them (block: 0-3 and 4-7; cyclic: even and odd)."""
+    """This rank's GPU among the ``visible``: its position among ``sharing``, its node's local
+    ranks that see the same GPUs (all: the local rank; one each: 0; a socket's: its place)."""
     position = sorted(sharing).index(local_rank)
     if position < visible:
         return position
@@ -163,11 +139,15 @@ def gpu_index(local_rank: int, visible: int, sharing: list[int]) -> int:
     )
 
 
+def _from_every_rank(store, info: DistInfo, name: str, mine) -> list:
+    """Every rank's ``mine``, in rank order, through the rendezvous ``store``."""
+    store.set(f"imagenet_ddp/{name}/{info.rank}", json.dumps(mine))
+    return [json.loads(store.get(f"imagenet_ddp/{name}/{r}")) for r in range(info.world_size)]
+
+
 def ranks_sharing_my_gpus(store, info: DistInfo, key: str) -> list[int]:
-    """The local ranks of this node whose visible GPUs are the same as this rank's (``key``:
-    :func:`visible_gpus_key`), from every rank's entry in the rendezvous ``store``."""
-    store.set(f"imagenet_ddp/visible/{info.rank}", json.dumps([info.host, info.local_rank, key]))
-    entries = [json.loads(store.get(f"imagenet_ddp/visible/{r}")) for r in range(info.world_size)]
+    """This node's local ranks that see the GPUs this one does (``key``)."""
+    entries = _from_every_rank(store, info, "visible", [info.host, info.local_rank, key])
     return sorted(local for host, local, k in entries if host == info.host and k == key)
 
 
@@ -185,7 +165,7 @@ def placement(info: DistInfo, device: torch.device) -> dict[str, object]:
     }
 
 
-def gpu_identity(device: torch.device) -> str:
+def gpu_identity(device) -> str:
     """The physical GPU behind ``device`` (its UUID): the same for two ranks sharing it."""
     return str(torch.cuda.get_device_properties(device).uuid)
 
@@ -204,15 +184,12 @@ def shared_gpus(placements: list[dict]) -> list[str]:
 
 
 def _check_gpus_not_shared(store, info: DistInfo, device: torch.device) -> None:
-    """Fail every rank at start, in one line, if another rank uses its GPU (two ranks on one
-    GPU: NCCL refuses or hangs, and the run's throughput would be half of what it states).
-    Through the rendezvous store, before NCCL exists; CPU ranks publish no GPU."""
+    """Fail every rank at start, in one line, if two ranks use one GPU (NCCL refuses or hangs,
+    throughput would be half of what it states); before NCCL exists."""
     gpu = gpu_identity(device) if device.type == "cuda" else None
-    mine = {"rank": info.rank, "host": info.host, "gpu": gpu}
-    store.set(f"imagenet_ddp/placement/{info.rank}", json.dumps(mine))
-    placements = [
-        json.loads(store.get(f"imagenet_ddp/placement/{r}")) for r in range(info.world_size)
-    ]
+    placements = _from_every_rank(
+        store, info, "placement", {"rank": info.rank, "host": info.host, "gpu": gpu}
+    )
     problems = shared_gpus(placements)
     if problems:
         raise RuntimeError(
@@ -227,8 +204,8 @@ _PLACEMENTS: list[dict] = []  # every rank's {rank, host, gpu}, from the rendezv
 
 
 def node_gpu_uuids(info: DistInfo, device: torch.device) -> list[str]:
-    """UUIDs of the GPUs the ranks on this rank's node use, in rank order (what telemetry
-    samples: NVML ignores CUDA_VISIBLE_DEVICES, so indices would name other jobs' GPUs)."""
+    """UUIDs of the GPUs this node's ranks use, in rank order (telemetry: NVML ignores
+    CUDA_VISIBLE_DEVICES, so indices would name other jobs' GPUs)."""
     if device.type != "cuda":
         return []
     if not _PLACEMENTS:  # one process: no rendezvous
@@ -246,9 +223,8 @@ def master_port(job_id: int) -> int:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """SLURM hostlist expression -> host names, parsed in Python (python-hostlist, LLNL's
-    syntax as SLURM writes it): no ``scontrol`` in a rank (a container image has no SLURM
-    client). ValueError naming the expression where it is not one."""
+    """SLURM hostlist expression -> host names (python-hostlist: no ``scontrol`` in a rank's
+    container image); ValueError naming the expression where it is not one."""
     import hostlist
 
     try:
@@ -258,9 +234,8 @@ def expand_nodelist(nodelist: str) -> list[str]:
 
 
 def rendezvous_from_slurm_env() -> None:
-    """Set MASTER_ADDR/MASTER_PORT in an srun task from the variables srun gives every task
-    (the first node of the step, a port from the job id), and GLOO_SOCKET_IFNAME on several
-    nodes. What a variable set by the user or by torchrun says wins."""
+    """MASTER_ADDR/PORT of an srun task (the step's first node, a port from the job id) and,
+    on several nodes, GLOO_SOCKET_IFNAME, unless already set."""
     if "MASTER_ADDR" not in os.environ:
         nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ["SLURM_JOB_NODELIST"]
         os.environ["MASTER_ADDR"] = expand_nodelist(nodelist)[0]
@@ -275,27 +250,17 @@ def rendezvous_from_slurm_env() -> None:
 
 
 def interface_towards(host: str) -> str:
-    """The network interface this node uses to reach ``host``.
-
-    Gloo (the CPU group that carries the stop-signal agreement beside NCCL) binds the address
-    its own hostname resolves to; where that is 127.0.1.1 (Debian's /etc/hosts default) ranks
-    on other nodes cannot connect. The kernel's route to another node of the job names the
-    right interface; GLOO_SOCKET_IFNAME set by the user wins.
-    """
-    import fcntl
-    import struct
+    """The network interface this node uses to reach ``host``: gloo (the CPU group beside
+    NCCL) binds the address its own hostname resolves to, which may be 127.0.1.1 (Debian's
+    /etc/hosts), unreachable from other nodes; the kernel's route to another node names the
+    right one."""
+    import psutil
 
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((socket.gethostbyname(host), 9))  # UDP: nothing is sent
         local = probe.getsockname()[0]
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                request = struct.pack("256s", name[:15].encode())
-                address = fcntl.ioctl(s.fileno(), 0x8915, request)[20:24]  # SIOCGIFADDR
-            except OSError:  # no IPv4 address on this interface
-                continue
-        if socket.inet_ntoa(address) == local:
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == local for a in addresses):
             return name
     raise OSError(f"no interface holds {local}, the address towards {host}")
 
@@ -303,21 +268,10 @@ def interface_towards(host: str) -> str:
 def init_process_group(
     info: DistInfo, device: torch.device, backend: str, timeout_minutes: float
 ) -> None:
-    """Join the job's process group (a no-op for a single process).
-
-    ``timeout_minutes`` (the run's ``timeout_minutes``, default 10) bounds how long a rank
-    waits in one collective for the others: a rank that hangs (stopped, stuck in I/O) ends the
-    job after this long. A rank that *dies* (SIGKILL, OOM killer) ends it sooner: the launcher
-    stops the others at once (``srun --kill-on-bad-exit=1``; locally
-    :func:`imagenet_ddp.jobs.launchers.spawn_local_ranks`), and gloo's peers see its sockets close.
-    The longest legitimate wait is rank 0 writing a checkpoint while the others wait at the
-    barrier after it; staging is its own step before the ranks start.
-    NCCL (GPU only, not run here): a collective with a dead or hung peer never returns by
-    itself; the process group's watchdog thread aborts it after the timeout and, with
-    TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (set below unless the site set it), tears the process
-    down ("Watchdog caught collective operation timeout" in the log, naming the collective's
-    sequence number), so the job ends instead of holding its GPUs.
-    """
+    """Join the job's process group (a no-op for one process). ``timeout_minutes`` bounds a
+    wait in one collective: a hung rank ends the job after it (a dead one sooner: the launcher
+    stops the others). NCCL (GPU only, not run here): its watchdog aborts such a collective and,
+    with TORCH_NCCL_ASYNC_ERROR_HANDLING=3, tears the process down instead of holding GPUs."""
     if info.world_size == 1:
         return
     if backend == "auto":
@@ -341,9 +295,8 @@ def init_process_group(
 
 
 def rendezvous_store(info: DistInfo, minutes: float = 10.0):
-    """The job's rendezvous store (env://: MASTER_ADDR/PORT, or torchrun's agent store), made
-    once per process: :func:`select_device` compares the ranks' GPUs through it before it picks
-    one, and :func:`init_process_group` then builds the process group on it."""
+    """The job's rendezvous store (env://), made once per process: :func:`select_device`
+    compares the ranks' GPUs through it, :func:`init_process_group` builds the group on it."""
     if not _STORE:
         if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:  # an srun task
             rendezvous_from_slurm_env()
@@ -372,11 +325,8 @@ def world_size() -> int:
 
 
 def broadcast_buffers(module: torch.nn.Module) -> None:
-    """Give every rank rank 0's buffers (BatchNorm running statistics).
-
-    DDP broadcasts them at the start of each forward pass, so after the last training step each
-    rank holds the statistics of its own last batch; rank 0's are the ones saved.
-    """
+    """Give every rank rank 0's buffers (BatchNorm statistics: after the last step each rank
+    holds its own last batch's; rank 0's are saved)."""
     if is_distributed():
         for buffer in module.buffers():
             dist.broadcast(buffer, src=0)

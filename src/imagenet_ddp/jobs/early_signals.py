@@ -1,15 +1,8 @@
-"""Stop signals held from a rank's first second, before torch is imported.
-
-A rank's module imports torch first thing: seconds on a node, more on a loaded shared
-filesystem. A ``--signal=USR1@N`` warning (or scancel's SIGTERM) that comes meanwhile would
-kill it with the signal's default action, before :meth:`imagenet_ddp.jobs.signals.StopFlag.catch`
-records it: a job requeued less than N seconds before its limit died at once, without its
-checkpoint. Importing this module first (the training worker does, before torch) installs a
-handler that only notes the signal; :func:`taken` hands the notes to the StopFlag, which
-honours them at the first step.
-
-Only where the process was started as one of :data:`ENTRY_MODULES` (``python -m``): a test
-or a tool that imports the worker keeps its own handlers (Ctrl-C in pytest). Torch-free.
+"""Stop signals held from a rank's first second, before torch is imported (seconds on a
+loaded filesystem): a ``--signal=USR1@N`` or scancel's SIGTERM meanwhile would kill the rank
+before :meth:`imagenet_ddp.jobs.signals.StopFlag.catch`, without its checkpoint. Imported first
+by a rank started as one of :data:`ENTRY_MODULES`, this notes them; :func:`taken` hands them
+to the StopFlag. Anything else that imports it keeps its own handlers. Torch-free.
 """
 
 from __future__ import annotations

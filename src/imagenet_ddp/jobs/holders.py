@@ -1,39 +1,25 @@
 """Which SLURM job holds a run: one train job of a run at a time, whoever submitted it.
 
-The controlling Snakemake may die while a train job runs (a login node rebooted, a lost ssh
-session); the job keeps running. The same command again (after `snakemake --unlock`) submits a
-second train job of the run (`rerun-incomplete`). Nothing is asked of SLURM at submission: the
-job itself, before it records its attempt, looks for an open entry of another live job in the
-run's attempt record (:func:`begin_unless_held`; the check and the record under one lock, so
-two jobs that start at once cannot both find the run free). Where one holds the run, this job
-gives its allocation back at once (:func:`give_back`): it requeues itself behind the holder
-(``scontrol requeuehold``, ``update Dependency=afterany:<holder>``, ``release``), pending for
-free until the holder has ended, then resumes from its newest checkpoint. Where the site does
-not let a job requeue itself, it ends with exit 75, and Snakemake's retry submits it again.
-It never waits while holding GPUs.
-
-Torch-free.
+A restarted Snakemake (its controller died while a train job ran) submits the run again
+(`rerun-incomplete`). Nothing is asked of SLURM at submission: the job itself looks for an open
+attempt entry of another live job (:func:`begin_unless_held`: the check and its own entry under
+one lock) and, where one holds the run, gives its allocation back at once (:func:`give_back`):
+requeued behind the holder (``scontrol requeuehold``, ``Dependency=afterany``, ``release``),
+else ended with exit 75 for Snakemake's retry. It never waits while holding GPUs. Torch-free.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from imagenet_ddp.io import exclusive_lock, lock_path_for
-from imagenet_ddp.jobs.attempts import (
-    EXIT_REQUEUE,
-    HEARTBEAT_SECONDS,
-    RECORD,
-    load,
-    of_run,
-    settings_key,
-)
+from imagenet_ddp.io import HEARTBEAT_S, exclusive_lock, lock_path_for
+from imagenet_ddp.jobs.attempts import EXIT_REQUEUE, RECORD, last_sign, load, of_run, settings_key
+from imagenet_ddp.jobs.launchers import slurm
 
 T = TypeVar("T")
 
@@ -42,20 +28,12 @@ T = TypeVar("T")
 ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
          "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED"}  # fmt: skip
 # An open entry whose heartbeat is older than this is taken as dead where squeue cannot say.
-STALE_SECONDS = 3 * HEARTBEAT_SECONDS
-SLURM_SECONDS = 30  # a hung slurmctld must not hang the job
-
-
-def _slurm(*args: str) -> subprocess.CompletedProcess | None:
-    try:
-        return subprocess.run(list(args), capture_output=True, text=True, timeout=SLURM_SECONDS)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
+STALE_SECONDS = 3 * HEARTBEAT_S
 
 
 def job_state(job_id: str) -> str | None:
     """The job's state; "" when SLURM no longer knows it (ended); None: squeue cannot say."""
-    result = _slurm("squeue", "-h", "-j", str(job_id), "-o", "%T")
+    result = slurm("squeue", "-h", "-j", str(job_id), "-o", "%T")
     if result is None:
         return None
     if result.returncode == 0:
@@ -64,23 +42,16 @@ def job_state(job_id: str) -> str | None:
     return "" if "Invalid job id" in result.stderr else None  # purged: long gone
 
 
-def open_entries(checkpoint_root, run: dict[str, Any], own_job: str | None) -> list[dict]:
-    """The run's attempt entries that no launcher closed, of jobs other than ``own_job``."""
-    return [
-        a
-        for a in of_run(load(checkpoint_root), settings_key(run))
-        if a.get("ended") is None and (own_job is None or a.get("slurm_job_id") != own_job)
-    ]
-
-
 def live_holder(checkpoint_root, run: dict[str, Any], now: float | None = None) -> dict | None:
     """The open entry of another job that still runs the run (squeue; where squeue cannot say,
-    a heartbeat newer than :data:`STALE_SECONDS`), with its ``state``; None if none."""
-    now = time.time() if now is None else now
-    for entry in open_entries(checkpoint_root, run, os.environ.get("SLURM_JOB_ID")):
+    its heartbeat within :data:`STALE_SECONDS`), with its ``state``; None if none."""
+    now, own = time.time() if now is None else now, os.environ.get("SLURM_JOB_ID")
+    for entry in of_run(load(checkpoint_root), settings_key(run)):
+        if entry.get("ended") is not None or (own and entry.get("slurm_job_id") == own):
+            continue
         state = job_state(entry["slurm_job_id"]) if entry.get("slurm_job_id") else None
         if state is None:
-            if now - float(entry.get("alive") or entry["started"]) < STALE_SECONDS:
+            if now - last_sign(checkpoint_root, entry) < STALE_SECONDS:
                 return {**entry, "state": "heartbeat"}
         elif state and state != "PENDING":
             return {**entry, "state": state}
@@ -90,18 +61,15 @@ def live_holder(checkpoint_root, run: dict[str, Any], now: float | None = None) 
 def begin_unless_held(
     checkpoint_root, run: dict[str, Any], begin: Callable[[], T]
 ) -> tuple[T | None, dict | None]:
-    """(``begin()``, None) where no other live job holds the run, else (None, its entry): the
-    check and this job's attempt entry under one lock on the attempt record, so of two jobs of
-    a run that start within seconds the second sees the first's open entry."""
+    """(``begin()``, None) where no other live job holds the run, else (None, its entry); under
+    one lock, so of two jobs that start at once the second sees the first's entry."""
     with exclusive_lock(lock_path_for(Path(checkpoint_root) / RECORD)):
         holder = live_holder(checkpoint_root, run)
         return (None, holder) if holder else (begin(), None)
 
 
 def give_back(holder: dict, run_name: str, log: Callable[[str], None] = print) -> int:
-    """This job's allocation given back while ``holder`` trains the run: requeued behind it
-    (the job pends, then resumes once the holder has ended), else ended with EXIT_REQUEUE (the
-    workflow's retry submits it again). The exit code for the launcher."""
+    """Give this job's allocation back while ``holder`` trains the run: the exit code."""
     own = os.environ.get("SLURM_JOB_ID")
     said = (f"run {run_name!r}: job {holder.get('slurm_job_id') or 'local'} (attempt "
             f"{holder['attempt']} on {holder.get('host')}, {holder['state']}) still trains it; "
@@ -114,16 +82,15 @@ def give_back(holder: dict, run_name: str, log: Callable[[str], None] = print) -
 
 
 def _requeue_behind(own: str, holder: str) -> bool:
-    """``own`` (this running job) back in the queue, held until ``holder`` has ended. Held
-    first, so that it cannot start again before the dependency is set; SLURM then ends this
-    allocation's processes; this one ignores SIGTERM meanwhile, so the three commands run."""
+    """``own`` back in the queue until ``holder`` has ended: held first, so it cannot start
+    before the dependency is set; this process ignores SLURM's SIGTERM meanwhile."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for args in (("requeuehold", own),
                  ("update", f"JobId={own}", f"Dependency=afterany:{holder}"),
                  ("release", own)):  # fmt: skip
-        result = _slurm("scontrol", *args)
+        result = slurm("scontrol", *args)
         if result is None or result.returncode != 0:
             if args[0] != "requeuehold":  # held without its dependency: let it run again
-                _slurm("scontrol", "release", own)
+                slurm("scontrol", "release", own)
             return False
     return True

@@ -1,14 +1,7 @@
-"""A job's attempt: stage on every node, start its ranks (training, preflight, evaluation),
-unstage; the per-node staging steps themselves.
-
-The job's launcher (:mod:`imagenet_ddp.jobs.launchers`: ``srun``, ``local``, by name) starts
-the steps and the ranks; this module is the same for every launcher. Evaluation starts its
-ranks the same way (without staging). Every step and rank gets the path of the job's spec
-file (:mod:`imagenet_ddp.jobs.spec`), nothing else; a rank is its kind's own module
-(``python -m imagenet_ddp.training.worker --spec FILE``, :data:`RANK_MODULES`), started
-directly.
-
-Each node writes ``<run_dir>/staging/<host>.json``; each rank reads the copy its host staged.
+"""A job's attempt through its launcher (:mod:`imagenet_ddp.jobs.launchers`): stage on every
+node, start its ranks (training, preflight; evaluation without staging), unstage; and the
+per-node staging steps. Every step and rank gets the job spec's path only; a rank is its kind's
+own module (:data:`RANK_MODULES`). Each node writes ``<run_dir>/staging/<host>.json``.
 """
 
 from __future__ import annotations
@@ -19,7 +12,6 @@ import os
 import signal
 import socket
 import sys
-import uuid
 from pathlib import Path
 
 from imagenet_ddp.data.stage import (
@@ -35,11 +27,11 @@ from imagenet_ddp.data.stage import (
     stage_dataset,
 )
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.io import write_json_atomic
+from imagenet_ddp.io import Heartbeat, write_json_atomic
 from imagenet_ddp.jobs import attempts
+from imagenet_ddp.jobs.early_signals import EXIT_REQUEUE, STOP_SIGNALS
 from imagenet_ddp.jobs.holders import begin_unless_held, give_back
 from imagenet_ddp.jobs.launchers import get_launcher
-from imagenet_ddp.jobs.signals import EXIT_REQUEUE, STOP_SIGNALS
 from imagenet_ddp.jobs.spec import EvalJob, TrainJob, read_spec, staging_report_path
 from imagenet_ddp.settings.geometry import on_nodes
 
@@ -47,11 +39,9 @@ STAGED_KINDS = ("train", "preflight")  # jobs that stage the prepared copy on ev
 
 
 def stage_this_node(job: TrainJob) -> dict:
-    """Copy the prepared data into this node's scratch (or, with a one-node launcher such as
-    ``local``, read it in place where a copy would land on its own filesystem); write the
-    node's staging report.
-    A scratch root that every node shares (or on a network filesystem) is refused before any
-    copy, under srun always: that is the multi-node case staging exists for."""
+    """Copy the prepared data into this node's scratch (a one-node launcher reads it in place
+    where a copy would land on its own filesystem; a shared scratch is refused otherwise);
+    write the node's staging report."""
     paths, stage = job.paths, job.execution.stage
     path = staging_report_path(paths.run_dir, socket.gethostname())
     previous = json.loads(path.read_text()) if path.is_file() else {}
@@ -71,23 +61,22 @@ def stage_this_node(job: TrainJob) -> dict:
         raise refuse_shared_scratch(scratch, origin, problem)
     elif in_ram := ram_copy_problem(src, scratch, origin, job.run, memory_limit()):
         raise InputError(in_ram)  # before the copy: in RAM it would be OOM-killed in epoch 0
-    else:
-        lease = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    else:  # the lease names this job's heartbeat, which every node sees
+        lease = os.path.abspath(attempts.beat_path(paths.checkpoint_root))
         reclaim_stale_leases(scratch)  # copies pinned by jobs killed before their cleanup
         report = stage_dataset(src, scratch, verify=stage.verify, lease=lease)
         report["lease"] = lease
     report["scratch"] = scratch_info(scratch, origin)  # a site's node-local disk shows here
     # An earlier attempt of this run (requeued, or killed before its cleanup) left its lease:
     # give it up now that this attempt holds its own.
-    if previous.get("lease") and not previous.get("cleaned"):
+    if previous.get("lease") not in (None, report.get("lease")) and not previous.get("cleaned"):
         cleanup_staged(Path(previous["dest"]), previous["lease"])
     write_json_atomic(staging_report_path(paths.run_dir, report["host"]), report)
     return report
 
 
 def unstage_this_node(job: TrainJob) -> None:
-    """Give up this run's lease on the node's copy; the copy goes with the last lease (another
-    run on this node may still read it). A copy read in place is left alone."""
+    """Give up this run's lease on the node's copy (which goes with the last lease)."""
     path = staging_report_path(job.paths.run_dir, socket.gethostname())
     report = json.loads(path.read_text())
     # cleaned: this run gave up its copy; removed: the copy is gone (no other run holds it)
@@ -99,10 +88,8 @@ def unstage_this_node(job: TrainJob) -> None:
     write_json_atomic(path, report)
 
 
-# The module each kind of job runs as its ranks (``python -m MODULE --spec FILE``): the
-# rank's own entry point, which parses its arguments once and reads the spec once.
-# Names, not imports: a process boundary, so jobs/ may name modules of the stages above
-# it here (docs/layout.md).
+# Each kind's ranks: ``python -m MODULE --spec FILE``. Names, not imports: a process
+# boundary, so jobs/ may name the stages above it (docs/layout.md).
 RANK_MODULES = {
     "train": "imagenet_ddp.training.worker",
     "preflight": "imagenet_ddp.preflight.rank",
@@ -116,11 +103,8 @@ def rank_argv(job: TrainJob | EvalJob, spec_path: Path, python: list[str]) -> li
 
 
 def on_allocation(job: TrainJob) -> TrainJob:
-    """``job`` on the node count of its allocation. A run with ``fallback_nodes`` may be given
-    fewer than ``nodes`` (common.smk asks for a smaller count after a failed or never-started
-    job): it trains there with the same global batch, ``accumulation`` scaled to match
-    (settings.geometry.on_nodes). Other runs, and launchers that always get the run's nodes
-    (``local``), keep their settings."""
+    """``job`` on its allocation's node count: a run with ``fallback_nodes`` given fewer nodes
+    keeps its global batch, ``accumulation`` scaled (settings.geometry.on_nodes)."""
     run = job.run
     if not run.get("fallback_nodes"):
         return job
@@ -140,13 +124,9 @@ def on_allocation(job: TrainJob) -> TrainJob:
 
 
 def run_attempt(job: TrainJob, spec_path: Path) -> int:
-    """Stage on every node, run the ranks, clean up: the exit code of the job.
-
-    ``job``: the job spec the caller wrote at ``spec_path`` (:mod:`imagenet_ddp.jobs.spec`);
-    every step and rank gets only the path and reads the rest.
-    The job is one attempt of the run (:mod:`imagenet_ddp.jobs.attempts`): recorded before staging,
-    refused at once where a retry cannot help, closed with its exit code.
-    """
+    """One attempt of the run (:mod:`imagenet_ddp.jobs.attempts`): recorded (unless another
+    job holds the run), refused where a retry cannot help, staged and run, closed with its
+    exit code, which it returns."""
     run, root = job.run, job.paths.checkpoint_root
     geometry = job.geometry
     begun, holder = begin_unless_held(
@@ -172,9 +152,7 @@ def run_attempt(job: TrainJob, spec_path: Path) -> int:
         return 1
     code = 1
     try:
-        with attempts.Heartbeat(root, entry):
-            code = unfinished_is_stopped(run_staged(job, spec_path), job)
-            code = stopped_by_its_ranks(code, job, entry)
+        code = stopped_after_all(run_staged(job, spec_path), job, entry)
     except Exception as error:
         entry["error"] = f"launcher on {socket.gethostname()}: {type(error).__name__}: {error}"
         raise
@@ -183,25 +161,17 @@ def run_attempt(job: TrainJob, spec_path: Path) -> int:
     return code
 
 
-def unfinished_is_stopped(code: int, job: TrainJob) -> int:
-    """The job's exit code: EXIT_REQUEUE where the ranks' step exited 0 but rank 0 wrote no
-    ``train_metrics.json`` (it does after the last epoch only). srun exits 0 after a stop signal
-    when it gives up waiting for the step ("srun: error: Timed out waiting for job step to
-    complete", seen in CI at a time limit) although the ranks checkpointed and exited 75: the
-    job must not be taken for complete, its attempt recorded "completed", its outputs written."""
+def stopped_after_all(code: int, job: TrainJob, entry: dict) -> int:
+    """``code``, or EXIT_REQUEUE (stopped: the next job resumes) where the ranks' step exited 0
+    without finishing the run (no ``train_metrics.json``: srun exits 0 when it gives up waiting
+    for a stopped step, "Timed out waiting for job step to complete", seen in CI), or failed
+    after its ranks recorded a stop whose checkpoint was written (:func:`attempts.
+    stopped_by_ranks`: ``scancel -s TERM --batch`` reaches only the batch shell, then the job's
+    end the ranks, and one still tearing down is killed KillWait seconds later; seen in CI)."""
     if code == 0 and not (job.paths.run_dir / "train_metrics.json").is_file():
         print("the ranks' step exited 0 but the run did not finish (no train_metrics.json): "
               "stopped, the next job resumes from the newest checkpoint", flush=True)  # fmt: skip
         return EXIT_REQUEUE
-    return code
-
-
-def stopped_by_its_ranks(code: int, job: TrainJob, entry: dict) -> int:
-    """EXIT_REQUEUE where the ranks' step failed but its ranks recorded a stop and its
-    checkpoint was written (:func:`attempts.stopped_by_ranks`), whether or not the signal
-    reached the launcher: ``scancel -s TERM --batch`` signals only the batch shell, the job's
-    end then the ranks, and a rank still tearing down after the checkpoint is killed KillWait
-    seconds later (seen in CI: the attempt recorded failed)."""
     if code in (0, EXIT_REQUEUE):
         return code
     stop = attempts.stopped_by_ranks(job.paths.checkpoint_root, entry)
@@ -214,46 +184,46 @@ def stopped_by_its_ranks(code: int, job: TrainJob, entry: dict) -> int:
 
 
 def run_staged(job: TrainJob, spec_path: Path) -> int:
-    """Stage on every node, run the ranks of ``job``'s kind, clean up: the exit code.
-    Training and its preflight (a TrainJob too) stage the same way."""
-    geometry, execution = job.geometry, job.execution
+    """Stage on every node, run the ranks of ``job``'s kind, clean up: the exit code. Training
+    and its preflight stage the same way; the job's heartbeat beats meanwhile (its leases on
+    the nodes' copies and its attempt entry name it)."""
+    execution = job.execution
     launcher = get_launcher(execution.launcher)
-    launcher.check(geometry)
+    launcher.check(job.geometry)
     python = launcher.python()
 
     def on_every_node(command: str, here) -> tuple[int, float]:
         # one task per node (stage-node, unstage-node: main below), or a call here
         argv = [*python, "-m", "imagenet_ddp.jobs.launch", command, "--spec", str(spec_path)]
-        return launcher.on_every_node(execution, geometry, lambda: here(job), argv)
+        return launcher.on_every_node(execution, job.geometry, lambda: here(job), argv)
 
-    code, signalled = on_every_node("stage-node", stage_this_node)
-    # Stopped while staging (the launcher was signalled, or a node's step was: exit 75 after
-    # finishing its copy): no ranks, rerun to resume.
-    if code == EXIT_REQUEUE or (code == 0 and signalled):
-        print("stop signal while staging: the ranks are not started", flush=True)
-        return EXIT_REQUEUE
-    if code != 0:
+    with Heartbeat(attempts.beat_path(job.paths.checkpoint_root)):
+        code, signalled = on_every_node("stage-node", stage_this_node)
+        # Stopped while staging (the launcher was signalled, or a node's step exited 75 after
+        # finishing its copy): no ranks, rerun to resume.
+        if code == EXIT_REQUEUE or (code == 0 and signalled):
+            print("stop signal while staging: the ranks are not started", flush=True)
+            return EXIT_REQUEUE
+        if code != 0:
+            return code
+        signalled = 0.0
+        try:
+            ranks = rank_argv(job, spec_path, python)
+            code, signalled = launcher.start_ranks(execution, job.geometry, ranks)
+            code = killed_after_its_checkpoint(code, signalled, job)
+        finally:
+            if execution.stage.cleanup and signalled and launcher.stop_skips_cleanup():
+                print("stop signal received: node-local copies are left to the job's epilog")
+            elif execution.stage.cleanup:
+                on_every_node("unstage-node", unstage_this_node)
         return code
-    signalled = 0.0
-    try:
-        ranks = rank_argv(job, spec_path, python)
-        code, signalled = launcher.start_ranks(execution, geometry, ranks)
-        code = killed_after_its_checkpoint(code, signalled, job)
-    finally:
-        if execution.stage.cleanup and signalled and launcher.stop_skips_cleanup():
-            print("stop signal received: node-local copies are left to the job's epilog")
-        elif execution.stage.cleanup:
-            on_every_node("unstage-node", unstage_this_node)
-    return code
 
 
 def killed_after_its_checkpoint(code: int, signalled: float, job: TrainJob) -> int:
     """EXIT_REQUEUE where the ranks' step failed after a stop signal reached the launcher
-    (``signalled``: when; scancel, the job's end) but a checkpoint was written since: SLURM
-    kills what still runs KillWait seconds after its SIGTERM, and a rank still tearing down
-    (loader workers, the process group) is killed after its checkpoint. The run lost nothing:
-    the attempt is stopped, not failed (after a failed one an elastic run asks for fewer
-    nodes, docs/reliability.md)."""
+    (``signalled``: when) but a checkpoint was written since: a rank still tearing down is
+    killed KillWait seconds after SLURM's SIGTERM. Stopped, not failed (after which an
+    elastic run would ask for fewer nodes)."""
     if not signalled or code in (0, EXIT_REQUEUE):
         return code
     newest = attempts.newest_checkpoint(job.paths.checkpoint_root)
@@ -274,16 +244,14 @@ def run_evaluation(job: EvalJob, spec_path: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The per-node steps of a staged job (``stage-node``, ``unstage-node``: one srun task per
-    node, not meant to be called by hand); each reads the job spec whose path it is given.
-    The ranks are their own modules (:data:`RANK_MODULES`)."""
+    node, not meant to be called by hand)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m imagenet_ddp.jobs.launch")
     parser.add_argument("command", choices=["stage-node", "unstage-node"])
     parser.add_argument("--spec", type=Path, required=True, help="the job spec file")
     args = parser.parse_args(argv)
-    # A stop signal (the launcher's SIGUSR1 through srun, --signal=USR1@N) must not kill a
-    # copy half-way: the step finishes it (SIGKILL still ends it), then exits 75 and the
+    # A stop signal must not kill a copy half-way: the step finishes it, exits 75, and the
     # launcher starts no ranks (they would never hear of a warning that came before them).
     received: list[int] = []
     for sig in STOP_SIGNALS:

@@ -1,26 +1,11 @@
 """The launchers: how a job's ranks (and its per-node staging steps) are started, by name.
 
-``execution.launcher`` names one entry of :data:`LAUNCHERS`, or ``auto``: the first registered
-launcher whose :meth:`Launcher.detect` sees its environment where the job runs
-(:func:`resolve_launcher`). Two are built in:
-
-- ``srun``: inside a SLURM allocation (a Snakemake rule with the ``mpi`` resource); the
-  per-node steps are one ``srun`` task per node, the ranks ``nodes x tasks_per_node`` srun
-  tasks, each reading its rank from SLURM_PROCID/SLURM_LOCALID and deriving
-  MASTER_ADDR/MASTER_PORT from the job
-  (:func:`imagenet_ddp.jobs.distributed.rendezvous_from_slurm_env`).
-- ``local``: one node; the per-node steps run in the launcher's own process, one process per
-  rank started here (:func:`spawn_local_ranks`), with the variables torchrun would set.
-
-A new launcher (``mpirun``, Flux, ...) is one subclass of :class:`Launcher` here, decorated
-with :func:`register`, and its case in tests/test_launch.py: the job code
-(:mod:`imagenet_ddp.jobs.launch`), the spec's check of ``execution.launcher`` and the dry-run's
-check take it from this registry.
-Whatever starts the ranks, each rank is started with the job's spec path only and finds its
-rank, world and rendezvous in its environment (:mod:`imagenet_ddp.jobs.distributed`).
-
-Torch-free at import: the workflow imports it while Snakemake parses the rules (the names);
-what starts processes imports :mod:`imagenet_ddp.jobs.signals` (torch) when it runs.
+``execution.launcher`` names one of :data:`LAUNCHERS`, or ``auto``: the first whose
+:meth:`Launcher.detect` sees its environment where the job runs. ``srun``: inside a SLURM
+allocation, per-node steps and ranks as srun tasks (each derives its rank and rendezvous from
+SLURM: :mod:`imagenet_ddp.jobs.distributed`). ``local``: one node, one process per rank started
+here. A new launcher (``mpirun``, Flux) is one :func:`register`-ed subclass and its case in
+tests/test_launch.py. Torch-free at import (the workflow reads the names at parse time).
 """
 
 from __future__ import annotations
@@ -34,8 +19,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import ClassVar
+
+import psutil
 
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.jobs.container import task_runtime
@@ -47,14 +33,11 @@ AUTO = "auto"
 
 class Launcher:
     """One way to start a job's ranks. A step returns (exit code, when a stop signal reached
-    the launcher during it: Unix seconds, 0.0 for none); every launcher passes stop signals on
-    to what it started and returns the ranks' own exit code (EXIT_REQUEUE after a checkpoint).
-
-    ``execution``: the job spec's execution block (``launch_prefix``, ``srun_extra``)."""
+    the launcher: Unix seconds, 0.0 for none), passing stop signals on to what it started."""
 
     name: ClassVar[str]
-    # Runs on one node only: the job's nodes must be 1, and its staging reads the prepared
-    # copy in place where a copy would land on the same disk (one machine: nothing to gain).
+    # One node only; its staging reads the prepared copy in place where a copy would land on
+    # the same disk.
     single_node: ClassVar[bool] = False
 
     def detect(self, environ: Mapping[str, str]) -> bool:
@@ -75,25 +58,19 @@ class Launcher:
     def on_every_node(
         self, execution, geometry: Geometry, here: Callable[[], object], argv: list[str]
     ) -> tuple[int, float]:
-        """Run a per-node step once on every node of the job: ``argv`` (a process, started
-        with :meth:`python`) where the nodes are others, ``here`` (a call in this process)
-        where this launcher's one node is this machine."""
+        """Run a per-node step on every node: ``argv`` elsewhere, ``here()`` on this machine."""
         raise NotImplementedError
 
     def start_ranks(self, execution, geometry: Geometry, argv: list[str]) -> tuple[int, float]:
-        """Run ``argv`` as the job's ``nodes x tasks_per_node`` ranks, each with
-        ``cpus_per_task`` threads (:func:`worker_env`), to their end."""
+        """Run ``argv`` as the job's ranks (:func:`worker_env`) to their end."""
         raise NotImplementedError
 
     def allocated_nodes(self) -> int | None:
-        """The node count the job was given where it may differ from the run's ``nodes`` (a
-        run with ``fallback_nodes``, :func:`imagenet_ddp.jobs.launch.on_allocation`); None:
-        the run's own."""
+        """The job's node count where it may differ from the run's (``fallback_nodes``)."""
         return None
 
     def stop_skips_cleanup(self) -> bool:
-        """Whether a stop signal during the ranks leaves the node-local copies to the job's
-        end (no new steps can start then), instead of an unstaging step."""
+        """Whether a stop leaves the node-local copies to the job's end (no new steps then)."""
         return False
 
 
@@ -101,8 +78,7 @@ LAUNCHERS: dict[str, Launcher] = {}
 
 
 def register(cls: type[Launcher]) -> type[Launcher]:
-    """Class decorator: ``cls`` is the launcher named ``cls.name``; ``auto`` tries launchers in
-    the order they were registered."""
+    """Class decorator: ``cls`` is the launcher ``cls.name`` (``auto`` tries them in order)."""
     if cls.name == AUTO or cls.name in LAUNCHERS:
         raise ValueError(f"launcher name {cls.name!r} is taken")
     LAUNCHERS[cls.name] = cls()
@@ -127,10 +103,7 @@ def get_launcher(name: str) -> Launcher:
 
 
 def resolve_launcher(name: str, environ: Mapping[str, str] | None = None) -> str:
-    """``auto``: the first registered launcher that detects its environment (``srun`` inside a
-    SLURM allocation: the job's own SLURM_JOB_ID, which the SLURM executor's job step keeps;
-    ``local`` elsewhere). Decided where the job runs, so no ``--config`` on the Snakemake
-    command line can change it."""
+    """``auto``: the first launcher that detects its environment, where the job runs."""
     if name != AUTO:
         return name
     environ = os.environ if environ is None else environ
@@ -143,18 +116,13 @@ def resolve_launcher(name: str, environ: Mapping[str, str] | None = None) -> str
 # that inherits them runs that many BLAS/OpenMP threads and the ranks oversubscribe the node
 # (measured: 2 ranks on 2 cores drop from ~330 to 30-150 img/s).
 THREAD_COUNT_VARIABLES = (
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "GOTO_NUM_THREADS",
+    *(f"{lib}_NUM_THREADS" for lib in ("OMP", "MKL", "OPENBLAS", "GOTO", "NUMEXPR")),
     "VECLIB_MAXIMUM_THREADS",
-    "NUMEXPR_NUM_THREADS",
 )
 
 
 def worker_env(geometry: Geometry) -> dict[str, str]:
-    """Environment of the ranks: each gets its task's CPUs as its thread count, and a few
-    inductor compile workers (node_memory.compile_threads; harmless without compile)."""
+    """The ranks' environment: its task's CPUs as each thread count, a few compile workers."""
     env = dict(os.environ)
     env.update(dict.fromkeys(THREAD_COUNT_VARIABLES, str(geometry.cpus_per_task)))
     env.update(compile_threads_env(geometry.cpus_per_task))
@@ -199,16 +167,10 @@ class Srun(Launcher):
 def srun_argv(
     geometry: Geometry, *, per_node: bool, extra: list[str], prefix: str = "srun"
 ) -> list[str]:
-    """srun for a step in the job's allocation (found through the kept SLURM_JOB_ID).
-
-    ``prefix``: how the ranks' step starts (the rule's ``mpi`` resource, e.g.
-    ``srun --mpi=pmix``); the per-node staging steps use plain ``srun``.
-
-    The SLURM executor strips the allocation's SLURM_* defaults from the rule's environment,
-    so the geometry is always explicit. A rule without the ``mpi`` resource (world size 1)
-    already runs inside the executor's ``srun -n1`` step, which holds the job's CPUs/GPUs: a
-    new step would wait for them forever, so it shares them (``--overlap``).
-    """
+    """srun for a step in the job's allocation (``prefix``: the rule's ``mpi`` resource). The
+    geometry is explicit: the SLURM executor strips the allocation's SLURM_* defaults. A rule
+    without ``mpi`` already runs in the executor's ``srun -n1`` step, holding the job's CPUs and
+    GPUs: a new step would wait for ever, so it shares them (``--overlap``)."""
     tasks_per_node = 1 if per_node else geometry.tasks_per_node
     inside_step = "SLURM_STEP_ID" in os.environ
     words = shlex.split(prefix)
@@ -232,15 +194,9 @@ CONTAINER_IMAGE_VARIABLES = ("APPTAINER_CONTAINER", "SINGULARITY_CONTAINER")
 
 
 def task_python(environ=None) -> list[str]:
-    """The command that starts Python for a task of an srun step.
-
-    Inside a container (``--sdm apptainer``) the rule's shell runs in the image but srun starts
-    its tasks on the host, where the image's interpreter does not exist: each task enters the
-    same image again (``--nv``: the node's NVIDIA driver and GPUs). Binds reach these tasks
-    only through the environment (``APPTAINER_BIND``, exported by ``srun --export=ALL``),
-    not from Snakemake's ``--apptainer-args``, which only the rule's own container gets.
-    Not run here (no apptainer): unit-tested for the command it builds.
-    """
+    """The command that starts Python for a task of an srun step. Inside a container (``--sdm
+    apptainer``) srun starts its tasks on the host: each enters the same image again (``--nv``;
+    binds only through ``APPTAINER_BIND``). Not run here (no apptainer): unit-tested."""
     environ = os.environ if environ is None else environ
     image = next((environ[v] for v in CONTAINER_IMAGE_VARIABLES if environ.get(v)), None)
     if image is None:
@@ -250,16 +206,25 @@ def task_python(environ=None) -> list[str]:
     return [task_runtime(environ), "exec", "--nv", image, sys.executable]
 
 
+SLURM_SECONDS = 30
+
+
+def slurm(*args: str) -> subprocess.CompletedProcess | None:
+    """A SLURM client command's result; None where it cannot run or a hung slurmctld holds it
+    past SLURM_SECONDS (it must not hang the job)."""
+    try:
+        return subprocess.run(list(args), capture_output=True, text=True, timeout=SLURM_SECONDS)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
 def allocated_nodes() -> int:
-    """The node count of this SLURM job, from squeue: the rule's environment has none (the
-    SLURM executor strips SLURM_JOB_NUM_NODES, docs/slurm-notes.md section 3)."""
+    """The node count of this SLURM job, from squeue (the SLURM executor strips
+    SLURM_JOB_NUM_NODES, docs/slurm-notes.md section 3)."""
     job_id = os.environ.get("SLURM_JOB_ID", "")
     try:
-        result = subprocess.run(
-            ["squeue", "-h", "-j", job_id, "-o", "%D"], capture_output=True, text=True, timeout=60
-        )
-        return int(result.stdout.split()[0])
-    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return int(slurm("squeue", "-h", "-j", job_id, "-o", "%D").stdout.split()[0])
+    except (AttributeError, ValueError, IndexError):
         raise InputError(
             f"job {job_id or '(no SLURM_JOB_ID)'}: cannot read the allocation's node count "
             "with squeue, which a run with fallback_nodes needs (in a container: bind squeue, "
@@ -268,18 +233,11 @@ def allocated_nodes() -> int:
 
 
 def _run_step(argv: list[str], geometry: Geometry) -> tuple[int, float]:
-    """Run an srun step to its end, surviving stop signals: (exit code, when a stop signal
-    reached the launcher: Unix seconds, 0.0 for none).
-
-    A stop signal to the launcher reaches srun as SIGUSR1, which srun passes on to its tasks
-    unchanged (:class:`ForwardStopSignals`); srun then exits with their code (EXIT_REQUEUE
-    after a checkpoint). Never SIGTERM or SIGINT: srun would kill its step (SIGKILL). srun runs
-    in a session of its own, so a signal to the launcher's process group (Ctrl-C under
-    ``salloc``, ``kill -- -<pgid>``) does not reach it directly either. SLURM's own SIGTERM at
-    the job's end still reaches srun (it is in the batch step): srun then asks slurmctld to
-    kill the step, which refuses (the job is already ending), and the ranks have ``KillWait``
-    seconds (docs/slurm-notes.md section 7).
-    """
+    """Run an srun step to its end, surviving stop signals: (exit code, when a stop came).
+    A stop reaches srun as SIGUSR1 only (:class:`ForwardStopSignals`); srun runs in a session
+    of its own, so a signal to the launcher's process group does not reach it either. SLURM's
+    own SIGTERM at the job's end still does; the ranks then have ``KillWait`` seconds
+    (docs/slurm-notes.md section 7)."""
     from imagenet_ddp.jobs.signals import ForwardStopSignals
 
     print("+ " + shlex.join(argv), flush=True)
@@ -335,13 +293,9 @@ def _free_port() -> int:
 
 
 def spawn_local_ranks(argv: list[str], geometry: Geometry, grace_seconds: float = 30) -> int:
-    """Start one process per rank on this node, the way srun starts them on a cluster.
-
-    Not torchrun: on a stop signal torchrun exits with its own code 1 (losing the ranks'
-    EXIT_REQUEUE) and kills the ranks 30 s later whether their checkpoint is written or not.
-    Here a stop signal is passed on to the ranks and their exit code is returned. If a rank
-    fails, the others are stopped (SIGTERM, SIGKILL after ``grace_seconds``), as torchrun does.
-    """
+    """One process per rank on this node, as srun starts them. Not torchrun: on a stop it
+    exits 1 (losing the ranks' EXIT_REQUEUE) and kills the ranks 30 s later, checkpoint or
+    not. A failed rank stops the others (SIGTERM, SIGKILL after ``grace_seconds``)."""
     from imagenet_ddp.jobs.signals import ForwardStopSignals
 
     env = worker_env(geometry)
@@ -353,7 +307,7 @@ def spawn_local_ranks(argv: list[str], geometry: Geometry, grace_seconds: float 
     )
     print("+ " + shlex.join(argv) + f"  (x {geometry.tasks_per_node} ranks)", flush=True)
     _become_subreaper()
-    before = _children()
+    before = {p.pid for p in psutil.Process().children()}
     with ForwardStopSignals() as forward:
         try:
             for rank in range(geometry.tasks_per_node):
@@ -365,33 +319,21 @@ def spawn_local_ranks(argv: list[str], geometry: Geometry, grace_seconds: float 
 
 
 def _become_subreaper() -> None:
-    """Orphans of the ranks become this process's children (Linux ``PR_SET_CHILD_SUBREAPER``),
-    so :func:`_end_leftovers` can find them."""
+    """Orphans of the ranks become this process's children (``PR_SET_CHILD_SUBREAPER``)."""
     import ctypes
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 
 
-def _children() -> set[int]:
-    me, found = str(os.getpid()), set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError):
-            if stat.read_text().rsplit(")", 1)[1].split()[1] == me:
-                found.add(int(stat.parent.name))
-    return found
-
-
 def _end_leftovers(before: set[int]) -> None:
-    """Kill what the ranks left running once they are gone. A rank killed by SIGKILL (OOM
-    killer, ``kill -9``) leaves its loader fork server and workers behind: their parent is the
-    fork server, so their watchdog never sees the rank go, and they would hold the job's log
-    open for ever. (srun ends every process of a step itself.) ``before``: children this
-    process had before the ranks started, left alone."""
-    for pid in _children() - before:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+    """Kill what the ranks left running (a SIGKILLed rank's fork server and loader workers,
+    which would hold the job's log open for ever; srun does this itself), but ``before``."""
+    for child in psutil.Process().children():
+        if child.pid not in before:
+            with contextlib.suppress(psutil.Error, OSError):
+                child.kill()
+                os.waitpid(child.pid, 0)
 
 
 def _exit_code(proc: subprocess.Popen) -> int:

@@ -1,25 +1,18 @@
 """Stop signals: how a job that SLURM (or a user) ends keeps its progress.
 
-SLURM sends SIGTERM to *every* process of every step at the time limit, on ``scancel`` and on
-preemption (and ``--signal=USR1@N`` sends SIGUSR1 the same way); a terminal's Ctrl-C sends SIGINT
-to the whole foreground process group. So the signal reaches each rank, each rank's DataLoader
-workers, the launcher and ``srun`` at once. The rules here:
+SLURM sends SIGTERM (or ``--signal``'s SIGUSR1) to every process of every step at the time
+limit, on ``scancel`` and on preemption; Ctrl-C sends SIGINT to the whole foreground process
+group. So each rank, its loader workers, the launcher and ``srun`` get it at once:
 
-- A rank only records the signal (:class:`StopFlag`); all ranks agree on it at a step boundary,
-  rank 0 writes a checkpoint and every rank exits with :data:`EXIT_REQUEUE`.
-- DataLoader workers ignore the stop signals (:func:`ignore_stop_signals`, their
-  ``worker_init_fn``): a worker killed by SIGTERM makes its rank raise "DataLoader worker is
-  killed by signal" before any checkpoint. They are started by a fork server
-  (:func:`loader_context`), not forked from the rank: a rank has gloo's and the loaders'
-  threads, and a child forked while one of them held a lock can hang for ever (seen: an
-  evaluation worker stuck at start, its rank waiting for its first batch). The server ignores
-  the stop signals from its start (:mod:`imagenet_ddp.jobs.loader_server`), and workers are started
-  with the signals blocked (:func:`stop_signals_blocked`).
-- The launcher survives the signal, passes it on to the ranks, waits for them and returns
-  their exit code (:class:`ForwardStopSignals`). Ranks it started itself get the signal;
-  ``srun`` gets SIGUSR1 and nothing else: srun answers SIGTERM, SIGHUP and SIGQUIT by killing
-  its step (SIGKILL), and a second SIGINT within a second too, whereas it passes SIGUSR1 on to
-  its tasks unchanged (SLURM's ``src/srun`` signal handling; docs/slurm-notes.md section 7).
+- a rank only records it (:class:`StopFlag`); all agree at a step boundary, rank 0 writes a
+  checkpoint and every rank exits with :data:`EXIT_REQUEUE`;
+- loader workers ignore it (:func:`ignore_stop_signals`): one killed makes its rank raise
+  before any checkpoint. They come from a fork server (:func:`loader_context`), not forked from
+  a rank whose threads may hold a lock (seen: a worker hung at start), with the signals blocked
+  (:func:`stop_signals_blocked`);
+- the launcher passes it on and returns the ranks' exit code (:class:`ForwardStopSignals`);
+  ``srun`` gets SIGUSR1 only: it kills its step on SIGTERM, SIGHUP or a second SIGINT, and
+  passes SIGUSR1 on unchanged (docs/slurm-notes.md section 7).
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ import multiprocessing
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -44,8 +37,7 @@ SRUN_STOP_SIGNAL = signal.SIGUSR1
 
 
 def ignore_stop_signals(_worker_id: int | None = None) -> None:
-    """DataLoader ``worker_init_fn``: the rank decides when to stop; its workers never die of
-    a stop signal (they exit when the rank shuts them down, or when it is gone)."""
+    """DataLoader ``worker_init_fn``: the rank decides when to stop, never its workers."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
@@ -60,12 +52,8 @@ def loader_context() -> multiprocessing.context.BaseContext:
 
 @contextlib.contextmanager
 def stop_signals_blocked() -> Iterator[None]:
-    """Block the stop signals in this thread while DataLoader workers are forked.
-
-    A forked worker inherits the mask, so a signal sent between its fork and its
-    ``worker_init_fn`` stays pending until :func:`ignore_stop_signals` discards it. In this
-    process a signal that arrives meanwhile is delivered when the block ends.
-    """
+    """Block the stop signals while DataLoader workers are forked: a worker inherits the mask,
+    so one that comes before its ``worker_init_fn`` waits to be discarded there."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
@@ -74,20 +62,13 @@ def stop_signals_blocked() -> Iterator[None]:
 
 
 class StopFlag:
-    """Set by a stop signal; checked at step boundaries and agreed on by all ranks.
+    """Set by a stop signal; agreed on by all ranks at step boundaries.
 
-    :meth:`poll` agrees without ever synchronizing the GPU: each rank's flag goes into an
-    asynchronous all-reduce (max) on a CPU (gloo) group, started at one check and read at the
-    next, ``interval`` steps later, when it has long finished. All ranks call :meth:`poll` at the
-    same steps and read the same reduced value, so they stop at the same step: at most two
-    intervals after the first rank was signalled.
-
-    The same reduction carries a second flag: a checkpoint is due (``checkpoint_seconds`` since
-    the last one on any rank's clock, :meth:`checkpointed` resets it). After :meth:`poll`,
-    ``checkpoint_due`` says whether all ranks agreed to write one now (a SIGKILL gives no
-    warning: this bounds the work it loses). A third flag carries a rank's suspicion of
-    divergence (``suspect``, set by training.guard); ``suspected`` says whether any rank had one.
-    """
+    :meth:`poll` never synchronizes the GPU: each rank's flags go into an asynchronous max
+    all-reduce on a CPU (gloo) group, started at one check and read at the next, ``interval``
+    steps later; all ranks read the same value, so they stop at the same step. It also carries
+    ``checkpoint_due`` (``checkpoint_seconds`` since the last on any rank: bounds what a SIGKILL
+    loses) and ``suspected`` (some rank's ``suspect`` of divergence, training.guard)."""
 
     def __init__(self, interval: int, checkpoint_seconds: float = 0.0) -> None:
         self.interval = interval
@@ -101,9 +82,8 @@ class StopFlag:
         self._pending: tuple[torch.Tensor, object] | None = None
 
     def catch(self) -> None:
-        """Record the stop signals from now on: call first thing in a rank, so a signal that
-        comes while it starts up (e.g. ``--signal=USR1@N`` early) stops it at its first step
-        instead of killing it (their default action)."""
+        """Record the stop signals from now on (first thing in a rank: one during start-up
+        stops it at its first step instead of killing it)."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handler)
         self.signalled = self.signalled or early_signals.taken()  # one during `import torch`
@@ -120,8 +100,7 @@ class StopFlag:
         self.signalled = signum
 
     def cause(self) -> str:
-        """' by SIGUSR1' (the signal this rank got) for its log; '' if it got none (another
-        rank's signal, or a test's stop)."""
+        """' by SIGUSR1' (this rank's signal) for its log; '' for none."""
         return f" by {signal.Signals(self.signalled).name}" if self.signalled else ""
 
     def checkpointed(self) -> None:
@@ -136,8 +115,7 @@ class StopFlag:
         return torch.tensor([1.0 if flag else 0.0 for flag in flags])
 
     def poll(self, step: int) -> bool:
-        """Call after every step with the count of steps this process ran (the same on all
-        ranks): True when all must stop now; sets ``checkpoint_due``."""
+        """After every step (``step``: the same count on all ranks): True when all stop now."""
         self.checkpoint_due = False
         if step % self.interval:
             return False
@@ -173,21 +151,13 @@ class StopFlag:
 
 
 class ForwardStopSignals:
-    """While active, a stop signal to this process is recorded and passed on to ``children``.
+    """While active, a stop signal to this process is recorded and passed on to ``children``
+    (the launcher outlives it and returns the ranks' code): as it came (SIGINT, SIGHUP as
+    SIGTERM), or to ``srun`` as SIGUSR1, which srun forwards unchanged. :meth:`relay` sends it
+    again (srun drops one while it still launches its step)."""
 
-    The launcher must outlive the signal: it waits for the ranks to write their checkpoint and
-    returns their exit code. ``srun=False`` (ranks started here): SIGTERM and SIGUSR1 are
-    passed on as they came, SIGINT and SIGHUP as SIGTERM. ``srun=True`` (the child is srun):
-    whatever came is passed on as SIGUSR1, which srun forwards to its tasks unchanged; SIGTERM
-    or SIGHUP would make srun kill the step, SIGINT only print its status (twice within a
-    second: kill it). :meth:`relay` sends it again (a signal srun gets while it is still
-    launching its step is not forwarded).
-    """
-
-    def __init__(
-        self, children: Sequence[subprocess.Popen] | None = None, *, srun: bool = False
-    ) -> None:
-        self.children = list(children or [])
+    def __init__(self, *, srun: bool = False) -> None:
+        self.children: list[subprocess.Popen] = []
         self.received = 0
         self.received_at = 0.0  # when the first stop signal came (Unix seconds)
         self.srun = srun
@@ -210,12 +180,8 @@ class ForwardStopSignals:
     def relay(self, signum: int | None = None) -> None:
         """Pass a stop on to the children still running (``signum``: the one received)."""
         signum = signum or self.received
-        if self.srun:
-            forwarded = SRUN_STOP_SIGNAL
-        elif signum in (signal.SIGINT, signal.SIGHUP):
-            forwarded = signal.SIGTERM
-        else:
-            forwarded = signum
+        soft = {signal.SIGINT: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
+        forwarded = SRUN_STOP_SIGNAL if self.srun else soft.get(signum, signum)
         for child in self.children:
             if child.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

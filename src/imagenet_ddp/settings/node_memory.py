@@ -1,28 +1,14 @@
 """A training job's host memory per node, estimated at the dry-run against its ``mem_mb``.
 
-SLURM's ``--mem`` (the train rule's ``mem_mb``) is per node, and the node's memory cgroup is
-charged each page once. A node runs ``tasks_per_node`` ranks, each with its loader's processes;
-the figures below are per process, in MiB. Measured ones come from
-``benchmarks/bench_memory.py`` (torch 2.14.1 on this project's 2-core CPU machine,
-benchmarks/README.md "Memory"); ESTIMATED ones could not be measured without a GPU.
-
-Two sums, two outcomes (docs/configuration.md "the dry-run checks"):
-
-* the measured part (a CPU rank, its loader's forkserver and workers with their in-flight
-  batches, the holdout loader's workers, kept from the first evaluation on) above ``mem_mb``
-  is refused: the job would be killed on the node whatever the GPU;
-* the measured part plus the estimated one (a GPU rank's CUDA context and libraries,
-  inductor's compile workers under ``compile: true``) above ``mem_mb`` is a warning.
-
-Sized by the data (:class:`DataSizes`, from the split and the scratch's mount at the dry-run):
-each loader worker unpickles the dataset's per-sample arrays (46 MB at the full ImageNet
-train split), and a train copy staged on a tmpfs (``/dev/shm``) is charged to the job's
-memory cgroup (tens of GB): measured with the prepared copy's own size, estimated without.
-Not counted: the launcher and staging (tens of MiB), and a tmpfs scratch the dry-run cannot
-see (an empty ``stage.scratch_dir``: the job's ``$TMPDIR`` or a diskless node's ``/tmp``): the
-node checks that one before it copies (imagenet_ddp.data.stage.ram_copy_problem).
-
-Torch-free: the workflow imports it while Snakemake parses the rules.
+SLURM's ``--mem`` is per node; a node runs ``tasks_per_node`` ranks, each with its loader's
+processes. Figures are per process, in MiB: MEASURED ones by ``benchmarks/bench_memory.py``
+(benchmarks/README.md "Memory"), ESTIMATED ones could not be without a GPU. The measured sum
+(ranks, loader fork servers and workers with their in-flight batches, the holdout's loader)
+above ``mem_mb`` is refused; with the estimated part (CUDA, compile workers) a warning
+(docs/configuration.md "the dry-run checks"). Sized by the data (:class:`DataSizes`): each
+loader worker holds the dataset's per-sample arrays, and a train copy staged on a tmpfs is
+charged to the job (a tmpfs the dry-run cannot see is checked on the node:
+imagenet_ddp.data.stage.ram_copy_problem). Torch-free.
 """
 
 from __future__ import annotations
@@ -53,30 +39,23 @@ PREFETCH_BATCHES = 4
 # it compiles Triton kernels instead (not measured).
 CUDA_RANK_EXTRA_MB = 2500
 COMPILE_WORKER_MB = 400
-# Inductor's compile workers per rank (TORCHINDUCTOR_COMPILE_THREADS, set per rank by
-# launchers.worker_env): torch's own default is min(32, CPUs it sees), 8 ranks x 32 such
-# processes ~ 100 GB. Compilation is a one-off at start (and per new crop size); a few
-# workers keep it parallel.
+# Inductor's compile workers per rank (TORCHINDUCTOR_COMPILE_THREADS): torch's default
+# min(32, CPUs) makes 8 ranks x 32 processes ~ 100 GB, for a one-off at start.
 MAX_COMPILE_THREADS = 4
 
 
-# With a train copy in RAM (no swap on a GPU node: it cannot be reclaimed) what this sum leaves
-# out (the page cache of the copy's source reads and of checkpoint writes, pinned-buffer
-# caching, fragmentation) has only mem_mb's rest: below this share of mem_mb a warning.
-# A judgement, not a measurement.
+# With a train copy in RAM, what the sum leaves out (page cache, pinned buffers,
+# fragmentation) has only mem_mb's rest: below this share, a warning. A judgement.
 RAM_COPY_HEADROOM = 0.15
-# The dataset's per-sample arrays (imagenet_ddp.data.dataset.PreparedImageDataset: sample_id,
-# class_index, shard, offset, length, int64 each), held by the rank and unpickled by each of
-# its loader's workers: 46 MB at the 1,153,050 images of the full train split. Arithmetic.
+# The dataset's per-sample arrays (five int64 each), held by the rank and each loader worker:
+# 46 MB at the full train split's 1,153,050 images. Arithmetic.
 DATASET_BYTES_PER_SAMPLE = 5 * 8
 
 
 @dataclass(frozen=True)
 class DataSizes:
-    """What a run's memory depends on beyond its settings: the split's images (train,
-    holdout) and the train copy each node stages in RAM (``scratch_mb``: 0 unless
-    ``stage.scratch_dir`` is a tmpfs; ``scratch_measured``: from the prepared copy's size;
-    ``scratch_where``: what says so)."""
+    """A run's memory beyond its settings: the split's images and the train copy each node
+    stages in RAM (``scratch_mb``: 0 unless on a tmpfs; measured or not; what says so)."""
 
     train_images: int = 0
     holdout_images: int = 0
@@ -96,8 +75,7 @@ def _batch_mb(batch_size: int, crop: int) -> float:
 
 
 def estimate_mb(run: Mapping[str, Any], data: DataSizes = DataSizes()) -> dict[str, float]:
-    """Per node: ``measured`` and ``estimated`` MiB of a run's training job (see module), a
-    train copy in RAM in the one its size comes from."""
+    """Per node: ``measured`` and ``estimated`` MiB of a run's training job (see module)."""
     workers = loader_workers(run["workers"], run["cpus_per_task"])
     eval_crop = run.get("eval_crop_size") or run["crop_size"]
     # The holdout's loader (as many workers, the same batch size) keeps its workers from the
@@ -172,8 +150,7 @@ def memory_problem(
 def node_memory_problems(
     runs: Mapping[str, Mapping[str, Any]], mem_mb: float | None, data: DataSizes = DataSizes()
 ) -> tuple[list[str], list[Notice]]:
-    """(refusal lines, warnings) of every run's training job against ``mem_mb``; the warnings
-    one line per kind through :func:`imagenet_ddp.settings.notices.summarised`."""
+    """(refusal lines, warnings) of every run's training job against ``mem_mb``."""
     refusals, warnings = [], []
     for name, run in runs.items():
         refusal, warning = memory_problem(name, run, mem_mb, data)
@@ -183,8 +160,7 @@ def node_memory_problems(
 
 
 def compile_threads_env(cpus_per_task: int) -> dict[str, str]:
-    """The rank's TORCHINDUCTOR_COMPILE_THREADS, unless the environment already sets it (a
-    site's or user's deliberate choice)."""
+    """The rank's TORCHINDUCTOR_COMPILE_THREADS, unless the environment sets it."""
     if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
         return {}
     return {"TORCHINDUCTOR_COMPILE_THREADS": str(compile_threads(cpus_per_task))}

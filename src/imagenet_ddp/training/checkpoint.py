@@ -1,32 +1,17 @@
 """Training checkpoints: where they live, atomic writes, finding the newest that loads.
 
 A run's checkpoints live in ``<root>/<settings fingerprint>-<tag>/``, outside the rule's
-outputs, so Snakemake's cleanup of a failed attempt keeps them and the next attempt resumes.
-Both parts of the name matter:
+outputs, so Snakemake's cleanup keeps them for the next attempt. The fingerprint hashes every
+setting that changes the weights (a changed ``lr`` never resumes a stale run); the tag
+(:func:`checkpoint_tag`) the global batch, the sample order's version and the geometry but the
+rank count, so a run resumes on another rank count with the same global batch (an elastic
+resume). Others are not resumed: one line says so (:func:`other_geometries`).
 
-- the fingerprint hashes every setting that changes the weights: a changed ``lr`` never resumes
-  a stale run;
-- the tag (:func:`checkpoint_tag`) is the global batch, the sample order's version and the
-  geometry but the rank count: the order and the micro-batch groups of each step are the same
-  on any rank count with the same global batch (training.data.EpochSampler), so a run
-  checkpointed on N ranks resumes on M ranks with N x accumulation = M x accumulation' (an
-  elastic resume; the epoch rows and figures say the shape each ran on). Checkpoints of
-  another global batch or geometry, or of versions before this order (their directories were
-  named by the geometry alone), are not resumed: one line says so and the run starts fresh
-  (:func:`other_geometries`).
-
-What a checkpoint holds and how a job resumes from it: :func:`save_job`, :func:`resume_job`.
-Rank 0 writes from a CPU copy in a background thread (:class:`CheckpointWriter`): the other
-ranks never wait for the disk, rank 0 only for the copy (and for a previous write still under
-way). Rank 0 alone chooses the checkpoint a job resumes from (:func:`agreed_checkpoint`).
-
-A checkpoint holds tensors and plain data only (numbers, strings, lists, dicts; the numpy RNG
-state as a tensor) and is read with ``torch.load(weights_only=True)``: a file that needs any
-other class to unpickle, which could run code, is refused with one line
-(:class:`UnsafeCheckpoint`), never skipped for an older one. A checkpoint written before
-(numpy arrays and scalars in it) is such a file: ``imagenet-ddp convert-checkpoint <file>``
-rewrites one the user trusts (:func:`convert_trusted`; docs/reliability.md "Loading without
-running code").
+Rank 0 writes from a CPU copy in a background thread (:class:`CheckpointWriter`) and alone
+chooses the checkpoint a job resumes from (:func:`agreed_checkpoint`). A checkpoint holds
+tensors and plain data only, read with ``torch.load(weights_only=True)``: a file that needs
+any other class (it could run code) is refused in one line (:class:`UnsafeCheckpoint`);
+``imagenet-ddp convert-checkpoint`` rewrites an earlier version's one the user trusts.
 """
 
 from __future__ import annotations
@@ -53,11 +38,8 @@ from imagenet_ddp.training.state import TrainingState
 
 
 def checkpoint_tag(cfg, geometry: Geometry) -> str:
-    """The checkpoint key's second part: the global batch, the sample order's version and the
-    geometry but its rank count (CPUs per rank, GPUs per node, loader workers: every figure
-    is measured under them), e.g. ``b1024-o2-c16-g8-w15``. With ``sync_bn`` the batch
-    statistics span the ranks of each micro-step, so the rank count changes the weights: such
-    a run keys on it too (``-r32``) and resumes on it only."""
+    """The key's second part, e.g. ``b1024-o2-c16-g8-w15`` (global batch, order, CPUs per
+    rank, GPUs per node, workers); with ``sync_bn`` the rank count changes the weights: ``-r32``."""
     world, g = geometry.world_size, geometry
     tag = f"b{global_batch(vars(cfg), world)}-{SAMPLE_ORDER}"
     tag += f"-c{g.cpus_per_task}-g{g.gpus_per_node}-w{g.workers}"
@@ -69,8 +51,7 @@ def checkpoint_dir(root: Path, fingerprint: str, geometry_tag: str) -> Path:
 
 
 def other_geometries(root: Path, fingerprint: str, geometry_tag: str) -> list[Path]:
-    """Checkpoint directories of the same settings written under another tag: another global
-    batch or geometry, or an earlier version's order (named by the geometry alone then)."""
+    """Checkpoint directories of the same settings under another tag."""
     if not root.is_dir():
         return []
     mine = checkpoint_dir(root, fingerprint, geometry_tag)
@@ -90,9 +71,8 @@ class CheckpointWriteError(OSError):
 
 
 def save_checkpoint(directory: Path, state: dict[str, Any], keep: int) -> Path:
-    """Write atomically (a temporary sibling renamed into place), then prune the oldest: a
-    failed write (full disk, quota) leaves every earlier checkpoint as it was, and ends the
-    job with one line saying so."""
+    """Write atomically, then prune the oldest: a failed write (full disk, quota) leaves the
+    earlier ones intact and ends the job with one line."""
     path = directory / checkpoint_name(state["epoch"], state["step_in_epoch"])
     try:
         with atomic_path(path) as tmp:
@@ -111,8 +91,7 @@ def save_checkpoint(directory: Path, state: dict[str, Any], keep: int) -> Path:
 
 
 def load_latest_checkpoint(directory: Path) -> dict[str, Any] | None:
-    """Newest checkpoint that loads; a torn or corrupt file is reported and skipped, one that
-    needs arbitrary unpickling refused (:class:`UnsafeCheckpoint`)."""
+    """Newest checkpoint that loads; a torn one is skipped, an unsafe one refused."""
     if not directory.is_dir():
         return None
     for path in sorted(directory.glob("checkpoint-*.pt"), reverse=True):
@@ -130,9 +109,8 @@ class UnsafeCheckpoint(ValueError):
 
 
 def load_tensors(path: Path) -> Any:
-    """``torch.load`` of tensors and plain data only (``weights_only=True``): a file that
-    names any other class or function is refused with one line, without running it. Other
-    unpickling errors (a torn or corrupt file) are raised as they are."""
+    """``torch.load(weights_only=True)``: a file naming any other class or function is refused
+    with one line, without running it; other errors are raised as they are."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
@@ -152,25 +130,29 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
-def plain(obj: Any) -> Any:
-    """``obj`` with numpy arrays as tensors and numpy scalars as Python numbers (what
-    ``weights_only`` reads); dicts, lists and tuples copied, the rest as it is."""
+def _each_leaf(obj: Any, leaf) -> Any:
+    """``obj`` with ``leaf`` applied to all but its dicts, lists and tuples (copied)."""
+    if isinstance(obj, dict):
+        return {key: _each_leaf(value, leaf) for key, value in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_each_leaf(value, leaf) for value in obj)
+    return leaf(obj)
+
+
+def _plain_leaf(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         return torch.from_numpy(obj.copy())
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, dict):
-        return {key: plain(value) for key, value in obj.items()}
-    if isinstance(obj, list):
-        return [plain(value) for value in obj]
-    if isinstance(obj, tuple):
-        return tuple(plain(value) for value in obj)
-    return obj
+    return obj.item() if isinstance(obj, np.generic) else obj
+
+
+def plain(obj: Any) -> Any:
+    """``obj`` with numpy arrays as tensors and numpy scalars as numbers (``weights_only``)."""
+    return _each_leaf(obj, _plain_leaf)
 
 
 def convert_trusted(path: Path) -> Path:
-    """Rewrite a checkpoint or model.pt of an earlier version, which the user trusts (it is
-    unpickled in full: it could run code), as tensors and plain data; atomically, in place."""
+    """Rewrite a trusted checkpoint or model.pt of an earlier version (unpickled in full) as
+    tensors and plain data, in place."""
     state = torch.load(path, map_location="cpu", weights_only=False)
     if not isinstance(state, dict):
         raise ValueError(f"{path}: not a checkpoint or model.pt (a {type(state).__name__})")
@@ -189,14 +171,10 @@ class ResumeDisagreement(RuntimeError):
 
 
 def agreed_checkpoint(directory: Path) -> dict[str, Any] | None:
-    """The checkpoint every rank resumes from: the one rank 0 chooses (the newest that loads
-    there), read by name by every rank. Collective.
-
-    Each rank choosing its own newest file could mix states or hang the first collective: after
-    a fast requeue a shared filesystem's attribute cache (NFS ``acdirmax``) can show one node a
-    directory listing without the newest file. A rank that cannot read rank 0's choice makes
-    every rank raise :class:`ResumeDisagreement` (they agree on it first, so none waits on the
-    others for ever)."""
+    """The checkpoint rank 0 chooses (the newest that loads there), read by name by every rank.
+    Collective. Each rank's own choice could differ: after a fast requeue a node's attribute
+    cache (NFS ``acdirmax``) may list no newest file. A rank that cannot read it makes every
+    rank raise :class:`ResumeDisagreement`, so none waits for ever."""
     main = not D.is_distributed() or torch.distributed.get_rank() == 0
     state, refused = None, None
     if main:
@@ -285,23 +263,18 @@ def job_state(job: TrainingState, epoch: int, step: int, partial: list | None) -
 
 
 def cpu_copy(obj: Any) -> Any:
-    """A copy of a state with every tensor on the CPU and nothing shared with the live job
-    (on a CPU device ``state_dict()`` returns the parameters themselves)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {key: cpu_copy(value) for key, value in obj.items()}
-    if isinstance(obj, list | tuple):
-        copied = [cpu_copy(value) for value in obj]
-        return copied if isinstance(obj, list) else type(obj)(copied)
-    return copy.deepcopy(obj)
+    """A copy with every tensor on the CPU, nothing shared with the live job."""
+    return _each_leaf(
+        obj,
+        lambda x: (
+            x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else copy.deepcopy(x)
+        ),
+    )
 
 
 class CheckpointWriter:
-    """Rank 0's checkpoint writes, one at a time in a background thread. :meth:`submit`
-    waits for the previous write, so at most one copy is held and the newest file on disk is
-    never older than the previous save; :meth:`wait` re-raises a failed write
-    (:class:`CheckpointWriteError`) in the training thread."""
+    """Rank 0's checkpoint writes, one at a time in a background thread (at most one copy
+    held); :meth:`wait` re-raises a failed write in the training thread."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
@@ -342,10 +315,9 @@ def save_job(
     *,
     record: dict[str, Any] | None = None,
 ) -> Path | None:
-    """Checkpoint the job at (epoch, step); collective, rank 0 writes it in the background.
-    Returns the path (rank 0) the write will have. ``record``: this epoch's history row; its
-    ``checkpoint_seconds`` (in the written copy too) is how long the save held rank 0 (the
-    copy to the CPU, and a previous write still under way)."""
+    """Checkpoint the job at (epoch, step); collective, rank 0 writes it in the background
+    and gets its path. ``record``: this epoch's row, given ``checkpoint_seconds`` (how long the
+    save held rank 0)."""
     began = time.perf_counter()
     state = job_state(job, epoch, step, partial)
     if not job.info.is_main:
@@ -361,8 +333,7 @@ def save_job(
 
 
 def settle_checkpoints(job: TrainingState) -> None:
-    """Collective: every rank returns once rank 0's last checkpoint is complete on disk (a
-    rank that exits for requeue must leave a checkpoint to resume from)."""
+    """Collective: every rank returns once rank 0's last checkpoint is on disk."""
     if job.checkpoint_writer is not None:
         job.checkpoint_writer.wait()
     D.barrier()
@@ -370,8 +341,7 @@ def settle_checkpoints(job: TrainingState) -> None:
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """Where a rank's training starts: an epoch and a step in it, the resumed epoch's counts
-    so far (per rank; None: none) and the checkpoint it came from (None: a fresh start)."""
+    """Where a rank's training starts, the resumed epoch's counts and its checkpoint."""
 
     epoch: int = 0
     step: int = 0
@@ -379,15 +349,9 @@ class ResumePoint:
     path: str | None = None
 
 
-UNREAD = object()  # resume_job's state not yet read
-
-
-def resume_job(job: TrainingState, state: dict[str, Any] | None | object = UNREAD) -> ResumePoint:
-    """Load the checkpoint of this run and geometry that rank 0 chose (the newest that loads)
-    into ``job``: where it resumes. Collective. ``state``: that checkpoint where the caller
-    read it already (:func:`agreed_checkpoint`; None: there is none, a fresh start)."""
-    if state is UNREAD:
-        state = agreed_checkpoint(job.checkpoint_dir)
+def resume_job(job: TrainingState, state: dict[str, Any] | None) -> ResumePoint:
+    """Load ``state`` (:func:`agreed_checkpoint`'s; None: none) into ``job``: where it resumes.
+    Collective."""
     if state is None:
         root, tag = job.checkpoint_dir.parent, job.checkpoint_dir.name.split("-", 1)[1]
         others = other_geometries(root, job.cfg.fingerprint(), tag)

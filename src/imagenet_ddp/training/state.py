@@ -1,8 +1,5 @@
-"""One rank's training state (:class:`TrainingState`), built by the worker, used by the loop.
-
-Its own module so that the loop, checkpoints and metrics all import it without importing
-each other.
-"""
+"""One rank's training state, built by the worker; its own module so that the loop,
+checkpoints and metrics import it without importing each other."""
 
 from __future__ import annotations
 
