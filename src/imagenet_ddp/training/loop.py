@@ -281,12 +281,6 @@ def forward_backward(job: TrainingState, images: torch.Tensor, targets, count: i
     with autocast(job.device, job.cfg.precision):
         logits = job.step_model(images)
         loss = job.criterion(logits, soft)
-    if (
-        job.test_nan_step == job.scheduler.last_epoch + 1
-        and job.info.rank == job.info.world_size - 1
-    ):
-        # The test hook (worker: IMAGENET_DDP_TEST_NAN_LOSS_STEP): this rank's loss only.
-        loss = loss * float("nan")
     job.scaler.scale(loss / count if count > 1 else loss).backward()
     return loss, logits, hard
 

@@ -350,17 +350,9 @@ def build_job(
         guard=Guard(GuardSettings.of(cfg, num_classes, warmup), device, info.rank)
         if cfg.divergence_guard
         else None,
-        test_nan_step=_test_nan_step(),
         ema=ema,
         mixer=recipe.batch_mixer(cfg, num_classes),
     )
-
-
-def _test_nan_step() -> int | None:
-    """Testing: the optimizer step (1-based, over the run) whose loss the last rank makes NaN,
-    from IMAGENET_DDP_TEST_NAN_LOSS_STEP (the divergence guard's end-to-end test)."""
-    value = os.environ.get("IMAGENET_DDP_TEST_NAN_LOSS_STEP")
-    return int(value) if value else None
 
 
 def main(argv: list[str] | None = None) -> int:
