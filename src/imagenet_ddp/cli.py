@@ -30,9 +30,21 @@ def _call(target: str):
     return lambda args: _function(target)(**{k: v for k, v in vars(args).items() if k not in skip})
 
 
-def _required(p, names: str, kind=Path, **options) -> None:
-    for name in names.split():
-        p.add_argument(f"--{name}", type=kind, required=True, **options)
+def _required(p, names: str) -> None:
+    """A required ``--name`` for each of ``names``, ``name[:int|float|str][+]``: a path unless
+    typed, one or more values with ``+``."""
+    for spec in names.split():
+        name, _, kind = spec.rstrip("+").partition(":")
+        kind = {"int": int, "float": float, "str": str}.get(kind, Path)
+        nargs = "+" if spec.endswith("+") else None
+        p.add_argument(f"--{name}", type=kind, nargs=nargs, required=True)
+
+
+def _command(sub, name: str, help_text: str, func, required: str = ""):
+    p = sub.add_parser(name, help=help_text)
+    p.set_defaults(func=func)
+    _required(p, required)
+    return p
 
 
 def _prepare_settings(args: argparse.Namespace) -> dict:
@@ -96,16 +108,14 @@ def _add_prepare_parsers(sub) -> None:
         if func is cmd_prepare:
             _add_out_arguments(p)
         else:
-            _required(p, "chunk chunks", int)
-            _required(p, "chunk-dir")
+            _required(p, "chunk:int chunks:int chunk-dir")
             p.add_argument("--prepared-dir", type=Path, help="convert nothing if a copy is there")
-        _required(p, "short-side quality workers shard-samples", int)
+        _required(p, "short-side:int quality:int workers:int shard-samples:int")
         p.add_argument("--on-corrupt", choices=["fail", "skip"], required=True)
         p.set_defaults(func=func)
-    p = sub.add_parser("prepare-join", help="join the K prepare-chunk outputs into one copy")
-    _required(p, "chunk-dirs", nargs="+")
+    p = _command(sub, "prepare-join", "join the K prepare-chunk outputs into one copy",
+                 cmd_prepare_join, "chunk-dirs+")  # fmt: skip
     _add_out_arguments(p)
-    p.set_defaults(func=cmd_prepare_join)
 
 
 def _add_out_arguments(p) -> None:
@@ -189,68 +199,81 @@ def cmd_convert_checkpoint(args: argparse.Namespace) -> None:
         print(f"converted {convert_trusted(path)}: it loads with weights_only=True now")
 
 
+# The subcommands that hand their options, by name, to their stage's function: (help, the
+# function, its required options as _required reads them). Workflow settings have no defaults
+# here: their one home is the workflow's schema, and the rules pass every one of them.
+STAGES = {
+    "demo-data": (
+        "write a small synthetic ILSVRC2012 in the real layout",
+        "data.demo:write_demo_dataset",
+        "out num-classes:int train-per-class:int val-per-class:int image-size:int seed:int",
+    ),
+    "verify": (
+        "check the input layout's structure, counts and files (md5 of archives)",
+        "data.layouts:write_verify_report",
+        "data-dir report",  # and --check-md5
+    ),
+    "index": (
+        "list every train/val sample without extracting",
+        "data.layouts:write_index",
+        "data-dir out-dir",
+    ),
+    "split": (
+        "stratified train/holdout split of the train set",
+        "data.split:split_index",
+        "index-dir out-dir holdout-fraction:float seed:int",
+    ),
+    "check": (
+        "check a run's model, optimizer and weights with torch",
+        "settings.run_checks:write_check",
+        "num-classes:int run-dir out",  # and --run
+    ),
+    "aggregate": (
+        "one table of all runs",
+        "report.aggregate:write_aggregate",
+        "run-dirs+ csv markdown",
+    ),  # fmt: skip
+    "accounting": (
+        "sacct accounting of each run's training job",
+        "report.accounting:write_accounting",
+        "run-dirs+",
+    ),  # fmt: skip
+    "progress": (
+        "the runs so far: finished runs' table, the others' state and ETA",
+        "report.progress:write_progress",
+        "runs:str+ run-dirs+ checkpoint-roots+ csv markdown",
+    ),
+    "plots": (
+        "throughput, scaling, training curves, per-class figures (.png or .svg each)",
+        "report.plots:make_plots",
+        "runs-csv run-dirs+ throughput efficiency curves per-class",  # and --cost
+    ),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="imagenet-ddp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-
-    def command(name: str, help_text: str, func) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text)
-        p.set_defaults(func=func)
-        return p
-
-    # Workflow settings have no defaults here: their one home is the workflow's schema, and the
-    # rules pass every one of them.
-    p = command("demo-data", "write a small synthetic ILSVRC2012 in the real layout",
-                _call("data.demo:write_demo_dataset"))  # fmt: skip
-    _required(p, "out")
-    _required(p, "num-classes train-per-class val-per-class image-size seed", int)
-    p = command("verify", "check the input layout's structure, counts and files (md5 of "
-                "archives)", _call("data.layouts:write_verify_report"))  # fmt: skip
-    _required(p, "data-dir report")
-    p.add_argument("--check-md5", action=argparse.BooleanOptionalAction, required=True)
-    p = command("index", "list every train/val sample without extracting",
-                _call("data.layouts:write_index"))  # fmt: skip
-    _required(p, "data-dir out-dir")
-    p = command("split", "stratified train/holdout split of the train set",
-                _call("data.split:split_index"))  # fmt: skip
-    _required(p, "index-dir out-dir")
-    _required(p, "holdout-fraction", float)
-    _required(p, "seed", int)
+    stages = {name: _command(sub, name, text, _call(target), required)
+              for name, (text, target, required) in STAGES.items()}  # fmt: skip
+    stages["verify"].add_argument(
+        "--check-md5", action=argparse.BooleanOptionalAction, required=True
+    )
+    stages["check"].add_argument("--run", dest="run_json", required=True, help="settings, as JSON")
+    stages["plots"].add_argument("--cost", type=Path, help="throughput vs cost per epoch, energy")
     _add_prepare_parsers(sub)
-    p = command("data-content", "record the digests of what trains and evaluates",
-                cmd_data_content)  # fmt: skip
-    _required(p, "prepared-train prepared-val split-train split-holdout classes out")
-    p = command("check", "check a run's model, optimizer and weights with torch",
-                _call("settings.run_checks:write_check"))  # fmt: skip
-    p.add_argument("--run", dest="run_json", required=True, help="the run's settings, as JSON")
-    _required(p, "num-classes", int)
-    _required(p, "run-dir out")
+    data = "prepared-train prepared-val split-train split-holdout classes out"
+    _command(sub, "data-content", "record the digests of what trains and evaluates",
+             cmd_data_content, data)  # fmt: skip
     _add_job_parser(sub, "train", "stage data on every node and run DDP training", cmd_train)
-    _add_job_parser(sub, "preflight", "check a run's placement, network, step and loader "
-                    "speed; project it", _job("preflight.job:preflight_job"))  # fmt: skip
+    _add_job_parser(sub, "preflight", "check a run's placement, network, step and loader speed; "
+                    "project it", _job("preflight.job:preflight_job"))  # fmt: skip
     _add_job_parser(sub, "evaluate", "top-1/top-5 and per-class accuracy",
                     _job("jobs.stages:evaluate_job"))  # fmt: skip
-    p = command("aggregate", "one table of all runs", _call("report.aggregate:write_aggregate"))
-    _required(p, "run-dirs", nargs="+")
-    _required(p, "csv markdown")
-    p = command("accounting", "sacct accounting of each run's training job",
-                _call("report.accounting:write_accounting"))  # fmt: skip
-    _required(p, "run-dirs", nargs="+")
-    p = command("convert-checkpoint", "rewrite a checkpoint or model.pt of an earlier version "
-                "that you trust so that it loads without running code (it is unpickled in full "
-                "once, here)", cmd_convert_checkpoint)  # fmt: skip
+    p = _command(sub, "convert-checkpoint", "rewrite a checkpoint or model.pt of an earlier "
+                 "version that you trust so that it loads without running code (it is "
+                 "unpickled in full once, here)", cmd_convert_checkpoint)  # fmt: skip
     p.add_argument("paths", type=Path, nargs="+")
-    p = command("progress", "the runs so far: finished runs' table, the others' state and ETA",
-                _call("report.progress:write_progress"))  # fmt: skip
-    _required(p, "runs", str, nargs="+")
-    _required(p, "run-dirs checkpoint-roots", nargs="+")
-    _required(p, "csv markdown")
-    p = command("plots", "throughput, scaling, training curves, per-class figures (.png or "
-                ".svg each)", _call("report.plots:make_plots"))  # fmt: skip
-    _required(p, "runs-csv")
-    _required(p, "run-dirs", nargs="+")
-    _required(p, "throughput efficiency curves per-class")
-    p.add_argument("--cost", type=Path, help="throughput vs cost per epoch and energy")
     return parser
 
 

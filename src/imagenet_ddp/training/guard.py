@@ -1,26 +1,15 @@
 """The divergence guard: a run whose loss or gradients go bad stops within a step or two,
 recorded ``diverged`` (docs/reliability.md "Divergence"), instead of training on for every
-epoch and allocation it has.
+epoch and allocation it has. It stops on (``divergence_*`` settings, :meth:`GuardRule.step`):
+a non-finite gradient (all-reduced: every rank decides alike, with no communication); a
+non-finite loss on any rank; with fp16, ``divergence_fp16_skips`` GradScaler skips in a row;
+after the warm-up, ``divergence_window_steps`` steps in a row with a loss above
+``divergence_loss_factor`` x ln(classes). What one rank alone sees, the ranks agree on through
+the stop flag's all-reduce (:class:`imagenet_ddp.jobs.signals.StopFlag`).
 
-What stops a run (``divergence_*`` settings, on by default):
-
-- a non-finite gradient (any element inf or NaN; the global norm when ``grad_clip_norm``
-  computes it). After DDP's all-reduce the gradient is the same bytes on every rank, so every
-  rank decides this the same way at the same step, with no communication;
-- a non-finite loss on any rank (its gradient is almost always non-finite too; when not, the
-  ranks agree through the stop flag's all-reduce, :class:`imagenet_ddp.jobs.signals.StopFlag`,
-  which the loop already runs every few steps);
-- with fp16, ``divergence_fp16_skips`` steps in a row that the GradScaler skipped (single
-  skips are how it finds its scale: not divergence);
-- after the warm-up, ``divergence_window_steps`` steps in a row whose loss on a rank is above
-  ``divergence_loss_factor`` x ln(classes), the loss of a uniform guess (a spike that recovers
-  sooner, or any spike inside the warm-up, does not stop it).
-
-No host sync per step: each step's (loss, gradient norm) is copied to the host asynchronously
-and read when the next step has been queued (:class:`StepValues`), so the CPU waits only where
-it ran more than a step ahead of the GPU. A run therefore stops after the step that follows the
-bad one; the bad weights are never checkpointed: every save first reads the last step
-(:meth:`Guard.agree`, a collective at the save points only).
+No host sync per step: each step's (loss, gradient norm) is read when the next step has been
+queued (:class:`StepValues`), so a run stops after the step that follows the bad one; every
+save first reads the last step (:meth:`Guard.agree`), so bad weights are never checkpointed.
 """
 
 from __future__ import annotations
@@ -32,8 +21,8 @@ import torch
 
 from imagenet_ddp.jobs import distributed as D
 
-# run_epochs' code for "stopped by the guard"; the worker writes the run's outputs marked
-# diverged and exits 0, so neither Snakemake's retries nor a resubmission trains it again.
+# run_epochs' code for "stopped by the guard": the worker writes the outputs marked diverged
+# and exits 0, so neither Snakemake's retries nor a resubmission trains it again.
 DIVERGED = -1
 
 ADVICE = (
