@@ -23,9 +23,6 @@ from imagenet_ddp.jobs.spec import PROGRESS
 from imagenet_ddp.monitoring.cost import cost_block
 from imagenet_ddp.monitoring.telemetry import GpuSampler, unavailable
 
-__all__ = ["RunMonitor"]
-
-
 # What progress.json keeps of an epoch's record (imagenet_ddp.report.progress reads it).
 PROGRESS_KEYS = ("epoch", "images_per_s", "epoch_seconds", "eval_seconds", "checkpoint_seconds",
                  "train_loss", "holdout_top1", "loss_spike")  # fmt: skip

@@ -22,8 +22,6 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["GpuSampler", "unavailable"]
-
 DEFAULT_INTERVAL = 5.0  # seconds; NVML reads take microseconds, power is averaged over ~1 s
 
 
