@@ -67,12 +67,10 @@ def run_epochs(job: TrainingState, loop: Loop, resume) -> int:
     when the guard stopped the run."""
     loop.first_step = job.scheduler.last_epoch
     for epoch in range(resume.epoch, job.cfg.epochs):
-        first = epoch == resume.epoch
+        first, info = epoch == resume.epoch, job.info
         # a resumed epoch's counts, shared out again if it ran on another rank count
-        carried = carried_partial(resume.partial, job.info.rank, job.info.world_size)
-        code, meter, timer = train_epoch(
-            job, loop, epoch, resume.step if first else 0, carried if first else None
-        )
+        carried = carried_partial(resume.partial, info.rank, info.world_size) if first else None
+        code, meter, timer = train_epoch(job, loop, epoch, resume.step if first else 0, carried)
         if code is None and (diverged := job.guard.agree()) is not None:
             code = stop_diverged(job, diverged)  # before the epoch's checkpoint
         if code is not None:
@@ -149,14 +147,14 @@ def requeue(job: TrainingState, stop, epoch: int, step: int, meter: EpochMeter |
     rank exits. EXIT_REQUEUE."""
     if job.progress is not None:  # before the checkpoint: a rank killed after it has said so
         job.progress.stopped(epoch, step, stop.signalled)
-    path = (
-        None if meter is None else save_job(job, epoch, step, D.all_gather_objects(meter.partial()))
-    )
+    path = None
+    if meter is not None:  # mid-epoch: its checkpoint, with every rank's counts so far
+        path = save_job(job, epoch, step, D.all_gather_objects(meter.partial()))
     settle_checkpoints(job)
     if job.info.is_main:
-        where = f"at epoch {epoch} step {step}: wrote {path}" if meter else (
-            f"after epoch {epoch - 1}: checkpoint written"
-        )  # fmt: skip
+        where = f"at epoch {epoch} step {step}: wrote {path}"
+        if meter is None:
+            where = f"after epoch {epoch - 1}: checkpoint written"
         print(f"interrupted{stop.cause()} {where}; rerun to resume", flush=True)
     return EXIT_REQUEUE
 
