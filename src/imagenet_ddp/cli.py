@@ -11,51 +11,45 @@ printed as one line that names the file and what to do (exit 2)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
 from imagenet_ddp.errors import InputError
 
 
-def cmd_demo_data(args: argparse.Namespace) -> None:
-    from imagenet_ddp.data.demo import write_demo_dataset
-
-    write_demo_dataset(
-        args.out,
-        num_classes=args.num_classes,
-        train_per_class=args.train_per_class,
-        val_per_class=args.val_per_class,
-        image_size=args.image_size,
-        seed=args.seed,
-    )
+def _function(target: str):
+    """``module:function`` of the package, imported when its subcommand runs (not at parse)."""
+    module, name = target.split(":")
+    return getattr(importlib.import_module(f"imagenet_ddp.{module}"), name)
 
 
-def cmd_verify(args: argparse.Namespace) -> None:
-    from imagenet_ddp.data.layouts import write_verify_report
-
-    write_verify_report(args.data_dir, args.report, check_md5=args.check_md5)
-
-
-def cmd_index(args: argparse.Namespace) -> None:
-    from imagenet_ddp.data.layouts import write_index
-
-    write_index(args.data_dir, args.out_dir)
+def _call(target: str):
+    """A subcommand that calls its stage's function with its arguments, by name."""
+    skip = ("command", "func")
+    return lambda args: _function(target)(**{k: v for k, v in vars(args).items() if k not in skip})
 
 
-def cmd_split(args: argparse.Namespace) -> None:
-    from imagenet_ddp.data.split import split_index
+def _required(p, names: str) -> None:
+    """A required ``--name`` for each of ``names``, ``name[:int|float|str][+]``: a path unless
+    typed, one or more values with ``+``."""
+    for spec in names.split():
+        name, _, kind = spec.rstrip("+").partition(":")
+        kind = {"int": int, "float": float, "str": str}.get(kind, Path)
+        nargs = "+" if spec.endswith("+") else None
+        p.add_argument(f"--{name}", type=kind, nargs=nargs, required=True)
 
-    split_index(args.index_dir, args.out_dir, args.holdout_fraction, args.seed)
+
+def _command(sub, name: str, help_text: str, func, required: str = ""):
+    p = sub.add_parser(name, help=help_text)
+    p.set_defaults(func=func)
+    _required(p, required)
+    return p
 
 
 def _prepare_settings(args: argparse.Namespace) -> dict:
-    return {
-        "short_side": args.short_side,
-        "quality": args.quality,
-        "on_corrupt": args.on_corrupt,
-        "shard_samples": args.shard_samples,
-        "workers": args.workers,
-    }
+    return {k: getattr(args, k) for k in ("short_side", "quality", "on_corrupt", "shard_samples",
+                                          "workers")}  # fmt: skip
 
 
 def _shared(args: argparse.Namespace) -> bool:
@@ -109,26 +103,19 @@ def _add_prepare_parsers(sub) -> None:
         ("prepare-chunk", "job k of K of prepare: one range of shards", cmd_prepare_chunk),
     ):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--data-dir", type=Path, required=True)
-        p.add_argument("--index-dir", type=Path, required=True)
+        _required(p, "data-dir index-dir")
         p.add_argument("--which", choices=["train", "val"], required=True)
         if func is cmd_prepare:
             _add_out_arguments(p)
         else:
-            p.add_argument("--chunk", type=int, required=True)
-            p.add_argument("--chunks", type=int, required=True)
-            p.add_argument("--chunk-dir", type=Path, required=True)
+            _required(p, "chunk:int chunks:int chunk-dir")
             p.add_argument("--prepared-dir", type=Path, help="convert nothing if a copy is there")
-        p.add_argument("--short-side", type=int, required=True)
-        p.add_argument("--quality", type=int, required=True)
-        p.add_argument("--workers", type=int, required=True)
+        _required(p, "short-side:int quality:int workers:int shard-samples:int")
         p.add_argument("--on-corrupt", choices=["fail", "skip"], required=True)
-        p.add_argument("--shard-samples", type=int, required=True)
         p.set_defaults(func=func)
-    p = sub.add_parser("prepare-join", help="join the K prepare-chunk outputs into one copy")
-    p.add_argument("--chunk-dirs", type=Path, nargs="+", required=True)
+    p = _command(sub, "prepare-join", "join the K prepare-chunk outputs into one copy",
+                 cmd_prepare_join, "chunk-dirs+")  # fmt: skip
     _add_out_arguments(p)
-    p.set_defaults(func=cmd_prepare_join)
 
 
 def _add_out_arguments(p) -> None:
@@ -148,12 +135,6 @@ def cmd_data_content(args: argparse.Namespace) -> None:
 
     paths = (args.prepared_train, args.prepared_val, args.split_train, args.split_holdout)
     write_json_atomic(args.out, content_record(*paths, args.classes))
-
-
-def cmd_check(args: argparse.Namespace) -> None:
-    from imagenet_ddp.settings.run_checks import write_check
-
-    write_check(args.run, args.num_classes, args.run_dir, args.out)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -177,18 +158,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     return train_job(job)
 
 
-def cmd_preflight(args: argparse.Namespace) -> int:
-    from imagenet_ddp.jobs.spec import load
-    from imagenet_ddp.preflight.job import preflight_job
-
-    return preflight_job(load(args.job, "preflight"))
-
-
-def cmd_evaluate(args: argparse.Namespace) -> int:
-    from imagenet_ddp.jobs.spec import load
-    from imagenet_ddp.jobs.stages import evaluate_job
-
-    return evaluate_job(load(args.job, "evaluate"))
+def _job(target: str):
+    """A job that runs ranks (preflight, evaluate): its stage's function of the loaded spec."""
+    return lambda args: _function(target)(_function("jobs.spec:load")(args.job, args.command))
 
 
 def _add_job_parser(sub, name: str, help_text: str, func) -> None:
@@ -216,12 +188,6 @@ def _add_job_parser(sub, name: str, help_text: str, func) -> None:
     p.set_defaults(func=func)
 
 
-def cmd_aggregate(args: argparse.Namespace) -> None:
-    from imagenet_ddp.report.aggregate import write_aggregate
-
-    write_aggregate(args.run_dirs, args.csv, args.markdown)
-
-
 def cmd_convert_checkpoint(args: argparse.Namespace) -> None:
     """Rewrite checkpoints or model.pt files of an earlier version as tensors and plain data
     (training.checkpoint.convert_trusted): each is unpickled in full, so only files you trust."""
@@ -233,137 +199,81 @@ def cmd_convert_checkpoint(args: argparse.Namespace) -> None:
         print(f"converted {convert_trusted(path)}: it loads with weights_only=True now")
 
 
-def cmd_progress(args: argparse.Namespace) -> None:
-    from imagenet_ddp.report.progress import write_progress
-
-    write_progress(args.runs, args.run_dirs, args.checkpoint_roots, args.csv, args.markdown)
-
-
-def cmd_accounting(args: argparse.Namespace) -> None:
-    from imagenet_ddp.report.accounting import write_accounting
-
-    write_accounting(args.run_dirs)
-
-
-def cmd_plots(args: argparse.Namespace) -> None:
-    from imagenet_ddp.report.plots import make_plots
-
-    make_plots(
-        args.runs_csv,
-        args.run_dirs,
-        throughput=args.throughput,
-        efficiency=args.efficiency,
-        curves=args.curves,
-        per_class=args.per_class,
-        cost=args.cost,
-    )
-
-
-def _add_plots_parser(sub) -> None:
-    p = sub.add_parser("plots", help="throughput, scaling, training curves, per-class figures")
-    p.add_argument("--runs-csv", type=Path, required=True, help="aggregate runs.csv")
-    p.add_argument(
-        "--run-dirs",
-        type=Path,
-        nargs="+",
-        required=True,
-        help="run directories holding history.csv and per_class.csv",
-    )
-    for name, text in (
-        ("throughput", "throughput vs workers"),
-        ("efficiency", "scaling efficiency vs workers"),
-        ("curves", "loss and accuracy per epoch"),
-        ("per-class", "per-class test top-1 spread"),
-    ):
-        p.add_argument(f"--{name}", type=Path, required=True, help=f"{text} (.png or .svg)")
-    p.add_argument("--cost", type=Path, help="throughput vs cost per epoch and energy")
-    p.set_defaults(func=cmd_plots)
+# The subcommands that hand their options, by name, to their stage's function: (help, the
+# function, its required options as _required reads them). Workflow settings have no defaults
+# here: their one home is the workflow's schema, and the rules pass every one of them.
+STAGES = {
+    "demo-data": (
+        "write a small synthetic ILSVRC2012 in the real layout",
+        "data.demo:write_demo_dataset",
+        "out num-classes:int train-per-class:int val-per-class:int image-size:int seed:int",
+    ),
+    "verify": (
+        "check the input layout's structure, counts and files (md5 of archives)",
+        "data.layouts:write_verify_report",
+        "data-dir report",  # and --check-md5
+    ),
+    "index": (
+        "list every train/val sample without extracting",
+        "data.layouts:write_index",
+        "data-dir out-dir",
+    ),
+    "split": (
+        "stratified train/holdout split of the train set",
+        "data.split:split_index",
+        "index-dir out-dir holdout-fraction:float seed:int",
+    ),
+    "check": (
+        "check a run's model, optimizer and weights with torch",
+        "settings.run_checks:write_check",
+        "num-classes:int run-dir out",  # and --run
+    ),
+    "aggregate": (
+        "one table of all runs",
+        "report.aggregate:write_aggregate",
+        "run-dirs+ csv markdown",
+    ),  # fmt: skip
+    "accounting": (
+        "sacct accounting of each run's training job",
+        "report.accounting:write_accounting",
+        "run-dirs+",
+    ),  # fmt: skip
+    "progress": (
+        "the runs so far: finished runs' table, the others' state and ETA",
+        "report.progress:write_progress",
+        "runs:str+ run-dirs+ checkpoint-roots+ csv markdown",
+    ),
+    "plots": (
+        "throughput, scaling, training curves, per-class figures (.png or .svg each)",
+        "report.plots:make_plots",
+        "runs-csv run-dirs+ throughput efficiency curves per-class",  # and --cost
+    ),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="imagenet-ddp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-
-    # Workflow settings have no defaults here: their one home is the workflow's schema, and the
-    # rules pass every one of them.
-    p = sub.add_parser("demo-data", help="write a small synthetic ILSVRC2012 in the real layout")
-    p.add_argument("--out", type=Path, required=True)
-    for name in ("num-classes", "train-per-class", "val-per-class", "image-size", "seed"):
-        p.add_argument(f"--{name}", type=int, required=True)
-    p.set_defaults(func=cmd_demo_data)
-
-    p = sub.add_parser(
-        "verify", help="check the input layout's structure, counts and files (md5 of archives)"
+    stages = {name: _command(sub, name, text, _call(target), required)
+              for name, (text, target, required) in STAGES.items()}  # fmt: skip
+    stages["verify"].add_argument(
+        "--check-md5", action=argparse.BooleanOptionalAction, required=True
     )
-    p.add_argument("--data-dir", type=Path, required=True)
-    p.add_argument("--report", type=Path, required=True)
-    p.add_argument("--check-md5", action=argparse.BooleanOptionalAction, required=True)
-    p.set_defaults(func=cmd_verify)
-
-    p = sub.add_parser("index", help="list every train/val sample without extracting")
-    p.add_argument("--data-dir", type=Path, required=True)
-    p.add_argument("--out-dir", type=Path, required=True)
-    p.set_defaults(func=cmd_index)
-
-    p = sub.add_parser("split", help="stratified train/holdout split of the train set")
-    p.add_argument("--index-dir", type=Path, required=True)
-    p.add_argument("--holdout-fraction", type=float, required=True)
-    p.add_argument("--seed", type=int, required=True)
-    p.add_argument("--out-dir", type=Path, required=True)
-    p.set_defaults(func=cmd_split)
-
+    stages["check"].add_argument("--run", dest="run_json", required=True, help="settings, as JSON")
+    stages["plots"].add_argument("--cost", type=Path, help="throughput vs cost per epoch, energy")
     _add_prepare_parsers(sub)
-    p = sub.add_parser("data-content", help="record the digests of what trains and evaluates")
-    for flag in ("prepared-train", "prepared-val", "split-train", "split-holdout", "classes"):
-        p.add_argument(f"--{flag}", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.set_defaults(func=cmd_data_content)
-
-    p = sub.add_parser("check", help="check a run's model, optimizer and weights with torch")
-    p.add_argument("--run", required=True, help="the run's settings, as JSON")
-    p.add_argument("--num-classes", type=int, required=True)
-    p.add_argument("--run-dir", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.set_defaults(func=cmd_check)
-
+    data = "prepared-train prepared-val split-train split-holdout classes out"
+    _command(sub, "data-content", "record the digests of what trains and evaluates",
+             cmd_data_content, data)  # fmt: skip
     _add_job_parser(sub, "train", "stage data on every node and run DDP training", cmd_train)
-    _add_job_parser(
-        sub,
-        "preflight",
-        "check a run's placement, network, step and loader speed; project it",
-        cmd_preflight,
-    )
-    _add_job_parser(sub, "evaluate", "top-1/top-5 and per-class accuracy", cmd_evaluate)
-
-    p = sub.add_parser("aggregate", help="one table of all runs")
-    p.add_argument("--run-dirs", type=Path, nargs="+", required=True)
-    p.add_argument("--csv", type=Path, required=True)
-    p.add_argument("--markdown", type=Path, required=True)
-    p.set_defaults(func=cmd_aggregate)
-
-    p = sub.add_parser("accounting", help="sacct accounting of each run's training job")
-    p.add_argument("--run-dirs", type=Path, nargs="+", required=True)
-    p.set_defaults(func=cmd_accounting)
-
-    p = sub.add_parser(
-        "convert-checkpoint",
-        help="rewrite a checkpoint or model.pt of an earlier version that you trust so that it "
-        "loads without running code (it is unpickled in full once, here)",
-    )
+    _add_job_parser(sub, "preflight", "check a run's placement, network, step and loader speed; "
+                    "project it", _job("preflight.job:preflight_job"))  # fmt: skip
+    _add_job_parser(sub, "evaluate", "top-1/top-5 and per-class accuracy",
+                    _job("jobs.stages:evaluate_job"))  # fmt: skip
+    p = _command(sub, "convert-checkpoint", "rewrite a checkpoint or model.pt of an earlier "
+                 "version that you trust so that it loads without running code (it is "
+                 "unpickled in full once, here)", cmd_convert_checkpoint)  # fmt: skip
     p.add_argument("paths", type=Path, nargs="+")
-    p.set_defaults(func=cmd_convert_checkpoint)
-
-    p = sub.add_parser(
-        "progress", help="the runs so far: finished runs' table, the others' state and ETA"
-    )
-    p.add_argument("--runs", nargs="+", required=True)
-    p.add_argument("--run-dirs", type=Path, nargs="+", required=True)
-    p.add_argument("--checkpoint-roots", type=Path, nargs="+", required=True)
-    p.add_argument("--csv", type=Path, required=True)
-    p.add_argument("--markdown", type=Path, required=True)
-    p.set_defaults(func=cmd_progress)
-
-    _add_plots_parser(sub)
     return parser
 
 

@@ -36,59 +36,41 @@ TIMING_NOTE = (
 )
 
 
-def _check_world(geometry: Geometry, started: int) -> None:
-    if geometry.world_size != started:
-        raise RuntimeError(
-            f"evaluation configured for {geometry.nodes} node(s) x "
-            f"{geometry.tasks_per_node} task(s) per node, but {started} ranks started; "
-            "check the launcher's geometry"
-        )
-
-
 def evaluate_run(
-    *,
-    model_path,
-    prepared_train,
-    prepared_val,
-    holdout_ids_csv,
-    geometry: Geometry,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    workers: int | str = DEFAULT_WORKERS,
-    device: str = "auto",
-) -> dict[str, Any]:
-    """Evaluate a trained model on the holdout split and on the test set (official val).
-
-    One rank of ``geometry`` (nodes, tasks_per_node, cpus_per_task, gpus_per_node), started by
-    :mod:`imagenet_ddp.jobs.launch`; every rank returns the summed counts. Precision and
-    channels_last are the run's (from the checkpoint's config).
-    """
+    *, model_path, prepared_train, prepared_val, holdout_ids_csv, geometry: Geometry,
+    batch_size: int = DEFAULT_BATCH_SIZE, workers: int | str = DEFAULT_WORKERS, device="auto",
+) -> dict[str, Any]:  # fmt: skip
+    """A trained model on the holdout split and the test set (official val), as one rank of
+    ``geometry`` (started by :mod:`imagenet_ddp.jobs.launch`); every rank returns the summed
+    counts. Precision and channels_last are the run's (from the checkpoint's config)."""
     from imagenet_ddp.jobs import distributed as D
 
     info = D.dist_info_from_env()
-    _check_world(geometry, info.world_size)
-    gpus = geometry.gpus_per_node
-    dev = D.select_device(device, info.local_rank, gpus, info.local_world_size, 30)
+    if geometry.world_size != info.world_size:
+        raise RuntimeError(
+            f"evaluation configured for {geometry.nodes} node(s) x {geometry.tasks_per_node} "
+            f"task(s) per node, but {info.world_size} ranks started; check the launcher's geometry"
+        )
+    dev = D.select_device(
+        device, info.local_rank, geometry.gpus_per_node, info.local_world_size, 30
+    )
     D.init_process_group(info, dev, "auto", timeout_minutes=30)
     try:
         if dev.type == "cuda":
             torch.backends.cudnn.benchmark = True  # one input shape throughout
         state = read_model_file(Path(model_path))
-        models = {"model": model_from_state(state, dev, path=model_path)}
-        if state.get("ema") is not None:  # the averaged weights, where the run kept them
-            models["ema"] = model_from_state(state, dev, weights="ema", path=model_path)
-        cfg, num_classes = state["config"], state["num_classes"]
+        weights = ["model"] + (["ema"] if state.get("ema") is not None else [])  # the EMA's, kept
+        models = {w: model_from_state(state, dev, weights=w, path=model_path) for w in weights}
+        cfg = state["config"]
         settings = {
-            "num_classes": num_classes,
-            "device": dev,
-            "batch_size": batch_size,
+            "num_classes": state["num_classes"], "device": dev, "batch_size": batch_size,
             "workers": loader_workers(workers, geometry.cpus_per_task),
             "precision": cfg.get("precision", "fp32"),
             "channels_last": bool(cfg.get("channels_last")),
-            "rank": info.rank,
-            "world_size": info.world_size,
+            "rank": info.rank, "world_size": info.world_size,
             # a model.pt from before the setting: ImageNet's, as it trained with
             "mean_std": input_normalization(state["arch"], cfg.get("normalization", "imagenet")),
-        }
+        }  # fmt: skip
         sets = _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv)
         D.barrier()
         started = time.perf_counter()
@@ -97,16 +79,13 @@ def evaluate_run(
             for weights, model in models.items()
         }
         seconds = time.perf_counter() - started
-        backend = torch.distributed.get_backend() if D.is_distributed() else "none"
+        settings["backend"] = torch.distributed.get_backend() if D.is_distributed() else "none"
         ranks = D.all_gather_objects(D.placement(info, dev))
-        hosts = sorted({r["host"] for r in ranks})
     finally:
         D.destroy_process_group()
-    evaluation = _evaluation_block(geometry, settings, backend, hosts, results, seconds)
-    evaluation["ranks"] = ranks
     return {
         "run": cfg.get("run"),
-        "evaluation": evaluation,
+        "evaluation": _evaluation_block(geometry, settings, ranks, results, seconds),
         **results["model"],
         "ema": results.get("ema"),  # None: the run kept no EMA
         "reported_model": reported_model(cfg),
@@ -122,13 +101,12 @@ def reported_model(cfg: dict[str, Any]) -> str | None:
 def _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv) -> dict[str, Dataset]:
     # Read from the shared prepared copy directly (no node-local staging): evaluation reads
     # every image exactly once, so staging a copy first would only double the reads.
-    import pandas as pd
-
     from imagenet_ddp.data.reader import create_dataset
+    from imagenet_ddp.training.data import read_ids
 
     # eval_crop_size 0 (or a model.pt from before it existed): the training crop.
     size = (cfg["eval_resize"], cfg.get("eval_crop_size") or cfg["crop_size"])
-    holdout_ids = pd.read_csv(holdout_ids_csv, usecols=["sample_id"])["sample_id"].tolist()
+    holdout_ids = read_ids(holdout_ids_csv)
     mode = cfg.get("interpolation", "bilinear")  # a model.pt from before it: bilinear
     return {  # uint8 crops: see training.accuracy
         "holdout": create_dataset(
@@ -138,28 +116,24 @@ def _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv) -> dict[str, D
     }
 
 
-def _evaluation_block(geometry, settings, backend, hosts, results, seconds) -> dict[str, Any]:
+def _evaluation_block(geometry, settings, ranks, results, seconds) -> dict[str, Any]:
     images = sum(r["samples"] for sets in results.values() for r in sets.values())
-    world = settings["world_size"]
+    rate = images / seconds if seconds > 0 else None
     return {
-        "nodes": geometry.nodes,
-        "tasks_per_node": geometry.tasks_per_node,
-        "world_size": world,
-        "cpus_per_task": geometry.cpus_per_task,
-        "gpus_per_node": geometry.gpus_per_node,
+        **{k: getattr(geometry, k) for k in ("nodes", "tasks_per_node")},
+        "world_size": settings["world_size"],
+        **{k: getattr(geometry, k) for k in ("cpus_per_task", "gpus_per_node")},
         "loader_workers": settings["workers"],
         "device": settings["device"].type,
-        "backend": backend,
-        "precision": settings["precision"],
-        "channels_last": settings["channels_last"],
-        "batch_size": settings["batch_size"],
+        **{k: settings[k] for k in ("backend", "precision", "channels_last", "batch_size")},
         "models": list(results),
-        "hosts": hosts,
+        "hosts": sorted({r["host"] for r in ranks}),
         "images": images,
         "wall_seconds": seconds,
-        "images_per_s": images / seconds if seconds > 0 else None,
-        "images_per_s_per_rank": images / seconds / world if seconds > 0 else None,
+        "images_per_s": rate,
+        "images_per_s_per_rank": None if rate is None else rate / settings["world_size"],
         "timing_note": TIMING_NOTE,
+        "ranks": ranks,
     }
 
 

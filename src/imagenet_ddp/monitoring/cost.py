@@ -1,16 +1,7 @@
 """What a run cost: the ``cost`` block of ``train_metrics.json`` (pure functions, no torch).
-
-- ``wall_seconds``: rank 0's time in this job from the start of training (model built,
-  checkpoint loaded) to the outputs being written; node-local staging, process start-up and
-  imports are not in it (the launcher's ``job.json`` ``wall_seconds`` has them);
-- ``gpu_hours`` / ``core_hours``: what the job held for that time, nodes x gpus_per_node GPUs
-  and nodes x tasks_per_node x cpus_per_task cores (allocated, not used: SLURM bills these);
-- ``gpu_hours_per_epoch`` / ``core_hours_per_epoch``: GPUs (cores) x the mean epoch time
-  (slowest rank; holdout evaluation and checkpoints excluded), comparable across runs
-  whatever their epoch count or resumes;
-- ``gpu_telemetry``: rank 0's node sampled with NVML (:mod:`imagenet_ddp.monitoring.telemetry`),
-  or why not; energy for all nodes and per 1,000 training images derived from it, each
-  labelled.
+The figures' scope is :data:`SCOPE` (written into the block); ``gpu_telemetry`` is rank 0's
+node sampled with NVML (:mod:`imagenet_ddp.monitoring.telemetry`), or why not, with energy for
+all nodes and per 1,000 training images derived from it, each labelled.
 """
 
 from __future__ import annotations
@@ -31,14 +22,9 @@ ENERGY_NOTE = (
 
 
 def cost_block(
-    geometry: Mapping[str, int],
-    wall_seconds: float,
-    epochs: Sequence[Mapping[str, Any]],
-    telemetry: Mapping[str, Any],
-    *,
-    resumed: bool,
-    slurm_job_id: str | None,
-) -> dict[str, Any]:
+    geometry: Mapping[str, int], wall_seconds: float, epochs: Sequence[Mapping[str, Any]],
+    telemetry: Mapping[str, Any], *, resumed: bool, slurm_job_id: str | None,
+) -> dict[str, Any]:  # fmt: skip
     """The cost block from the job's geometry, rank 0's wall time, the epoch records (all
     jobs' epochs: the history) and the NVML summary of this job."""
     nodes = geometry["nodes"]

@@ -1,13 +1,9 @@
-"""MLflow tracking of a run beside TensorBoard (``mlflow_uri``), written by rank 0 only.
-
-The same scalars as :mod:`imagenet_ddp.monitoring.tensorboard_log`, with the same tags and global
-steps,
-into an MLflow *file store* (a directory: no server, compute nodes need no network; view it
-with ``mlflow ui --backend-store-uri <dir>`` on a login node). MLflow 3 keeps the file store in
-maintenance mode and refuses it unless ``MLFLOW_ALLOW_FILE_STORE=true``, which this module sets
-for file URIs. A resumed job continues the same MLflow run: its id is kept in the checkpoint
-directory (``mlflow_run_id``), which is the training's identity; a fresh start makes a new run.
-Needs ``pip install imagenet-ddp[mlflow]`` (``mlflow-skinny``).
+"""MLflow tracking of a run beside TensorBoard (``mlflow_uri``), written by rank 0 only: the
+same scalars, tags and global steps, into an MLflow *file store* (a directory: no server,
+compute nodes need no network; ``mlflow ui --backend-store-uri <dir>`` on a login node).
+MLflow 3 refuses a file store unless ``MLFLOW_ALLOW_FILE_STORE=true``, set here for file URIs.
+The run id is kept in the checkpoint directory (``mlflow_run_id``, the training's identity): a
+resumed job continues the run, a fresh start makes a new one. Needs ``imagenet-ddp[mlflow]``.
 """
 
 from __future__ import annotations
@@ -16,8 +12,6 @@ import os
 import time
 from pathlib import Path
 from typing import Any
-
-from imagenet_ddp.monitoring.tensorboard_log import EPOCH_TAGS
 
 EXPERIMENT = "imagenet-ddp"
 RUN_ID_FILE = "mlflow_run_id"
@@ -65,11 +59,6 @@ class MlflowLog:
         ]
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics)
-
-    def epoch(self, record: dict[str, Any], step: int) -> None:
-        values = {tag: record.get(tag) for tag in EPOCH_TAGS}
-        values["lr"] = record.get("lr_end")
-        self.scalars("epoch", values, step)
 
     def close(self, *, finished: bool = False) -> None:
         """FINISHED after the last epoch; KILLED when the job stops early (it resumes later)."""

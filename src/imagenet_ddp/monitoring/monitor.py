@@ -1,17 +1,17 @@
 """Rank 0's watch over a training job: TensorBoard (and MLflow with ``mlflow_uri``, W&B with
-``wandb_project``), NVML
-telemetry and the cost block.
+``wandb_project``), NVML telemetry, progress.json and the cost block.
 
-The training loop calls four methods (:meth:`RunMonitor.step` at every step, :meth:`epoch`
-after each epoch, :meth:`finish` for ``train_metrics.json``, :meth:`close` in a ``finally``);
-on every rank but 0 they do nothing, so the loop needs no rank test and no collective runs
-here. Failures to write TensorBoard files, MLflow or W&B records never end a training: they are
-printed once and that part is switched off.
+The loop calls :meth:`RunMonitor.step` at every step, :meth:`~RunMonitor.epoch` after each
+epoch, :meth:`~RunMonitor.finish` for ``train_metrics.json`` and :meth:`~RunMonitor.close` in a
+``finally``; on every rank but 0 they do nothing (no rank test in the loop, no collective
+here). A sink that fails (not installed, a full disk, an unreachable store) is named once and
+switched off: it never ends hours of training.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import time
 from pathlib import Path
@@ -23,36 +23,30 @@ from imagenet_ddp.jobs.spec import PROGRESS
 from imagenet_ddp.monitoring.cost import cost_block
 from imagenet_ddp.monitoring.telemetry import GpuSampler, unavailable
 
-__all__ = ["RunMonitor"]
-
-
 # What progress.json keeps of an epoch's record (imagenet_ddp.report.progress reads it).
 PROGRESS_KEYS = ("epoch", "images_per_s", "epoch_seconds", "eval_seconds", "checkpoint_seconds",
                  "train_loss", "holdout_top1", "loss_spike")  # fmt: skip
 
-# The experiment trackers beside TensorBoard: (attribute of RunMonitor, name in messages).
-TRACKERS = (("tracker", "MLflow"), ("wandb", "W&B"))
+# The sinks: (attribute of RunMonitor, name in messages, class in this package).
+SINKS = (
+    ("board", "TensorBoard", "tensorboard_log:TensorBoardLog"),
+    ("tracker", "MLflow", "mlflow_log:MlflowLog"),
+    ("wandb", "W&B", "wandb_log:WandbLog"),
+)
+EPOCH_TAGS = ("train_loss", "train_top1", "holdout_top1", "holdout_top5", "holdout_loss",
+              "images_per_s", "steady_images_per_s",
+              *("data_wait_ms", "compute_ms", "step_ms", "input_bound_pct", "mfu_pct"))  # fmt: skip
 
 
 class RunMonitor:
     """Inactive (every method a no-op) unless ``active``; see the module docstring."""
 
     def __init__(
-        self,
-        *,
-        active: bool,
-        run_dir: Path,
-        geometry: dict[str, int],
-        steps_per_epoch: int,
-        log_interval: int,
-        world_size: int,
-        batch_size: int,
-        resumed: bool,
-        sampler: GpuSampler | None = None,
-        tensorboard: bool = True,
-        mlflow: dict[str, Any] | None = None,
-        wandb: dict[str, Any] | None = None,
-    ):
+        self, *, active: bool, run_dir: Path, geometry: dict[str, int], steps_per_epoch: int,
+        log_interval: int, world_size: int, batch_size: int, resumed: bool,
+        sampler: GpuSampler | None = None, tensorboard: bool = True,
+        mlflow: dict[str, Any] | None = None, wandb: dict[str, Any] | None = None,
+    ):  # fmt: skip
         self.active, self.geometry, self.resumed = active, geometry, resumed
         self.steps_per_epoch, self.interval = steps_per_epoch, log_interval
         self.world_size, self.batch_size = world_size, batch_size
@@ -65,27 +59,15 @@ class RunMonitor:
         if not resumed:  # a run trained afresh: an earlier run's epochs are not its own
             self.progress.unlink(missing_ok=True)
         self.sampler = (sampler or GpuSampler(geometry["gpus_per_node"])).start()
-        if tensorboard:
-            try:
-                from imagenet_ddp.monitoring.tensorboard_log import TensorBoardLog
-
-                self.board = TensorBoardLog(run_dir / "tensorboard", fresh=not resumed)
-            except Exception as error:  # e.g. tensorboard not installed: train without it
-                print(f"TensorBoard off: {type(error).__name__}: {error}", flush=True)
-        if mlflow:  # MlflowLog's keyword arguments (uri, run_name, state_dir, params)
-            try:
-                from imagenet_ddp.monitoring.mlflow_log import MlflowLog
-
-                self.tracker = MlflowLog(**mlflow, fresh=not resumed)
-            except Exception as error:  # e.g. mlflow not installed: train without it
-                print(f"MLflow off: {type(error).__name__}: {error}", flush=True)
-        if wandb:  # WandbLog's keyword arguments (project, mode, run_name, run_dir, ...)
-            try:
-                from imagenet_ddp.monitoring.wandb_log import WandbLog
-
-                self.wandb = WandbLog(**wandb, fresh=not resumed)
-            except Exception as error:  # e.g. wandb not installed: train without it
-                print(f"W&B off: {type(error).__name__}: {error}", flush=True)
+        board = {"log_dir": run_dir / "tensorboard"} if tensorboard else None
+        for (attribute, name, target), options in zip(SINKS, (board, mlflow, wandb), strict=True):
+            if options:  # the sink's keyword arguments
+                module, class_name = target.split(":")
+                try:
+                    sink = getattr(importlib.import_module(f"{__package__}.{module}"), class_name)
+                    setattr(self, attribute, sink(**options, fresh=not resumed))
+                except Exception as error:  # e.g. not installed: train without it
+                    print(f"{name} off: {type(error).__name__}: {error}", flush=True)
 
     @classmethod
     def for_job(cls, job, run_dir: Path, steps_per_epoch: int, *, resumed: bool) -> RunMonitor:
@@ -104,37 +86,31 @@ class RunMonitor:
                 project=cfg.wandb_project, mode=cfg.wandb_mode, run_name=cfg.run,
                 run_dir=run_dir, state_dir=job.checkpoint_dir, params=params,
             )  # fmt: skip
+        # The GPUs of rank 0's node by UUID (NVML indices ignore CUDA_VISIBLE_DEVICES).
+        uuids = D.node_gpu_uuids(job.info, job.device)
         return cls(
-            mlflow=mlflow,
-            wandb=wandb,
-            active=job.info.is_main,
-            run_dir=run_dir,
-            geometry=dataclasses.asdict(job.geometry),
-            steps_per_epoch=steps_per_epoch,
-            log_interval=job.cfg.log_interval,
-            world_size=job.info.world_size,
-            batch_size=job.cfg.batch_size,
-            resumed=resumed,
-            # The GPUs of rank 0's node by UUID (NVML indices ignore CUDA_VISIBLE_DEVICES).
-            sampler=GpuSampler(
-                job.geometry.gpus_per_node, uuids=D.node_gpu_uuids(job.info, job.device)
-            ),
-        )
+            active=job.info.is_main, run_dir=run_dir, geometry=dataclasses.asdict(job.geometry),
+            steps_per_epoch=steps_per_epoch, log_interval=cfg.log_interval,
+            world_size=job.info.world_size, resumed=resumed, mlflow=mlflow, wandb=wandb,
+            batch_size=cfg.batch_size * cfg.accumulation,  # images per rank and step
+            sampler=GpuSampler(job.geometry.gpus_per_node, uuids=uuids),
+        )  # fmt: skip
 
     def _global_step(self, epoch: int, step: int) -> int:
         return epoch * self.steps_per_epoch + step
 
-    def _write(self, method: str, *args) -> None:
-        """``method`` of TensorBoard's log and of MLflow's, each switched off on its own
-        failure: a full disk or an unreachable store must not end hours of training."""
-        for attribute, name in (("board", "TensorBoard"), *TRACKERS):
+    def _write(self, method: str, *args, close: bool = False, **kwargs) -> None:
+        """``method`` of each sink, each switched off on its own failure (or with ``close``)."""
+        for attribute, name, _ in SINKS:
             sink = getattr(self, attribute)
             if sink is None:
                 continue
             try:
-                getattr(sink, method)(*args)
+                getattr(sink, method)(*args, **kwargs)
             except Exception as error:
                 print(f"{name} off: {type(error).__name__}: {error}", flush=True)
+                setattr(self, attribute, None)
+            if close:
                 setattr(self, attribute, None)
 
     def step(self, epoch: int, step: int, meter, lr: float, timer=None) -> None:
@@ -162,7 +138,8 @@ class RunMonitor:
     def epoch(self, epoch: int, record: dict[str, Any], spike: str = "") -> None:
         """``spike``: the run's worst loss spike so far (training.metrics.loss_spike)."""
         global_step = self._global_step(epoch + 1, 0)
-        self._write("epoch", record, global_step)
+        values = {tag: record.get(tag) for tag in EPOCH_TAGS} | {"lr": record.get("lr_end")}
+        self._write("scalars", "epoch", values, global_step)
         self._gpu(global_step)
         self.mark = None
         self._progress({**record, "loss_spike": spike})
@@ -188,27 +165,12 @@ class RunMonitor:
         """The cost block (rank 0); stops sampling and closes the event file."""
         telemetry = self.sampler.stop() if self.sampler else unavailable("not rank 0")
         self.close(finished=True)
-        return cost_block(
-            self.geometry,
-            time.monotonic() - self.started,
-            epochs,
-            telemetry,
-            resumed=self.resumed,
-            slurm_job_id=os.environ.get("SLURM_JOB_ID"),
-        )
+        wall = time.monotonic() - self.started
+        job_id = os.environ.get("SLURM_JOB_ID")
+        return cost_block(self.geometry, wall, epochs, telemetry, resumed=self.resumed,
+                          slurm_job_id=job_id)  # fmt: skip
 
     def close(self, *, finished: bool = False) -> None:
         if self.sampler is not None:
             self.sampler.stop()
-        if self.board is not None:
-            self.board.close()
-            self.board = None
-        for attribute, name in TRACKERS:  # each closed even if another fails
-            tracker = getattr(self, attribute)
-            if tracker is None:
-                continue
-            try:
-                tracker.close(finished=finished)
-            except Exception as error:
-                print(f"{name} off: {type(error).__name__}: {error}", flush=True)
-            setattr(self, attribute, None)
+        self._write("close", finished=finished, close=True)  # each, even if another fails

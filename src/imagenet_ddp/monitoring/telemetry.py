@@ -1,28 +1,17 @@
 """GPU telemetry of rank 0's node, sampled with NVML (``nvidia-ml-py``) in a background thread.
 
-What it measures, per sample (every ``interval`` seconds): utilization, memory used and power
-of each GPU it watches. At the end (:meth:`GpuSampler.stop`) it reports the mean utilization,
-the peak memory per GPU, the mean power (sum over the GPUs) and the energy: from NVML's energy
-counter (``nvmlDeviceGetTotalEnergyConsumption``, Volta and newer) where every GPU has one,
-else the power samples integrated over time (trapezoids). Only rank 0's node is measured: a
-multi-node run's energy is that node's times the node count, an estimate the cost block labels
-as such (nodes of one job are alike, but not measured).
+Every ``interval`` seconds: utilization, memory used and power of each GPU watched. At the end
+(:meth:`GpuSampler.stop`): mean utilization, peak memory per GPU, mean power and the energy,
+from NVML's energy counter (Volta and newer) where every GPU has one, else the power samples
+integrated. Only rank 0's node is measured; the cost block labels all nodes' energy (that
+node's x the node count) an estimate.
 
-Which GPUs: the ones the ranks of rank 0's node use, found in NVML by UUID
-(``uuids``, from :func:`imagenet_ddp.jobs.distributed.node_gpu_uuids`). NVML ignores
-``CUDA_VISIBLE_DEVICES`` and, on a node shared with other jobs without device cgroups, lists
-their GPUs too: indices 0..N-1 would sample someone else's. Without ``uuids`` (unit tests),
-the first ``gpus`` NVML lists.
-
-A GPU that NVML cannot open or read (a per-task device cgroup hiding another task's GPU from
-rank 0, a MIG instance whose utilization NVML does not report) is left out and named in
-``unsampled`` with NVML's error; the others are sampled. Their figures then cover only the
-sampled GPUs (``gpus``), and the cost block gives no all-node energy (imagenet_ddp.monitoring.cost).
-
-Optional by design: without the package, without the NVIDIA driver, or on a CPU run nothing
-is sampled and the summary says why (``available: false`` and ``reason``); figures are then
-absent, never zero. The thread only reads NVML; it takes no lock the training loop holds, and
-Python delivers signals to the main thread only, so stop signals behave as before.
+The GPUs are found by UUID (``uuids``, :func:`imagenet_ddp.jobs.distributed.node_gpu_uuids`):
+NVML ignores ``CUDA_VISIBLE_DEVICES`` and on a shared node lists other jobs' GPUs. A GPU NVML
+cannot open or read (another task's behind a device cgroup, a MIG instance) is left out and
+named in ``unsampled``; the others are sampled. Without the package, the driver or a GPU,
+nothing is sampled and the summary says why: figures are absent, never zero. The thread only
+reads NVML and takes no lock the loop holds; signals go to the main thread as before.
 """
 
 from __future__ import annotations
@@ -32,8 +21,6 @@ import importlib
 import threading
 import time
 from typing import Any
-
-__all__ = ["GpuSampler", "unavailable"]
 
 DEFAULT_INTERVAL = 5.0  # seconds; NVML reads take microseconds, power is averaged over ~1 s
 
@@ -52,13 +39,7 @@ def unavailable(reason: str) -> dict[str, Any]:
 class GpuSampler:
     """Sample NVML until :meth:`stop`; :meth:`latest` gives the newest sample (TensorBoard)."""
 
-    def __init__(
-        self,
-        gpus: int,
-        interval: float = DEFAULT_INTERVAL,
-        nvml: Any = None,
-        uuids: list[str] | None = None,
-    ):
+    def __init__(self, gpus: int, interval=DEFAULT_INTERVAL, nvml: Any = None, uuids=None):
         self.gpus, self.interval, self._nvml, self.uuids = gpus, interval, nvml, uuids
         self.reason: str | None = None
         self.unsampled: list[dict[str, str]] = []  # GPUs NVML could not open or read, and why

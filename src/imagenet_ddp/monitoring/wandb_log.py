@@ -1,16 +1,11 @@
-"""Weights & Biases tracking of a run beside TensorBoard and MLflow (``wandb_project``), written
-by rank 0 only.
-
-The same scalars as :mod:`imagenet_ddp.monitoring.tensorboard_log`, with the same tags and global
-steps;
-the steps go into W&B as its ``global_step`` metric (the x axis of every other one) rather than
-W&B's own step, which refuses a step lower than one already logged: a resumed job redoes the
-steps after its checkpoint and logs them again. One W&B run per training: its id is kept in the
-checkpoint directory (``wandb_run_id``, the training's identity, as MLflow's), a resumed job
-continues it (``resume="allow"``) and a fresh start makes a new one. ``wandb_mode: offline``
-(the default: compute nodes often have no network) writes the run under
-``<run dir>/wandb/offline-run-*`` (one directory per job, one run id); upload them later from a
-login node with ``wandb sync``. Needs ``pip install imagenet-ddp[wandb]``.
+"""Weights & Biases tracking of a run (``wandb_project``), written by rank 0 only: the same
+scalars, tags and global steps as TensorBoard's. The steps are W&B's ``global_step`` metric
+(every other one's x axis), not W&B's own step, which refuses a step lower than one logged:
+a resumed job logs again the steps after its checkpoint. The run id is kept in the checkpoint
+directory (``wandb_run_id``, as MLflow's): a resumed job continues the run (``resume="allow"``),
+a fresh start makes a new one. ``wandb_mode: offline`` (the default: compute nodes often have
+no network) writes ``<run dir>/wandb/offline-run-*``; ``wandb sync`` uploads them from a login
+node. Needs ``imagenet-ddp[wandb]``.
 """
 
 from __future__ import annotations
@@ -18,8 +13,6 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 from typing import Any
-
-from imagenet_ddp.monitoring.tensorboard_log import EPOCH_TAGS
 
 RUN_ID_FILE = "wandb_run_id"
 STEP = "global_step"
@@ -29,16 +22,9 @@ class WandbLog:
     """Fixed tags, absent values skipped; the same interface as ``TensorBoardLog``."""
 
     def __init__(
-        self,
-        project: str,
-        *,
-        mode: str,
-        run_name: str,
-        run_dir: Path,
-        state_dir: Path,
-        params: dict[str, Any],
-        fresh: bool,
-    ):
+        self, project: str, *, mode: str, run_name: str, run_dir: Path, state_dir: Path,
+        params: dict[str, Any], fresh: bool,
+    ):  # fmt: skip
         import wandb  # ~1 s, and a wandb-core process: rank 0 only
 
         id_file = state_dir / RUN_ID_FILE
@@ -66,11 +52,6 @@ class WandbLog:
         data = {f"{prefix}/{k}": float(v) for k, v in values.items() if v is not None}
         if data:
             self.run.log({STEP: step, **data})
-
-    def epoch(self, record: dict[str, Any], step: int) -> None:
-        values = {tag: record.get(tag) for tag in EPOCH_TAGS}
-        values["lr"] = record.get("lr_end")
-        self.scalars("epoch", values, step)
 
     def close(self, *, finished: bool = False) -> None:
         """Finished after the last epoch; preempted when the job stops early (it resumes)."""

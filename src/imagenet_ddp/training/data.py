@@ -1,15 +1,10 @@
 """What each rank reads: per-sample seeded augmentation and a sampler that resumes mid-epoch.
 
-Augmentation is seeded per (seed, epoch, sample), not per worker process, so results do not
-depend on the DataLoader's worker count and a run resumed mid-epoch replays exactly the same
-batches.
-
-The sample order does not depend on the world size either (:class:`EpochSampler`): an epoch
-is one permutation of (seed, epoch); each optimizer step takes the next global batch, cut into
-fixed micro-batch groups of ``batch_size``; the ranks share the groups out, each accumulating
-several when there are fewer ranks. So every step sees the same samples in the same micro-batch
-groups on any number of ranks, and a checkpoint resumes on another rank count
-(docs/reliability.md, "Elastic resume").
+Augmentation is seeded per (seed, epoch, sample), not per worker process, and the sample order
+is one permutation of (seed, epoch) cut into fixed micro-batch groups that the ranks share out
+(:class:`EpochSampler`): every step sees the same samples in the same groups whatever the
+worker or rank count, so a run resumed mid-epoch, on another rank count too, replays exactly
+the same batches (docs/reliability.md, "Elastic resume").
 """
 
 from __future__ import annotations
@@ -84,13 +79,7 @@ class EpochSampler(Sampler):
     left out (drop_last), whatever the rank count: :attr:`steps` is ``length // G``."""
 
     def __init__(
-        self,
-        length: int,
-        world_size: int,
-        rank: int,
-        seed: int,
-        batch_size: int = 1,
-        accumulation: int = 1,
+        self, length: int, world_size: int, rank: int, seed: int, batch_size=1, accumulation=1
     ):
         self.length, self.world_size, self.rank, self.seed = length, world_size, rank, seed
         self.batch_size, self.accumulation = batch_size, accumulation
@@ -124,16 +113,12 @@ class EpochSampler(Sampler):
 
 class RepeatedAugmentationSampler(EpochSampler):
     """Repeated augmentation (Hoffer et al. 2020; DeiT's RASampler, timm's RepeatAugSampler):
-    the epoch's permutation (:meth:`EpochSampler.order`) with each index ``repeats`` times in
-    a row, cut to the epoch's length, so an epoch keeps its steps and sees about
-    1/``repeats`` of the images. Within step ``s``'s G positions, micro-batch group ``g`` of
-    ``n = G / batch_size`` takes positions ``g, g + n, g + 2n, ...``: an image's repeats land
-    in consecutive groups (other ranks' batches of the same step), and with one micro-batch
-    per rank group ``g`` is rank ``g``, DeiT's split (``indices[rank::world_size]``; its
-    permutation is also ``randperm`` of a generator seeded with the epoch: ours at seed 0).
-    A function of (seed, epoch, G, batch_size) only: the same groups on any rank count,
-    resumable at any step. Keys are (epoch, index, repeat): each repeat is augmented with
-    its own seed."""
+    the epoch's permutation with each index ``repeats`` times in a row, cut to the epoch's
+    length (an epoch keeps its steps, seeing ~1/``repeats`` of the images). In step ``s``'s G
+    positions, group ``g`` of ``n = G / batch_size`` takes ``g, g + n, g + 2n, ...``: an
+    image's repeats land in other ranks' batches of the step; with one micro-batch per rank,
+    DeiT's split (``indices[rank::world_size]``, its permutation ours at seed 0). The same
+    groups on any rank count; keys (epoch, index, repeat), each repeat its own seed."""
 
     def __init__(self, *args, repeats: int, **kwargs):
         super().__init__(*args, **kwargs)

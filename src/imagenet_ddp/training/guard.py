@@ -1,26 +1,15 @@
 """The divergence guard: a run whose loss or gradients go bad stops within a step or two,
 recorded ``diverged`` (docs/reliability.md "Divergence"), instead of training on for every
-epoch and allocation it has.
+epoch and allocation it has. It stops on (``divergence_*`` settings, :meth:`GuardRule.step`):
+a non-finite gradient (all-reduced: every rank decides alike, with no communication); a
+non-finite loss on any rank; with fp16, ``divergence_fp16_skips`` GradScaler skips in a row;
+after the warm-up, ``divergence_window_steps`` steps in a row with a loss above
+``divergence_loss_factor`` x ln(classes). What one rank alone sees, the ranks agree on through
+the stop flag's all-reduce (:class:`imagenet_ddp.jobs.signals.StopFlag`).
 
-What stops a run (``divergence_*`` settings, on by default):
-
-- a non-finite gradient (any element inf or NaN; the global norm when ``grad_clip_norm``
-  computes it). After DDP's all-reduce the gradient is the same bytes on every rank, so every
-  rank decides this the same way at the same step, with no communication;
-- a non-finite loss on any rank (its gradient is almost always non-finite too; when not, the
-  ranks agree through the stop flag's all-reduce, :class:`imagenet_ddp.jobs.signals.StopFlag`,
-  which the loop already runs every few steps);
-- with fp16, ``divergence_fp16_skips`` steps in a row that the GradScaler skipped (single
-  skips are how it finds its scale: not divergence);
-- after the warm-up, ``divergence_window_steps`` steps in a row whose loss on a rank is above
-  ``divergence_loss_factor`` x ln(classes), the loss of a uniform guess (a spike that recovers
-  sooner, or any spike inside the warm-up, does not stop it).
-
-No host sync per step: each step's (loss, gradient norm) is copied to the host asynchronously
-and read when the next step has been queued (:class:`StepValues`), so the CPU waits only where
-it ran more than a step ahead of the GPU. A run therefore stops after the step that follows the
-bad one; the bad weights are never checkpointed: every save first reads the last step
-(:meth:`Guard.agree`, a collective at the save points only).
+No host sync per step: each step's (loss, gradient norm) is read when the next step has been
+queued (:class:`StepValues`), so a run stops after the step that follows the bad one; every
+save first reads the last step (:meth:`Guard.agree`), so bad weights are never checkpointed.
 """
 
 from __future__ import annotations
@@ -32,8 +21,8 @@ import torch
 
 from imagenet_ddp.jobs import distributed as D
 
-# run_epochs' code for "stopped by the guard"; the worker writes the run's outputs marked
-# diverged and exits 0, so neither Snakemake's retries nor a resubmission trains it again.
+# run_epochs' code for "stopped by the guard": the worker writes the outputs marked diverged
+# and exits 0, so neither Snakemake's retries nor a resubmission trains it again.
 DIVERGED = -1
 
 ADVICE = (
@@ -137,52 +126,20 @@ def gradient_norm(model: torch.nn.Module) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms), math.inf)
 
 
-class StepValues:
-    """A step's (loss, gradient norm) on the host without a host sync: copied asynchronously
-    at the step's end, read after the next step is queued (:meth:`push`), or now (:meth:`pop`,
-    where the loop synchronizes anyway: a save)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._buffers = [torch.empty(2, pin_memory=True) for _ in range(2)] if self.cuda else []
-        self._turn = 0
-        self._pending = None
-
-    def push(self, values: torch.Tensor, where: tuple) -> tuple | None:
-        """Queue this step's values; returns the previous step's ((loss, norm), where)."""
-        previous = self.pop()
-        event = None
-        if self.cuda:
-            host = self._buffers[self._turn]
-            self._turn ^= 1
-            host.copy_(values.detach(), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            host = values.detach()
-        self._pending = (host, event, where)
-        return previous
-
-    def pop(self) -> tuple | None:
-        if self._pending is None:
-            return None
-        host, event, where = self._pending
-        self._pending = None
-        if event is not None:
-            event.synchronize()
-        loss, norm = host.tolist()
-        return (loss, norm), where
-
-
 class Guard:
-    """One rank's guard: fed every step (:meth:`after_step`), asked at saves (:meth:`agree`)."""
+    """One rank's guard: fed every step (:meth:`after_step`), asked at saves (:meth:`agree`).
+    A step's (loss, gradient norm) reach the host without a host sync: copied asynchronously
+    at the step's end (on CUDA into one of two pinned buffers), read once the next step is
+    queued, or at once where the loop synchronizes anyway (:meth:`settle`: a save)."""
 
     def __init__(self, settings: GuardSettings, device: torch.device, rank: int) -> None:
         self.rule = GuardRule(settings)
-        self.values = StepValues(device)
         self.rank = rank
         self.suspect: Divergence | None = None  # this rank's first reason the ranks must agree on
         self.agreed: Divergence | None = None  # a reason every rank has reached by itself
+        cuda = device.type == "cuda"
+        self._buffers = [torch.empty(2, pin_memory=True) for _ in range(2)] if cuda else []
+        self._pending = None  # the last step's (host values, CUDA event or None, where)
 
     @property
     def enabled(self) -> bool:
@@ -196,11 +153,28 @@ class Guard:
         loss = torch.stack([r[0].detach().float() for r in results]).mean()
         norm = torch.zeros((), device=loss.device) if grad_norm is None else grad_norm
         values = torch.stack([loss, norm.detach().float().to(loss.device)])
-        return self._judge(self.values.push(values, where))
+        previous, event = self._read(), None
+        if self._buffers:
+            self._buffers.reverse()  # the other buffer than the last step's
+            values = self._buffers[0].copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self._pending = (values, event, where)
+        return self._judge(previous)
+
+    def _read(self) -> tuple | None:
+        """The last queued step's ((loss, norm), where), waiting for its copy; None if none."""
+        if self._pending is None:
+            return None
+        values, event, where = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        return values.tolist(), where
 
     def settle(self) -> Divergence | None:
         """Judge the last queued step now (it has synchronized anyway)."""
-        return self._judge(self.values.pop()) if self.enabled else None
+        return self._judge(self._read()) if self.enabled else None
 
     def _judge(self, read) -> Divergence | None:
         if read is None or self.agreed is not None:

@@ -1,15 +1,13 @@
 """The step loop: one rank trains from the resume point to the last epoch.
 
+:func:`run_epochs` runs the epochs, :func:`train_epoch` an epoch's steps, :func:`train_step`
+one optimizer step, :func:`end_epoch` the epoch's end (holdout every ``eval_interval``
+epochs, history row, checkpoint written in the background).
+
 A stop signal (SIGTERM, SIGUSR1, SIGINT: time limit, scancel, preemption, Ctrl-C) makes every
 rank stop at the same step; rank 0 writes a checkpoint and the job exits with EXIT_REQUEUE
-(:mod:`imagenet_ddp.jobs.signals`). Events: :func:`train_step` (each step), :func:`end_epoch`.
-A diverged run (:mod:`imagenet_ddp.training.guard`) stops the same way but writes no checkpoint:
-every save asks the guard first.
-
-An epoch's end is kept short: the holdout is evaluated every ``eval_interval`` epochs with a
-loader made once (:class:`Holdout`), and rank 0 writes the checkpoint in the
-background (:class:`imagenet_ddp.training.checkpoint.CheckpointWriter`). Its times are columns
-of history.csv (``eval_seconds``, ``checkpoint_seconds``; metrics.EPOCH_END_NOTE).
+(:mod:`imagenet_ddp.jobs.signals`). A diverged run (:mod:`.guard`) stops the same way but
+writes no checkpoint: every save asks the guard first.
 """
 
 from __future__ import annotations
@@ -39,95 +37,98 @@ from imagenet_ddp.training.state import TrainingState
 from imagenet_ddp.training.step_timing import StepTimer, breakdown_row, timed_steps
 
 
-def run_epochs(
-    job: TrainingState,
-    loader,
-    sampler,
-    holdout,
-    resume,
-    stop,
-    stop_after_steps,
-    monitor=None,
-    profile=None,
-) -> int:
-    """Train from the resume point to the last epoch: 0, or EXIT_REQUEUE when stopped.
-    ``monitor`` (imagenet_ddp.monitoring.monitor.RunMonitor): TensorBoard events on rank 0;
-    ``profile`` (training.profile_window.ProfileWindow): the opt-in profiler window."""
-    cfg, info = job.cfg, job.info
-    steps_per_epoch = sampler.steps  # optimizer steps: global batches, whatever the ranks
-    start_epoch, start_step, partial = resume.epoch, resume.step, resume.partial
-    steps_done = 0
-    for epoch in range(start_epoch, cfg.epochs):
-        first = epoch == start_epoch
-        skip = start_step if first else 0
-        sampler.set_epoch(epoch, skip_steps=skip)
+@dataclass
+class Holdout:
+    """The holdout as the epoch ends evaluate it: its class count and this rank's loader of
+    its shard, made once (persistent workers) and reused by every evaluation of the job."""
+
+    num_classes: int
+    loader: DataLoader
+
+
+@dataclass
+class Loop:
+    """What the epochs share: the data, the stop flag and rank 0's monitor (TensorBoard,
+    trackers, progress.json: imagenet_ddp.monitoring.monitor) and profiler window
+    (training.profile_window). ``stop_after_steps`` (testing): stop as if signalled then."""
+
+    loader: DataLoader
+    sampler: Any  # training.data.EpochSampler
+    holdout: Holdout
+    stop: Any  # imagenet_ddp.jobs.signals.StopFlag
+    monitor: Any
+    profile: Any
+    stop_after_steps: int | None = None
+    first_step: int = 0  # the run's optimizer steps before this job's first
+
+
+def run_epochs(job: TrainingState, loop: Loop, resume) -> int:
+    """Train from the resume point to the last epoch: 0, EXIT_REQUEUE when stopped, DIVERGED
+    when the guard stopped the run."""
+    loop.first_step = job.scheduler.last_epoch
+    for epoch in range(resume.epoch, job.cfg.epochs):
+        first, info = epoch == resume.epoch, job.info
         # a resumed epoch's counts, shared out again if it ran on another rank count
-        carried = carried_partial(partial, info.rank, info.world_size) if first else None
-        profiler, timer, meter = epoch_instruments(job, profile, epoch, carried)
-        progress = Progress(info.is_main, epoch, steps_per_epoch, cfg.log_interval, meter)
-        job.step_model.train()
-        step = skip
-        epoch_batches = batches(job, loader, sampler, holdout.num_classes, epoch, step)
-        for micro_batches in timed_steps(epoch_batches, timer, profiler):
-            lr, global_step = job.optimizer.param_groups[0]["lr"], job.scheduler.last_epoch
-            results = train_step(job, micro_batches, epoch)
-            for index, (loss, logits, labels) in enumerate(results):
-                meter.update(loss, logits, labels, step_end=index == cfg.accumulation - 1)
-            timer.done()
-            step += 1
-            steps_done += 1
-            diverged = watch(job, stop, results, (global_step, epoch, step, lr))
-            if steps_done == 1:  # optimizer state exists now
-                check_device_discipline(job, "after the first step")
-            progress.update(step, meter)
-            if job.progress is not None:
-                job.progress.mark(epoch, step)
-            if monitor is not None:  # TensorBoard every log_interval steps
-                monitor.step(epoch, step, meter, job.scheduler.get_last_lr()[0], timer)
-            # Every rank polls at the same steps, so the agreement's collectives stay aligned.
-            test_stop = stop_after_steps is not None and steps_done >= stop_after_steps
-            stopping = (test_stop or stop.poll(steps_done)) and step < steps_per_epoch
-            if diverged is None and (stopping or stop.suspected or stop.checkpoint_due):
-                diverged = job.guard.agree() if job.guard is not None else None  # a save next
-            if diverged is not None:
-                progress.close()
-                return stop_diverged(job, diverged)
-            if stopping:
-                progress.close()
-                return requeue_mid_epoch(job, stop, epoch, step, meter)
-            if stop.checkpoint_due and step < steps_per_epoch:  # checkpoint_interval_minutes
-                interval_checkpoint(job, epoch, step, meter)
-                stop.checkpointed()
-        progress.close()
-        if job.guard is not None and (diverged := job.guard.agree()) is not None:
-            return stop_diverged(job, diverged)  # before the epoch's checkpoint
-        end_epoch(job, epoch, meter, holdout, timer)
-        stop.checkpointed()  # end_epoch wrote one
-        if monitor is not None:  # TensorBoard epoch scalars
-            spike = loss_spike(job.history, job.cfg.divergence_loss_factor)
-            monitor.epoch(epoch, job.history[-1], spike)  # spike: progress.json
-        if stop.agreed():  # signalled during the epoch: its checkpoint is written
-            if job.progress is not None:  # the attempt record's proof of a stop (attempts)
-                job.progress.stopped(epoch + 1, 0, stop.signalled)
-            settle_checkpoints(job)
-            if info.is_main:
-                print(
-                    f"interrupted{stop.cause()} after epoch {epoch}: checkpoint written; "
-                    "rerun to resume"
-                )
-            return EXIT_REQUEUE
+        carried = carried_partial(resume.partial, info.rank, info.world_size) if first else None
+        code, meter, timer = train_epoch(job, loop, epoch, resume.step if first else 0, carried)
+        if code is None and (diverged := job.guard.agree()) is not None:
+            code = stop_diverged(job, diverged)  # before the epoch's checkpoint
+        if code is not None:
+            return code
+        end_epoch(job, epoch, meter, loop.holdout, timer)
+        loop.stop.checkpointed()  # end_epoch wrote one
+        spike = loss_spike(job.history, job.cfg.divergence_loss_factor)  # for progress.json
+        loop.monitor.epoch(epoch, job.history[-1], spike)
+        if loop.stop.agreed():  # signalled during the epoch: its checkpoint is written
+            return requeue(job, loop.stop, epoch + 1, 0)
     settle_checkpoints(job)
     return 0
 
 
-def watch(job: TrainingState, stop, results, where: tuple) -> Divergence | None:
-    """The guard's verdict after a step (``where``: global step, epoch, step, LR): a divergence
-    every rank reached at this step, or None; a rank's own suspicion goes to the stop flag."""
-    if job.guard is None:
-        return None
-    diverged = job.guard.after_step(results, job.grad_norm, where)
-    stop.suspect = job.guard.suspect is not None
-    return diverged
+def train_epoch(job: TrainingState, loop: Loop, epoch: int, step: int, carried):
+    """The epoch's steps from ``step`` on: (None, meter, timer) at its end, or (the job's exit
+    code, ...) when a stop signal or the guard ended it."""
+    cfg, stop, steps_per_epoch = job.cfg, loop.stop, loop.sampler.steps
+    loop.sampler.set_epoch(epoch, skip_steps=step)
+    # Opened before the meter starts: the profiler's start is not the epoch's time.
+    profiler = loop.profile.open(epoch, job.device)
+    timer = StepTimer(job.device, cfg.log_interval, loop.profile.window(epoch))
+    meter = EpochMeter(job.device, cfg.throughput_warmup_steps, carried)
+    meter.shape_of(job.geometry.shape)
+    progress = Progress(job.info.is_main, epoch, steps_per_epoch, cfg.log_interval, meter)
+    job.step_model.train()
+    epoch_batches = batches(job, loop, epoch, step)
+    for micro_batches in timed_steps(epoch_batches, timer, profiler):
+        where = (job.scheduler.last_epoch, epoch, step + 1, job.optimizer.param_groups[0]["lr"])
+        results = train_step(job, micro_batches, epoch)
+        for index, (loss, logits, labels) in enumerate(results):
+            meter.update(loss, logits, labels, step_end=index == cfg.accumulation - 1)
+        timer.done()
+        step += 1
+        steps_done = job.scheduler.last_epoch - loop.first_step
+        diverged = job.guard.after_step(results, job.grad_norm, where)
+        stop.suspect = job.guard.suspect is not None  # the ranks agree on it at the next poll
+        if steps_done == 1:  # optimizer state exists now
+            check_device_discipline(job, "after the first step")
+        progress.update(step, meter)
+        if job.progress is not None:  # the attempt record's last step of this rank (attempts)
+            job.progress.mark(epoch, step)
+        loop.monitor.step(epoch, step, meter, job.scheduler.get_last_lr()[0], timer)
+        # Every rank polls at the same steps, so the agreement's collectives stay aligned.
+        test_stop = loop.stop_after_steps is not None and steps_done >= loop.stop_after_steps
+        stopping = (test_stop or stop.poll(steps_done)) and step < steps_per_epoch
+        if diverged is None and (stopping or stop.suspected or stop.checkpoint_due):
+            diverged = job.guard.agree()  # a save next: never of diverged weights
+        if diverged is not None or stopping:
+            progress.close()
+            if diverged is not None:
+                return stop_diverged(job, diverged), meter, timer
+            return requeue(job, stop, epoch, step, meter), meter, timer
+        if stop.checkpoint_due and step < steps_per_epoch:  # checkpoint_interval_minutes
+            interval_checkpoint(job, epoch, step, meter)
+            stop.checkpointed()
+    progress.close()
+    return None, meter, timer
 
 
 def stop_diverged(job: TrainingState, divergence: Divergence) -> int:
@@ -140,30 +141,21 @@ def stop_diverged(job: TrainingState, divergence: Divergence) -> int:
     return DIVERGED
 
 
-def epoch_instruments(job: TrainingState, profile, epoch: int, carried):
-    """The epoch's profiler (or None), step timer (the step-time breakdown) and meter."""
-    # Opened before the meter starts: the profiler's start is not the epoch's time.
-    profiler = profile.open(epoch, job.device) if profile is not None else None
-    window = profile.window(epoch) if profile is not None else 0
-    timer = StepTimer(job.device, job.cfg.log_interval, window)
-    meter = EpochMeter(job.device, job.cfg.throughput_warmup_steps, carried)
-    meter.shape_of(job.geometry.shape)
-    return profiler, timer, meter
-
-
-def requeue_mid_epoch(job: TrainingState, stop, epoch: int, step: int, meter) -> int:
-    """Stopped mid-epoch (collective): the checkpoint on disk before any rank exits for
-    requeue; EXIT_REQUEUE."""
+def requeue(job: TrainingState, stop, epoch: int, step: int, meter: EpochMeter | None = None):
+    """Stopped by a signal (collective) at (epoch, step), where the next job resumes: mid-epoch
+    (``meter``) its checkpoint is written here, at an epoch's end it is; on disk before any
+    rank exits. EXIT_REQUEUE."""
     if job.progress is not None:  # before the checkpoint: a rank killed after it has said so
         job.progress.stopped(epoch, step, stop.signalled)
-    path = save_job(job, epoch, step, D.all_gather_objects(meter.partial()))
+    path = None
+    if meter is not None:  # mid-epoch: its checkpoint, with every rank's counts so far
+        path = save_job(job, epoch, step, D.all_gather_objects(meter.partial()))
     settle_checkpoints(job)
     if job.info.is_main:
-        print(
-            f"interrupted{stop.cause()} at epoch {epoch} step {step}: wrote {path}; "
-            "rerun to resume",
-            flush=True,
-        )
+        where = f"at epoch {epoch} step {step}: wrote {path}"
+        if meter is None:
+            where = f"after epoch {epoch - 1}: checkpoint written"
+        print(f"interrupted{stop.cause()} {where}; rerun to resume", flush=True)
     return EXIT_REQUEUE
 
 
@@ -196,43 +188,34 @@ def carried_partial(partial: list | None, rank: int, world: int) -> dict | None:
     }
 
 
-def batches(job: TrainingState, loader: DataLoader, sampler, num_classes: int, epoch, step):
-    """The epoch's optimizer steps from step ``step`` on: for each, the list of this rank's
-    ``accumulation`` micro-batches of it, each (images, targets) as :func:`micro_batches`
-    yields them. Fetched together before the step computes, so that the step-time breakdown's
-    data wait (training.step_timing, around this generator's next()) holds every fetch of the
-    step; the cost is ``accumulation - 1`` more input batches on the device (uint8 crops
-    normalized: ~150 MB per 256 images at 224 px), small beside the activations."""
-    flat = micro_batches(job, loader, sampler, num_classes, epoch, step)
-    for _ in range(len(loader) // job.cfg.accumulation):
+def batches(job: TrainingState, loop: Loop, epoch: int, step: int):
+    """The epoch's optimizer steps from ``step`` on, each the list of this rank's
+    ``accumulation`` micro-batches (:func:`micro_batches`), fetched before the step computes so
+    that the breakdown's data wait (training.step_timing) holds every fetch of the step."""
+    flat = micro_batches(job, loop, epoch, step)
+    for _ in range(len(loop.loader) // job.cfg.accumulation):
         yield list(islice(flat, job.cfg.accumulation))
 
 
-def micro_batches(job: TrainingState, loader: DataLoader, sampler, num_classes: int, epoch, step):
+def micro_batches(job: TrainingState, loop: Loop, epoch: int, step: int):
     """This rank's micro-batches on the device, from step ``step`` on: (images, targets) where
     targets are class indices, or (indices, mixed label distributions) with mixup/cutmix.
     Synthetic mode measures the model alone (one fixed random batch, the loader untouched)."""
     cfg, device = job.cfg, job.device
     if cfg.synthetic:
-        g = torch.Generator().manual_seed(cfg.seed)
-        crop = cfg.crop_for_epoch(epoch)
-        batch = (
-            torch.randn(cfg.batch_size, 3, crop, crop, generator=g).to(device),
-            torch.randint(0, num_classes, (cfg.batch_size,), generator=g).to(device),
-        )
-        yield from repeat(batch, len(loader))
+        g, crop = torch.Generator().manual_seed(cfg.seed), cfg.crop_for_epoch(epoch)
+        images = torch.randn(cfg.batch_size, 3, crop, crop, generator=g).to(device)
+        targets = torch.randint(0, loop.holdout.num_classes, (cfg.batch_size,), generator=g)
+        yield from repeat((images, targets.to(device)), len(loop.loader))
         return
     with stop_signals_blocked():  # workers are forked here; see imagenet_ddp.jobs.signals
-        iterator = iter(loader)
+        iterator = iter(loop.loader)
     for micro, (images, targets) in enumerate(iterator):  # uint8 crops, normalized here
         images = normalize_batch(images.to(device, non_blocking=True), *recipe.mean_std(cfg))
         targets = targets.to(device, non_blocking=True)
         if job.mixer is not None:  # seeded by (seed, epoch, step, group): any rank count
-            at_step, group = (
-                step + micro // cfg.accumulation,
-                sampler.group(micro % cfg.accumulation),
-            )
-            seed = batch_seed(cfg.seed, epoch, at_step, group)
+            group = loop.sampler.group(micro % cfg.accumulation)
+            seed = batch_seed(cfg.seed, epoch, step + micro // cfg.accumulation, group)
             images, mixed = recipe.mix_batch(job.mixer, images, targets, seed)
             targets = (targets, mixed)
         yield images, targets
@@ -263,7 +246,7 @@ def train_step(job: TrainingState, micro_batches, epoch: int) -> list[tuple]:
     if cfg.grad_clip_norm > 0:
         job.scaler.unscale_(job.optimizer)  # clip the true gradients, not the scaled ones
         job.grad_norm = torch.nn.utils.clip_grad_norm_(job.model.parameters(), cfg.grad_clip_norm)
-    elif job.guard is not None and job.guard.enabled:  # all-reduced: the same on every rank
+    elif job.guard.enabled:  # all-reduced: the same on every rank
         job.grad_norm = gradient_norm(job.model)
     job.scaler.step(job.optimizer)
     job.scaler.update()
@@ -281,52 +264,29 @@ def forward_backward(job: TrainingState, images: torch.Tensor, targets, count: i
     with autocast(job.device, job.cfg.precision):
         logits = job.step_model(images)
         loss = job.criterion(logits, soft)
-    if (
-        job.test_nan_step == job.scheduler.last_epoch + 1
-        and job.info.rank == job.info.world_size - 1
-    ):
-        # The test hook (worker: IMAGENET_DDP_TEST_NAN_LOSS_STEP): this rank's loss only.
-        loss = loss * float("nan")
     job.scaler.scale(loss / count if count > 1 else loss).backward()
     return loss, logits, hard
 
 
-@dataclass
-class Holdout:
-    """The holdout as the epoch ends evaluate it: its class count and this rank's loader of
-    its shard, made once (persistent workers) and reused by every evaluation of the job."""
-
-    num_classes: int
-    loader: DataLoader
-
-
 def evaluate_holdout(job: TrainingState, model: torch.nn.Module, holdout: Holdout) -> dict:
+    cfg = job.cfg
     return evaluate_loader(
-        model,
-        holdout.loader,
-        num_classes=holdout.num_classes,
-        device=job.device,
-        precision=job.cfg.precision,
-        channels_last=job.cfg.channels_last,
-        mean_std=recipe.mean_std(job.cfg),
-    )
+        model, holdout.loader, num_classes=holdout.num_classes, device=job.device,
+        precision=cfg.precision, channels_last=cfg.channels_last, mean_std=recipe.mean_std(cfg),
+    )  # fmt: skip
 
 
-def evaluate_epoch(job: TrainingState, epoch: int, holdout: Holdout) -> dict[str, Any]:
+def evaluate_epoch(job: TrainingState, epoch: int, holdout: Holdout) -> dict:
     """The holdout columns of the epoch's row: raw weights and, when the recipe keeps them,
     the EMA weights; None (NaN in history.csv) on an epoch ``eval_interval`` skips. Evaluation
     draws from no shared random generator (accuracy.shard_loader), so skipping it changes
     neither the weights nor the random streams that follow."""
-    ema = job.ema is not None
-    if not job.cfg.evaluates(epoch):
-        keys = ["holdout_top1", "holdout_top5", "holdout_loss"]
-        return dict.fromkeys(keys + (["holdout_ema_top1", "holdout_ema_top5"] if ema else []))
-    result = evaluate_holdout(job, job.model, holdout)
-    row = {"holdout_top1": result["top1"], "holdout_top5": result["top5"]}
-    row["holdout_loss"] = result["loss"]
-    if ema:  # the averaged weights, evaluated like the raw ones
-        result = evaluate_holdout(job, job.ema.module, holdout)
-        row.update(holdout_ema_top1=result["top1"], holdout_ema_top5=result["top5"])
+    models = {"holdout": job.model} | ({"holdout_ema": job.ema.module} if job.ema else {})
+    row = {}
+    for prefix, model in models.items():
+        result = evaluate_holdout(job, model, holdout) if job.cfg.evaluates(epoch) else {}
+        keys = ("top1", "top5", "loss") if prefix == "holdout" else ("top1", "top5")
+        row.update({f"{prefix}_{key}": result.get(key) for key in keys})
     return row
 
 
@@ -334,7 +294,8 @@ def end_epoch(
     job: TrainingState, epoch: int, meter: EpochMeter, holdout: Holdout, timer: StepTimer
 ) -> None:
     """Combine the ranks' counters, evaluate the holdout (every ``eval_interval`` epochs),
-    record and checkpoint the epoch."""
+    record and checkpoint the epoch. Its times are history.csv's ``eval_seconds`` and
+    ``checkpoint_seconds`` (metrics.EPOCH_END_NOTE)."""
     record = {"epoch": epoch, **meter.reduce(), "lr_end": job.scheduler.get_last_lr()[0]}
     steady = record["steady_images_per_s"]  # breakdown: step_timing.BREAKDOWN_NOTE
     record.update(breakdown_row(job, epoch, timer, steady, holdout.num_classes))

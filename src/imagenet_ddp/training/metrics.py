@@ -1,19 +1,11 @@
 """What one rank measures during a training epoch, and the progress it shows.
 
-Two throughput figures, both reported per epoch and per run:
-
-- **end to end** (``images_per_s``): all images of the epoch / the slowest rank's epoch time.
-  Includes loader start-up, a cold page cache, cuDNN autotuning and ``torch.compile``; excludes
-  the holdout evaluation and checkpoint writes.
-- **steady state** (``steady_images_per_s``): the same after the first ``warmup_steps`` steps
-  of the epoch (of this job's part of it, after a resume). The device is synchronized at both
-  edges of the window, so queued GPU work is neither missed nor counted twice.
-
-Loss and correct predictions are summed on the device and read once per log interval and at the
+Throughput, per epoch and per run: **end to end** (``images_per_s``: the epoch's images over
+the slowest rank's epoch time, loader start-up, cold caches and compilation included, holdout
+evaluation and checkpoints not) and **steady state** (``steady_images_per_s``: the same after
+the first ``warmup_steps`` steps, the device synchronized at both edges of the window). Loss and
+correct predictions are summed on the device and read once per log interval and at the
 epoch's end: a per-step ``.item()`` would make the CPU wait for the GPU at every step.
-
-Events, one function each (where to hook more logging): :meth:`Progress.update` (every step),
-:func:`log_epoch` (each epoch's end, rank 0), :func:`write_run_metrics` (the run's end).
 """
 
 from __future__ import annotations
@@ -253,14 +245,7 @@ def recorded_settings(job: TrainingState) -> dict[str, Any]:
     return {**dataclasses.asdict(job.cfg), **dataclasses.asdict(job.geometry)}
 
 
-def write_run_metrics(
-    job: TrainingState,
-    out_dir: Path,
-    ranks: list,
-    resumed_from: str | None,
-    cost: dict | None = None,
-    diverged: dict | None = None,
-) -> None:
+def write_run_metrics(job, out_dir: Path, ranks: list, resumed_from, cost=None, diverged=None):
     """history.csv (one row per epoch) and train_metrics.json (the run's summary; ``diverged``:
     why and where the divergence guard stopped the run, training.guard)."""
     cfg, history, world = job.cfg, job.history, job.info.world_size

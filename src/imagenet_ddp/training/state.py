@@ -38,4 +38,3 @@ class TrainingState:
     guard: Any = None  # guard.Guard: stops a diverged run (None: off)
     grad_norm: Any = None  # the last step's gradient norm on the device (clipped or guarded)
     diverged: Any = None  # guard.Divergence: why run_epochs returned DIVERGED
-    test_nan_step: int | None = None  # testing: the step whose loss is made NaN on one rank

@@ -1,35 +1,22 @@
 """Where a training step's time goes: data wait, compute, the rest; model FLOPs and MFU.
 
-Cheap enough to stay on: no host sync per step. Each step has three marks, taken by the loop:
-``fetch`` (before the loader's next()), ``ready`` (the batch is on the device, normalized and
-mixed) and ``done`` (the optimizer step is queued). Per step:
+No host sync per step. The loop marks each step at ``fetch`` (before the loader's next()),
+``ready`` (the batch on the device, normalized, mixed) and ``done`` (the optimizer step queued):
 
-- ``data_wait``: host wall time from ``fetch`` to ``ready`` (the loader's next(), the copy to
-  the device, normalization, mixup/cutmix), on CPU and GPU alike (``time.perf_counter``).
-- ``compute``: forward, backward (with the DDP all-reduce it waits for) and optimizer. CPU:
-  wall time ``ready`` to ``done``. GPU: two CUDA events per step on the current stream,
-  ``ready`` to ``done`` as the device ran them; read only once they are complete (checked with
-  ``Event.query()`` every ``log_interval`` steps, all of them at the epoch's end, where the
-  loop synchronizes anyway), so the host never waits for them.
-- ``step``: CPU: wall time from one step's ``fetch`` to the next's (so it also holds the
-  loop's bookkeeping: progress lines, logging, stop polls, mid-epoch checkpoints). GPU: the
-  device's time from one ``done`` event to the next.
-- ``input_bound``: the time the device had nothing to do because of the input. CPU: the data
-  wait itself (the host is the device). GPU: per step, the device's idle gap before the batch
-  was ready (previous ``done`` to this ``ready``), but never more than the host's data wait
-  (a gap the host spent on something else, e.g. logging, is not the input's).
+- ``data_wait``: host time ``fetch`` to ``ready``.
+- ``compute``: ``ready`` to ``done``; on a GPU, between two CUDA events, read once complete
+  (``Event.query()`` every ``log_interval`` steps, all at the epoch's end), never waited for.
+- ``step``: CPU: one ``fetch`` to the next (the loop's bookkeeping included); GPU: one ``done``
+  event to the next.
+- ``input_bound``: CPU: the data wait; GPU: the device's idle gap before ``ready``, at most the
+  host's data wait (a gap the host spent logging is not the input's).
 
-Exposed communication is not a part of its own: on gloo the all-reduce of each gradient bucket
-runs while backward computes the next, and backward returns only when the last one is done, so
-the exposed part is inside ``compute``; telling it apart needs the comm stream's timeline (NCCL)
-or a comm hook that would change DDP's code path. The profiler window (``profile``) shows it.
-
-Model FLOPs (:func:`flops_per_image`) are counted once per crop size with
-``torch.utils.flop_counter.FlopCounterMode`` on the meta device (no memory, no compute): one
-forward and backward per image, so the matrix multiplications and convolutions only (not
-normalization, activations, the loss or the optimizer; a grouped convolution's backward by
-:func:`_conv_backward_flops`, as torch's counts it dense). MFU (:func:`mfu_percent`) compares
-them, at the epoch's steady throughput, with the device's dense peak (:data:`PEAK_TFLOPS`).
+Exposed communication lies inside ``compute`` (backward returns after the last all-reduce);
+the profiler window (``profile``) shows it apart. Model FLOPs (:func:`flops_per_image`) are
+counted once per crop size with ``FlopCounterMode`` on the meta device: matrix multiplications
+and convolutions of one forward and backward per image (a grouped convolution's backward by
+:func:`_conv_backward_flops`); MFU (:func:`mfu_percent`) compares them at the epoch's steady
+throughput with the device's dense peak (:data:`PEAK_TFLOPS`).
 """
 
 from __future__ import annotations

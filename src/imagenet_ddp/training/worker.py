@@ -1,14 +1,9 @@
 """DDP training worker: one process per device, launched by the launcher (local or srun).
 
-Design choices that matter for users:
-- Augmentation is seeded per (seed, epoch, sample) (:mod:`.data`), so a run resumed mid-epoch
-  replays exactly the same batches.
-- Checkpoints are keyed by the run's settings and its global batch (:mod:`.checkpoint`): a
-  retry or a SLURM requeue resumes, on another rank count too (``accumulation`` keeping the
-  global batch); a changed setting or global batch starts fresh.
-- A stop signal makes every rank stop at the same step (:mod:`.loop`).
-- Throughput is measured end to end and in a steady-state window per epoch (:mod:`.metrics`),
-  without a host sync per step.
+It builds the rank's data, model and checkpoint state, runs :func:`.loop.run_epochs` and
+writes the run's outputs. Why the results are exact: :mod:`.data` (seeded augmentation, a
+sampler that resumes mid-epoch on any rank count), :mod:`.checkpoint` (keyed by the settings
+and global batch), :mod:`.loop` (every rank stops at the same step).
 """
 
 from __future__ import annotations
@@ -42,7 +37,7 @@ from imagenet_ddp.jobs.attempts import (
     record_error,
     settings_key,
 )
-from imagenet_ddp.jobs.signals import EXIT_REQUEUE, StopFlag, ignore_stop_signals
+from imagenet_ddp.jobs.signals import StopFlag, ignore_stop_signals
 from imagenet_ddp.monitoring.cost import over_attempts
 from imagenet_ddp.monitoring.monitor import RunMonitor
 from imagenet_ddp.settings.geometry import Geometry
@@ -66,13 +61,11 @@ from imagenet_ddp.training.data import (
 )
 from imagenet_ddp.training.discipline import check_device_discipline
 from imagenet_ddp.training.guard import DIVERGED, Guard, GuardSettings
-from imagenet_ddp.training.loop import Holdout, run_epochs
+from imagenet_ddp.training.loop import Holdout, Loop, run_epochs
 from imagenet_ddp.training.metrics import recorded_settings, write_run_metrics
 from imagenet_ddp.training.model import build_model, save_model
 from imagenet_ddp.training.profile_window import ProfileWindow
 from imagenet_ddp.training.state import TrainingState
-
-__all__ = ["EXIT_REQUEUE", "TrainConfig", "train", "main"]
 
 SIGNAL_CHECK_STEPS = 2  # ranks agree on a pending stop signal every this many steps
 
@@ -83,19 +76,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train(
-    cfg: TrainConfig,
-    *,
-    train_data: Path,
-    split_dir: Path,
-    out_dir: Path,
-    checkpoint_root: Path,
-    stop_after_steps: int | None = None,
-    attempt_key: str | None = None,
-) -> int:
-    """Run training in this process (one rank). Returns the process exit code.
-    ``attempt_key``: the run's key in the attempt record (imagenet_ddp.jobs.attempts), whose
-    allocations the cost block sums; None: this job's cost alone."""
+def train(cfg: TrainConfig, paths, train_data: Path, stop_after_steps=None, attempt_key=None):
+    """Run training in this process (one rank); the process exit code. ``paths``: the job
+    spec's (imagenet_ddp.jobs.spec.TrainPaths). ``attempt_key``: the run's key in the attempt
+    record (imagenet_ddp.jobs.attempts), whose allocations the cost block sums; None: this
+    job's cost alone."""
     if cfg.deterministic:  # cuBLAS reads it when its first handle is created
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     stop = StopFlag(SIGNAL_CHECK_STEPS, checkpoint_seconds=cfg.checkpoint_interval_minutes * 60)
@@ -107,11 +92,7 @@ def train(
     D.init_process_group(info, device, cfg.backend, cfg.timeout_minutes)
     stop.install()
     try:
-        return _train(
-            cfg, info, device, stop, train_data=train_data, split_dir=split_dir,
-            out_dir=out_dir, checkpoint_root=checkpoint_root,
-            stop_after_steps=stop_after_steps, attempt_key=attempt_key,
-        )  # fmt: skip
+        return _train(cfg, info, device, stop, paths, train_data, stop_after_steps, attempt_key)
     finally:
         stop.settle()
         D.destroy_process_group()
@@ -133,10 +114,8 @@ def _set_determinism(cfg: TrainConfig, device: torch.device) -> None:
     seed_everything(cfg.seed)
 
 
-def _train(
-    cfg, info, device, stop, *, train_data, split_dir, out_dir, checkpoint_root,
-    stop_after_steps, attempt_key,
-) -> int:  # fmt: skip
+def _train(cfg, info, device, stop, paths, train_data, stop_after_steps, attempt_key) -> int:
+    split_dir, out_dir, checkpoint_root = paths.split_dir, paths.run_dir, paths.checkpoint_root
     _set_determinism(cfg, device)
     geometry = resolve_geometry(cfg, info, device)
     # decode=False: the transform decodes, after drawing its crop box (imagenet_ddp.data.jpeg)
@@ -160,9 +139,8 @@ def _train(
     monitor = RunMonitor.for_job(job, out_dir, sampler.steps, resumed=resume.path is not None)
     profile = ProfileWindow(cfg.profile, info, out_dir / "tensorboard")  # opt-in traces
     try:
-        code = run_epochs(
-            job, loader, sampler, holdout, resume, stop, stop_after_steps, monitor, profile
-        )
+        loop = Loop(loader, sampler, holdout, stop, monitor, profile, stop_after_steps)
+        code = run_epochs(job, loop, resume)
     finally:
         monitor.close()  # idempotent; finish() below already closed it on success
         shutdown_loader_workers(loader)
@@ -171,35 +149,32 @@ def _train(
             job.checkpoint_writer.wait()
     if code not in (0, DIVERGED):
         return code
-    diverged = None if code == 0 else job.diverged.record()
     ranks = D.all_gather_objects(D.placement(info, device))
     if info.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if diverged is not None:  # the outputs of the last good state, marked (guard)
-            last_good_weights(job)
-        save_model(
-            out_dir / "model.pt",
-            job.model,
-            arch=cfg.model,
-            num_classes=base.num_classes,
-            config=recorded_settings(job),
-            extra={
-                **({} if job.ema is None else {"ema": job.ema.module.state_dict()}),
-                **({} if diverged is None else {"diverged": diverged}),
-            },
-        )
         cost = monitor.finish(job.history)  # the cost block of train_metrics.json
         if attempt_key is not None:  # every allocation of the run, this one up to now
-            cost = over_attempts(
-                cost, cost_over_attempts(checkpoint_root, attempt_key, time.time())
-            )
-        write_run_metrics(
-            job, out_dir, ranks, resumed_from=resume.path, cost=cost, diverged=diverged
-        )
-        if diverged is not None:  # the launcher records the attempt `diverged`
+            attempts = cost_over_attempts(checkpoint_root, attempt_key, time.time())
+            cost = over_attempts(cost, attempts)
+        write_outputs(job, out_dir, base.num_classes, ranks, resume.path, cost)
+        if job.diverged is not None:  # the launcher records the attempt `diverged`
             record_divergence(checkpoint_root, job.diverged.line(cfg.run))
     D.barrier()
     return 0
+
+
+def write_outputs(job, out_dir: Path, num_classes: int, ranks, resumed_from, cost) -> None:
+    """Rank 0: model.pt, history.csv and train_metrics.json; a diverged run's marked, with
+    the weights of its last good checkpoint."""
+    diverged = None if job.diverged is None else job.diverged.record()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if diverged is not None:
+        last_good_weights(job)
+    extra = {} if job.ema is None else {"ema": job.ema.module.state_dict()}
+    save_model(
+        out_dir / "model.pt", job.model, arch=job.cfg.model, num_classes=num_classes,
+        config=recorded_settings(job), extra=extra | ({"diverged": diverged} if diverged else {}),
+    )  # fmt: skip
+    write_run_metrics(job, out_dir, ranks, resumed_from=resumed_from, cost=cost, diverged=diverged)
 
 
 def last_good_weights(job) -> None:
@@ -219,20 +194,13 @@ def _holdout(cfg, info, device, geometry, train_data, split_dir) -> Holdout:
     """This rank's share of the holdout, made once: its loader's workers (forked at the first
     evaluation) serve every evaluation."""
     data = create_dataset(
-        train_data,
-        read_ids(split_dir / "holdout.csv"),
-        eval_size=(cfg.eval_resize, cfg.eval_crop),
+        train_data, read_ids(split_dir / "holdout.csv"), eval_size=(cfg.eval_resize, cfg.eval_crop),
         interpolation=cfg.interpolation,
-    )
+    )  # fmt: skip
     loader = shard_loader(
-        data,
-        device=device,
-        batch_size=cfg.batch_size,
-        workers=geometry.workers,
-        rank=info.rank,
-        world_size=info.world_size,
-        persistent=True,
-    )
+        data, device=device, batch_size=cfg.batch_size, workers=geometry.workers, rank=info.rank,
+        world_size=info.world_size, persistent=True,
+    )  # fmt: skip
     return Holdout(data.num_classes, loader)
 
 
@@ -242,12 +210,10 @@ def _train_loader(cfg, info, device, geometry, base):
     transforms = recipe.EpochTransforms(cfg)  # the crop size may change per epoch
     dataset = SeededAugmentation(base, transforms, cfg.seed, per_epoch=True)
     shape = (len(dataset), info.world_size, info.rank, cfg.seed, cfg.batch_size, cfg.accumulation)
-    repeats = cfg.repeated_augmentation
-    sampler = (
-        RepeatedAugmentationSampler(*shape, repeats=repeats)
-        if repeats > 1
-        else EpochSampler(*shape)
-    )
+    if cfg.repeated_augmentation > 1:
+        sampler = RepeatedAugmentationSampler(*shape, repeats=cfg.repeated_augmentation)
+    else:
+        sampler = EpochSampler(*shape)
     if sampler.steps == 0:
         raise ValueError(
             f"run {cfg.run!r}: the global batch, batch_size {cfg.batch_size} x "
@@ -293,19 +259,9 @@ def initial_weights(cfg: TrainConfig) -> dict | None:
     return state
 
 
-def build_job(
-    cfg: TrainConfig,
-    info: D.DistInfo,
-    device: torch.device,
-    geometry: Geometry,
-    num_classes: int,
-    steps_per_epoch: int,
-    *,
-    init_weights: dict | None = None,
-) -> TrainingState:
-    """The model, its DDP wrapper and the recipe's optimizer, schedule, loss, EMA, mixing.
-    ``init_weights``: the state_dict it starts from (:func:`initial_weights`; None: random
-    initialisation); loaded weights win over zero_init_residual, which keeps only the keys
+def initial_model(cfg: TrainConfig, info: D.DistInfo, num_classes: int, init_weights):
+    """The run's model, from ``init_weights`` (a state_dict, :func:`initial_weights`) or random
+    initialisation; loaded weights win over zero_init_residual, which keeps only the keys
     under init_weights_exclude (imagenet_ddp.models)."""
     model = build_model(
         cfg.model, num_classes, cfg.model_kwargs, zero_init_residual=cfg.zero_init_residual
@@ -322,45 +278,52 @@ def build_job(
             )
     if cfg.sync_bn and D.is_distributed():
         model = models.convert_sync_batchnorm(cfg.model, model)
-    model = model.to(device)
+    return model
+
+
+def build_job(
+    cfg: TrainConfig,
+    info: D.DistInfo,
+    device: torch.device,
+    geometry: Geometry,
+    num_classes: int,
+    steps_per_epoch: int,
+    *,
+    init_weights: dict | None = None,
+) -> TrainingState:
+    """The model, its DDP wrapper and the recipe's optimizer, schedule, loss, EMA, mixing and
+    the divergence guard."""
+    model = initial_model(cfg, info, num_classes, init_weights).to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = recipe.build_optimizer(cfg, model, info.world_size)
-    warmup = recipe.warmup_steps(cfg, steps_per_epoch)
     ema = recipe.build_ema(cfg, model, info.world_size, device)  # a copy, before DDP's hooks
-    ddp_model = (
-        DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-        if D.is_distributed()
-        else model
-    )
+    step_model = model
+    if D.is_distributed():
+        step_model = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    if cfg.compile:
+        # dynamic=False: a new crop size (progressive resizing) compiles a new static graph;
+        # by default the second size would recompile with dynamic shapes (slower kernels).
+        step_model = torch.compile(step_model, dynamic=False)
+    warmup = recipe.warmup_steps(cfg, steps_per_epoch)
     return TrainingState(
         cfg=cfg,
         info=info,
         device=device,
         geometry=geometry,
         model=model,
-        # dynamic=False: a new crop size (progressive resizing) compiles a new static graph;
-        # by default the second size would recompile with dynamic shapes (slower kernels).
-        step_model=torch.compile(ddp_model, dynamic=False) if cfg.compile else ddp_model,
+        step_model=step_model,
         optimizer=optimizer,
         scheduler=recipe.build_scheduler(cfg, optimizer, steps_per_epoch),
         scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
         criterion=recipe.build_criterion(cfg),
         checkpoint_dir=Path(),
-        guard=Guard(GuardSettings.of(cfg, num_classes, warmup), device, info.rank)
-        if cfg.divergence_guard
-        else None,
-        test_nan_step=_test_nan_step(),
+        guard=Guard(GuardSettings.of(cfg, num_classes, warmup), device, info.rank),
         ema=ema,
         mixer=recipe.batch_mixer(cfg, num_classes),
     )
-
-
-def _test_nan_step() -> int | None:
-    """Testing: the optimizer step (1-based, over the run) whose loss the last rank makes NaN,
-    from IMAGENET_DDP_TEST_NAN_LOSS_STEP (the divergence guard's end-to-end test)."""
-    value = os.environ.get("IMAGENET_DDP_TEST_NAN_LOSS_STEP")
-    return int(value) if value else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,18 +332,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description="DDP training worker (one per device)")
     parser.add_argument("--spec", type=Path, required=True, help="the job spec file")
-    parser.add_argument(
-        "--train-data",
-        type=Path,
-        default=None,
-        help="prepared train dir (default: the copy this host staged for the run)",
-    )
-    parser.add_argument(
-        "--stop-after-steps",
-        type=int,
-        default=None,
-        help="testing: behave as if signalled after this many steps",
-    )
+    parser.add_argument("--train-data", type=Path, help="prepared train dir (default: the "
+                        "copy this host staged for the run)")  # fmt: skip
+    parser.add_argument("--stop-after-steps", type=int, help="testing: behave as if signalled "
+                        "after this many steps")  # fmt: skip
     args = parser.parse_args(argv)
     # `kill -USR2 <pid>` (or `scancel --signal=USR2 <job>`) prints every thread's traceback:
     # where a rank of a job that seems stuck is waiting, without stopping it.
@@ -388,16 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     job = read_spec(args.spec, "train")
     paths, info = job.paths, D.dist_info_from_env()
     try:
-        return train(
-            TrainConfig.from_dict(job.run),
-            train_data=args.train_data or staged_copy(paths.run_dir, info.host),
-            split_dir=paths.split_dir,
-            out_dir=paths.run_dir,
-            checkpoint_root=paths.checkpoint_root,
-            stop_after_steps=args.stop_after_steps,
-            # the launcher keeps the record; a rank started by hand (tests) has none
-            attempt_key=settings_key(job.run) if has_record(paths.checkpoint_root) else None,
-        )
+        train_data = args.train_data or staged_copy(paths.run_dir, info.host)
+        # the launcher keeps the record; a rank started by hand (tests) has none
+        key = settings_key(job.run) if has_record(paths.checkpoint_root) else None
+        return train(TrainConfig.from_dict(job.run), paths, train_data, args.stop_after_steps, key)
     except Exception as error:  # the attempt record names it; a retry repeats it (attempts)
         record_error(paths.checkpoint_root, info.rank, info.host, error)
         raise
