@@ -153,7 +153,9 @@ class Declarations:
         return frozenset({EXTRA, *(k for k in self.properties if not self.kind(k).compared)})
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+# libyaml's loader where PyYAML has it (its wheels do): every parse, each job's own included,
+# reads this 30 KB file, 0.16 s with the pure-Python loader and 0.02 s with libyaml.
+class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
     """YAML that refuses a key given twice in one mapping (plain YAML keeps the last one)."""
 
     def construct_mapping(self, node, deep=False):
@@ -161,9 +163,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
+                mark = key_node.start_mark
                 raise DeclarationError(
-                    f"{self.name}:{key_node.start_mark.line + 1}: {key!r} is given twice in one "
-                    "mapping; declare it once"
+                    f"{mark.name}:{mark.line + 1}: {key!r} is given twice in one mapping; "
+                    "declare it once"
                 )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
@@ -175,11 +178,14 @@ def load_schema(path: str | os.PathLike[str]) -> dict[str, Any]:
         return yaml.load(f, Loader=_UniqueKeyLoader)  # a SafeLoader
 
 
-@functools.cache
 def declarations(schema_path: str | os.PathLike[str] | None = None) -> Declarations:
     """The declarations of the schema at ``schema_path`` (default: the package's)."""
-    path = Path(schema_path or SCHEMA)
-    return Declarations.of_schema(load_schema(path), str(path))
+    return _declarations(os.path.realpath(schema_path or SCHEMA))
+
+
+@functools.cache
+def _declarations(path: str) -> Declarations:
+    return Declarations.of_schema(load_schema(path), path)
 
 
 # Two forms of a run's settings, each for what reads it: :func:`digest` names things (the

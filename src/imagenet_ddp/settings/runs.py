@@ -20,9 +20,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jsonschema
-import yaml
 from jsonschema import validators
 
+from imagenet_ddp.settings.kinds import load_schema
 from imagenet_ddp.settings.presets import resolve_run
 from imagenet_ddp.settings.run_checks import check_runs
 
@@ -57,8 +57,7 @@ def config_problems(
     schema's defaults filled in), but one line per problem (``config.yaml: run 'r50': model
     ...; write ...``), not jsonschema's best match. ``schema``: its file or mapping."""
     if not isinstance(schema, Mapping):
-        with open(schema) as f:
-            schema = yaml.safe_load(f)
+        schema = load_schema(schema)
     errors = sorted(_Validator(schema).iter_errors(config), key=lambda e: list(map(str, e.path)))
     return list(dict.fromkeys(describe_error(e, config) for e in errors))
 
@@ -298,8 +297,7 @@ def resolve_runs(
     """Every run by name, in order (hand-written runs, then each sweep's), resolved and checked.
     ``config``: validated; ``written``: its :func:`written_settings` from before validation;
     ``schema_path``: the config schema. Raises :class:`RunsError`, one line per problem."""
-    with open(schema_path) as f:
-        config_schema = yaml.safe_load(f)
+    config_schema = load_schema(schema_path)
     try:
         entries = expand_runs(
             {**config, "runs": written["runs"], "sweep": written["sweep"]},
