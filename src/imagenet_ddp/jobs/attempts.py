@@ -110,10 +110,8 @@ def final_checkpoint(checkpoint_root, run: dict[str, Any]) -> str | None:
 def made_progress(entry: dict[str, Any]) -> bool:
     """Whether the attempt wrote a checkpoint past the point it started from."""
     last, start = entry.get("last_checkpoint"), entry.get("start") or {}
-    return bool(last) and (last["epoch"], last["step"]) > (
-        start.get("epoch", 0),
-        start.get("step", 0),
-    )
+    begun = (start.get("epoch", 0), start.get("step", 0))
+    return bool(last) and (last["epoch"], last["step"]) > begun
 
 
 def _failed_without_progress(entry: dict[str, Any]) -> bool:
@@ -454,10 +452,9 @@ def cost_over_attempts(checkpoint_root, key: str, now: float) -> dict[str, Any]:
     for a in mine:
         ended = a["ended"] if a.get("ended") is not None else now
         wall = max(0.0, ended - a["started"])
-        interrupted = a["outcome"] in ("stopped", "failed", "killed", "diverged")
         last = a.get("last_checkpoint")
-        lost = 0.0
-        if interrupted:  # work after its newest checkpoint (all of it without one) is redone
+        lost = 0.0  # an interrupted one's work after its newest checkpoint (or all) is redone
+        if a["outcome"] in ("stopped", "failed", "killed", "diverged"):
             lost = max(0.0, ended - (last["written"] if last else a["started"]))
         rows.append(
             {

@@ -218,7 +218,7 @@ def parse(text: str, kinds: str | tuple[str, ...] | None = None, source: str = "
     """The job of a spec's JSON ``text``; ``source`` (a file) names it in the error."""
     where = source or "--job"
     try:
-        return from_dict(_from_compact(json.loads(text), where), kinds)
+        return from_dict(_from_compact(json.loads(text)), kinds)
     except json.JSONDecodeError as error:
         raise SpecError(f"{where}: not JSON ({error})") from None
     except (SpecError, TypeError) as error:
@@ -309,7 +309,7 @@ def compact_spec(data: dict[str, Any]) -> str:
     return json.dumps({"version": __version__, **spec}, separators=(",", ":"))
 
 
-def _from_compact(data: Any, where: str) -> Any:
+def _from_compact(data: Any) -> Any:
     """A compact spec with its run's defaults filled in, its version checked; other JSON as is."""
     if not isinstance(data, dict) or "version" not in data:
         return data
