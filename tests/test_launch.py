@@ -380,30 +380,6 @@ def test_a_retry_that_will_refuse_is_not_shifted_to_its_one_node(monkeypatch, tm
     assert on_allocation(job).run == run
 
 
-def test_ranks_killed_after_their_stop_checkpoint_are_stopped_not_failed(monkeypatch, tmp_path):
-    """SLURM kills a step KillWait seconds after its SIGTERM (scancel, the job's end): a rank
-    still tearing down after its checkpoint makes srun exit 137. With a checkpoint written
-    after the signal the attempt is stopped (75); without one it failed."""
-    import time
-
-    from imagenet_ddp.jobs import launch
-
-    root = tmp_path / "ckpt"
-    job = make_job(run={"nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1},
-                   launcher="srun", checkpoint_root=root)  # fmt: skip
-    signalled = time.time()
-    assert launch.killed_after_its_checkpoint(137, signalled, job) == 137  # no checkpoint
-    path = root / "fp-n2x1" / "checkpoint-e0001-s0000012.pt"
-    path.parent.mkdir(parents=True)
-    path.write_bytes(b"x")
-    os_time = path.stat().st_mtime
-    assert launch.killed_after_its_checkpoint(137, os_time - 1, job) == 75
-    assert launch.killed_after_its_checkpoint(137, os_time + 1, job) == 137  # written before
-    assert launch.killed_after_its_checkpoint(137, 0.0, job) == 137  # no signal: a failure
-    assert launch.killed_after_its_checkpoint(1, os_time - 1, job) == 75
-    assert launch.killed_after_its_checkpoint(0, os_time - 1, job) == 0
-
-
 def test_a_delivered_run_trains_afresh_only_when_a_retrain_is_asked_for(tmp_path):
     """`IMAGENET_DDP_RETRAIN=1 snakemake --forcerun train` (issue 35): the run's checkpoints
     and attempt record move aside, so it trains from scratch instead of writing its final

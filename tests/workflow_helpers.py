@@ -51,7 +51,7 @@ def shown_specs(text: str, kind: str, workdir: Path | None = None) -> list[dict]
     from imagenet_ddp.jobs.spec import _from_compact
 
     found = re.findall(r"--job '(\{.*?\})'", text)
-    specs = [_from_compact(json.loads(spec), "--job") for spec in found]
+    specs = [_from_compact(json.loads(spec)) for spec in found]
     return [spec for spec in specs if spec["kind"] == kind]
 
 

@@ -1,12 +1,8 @@
 """``imagenet-ddp``: one subcommand per workflow stage. The Snakemake rules call these.
 
-Each subcommand only parses its arguments and calls its stage's one function
-(demo.write_demo_dataset, layouts.write_verify_report, layouts.write_index,
-split.split_index, prepare.prepare, jobs.train_job, preflight.preflight_job, jobs.evaluate_job,
-accounting.write_accounting, aggregate.write_aggregate, plots.make_plots). Every stage writes
-its artifact atomically and its provenance beside it
-(:func:`imagenet_ddp.provenance.provenance_path`). A bad input raises :class:`InputError`,
-printed as one line that names the file and what to do (exit 2)."""
+Each subcommand only parses its arguments and calls its stage's one function, imported when it
+runs. A bad input raises :class:`InputError`, printed as one line that names the file and what
+to do (exit 2)."""
 
 from __future__ import annotations
 
@@ -19,15 +15,18 @@ from imagenet_ddp.errors import InputError
 
 
 def _function(target: str):
-    """``module:function`` of the package, imported when its subcommand runs (not at parse)."""
+    """``module:function`` of the package, imported when its subcommand runs."""
     module, name = target.split(":")
     return getattr(importlib.import_module(f"imagenet_ddp.{module}"), name)
 
 
 def _call(target: str):
-    """A subcommand that calls its stage's function with its arguments, by name."""
-    skip = ("command", "func")
-    return lambda args: _function(target)(**{k: v for k, v in vars(args).items() if k not in skip})
+    """A subcommand that calls its stage's function with its arguments, by name (exit 0)."""
+
+    def call(args: argparse.Namespace) -> None:
+        _function(target)(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
+
+    return call
 
 
 def _required(p, names: str) -> None:
@@ -72,21 +71,6 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         print(f"{args.out} is already prepared from the same index and settings; reusing")
 
 
-def cmd_prepare_chunk(args: argparse.Namespace) -> None:
-    from imagenet_ddp.data.prepare import prepare_chunk
-
-    prepare_chunk(
-        args.data_dir,
-        args.index_dir,
-        args.which,
-        args.chunk_dir,
-        chunk=args.chunk,
-        chunks=args.chunks,
-        shared_root=args.prepared_dir,
-        **_prepare_settings(args),
-    )
-
-
 def cmd_prepare_join(args: argparse.Namespace) -> None:
     from imagenet_ddp.data.prepare import join_chunks, join_shared
 
@@ -100,7 +84,7 @@ def cmd_prepare_join(args: argparse.Namespace) -> None:
 def _add_prepare_parsers(sub) -> None:
     for name, help_text, func in (
         ("prepare", "decode once into training-ready shards", cmd_prepare),
-        ("prepare-chunk", "job k of K of prepare: one range of shards", cmd_prepare_chunk),
+        ("prepare-chunk", "job k of K: one range of shards", _call("data.prepare:prepare_chunk")),
     ):
         p = sub.add_parser(name, help=help_text)
         _required(p, "data-dir index-dir")
@@ -109,7 +93,8 @@ def _add_prepare_parsers(sub) -> None:
             _add_out_arguments(p)
         else:
             _required(p, "chunk:int chunks:int chunk-dir")
-            p.add_argument("--prepared-dir", type=Path, help="convert nothing if a copy is there")
+            p.add_argument("--prepared-dir", type=Path, dest="shared_root", metavar="DIR",
+                           help="convert nothing if a copy is there")  # fmt: skip
         _required(p, "short-side:int quality:int workers:int shard-samples:int")
         p.add_argument("--on-corrupt", choices=["fail", "skip"], required=True)
         p.set_defaults(func=func)
@@ -144,8 +129,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     job = with_init_weights(load(args.job, "train"), args.init_weights_sha256)
     # A rule's retries reach the jobstep's own Snakemake (snakemake-executor-plugin-slurm#284),
-    # which would run the job again in the allocation it ended in: the workflow's next job
-    # resumes it. Before the attempt log: {log} keeps pointing at the attempt that ran.
+    # which would run the job again in its allocation. Before the attempt log: {log} keeps
+    # pointing at the attempt that ran.
     ran = ran_in_this_allocation(job.paths.checkpoint_root, job.run)
     if ran:
         print(f"run {job.name!r}: attempt {ran['attempt']} ended in this allocation "
@@ -200,8 +185,8 @@ def cmd_convert_checkpoint(args: argparse.Namespace) -> None:
 
 
 # The subcommands that hand their options, by name, to their stage's function: (help, the
-# function, its required options as _required reads them). Workflow settings have no defaults
-# here: their one home is the workflow's schema, and the rules pass every one of them.
+# function, its required options as _required reads them). No defaults: the schema is their
+# one home, and the rules pass every one.
 STAGES = {
     "demo-data": (
         "write a small synthetic ILSVRC2012 in the real layout",

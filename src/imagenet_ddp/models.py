@@ -1,15 +1,8 @@
-"""The model factory: every torchvision classification model and every timm model, by name.
-
-``resnet50`` builds ``torchvision.models.get_model(name, weights=None, ...)``;
-``timm/resnet50.a1_in1k`` builds ``timm.create_model(name, pretrained=False, ...)`` (the tag
-after the dot selects timm's default config only). Nothing is downloaded: a model starts from
-random initialisation or from a local weights file (``init_weights``, read at a fresh start
-on every rank: :func:`read_init_weights`, :func:`load_init_weights`); loaded weights win over
-``zero_init_residual``, which applies to the excluded keys alone. ``model_kwargs`` go to the
-constructor as they are. A family is one :class:`Family` entry of :data:`FAMILIES`.
-
-Torch-free at import (the workflow's parse imports it); torch, torchvision and timm are
-imported when a model is built.
+"""The model factory: every torchvision classification model (``resnet50``) and every timm
+model (``timm/resnet50.a1_in1k``: the tag selects timm's config only), by name; a family is one
+:class:`Family` entry of :data:`FAMILIES`. Nothing is downloaded: a model starts from random
+initialisation or a local weights file (``init_weights``), whose weights win over
+``zero_init_residual``. Torch-free at import (the workflow's parse imports it).
 """
 
 from __future__ import annotations
@@ -24,12 +17,9 @@ from typing import Any
 
 TIMM_PREFIX = "timm/"
 
-# What the dry-run knows of torchvision's models without torchvision (a login node's bare
-# Snakemake environment), their one home: the names, ``list_models(module=torchvision.models)``
-# of the pinned torchvision (tests/test_run_checks.py holds them to the installed one's), and
-# the facts the check finds again from the meta-device build.
-TORCHVISION_VERSION = "0.29.1"
-
+# torchvision.models.list_models(module=torchvision.models) of the pinned torchvision, kept
+# torch-free for a login node's bare Snakemake (tests/test_run_checks.py holds it to the
+# installed one's).
 CLASSIFICATION_MODELS = frozenset((
     "alexnet", "convnext_base", "convnext_large", "convnext_small", "convnext_tiny",
     "densenet121", "densenet161", "densenet169", "densenet201", "efficientnet_b0",
@@ -72,10 +62,9 @@ RESERVED_KWARGS = {
 
 @dataclass(frozen=True)
 class Family:
-    """One family of models: ``prefix`` ("" for bare names, one family), ``build(arch,
-    num_classes, kwargs)``, ``names()`` and ``listing`` (where users find them),
-    ``residual_option(name, kwargs)`` (None: none), ``sync_batchnorm``; ``name_list``:
-    ``names()`` is torch-free, so the dry-run judges bare names by it."""
+    """One family of models: ``prefix`` ("" for bare names), ``build(arch, num_classes,
+    kwargs)``, ``names()`` and ``listing`` (where users find them), ``residual_option(name,
+    kwargs)``, ``sync_batchnorm``; ``name_list``: ``names()`` is torch-free (the dry-run's)."""
 
     prefix: str
     build: Callable[[str, int, dict], Any]
@@ -102,8 +91,7 @@ def build_model(
     zero_init_residual: bool | None = False,
 ):
     """A randomly initialised model ``name`` with ``num_classes`` outputs. ``zero_init_residual``
-    sets the model's residual option (:func:`residual_option`) either way, as timm's default
-    is True and torchvision's False; None: the constructor's own default."""
+    is set either way (timm's default is True, torchvision's False); None: the constructor's."""
     fam, arch = family(name)
     kwargs = dict(model_kwargs or {})
     option = residual_option(name, kwargs) if zero_init_residual is not None else None
@@ -113,8 +101,7 @@ def build_model(
 
 
 def residual_option(name: str, model_kwargs: Mapping[str, Any] | None = None) -> str | None:
-    """The constructor option that zero-inits residual BatchNorm, None where there is none
-    (torchvision's from the name, timm's from a meta-device build's signature)."""
+    """The constructor option that zero-inits residual BatchNorm (None: none)."""
     return FAMILIES[family(name)[0]].residual_option(name, model_kwargs or {})
 
 
@@ -125,7 +112,7 @@ IMAGENET_MEAN_STD = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 @functools.cache
 def input_normalization(name: str, normalization: str = "imagenet") -> tuple[tuple, tuple]:
     """(mean, std) of model ``name``'s input: ImageNet's, or with ``normalization: model`` a
-    timm model's pretrained config's (nothing downloaded)."""
+    timm model's pretrained config's."""
     fam, arch = family(name)
     if normalization != "model" or fam != "timm":
         return IMAGENET_MEAN_STD
@@ -143,8 +130,8 @@ def convert_sync_batchnorm(name: str, model):
 
 
 def unknown_name(name: str) -> str | None:
-    """The line for a name its family lacks, with its closest names (None: known); a bare
-    name may be meant for a prefixed family, so their prefixes are listed too."""
+    """The line for a name its family lacks, with its closest names and the other families'
+    prefixes (None: known)."""
     key, arch = family(name)
     fam = FAMILIES[key]
     names = sorted(fam.names())
@@ -166,10 +153,6 @@ def _torchvision(arch: str, num_classes: int, kwargs: dict):
     import torchvision
 
     return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
-
-
-def _torchvision_residual(name: str, kwargs: Mapping[str, Any]) -> str | None:
-    return "zero_init_residual" if name.startswith(RESIDUAL_BN) else None
 
 
 def _torch_sync_batchnorm(model):
@@ -208,7 +191,9 @@ FAMILIES: dict[str, Family] = {
         build=_torchvision,
         names=lambda: CLASSIFICATION_MODELS,  # torchvision's list_models, kept torch-free
         listing="torchvision.models.list_models(module=torchvision.models)",
-        residual_option=_torchvision_residual,
+        residual_option=lambda name, kw: (
+            "zero_init_residual" if name.startswith(RESIDUAL_BN) else None
+        ),
         sync_batchnorm=_torch_sync_batchnorm,
         name_list=True,
     ),
@@ -229,9 +214,9 @@ FAMILIES: dict[str, Family] = {
 def model_problems(
     name: str, model_kwargs: Mapping[str, Any], crops: tuple[int, ...] = ()
 ) -> list[str]:
-    """What would fail when the job builds and runs the model, one line each: an unknown name,
-    a reserved or unknown ``model_kwargs`` key, values the constructor refuses, a crop the
-    model refuses. Exact: built and run forward on torch's meta device (no memory, no compute)."""
+    """What would fail when the job builds and runs the model, one line each (an unknown name,
+    a reserved or unknown ``model_kwargs`` key, a refused value or crop): exact, built and run
+    forward on torch's meta device (no memory, no compute)."""
     unknown = unknown_name(name)
     if unknown:
         return [unknown]
@@ -275,9 +260,8 @@ def _meta_model(name: str, model_kwargs: Mapping[str, Any], num_classes: int = 1
 
 def on_meta(build: Callable[[], Any]):
     """``build()``'s model on torch's meta device. A builder that computes its architecture
-    from tensors (torchvision's RegNet: ``torch.arange(...).tolist()``) fails under
-    ``torch.device("meta")``: it is built again with each parameter and buffer moved to meta as
-    it registers (torch's global registration hooks, removed when the build returns)."""
+    from tensors (torchvision's RegNet) fails under ``torch.device("meta")``: it is built again
+    with each parameter and buffer moved to meta as it registers (torch's registration hooks)."""
     import torch
     from torch.nn.modules import module
 
@@ -349,36 +333,27 @@ def _forward_problem(name: str, model, crop: int) -> str | None:
 
 # Forward aten ops whose CUDA backward has no deterministic kernel (the list in
 # torch.use_deterministic_algorithms' documentation); pooling to 1x1 is a mean in aten.
-NONDETERMINISTIC_CUDA_BACKWARD = {
-    "_adaptive_avg_pool2d": "adaptive average pooling",
-    "_adaptive_avg_pool3d": "adaptive average pooling",
-    "adaptive_max_pool2d": "adaptive max pooling",
-    "avg_pool3d": "3-D average pooling",
-    "fractional_max_pool2d": "fractional max pooling",
-    "fractional_max_pool3d": "fractional max pooling",
-    "max_unpool2d": "max unpooling",
-    "max_unpool3d": "max unpooling",
-    "upsample_linear1d": "interpolation",
-    "upsample_bilinear2d": "interpolation",
-    "upsample_bicubic2d": "interpolation",
-    "upsample_trilinear3d": "interpolation",
-    "_upsample_bilinear2d_aa": "interpolation",
-    "_upsample_bicubic2d_aa": "interpolation",
-    "reflection_pad1d": "reflection padding",
-    "reflection_pad2d": "reflection padding",
-    "reflection_pad3d": "reflection padding",
-    "grid_sampler_2d": "grid sampling",
-    "grid_sampler_3d": "grid sampling",
+_NONDETERMINISTIC = {
+    "adaptive average pooling": "_adaptive_avg_pool2d _adaptive_avg_pool3d",
+    "adaptive max pooling": "adaptive_max_pool2d",
+    "3-D average pooling": "avg_pool3d",
+    "fractional max pooling": "fractional_max_pool2d fractional_max_pool3d",
+    "max unpooling": "max_unpool2d max_unpool3d",
+    "interpolation": "upsample_linear1d upsample_bilinear2d upsample_bicubic2d "
+    "upsample_trilinear3d _upsample_bilinear2d_aa _upsample_bicubic2d_aa",
+    "reflection padding": "reflection_pad1d reflection_pad2d reflection_pad3d",
+    "grid sampling": "grid_sampler_2d grid_sampler_3d",
 }
+NONDETERMINISTIC_CUDA_BACKWARD = {op: what for what, ops in _NONDETERMINISTIC.items()
+                                  for op in ops.split()}  # fmt: skip
 
 
 def nondeterministic_on_cuda(
     name: str, model_kwargs: Mapping[str, Any], crops: tuple[int, ...] = (224,)
 ) -> list[str]:
     """The model's layers without a deterministic CUDA backward, as "<module> (<what>)": a
-    training step on the meta device at each crop under torch's public ``FlopCounterMode``,
-    counting the ops above by module. An op counts where its backward ran (or, without one,
-    where it ran), named by the innermost modules that called it."""
+    training step on the meta device at each crop under ``FlopCounterMode`` counts the ops
+    above (their backward where they have one) by the innermost modules that called them."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -424,9 +399,9 @@ class WeightsFileError(ValueError):
 
 
 def read_init_weights(path, sha256: str = "") -> dict:
-    """The state_dict of the weights file ``path`` (on the CPU, wrapper prefixes stripped). Its
-    bytes are read once, hashed and parsed from memory: the digest checked against ``sha256``
-    (empty: unchecked) is that of the weights loaded, even if the file is replaced meanwhile."""
+    """The state_dict of the weights file ``path`` (on the CPU, wrapper prefixes stripped), its
+    bytes read once: the digest checked against ``sha256`` (empty: unchecked) is that of the
+    weights loaded, even if the file is replaced meanwhile."""
     import hashlib
     import io
 
@@ -447,8 +422,8 @@ def read_init_weights(path, sha256: str = "") -> dict:
 
 
 def weights_file_shapes(path) -> dict[str, tuple[int, ...]]:
-    """The shape of each tensor of the file's state_dict, without reading the tensors where
-    the format allows (a safetensors header; torch's zip format mmapped)."""
+    """The shape of each tensor of the file's state_dict, from a safetensors header or torch's
+    zip format mmapped (the tensors unread)."""
     with open(path, "rb") as f:
         head = f.read(9)
     if _is_safetensors(head):
@@ -528,7 +503,7 @@ def init_weights_mismatch(
     model_shapes: Mapping[str, tuple], file_shapes: Mapping[str, tuple], exclude=()
 ) -> str | None:
     """What keeps the file's weights from loading into the model, in one phrase (None: they
-    load); keys under an ``exclude`` prefix are left out, and a prefix must match a key."""
+    load), keys under an ``exclude`` prefix (each must match a key) left out."""
     prefixes = tuple(exclude)
 
     def kept(key: str) -> bool:
@@ -580,8 +555,8 @@ def load_init_weights(model, state: Mapping, exclude=(), where: str = "") -> lis
 def init_weights_problem(
     name: str, model_kwargs: Mapping[str, Any], num_classes: int, path, exclude=()
 ) -> str | None:
-    """The check of a weights file against the model it would start (None: it loads), from
-    the file's shapes and the model built on the meta device."""
+    """The check of a weights file against the model it would start, built on the meta device
+    (None: it loads)."""
     try:
         file_shapes = weights_file_shapes(path)
     except WeightsFileError as error:

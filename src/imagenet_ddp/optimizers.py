@@ -1,11 +1,8 @@
-"""The optimizer factory: one registry, :data:`FAMILIES`: ``sgd`` and ``adamw`` (torch's) and
-``timm/<name>`` (``timm.optim.create_optimizer_v2``: timm/lamb, timm/lars, ...). The run
-settings ``lr`` (scaled), ``momentum``, ``nesterov`` and the groups' weight decay are passed
-by the family's builder; ``optimizer_kwargs`` are the optimizer's own other options, checked
-against its class's signature (:func:`optimizer_problem`). A family is one entry, keyed by its
-one name or by its prefix ending in ``/``.
-
-Torch-free at import (the workflow's parse imports it).
+"""The optimizer factory, one registry (:data:`FAMILIES`, keyed by a name or a prefix ending in
+``/``): ``sgd`` and ``adamw`` (torch's) and ``timm/<name>`` (``create_optimizer_v2``). The run
+settings ``lr``, ``momentum``, ``nesterov`` and the groups' weight decay are passed by the
+family's builder; ``optimizer_kwargs`` are checked against the class's signature
+(:func:`optimizer_problem`). Torch-free at import (the workflow's parse imports it).
 """
 
 from __future__ import annotations
@@ -30,9 +27,9 @@ FROM_SETTINGS = {
 
 @dataclass(frozen=True)
 class Family:
-    """``build(name, groups, *, lr, momentum, nesterov, kwargs)``: the optimizer; ``resolve(name)``:
-    its class (raises for a name the family lacks); ``names()``: for the closest-name hint;
-    ``packages``: needed to list them; ``label``, ``choices``: the unknown-name line's words."""
+    """``build(name, groups, *, lr, momentum, nesterov, kwargs)``, ``resolve(name)``: its class
+    (raises for an unknown name), ``names()`` and ``packages`` (for the closest-name hint),
+    ``label``, ``choices``: the unknown-name line's words."""
 
     build: Callable[..., Any]
     resolve: Callable[[str], type]
@@ -149,8 +146,7 @@ def optimizer_problem(
     name: str, kwargs: Mapping[str, Any], *, momentum: float = 0.9, nesterov: bool = False
 ) -> str | None:
     """An unknown optimizer, an ``optimizer_kwargs`` key that a run setting owns or its class
-    lacks, or values it refuses (built over one dummy parameter, as the job would), in one
-    line; None when it can be built."""
+    lacks, or values it refuses (built over a dummy parameter), in one line; None: it builds."""
     import difflib
 
     fam = family(name)

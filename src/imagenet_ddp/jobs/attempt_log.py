@@ -1,10 +1,6 @@
-"""Each train job's own log: ``<log dir>/<run>/job-<SLURM job id>-attempt<n>-<UTC start>.log``
-(``local`` for the job id on one machine), with ``{log}`` (the rule's ``log:``) a link to the
-newest. Snakemake deletes a rule's ``log:`` before it starts the job again, so each allocation
-keeps a file of its own. Done here, not in the rule's shell, so that the dry-run shows one
-short command; the process then writes into it (stdout and stderr, inherited by the ranks).
-
-Torch-free: the launcher's process opens it before anything else starts.
+"""Each train job's own log, ``<log dir>/<run>/job-<SLURM job id>-attempt<n>-<UTC start>.log``,
+with the rule's ``log:`` a link to the newest: Snakemake deletes a rule's ``log:`` before it
+runs the job again, so each allocation keeps a file of its own. Torch-free.
 """
 
 from __future__ import annotations
@@ -22,21 +18,19 @@ from imagenet_ddp.settings.presets import scaled_lr
 
 
 def hyperparameter_line(run: dict) -> str:
-    """Every shown setting of ``run`` (kinds: imagenet_ddp.settings.kinds), sorted, the global
-    batch and the LR the optimizer uses: the log's full record (the dry-run shows a compact
-    line)."""
+    """Every shown setting of ``run``, sorted, the global batch and the LR the optimizer uses:
+    the log's full record (the dry-run shows a compact line)."""
     values = dict(sorted(declarations().shown_settings(run).items()))
     values["global_batch"] = global_batch(run)
     values["lr_used"] = round(scaled_lr(run), 8)
     return " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in values.items())
 
 
-def open_attempt_log(link: str | os.PathLike[str], job: TrainJob, environ=None) -> Path:
+def open_attempt_log(link: str | os.PathLike[str], job: TrainJob) -> Path:
     """Create this job's log, point ``link`` at it, write its header, and send this process's
     stdout and stderr (and so its children's) there; its path."""
-    environ = os.environ if environ is None else environ
     started = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    job_id = environ.get("SLURM_JOB_ID") or "local"
+    job_id = os.environ.get("SLURM_JOB_ID") or "local"
     attempt = job.execution.attempt
     log_dir = Path(os.path.realpath(Path(link).parent / job.name))
     log_dir.mkdir(parents=True, exist_ok=True)

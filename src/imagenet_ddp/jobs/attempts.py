@@ -1,22 +1,13 @@
-"""Every allocation of a run: the attempt record ``<checkpoint_root>/attempts.json``.
+"""Every allocation of a run: the attempt record ``<checkpoint_root>/attempts.json``, outside
+the rule's outputs so that Snakemake's cleanup keeps it.
 
-Each job of a run (an *attempt*; on SLURM one allocation) appends one entry, outside the rule's
-outputs so that Snakemake's cleanup keeps it: :func:`begin` before staging, :func:`end` when
-its ranks are gone. An entry its launcher never closed (SIGKILLed with the batch step, a lost
-node) is closed by the next job at its heartbeat's last beat (:func:`beat_path`), stopped where
-its ranks recorded a stop and wrote its checkpoint (:func:`stopped_by_ranks`).
-
-Fields: ``attempt`` (per line of checkpoints: :func:`settings_key`), ``slurm_job_id``,
-``host``, ``started``/``ended``, ``beat``, ``exit_code``, ``outcome`` (completed; stopped:
-exit 75 after a checkpoint; failed; killed: never closed; refused; diverged: the guard stopped
-it, exit 0, never retried), ``start`` and ``last_checkpoint`` (epoch, step, path), ``error``
-(the first rank's line), ``gpus``, ``cores``, ``shape``, ``code`` (:func:`code_versions`
-flags a run whose attempts ran different code), ``stop`` (the ranks' stop record).
-
-:func:`refusal`: a retry after two attempts in a row that failed without a checkpoint refuses
-at once with the error, and no invocation runs more than ``max_allocations`` jobs of a run; the
-workflow asks first (:func:`refusal_ahead`) and submits such a retry without GPUs.
-:func:`cost_over_attempts` sums them all. Torch-free.
+Each job (an *attempt*) appends an entry (:func:`begin`) and closes it (:func:`end`). One its
+launcher never closed (SIGKILLed with the batch step, a lost node) the next job closes at its
+last heartbeat, ``stopped`` where its ranks recorded a stop and wrote its checkpoint.
+``outcome``: completed; stopped (exit 75 after a checkpoint); failed; killed (never closed);
+refused; diverged (the guard stopped it, exit 0, never retried). :func:`refusal`: a retry after
+two attempts in a row without progress, or beyond ``max_allocations``, refuses at once; the
+workflow asks first (:func:`refusal_ahead`) and submits it without GPUs. Torch-free.
 """
 
 from __future__ import annotations
@@ -48,15 +39,10 @@ _CHECKPOINT = re.compile(r"checkpoint-e(\d+)-s(\d+)\.pt$")
 ALIVE_DIR = "alive"  # the jobs' heartbeats (io.Heartbeat), one file per job
 
 
-def record_path(checkpoint_root: str | os.PathLike[str]) -> Path:
-    return Path(checkpoint_root) / RECORD
-
-
 def settings_key(run: dict[str, Any]) -> str:
-    """The entries of one line of checkpoints, keyed as they are (training.checkpoint.
-    checkpoint_tag): a changed `lr` or global batch starts both afresh; `max_allocations`,
-    `gpu_type` or another node count with the same global batch continue them."""
-    # The tag's fields, as the run states them (workers may say "auto").
+    """The entries of one line of checkpoints, keyed as the checkpoints are (training.checkpoint.
+    checkpoint_tag, its fields as the run states them): another node count with the same
+    global batch continues them."""
     geometry = {k: run.get(k) for k in ("cpus_per_task", "gpus_per_node", "workers")}
     if run.get("sync_bn"):  # its checkpoints key on the rank count too
         geometry["world"] = world_size(run)
@@ -65,33 +51,31 @@ def settings_key(run: dict[str, Any]) -> str:
 
 
 def beat_path(checkpoint_root) -> Path:
-    """This job's heartbeat file: its SLURM job id (what every srun task of it sees alike; a
-    requeued job's earlier run is dead before it starts), or the host and launcher's pid."""
+    """This job's heartbeat file: named by its SLURM job id (every srun task sees it alike),
+    else the host and launcher's pid."""
     job = os.environ.get("SLURM_JOB_ID")
     name = job or f"local-{socket.gethostname()}-{os.getpid()}"
     return Path(checkpoint_root) / ALIVE_DIR / name
 
 
 def last_sign(checkpoint_root, entry: dict[str, Any]) -> float:
-    """When the entry's job last beat (its start where it never did; ``alive``: an entry of a
-    version before the heartbeat file)."""
+    """When the entry's job last beat (``alive``: an entry of a version before the heartbeat
+    file)."""
     beat = entry.get("beat") and last_beat(Path(checkpoint_root) / ALIVE_DIR / entry["beat"])
     return max(beat or 0.0, entry.get("alive") or 0.0, entry["started"])
 
 
 def has_record(checkpoint_root: str | os.PathLike[str]) -> bool:
-    return record_path(checkpoint_root).is_file()
+    return (Path(checkpoint_root) / RECORD).is_file()
 
 
 def load(checkpoint_root: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    path = record_path(checkpoint_root)
+    path = Path(checkpoint_root) / RECORD
     return json.loads(path.read_text())["attempts"] if path.is_file() else []
 
 
 def _save(checkpoint_root, attempts: list[dict[str, Any]]) -> None:
-    path = record_path(checkpoint_root)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, {"attempts": attempts})
+    write_json_atomic(Path(checkpoint_root) / RECORD, {"attempts": attempts})
 
 
 def of_run(attempts: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
@@ -113,8 +97,8 @@ def newest_checkpoint(checkpoint_root: str | os.PathLike[str]) -> dict[str, Any]
 
 
 def final_checkpoint(checkpoint_root, run: dict[str, Any]) -> str | None:
-    """The checkpoint after the run's last epoch, where an attempt recorded it and it is still
-    there (its job ended before the outputs): the next job needs no staged copy."""
+    """The run's final checkpoint where an attempt recorded it and it is still there (its job
+    ended before the outputs): the next job needs no staged copy."""
     recorded = load(checkpoint_root)
     for entry in of_run(recorded, settings_key(run)) if recorded else []:
         last = entry.get("last_checkpoint") or {}
@@ -126,26 +110,8 @@ def final_checkpoint(checkpoint_root, run: dict[str, Any]) -> str | None:
 def made_progress(entry: dict[str, Any]) -> bool:
     """Whether the attempt wrote a checkpoint past the point it started from."""
     last, start = entry.get("last_checkpoint"), entry.get("start") or {}
-    return bool(last) and (last["epoch"], last["step"]) > (
-        start.get("epoch", 0),
-        start.get("step", 0),
-    )
-
-
-def _close_killed(entry: dict[str, Any], checkpoint_root, ahead: bool = False) -> None:
-    """An entry its launcher never closed: killed at its last heartbeat, or stopped where its
-    ranks recorded a stop and wrote its checkpoint (``proctrack/cgroup`` SIGKILLs the launcher
-    with the batch step while the ranks still checkpoint). ``ahead``: the workflow's reading,
-    while the ranks may still write it: a recorded stop counts; the next job decides."""
-    entry["outcome"], entry["ended"] = "killed", last_sign(checkpoint_root, entry)
-    last = newest_checkpoint(checkpoint_root)
-    if last and last["written"] >= entry["started"]:
-        entry["last_checkpoint"] = last
-    stop = stopped_by_ranks(checkpoint_root, entry, checkpointed=not ahead)
-    if stop is not None:
-        entry.update(outcome="stopped", stop=stop)
-        if entry.get("last_checkpoint"):
-            entry["ended"] = max(entry["ended"], entry["last_checkpoint"]["written"])
+    begun = (start.get("epoch", 0), start.get("step", 0))
+    return bool(last) and (last["epoch"], last["step"]) > begun
 
 
 def _failed_without_progress(entry: dict[str, Any]) -> bool:
@@ -182,18 +148,34 @@ def refusal(mine: list[dict[str, Any]], attempt: int, max_allocations: int) -> s
 
 
 def _closed(mine: list[dict[str, Any]], checkpoint_root, ahead=False) -> list[dict[str, Any]]:
-    """``mine``, its newest entry closed in place where its launcher never did."""
-    if mine and mine[-1].get("ended") is None:
-        _close_killed(mine[-1], checkpoint_root, ahead)
+    """``mine``, its newest entry closed in place where its launcher never did: killed at its
+    last heartbeat, or stopped where its ranks recorded a stop and wrote its checkpoint
+    (``proctrack/cgroup`` SIGKILLs the launcher with the batch step). ``ahead``: the
+    workflow's reading, while the ranks may still write it: a recorded stop counts."""
+    if not mine or mine[-1].get("ended") is not None:
+        return mine
+    entry = mine[-1]
+    entry["outcome"], entry["ended"] = "killed", last_sign(checkpoint_root, entry)
+    last = newest_checkpoint(checkpoint_root)
+    if last and last["written"] >= entry["started"]:
+        entry["last_checkpoint"] = last
+    stop = stopped_by_ranks(checkpoint_root, entry, checkpointed=not ahead)
+    if stop is not None:
+        entry.update(outcome="stopped", stop=stop)
+        if entry.get("last_checkpoint"):
+            entry["ended"] = max(entry["ended"], entry["last_checkpoint"]["written"])
     return mine
+
+
+def _mine_ahead(checkpoint_root, run: dict[str, Any]) -> list[dict[str, Any]]:
+    return _closed(of_run(load(checkpoint_root), settings_key(run)), checkpoint_root, ahead=True)
 
 
 def refusal_ahead(checkpoint_root, run: dict[str, Any], attempt: int) -> str | None:
     """What :func:`begin` of this attempt will refuse, read without writing."""
     if attempt == 1:
         return None
-    mine = _closed(of_run(load(checkpoint_root), settings_key(run)), checkpoint_root, ahead=True)
-    return refusal(mine, attempt, int(run.get("max_allocations", 10)))
+    return refusal(_mine_ahead(checkpoint_root, run), attempt, int(run.get("max_allocations", 10)))
 
 
 def nodes_ahead(checkpoint_root, run: dict[str, Any], attempt: int, since: float) -> int:
@@ -203,17 +185,12 @@ def nodes_ahead(checkpoint_root, run: dict[str, Any], attempt: int, since: float
     if attempt == 1 or len(counts) == 1:
         return counts[0]
     _settle(checkpoint_root, run)
-    mine = _closed(of_run(load(checkpoint_root), settings_key(run)), checkpoint_root, ahead=True)
-    return choose_nodes(mine, counts, attempt, since)
+    return choose_nodes(_mine_ahead(checkpoint_root, run), counts, attempt, since)
 
 
-SETTLE_SECONDS = 30.0
-
-
-def _settle(checkpoint_root, run: dict[str, Any], seconds: float = SETTLE_SECONDS) -> None:
+def _settle(checkpoint_root, run: dict[str, Any], seconds: float = 30.0) -> None:
     """Wait, at most ``seconds``, while the newest entry is open, beat lately and no rank
-    recorded a stop: SLURM says a job ended while its ranks still agree to stop; read then, a
-    stop would count as a node failure."""
+    recorded a stop: SLURM says a job ended while its ranks may still agree to stop."""
     deadline = time.time() + seconds
     while time.time() < deadline:
         mine = of_run(load(checkpoint_root), settings_key(run))
@@ -230,10 +207,9 @@ def _settle(checkpoint_root, run: dict[str, Any], seconds: float = SETTLE_SECOND
 def choose_nodes(
     mine: list[dict[str, Any]], counts: tuple[int, ...], attempt: int, since: float
 ) -> int:
-    """The node count of submission ``attempt`` of this invocation (``counts``: preferred
-    first). After a stopped or completed job the preferred again; after one that failed, was
-    killed or never started (no entry: cancelled while pending) the next smaller. Entries
-    before ``since`` are earlier invocations'."""
+    """The node count of submission ``attempt`` of the invocation begun at ``since``
+    (``counts``: preferred first): after a stopped or completed job the preferred, after one
+    that failed, was killed or never started (cancelled while pending) the next smaller."""
     ours = {a.get("snakemake_attempt"): a for a in mine if a["started"] >= since}
     nodes = counts[0]
     for submission in range(1, attempt):
@@ -289,9 +265,8 @@ def begin(
 
 
 def ran_in_this_allocation(checkpoint_root, run: dict[str, Any]) -> dict | None:
-    """An ended attempt of the run in this very allocation (job id and restart count): a
-    rule's retries reach the jobstep's own Snakemake, which would run the job again inside it
-    (snakemake-executor-plugin-slurm#284)."""
+    """An ended attempt of the run in this very allocation (job id and restart count): a rule's
+    retries reach the jobstep's Snakemake (snakemake-executor-plugin-slurm#284)."""
     own = os.environ.get("SLURM_JOB_ID")
     restart = os.environ.get("SLURM_RESTART_COUNT", "0")
     for entry in of_run(load(checkpoint_root), settings_key(run)) if own else []:
@@ -308,11 +283,12 @@ def end(checkpoint_root, entry: dict[str, Any], exit_code: int) -> None:
         last = None  # written by an earlier attempt
     outcome = {0: "completed", EXIT_REQUEUE: "stopped"}.get(exit_code, "failed")
     stop = stopped_by_ranks(checkpoint_root, entry) if outcome == "stopped" else None
-    error = entry.get("error") or first_error(checkpoint_root, entry)
-    diverged = divergence(checkpoint_root, entry["started"]) if exit_code == 0 else None
+    started = entry["started"]
+    error = entry.get("error") or _first_line(checkpoint_root, "rank*.txt", started)
+    diverged = _first_line(checkpoint_root, DIVERGED, started) if exit_code == 0 else None
     if diverged:
         outcome, error = "diverged", diverged
-    hung = hung_rank(checkpoint_root, entry["started"]) if outcome == "failed" else None
+    hung = hung_rank(checkpoint_root, started) if outcome == "failed" else None
     if hung:
         print(f"watchdog: {hung}", flush=True)
         error = f"{hung}; {error}" if error else hung
@@ -361,10 +337,6 @@ def record_error(checkpoint_root, rank: int, host: str, error: BaseException) ->
     _write_line(checkpoint_root, f"rank{rank}.txt", line)
 
 
-def first_error(checkpoint_root, entry: dict[str, Any]) -> str | None:
-    return _first_line(checkpoint_root, "rank*.txt", entry["started"])
-
-
 # ------------------------------------------------------------------ stops of the ranks
 
 STOPS_DIR = "stops"
@@ -375,13 +347,12 @@ def record_stop(
 ) -> None:
     """A rank stops for requeue at the checkpoint (``epoch``, ``step``) (``signum``: its
     signal, 0 for another rank's); written before that checkpoint, so a rank killed after it
-    (KillWait) has said so, whether or not its launcher lives (:func:`stopped_by_ranks`)."""
+    (KillWait) has said so, whether or not its launcher lives."""
     name = signal.Signals(signum).name if signum else None
     mark = {"rank": rank, "host": host, "epoch": epoch, "step": step, "signal": name}
     with contextlib.suppress(OSError):  # a full disk: the checkpoint fails and says so
-        folder = Path(checkpoint_root) / STOPS_DIR
-        folder.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(folder / f"rank{rank}.json", {**mark, "time": time.time()})
+        path = Path(checkpoint_root) / STOPS_DIR / f"rank{rank}.json"
+        write_json_atomic(path, {**mark, "time": time.time()})
 
 
 def stopped_by_ranks(
@@ -398,9 +369,7 @@ def stopped_by_ranks(
     last = newest_checkpoint(checkpoint_root)
     if last is None or last["written"] < entry["started"]:
         return None
-    if (last["epoch"], last["step"]) < (stop["epoch"], stop["step"]):
-        return None
-    return stop
+    return stop if (last["epoch"], last["step"]) >= (stop["epoch"], stop["step"]) else None
 
 
 DIVERGED = "diverged.txt"  # in ERRORS_DIR: the guard's line (training.guard)
@@ -411,20 +380,14 @@ def record_divergence(checkpoint_root, line: str) -> None:
     _write_line(checkpoint_root, DIVERGED, line)
 
 
-def divergence(checkpoint_root, since: float) -> str | None:
-    """The guard's line if it stopped the run at or after ``since`` (this attempt)."""
-    return _first_line(checkpoint_root, DIVERGED, since)
-
-
 PROGRESS_DIR = "progress"
 PROGRESS_SECONDS = 15.0
 HUNG_SECONDS = 60.0  # a rank this far behind the others at the end is named as hung
 
 
 class RankProgress(Heartbeat):
-    """Each rank's last step, so a job a hung rank ended names it (:func:`hung_rank`). The loop
-    notes it (:meth:`mark`: no I/O, a slow metadata server never stalls a step); the heartbeat
-    writes it when it changed, so a rank stuck in its main thread goes silent."""
+    """Each rank's last step, so a job a hung rank ended names it (:func:`hung_rank`): noted
+    without I/O (:meth:`mark`), written by the heartbeat thread when it changed."""
 
     def __init__(self, checkpoint_root, rank: int, host: str, seconds: float = PROGRESS_SECONDS):
         super().__init__(Path(checkpoint_root) / PROGRESS_DIR / f"rank{rank}.json", seconds)
@@ -489,10 +452,9 @@ def cost_over_attempts(checkpoint_root, key: str, now: float) -> dict[str, Any]:
     for a in mine:
         ended = a["ended"] if a.get("ended") is not None else now
         wall = max(0.0, ended - a["started"])
-        interrupted = a["outcome"] in ("stopped", "failed", "killed", "diverged")
         last = a.get("last_checkpoint")
-        lost = 0.0
-        if interrupted:  # work after its newest checkpoint (all of it without one) is redone
+        lost = 0.0  # an interrupted one's work after its newest checkpoint (or all) is redone
+        if a["outcome"] in ("stopped", "failed", "killed", "diverged"):
             lost = max(0.0, ended - (last["written"] if last else a["started"]))
         rows.append(
             {

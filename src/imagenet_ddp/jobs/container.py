@@ -1,14 +1,9 @@
 """The container runtime on the host, for the srun tasks that enter the image again.
 
-With ``--sdm apptainer`` the rule's shell (and so the launcher) runs inside the image, where
-Apptainer has reset ``PATH`` and the host's ``apptainer`` is not found; srun starts each task
-on the host with the launcher's environment, so a bare ``apptainer`` fails there with
-``execve(): apptainer: No such file or directory`` wherever it comes from a module (Spack,
-``/opt/...``). The Snakemake that starts the container runs on the host: it resolves the
-runtime's absolute path on its own ``PATH`` (:func:`host_runtime_env`) and passes it into the
-container in the environment, where :mod:`imagenet_ddp.jobs.launchers` ``task_python`` reads it.
-
-Torch-free: the workflow imports it while Snakemake parses the rules.
+With ``--sdm apptainer`` the launcher runs inside the image, whose ``PATH`` lacks a host
+runtime that comes from a module, while srun starts each task on the host: a bare
+``apptainer`` fails there. The host's Snakemake resolves its absolute path
+(:func:`host_runtime_env`) and passes it in the environment. Torch-free (read at parse time).
 """
 
 from __future__ import annotations

@@ -67,12 +67,10 @@ def select_device(
     local_world_size: int | None = None,
     timeout_minutes: float = 10.0,
 ) -> torch.device:
-    """``auto``: this rank's GPU where the run asked for GPUs, else the CPU. A job that asked
-    for GPUs never falls back to the CPU (it would burn the allocation and report CPU figures).
-    Whether each task sees all the node's GPUs, its own, or a subset shared with others
-    (``--gpu-bind=closest``, docs/slurm-notes.md), a rank takes the GPU at its position among
-    its node's ranks that see the same ones (:func:`gpu_index`, through the rendezvous store),
-    and sets it first, so NCCL and the allocator never touch GPU 0 from every rank."""
+    """``auto``: this rank's GPU where the run asked for GPUs (never the CPU then), else the
+    CPU. Whether each task sees all the node's GPUs, its own or a shared subset
+    (``--gpu-bind=closest``), a rank takes the one at its position among its node's ranks that
+    see the same (:func:`gpu_index`), and sets it first: no rank touches GPU 0 by default."""
     wants_gpu = requested == "cuda" or (requested == "auto" and (gpus_per_node or 0) > 0)
     if requested == "cpu" or not wants_gpu:
         return torch.device("cpu")
@@ -250,10 +248,8 @@ def rendezvous_from_slurm_env() -> None:
 
 
 def interface_towards(host: str) -> str:
-    """The network interface this node uses to reach ``host``: gloo (the CPU group beside
-    NCCL) binds the address its own hostname resolves to, which may be 127.0.1.1 (Debian's
-    /etc/hosts), unreachable from other nodes; the kernel's route to another node names the
-    right one."""
+    """The network interface this node uses to reach ``host`` (the kernel's route): gloo would
+    bind the address its hostname resolves to, which may be 127.0.1.1 (Debian's /etc/hosts)."""
     import psutil
 
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
@@ -269,9 +265,8 @@ def init_process_group(
     info: DistInfo, device: torch.device, backend: str, timeout_minutes: float
 ) -> None:
     """Join the job's process group (a no-op for one process). ``timeout_minutes`` bounds a
-    wait in one collective: a hung rank ends the job after it (a dead one sooner: the launcher
-    stops the others). NCCL (GPU only, not run here): its watchdog aborts such a collective and,
-    with TORCH_NCCL_ASYNC_ERROR_HANDLING=3, tears the process down instead of holding GPUs."""
+    wait in one collective; NCCL's watchdog (GPU only, not run here) then tears the process
+    down (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) instead of holding GPUs."""
     if info.world_size == 1:
         return
     if backend == "auto":

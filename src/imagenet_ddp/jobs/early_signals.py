@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import signal
 import sys
-import time
 
 # The signals that stop a rank (their one home: jobs.signals, which imports torch, uses these)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -17,30 +16,21 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 EXIT_REQUEUE = 75
 ENTRY_MODULES = ("imagenet_ddp.training.worker",)
 
-_held: list[tuple[int, float]] = []  # (signal, when) in the order they came
-
-
-def _note(signum, frame) -> None:
-    _held.append((signum, time.time()))
+_held: list[int] = []  # the signals, in the order they came
 
 
 def hold() -> None:
     """Note the stop signals from now on, until :meth:`StopFlag.catch` takes over."""
     for sig in STOP_SIGNALS:
-        signal.signal(sig, _note)
+        signal.signal(sig, lambda signum, frame: _held.append(signum))
 
 
 def taken() -> int:
     """The first stop signal held so far (0: none); the notes are cleared."""
-    first = _held[0][0] if _held else 0
+    first = _held[0] if _held else 0
     _held.clear()
     return first
 
 
-def _started_as_entry() -> bool:
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    return spec is not None and spec.name in ENTRY_MODULES
-
-
-if _started_as_entry():
+if getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None) in ENTRY_MODULES:
     hold()

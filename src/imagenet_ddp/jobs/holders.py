@@ -1,11 +1,7 @@
-"""Which SLURM job holds a run: one train job of a run at a time, whoever submitted it.
-
-A restarted Snakemake (its controller died while a train job ran) submits the run again
-(`rerun-incomplete`). Nothing is asked of SLURM at submission: the job itself looks for an open
-attempt entry of another live job (:func:`begin_unless_held`: the check and its own entry under
-one lock) and, where one holds the run, gives its allocation back at once (:func:`give_back`):
-requeued behind the holder (``scontrol requeuehold``, ``Dependency=afterany``, ``release``),
-else ended with exit 75 for Snakemake's retry. It never waits while holding GPUs. Torch-free.
+"""One train job of a run at a time, whoever submitted it (a restarted Snakemake submits the
+run again): the job looks for another live job's open attempt entry (:func:`begin_unless_held`,
+under one lock with its own entry) and, where one holds the run, gives its allocation back at
+once (:func:`give_back`), never waiting while holding GPUs. Torch-free.
 """
 
 from __future__ import annotations
@@ -15,13 +11,11 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from imagenet_ddp.io import HEARTBEAT_S, exclusive_lock, lock_path_for
 from imagenet_ddp.jobs.attempts import EXIT_REQUEUE, RECORD, last_sign, load, of_run, settings_key
 from imagenet_ddp.jobs.launchers import slurm
-
-T = TypeVar("T")
 
 # States of a job that has ended (squeue shows them for MinJobAge); any other is live. A job an
 # admin holds in the queue is not running and holds nothing: only a started job holds a run.
@@ -42,10 +36,10 @@ def job_state(job_id: str) -> str | None:
     return "" if "Invalid job id" in result.stderr else None  # purged: long gone
 
 
-def live_holder(checkpoint_root, run: dict[str, Any], now: float | None = None) -> dict | None:
+def live_holder(checkpoint_root, run: dict[str, Any]) -> dict | None:
     """The open entry of another job that still runs the run (squeue; where squeue cannot say,
     its heartbeat within :data:`STALE_SECONDS`), with its ``state``; None if none."""
-    now, own = time.time() if now is None else now, os.environ.get("SLURM_JOB_ID")
+    now, own = time.time(), os.environ.get("SLURM_JOB_ID")
     for entry in of_run(load(checkpoint_root), settings_key(run)):
         if entry.get("ended") is not None or (own and entry.get("slurm_job_id") == own):
             continue
@@ -58,9 +52,7 @@ def live_holder(checkpoint_root, run: dict[str, Any], now: float | None = None) 
     return None
 
 
-def begin_unless_held(
-    checkpoint_root, run: dict[str, Any], begin: Callable[[], T]
-) -> tuple[T | None, dict | None]:
+def begin_unless_held(checkpoint_root, run: dict[str, Any], begin: Callable[[], Any]) -> tuple:
     """(``begin()``, None) where no other live job holds the run, else (None, its entry); under
     one lock, so of two jobs that start at once the second sees the first's entry."""
     with exclusive_lock(lock_path_for(Path(checkpoint_root) / RECORD)):
@@ -69,15 +61,16 @@ def begin_unless_held(
 
 
 def give_back(holder: dict, run_name: str, log: Callable[[str], None] = print) -> int:
-    """Give this job's allocation back while ``holder`` trains the run: the exit code."""
+    """Give this job's allocation back while ``holder`` trains the run: requeued behind it
+    where SLURM allows, else ended for Snakemake's retry; the exit code."""
     own = os.environ.get("SLURM_JOB_ID")
     said = (f"run {run_name!r}: job {holder.get('slurm_job_id') or 'local'} (attempt "
             f"{holder['attempt']} on {holder.get('host')}, {holder['state']}) still trains it; "
             "two jobs must not write one run (docs/reliability.md)")  # fmt: skip
     if own and holder.get("slurm_job_id") and _requeue_behind(own, holder["slurm_job_id"]):
         log(f"{said}: this job {own} is requeued behind it and resumes after it")
-        return EXIT_REQUEUE
-    log(f"{said}: this job ends without training; the workflow submits the run again")
+    else:
+        log(f"{said}: this job ends without training; the workflow submits the run again")
     return EXIT_REQUEUE
 
 

@@ -1,7 +1,6 @@
-"""A job's attempt through its launcher (:mod:`imagenet_ddp.jobs.launchers`): stage on every
-node, start its ranks (training, preflight; evaluation without staging), unstage; and the
-per-node staging steps. Every step and rank gets the job spec's path only; a rank is its kind's
-own module (:data:`RANK_MODULES`). Each node writes ``<run_dir>/staging/<host>.json``.
+"""A job's attempt through its launcher: stage on every node (each writes
+``<run_dir>/staging/<host>.json``), start its ranks, unstage; and the per-node staging steps.
+Every step and rank gets the job spec's path only.
 """
 
 from __future__ import annotations
@@ -40,8 +39,7 @@ STAGED_KINDS = ("train", "preflight")  # jobs that stage the prepared copy on ev
 
 def stage_this_node(job: TrainJob) -> dict:
     """Copy the prepared data into this node's scratch (a one-node launcher reads it in place
-    where a copy would land on its own filesystem; a shared scratch is refused otherwise);
-    write the node's staging report."""
+    where a copy would land on the same disk; else a shared scratch is refused); report it."""
     paths, stage = job.paths, job.execution.stage
     path = staging_report_path(paths.run_dir, socket.gethostname())
     previous = json.loads(path.read_text()) if path.is_file() else {}
@@ -88,8 +86,8 @@ def unstage_this_node(job: TrainJob) -> None:
     write_json_atomic(path, report)
 
 
-# Each kind's ranks: ``python -m MODULE --spec FILE``. Names, not imports: a process
-# boundary, so jobs/ may name the stages above it (docs/layout.md).
+# Each kind's ranks: ``python -m MODULE --spec FILE`` (names across a process boundary, so
+# jobs/ may name the layers above it).
 RANK_MODULES = {
     "train": "imagenet_ddp.training.worker",
     "preflight": "imagenet_ddp.preflight.rank",
@@ -104,7 +102,7 @@ def rank_argv(job: TrainJob | EvalJob, spec_path: Path, python: list[str]) -> li
 
 def on_allocation(job: TrainJob) -> TrainJob:
     """``job`` on its allocation's node count: a run with ``fallback_nodes`` given fewer nodes
-    keeps its global batch, ``accumulation`` scaled (settings.geometry.on_nodes)."""
+    keeps its global batch (settings.geometry.on_nodes)."""
     run = job.run
     if not run.get("fallback_nodes"):
         return job
@@ -124,9 +122,8 @@ def on_allocation(job: TrainJob) -> TrainJob:
 
 
 def run_attempt(job: TrainJob, spec_path: Path) -> int:
-    """One attempt of the run (:mod:`imagenet_ddp.jobs.attempts`): recorded (unless another
-    job holds the run), refused where a retry cannot help, staged and run, closed with its
-    exit code, which it returns."""
+    """One recorded attempt of the run (unless another job holds it): refused where a retry
+    cannot help, else staged, run and closed with its exit code, which it returns."""
     run, root = job.run, job.paths.checkpoint_root
     geometry = job.geometry
     begun, holder = begin_unless_held(
@@ -162,12 +159,9 @@ def run_attempt(job: TrainJob, spec_path: Path) -> int:
 
 
 def stopped_after_all(code: int, job: TrainJob, entry: dict) -> int:
-    """``code``, or EXIT_REQUEUE (stopped: the next job resumes) where the ranks' step exited 0
-    without finishing the run (no ``train_metrics.json``: srun exits 0 when it gives up waiting
-    for a stopped step, "Timed out waiting for job step to complete", seen in CI), or failed
-    after its ranks recorded a stop whose checkpoint was written (:func:`attempts.
-    stopped_by_ranks`: ``scancel -s TERM --batch`` reaches only the batch shell, then the job's
-    end the ranks, and one still tearing down is killed KillWait seconds later; seen in CI)."""
+    """``code``, or EXIT_REQUEUE where the step exited 0 without finishing the run (srun gave
+    up waiting for a stopped step) or failed after its ranks recorded a stop whose checkpoint
+    was written (a rank tearing down killed KillWait after SIGTERM); both seen in CI."""
     if code == 0 and not (job.paths.run_dir / "train_metrics.json").is_file():
         print("the ranks' step exited 0 but the run did not finish (no train_metrics.json): "
               "stopped, the next job resumes from the newest checkpoint", flush=True)  # fmt: skip
@@ -184,15 +178,14 @@ def stopped_after_all(code: int, job: TrainJob, entry: dict) -> int:
 
 
 def run_staged(job: TrainJob, spec_path: Path) -> int:
-    """Stage on every node, run the ranks of ``job``'s kind, clean up: the exit code. Training
-    and its preflight stage the same way; the job's heartbeat beats meanwhile (its leases on
-    the nodes' copies and its attempt entry name it)."""
+    """Stage on every node, run the ranks of ``job``'s kind, clean up: the exit code. The
+    job's heartbeat (named by its leases and attempt entry) beats meanwhile."""
     execution = job.execution
     launcher = get_launcher(execution.launcher)
     launcher.check(job.geometry)
     python = launcher.python()
 
-    def on_every_node(command: str, here) -> tuple[int, float]:
+    def on_every_node(command: str, here) -> tuple[int, int]:
         # one task per node (stage-node, unstage-node: main below), or a call here
         argv = [*python, "-m", "imagenet_ddp.jobs.launch", command, "--spec", str(spec_path)]
         return launcher.on_every_node(execution, job.geometry, lambda: here(job), argv)
@@ -206,32 +199,16 @@ def run_staged(job: TrainJob, spec_path: Path) -> int:
             return EXIT_REQUEUE
         if code != 0:
             return code
-        signalled = 0.0
+        signalled = 0
         try:
             ranks = rank_argv(job, spec_path, python)
             code, signalled = launcher.start_ranks(execution, job.geometry, ranks)
-            code = killed_after_its_checkpoint(code, signalled, job)
         finally:
             if execution.stage.cleanup and signalled and launcher.stop_skips_cleanup():
                 print("stop signal received: node-local copies are left to the job's epilog")
             elif execution.stage.cleanup:
                 on_every_node("unstage-node", unstage_this_node)
         return code
-
-
-def killed_after_its_checkpoint(code: int, signalled: float, job: TrainJob) -> int:
-    """EXIT_REQUEUE where the ranks' step failed after a stop signal reached the launcher
-    (``signalled``: when) but a checkpoint was written since: a rank still tearing down is
-    killed KillWait seconds after SLURM's SIGTERM. Stopped, not failed (after which an
-    elastic run would ask for fewer nodes)."""
-    if not signalled or code in (0, EXIT_REQUEUE):
-        return code
-    newest = attempts.newest_checkpoint(job.paths.checkpoint_root)
-    if newest is None or newest["written"] < signalled:
-        return code
-    print(f"the ranks' step exited {code} after the stop signal, but {newest['path']} was "
-          "written after it: stopped, the next job resumes from it", flush=True)  # fmt: skip
-    return EXIT_REQUEUE
 
 
 def run_evaluation(job: EvalJob, spec_path: Path) -> int:
@@ -243,8 +220,7 @@ def run_evaluation(job: EvalJob, spec_path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The per-node steps of a staged job (``stage-node``, ``unstage-node``: one srun task per
-    node, not meant to be called by hand)."""
+    """The per-node steps of a staged job: one srun task per node, not called by hand."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m imagenet_ddp.jobs.launch")

@@ -1,11 +1,9 @@
 """The launchers: how a job's ranks (and its per-node staging steps) are started, by name.
 
-``execution.launcher`` names one of :data:`LAUNCHERS`, or ``auto``: the first whose
-:meth:`Launcher.detect` sees its environment where the job runs. ``srun``: inside a SLURM
-allocation, per-node steps and ranks as srun tasks (each derives its rank and rendezvous from
-SLURM: :mod:`imagenet_ddp.jobs.distributed`). ``local``: one node, one process per rank started
-here. A new launcher (``mpirun``, Flux) is one :func:`register`-ed subclass and its case in
-tests/test_launch.py. Torch-free at import (the workflow reads the names at parse time).
+``execution.launcher`` names one of :data:`LAUNCHERS` (``srun``: srun tasks in a SLURM
+allocation; ``local``: one process per rank on this node), or ``auto``: the first whose
+:meth:`Launcher.detect` sees its environment. A new launcher (``mpirun``, Flux) is one
+:func:`register`-ed subclass. Torch-free at import (the workflow reads the names at parse time).
 """
 
 from __future__ import annotations
@@ -32,8 +30,8 @@ AUTO = "auto"
 
 
 class Launcher:
-    """One way to start a job's ranks. A step returns (exit code, when a stop signal reached
-    the launcher: Unix seconds, 0.0 for none), passing stop signals on to what it started."""
+    """One way to start a job's ranks. A step returns (exit code, the stop signal that reached
+    the launcher, 0 for none), passing stop signals on to what it started."""
 
     name: ClassVar[str]
     # One node only; its staging reads the prepared copy in place where a copy would land on
@@ -57,11 +55,11 @@ class Launcher:
 
     def on_every_node(
         self, execution, geometry: Geometry, here: Callable[[], object], argv: list[str]
-    ) -> tuple[int, float]:
+    ) -> tuple[int, int]:
         """Run a per-node step on every node: ``argv`` elsewhere, ``here()`` on this machine."""
         raise NotImplementedError
 
-    def start_ranks(self, execution, geometry: Geometry, argv: list[str]) -> tuple[int, float]:
+    def start_ranks(self, execution, geometry: Geometry, argv: list[str]) -> tuple[int, int]:
         """Run ``argv`` as the job's ranks (:func:`worker_env`) to their end."""
         raise NotImplementedError
 
@@ -85,16 +83,10 @@ def register(cls: type[Launcher]) -> type[Launcher]:
     return cls
 
 
-def launcher_names() -> list[str]:
-    """Every name ``execution.launcher`` accepts."""
-    return [AUTO, *LAUNCHERS]
-
-
 def launcher_problem(name: str) -> str | None:
     """One line when ``name`` is not a launcher (the dry-run's and the spec's check)."""
-    if name in launcher_names():
-        return None
-    return f"execution.launcher {name!r}: give {', '.join(launcher_names())}"
+    names = [AUTO, *LAUNCHERS]
+    return None if name in names else f"execution.launcher {name!r}: give {', '.join(names)}"
 
 
 def get_launcher(name: str) -> Launcher:
@@ -167,10 +159,9 @@ class Srun(Launcher):
 def srun_argv(
     geometry: Geometry, *, per_node: bool, extra: list[str], prefix: str = "srun"
 ) -> list[str]:
-    """srun for a step in the job's allocation (``prefix``: the rule's ``mpi`` resource). The
-    geometry is explicit: the SLURM executor strips the allocation's SLURM_* defaults. A rule
-    without ``mpi`` already runs in the executor's ``srun -n1`` step, holding the job's CPUs and
-    GPUs: a new step would wait for ever, so it shares them (``--overlap``)."""
+    """srun for a step in the job's allocation (``prefix``: the rule's ``mpi`` resource), its
+    geometry explicit (the SLURM executor strips SLURM_* defaults). Inside the executor's
+    ``srun -n1`` step (a rule without ``mpi``) a new step would wait for ever: ``--overlap``."""
     tasks_per_node = 1 if per_node else geometry.tasks_per_node
     inside_step = "SLURM_STEP_ID" in os.environ
     words = shlex.split(prefix)
@@ -195,8 +186,7 @@ CONTAINER_IMAGE_VARIABLES = ("APPTAINER_CONTAINER", "SINGULARITY_CONTAINER")
 
 def task_python(environ=None) -> list[str]:
     """The command that starts Python for a task of an srun step. Inside a container (``--sdm
-    apptainer``) srun starts its tasks on the host: each enters the same image again (``--nv``;
-    binds only through ``APPTAINER_BIND``). Not run here (no apptainer): unit-tested."""
+    apptainer``) srun starts its tasks on the host: each enters the same image again."""
     environ = os.environ if environ is None else environ
     image = next((environ[v] for v in CONTAINER_IMAGE_VARIABLES if environ.get(v)), None)
     if image is None:
@@ -232,12 +222,10 @@ def allocated_nodes() -> int:
         ) from None
 
 
-def _run_step(argv: list[str], geometry: Geometry) -> tuple[int, float]:
-    """Run an srun step to its end, surviving stop signals: (exit code, when a stop came).
-    A stop reaches srun as SIGUSR1 only (:class:`ForwardStopSignals`); srun runs in a session
-    of its own, so a signal to the launcher's process group does not reach it either. SLURM's
-    own SIGTERM at the job's end still does; the ranks then have ``KillWait`` seconds
-    (docs/slurm-notes.md section 7)."""
+def _run_step(argv: list[str], geometry: Geometry) -> tuple[int, int]:
+    """Run an srun step to its end: (exit code, the stop signal received). A stop reaches srun
+    as SIGUSR1 only (:class:`ForwardStopSignals`), and in a session of its own a signal to the
+    launcher's process group does not (docs/slurm-notes.md section 7)."""
     from imagenet_ddp.jobs.signals import ForwardStopSignals
 
     print("+ " + shlex.join(argv), flush=True)
@@ -256,7 +244,7 @@ def _run_step(argv: list[str], geometry: Geometry) -> tuple[int, float]:
     if forward.received:
         name = signal.Signals(forward.received).name
         print(f"stop signal {name}: passed on to srun as SIGUSR1; srun exited {code}", flush=True)
-    return code, forward.received_at
+    return code, forward.received
 
 
 # While the ranks' step runs after a stop signal, srun gets SIGUSR1 again this often.
@@ -279,34 +267,32 @@ class Local(Launcher):
     def on_every_node(self, execution, geometry, here, argv):
         self.check(geometry)
         here()
-        return 0, 0.0
+        return 0, 0
 
     def start_ranks(self, execution, geometry, argv):
         self.check(geometry)
-        return spawn_local_ranks(argv, geometry), 0.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return spawn_local_ranks(argv, geometry), 0
 
 
 def spawn_local_ranks(argv: list[str], geometry: Geometry, grace_seconds: float = 30) -> int:
-    """One process per rank on this node, as srun starts them. Not torchrun: on a stop it
-    exits 1 (losing the ranks' EXIT_REQUEUE) and kills the ranks 30 s later, checkpoint or
-    not. A failed rank stops the others (SIGTERM, SIGKILL after ``grace_seconds``)."""
+    """One process per rank on this node, as srun starts them (not torchrun: on a stop it exits
+    1 and kills the ranks 30 s later). A failed rank stops the others (SIGTERM, SIGKILL after
+    ``grace_seconds``)."""
+    import ctypes
+
     from imagenet_ddp.jobs.signals import ForwardStopSignals
 
+    with socket.socket() as sock:  # a free port
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ranks = str(geometry.tasks_per_node)
     env = worker_env(geometry)
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        WORLD_SIZE=str(geometry.tasks_per_node),
-        LOCAL_WORLD_SIZE=str(geometry.tasks_per_node),
-    )
-    print("+ " + shlex.join(argv) + f"  (x {geometry.tasks_per_node} ranks)", flush=True)
-    _become_subreaper()
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=ranks,
+               LOCAL_WORLD_SIZE=ranks)  # fmt: skip
+    print("+ " + shlex.join(argv) + f"  (x {ranks} ranks)", flush=True)
+    # Orphans of the ranks become this process's children (PR_SET_CHILD_SUBREAPER)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
     before = {p.pid for p in psutil.Process().children()}
     with ForwardStopSignals() as forward:
         try:
@@ -316,14 +302,6 @@ def spawn_local_ranks(argv: list[str], geometry: Geometry, grace_seconds: float 
             return _wait_for_ranks(forward.children, grace_seconds)
         finally:
             _end_leftovers(before)
-
-
-def _become_subreaper() -> None:
-    """Orphans of the ranks become this process's children (``PR_SET_CHILD_SUBREAPER``)."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 
 
 def _end_leftovers(before: set[int]) -> None:

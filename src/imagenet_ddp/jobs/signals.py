@@ -1,18 +1,15 @@
 """Stop signals: how a job that SLURM (or a user) ends keeps its progress.
 
-SLURM sends SIGTERM (or ``--signal``'s SIGUSR1) to every process of every step at the time
-limit, on ``scancel`` and on preemption; Ctrl-C sends SIGINT to the whole foreground process
-group. So each rank, its loader workers, the launcher and ``srun`` get it at once:
+SLURM's SIGTERM (or ``--signal``'s SIGUSR1) and a terminal's SIGINT reach every process at once:
 
 - a rank only records it (:class:`StopFlag`); all agree at a step boundary, rank 0 writes a
   checkpoint and every rank exits with :data:`EXIT_REQUEUE`;
-- loader workers ignore it (:func:`ignore_stop_signals`): one killed makes its rank raise
-  before any checkpoint. They come from a fork server (:func:`loader_context`), not forked from
-  a rank whose threads may hold a lock (seen: a worker hung at start), with the signals blocked
-  (:func:`stop_signals_blocked`);
-- the launcher passes it on and returns the ranks' exit code (:class:`ForwardStopSignals`);
-  ``srun`` gets SIGUSR1 only: it kills its step on SIGTERM, SIGHUP or a second SIGINT, and
-  passes SIGUSR1 on unchanged (docs/slurm-notes.md section 7).
+- loader workers ignore it (:func:`ignore_stop_signals`: one killed makes its rank raise before
+  any checkpoint); they come from a fork server (:func:`loader_context`), not forked from a
+  rank whose threads may hold a lock (seen: a worker hung at start);
+- the launcher passes it on and returns the ranks' exit code (:class:`ForwardStopSignals`),
+  to ``srun`` as SIGUSR1 only: srun kills its step on SIGTERM, SIGHUP or a second SIGINT
+  (docs/slurm-notes.md section 7).
 """
 
 from __future__ import annotations
@@ -62,13 +59,11 @@ def stop_signals_blocked() -> Iterator[None]:
 
 
 class StopFlag:
-    """Set by a stop signal; agreed on by all ranks at step boundaries.
-
-    :meth:`poll` never synchronizes the GPU: each rank's flags go into an asynchronous max
-    all-reduce on a CPU (gloo) group, started at one check and read at the next, ``interval``
-    steps later; all ranks read the same value, so they stop at the same step. It also carries
-    ``checkpoint_due`` (``checkpoint_seconds`` since the last on any rank: bounds what a SIGKILL
-    loses) and ``suspected`` (some rank's ``suspect`` of divergence, training.guard)."""
+    """Set by a stop signal; agreed on by all ranks at step boundaries. :meth:`poll` never
+    synchronizes the GPU: an asynchronous max all-reduce on a CPU (gloo) group, started at one
+    check and read at the next, so all ranks stop at the same step. It also carries
+    ``checkpoint_due`` (``checkpoint_seconds`` since the last, on any rank) and ``suspected``
+    (some rank's ``suspect`` of divergence, training.guard)."""
 
     def __init__(self, interval: int, checkpoint_seconds: float = 0.0) -> None:
         self.interval = interval
@@ -159,7 +154,6 @@ class ForwardStopSignals:
     def __init__(self, *, srun: bool = False) -> None:
         self.children: list[subprocess.Popen] = []
         self.received = 0
-        self.received_at = 0.0  # when the first stop signal came (Unix seconds)
         self.srun = srun
         self._previous: dict[int, object] = {}
 
@@ -173,7 +167,6 @@ class ForwardStopSignals:
             signal.signal(sig, handler)
 
     def _forward(self, signum, frame) -> None:
-        self.received_at = self.received_at or time.time()
         self.received = self.received or signum
         self.relay(signum)
 

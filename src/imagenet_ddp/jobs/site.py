@@ -1,7 +1,5 @@
-"""What the workflow's parse checks of where its jobs run (:func:`site_problems`,
-:func:`memory_problems`) and the SLURM shape of each train job (:func:`train_resources`).
-
-Torch-free: it runs while Snakemake parses the rules.
+"""What the workflow's parse checks of where its jobs run, and the SLURM shape of each train
+job. Torch-free: it runs while Snakemake parses the rules.
 """
 
 from __future__ import annotations
@@ -65,10 +63,9 @@ REFUSED_SHAPE = {"nodes": 1, "cpus_per_task": 1, "tasks_per_node": None, "tasks"
 def train_resources(
     run: Mapping[str, Any], settings: Mapping, checkpoint_root: str, attempt: int, since: float
 ) -> dict[str, Any]:
-    """The SLURM resources of a train job of ``run`` (``settings``: as the rank gets them):
-    its shape on the node count this submission asks for (its `nodes`, or one of its
-    `fallback_nodes` after a job that never started, in the invocation begun at ``since``),
-    or :data:`REFUSED_SHAPE` for a retry that will refuse; read from the attempt record."""
+    """The SLURM resources of a train job of ``run`` (``settings``: as the rank gets them), from
+    the attempt record: its shape on the node count this submission asks for
+    (attempts.nodes_ahead), or :data:`REFUSED_SHAPE` for a retry that will refuse."""
     if attempt > 1 and refusal_ahead(checkpoint_root, settings, attempt):
         return REFUSED_SHAPE
     shaped = on_nodes(run, nodes_ahead(checkpoint_root, settings, attempt, since))

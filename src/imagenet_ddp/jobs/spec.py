@@ -1,11 +1,10 @@
 """One typed spec describes a training, preflight or evaluation job; every process reads it.
 
-Built at the workflow's parse (:func:`job_spec`) and passed as compact JSON (``--job '{...}'``:
-the run's settings at their default left out and filled in again by the job, whose package
-version must be the workflow's); parsed once by the CLI (:func:`load`), written into the job's
-folder (:func:`write_spec`) and read back by the per-node steps and every rank
-(:func:`read_spec`) into the same frozen dataclasses. A missing or unknown key is refused in
-one line naming the file and the key. Torch-free.
+Built at the workflow's parse (:func:`job_spec`) as compact JSON (the run's settings at their
+default left out; the job's package version must be the workflow's), loaded by the CLI
+(:func:`load`), written into the job's folder (:func:`write_spec`) and read back by the
+per-node steps and every rank (:func:`read_spec`). A missing or unknown key is refused in one
+line naming the file and the key. Torch-free.
 """
 
 from __future__ import annotations
@@ -103,15 +102,6 @@ class EvalSettings:
     device: str = "auto"  # auto | cpu | cuda
 
 
-def _check_run(run: dict[str, Any]) -> None:
-    missing = [key for key in LAUNCH_KEYS if key not in run]
-    if missing:
-        raise SpecError(
-            f"run {run.get('run')!r}: the run settings lack {', '.join(missing)}; give the "
-            "job's geometry in the run settings (the workflow's rule always does)"
-        )
-
-
 @dataclass(frozen=True)
 class TrainJob:
     """One training job of a run."""
@@ -128,7 +118,12 @@ class TrainJob:
     @property
     def geometry(self) -> Geometry:
         """The job's geometry, from its run (the launcher needs it; a rank reads its own)."""
-        _check_run(self.run)
+        missing = [key for key in LAUNCH_KEYS if key not in self.run]
+        if missing:
+            raise SpecError(
+                f"run {self.run.get('run')!r}: the run settings lack {', '.join(missing)}; give "
+                "the job's geometry in the run settings (the workflow's rule always does)"
+            )
         return Geometry.of(self.run)
 
     @property
@@ -223,7 +218,7 @@ def parse(text: str, kinds: str | tuple[str, ...] | None = None, source: str = "
     """The job of a spec's JSON ``text``; ``source`` (a file) names it in the error."""
     where = source or "--job"
     try:
-        return from_dict(_from_compact(json.loads(text), where), kinds)
+        return from_dict(_from_compact(json.loads(text)), kinds)
     except json.JSONDecodeError as error:
         raise SpecError(f"{where}: not JSON ({error})") from None
     except (SpecError, TypeError) as error:
@@ -233,17 +228,9 @@ def parse(text: str, kinds: str | tuple[str, ...] | None = None, source: str = "
 def load(value: str, kinds: str | tuple[str, ...] | None = None) -> Job:
     """``--job``'s value (a spec's JSON text, or a spec file's path), each prepared manifest
     replaced by the copy it names, once, by the job's first process."""
-    if value.lstrip().startswith("{"):
-        return with_prepared_resolved(parse(value, kinds))
-    return with_prepared_resolved(read_spec(value, kinds))
-
-
-def with_prepared_resolved(job: Job) -> Job:
-    resolved = {
-        name: resolve_prepared(getattr(job.paths, name))
-        for name in ("prepared_train", "prepared_val")
-        if hasattr(job.paths, name)
-    }
+    job = parse(value, kinds) if value.lstrip().startswith("{") else read_spec(value, kinds)
+    names = [n for n in ("prepared_train", "prepared_val") if hasattr(job.paths, n)]
+    resolved = {n: resolve_prepared(getattr(job.paths, n)) for n in names}
     return dataclasses.replace(job, paths=dataclasses.replace(job.paths, **resolved))
 
 
@@ -257,10 +244,8 @@ def read_spec(path: str | os.PathLike[str], kinds: str | tuple[str, ...] | None 
 
 
 def write_spec(path: str | os.PathLike[str], job: Job) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, to_dict(job))
-    return path
+    return Path(path)
 
 
 def job_spec(
@@ -273,10 +258,9 @@ def job_spec(
     launch_prefix: str,
     train_runtime: float | None = None,
 ) -> str:
-    """The compact JSON spec of run ``name``'s ``kind`` job (train, preflight, evaluate), as the
-    rule passes it: ``settings``, the run's as the rank gets them (an evaluation's: its
-    geometry, batch size and workers), its paths, and the execution block: where and how it
-    runs, which reruns nothing (a resource, not a param)."""
+    """The compact JSON spec of run ``name``'s ``kind`` job (train, preflight, evaluate):
+    ``settings`` as the rank gets them, its paths, and where and how it runs (``execution``:
+    a resource, which reruns nothing)."""
     paths: dict[str, Any] = {
         "prepared_train": PREPARED.format("train"),
         "split_dir": "results/split",
@@ -325,7 +309,7 @@ def compact_spec(data: dict[str, Any]) -> str:
     return json.dumps({"version": __version__, **spec}, separators=(",", ":"))
 
 
-def _from_compact(data: Any, where: str) -> Any:
+def _from_compact(data: Any) -> Any:
     """A compact spec with its run's defaults filled in, its version checked; other JSON as is."""
     if not isinstance(data, dict) or "version" not in data:
         return data

@@ -1,9 +1,5 @@
 """The train and evaluate stages at the job level: write the job spec, start the ranks through
-the launcher, record the job. The per-rank code is :mod:`imagenet_ddp.training.worker` and
-:mod:`imagenet_ddp.evaluation.evaluate`; both read the typed spec this module writes
-(:class:`imagenet_ddp.jobs.spec.TrainJob`, ``EvalJob``).
-
-Torch-free: this runs in the rule's process, which only waits for the ranks.
+the launcher, record the job. Torch-free: the rule's process only waits for the ranks.
 """
 
 from __future__ import annotations
@@ -34,13 +30,10 @@ RETRAIN = "IMAGENET_DDP_RETRAIN"  # =1: a delivered run trains again from scratc
 
 
 def start_afresh_if_delivered(checkpoint_root: Path, environ=None) -> Path | None:
-    """`IMAGENET_DDP_RETRAIN=1 snakemake --forcerun train` (docs/configuration.md "Reruns"):
-    a run whose outputs were delivered (its marker) trains from scratch, not from its final
-    checkpoint (which would only write the same model again). Asked for, never inferred: a
-    Snakemake restarted after the job ended reruns it as incomplete, and must resume. The
-    earlier checkpoints and attempt record move to ``<root>.previous`` (replacing an older
-    one; the marker goes with them, so a resubmission of this job resumes the new training);
-    returns that path, None if nothing moved."""
+    """`IMAGENET_DDP_RETRAIN=1 snakemake --forcerun train` (docs/configuration.md "Reruns"): a
+    delivered run trains from scratch. Asked for, never inferred (a restarted Snakemake reruns
+    it as incomplete, and must resume). Its checkpoints, record and marker move to
+    ``<root>.previous``, which is returned (None if nothing moved)."""
     environ = os.environ if environ is None else environ
     root = Path(checkpoint_root)
     if environ.get(RETRAIN) != "1" or not (root / DELIVERED).is_file():
@@ -53,13 +46,8 @@ def start_afresh_if_delivered(checkpoint_root: Path, environ=None) -> Path | Non
 
 
 def train_job(job: TrainJob) -> int:
-    """Train one run as ``job.run``'s geometry of ranks; on success write ``job.json`` and the
-    provenance beside ``model.pt``.
-
-    ``job.run``: the run's settings as the rule resolved them (``train_defaults`` merged in),
-    geometry included: the worker checks the ranks that started against it and keys
-    checkpoints by it.
-    """
+    """Train one run on ``job.run``'s geometry of ranks; on success write ``job.json`` and the
+    provenance beside ``model.pt``."""
     from imagenet_ddp.jobs.launch import on_allocation, run_attempt
 
     _ = job.geometry  # a run without its geometry is refused before anything is written
@@ -95,9 +83,8 @@ def train_job(job: TrainJob) -> int:
 
 
 def evaluate_job(job: EvalJob) -> int:
-    """Evaluate a model on ``job.geometry``'s ranks; rank 0 writes ``job.paths.out``
-    (eval.json), to which the launcher's wall time (process start-up and model loading
-    included) is added."""
+    """Evaluate a model on ``job.geometry``'s ranks; rank 0 writes eval.json, to which the job's
+    wall time (start-up and model loading included) is added."""
     from imagenet_ddp.jobs.launch import run_evaluation
 
     job = with_launcher(job, resolve_launcher(job.execution.launcher))
