@@ -606,8 +606,8 @@ def test_timms_and_deits_presets_pass_the_dry_run_at_2_x_8_gpus(preset, tmp_path
     """At the scale of the sources (2 nodes x 8 GPUs: their global batch), each preset passes
     every check (its timm model built on the meta device at its crops, its optimizer, the
     warm-up rule) and its log's hyperparameter line states the source's global batch and LR."""
-    from imagenet_ddp.jobs.attempt_log import hyperparameter_line
-    from imagenet_ddp.settings.presets import resolve_run
+    from imagenet_ddp.settings.kinds import declarations
+    from imagenet_ddp.settings.presets import hyperparameter_line, resolve_run
 
     config = demo_config()
     config["demo"]["enabled"] = False  # ImageNet's 1.28 M images
@@ -621,7 +621,7 @@ def test_timms_and_deits_presets_pass_the_dry_run_at_2_x_8_gpus(preset, tmp_path
     assert run_checks.warmup_warnings(runs, config) == []
     batch, lr = (1024, 1e-3) if preset.startswith("deit") else (2048, 5e-3)
     lr = 8e-3 if preset.endswith("a3") else lr
-    line = hyperparameter_line(runs[preset])
+    line = hyperparameter_line(runs[preset], declarations())
     assert f"global_batch={batch} " in line and f"lr_used={lr}" in line, line
 
 

@@ -28,9 +28,9 @@ from imagenet_ddp.jobs.site import (
 from imagenet_ddp.jobs.spec import PREPARED, SpecError
 from imagenet_ddp.jobs.spec import job_spec as spec_json
 from imagenet_ddp.settings.evaluation import eval_settings
-from imagenet_ddp.settings.geometry import global_batch, slurm_resources
+from imagenet_ddp.settings.geometry import slurm_resources
 from imagenet_ddp.settings.kinds import declarations, rerun_line
-from imagenet_ddp.settings.presets import scaled_lr
+from imagenet_ddp.settings.presets import hyperparameter_line
 from imagenet_ddp.settings.run_checks import CHECKED_SETTINGS, warmup_warnings
 from imagenet_ddp.settings.notices import summarised
 from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
@@ -231,19 +231,8 @@ for _line in summarised(_warnings + warmup_warnings(RUNS, config)):
 
 
 def run_hyperparameters(wildcards):
-    """The run's hyperparameters on one compact line (shown by `snakemake -n`): model, epochs,
-    batch size, lr, lr_scaling and the LR used, then every shown setting not at the schema's
-    default (a preset's values included): review them before spending GPU hours."""
-    run = RUNS[wildcards.run]
-    shown = SETTINGS.shown_settings(run)
-    always = ("model", "epochs", "batch_size", "lr", "lr_scaling")
-    values = {k: shown[k] for k in always if k in shown}
-    values["global_batch"] = global_batch(run)  # as a published recipe states it
-    values["lr_used"] = round(scaled_lr(run), 8)  # after lr_scaling
-    values.update(sorted(SETTINGS.changed_from_default(shown).items()))
-    return " ".join(
-        f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in values.items()
-    )
+    """train's `hyperparameters` param, shown by `snakemake -n` (settings.presets)."""
+    return hyperparameter_line(RUNS[wildcards.run], SETTINGS, compact=True)
 
 
 # A training job stopped by its time limit, scancel or preemption is resubmitted (Snakemake's

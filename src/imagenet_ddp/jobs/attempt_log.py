@@ -5,25 +5,14 @@ runs the job again, so each allocation keeps a file of its own. Torch-free.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 from imagenet_ddp.jobs.spec import TrainJob
-from imagenet_ddp.settings.geometry import global_batch
 from imagenet_ddp.settings.kinds import declarations
-from imagenet_ddp.settings.presets import scaled_lr
-
-
-def hyperparameter_line(run: dict) -> str:
-    """Every shown setting of ``run``, sorted, the global batch and the LR the optimizer uses:
-    the log's full record (the dry-run shows a compact line)."""
-    values = dict(sorted(declarations().shown_settings(run).items()))
-    values["global_batch"] = global_batch(run)
-    values["lr_used"] = round(scaled_lr(run), 8)
-    return " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in values.items())
+from imagenet_ddp.settings.presets import hyperparameter_line
 
 
 def open_attempt_log(link: str | os.PathLike[str], job: TrainJob) -> Path:
@@ -37,7 +26,7 @@ def open_attempt_log(link: str | os.PathLike[str], job: TrainJob) -> Path:
     path = log_dir / f"job-{job_id}-attempt{attempt}-{started}.log"
     header = (
         f"== job {job_id}, Snakemake attempt {attempt}, started {started} ==\n"
-        f"hyperparameters: {hyperparameter_line(job.run)}\n"
+        f"hyperparameters: {hyperparameter_line(job.run, declarations())}\n"
     )
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.write(fd, header.encode())

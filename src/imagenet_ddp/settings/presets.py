@@ -11,11 +11,13 @@ linear``), so another rank count keeps the source's LR per image. Torch-free.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
 
 from imagenet_ddp.settings.geometry import global_batch
+from imagenet_ddp.settings.kinds import Declarations
 
 PRESETS: dict[str, dict[str, Any]] = {
     # torchvision references/classification README, "ResNet" (torchrun --nproc_per_node=8
@@ -265,3 +267,20 @@ def scaled_lr(run: Mapping[str, Any], world_size: int | None = None) -> float:
     if run["lr_scaling"] != "linear":
         return float(run["lr"])
     return float(run["lr"]) * global_batch(run, world_size) / 256
+
+
+def hyperparameter_line(run: Mapping[str, Any], settings: Declarations, compact=False) -> str:
+    """The run's hyperparameters on one line with its global batch and ``lr_used``: every shown
+    setting (kinds: imagenet_ddp.settings.kinds), sorted, for the attempt log's header; with
+    ``compact``, the dry-run's (model, epochs, batch size, lr, lr_scaling, then the settings not
+    at the schema's default, a preset's values included): reviewed before spending GPU hours."""
+    shown = settings.shown_settings(run)
+    values, changed = dict(sorted(shown.items())), {}
+    if compact:
+        always = ("model", "epochs", "batch_size", "lr", "lr_scaling")
+        values = {k: shown[k] for k in always if k in shown}
+        changed = dict(sorted(settings.changed_from_default(shown).items()))
+    values["global_batch"] = global_batch(run)  # as a published recipe states it
+    values["lr_used"] = round(scaled_lr(run), 8)  # after lr_scaling
+    values.update(changed)
+    return " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in values.items())
