@@ -1,17 +1,8 @@
-"""Input layouts: the registry of the ways a data directory (``data.dir``) may hold the images.
-
-``archives``     the three files downloaded from image-net.org (:mod:`imagenet_ddp.data.archives`)
-``imagefolder``  an extracted ImageFolder tree ``train/<class>/*``, ``val/<class>/*`` (as
-                 ``valprep.sh`` makes it); the words from an optional ``LOC_synset_mapping.txt``
-``kaggle``       Kaggle's ILSVRC tree: ``ILSVRC/Data/CLS-LOC/{train/<wnid>,val}/*``,
-                 ``LOC_val_solution.csv``, ``LOC_synset_mapping.txt``
-
-A layout is named (``data.layout``) or found (the first in ``LAYOUTS`` whose markers all exist).
-Every layout gives the same index for the same images: classes sorted by name, samples by class
-then file name (torchvision's order), equal ``SAME_COLUMNS``; only the location columns differ,
-which the split and the prepared copy do not read (tests/test_layouts.py). Only the standard
-library at import: the dry-run checks the structure without numpy or pandas. A new layout: a
-class with ``Layout``'s methods, an entry in ``LAYOUTS``, its case in tests/test_layouts.py."""
+"""Input layouts: the registry of the ways ``data.dir`` may hold the images (each class's
+``summary``), named by ``data.layout`` or found (the first in ``LAYOUTS`` whose markers exist).
+Every layout gives the same index for the same images (torchvision's order, equal
+``SAME_COLUMNS``; tests/test_layouts.py). Standard library only at import: the dry-run checks
+the structure without numpy or pandas."""
 
 from __future__ import annotations
 
@@ -51,42 +42,26 @@ _IO_THREADS = 16  # stat/open calls per job: latency-bound on Lustre/GPFS/NFS, n
 _JPEG_TAIL = 4096  # a JPEG's end-of-image marker must lie in its last 4 KiB
 
 
-def is_ilsvrc2012(class_names: list[str]) -> bool:
-    joined = "\n".join(sorted(class_names)).encode()
-    return hashlib.sha256(joined).hexdigest() == ILSVRC2012_WNIDS_SHA256
-
-
 def check_imagenet_counts(where: str, train: dict[str, int], val: dict[str, int]) -> None:
     """For ILSVRC2012's classes only: its published counts (one line naming the class)."""
-    if not is_ilsvrc2012(list(train)):
+    if hashlib.sha256("\n".join(sorted(train)).encode()).hexdigest() != ILSVRC2012_WNIDS_SHA256:
         return
-    low, high = ILSVRC2012_TRAIN_PER_CLASS
-    for name, count in sorted(train.items()):
-        if not low <= count <= high:
-            raise InputError(
-                f"{where}: class {name} has {count} train images, ILSVRC2012 has {low} to "
-                f"{high} per class; the copy is incomplete: restore it or re-extract it"
-            )
-    for name, count in sorted(val.items()):
-        if count != ILSVRC2012_VAL_PER_CLASS:
-            raise InputError(
-                f"{where}: class {name} has {count} validation images, ILSVRC2012 has "
-                f"{ILSVRC2012_VAL_PER_CLASS}; the copy is incomplete: restore it or re-extract it"
-            )
-    total = sum(train.values())
-    if total != ILSVRC2012_TRAIN_IMAGES:
-        raise InputError(
-            f"{where}: {total} train images, ILSVRC2012 has {ILSVRC2012_TRAIN_IMAGES}; "
-            "the copy is incomplete: restore it or re-extract it"
-        )
+    (low, high), per_val = ILSVRC2012_TRAIN_PER_CLASS, ILSVRC2012_VAL_PER_CLASS
+    problems = [f"class {n} has {c} train images, ILSVRC2012 has {low} to {high} per class"
+                for n, c in sorted(train.items()) if not low <= c <= high]  # fmt: skip
+    problems += [f"class {n} has {c} validation images, ILSVRC2012 has {per_val}"
+                 for n, c in sorted(val.items()) if c != per_val]  # fmt: skip
+    if (total := sum(train.values())) != ILSVRC2012_TRAIN_IMAGES:
+        problems.append(f"{total} train images, ILSVRC2012 has {ILSVRC2012_TRAIN_IMAGES}")
+    if problems:
+        raise InputError(f"{where}: {problems[0]}; the copy is incomplete: restore it or "
+                         "re-extract it")  # fmt: skip
 
 
 class Layout:
-    """One way of keeping the images; a layout also has ``class_count(data_dir)`` (as cheap as
-    the dry-run's checks), ``verify(data_dir, check_files=)``, ``build_index(data_dir)``,
-    ``read_items(data_dir, which, index)`` ((sample_id, bytes) in index order; InputError where
-    the data changed since indexing) and ``place(data_dir, which, member, name)`` (for a
-    message)."""
+    """One way of keeping the images; it also has ``class_count``, ``verify``, ``build_index``,
+    ``read_items`` ((sample_id, bytes) in index order, refusing data changed since indexing)
+    and ``place`` (a sample's location, for a message)."""
 
     name: str
     summary: str

@@ -1,12 +1,8 @@
-"""Writing the prepared copy (its format: :mod:`imagenet_ddp.data.prepared_layout`).
-
-The image bytes are read at the index's offsets in sample_id order, converted in a process pool
-(ordered, bounded in flight) and written into shards fixed by the index alone
-(:func:`num_shards`): one job (:func:`prepare`) or K jobs (:func:`prepare_chunk`, then
-:func:`join_chunks`) give the same bytes for any ``workers``. A copy appears by an atomic rename
-under a lock beside it, and one made from the same index, classes and settings is reused; in
-the workflow it is content-addressed in prepare.dir and named by a manifest, the rule's output
-(:func:`prepare_shared`, :func:`join_shared`), so Snakemake never deletes a copy in use."""
+"""Writing the prepared copy (format: :mod:`imagenet_ddp.data.prepared_layout`): images converted
+in a process pool, in order, into shards fixed by the index alone, so one job (:func:`prepare`)
+or K (:func:`prepare_chunk`, :func:`join_chunks`) give the same bytes for any ``workers``. A
+copy from the same index and settings is reused; the workflow's is content-addressed in
+prepare.dir and named by a manifest (:func:`prepare_shared`), which Snakemake may delete."""
 
 from __future__ import annotations
 
@@ -49,6 +45,7 @@ from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import (
     atomic_path,
     exclusive_lock,
+    file_digest,
     lock_path_for,
     write_csv_atomic,
     write_json_atomic,
@@ -173,17 +170,6 @@ def _result(future, stop_if_signalled) -> list:
     return results
 
 
-def remove_stale_temporaries(out: Path) -> None:
-    """Remove the temporary siblings of ``out`` (tens of GB each) that killed writers left;
-    call it holding ``out``'s lock, which every writer holds while its temporary exists."""
-    for stale in Path(out).parent.glob(f".{Path(out).name}.tmp-*"):
-        print(f"removing {stale}: the temporary copy of a prepare that was killed", flush=True)
-        if stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            stale.unlink(missing_ok=True)
-
-
 def sample_key(sample_id: int) -> str:
     """The shard member stem of a sample (WebDataset groups members by it)."""
     return f"{sample_id:010d}"
@@ -205,12 +191,11 @@ class _ShardWriter:
     def __init__(self, directory: Path, shard_bytes: int):
         self.directory, self.shard_bytes = directory, shard_bytes
         self.shards: list[dict] = []
-        self._file = None
-        self._hash = None
+        self._file = self._hash = None
         self._offset = 0
 
     def _open(self) -> None:
-        self._close()
+        self.close()
         name = shard_name(len(self.shards))
         self._file = open(self.directory / name, "wb")  # noqa: SIM115 (closed in _close)
         self._hash = hashlib.sha256()
@@ -223,7 +208,7 @@ class _ShardWriter:
         self._offset += len(block)
         self.shards[-1]["bytes"] = self._offset
 
-    def _close(self) -> None:
+    def close(self) -> None:
         if self._file is not None:
             self._append(_TAR_END)
             self._file.close()
@@ -242,9 +227,6 @@ class _ShardWriter:
         self._append(jpg + cls)
         self.shards[-1]["samples"] += 1
         return len(self.shards) - 1, offset
-
-    def close(self) -> None:
-        self._close()
 
 
 def num_shards(num_samples: int, shard_samples: int) -> int:
@@ -297,7 +279,12 @@ def write_shard_parts(
                                 "name": row["name"], "error": error})  # fmt: skip
                 continue
             shard = (start + position) // shard_samples
-            writer = _shard_writer(writers, parts_dir, shard)
+            writer = writers.get(shard)
+            if writer is None:  # a new shard: the previous ones are done (images come in order)
+                for previous in writers.values():
+                    previous.close()
+                (parts_dir / f"{shard:05d}").mkdir(parents=True)  # one shard each: no size limit
+                writer = writers[shard] = _ShardWriter(parts_dir / f"{shard:05d}", sys.maxsize)
             label = class_index[position]
             _, offset = writer.write(data, key=sample_key(sample_id), label=label)
             rows.append((sample_id, label, shard, offset, len(data)))
@@ -310,29 +297,6 @@ def write_shard_parts(
         for s, w in sorted(writers.items())
     ]
     return rows, records, skipped
-
-
-def _shard_writer(writers: dict[int, _ShardWriter], parts_dir: Path, shard: int) -> _ShardWriter:
-    """The writer of ``shard``; a new shard closes the previous ones (images come in order)."""
-    writer = writers.get(shard)
-    if writer is None:
-        for previous in writers.values():
-            previous.close()
-        (parts_dir / f"{shard:05d}").mkdir(parents=True)
-        # One shard per writer: a size limit it never reaches.
-        writer = writers[shard] = _ShardWriter(parts_dir / f"{shard:05d}", sys.maxsize)
-    return writer
-
-
-def _place_file(src: Path, dest: Path, *, move: bool) -> None:
-    """Move, hard-link (same file system) or copy ``src`` to ``dest``."""
-    if move:
-        os.replace(src, dest)
-        return
-    try:
-        os.link(src, dest)
-    except OSError:
-        shutil.copyfile(src, dest)
 
 
 def finish_prepared(
@@ -353,7 +317,14 @@ def finish_prepared(
     for i, (parts_dir, record) in enumerate(parts):
         position[record["shard"]] = i
         name = shard_name(i)
-        _place_file(parts_dir / record["part"], tmp / SHARD_DIR / name, move=move)
+        src, dest = parts_dir / record["part"], tmp / SHARD_DIR / name
+        if move:
+            os.replace(src, dest)
+        else:  # a hard link where on one filesystem
+            try:
+                os.link(src, dest)
+            except OSError:
+                shutil.copyfile(src, dest)
         shards.append(
             {**{k: v for k, v in record.items() if k not in ("shard", "part")}, "name": name}
         )
@@ -373,7 +344,7 @@ def finish_prepared(
         "total_bytes": sum(s["bytes"] for s in shards),
         "shard_samples": settings["shard_samples"],
         "shards": shards,
-        "samples_csv_sha256": hashlib.sha256((tmp / SAMPLES_CSV).read_bytes()).hexdigest(),
+        "samples_csv_sha256": file_digest(tmp / SAMPLES_CSV, "sha256"),
     }
     write_json_atomic(tmp / PREPARED_JSON, info)
     return info
@@ -410,7 +381,7 @@ CHUNK_PARTS = "parts"
 
 def _sha256(path: Path) -> str:
     try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        return file_digest(path, "sha256")
     except FileNotFoundError:
         raise InputError(f"{path} not found; run `imagenet-ddp index` first") from None
 
@@ -445,22 +416,34 @@ def is_prepared(out: Path, wanted: dict) -> bool:
         return False
 
 
-def prepare(data_dir: Path, index_dir: Path, which: str, out: Path, **settings) -> bool:
-    """Build ``out`` unless an identical copy is there; True if it was reused. ``settings``:
-    short_side, quality, on_corrupt, shard_samples, workers."""
-    wanted = identity(index_dir, which, settings)
+def _build_once(out: Path, wanted: dict, jobs: int, build) -> bool:
+    """``build()`` (returning the summary) under ``out``'s lock, unless a copy of ``wanted`` is
+    there; True if it was reused. Killed writers' temporaries (tens of GB) are removed first:
+    every writer holds the lock while its temporary exists."""
     with exclusive_lock(lock_path_for(out)):
         if is_prepared(out, wanted):
             return True
-        remove_stale_temporaries(out)
-        index, num_classes = _read_inputs(index_dir, which)
-        summary = prepare_split(
-            data_dir, index, out, which=which, num_classes=num_classes, **settings
-        )
-        write_provenance(
-            provenance_file(out), "prepare", wanted, extra={"summary": summary, "jobs": 1}
-        )
+        for stale in Path(out).parent.glob(f".{Path(out).name}.tmp-*"):
+            print(f"removing {stale}: the temporary copy of a prepare that was killed", flush=True)
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+        summary = build()
+        extra = {"summary": summary, "jobs": jobs}
+        write_provenance(provenance_file(out), "prepare", wanted, extra=extra)
     return False
+
+
+def prepare(data_dir: Path, index_dir: Path, which: str, out: Path, **settings) -> bool:
+    """Build ``out`` unless an identical copy is there; True if it was reused. ``settings``:
+    short_side, quality, on_corrupt, shard_samples, workers."""
+
+    def build() -> dict:
+        index, num_classes = _read_inputs(index_dir, which)
+        return prepare_split(data_dir, index, out, which=which, num_classes=num_classes, **settings)
+
+    return _build_once(out, identity(index_dir, which, settings), 1, build)
 
 
 def prepare_chunk(
@@ -536,10 +519,8 @@ def join_chunks(chunk_dirs: list[Path], out: Path) -> bool:
     is there; True if it was reused."""
     chunks = _read_chunks(chunk_dirs)
     wanted = chunks[0]["identity"]
-    with exclusive_lock(lock_path_for(out)):
-        if is_prepared(out, wanted):
-            return True
-        remove_stale_temporaries(out)
+
+    def build() -> dict:
         rows = pd.concat(
             [pd.read_csv(c["dir"] / CHUNK_ROWS, dtype="int64") for c in chunks],
             ignore_index=True,
@@ -554,11 +535,9 @@ def join_chunks(chunk_dirs: list[Path], out: Path) -> bool:
             info = finish_prepared(
                 tmp, parts, list(rows.itertuples(index=False)), skipped, settings, move=False
             )
-        summary = {**info, "out_dir": str(out)}
-        write_provenance(
-            provenance_file(out), "prepare", wanted, extra={"summary": summary, "jobs": len(chunks)}
-        )
-    return False
+        return {**info, "out_dir": str(out)}
+
+    return _build_once(out, wanted, len(chunks), build)
 
 
 def shared_copy(root: Path, wanted: dict) -> Path:
