@@ -1,15 +1,8 @@
-"""A small synthetic ILSVRC2012 in exactly the real layout, so the whole workflow runs anywhere.
-
-``make_demo_dataset`` writes the three archives (a real-format ``meta.mat`` with non-leaf
-synsets and ILSVRC2012_IDs *not* in wnid order, as in the real devkit) and ``md5sums``,
-byte-identical for the same arguments (fixed tar metadata, gzip mtime 0, fixed .mat header).
-
-Images carry a class signal a small CNN learns in a couple of CPU epochs (per-class hue, stripe
-orientation and frequency; per-image noise, phase, scale and size/aspect jitter). As in the real
-data, one train JPEG is grayscale, one is CMYK and one is a PNG under a .JPEG name, and one val
-JPEG is grayscale. Inner train tars store members in numeric order (..._998, ..._1002), which is
-not the lexicographic order torchvision uses, so the tests catch an index that trusts tar order.
-"""
+"""A small synthetic ILSVRC2012 in exactly the real layout, so the whole workflow runs anywhere:
+the three archives (a real-format ``meta.mat`` with non-leaf synsets and ILSVRC2012_IDs not in
+wnid order) and ``md5sums``, byte-identical for the same arguments. Images carry a class signal
+(per-class hue and stripes) a small CNN learns in a couple of CPU epochs, and the real data's
+oddities: grayscale, CMYK and a PNG named .JPEG; inner train tars in numeric, not name, order."""
 
 from __future__ import annotations
 
@@ -40,16 +33,10 @@ _JPEG_QUALITY = 90
 
 
 def _tarinfo(name: str, size: int = 0, *, directory: bool = False) -> tarfile.TarInfo:
-    info = tarfile.TarInfo(name)
-    info.size = size
-    info.mtime = _MTIME
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
+    info = tarfile.TarInfo(name)  # uid and gid 0, no user names, mode 0o644
+    info.size, info.mtime = size, _MTIME
     if directory:
-        info.type = tarfile.DIRTYPE
-        info.mode = 0o755
-    else:
-        info.mode = 0o644
+        info.type, info.mode = tarfile.DIRTYPE, 0o755
     return info
 
 
@@ -73,16 +60,8 @@ def _wnids(rng: np.random.Generator, count: int, low: int, high: int) -> list[st
 def _meta_mat(synsets: list[dict]) -> bytes:
     import scipy.io as sio
 
-    fields = [
-        "ILSVRC2012_ID",
-        "WNID",
-        "words",
-        "gloss",
-        "num_children",
-        "children",
-        "wordnet_height",
-        "num_train_images",
-    ]
+    fields = "ILSVRC2012_ID WNID words gloss num_children children wordnet_height num_train_images"
+    fields = fields.split()
     array = np.empty((len(synsets), 1), dtype=[(f, object) for f in fields])
     for i, s in enumerate(synsets):
         array[i, 0] = (

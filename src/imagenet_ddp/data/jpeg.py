@@ -21,12 +21,6 @@ def decode_jpeg(data, min_size: tuple[int, int] | None = None) -> torch.Tensor:
     return torch.from_numpy(array).permute(2, 0, 1)
 
 
-def jpeg_size(data) -> tuple[int, int]:
-    """(height, width) from the JPEG header; nothing is decoded."""
-    height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-    return height, width
-
-
 class RandomResizedCropDecode(v2.RandomResizedCrop):
     """``v2.RandomResizedCrop`` that also takes the encoded JPEG: the box is drawn first from the
     header's size by its own ``make_params`` (the same draws as on a decoded image), and where
@@ -37,7 +31,7 @@ class RandomResizedCropDecode(v2.RandomResizedCrop):
         data = inputs[0] if len(inputs) == 1 else None
         if not isinstance(data, (bytes, np.ndarray)):
             return super().forward(*inputs)
-        height, width = jpeg_size(data)
+        height, width, _, _ = simplejpeg.decode_jpeg_header(data)  # nothing decoded
         box = self.make_params([torch.empty((1, 1, 1)).expand(1, height, width)])
         factor = 1
         while factor < 8 and min(box["height"] / self.size[0], box["width"] / self.size[1]) >= (
