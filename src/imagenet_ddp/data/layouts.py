@@ -93,7 +93,10 @@ class Archives(Layout):
 
         report = verify_archives(data_dir, check_md5=check_files)
         classes, train, val = build_index(data_dir)
-        _check_index_counts(data_dir, classes, train, val)
+        wnids = classes["wnid"].tolist()
+        check_imagenet_counts(
+            str(data_dir), _counts(wnids, train["wnid"]), _counts(wnids, val["wnid"])
+        )
         return report
 
     def build_index(self, data_dir: Path):
@@ -112,16 +115,6 @@ class Archives(Layout):
     @staticmethod
     def _archive(data_dir: Path, which: str) -> Path:
         return Path(data_dir) / (TRAIN_ARCHIVE if which == "train" else VAL_ARCHIVE)
-
-
-def _check_index_counts(data_dir, classes, train, val) -> None:
-    wnids = classes["wnid"].tolist()
-    per_class = {w: 0 for w in wnids}
-    check_imagenet_counts(
-        str(data_dir),
-        {**per_class, **train["wnid"].value_counts().to_dict()},
-        {**per_class, **val["wnid"].value_counts().to_dict()},
-    )
 
 
 class _Folders(Layout):
@@ -169,7 +162,8 @@ class _Folders(Layout):
     def verify(self, data_dir: Path, *, check_files: bool) -> dict:
         data_dir = Path(data_dir)
         classes, train, val = self.listing(data_dir)
-        check_imagenet_counts(str(data_dir), _counts(classes, train), _counts(classes, val))
+        counts = [_counts(classes, (c for c, _, _ in samples)) for samples in (train, val)]
+        check_imagenet_counts(str(data_dir), *counts)
         if check_files:
             _check_files(data_dir, [*train, *val])
         return {
@@ -186,13 +180,11 @@ class _Folders(Layout):
         data_dir = Path(data_dir)
         classes, train, val = self.listing(data_dir)
         words = self.words(data_dir, classes)
-        table = pd.DataFrame(
-            {"class_index": np.arange(len(classes), dtype=np.int64), "wnid": classes}
-        )
-        table["words"] = [words[c] for c in classes]
+        table = pd.DataFrame({"class_index": np.arange(len(classes), dtype=np.int64),
+                              "wnid": classes, "words": [words[c] for c in classes]})  # fmt: skip
         rank = {c: i for i, c in enumerate(classes)}
         return (
-            table[["class_index", "wnid", "words"]],
+            table,
             _sample_table(data_dir, train, rank),
             _sample_table(data_dir, val, rank),
         )
@@ -462,8 +454,9 @@ def _read_val_solution(path: Path, classes: set[str]) -> dict[str, str]:
     return labels
 
 
-def _counts(classes: list[str], samples: list[tuple[str, str, str]]) -> dict[str, int]:
-    return {**dict.fromkeys(classes, 0), **collections.Counter(c for c, _, _ in samples)}
+def _counts(classes: list[str], labels) -> dict[str, int]:
+    """Images per class (``labels``: one class name per image), every class listed."""
+    return {**dict.fromkeys(classes, 0), **collections.Counter(labels)}
 
 
 def _file_problem(path: Path) -> str | None:

@@ -334,10 +334,7 @@ def finish_prepared(
     info = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "which": settings["which"],
-        "short_side": settings["short_side"],
-        "quality": settings["quality"],
-        "num_classes": settings["num_classes"],
+        **{k: settings[k] for k in ("which", "short_side", "quality", "num_classes")},
         "num_samples": len(rows),
         "num_skipped": len(skipped),
         "skipped": skipped,

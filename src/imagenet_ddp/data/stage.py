@@ -182,9 +182,7 @@ def ram_copy_problem(
     ``nvidia`` lists a GPU) above ``limit`` (:func:`memory_limit`) would be OOM-killed in the
     first epoch. None where it fits, no limit is known, or a complete copy is there."""
     fs_type = _ram_fs(scratch)
-    if limit is None or fs_type is None:
-        return None
-    if (staged_path(src, scratch) / MARKER).is_file():
+    if limit is None or fs_type is None or (staged_path(src, scratch) / MARKER).is_file():
         return None
     copy = sum(size for _, size in _files(src))
     samples = json.loads((Path(src) / PREPARED_JSON).read_text()).get("num_samples", 0)
