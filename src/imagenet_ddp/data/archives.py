@@ -40,7 +40,6 @@ DEVKIT_ROOT = "ILSVRC2012_devkit_t12"
 META_MAT = f"{DEVKIT_ROOT}/data/meta.mat"
 VAL_GROUND_TRUTH = f"{DEVKIT_ROOT}/data/ILSVRC2012_validation_ground_truth.txt"
 
-CLASS_COLUMNS = ["class_index", "wnid", "words"]
 # member_offset/member_size: the per-class tar in the outer train tar (val: 0, 0); offset: the
 # image's data in it (val: in the val tar). prepare reads it at member_offset + offset.
 SAMPLE_COLUMNS = [
@@ -345,39 +344,27 @@ def verify_archives(data_dir: Path, *, check_md5: bool = True) -> dict:
 
 def _class_table(devkit) -> pd.DataFrame:
     wnids = devkit.wnids
-    return pd.DataFrame(
-        {
-            "class_index": np.arange(len(wnids), dtype=np.int64),
-            "words": [devkit.wnid_to_words[w] for w in wnids],
-            "wnid": wnids,
-        }
-    )[CLASS_COLUMNS]
+    return pd.DataFrame({"class_index": np.arange(len(wnids), dtype=np.int64), "wnid": wnids,
+                         "words": [devkit.wnid_to_words[w] for w in wnids]})  # fmt: skip
 
 
 def _train_table(wnids: list[str], listing) -> pd.DataFrame:
     """One row per image of the train archive's per-class members, in the listing's order."""
-    counts = np.array([len(e) for e in listing.entries], dtype=np.int64)
+    counts = [len(e) for e in listing.entries]
     class_of_sample = np.repeat(np.arange(len(wnids), dtype=np.int64), counts)
-    n = int(counts.sum())
-    names = [name for entries in listing.entries for name, _, _ in entries]
-    sizes = np.fromiter(
-        (size for entries in listing.entries for _, size, _ in entries), np.int64, n
-    )
-    absolute = np.fromiter(
-        (offset for entries in listing.entries for _, _, offset in entries), np.int64, n
-    )
+    names, sizes, absolute = zip(*(e for entries in listing.entries for e in entries), strict=True)
     member_offsets = np.asarray(listing.member_offsets, dtype=np.int64)[class_of_sample]
     return pd.DataFrame(
         {
-            "sample_id": np.arange(n, dtype=np.int64),
+            "sample_id": np.arange(len(names), dtype=np.int64),
             "class_index": class_of_sample,
             "wnid": np.asarray(wnids, dtype=object)[class_of_sample],
             "member": np.asarray(listing.members, dtype=object)[class_of_sample],
-            "name": names,
-            "size": sizes,
+            "name": list(names),
+            "size": np.array(sizes, dtype=np.int64),
             "member_offset": member_offsets,
             "member_size": np.asarray(listing.member_sizes, dtype=np.int64)[class_of_sample],
-            "offset": absolute - member_offsets,
+            "offset": np.array(absolute, dtype=np.int64) - member_offsets,
         }
     )
 
@@ -406,7 +393,7 @@ def _val_table(devkit, val_entries) -> pd.DataFrame:
 
 
 def build_index(data_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """(classes, train, val) tables from the archives' headers: CLASS_COLUMNS and
+    """(classes, train, val) tables from the archives' headers: class_index, wnid, words and
     SAMPLE_COLUMNS, by class index then file name (val's member "", member_offset 0)."""
     devkit, train_listing, val_entries = _read_consistent_archives(Path(data_dir))
     train = _train_table(devkit.wnids, train_listing)

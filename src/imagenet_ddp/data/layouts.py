@@ -221,7 +221,6 @@ class ImageFolder(_Folders):
         files = []
         for name in classes:
             folder = f"{self.val_dir}/{name}"
-            _require_not_empty(Path(data_dir) / folder)
             files.extend((name, folder, f) for f in _image_files(data_dir, folder, skipped))
         return files
 

@@ -23,7 +23,6 @@ import threading
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import pandas as pd
@@ -162,12 +161,9 @@ def _converted(items: Iterator, workers: int) -> Iterator[tuple[int, bytes | Non
 def _result(future, stop_if_signalled) -> list:
     """A chunk's results; a stop noted meanwhile first (a SIGTERM kills the workers)."""
     try:
-        results = future.result()
-    except BrokenProcessPool:
+        return future.result()  # BrokenProcessPool where a stop killed the workers
+    finally:
         stop_if_signalled()
-        raise
-    stop_if_signalled()
-    return results
 
 
 def sample_key(sample_id: int) -> str:
@@ -461,27 +457,19 @@ def prepare_chunk(
         raise InputError(f"chunk {chunk} of {chunks}: use 0 <= chunk < chunks (prepare.jobs)")
     find_layout(data_dir)
     wanted = identity(index_dir, which, settings)
-    if shared_root is not None and is_prepared(shared_copy(shared_root, wanted), wanted):
-        record = {"identity": wanted, "chunk": chunk, "chunks": chunks, "reuses": True}
-        with atomic_path(chunk_dir, is_dir=True) as tmp:
-            write_json_atomic(tmp / CHUNK_JSON, record)
-        return record
-    index, num_classes = _read_inputs(index_dir, which)
-    shards = chunk_shards(num_shards(len(index), settings["shard_samples"]), chunk, chunks)
+    record = {"identity": wanted, "chunk": chunk, "chunks": chunks}
     with atomic_path(chunk_dir, is_dir=True) as tmp:
-        rows, records, skipped = write_shard_parts(
-            data_dir, index, tmp / CHUNK_PARTS, shards, which=which, workers=workers, **settings
-        )
-        write_csv_atomic(tmp / CHUNK_ROWS, pd.DataFrame(rows, columns=ROW_COLUMNS))
-        record = {
-            "identity": wanted,
-            "num_classes": num_classes,
-            "chunk": chunk,
-            "chunks": chunks,
-            "shards": [shards.start, shards.stop],
-            "records": records,
-            "skipped": skipped,
-        }
+        if shared_root is not None and is_prepared(shared_copy(shared_root, wanted), wanted):
+            record["reuses"] = True
+        else:
+            index, num_classes = _read_inputs(index_dir, which)
+            shards = chunk_shards(num_shards(len(index), settings["shard_samples"]), chunk, chunks)
+            rows, records, skipped = write_shard_parts(
+                data_dir, index, tmp / CHUNK_PARTS, shards, which=which, workers=workers, **settings
+            )
+            write_csv_atomic(tmp / CHUNK_ROWS, pd.DataFrame(rows, columns=ROW_COLUMNS))
+            record.update(num_classes=num_classes, shards=[shards.start, shards.stop],
+                          records=records, skipped=skipped)  # fmt: skip
         write_json_atomic(tmp / CHUNK_JSON, record)
     return record
 
