@@ -113,15 +113,11 @@ def _render(style: dict, image_size: int, rng: np.random.Generator) -> np.ndarra
 
 
 def _encode(pixels: np.ndarray, kind: str = "rgb") -> bytes:
-    image = Image.fromarray(pixels, "RGB")
+    image = Image.fromarray(pixels, "RGB").convert({"gray": "L", "cmyk": "CMYK"}.get(kind, "RGB"))
     buf = io.BytesIO()
     if kind == "png":
         image.save(buf, format="PNG", optimize=False, compress_level=6)
     else:
-        if kind == "gray":
-            image = image.convert("L")
-        elif kind == "cmyk":
-            image = image.convert("CMYK")
         image.save(buf, format="JPEG", quality=_JPEG_QUALITY)
     return buf.getvalue()
 

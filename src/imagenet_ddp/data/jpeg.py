@@ -11,11 +11,8 @@ from torchvision.transforms import v2
 
 
 def decode_jpeg(data, min_size: tuple[int, int] | None = None) -> torch.Tensor:
-    """JPEG bytes -> uint8 RGB image, CHW (a view of the decoder's HWC array).
-
-    ``min_size`` = (height, width) the result must at least have: libjpeg-turbo then decodes at
-    the smallest DCT scale (1/8 ... 1) that reaches it, which skips most of the work.
-    """
+    """JPEG bytes -> uint8 RGB image, CHW (a view of the decoder's HWC array); with
+    ``min_size`` (height, width), at the smallest DCT scale (1/8 ... 1) that reaches it."""
     height, width = min_size or (0, 0)
     array = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=height, min_width=width)
     return torch.from_numpy(array).permute(2, 0, 1)

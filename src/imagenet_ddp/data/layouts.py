@@ -118,9 +118,8 @@ class Archives(Layout):
 
 
 class _Folders(Layout):
-    """Extracted image files: the train classes are folders; each sample is a file. A subclass
-    has ``words(data_dir, classes)`` and ``val_files(data_dir, classes, skipped)``: (class,
-    folder, file name) of every validation image, files that are no image added to skipped."""
+    """Extracted image files, a folder per train class. A subclass has ``words`` and
+    ``val_files`` ((class, folder, file name) of each validation image)."""
 
     train_dir: str
     val_dir: str
@@ -304,11 +303,7 @@ def find_layout(data_dir: str | os.PathLike[str], named: str = AUTO) -> Layout:
     for layout in LAYOUTS.values():
         if not _missing(data_dir, layout):
             return layout
-    partial = [
-        layout
-        for layout in LAYOUTS.values()
-        if len(_missing(data_dir, layout)) < len(layout.markers)
-    ]
+    partial = [lay for lay in LAYOUTS.values() if len(_missing(data_dir, lay)) < len(lay.markers)]
     if len(partial) == 1:  # the one it looks like: what it lacks, and where to get it
         missing = ", ".join(str(data_dir / m) for m in _missing(data_dir, partial[0]))
         raise InputError(

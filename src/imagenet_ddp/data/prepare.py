@@ -304,12 +304,10 @@ def finish_prepared(
     *,
     move: bool,
 ) -> dict:
-    """Place the shard files as ``shards/shard_name(i)`` (i: position among the non-empty
-    ``parts``, (parts_dir, record) in shard order), write samples.csv (``rows``' planned shard
-    numbers renumbered) and prepared.json into ``tmp``; return prepared.json's content."""
+    """Place ``parts`` ((parts_dir, record), in shard order) as ``shards/shard_name(i)``, i
+    among the non-empty, and write samples.csv and prepared.json (returned) into ``tmp``."""
     (tmp / SHARD_DIR).mkdir(exist_ok=True)
-    position = {}
-    shards = []
+    position, shards = {}, []
     for i, (parts_dir, record) in enumerate(parts):
         position[record["shard"]] = i
         name = shard_name(i)
@@ -347,9 +345,8 @@ def prepare_split(
     data_dir: Path, index: pd.DataFrame, out_dir: Path, *, which: str, num_classes: int,
     workers: int, **settings,
 ) -> dict:  # fmt: skip
-    """Write the prepared copy of ``index`` to out_dir; return prepared.json's content plus
-    ``out_dir``. ``settings``: short_side, quality, shard_samples, on_corrupt (the schema's,
-    checked there). No lock, no reuse (:func:`prepare` adds those)."""
+    """The prepared copy of ``index`` in ``out_dir``, with no lock or reuse (:func:`prepare`);
+    returns prepared.json's content plus ``out_dir``."""
     index = check_index(index, which)
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     shards = range(num_shards(len(index), settings["shard_samples"]))

@@ -66,14 +66,13 @@ def identity_digest(wanted: dict) -> str:
 
 def write_manifest(manifest: Path, copy: Path, wanted: dict, reused: bool) -> None:
     """The workflow's pointer to its copy (its `prepare` output), written last, atomically."""
-    content = content_digest(copy)
     write_json_atomic(
         manifest,
         {
             "format": MANIFEST_FORMAT,
             "dir": os.path.abspath(copy),  # the same path on every node of a cluster
             "digest": identity_digest(wanted),
-            "content_sha256": content,
+            "content_sha256": content_digest(copy),
             "identity": wanted,
             "reused": reused,
         },

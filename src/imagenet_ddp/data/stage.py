@@ -177,10 +177,9 @@ def ram_copy_problem(
     src: Path, scratch: Path, origin: str, run: dict, limit: tuple[int, str] | None,
     nvidia: Path | None = None,
 ) -> str | None:  # fmt: skip
-    """Why this node must not copy ``src`` into ``scratch``: in RAM (a diskless node's /tmp)
-    the copy and the ranks (settings.node_memory's estimate for ``run``, its CUDA part where
-    ``nvidia`` lists a GPU) above ``limit`` (:func:`memory_limit`) would be OOM-killed in the
-    first epoch. None where it fits, no limit is known, or a complete copy is there."""
+    """Why this node must not copy ``src`` into ``scratch`` in RAM (a diskless node's /tmp):
+    the copy and the ranks (settings.node_memory's estimate) above ``limit`` would be
+    OOM-killed in the first epoch. None where it fits, no limit is known, or it is staged."""
     fs_type = _ram_fs(scratch)
     if limit is None or fs_type is None or (staged_path(src, scratch) / MARKER).is_file():
         return None
@@ -287,11 +286,8 @@ def _lease_file(dest: Path, lease: str) -> Path:
 
 
 def stage_dataset(src: Path, scratch_root: Path, *, verify: str, lease: str | None = None) -> dict:
-    """Copy ``src`` (a prepared dir) under ``scratch_root`` unless a verified copy is there.
-
-    ``verify``: ``size`` or ``sha256`` (stage.verify). ``lease``: the staging job's heartbeat
-    file (io.Heartbeat); :func:`cleanup_staged` with it removes the copy only if no other job
-    holds a lease on it."""
+    """Copy ``src`` (a prepared dir) under ``scratch_root`` unless a verified copy is there,
+    checked by ``verify`` (stage.verify); ``lease``: the job's io.Heartbeat file."""
     src, fp, dest = Path(src), fingerprint(src), staged_path(src, scratch_root)
     files = _files(src)
     total = sum(size for _, size in files)
