@@ -2,7 +2,8 @@
 in a process pool, in order, into shards fixed by the index alone, so one job (:func:`prepare`)
 or K (:func:`prepare_chunk`, :func:`join_chunks`) give the same bytes for any ``workers``. A
 copy from the same index and settings is reused; the workflow's is content-addressed in
-prepare.dir and named by a manifest (:func:`prepare_shared`), which Snakemake may delete."""
+prepare.dir and named by a manifest, the rule's output (:func:`prepare_shared`), so Snakemake
+never deletes a copy in use."""
 
 from __future__ import annotations
 
@@ -187,13 +188,12 @@ class _ShardWriter:
     def __init__(self, directory: Path, shard_bytes: int):
         self.directory, self.shard_bytes = directory, shard_bytes
         self.shards: list[dict] = []
-        self._file = self._hash = None
-        self._offset = 0
+        self._file, self._hash, self._offset = None, None, 0
 
     def _open(self) -> None:
         self.close()
         name = shard_name(len(self.shards))
-        self._file = open(self.directory / name, "wb")  # noqa: SIM115 (closed in _close)
+        self._file = open(self.directory / name, "wb")  # noqa: SIM115 (closed in close)
         self._hash = hashlib.sha256()
         self._offset = 0
         self.shards.append({"name": name, "bytes": 0, "samples": 0, "sha256": None})
