@@ -40,7 +40,6 @@ DEVKIT_ROOT = "ILSVRC2012_devkit_t12"
 META_MAT = f"{DEVKIT_ROOT}/data/meta.mat"
 VAL_GROUND_TRUTH = f"{DEVKIT_ROOT}/data/ILSVRC2012_validation_ground_truth.txt"
 
-CLASS_COLUMNS = ["class_index", "wnid", "words"]
 # member_offset/member_size: the per-class tar in the outer train tar (val: 0, 0); offset: the
 # image's data in it (val: in the val tar). prepare reads it at member_offset + offset.
 SAMPLE_COLUMNS = [
@@ -84,42 +83,36 @@ def require_archives(data_dir: Path, names: tuple[str, ...] = ARCHIVES) -> None:
         )
 
 
-def _require_end_block(f, offset: int, path: Path) -> None:
-    """After tarfile listed all members: the next block must be the end-of-archive marker."""
-    f.seek(offset)
-    if f.read(_BLOCK) != _ZERO_BLOCK:
-        raise _corrupt(path, "no end-of-archive block: the file was cut short")
-
-
-def _scan_with_tarfile(
-    fileobj, base: int, length: int, path: Path, *, require_end: bool = False
-) -> list[Entry]:
-    entries: list[Entry] = []
-    with tarfile.open(fileobj=fileobj, mode="r:") as tar:
-        for member in tar:
-            if not member.isreg():
-                raise InputError(
-                    f"{path}: unexpected {'directory' if member.isdir() else 'non-file'} member "
-                    f"{member.name!r}; {_redownload(path)}"
-                )
-            if member.offset_data + member.size > length:
-                raise _corrupt(path, f"member {member.name} runs past the end")
-            entries.append((member.name, member.size, base + member.offset_data))
-        if require_end:
-            _require_end_block(fileobj, tar.offset, path)
-    return entries
+def _members(tar: tarfile.TarFile, fileobj, length: int, path: Path, *, outer: bool) -> list:
+    """The members of ``tar`` (in ``fileobj`` of ``length`` bytes), headers only: regular files
+    within it; an ``outer`` (whole-file) tar must have members and its end-of-archive block."""
+    members = []
+    for member in tar:
+        if not member.isreg():
+            raise InputError(
+                f"{path}: unexpected {'directory' if member.isdir() else 'non-file'} member "
+                f"{member.name!r}; {_redownload(path)}"
+            )
+        if member.offset_data + member.size > length:
+            raise _corrupt(path, f"member {member.name} runs past the end")
+        members.append(member)
+    if outer:
+        if not members:
+            raise _corrupt(path, "no members")
+        fileobj.seek(tar.offset)
+        if fileobj.read(_BLOCK) != _ZERO_BLOCK:
+            raise _corrupt(path, "no end-of-archive block: the file was cut short")
+    return members
 
 
 def _list_flat_tar(path: Path) -> list[Entry]:
     """All regular-file members of the (uncompressed) tar at ``path``."""
     try:
-        with open(path, "rb") as f:
-            entries = _scan_with_tarfile(f, 0, path.stat().st_size, path, require_end=True)
+        with open(path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
+            members = _members(tar, f, path.stat().st_size, path, outer=True)
     except _TAR_ERRORS as exc:
         raise _corrupt(path, str(exc) or type(exc).__name__) from None
-    if not entries:
-        raise _corrupt(path, "no members")
-    return entries
+    return [(m.name, m.size, m.offset_data) for m in members]
 
 
 @dataclass(frozen=True)
@@ -141,30 +134,22 @@ class TrainListing:
 def list_train_archive(data_dir: Path) -> TrainListing:
     """List the outer train tar and every inner per-class tar, reading headers only."""
     path = Path(data_dir) / TRAIN_ARCHIVE
-    require_archives(data_dir, (TRAIN_ARCHIVE,))
-    length = path.stat().st_size
     per_wnid: dict[str, tuple[str, int, int, list[Entry]]] = {}
     try:
         with open(path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as outer:
-            inner_tars = []
-            for member in outer:
-                match = _INNER_TAR.fullmatch(member.name)
-                if not member.isreg() or match is None:
+            inner_tars = _members(outer, f, path.stat().st_size, path, outer=True)
+            for member in inner_tars:
+                if not _INNER_TAR.fullmatch(member.name):
                     raise InputError(
                         f"{path}: unexpected member {member.name!r} (the train archive must hold "
                         f"only per-class tars nXXXXXXXX.tar); {_redownload(path)}"
                     )
-                if member.offset_data + member.size > length:
-                    raise _corrupt(path, f"member {member.name} runs past the end")
-                inner_tars.append(member)
-            if not inner_tars:
-                raise _corrupt(path, "no members")
-            _require_end_block(f, outer.offset, path)
             for member in inner_tars:
                 label = Path(f"{path}:{member.name}")
-                entries = _scan_with_tarfile(
-                    outer.extractfile(member), member.offset_data, member.size, label
-                )
+                inner = outer.extractfile(member)
+                with tarfile.open(fileobj=inner, mode="r:") as tar:
+                    members = _members(tar, inner, member.size, label, outer=False)
+                entries = [(m.name, m.size, member.offset_data + m.offset_data) for m in members]
                 wnid = member.name[: -len(".tar")]
                 for name, _, _ in entries:
                     if "/" in name or not name.lower().endswith(IMAGE_SUFFIXES):
@@ -185,7 +170,6 @@ def list_train_archive(data_dir: Path) -> TrainListing:
 def list_val_archive(data_dir: Path) -> list[Entry]:
     """The val tar's images, sorted by name."""
     path = Path(data_dir) / VAL_ARCHIVE
-    require_archives(data_dir, (VAL_ARCHIVE,))
     entries = sorted(_list_flat_tar(path))
     for name, _, _ in entries:
         if not _VAL_IMAGE.fullmatch(name):
@@ -236,7 +220,6 @@ def read_devkit(data_dir: Path) -> Devkit:
     import scipy.io as sio
 
     path = Path(data_dir) / DEVKIT_ARCHIVE
-    require_archives(data_dir, (DEVKIT_ARCHIVE,))
     members = _devkit_members(path)
     try:
         synsets = sio.loadmat(io.BytesIO(members[META_MAT]), squeeze_me=True)["synsets"]
@@ -361,39 +344,27 @@ def verify_archives(data_dir: Path, *, check_md5: bool = True) -> dict:
 
 def _class_table(devkit) -> pd.DataFrame:
     wnids = devkit.wnids
-    return pd.DataFrame(
-        {
-            "class_index": np.arange(len(wnids), dtype=np.int64),
-            "words": [devkit.wnid_to_words[w] for w in wnids],
-            "wnid": wnids,
-        }
-    )[CLASS_COLUMNS]
+    return pd.DataFrame({"class_index": np.arange(len(wnids), dtype=np.int64), "wnid": wnids,
+                         "words": [devkit.wnid_to_words[w] for w in wnids]})  # fmt: skip
 
 
 def _train_table(wnids: list[str], listing) -> pd.DataFrame:
     """One row per image of the train archive's per-class members, in the listing's order."""
-    counts = np.array([len(e) for e in listing.entries], dtype=np.int64)
+    counts = [len(e) for e in listing.entries]
     class_of_sample = np.repeat(np.arange(len(wnids), dtype=np.int64), counts)
-    n = int(counts.sum())
-    names = [name for entries in listing.entries for name, _, _ in entries]
-    sizes = np.fromiter(
-        (size for entries in listing.entries for _, size, _ in entries), np.int64, n
-    )
-    absolute = np.fromiter(
-        (offset for entries in listing.entries for _, _, offset in entries), np.int64, n
-    )
+    names, sizes, absolute = zip(*(e for entries in listing.entries for e in entries), strict=True)
     member_offsets = np.asarray(listing.member_offsets, dtype=np.int64)[class_of_sample]
     return pd.DataFrame(
         {
-            "sample_id": np.arange(n, dtype=np.int64),
+            "sample_id": np.arange(len(names), dtype=np.int64),
             "class_index": class_of_sample,
             "wnid": np.asarray(wnids, dtype=object)[class_of_sample],
             "member": np.asarray(listing.members, dtype=object)[class_of_sample],
-            "name": names,
-            "size": sizes,
+            "name": list(names),
+            "size": np.array(sizes, dtype=np.int64),
             "member_offset": member_offsets,
             "member_size": np.asarray(listing.member_sizes, dtype=np.int64)[class_of_sample],
-            "offset": absolute - member_offsets,
+            "offset": np.array(absolute, dtype=np.int64) - member_offsets,
         }
     )
 
@@ -422,7 +393,7 @@ def _val_table(devkit, val_entries) -> pd.DataFrame:
 
 
 def build_index(data_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """(classes, train, val) tables from the archives' headers: CLASS_COLUMNS and
+    """(classes, train, val) tables from the archives' headers: class_index, wnid, words and
     SAMPLE_COLUMNS, by class index then file name (val's member "", member_offset 0)."""
     devkit, train_listing, val_entries = _read_consistent_archives(Path(data_dir))
     train = _train_table(devkit.wnids, train_listing)
@@ -435,15 +406,11 @@ def header_matches(header: bytes, name: str, size: int) -> bool:
     (a long name is stored cut to 100 bytes: a prefix matches)."""
     if len(header) != _BLOCK:
         return False
-    size_field = header[124:136]
-    if not size_field[0] & 0x80:  # base-256 sizes (> 8 GiB) are not images: skip the check
-        try:
-            if int(size_field.split(b"\0", 1)[0].strip() or b"0", 8) != size:
-                return False
-        except ValueError:
-            return False
-    stored = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-    return bool(stored) and name.startswith(stored)
+    try:
+        info = tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape")  # checksum checked
+    except tarfile.HeaderError:
+        return False
+    return info.size == size and bool(info.name) and name.startswith(info.name)
 
 
 def read_archive_items(archive: Path, index: pd.DataFrame) -> Iterator[tuple[int, bytes]]:

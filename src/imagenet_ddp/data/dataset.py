@@ -47,12 +47,9 @@ def read_prepared_info(root: Path) -> dict:
 
 
 class PreparedImageDataset(torch.utils.data.Dataset):
-    """(uint8 CHW RGB tensor after ``transform``, class_index) from a prepared directory.
-
-    ``sample_ids`` selects and orders samples (None: all); ids skipped at preparation are
-    dropped with a warning, unknown ids refused. Shards are mapped lazily in each loader worker.
-    ``decode=False`` hands ``transform`` the encoded JPEG (``train_transform`` decodes only what
-    its crop needs)."""
+    """(uint8 CHW RGB tensor after ``transform``, class_index) from a prepared directory, for
+    ``sample_ids`` in their order (None: all; ids skipped at preparation dropped with a warning,
+    unknown ones refused). ``decode=False`` hands ``transform`` the encoded JPEG."""
 
     def __init__(
         self,

@@ -1,15 +1,8 @@
-"""A small synthetic ILSVRC2012 in exactly the real layout, so the whole workflow runs anywhere.
-
-``make_demo_dataset`` writes the three archives (a real-format ``meta.mat`` with non-leaf
-synsets and ILSVRC2012_IDs *not* in wnid order, as in the real devkit) and ``md5sums``,
-byte-identical for the same arguments (fixed tar metadata, gzip mtime 0, fixed .mat header).
-
-Images carry a class signal a small CNN learns in a couple of CPU epochs (per-class hue, stripe
-orientation and frequency; per-image noise, phase, scale and size/aspect jitter). As in the real
-data, one train JPEG is grayscale, one is CMYK and one is a PNG under a .JPEG name, and one val
-JPEG is grayscale. Inner train tars store members in numeric order (..._998, ..._1002), which is
-not the lexicographic order torchvision uses, so the tests catch an index that trusts tar order.
-"""
+"""A small synthetic ILSVRC2012 in exactly the real layout, so the whole workflow runs anywhere:
+the three archives (a real-format ``meta.mat`` with non-leaf synsets and ILSVRC2012_IDs not in
+wnid order) and ``md5sums``, byte-identical for the same arguments. Images carry a class signal
+(per-class hue and stripes) a small CNN learns in a couple of CPU epochs, and the real data's
+oddities: grayscale, CMYK and a PNG named .JPEG; inner train tars in numeric, not name, order."""
 
 from __future__ import annotations
 
@@ -40,16 +33,10 @@ _JPEG_QUALITY = 90
 
 
 def _tarinfo(name: str, size: int = 0, *, directory: bool = False) -> tarfile.TarInfo:
-    info = tarfile.TarInfo(name)
-    info.size = size
-    info.mtime = _MTIME
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
+    info = tarfile.TarInfo(name)  # uid and gid 0, no user names, mode 0o644
+    info.size, info.mtime = size, _MTIME
     if directory:
-        info.type = tarfile.DIRTYPE
-        info.mode = 0o755
-    else:
-        info.mode = 0o644
+        info.type, info.mode = tarfile.DIRTYPE, 0o755
     return info
 
 
@@ -73,16 +60,8 @@ def _wnids(rng: np.random.Generator, count: int, low: int, high: int) -> list[st
 def _meta_mat(synsets: list[dict]) -> bytes:
     import scipy.io as sio
 
-    fields = [
-        "ILSVRC2012_ID",
-        "WNID",
-        "words",
-        "gloss",
-        "num_children",
-        "children",
-        "wordnet_height",
-        "num_train_images",
-    ]
+    fields = "ILSVRC2012_ID WNID words gloss num_children children wordnet_height num_train_images"
+    fields = fields.split()
     array = np.empty((len(synsets), 1), dtype=[(f, object) for f in fields])
     for i, s in enumerate(synsets):
         array[i, 0] = (
@@ -134,15 +113,11 @@ def _render(style: dict, image_size: int, rng: np.random.Generator) -> np.ndarra
 
 
 def _encode(pixels: np.ndarray, kind: str = "rgb") -> bytes:
-    image = Image.fromarray(pixels, "RGB")
+    image = Image.fromarray(pixels, "RGB").convert({"gray": "L", "cmyk": "CMYK"}.get(kind, "RGB"))
     buf = io.BytesIO()
     if kind == "png":
         image.save(buf, format="PNG", optimize=False, compress_level=6)
     else:
-        if kind == "gray":
-            image = image.convert("L")
-        elif kind == "cmyk":
-            image = image.convert("CMYK")
         image.save(buf, format="JPEG", quality=_JPEG_QUALITY)
     return buf.getvalue()
 
@@ -156,13 +131,8 @@ def make_demo_dataset(
     image_size: int = 64,
     seed: int = 0,
 ) -> None:
-    """Write the three ILSVRC2012 archives and ``md5sums`` (deterministic from the arguments)."""
-    if not 1 <= num_classes <= 1000:
-        raise ValueError(f"num_classes must be in 1..1000, not {num_classes}")
-    if train_per_class < 1 or val_per_class < 1:
-        raise ValueError("train_per_class and val_per_class must be at least 1")
-    if image_size < 8:
-        raise ValueError(f"image_size must be at least 8, not {image_size}")
+    """Write the three ILSVRC2012 archives and ``md5sums`` (deterministic from the arguments;
+    their ranges: the config schema's ``demo``)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # One generator drawn from in a fixed order (classes, train, val): the same bytes per seed.

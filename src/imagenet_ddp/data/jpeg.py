@@ -11,20 +11,11 @@ from torchvision.transforms import v2
 
 
 def decode_jpeg(data, min_size: tuple[int, int] | None = None) -> torch.Tensor:
-    """JPEG bytes -> uint8 RGB image, CHW (a view of the decoder's HWC array).
-
-    ``min_size`` = (height, width) the result must at least have: libjpeg-turbo then decodes at
-    the smallest DCT scale (1/8 ... 1) that reaches it, which skips most of the work.
-    """
+    """JPEG bytes -> uint8 RGB image, CHW (a view of the decoder's HWC array); with
+    ``min_size`` (height, width), at the smallest DCT scale (1/8 ... 1) that reaches it."""
     height, width = min_size or (0, 0)
     array = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=height, min_width=width)
     return torch.from_numpy(array).permute(2, 0, 1)
-
-
-def jpeg_size(data) -> tuple[int, int]:
-    """(height, width) from the JPEG header; nothing is decoded."""
-    height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-    return height, width
 
 
 class RandomResizedCropDecode(v2.RandomResizedCrop):
@@ -37,7 +28,7 @@ class RandomResizedCropDecode(v2.RandomResizedCrop):
         data = inputs[0] if len(inputs) == 1 else None
         if not isinstance(data, (bytes, np.ndarray)):
             return super().forward(*inputs)
-        height, width = jpeg_size(data)
+        height, width, _, _ = simplejpeg.decode_jpeg_header(data)  # nothing decoded
         box = self.make_params([torch.empty((1, 1, 1)).expand(1, height, width)])
         factor = 1
         while factor < 8 and min(box["height"] / self.size[0], box["width"] / self.size[1]) >= (

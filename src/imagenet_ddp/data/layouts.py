@@ -1,17 +1,8 @@
-"""Input layouts: the registry of the ways a data directory (``data.dir``) may hold the images.
-
-``archives``     the three files downloaded from image-net.org (:mod:`imagenet_ddp.data.archives`)
-``imagefolder``  an extracted ImageFolder tree ``train/<class>/*``, ``val/<class>/*`` (as
-                 ``valprep.sh`` makes it); the words from an optional ``LOC_synset_mapping.txt``
-``kaggle``       Kaggle's ILSVRC tree: ``ILSVRC/Data/CLS-LOC/{train/<wnid>,val}/*``,
-                 ``LOC_val_solution.csv``, ``LOC_synset_mapping.txt``
-
-A layout is named (``data.layout``) or found (the first in ``LAYOUTS`` whose markers all exist).
-Every layout gives the same index for the same images: classes sorted by name, samples by class
-then file name (torchvision's order), equal ``SAME_COLUMNS``; only the location columns differ,
-which the split and the prepared copy do not read (tests/test_layouts.py). Only the standard
-library at import: the dry-run checks the structure without numpy or pandas. A new layout: a
-class with ``Layout``'s methods, an entry in ``LAYOUTS``, its case in tests/test_layouts.py."""
+"""Input layouts: the registry of the ways ``data.dir`` may hold the images (each class's
+``summary``), named by ``data.layout`` or found (the first in ``LAYOUTS`` whose markers exist).
+Every layout gives the same index for the same images (torchvision's order, equal
+``SAME_COLUMNS``; tests/test_layouts.py). Standard library only at import: the dry-run checks
+the structure without numpy or pandas."""
 
 from __future__ import annotations
 
@@ -51,42 +42,26 @@ _IO_THREADS = 16  # stat/open calls per job: latency-bound on Lustre/GPFS/NFS, n
 _JPEG_TAIL = 4096  # a JPEG's end-of-image marker must lie in its last 4 KiB
 
 
-def is_ilsvrc2012(class_names: list[str]) -> bool:
-    joined = "\n".join(sorted(class_names)).encode()
-    return hashlib.sha256(joined).hexdigest() == ILSVRC2012_WNIDS_SHA256
-
-
 def check_imagenet_counts(where: str, train: dict[str, int], val: dict[str, int]) -> None:
     """For ILSVRC2012's classes only: its published counts (one line naming the class)."""
-    if not is_ilsvrc2012(list(train)):
+    if hashlib.sha256("\n".join(sorted(train)).encode()).hexdigest() != ILSVRC2012_WNIDS_SHA256:
         return
-    low, high = ILSVRC2012_TRAIN_PER_CLASS
-    for name, count in sorted(train.items()):
-        if not low <= count <= high:
-            raise InputError(
-                f"{where}: class {name} has {count} train images, ILSVRC2012 has {low} to "
-                f"{high} per class; the copy is incomplete: restore it or re-extract it"
-            )
-    for name, count in sorted(val.items()):
-        if count != ILSVRC2012_VAL_PER_CLASS:
-            raise InputError(
-                f"{where}: class {name} has {count} validation images, ILSVRC2012 has "
-                f"{ILSVRC2012_VAL_PER_CLASS}; the copy is incomplete: restore it or re-extract it"
-            )
-    total = sum(train.values())
-    if total != ILSVRC2012_TRAIN_IMAGES:
-        raise InputError(
-            f"{where}: {total} train images, ILSVRC2012 has {ILSVRC2012_TRAIN_IMAGES}; "
-            "the copy is incomplete: restore it or re-extract it"
-        )
+    (low, high), per_val = ILSVRC2012_TRAIN_PER_CLASS, ILSVRC2012_VAL_PER_CLASS
+    problems = [f"class {n} has {c} train images, ILSVRC2012 has {low} to {high} per class"
+                for n, c in sorted(train.items()) if not low <= c <= high]  # fmt: skip
+    problems += [f"class {n} has {c} validation images, ILSVRC2012 has {per_val}"
+                 for n, c in sorted(val.items()) if c != per_val]  # fmt: skip
+    if (total := sum(train.values())) != ILSVRC2012_TRAIN_IMAGES:
+        problems.append(f"{total} train images, ILSVRC2012 has {ILSVRC2012_TRAIN_IMAGES}")
+    if problems:
+        raise InputError(f"{where}: {problems[0]}; the copy is incomplete: restore it or "
+                         "re-extract it")  # fmt: skip
 
 
 class Layout:
-    """One way of keeping the images; a layout also has ``class_count(data_dir)`` (as cheap as
-    the dry-run's checks), ``verify(data_dir, check_files=)``, ``build_index(data_dir)``,
-    ``read_items(data_dir, which, index)`` ((sample_id, bytes) in index order; InputError where
-    the data changed since indexing) and ``place(data_dir, which, member, name)`` (for a
-    message)."""
+    """One way of keeping the images; it also has ``class_count``, ``verify``, ``build_index``,
+    ``read_items`` ((sample_id, bytes) in index order, refusing data changed since indexing)
+    and ``place`` (a sample's location, for a message)."""
 
     name: str
     summary: str
@@ -118,7 +93,10 @@ class Archives(Layout):
 
         report = verify_archives(data_dir, check_md5=check_files)
         classes, train, val = build_index(data_dir)
-        _check_index_counts(data_dir, classes, train, val)
+        wnids = classes["wnid"].tolist()
+        check_imagenet_counts(
+            str(data_dir), _counts(wnids, train["wnid"]), _counts(wnids, val["wnid"])
+        )
         return report
 
     def build_index(self, data_dir: Path):
@@ -139,20 +117,9 @@ class Archives(Layout):
         return Path(data_dir) / (TRAIN_ARCHIVE if which == "train" else VAL_ARCHIVE)
 
 
-def _check_index_counts(data_dir, classes, train, val) -> None:
-    wnids = classes["wnid"].tolist()
-    per_class = {w: 0 for w in wnids}
-    check_imagenet_counts(
-        str(data_dir),
-        {**per_class, **train["wnid"].value_counts().to_dict()},
-        {**per_class, **val["wnid"].value_counts().to_dict()},
-    )
-
-
 class _Folders(Layout):
-    """Extracted image files: the train classes are folders; each sample is a file. A subclass
-    has ``words(data_dir, classes)`` and ``val_files(data_dir, classes, skipped)``: (class,
-    folder, file name) of every validation image, files that are no image added to skipped."""
+    """Extracted image files, a folder per train class. A subclass has ``words`` and
+    ``val_files`` ((class, folder, file name) of each validation image)."""
 
     train_dir: str
     val_dir: str
@@ -194,7 +161,8 @@ class _Folders(Layout):
     def verify(self, data_dir: Path, *, check_files: bool) -> dict:
         data_dir = Path(data_dir)
         classes, train, val = self.listing(data_dir)
-        check_imagenet_counts(str(data_dir), _counts(classes, train), _counts(classes, val))
+        counts = [_counts(classes, (c for c, _, _ in samples)) for samples in (train, val)]
+        check_imagenet_counts(str(data_dir), *counts)
         if check_files:
             _check_files(data_dir, [*train, *val])
         return {
@@ -211,13 +179,11 @@ class _Folders(Layout):
         data_dir = Path(data_dir)
         classes, train, val = self.listing(data_dir)
         words = self.words(data_dir, classes)
-        table = pd.DataFrame(
-            {"class_index": np.arange(len(classes), dtype=np.int64), "wnid": classes}
-        )
-        table["words"] = [words[c] for c in classes]
+        table = pd.DataFrame({"class_index": np.arange(len(classes), dtype=np.int64),
+                              "wnid": classes, "words": [words[c] for c in classes]})  # fmt: skip
         rank = {c: i for i, c in enumerate(classes)}
         return (
-            table[["class_index", "wnid", "words"]],
+            table,
             _sample_table(data_dir, train, rank),
             _sample_table(data_dir, val, rank),
         )
@@ -254,7 +220,6 @@ class ImageFolder(_Folders):
         files = []
         for name in classes:
             folder = f"{self.val_dir}/{name}"
-            _require_not_empty(Path(data_dir) / folder)
             files.extend((name, folder, f) for f in _image_files(data_dir, folder, skipped))
         return files
 
@@ -338,11 +303,7 @@ def find_layout(data_dir: str | os.PathLike[str], named: str = AUTO) -> Layout:
     for layout in LAYOUTS.values():
         if not _missing(data_dir, layout):
             return layout
-    partial = [
-        layout
-        for layout in LAYOUTS.values()
-        if len(_missing(data_dir, layout)) < len(layout.markers)
-    ]
+    partial = [lay for lay in LAYOUTS.values() if len(_missing(data_dir, lay)) < len(lay.markers)]
     if len(partial) == 1:  # the one it looks like: what it lacks, and where to get it
         missing = ", ".join(str(data_dir / m) for m in _missing(data_dir, partial[0]))
         raise InputError(
@@ -370,10 +331,11 @@ def dry_run_layout(data_dir: str, named: str = AUTO) -> Layout:
     return layout
 
 
-def _entries(folder: Path) -> list[os.DirEntry]:
+def _entries(folder: Path, most: int | None = None) -> list[os.DirEntry]:
+    """The entries of ``folder`` by name (with ``most``: the first that many listed)."""
     try:
         with os.scandir(folder) as it:
-            return sorted(it, key=lambda e: e.name)
+            return sorted(itertools.islice(it, most), key=lambda e: e.name)
     except OSError as exc:
         raise InputError(f"{folder}: cannot be listed ({exc.strerror or exc})") from None
 
@@ -398,13 +360,8 @@ def _class_folders(data_dir: Path, root: str, *, unlabelled: bool = False) -> li
 
 
 def _require_not_empty(folder: Path) -> None:
-    try:
-        with os.scandir(folder) as it:
-            if next(it, None) is not None:
-                return
-    except OSError as exc:
-        raise InputError(f"{folder}: cannot be listed ({exc.strerror or exc})") from None
-    raise InputError(f"{folder} is empty; remove the class folder or restore its images")
+    if not _entries(folder, 1):  # one entry listed: cheap for the dry-run's 1,000 folders
+        raise InputError(f"{folder} is empty; remove the class folder or restore its images")
 
 
 def _image_files(data_dir: Path, folder: str, skipped: list[str] | None = None) -> list[str]:
@@ -491,8 +448,9 @@ def _read_val_solution(path: Path, classes: set[str]) -> dict[str, str]:
     return labels
 
 
-def _counts(classes: list[str], samples: list[tuple[str, str, str]]) -> dict[str, int]:
-    return {**dict.fromkeys(classes, 0), **collections.Counter(c for c, _, _ in samples)}
+def _counts(classes: list[str], labels) -> dict[str, int]:
+    """Images per class (``labels``: one class name per image), every class listed."""
+    return {**dict.fromkeys(classes, 0), **collections.Counter(labels)}
 
 
 def _file_problem(path: Path) -> str | None:

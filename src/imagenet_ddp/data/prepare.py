@@ -1,12 +1,9 @@
-"""Writing the prepared copy (its format: :mod:`imagenet_ddp.data.prepared_layout`).
-
-The image bytes are read at the index's offsets in sample_id order, converted in a process pool
-(ordered, bounded in flight) and written into shards fixed by the index alone
-(:func:`num_shards`): one job (:func:`prepare`) or K jobs (:func:`prepare_chunk`, then
-:func:`join_chunks`) give the same bytes for any ``workers``. A copy appears by an atomic rename
-under a lock beside it, and one made from the same index, classes and settings is reused; in
-the workflow it is content-addressed in prepare.dir and named by a manifest, the rule's output
-(:func:`prepare_shared`, :func:`join_shared`), so Snakemake never deletes a copy in use."""
+"""Writing the prepared copy (format: :mod:`imagenet_ddp.data.prepared_layout`): images converted
+in a process pool, in order, into shards fixed by the index alone, so one job (:func:`prepare`)
+or K (:func:`prepare_chunk`, :func:`join_chunks`) give the same bytes for any ``workers``. A
+copy from the same index and settings is reused; the workflow's is content-addressed in
+prepare.dir and named by a manifest, the rule's output (:func:`prepare_shared`), so Snakemake
+never deletes a copy in use."""
 
 from __future__ import annotations
 
@@ -27,7 +24,6 @@ import threading
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import pandas as pd
@@ -49,6 +45,7 @@ from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import (
     atomic_path,
     exclusive_lock,
+    file_digest,
     lock_path_for,
     write_csv_atomic,
     write_json_atomic,
@@ -165,23 +162,9 @@ def _converted(items: Iterator, workers: int) -> Iterator[tuple[int, bytes | Non
 def _result(future, stop_if_signalled) -> list:
     """A chunk's results; a stop noted meanwhile first (a SIGTERM kills the workers)."""
     try:
-        results = future.result()
-    except BrokenProcessPool:
+        return future.result()  # BrokenProcessPool where a stop killed the workers
+    finally:
         stop_if_signalled()
-        raise
-    stop_if_signalled()
-    return results
-
-
-def remove_stale_temporaries(out: Path) -> None:
-    """Remove the temporary siblings of ``out`` (tens of GB each) that killed writers left;
-    call it holding ``out``'s lock, which every writer holds while its temporary exists."""
-    for stale in Path(out).parent.glob(f".{Path(out).name}.tmp-*"):
-        print(f"removing {stale}: the temporary copy of a prepare that was killed", flush=True)
-        if stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            stale.unlink(missing_ok=True)
 
 
 def sample_key(sample_id: int) -> str:
@@ -205,14 +188,12 @@ class _ShardWriter:
     def __init__(self, directory: Path, shard_bytes: int):
         self.directory, self.shard_bytes = directory, shard_bytes
         self.shards: list[dict] = []
-        self._file = None
-        self._hash = None
-        self._offset = 0
+        self._file, self._hash, self._offset = None, None, 0
 
     def _open(self) -> None:
-        self._close()
+        self.close()
         name = shard_name(len(self.shards))
-        self._file = open(self.directory / name, "wb")  # noqa: SIM115 (closed in _close)
+        self._file = open(self.directory / name, "wb")  # noqa: SIM115 (closed in close)
         self._hash = hashlib.sha256()
         self._offset = 0
         self.shards.append({"name": name, "bytes": 0, "samples": 0, "sha256": None})
@@ -223,7 +204,7 @@ class _ShardWriter:
         self._offset += len(block)
         self.shards[-1]["bytes"] = self._offset
 
-    def _close(self) -> None:
+    def close(self) -> None:
         if self._file is not None:
             self._append(_TAR_END)
             self._file.close()
@@ -242,9 +223,6 @@ class _ShardWriter:
         self._append(jpg + cls)
         self.shards[-1]["samples"] += 1
         return len(self.shards) - 1, offset
-
-    def close(self) -> None:
-        self._close()
 
 
 def num_shards(num_samples: int, shard_samples: int) -> int:
@@ -297,7 +275,12 @@ def write_shard_parts(
                                 "name": row["name"], "error": error})  # fmt: skip
                 continue
             shard = (start + position) // shard_samples
-            writer = _shard_writer(writers, parts_dir, shard)
+            writer = writers.get(shard)
+            if writer is None:  # a new shard: the previous ones are done (images come in order)
+                for previous in writers.values():
+                    previous.close()
+                (parts_dir / f"{shard:05d}").mkdir(parents=True)  # one shard each: no size limit
+                writer = writers[shard] = _ShardWriter(parts_dir / f"{shard:05d}", sys.maxsize)
             label = class_index[position]
             _, offset = writer.write(data, key=sample_key(sample_id), label=label)
             rows.append((sample_id, label, shard, offset, len(data)))
@@ -312,29 +295,6 @@ def write_shard_parts(
     return rows, records, skipped
 
 
-def _shard_writer(writers: dict[int, _ShardWriter], parts_dir: Path, shard: int) -> _ShardWriter:
-    """The writer of ``shard``; a new shard closes the previous ones (images come in order)."""
-    writer = writers.get(shard)
-    if writer is None:
-        for previous in writers.values():
-            previous.close()
-        (parts_dir / f"{shard:05d}").mkdir(parents=True)
-        # One shard per writer: a size limit it never reaches.
-        writer = writers[shard] = _ShardWriter(parts_dir / f"{shard:05d}", sys.maxsize)
-    return writer
-
-
-def _place_file(src: Path, dest: Path, *, move: bool) -> None:
-    """Move, hard-link (same file system) or copy ``src`` to ``dest``."""
-    if move:
-        os.replace(src, dest)
-        return
-    try:
-        os.link(src, dest)
-    except OSError:
-        shutil.copyfile(src, dest)
-
-
 def finish_prepared(
     tmp: Path,
     parts: list[tuple[Path, dict]],
@@ -344,16 +304,21 @@ def finish_prepared(
     *,
     move: bool,
 ) -> dict:
-    """Place the shard files as ``shards/shard_name(i)`` (i: position among the non-empty
-    ``parts``, (parts_dir, record) in shard order), write samples.csv (``rows``' planned shard
-    numbers renumbered) and prepared.json into ``tmp``; return prepared.json's content."""
+    """Place ``parts`` ((parts_dir, record), in shard order) as ``shards/shard_name(i)``, i
+    among the non-empty, and write samples.csv and prepared.json (returned) into ``tmp``."""
     (tmp / SHARD_DIR).mkdir(exist_ok=True)
-    position = {}
-    shards = []
+    position, shards = {}, []
     for i, (parts_dir, record) in enumerate(parts):
         position[record["shard"]] = i
         name = shard_name(i)
-        _place_file(parts_dir / record["part"], tmp / SHARD_DIR / name, move=move)
+        src, dest = parts_dir / record["part"], tmp / SHARD_DIR / name
+        if move:
+            os.replace(src, dest)
+        else:  # a hard link where on one filesystem
+            try:
+                os.link(src, dest)
+            except OSError:
+                shutil.copyfile(src, dest)
         shards.append(
             {**{k: v for k, v in record.items() if k not in ("shard", "part")}, "name": name}
         )
@@ -363,17 +328,14 @@ def finish_prepared(
     info = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "which": settings["which"],
-        "short_side": settings["short_side"],
-        "quality": settings["quality"],
-        "num_classes": settings["num_classes"],
+        **{k: settings[k] for k in ("which", "short_side", "quality", "num_classes")},
         "num_samples": len(rows),
         "num_skipped": len(skipped),
         "skipped": skipped,
         "total_bytes": sum(s["bytes"] for s in shards),
         "shard_samples": settings["shard_samples"],
         "shards": shards,
-        "samples_csv_sha256": hashlib.sha256((tmp / SAMPLES_CSV).read_bytes()).hexdigest(),
+        "samples_csv_sha256": file_digest(tmp / SAMPLES_CSV, "sha256"),
     }
     write_json_atomic(tmp / PREPARED_JSON, info)
     return info
@@ -383,9 +345,8 @@ def prepare_split(
     data_dir: Path, index: pd.DataFrame, out_dir: Path, *, which: str, num_classes: int,
     workers: int, **settings,
 ) -> dict:  # fmt: skip
-    """Write the prepared copy of ``index`` to out_dir; return prepared.json's content plus
-    ``out_dir``. ``settings``: short_side, quality, shard_samples, on_corrupt (the schema's,
-    checked there). No lock, no reuse (:func:`prepare` adds those)."""
+    """The prepared copy of ``index`` in ``out_dir``, with no lock or reuse (:func:`prepare`);
+    returns prepared.json's content plus ``out_dir``."""
     index = check_index(index, which)
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     shards = range(num_shards(len(index), settings["shard_samples"]))
@@ -410,7 +371,7 @@ CHUNK_PARTS = "parts"
 
 def _sha256(path: Path) -> str:
     try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        return file_digest(path, "sha256")
     except FileNotFoundError:
         raise InputError(f"{path} not found; run `imagenet-ddp index` first") from None
 
@@ -445,22 +406,34 @@ def is_prepared(out: Path, wanted: dict) -> bool:
         return False
 
 
-def prepare(data_dir: Path, index_dir: Path, which: str, out: Path, **settings) -> bool:
-    """Build ``out`` unless an identical copy is there; True if it was reused. ``settings``:
-    short_side, quality, on_corrupt, shard_samples, workers."""
-    wanted = identity(index_dir, which, settings)
+def _build_once(out: Path, wanted: dict, jobs: int, build) -> bool:
+    """``build()`` (returning the summary) under ``out``'s lock, unless a copy of ``wanted`` is
+    there; True if it was reused. Killed writers' temporaries (tens of GB) are removed first:
+    every writer holds the lock while its temporary exists."""
     with exclusive_lock(lock_path_for(out)):
         if is_prepared(out, wanted):
             return True
-        remove_stale_temporaries(out)
-        index, num_classes = _read_inputs(index_dir, which)
-        summary = prepare_split(
-            data_dir, index, out, which=which, num_classes=num_classes, **settings
-        )
-        write_provenance(
-            provenance_file(out), "prepare", wanted, extra={"summary": summary, "jobs": 1}
-        )
+        for stale in Path(out).parent.glob(f".{Path(out).name}.tmp-*"):
+            print(f"removing {stale}: the temporary copy of a prepare that was killed", flush=True)
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+        summary = build()
+        extra = {"summary": summary, "jobs": jobs}
+        write_provenance(provenance_file(out), "prepare", wanted, extra=extra)
     return False
+
+
+def prepare(data_dir: Path, index_dir: Path, which: str, out: Path, **settings) -> bool:
+    """Build ``out`` unless an identical copy is there; True if it was reused. ``settings``:
+    short_side, quality, on_corrupt, shard_samples, workers."""
+
+    def build() -> dict:
+        index, num_classes = _read_inputs(index_dir, which)
+        return prepare_split(data_dir, index, out, which=which, num_classes=num_classes, **settings)
+
+    return _build_once(out, identity(index_dir, which, settings), 1, build)
 
 
 def prepare_chunk(
@@ -481,27 +454,19 @@ def prepare_chunk(
         raise InputError(f"chunk {chunk} of {chunks}: use 0 <= chunk < chunks (prepare.jobs)")
     find_layout(data_dir)
     wanted = identity(index_dir, which, settings)
-    if shared_root is not None and is_prepared(shared_copy(shared_root, wanted), wanted):
-        record = {"identity": wanted, "chunk": chunk, "chunks": chunks, "reuses": True}
-        with atomic_path(chunk_dir, is_dir=True) as tmp:
-            write_json_atomic(tmp / CHUNK_JSON, record)
-        return record
-    index, num_classes = _read_inputs(index_dir, which)
-    shards = chunk_shards(num_shards(len(index), settings["shard_samples"]), chunk, chunks)
+    record = {"identity": wanted, "chunk": chunk, "chunks": chunks}
     with atomic_path(chunk_dir, is_dir=True) as tmp:
-        rows, records, skipped = write_shard_parts(
-            data_dir, index, tmp / CHUNK_PARTS, shards, which=which, workers=workers, **settings
-        )
-        write_csv_atomic(tmp / CHUNK_ROWS, pd.DataFrame(rows, columns=ROW_COLUMNS))
-        record = {
-            "identity": wanted,
-            "num_classes": num_classes,
-            "chunk": chunk,
-            "chunks": chunks,
-            "shards": [shards.start, shards.stop],
-            "records": records,
-            "skipped": skipped,
-        }
+        if shared_root is not None and is_prepared(shared_copy(shared_root, wanted), wanted):
+            record["reuses"] = True
+        else:
+            index, num_classes = _read_inputs(index_dir, which)
+            shards = chunk_shards(num_shards(len(index), settings["shard_samples"]), chunk, chunks)
+            rows, records, skipped = write_shard_parts(
+                data_dir, index, tmp / CHUNK_PARTS, shards, which=which, workers=workers, **settings
+            )
+            write_csv_atomic(tmp / CHUNK_ROWS, pd.DataFrame(rows, columns=ROW_COLUMNS))
+            record.update(num_classes=num_classes, shards=[shards.start, shards.stop],
+                          records=records, skipped=skipped)  # fmt: skip
         write_json_atomic(tmp / CHUNK_JSON, record)
     return record
 
@@ -536,10 +501,8 @@ def join_chunks(chunk_dirs: list[Path], out: Path) -> bool:
     is there; True if it was reused."""
     chunks = _read_chunks(chunk_dirs)
     wanted = chunks[0]["identity"]
-    with exclusive_lock(lock_path_for(out)):
-        if is_prepared(out, wanted):
-            return True
-        remove_stale_temporaries(out)
+
+    def build() -> dict:
         rows = pd.concat(
             [pd.read_csv(c["dir"] / CHUNK_ROWS, dtype="int64") for c in chunks],
             ignore_index=True,
@@ -554,11 +517,9 @@ def join_chunks(chunk_dirs: list[Path], out: Path) -> bool:
             info = finish_prepared(
                 tmp, parts, list(rows.itertuples(index=False)), skipped, settings, move=False
             )
-        summary = {**info, "out_dir": str(out)}
-        write_provenance(
-            provenance_file(out), "prepare", wanted, extra={"summary": summary, "jobs": len(chunks)}
-        )
-    return False
+        return {**info, "out_dir": str(out)}
+
+    return _build_once(out, wanted, len(chunks), build)
 
 
 def shared_copy(root: Path, wanted: dict) -> Path:

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.io import write_json_atomic
+from imagenet_ddp.io import file_digest, write_json_atomic
 
 # Recorded in every prepared.json: a copy of another format is rebuilt.
 FORMAT = "imagenet_ddp.prepared"
@@ -66,14 +66,13 @@ def identity_digest(wanted: dict) -> str:
 
 def write_manifest(manifest: Path, copy: Path, wanted: dict, reused: bool) -> None:
     """The workflow's pointer to its copy (its `prepare` output), written last, atomically."""
-    content = content_digest(copy)
     write_json_atomic(
         manifest,
         {
             "format": MANIFEST_FORMAT,
             "dir": os.path.abspath(copy),  # the same path on every node of a cluster
             "digest": identity_digest(wanted),
-            "content_sha256": content,
+            "content_sha256": content_digest(copy),
             "identity": wanted,
             "reused": reused,
         },
@@ -99,11 +98,6 @@ def prepared_content(path: str | os.PathLike[str]) -> str | None:
         return None
 
 
-def _sha256_file(path: str | os.PathLike[str]) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _samples_digest(split_csv: str | os.PathLike[str]) -> str:
     """The sha256 of a split file's sample ids in its order: which images, in any layout."""
     import csv
@@ -126,7 +120,7 @@ def content_record(
         "prepared_val": prepared_content(prepared_val),
         "split_train": _samples_digest(split_train),
         "split_holdout": _samples_digest(split_holdout),
-        "classes": _sha256_file(classes),
+        "classes": file_digest(classes, "sha256"),
     }
     missing = [k for k, v in parts.items() if v is None]
     if missing:

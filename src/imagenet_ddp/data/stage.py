@@ -1,19 +1,10 @@
-"""Copy a prepared directory to node-local scratch, once per node, and remove it afterwards.
+"""Copy a prepared directory to node-local scratch once per node, and remove it afterwards.
 
-Destination: ``<scratch_root>/imagenet_ddp/<fingerprint>/<src.name>`` (the fingerprint: of
-``prepared.json``, which holds every shard's sha256). A copy is made in a temporary sibling
-renamed into place under an exclusive lock, and is complete once its marker ``.staged.json``
-(written last, after verification) exists; a complete copy is reused.
-
-Scratch root (:func:`scratch_root`): ``stage.scratch_dir``, else ``$SLURM_TMPDIR``, else
-``$TMPDIR``, else ``/tmp``. A root on a network filesystem or on the filesystem of the prepared
-copy or the workdir is refused before any copy (:func:`scratch_problem`): every node would copy
-into one shared place. The local launcher reads the prepared copy in place there instead.
-
-Jobs that share a copy each hold a lease on it (``<fp>/<name>.leases/``, naming the job's
-heartbeat file: io.Heartbeat); the last lease to go removes the copy, and a lease whose
-heartbeat is gone or silent for io.STALE_S is reclaimed (:func:`reclaim_stale_leases`).
-"""
+Into ``<scratch_root>/imagenet_ddp/<fingerprint of prepared.json>/<src.name>``, under a lock,
+complete once its marker (written last, after verification) exists; a complete copy is reused.
+A scratch root every node shares is refused (:func:`scratch_problem`). Each job sharing a copy
+holds a lease naming its io.Heartbeat file; the last to leave removes the copy, and a lease
+whose heartbeat is gone or stale is reclaimed (:func:`reclaim_stale_leases`)."""
 
 from __future__ import annotations
 
@@ -27,7 +18,7 @@ import socket
 import time
 from pathlib import Path
 
-from imagenet_ddp.data.prepared_layout import PREPARED_JSON, SHARD_DIR
+from imagenet_ddp.data.prepared_layout import PREPARED_JSON, SHARD_DIR, content_digest
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import (
     STALE_S,
@@ -186,14 +177,11 @@ def ram_copy_problem(
     src: Path, scratch: Path, origin: str, run: dict, limit: tuple[int, str] | None,
     nvidia: Path | None = None,
 ) -> str | None:  # fmt: skip
-    """Why this node must not copy ``src`` into ``scratch``: in RAM (a diskless node's /tmp)
-    the copy and the ranks (settings.node_memory's estimate for ``run``, its CUDA part where
-    ``nvidia`` lists a GPU) above ``limit`` (:func:`memory_limit`) would be OOM-killed in the
-    first epoch. None where it fits, no limit is known, or a complete copy is there."""
+    """Why this node must not copy ``src`` into ``scratch`` in RAM (a diskless node's /tmp):
+    the copy and the ranks (settings.node_memory's estimate) above ``limit`` would be
+    OOM-killed in the first epoch. None where it fits, no limit is known, or it is staged."""
     fs_type = _ram_fs(scratch)
-    if limit is None or fs_type is None:
-        return None
-    if (staged_path(src, scratch) / MARKER).is_file():
+    if limit is None or fs_type is None or (staged_path(src, scratch) / MARKER).is_file():
         return None
     copy = sum(size for _, size in _files(src))
     samples = json.loads((Path(src) / PREPARED_JSON).read_text()).get("num_samples", 0)
@@ -232,13 +220,11 @@ def in_place_report(src: Path, why: str) -> dict:
 
 
 def fingerprint(src: Path) -> str:
-    path = Path(src) / PREPARED_JSON
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        return content_digest(src)[:16]
     except FileNotFoundError:
-        raise InputError(
-            f"{path} not found: {src} is not a prepared directory; run `imagenet-ddp prepare`"
-        ) from None
+        raise InputError(f"{Path(src) / PREPARED_JSON} not found: {src} is not a prepared "
+                         "directory; run `imagenet-ddp prepare`") from None  # fmt: skip
 
 
 def staged_path(src: Path, scratch_root: Path) -> Path:
@@ -247,19 +233,13 @@ def staged_path(src: Path, scratch_root: Path) -> Path:
 
 def _files(src: Path) -> list[tuple[str, int]]:
     """(relative path, size) of every regular file under src, sorted."""
-    out = []
-    for root, dirs, names in os.walk(src):
-        dirs.sort()
-        for name in sorted(names):
-            path = Path(root) / name
-            if path.is_file():
-                out.append((path.relative_to(src).as_posix(), path.stat().st_size))
-    return sorted(out)
+    files = (p for p in Path(src).rglob("*") if p.is_file())
+    return sorted((p.relative_to(src).as_posix(), p.stat().st_size) for p in files)
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
             return f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
@@ -306,11 +286,8 @@ def _lease_file(dest: Path, lease: str) -> Path:
 
 
 def stage_dataset(src: Path, scratch_root: Path, *, verify: str, lease: str | None = None) -> dict:
-    """Copy ``src`` (a prepared dir) under ``scratch_root`` unless a verified copy is there.
-
-    ``verify``: ``size`` or ``sha256`` (stage.verify). ``lease``: the staging job's heartbeat
-    file (io.Heartbeat); :func:`cleanup_staged` with it removes the copy only if no other job
-    holds a lease on it."""
+    """Copy ``src`` (a prepared dir) under ``scratch_root`` unless a verified copy is there,
+    checked by ``verify`` (stage.verify); ``lease``: the job's io.Heartbeat file."""
     src, fp, dest = Path(src), fingerprint(src), staged_path(src, scratch_root)
     files = _files(src)
     total = sum(size for _, size in files)
