@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import resource
 import shutil
@@ -28,7 +27,7 @@ from imagenet_ddp.data.reader import create_dataset
 from imagenet_ddp.io import atomic_path, write_json_atomic
 from imagenet_ddp.jobs import distributed as D
 from imagenet_ddp.jobs.signals import stop_signals_blocked
-from imagenet_ddp.jobs.spec import STAGING_DIR, PreflightJob, read_spec, staged_copy
+from imagenet_ddp.jobs.spec import PreflightJob, read_spec, staged_copy, staging_reports
 from imagenet_ddp.preflight.report import build_report, collective_figures, table
 from imagenet_ddp.training import recipe
 from imagenet_ddp.training.accuracy import evaluate_loader, shard_loader
@@ -335,10 +334,6 @@ def measure(spec: PreflightJob, cfg: TrainConfig, info: D.DistInfo, device: torc
     record.update(checkpoint_cost(job, paths.checkpoint_root))
     sizes = {"train": len(train_ids), "holdout": len(holdout_ids)}
     return {"record": record, "gradient_bytes": gradient_bytes, "sizes": sizes}
-
-
-def staging_reports(run_dir: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((run_dir / STAGING_DIR).glob("*.json"))]
 
 
 def run(job: PreflightJob) -> int:

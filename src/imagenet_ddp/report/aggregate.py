@@ -14,6 +14,7 @@ import pandas as pd
 
 from imagenet_ddp import __version__
 from imagenet_ddp.io import write_csv_atomic, write_text_atomic
+from imagenet_ddp.jobs.spec import staging_reports
 from imagenet_ddp.provenance import provenance_path, write_provenance
 from imagenet_ddp.settings.geometry import WORLD_KEYS
 from imagenet_ddp.settings.kinds import declarations
@@ -136,7 +137,7 @@ def run_row(run_dir: Path, version: str = __version__) -> dict[str, Any]:
     evaluation = json.loads((run_dir / "eval.json").read_text())
     job = json.loads((run_dir / "job.json").read_text())
     provenance = json.loads(provenance_path(run_dir / "model.pt").read_text())
-    staging = [json.loads(p.read_text()) for p in sorted((run_dir / "staging").glob("*.json"))]
+    staging = staging_reports(run_dir)
     cfg = train["config"]
     gpus = sum(1 for r in train["ranks"] if r["device"].startswith("cuda"))
     stage_seconds = max((s["seconds"] for s in staging), default=float("nan"))
