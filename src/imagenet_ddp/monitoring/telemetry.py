@@ -51,8 +51,6 @@ class GpuSampler:
         self._energy_start: list[int] | None = None
         self._energy_end: list[int] | None = None
 
-    # ------------------------------------------------------------------ lifecycle
-
     def start(self) -> GpuSampler:
         """Open NVML and start the thread; on any reason not to, record it and do nothing."""
         if self.gpus <= 0:
@@ -127,8 +125,6 @@ class GpuSampler:
         while not self._stop.wait(self.interval):
             self._sample()
 
-    # ------------------------------------------------------------------ reading NVML
-
     def _sample(self) -> None:
         nvml = self._nvml
         util, memory, power = [], [], []
@@ -150,8 +146,6 @@ class GpuSampler:
             return [int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(h)) for h in self._handles]
         except Exception:
             return None
-
-    # ------------------------------------------------------------------ results
 
     def latest(self) -> dict[str, float] | None:
         """The newest sample as scalars (mean utilization, memory and power summed), or None."""
@@ -215,15 +209,9 @@ def _ok(value) -> bool:
 def _first_read(nvml, handle) -> Exception | None:
     """The error of reading what every sample reads, or None: a GPU that cannot be read at
     the start is left out instead of ending sampling for all."""
-    for read in (
-        nvml.nvmlDeviceGetUtilizationRates,
-        nvml.nvmlDeviceGetMemoryInfo,
-        nvml.nvmlDeviceGetPowerUsage,
-    ):
-        result = _try(read, handle)
-        if not _ok(result):
-            return result
-    return None
+    reads = (nvml.nvmlDeviceGetUtilizationRates, nvml.nvmlDeviceGetMemoryInfo,
+             nvml.nvmlDeviceGetPowerUsage)  # fmt: skip
+    return next((e for e in (_try(read, handle) for read in reads) if not _ok(e)), None)
 
 
 def _named(unsampled: list[dict[str, str]]) -> str:
