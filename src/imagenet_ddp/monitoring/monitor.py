@@ -1,12 +1,7 @@
-"""Rank 0's watch over a training job: TensorBoard (and MLflow with ``mlflow_uri``, W&B with
-``wandb_project``), NVML telemetry, progress.json and the cost block.
-
-The loop calls :meth:`RunMonitor.step` at every step, :meth:`~RunMonitor.epoch` after each
-epoch, :meth:`~RunMonitor.finish` for ``train_metrics.json`` and :meth:`~RunMonitor.close` in a
-``finally``; on every rank but 0 they do nothing (no rank test in the loop, no collective
-here). A sink that fails (not installed, a full disk, an unreachable store) is named once and
-switched off: it never ends hours of training.
-"""
+"""Rank 0's watch over a training job: TensorBoard (MLflow with ``mlflow_uri``, W&B with
+``wandb_project``), NVML telemetry, progress.json and the cost block. Its methods do nothing on
+other ranks (no rank test in the loop, no collective here). A sink that fails (not installed,
+a full disk, an unreachable store) is named once and switched off: it never ends a training."""
 
 from __future__ import annotations
 
@@ -66,27 +61,20 @@ class RunMonitor:
 
     @classmethod
     def for_job(cls, job, run_dir: Path, steps_per_epoch: int, *, resumed: bool) -> RunMonitor:
-        """The monitor of a rank's training (imagenet_ddp.training.state.TrainingState); active
-        on rank 0 only. The MLflow run's id is kept beside the job's checkpoints: a resumed
-        job continues it."""
+        """The monitor of a rank's training (training.state.TrainingState); active on rank 0.
+        The trackers' run ids are kept beside the job's checkpoints: a resumed job continues."""
         cfg = job.cfg
-        mlflow = wandb = None
         params = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"}
-        if cfg.mlflow_uri:
-            mlflow = dict(
-                uri=cfg.mlflow_uri, run_name=cfg.run, state_dir=job.checkpoint_dir, params=params
-            )
-        if cfg.wandb_project:
-            wandb = dict(
-                project=cfg.wandb_project, mode=cfg.wandb_mode, run_name=cfg.run,
-                run_dir=run_dir, state_dir=job.checkpoint_dir, params=params,
-            )  # fmt: skip
+        run = {"run_name": cfg.run, "state_dir": job.checkpoint_dir, "params": params}
+        mlflow = {"uri": cfg.mlflow_uri, **run} if cfg.mlflow_uri else None
+        wandb = {"project": cfg.wandb_project, "mode": cfg.wandb_mode, "run_dir": run_dir, **run}
         # The GPUs of rank 0's node by UUID (NVML indices ignore CUDA_VISIBLE_DEVICES).
         uuids = D.node_gpu_uuids(job.info, job.device)
         return cls(
             active=job.info.is_main, run_dir=run_dir, geometry=dataclasses.asdict(job.geometry),
             steps_per_epoch=steps_per_epoch, log_interval=cfg.log_interval, resumed=resumed,
-            mlflow=mlflow, wandb=wandb, sampler=GpuSampler(job.geometry.gpus_per_node, uuids=uuids),
+            mlflow=mlflow, wandb=wandb if cfg.wandb_project else None,
+            sampler=GpuSampler(job.geometry.gpus_per_node, uuids=uuids),
         )  # fmt: skip
 
     def _write(self, method: str, *args, close: bool = False, **kwargs) -> None:

@@ -1,18 +1,12 @@
-"""GPU telemetry of rank 0's node, sampled with NVML (``nvidia-ml-py``) in a background thread.
+"""GPU telemetry of rank 0's node, sampled with NVML (``nvidia-ml-py``) in a background thread:
+utilization, memory used and power every ``interval`` seconds; at :meth:`GpuSampler.stop` their
+means and peaks, and the energy (NVML's counter where every GPU has one, else the power
+integrated). The cost block labels all nodes' energy (this node's x nodes) an estimate.
 
-Every ``interval`` seconds: utilization, memory used and power of each GPU watched. At the end
-(:meth:`GpuSampler.stop`): mean utilization, peak memory per GPU, mean power and the energy,
-from NVML's energy counter (Volta and newer) where every GPU has one, else the power samples
-integrated. Only rank 0's node is measured; the cost block labels all nodes' energy (that
-node's x the node count) an estimate.
-
-The GPUs are found by UUID (``uuids``, :func:`imagenet_ddp.jobs.distributed.node_gpu_uuids`):
-NVML ignores ``CUDA_VISIBLE_DEVICES`` and on a shared node lists other jobs' GPUs. A GPU NVML
-cannot open or read (another task's behind a device cgroup, a MIG instance) is left out and
-named in ``unsampled``; the others are sampled. Without the package, the driver or a GPU,
-nothing is sampled and the summary says why: figures are absent, never zero. The thread only
-reads NVML and takes no lock the loop holds; signals go to the main thread as before.
-"""
+GPUs are found by UUID (jobs.distributed.node_gpu_uuids): NVML ignores CUDA_VISIBLE_DEVICES and
+lists other jobs' GPUs. One it cannot open or read (a device cgroup, MIG) is named in
+``unsampled``, the others sampled; without the package, driver or a GPU the summary says why:
+figures absent, never zero. The thread takes no lock the loop holds."""
 
 from __future__ import annotations
 

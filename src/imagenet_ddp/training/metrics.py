@@ -40,8 +40,7 @@ class EpochMeter:
     def __init__(self, device: torch.device, warmup_steps: int, partial: dict | None = None):
         self.device, self.warmup_steps = device, warmup_steps
         partial = partial or {}
-        self.loss_sum = torch.tensor(partial.get("loss_sum", 0.0), dtype=torch.float64)
-        self.loss_sum = self.loss_sum.to(device)
+        self.loss_sum = torch.tensor(partial.get("loss_sum", 0.0), dtype=torch.float64).to(device)
         self.correct = torch.tensor(partial.get("correct", 0.0), dtype=torch.float64).to(device)
         self.samples = int(partial.get("samples", 0))
         self.previous_seconds = float(partial.get("seconds", 0.0))  # earlier jobs' share
