@@ -61,18 +61,11 @@ def placement(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> dict:
     distributed.select_device chose, as training would)."""
     visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
     record = {
-        "rank": info.rank,
-        "local_rank": info.local_rank,
-        "host": info.host,
-        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-        "slurm_step_id": os.environ.get("SLURM_STEP_ID"),
-        "slurm_procid": os.environ.get("SLURM_PROCID"),
-        "visible": visible,
-        "device": str(device),
-        "gpu": None,
-        "gpu_name": None,
+        "rank": info.rank, "local_rank": info.local_rank, "host": info.host,
+        **{k.lower(): os.environ.get(k) for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID")},
+        "visible": visible, "device": str(device), "gpu": None, "gpu_name": None,
         "gpu_memory_gb": None,
-    }
+    }  # fmt: skip
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         record.update(gpu=str(props.uuid), gpu_name=props.name,
@@ -232,18 +225,10 @@ def eval_rate(cfg: TrainConfig, job, holdout, info: D.DistInfo, workers: int, de
     """img/s of this rank's holdout evaluation as training runs it: a persistent loader, a
     first pass to start its workers, then a pass timed, pipeline fill included (every
     evaluation refills it)."""
-    loader = shard_loader(
-        holdout,
-        device=device,
-        batch_size=cfg.batch_size,
-        workers=workers,
-        rank=info.rank,
-        world_size=info.world_size,
-        persistent=True,
-    )
-    settings = {"num_classes": holdout.num_classes, "device": device, "precision": cfg.precision}
-    settings["channels_last"] = cfg.channels_last
-    settings["mean_std"] = recipe.mean_std(cfg)
+    loader = shard_loader(holdout, device=device, batch_size=cfg.batch_size, workers=workers,
+                          rank=info.rank, world_size=info.world_size, persistent=True)  # fmt: skip
+    settings = {"num_classes": holdout.num_classes, "device": device, "precision": cfg.precision,
+                "channels_last": cfg.channels_last, "mean_std": recipe.mean_std(cfg)}  # fmt: skip
     try:
         evaluate_loader(job.model, loader, **settings)
         started = time.perf_counter()
@@ -271,8 +256,7 @@ def checkpoint_cost(job, directory: Path) -> dict:
         with atomic_path(probe / "write-rate.pt") as tmp:  # as save_checkpoint writes
             torch.save(snapshot, tmp)
         write = time.perf_counter() - began
-        path = probe / "write-rate.pt"
-        size = path.stat().st_size
+        size = (probe / "write-rate.pt").stat().st_size
     finally:
         shutil.rmtree(probe, ignore_errors=True)
     return {
