@@ -81,13 +81,6 @@ def placement(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> dict:
     return record
 
 
-def _peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    # CPU: the process's peak resident memory (ru_maxrss is in KiB on Linux).
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
-
-
 def _step_seconds(job, images, targets, steps: int) -> list[float]:
     """Seconds of each of ``steps`` training steps, the device synchronized after each."""
     times = []
@@ -119,12 +112,15 @@ def model_step(job, cfg: TrainConfig, num_classes: int) -> dict:
     with _without_allreduce(job):
         compute = statistics.median(_step_seconds(job, images, targets, MODEL_STEPS["timed"]))
     per_step = cfg.batch_size * cfg.accumulation  # a rank's images per optimizer step
+    cuda = job.device.type == "cuda"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    peak = torch.cuda.max_memory_allocated(job.device) if cuda else rss  # CPU: peak RSS
     return {
         "model_images_per_s": per_step / step,
         "compute_images_per_s": per_step / compute,
         "compile_seconds": max(0.0, first - step) if cfg.compile else 0.0,
-        "peak_memory_gb": _peak_memory_gb(job.device),
-        "peak_memory_kind": "device" if job.device.type == "cuda" else "host RSS",
+        "peak_memory_gb": peak / 1e9,
+        "peak_memory_kind": "device" if cuda else "host RSS",
     }
 
 

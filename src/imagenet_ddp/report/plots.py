@@ -262,17 +262,11 @@ def plot_efficiency(table: pd.DataFrame, out: Path) -> None:
             "Scaling efficiency vs ranks\n"
             "(steady-state per-rank throughput / group's smallest run's)"
         )
-        ax.legend(
-            handles=[
-                Line2D([], [], color="0.4", linestyle="--", linewidth=1, label="ideal (100 %)"),
-                Line2D(
-                    [], [], color="0.3", marker="o", markerfacecolor="white", linestyle="none",
-                    label="group's smallest run (baseline)",
-                ),
-            ],
-            loc="lower left",
-            frameon=False,
-        )  # fmt: skip
+        ax.legend(handles=[
+            Line2D([], [], color="0.4", linestyle="--", linewidth=1, label="ideal (100 %)"),
+            Line2D([], [], color="0.3", marker="o", markerfacecolor="white", linestyle="none",
+                   label="group's smallest run (baseline)"),
+        ], loc="lower left", frameon=False)  # fmt: skip
         ax.add_artist(ax.get_legend())
         _group_legend(ax, handles, "Scaling group (same settings, geometry varies)")
         _save(fig, out)
