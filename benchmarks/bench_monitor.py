@@ -5,9 +5,9 @@
 * **monitor per step**: ``RunMonitor.step`` (TensorBoard scalars every ``log_interval`` steps,
   NVML sampler thread running against a fake NVML: no GPU here) over ``--steps`` steps with
   ``log_interval`` 20 (the default) and 1 (worst case). Baseline: ``Progress.update``, the
-  progress line every rank-0 step already pays, at the same interval. Both read the loss
-  from a CPU tensor (on a GPU that read waits for the device in either; it is not the
-  monitor's cost). Per-step microseconds, median of the repetitions.
+  progress line every rank-0 step already pays, at the same interval. Both read the meter's
+  interval, its loss from a CPU tensor (on a GPU that read waits for the device in either;
+  it is not the monitor's cost). Per-step microseconds, median of the repetitions.
 * **sweep dry-run**: ``snakemake -n --profile profiles/local`` with 48 runs written as one
   sweep (grid nodes x precision x lr) against the same 48 runs written by hand.
 
@@ -29,21 +29,11 @@ import _common as C  # noqa: E402
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 
 
-class _Meter:
-    """What Progress and RunMonitor read from an EpochMeter."""
-
-    def __init__(self, torch):
-        self.loss_sum = torch.tensor(0.0, dtype=torch.float64)
-        self.samples = self.steps = 0
-        self.started = time.perf_counter()
-
-    def mean_loss(self) -> float:
-        return float(self.loss_sum) / max(1, self.samples)
-
-
 def per_step_us(make, steps: int, torch) -> float:
+    from imagenet_ddp.training.metrics import EpochMeter
+
     hook = make()
-    meter = _Meter(torch)
+    meter = EpochMeter(torch.device("cpu"), warmup_steps=0)  # counted by hand: no update()
     started = time.perf_counter()
     for step in range(1, steps + 1):
         meter.steps, meter.samples = step, step * 32
@@ -68,8 +58,7 @@ def bench_monitor(steps: int, interval: int, repeats: int, tmp: Path) -> tuple[f
         sampler = GpuSampler(1, interval=1.0, nvml=FakeNvml(gpus=1))
         m = RunMonitor(
             active=True, run_dir=tmp / f"m{len(monitors)}", geometry=geometry,
-            steps_per_epoch=steps, log_interval=interval, world_size=8, batch_size=32,
-            resumed=False, sampler=sampler,
+            steps_per_epoch=steps, log_interval=interval, resumed=False, sampler=sampler,
         )  # fmt: skip
         monitors.append(m)
         return lambda step, meter: m.step(0, step, meter, 0.1)
@@ -78,7 +67,7 @@ def bench_monitor(steps: int, interval: int, repeats: int, tmp: Path) -> tuple[f
         import contextlib
         import io
 
-        p = Progress(True, 0, steps, interval, _Meter(torch))
+        p = Progress(True, 0, steps, interval)
         sink = io.StringIO()
 
         def update(step, meter):

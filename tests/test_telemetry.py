@@ -239,11 +239,11 @@ def test_cost_block_without_gpus_or_after_a_resume_has_no_made_up_figures():
 
 
 class FakeMeter:
-    def __init__(self):
-        self.steps, self.started = 0, time.perf_counter()
+    """What the monitor reads of training.metrics.EpochMeter (whose interval test_train_units
+    proves)."""
 
-    def mean_loss(self):
-        return 2.5
+    def interval(self):
+        return 2.5, 100.0
 
 
 def test_monitor_logs_every_interval_and_each_epoch_to_tensorboard(tmp_path):
@@ -253,7 +253,7 @@ def test_monitor_logs_every_interval_and_each_epoch_to_tensorboard(tmp_path):
     sampler = GpuSampler(gpus=1, interval=0.01, nvml=FakeNvml(gpus=1))
     monitor = RunMonitor(
         active=True, run_dir=tmp_path, geometry={**GEOMETRY, "nodes": 1}, steps_per_epoch=4,
-        log_interval=2, world_size=2, batch_size=8, resumed=False, sampler=sampler,
+        log_interval=2, resumed=False, sampler=sampler,
     )  # fmt: skip
     meter = FakeMeter()
     for step in range(1, 5):
@@ -281,7 +281,7 @@ def monitored_job(tmp_path, *, resumed: bool, epoch: int, finish: bool, **tracke
     Returns whether W&B logging was active (it is let go at the end)."""
     monitor = RunMonitor(
         active=True, run_dir=tmp_path, geometry={**GEOMETRY, "nodes": 1}, steps_per_epoch=4,
-        log_interval=2, world_size=2, batch_size=8, resumed=resumed,
+        log_interval=2, resumed=resumed,
         sampler=GpuSampler(gpus=1, interval=0.01, nvml=FakeNvml(gpus=1)), **tracker,
     )  # fmt: skip
     wandb_active = monitor.wandb is not None
@@ -400,7 +400,7 @@ def test_wandb_offline_gets_tensorboards_scalars_and_a_resumed_job_continues_its
 def test_monitor_on_other_ranks_does_nothing(tmp_path):
     monitor = RunMonitor(
         active=False, run_dir=tmp_path, geometry=GEOMETRY, steps_per_epoch=4, log_interval=1,
-        world_size=2, batch_size=8, resumed=False,
+        resumed=False,
     )  # fmt: skip
     monitor.step(0, 1, FakeMeter(), lr=0.1)
     monitor.epoch(0, {})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -201,6 +203,22 @@ def test_steady_state_window_leaves_out_the_warmup_steps():
     for _ in range(3):
         short.update(torch.tensor(0.5), torch.tensor([[2.0, 0.0]]), torch.tensor([0]))
     assert short.reduce()["steady_images_per_s"] is None  # no step after the warm-up
+
+
+def test_the_progress_line_and_the_monitor_read_one_interval_since_the_last():
+    """EpochMeter.interval: the same (loss, img/s) for each reader at a step; the rate counts
+    the images since the previous interval, not since the epoch's start."""
+    from imagenet_ddp.training.metrics import EpochMeter
+
+    meter = EpochMeter(torch.device("cpu"), warmup_steps=0)
+    batch = (torch.tensor(0.5), torch.tensor([[2.0, 0.0]] * 4), torch.tensor([0, 0, 1, 1]))
+    for _ in range(8):
+        meter.update(*batch)
+    first = meter.interval()
+    assert meter.interval() == first and first[0] == 0.5  # the monitor after the progress line
+    time.sleep(0.1)
+    meter.update(*batch)
+    assert meter.interval()[1] <= 4 / 0.1  # 4 images in >= 0.1 s (36 since the start)
 
 
 def test_a_resumed_epochs_counters_continue_exactly():

@@ -1,14 +1,9 @@
-"""The evaluation stage: a trained run's model on the holdout split and the test set.
+"""The evaluation stage: a trained run's model on the holdout split and the test set, one
+process per rank (:func:`main`, started through jobs.launch like the training workers).
 
-A run with EMA (``ema_decay`` > 0) is evaluated twice: its trained weights (``holdout``,
-``test``) and its averaged weights (``ema``), because sources report one or the other
-(``presets.REPORTED_MODEL``: torchvision's v2 recipe reports its EMA model); ``reported_model``
-in eval.json says which of the two the run's preset's published figure is of.
-
-One process per rank (:func:`main`), started by ``imagenet-ddp evaluate`` through
-:mod:`imagenet_ddp.jobs.launch`, like the training workers; the counting is
-:func:`imagenet_ddp.training.accuracy.evaluate_dataset`.
-"""
+A run with EMA (``ema_decay`` > 0) is evaluated with its trained weights (``holdout``, ``test``)
+and its averaged ones (``ema``): sources report one or the other (presets.REPORTED_MODEL;
+eval.json's ``reported_model`` names the one its preset's published figure is of)."""
 
 from __future__ import annotations
 
@@ -88,14 +83,9 @@ def evaluate_run(
         "evaluation": _evaluation_block(geometry, settings, ranks, results, seconds),
         **results["model"],
         "ema": results.get("ema"),  # None: the run kept no EMA
-        "reported_model": reported_model(cfg),
+        # which weights the preset's published figure is of ("model" or "ema"); None: no preset
+        "reported_model": REPORTED_MODEL.get(cfg.get("recipe") or "none"),
     }
-
-
-def reported_model(cfg: dict[str, Any]) -> str | None:
-    """Which weights the run's preset's published figure is of ("model" or "ema"); None
-    without a preset."""
-    return REPORTED_MODEL.get(cfg.get("recipe") or "none")
 
 
 def _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv) -> dict[str, Dataset]:
@@ -109,11 +99,10 @@ def _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv) -> dict[str, D
     holdout_ids = read_ids(holdout_ids_csv)
     mode = cfg.get("interpolation", "bilinear")  # a model.pt from before it: bilinear
     return {  # uint8 crops: see training.accuracy
-        "holdout": create_dataset(
-            Path(prepared_train), holdout_ids, eval_size=size, interpolation=mode
-        ),
+        "holdout": create_dataset(Path(prepared_train), holdout_ids, eval_size=size,
+                                  interpolation=mode),
         "test": create_dataset(Path(prepared_val), None, eval_size=size, interpolation=mode),
-    }
+    }  # fmt: skip
 
 
 def _evaluation_block(geometry, settings, ranks, results, seconds) -> dict[str, Any]:
@@ -172,23 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     job = read_spec(parser.parse_args(argv).spec, "evaluate")
     paths, settings = job.paths, job.settings
     result = evaluate_run(
-        model_path=paths.model,
-        prepared_train=paths.prepared_train,
-        prepared_val=paths.prepared_val,
-        holdout_ids_csv=paths.split_dir / "holdout.csv",
-        geometry=job.geometry,
-        batch_size=settings.batch_size,
-        workers=settings.workers,
+        model_path=paths.model, prepared_train=paths.prepared_train,
+        prepared_val=paths.prepared_val, holdout_ids_csv=paths.split_dir / "holdout.csv",
+        geometry=job.geometry, batch_size=settings.batch_size, workers=settings.workers,
         device=settings.device,
-    )
+    )  # fmt: skip
     if dist_info_from_env().rank == 0:
         write_outputs(
-            result,
-            classes=paths.classes,
-            out=paths.out,
-            per_class_csv=paths.per_class,
+            result, classes=paths.classes, out=paths.out, per_class_csv=paths.per_class,
             provenance={"model": str(paths.model), "batch_size": settings.batch_size},
-        )
+        )  # fmt: skip
     return 0
 
 

@@ -342,6 +342,11 @@ def staging_report_path(run_dir: str | os.PathLike[str], host: str) -> Path:
     return Path(run_dir) / STAGING_DIR / f"{host}.json"
 
 
+def staging_reports(run_dir: Path) -> list[dict]:
+    """Every node's staging report of the run, by host name."""
+    return [json.loads(p.read_text()) for p in sorted((run_dir / STAGING_DIR).glob("*.json"))]
+
+
 def staged_copy(run_dir: str | os.PathLike[str], host: str) -> Path:
     """The node-local copy of the prepared train set that ``host`` staged for this run."""
     return Path(json.loads(staging_report_path(run_dir, host).read_text())["dest"])

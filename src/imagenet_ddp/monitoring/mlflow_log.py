@@ -1,10 +1,8 @@
-"""MLflow tracking of a run beside TensorBoard (``mlflow_uri``), written by rank 0 only: the
-same scalars, tags and global steps, into an MLflow *file store* (a directory: no server,
-compute nodes need no network; ``mlflow ui --backend-store-uri <dir>`` on a login node).
-MLflow 3 refuses a file store unless ``MLFLOW_ALLOW_FILE_STORE=true``, set here for file URIs.
-The run id is kept in the checkpoint directory (``mlflow_run_id``, the training's identity): a
-resumed job continues the run, a fresh start makes a new one. Needs ``imagenet-ddp[mlflow]``.
-"""
+"""MLflow tracking (``mlflow_uri``), rank 0 only: TensorBoard's scalars and steps, into an MLflow
+file store (a directory: no server, no network on compute nodes; MLflow 3 needs
+``MLFLOW_ALLOW_FILE_STORE=true`` for one, set here). The run id is kept beside the checkpoints
+(``mlflow_run_id``): a resumed job continues the run, a fresh start makes a new one. Needs
+``imagenet-ddp[mlflow]``."""
 
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
-"""Rank 0's watch over a training job: TensorBoard (and MLflow with ``mlflow_uri``, W&B with
-``wandb_project``), NVML telemetry, progress.json and the cost block.
-
-The loop calls :meth:`RunMonitor.step` at every step, :meth:`~RunMonitor.epoch` after each
-epoch, :meth:`~RunMonitor.finish` for ``train_metrics.json`` and :meth:`~RunMonitor.close` in a
-``finally``; on every rank but 0 they do nothing (no rank test in the loop, no collective
-here). A sink that fails (not installed, a full disk, an unreachable store) is named once and
-switched off: it never ends hours of training.
-"""
+"""Rank 0's watch over a training job: TensorBoard (MLflow with ``mlflow_uri``, W&B with
+``wandb_project``), NVML telemetry, progress.json and the cost block. Its methods do nothing on
+other ranks (no rank test in the loop, no collective here). A sink that fails (not installed,
+a full disk, an unreachable store) is named once and switched off: it never ends a training."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 import time
 from pathlib import Path
@@ -21,18 +15,19 @@ from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.jobs import distributed as D
 from imagenet_ddp.jobs.spec import PROGRESS
 from imagenet_ddp.monitoring.cost import cost_block
+from imagenet_ddp.monitoring.mlflow_log import MlflowLog
 from imagenet_ddp.monitoring.telemetry import GpuSampler, unavailable
+from imagenet_ddp.monitoring.tensorboard_log import TensorBoardLog
+from imagenet_ddp.monitoring.wandb_log import WandbLog
 
 # What progress.json keeps of an epoch's record (imagenet_ddp.report.progress reads it).
 PROGRESS_KEYS = ("epoch", "images_per_s", "epoch_seconds", "eval_seconds", "checkpoint_seconds",
                  "train_loss", "holdout_top1", "loss_spike")  # fmt: skip
 
-# The sinks: (attribute of RunMonitor, name in messages, class in this package).
-SINKS = (
-    ("board", "TensorBoard", "tensorboard_log:TensorBoardLog"),
-    ("tracker", "MLflow", "mlflow_log:MlflowLog"),
-    ("wandb", "W&B", "wandb_log:WandbLog"),
-)
+# The sinks: (attribute of RunMonitor, name in messages, class); each imports its library
+# when made.
+SINKS = (("board", "TensorBoard", TensorBoardLog), ("tracker", "MLflow", MlflowLog),
+         ("wandb", "W&B", WandbLog))  # fmt: skip
 EPOCH_TAGS = ("train_loss", "train_top1", "holdout_top1", "holdout_top5", "holdout_loss",
               "images_per_s", "steady_images_per_s",
               *("data_wait_ms", "compute_ms", "step_ms", "input_bound_pct", "mfu_pct"))  # fmt: skip
@@ -43,15 +38,12 @@ class RunMonitor:
 
     def __init__(
         self, *, active: bool, run_dir: Path, geometry: dict[str, int], steps_per_epoch: int,
-        log_interval: int, world_size: int, batch_size: int, resumed: bool,
-        sampler: GpuSampler | None = None, tensorboard: bool = True,
+        log_interval: int, resumed: bool, sampler: GpuSampler | None = None, tensorboard=True,
         mlflow: dict[str, Any] | None = None, wandb: dict[str, Any] | None = None,
     ):  # fmt: skip
         self.active, self.geometry, self.resumed = active, geometry, resumed
         self.steps_per_epoch, self.interval = steps_per_epoch, log_interval
-        self.world_size, self.batch_size = world_size, batch_size
         self.started = time.monotonic()
-        self.mark: tuple[float, int] | None = None  # (perf_counter, meter.steps) of last line
         self.sampler = self.board = self.tracker = self.wandb = None
         self.progress: Path | None = run_dir / PROGRESS if active else None
         if not active:
@@ -60,44 +52,30 @@ class RunMonitor:
             self.progress.unlink(missing_ok=True)
         self.sampler = (sampler or GpuSampler(geometry["gpus_per_node"])).start()
         board = {"log_dir": run_dir / "tensorboard"} if tensorboard else None
-        for (attribute, name, target), options in zip(SINKS, (board, mlflow, wandb), strict=True):
+        for (attribute, name, sink), options in zip(SINKS, (board, mlflow, wandb), strict=True):
             if options:  # the sink's keyword arguments
-                module, class_name = target.split(":")
                 try:
-                    sink = getattr(importlib.import_module(f"{__package__}.{module}"), class_name)
                     setattr(self, attribute, sink(**options, fresh=not resumed))
                 except Exception as error:  # e.g. not installed: train without it
                     print(f"{name} off: {type(error).__name__}: {error}", flush=True)
 
     @classmethod
     def for_job(cls, job, run_dir: Path, steps_per_epoch: int, *, resumed: bool) -> RunMonitor:
-        """The monitor of a rank's training (imagenet_ddp.training.state.TrainingState); active
-        on rank 0 only. The MLflow run's id is kept beside the job's checkpoints: a resumed
-        job continues it."""
+        """The monitor of a rank's training (training.state.TrainingState); active on rank 0.
+        The trackers' run ids are kept beside the job's checkpoints: a resumed job continues."""
         cfg = job.cfg
-        mlflow = wandb = None
         params = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"}
-        if cfg.mlflow_uri:
-            mlflow = dict(
-                uri=cfg.mlflow_uri, run_name=cfg.run, state_dir=job.checkpoint_dir, params=params
-            )
-        if cfg.wandb_project:
-            wandb = dict(
-                project=cfg.wandb_project, mode=cfg.wandb_mode, run_name=cfg.run,
-                run_dir=run_dir, state_dir=job.checkpoint_dir, params=params,
-            )  # fmt: skip
+        run = {"run_name": cfg.run, "state_dir": job.checkpoint_dir, "params": params}
+        mlflow = {"uri": cfg.mlflow_uri, **run} if cfg.mlflow_uri else None
+        wandb = {"project": cfg.wandb_project, "mode": cfg.wandb_mode, "run_dir": run_dir, **run}
         # The GPUs of rank 0's node by UUID (NVML indices ignore CUDA_VISIBLE_DEVICES).
         uuids = D.node_gpu_uuids(job.info, job.device)
         return cls(
             active=job.info.is_main, run_dir=run_dir, geometry=dataclasses.asdict(job.geometry),
-            steps_per_epoch=steps_per_epoch, log_interval=cfg.log_interval,
-            world_size=job.info.world_size, resumed=resumed, mlflow=mlflow, wandb=wandb,
-            batch_size=cfg.batch_size * cfg.accumulation,  # images per rank and step
+            steps_per_epoch=steps_per_epoch, log_interval=cfg.log_interval, resumed=resumed,
+            mlflow=mlflow, wandb=wandb if cfg.wandb_project else None,
             sampler=GpuSampler(job.geometry.gpus_per_node, uuids=uuids),
         )  # fmt: skip
-
-    def _global_step(self, epoch: int, step: int) -> int:
-        return epoch * self.steps_per_epoch + step
 
     def _write(self, method: str, *args, close: bool = False, **kwargs) -> None:
         """``method`` of each sink, each switched off on its own failure (or with ``close``)."""
@@ -114,34 +92,27 @@ class RunMonitor:
                 setattr(self, attribute, None)
 
     def step(self, epoch: int, step: int, meter, lr: float, timer=None) -> None:
-        """Every step; logs every ``log_interval`` steps (reads the loss from the device).
-        ``timer`` (training.step_timing.StepTimer): rank 0's step-time breakdown since the
-        last line (on a GPU, of the steps whose CUDA events had completed)."""
+        """Every step; logs every ``log_interval`` steps the meter's interval (EpochMeter.interval:
+        the progress line's figures). ``timer`` (training.step_timing.StepTimer): rank 0's
+        step-time breakdown since the last line (on a GPU, of the steps whose CUDA events had
+        completed)."""
         idle = self.board is None and self.tracker is None and self.wandb is None
         if idle or (step % self.interval and step != self.steps_per_epoch):
             return
-        # Images since the last line (or since this job's start of the epoch): host time, as
-        # the progress line measures it; the loss read below waits for the device anyway.
-        now = time.perf_counter()
-        if self.mark is None or self.mark[1] > meter.steps:
-            self.mark = (meter.started, 0)
-        images = (meter.steps - self.mark[1]) * self.batch_size * self.world_size
-        rate = images / max(now - self.mark[0], 1e-9)
-        self.mark = (now, meter.steps)
-        values = {"loss": meter.mean_loss(), "images_per_s": rate, "lr": lr}
+        loss, rate = meter.interval()
+        values = {"loss": loss, "images_per_s": rate, "lr": lr}
         if timer is not None:
             values.update(timer.read_interval())
-        global_step = self._global_step(epoch, step)
+        global_step = epoch * self.steps_per_epoch + step
         self._write("scalars", "train", values, global_step)
         self._gpu(global_step)
 
     def epoch(self, epoch: int, record: dict[str, Any], spike: str = "") -> None:
         """``spike``: the run's worst loss spike so far (training.metrics.loss_spike)."""
-        global_step = self._global_step(epoch + 1, 0)
+        global_step = (epoch + 1) * self.steps_per_epoch
         values = {tag: record.get(tag) for tag in EPOCH_TAGS} | {"lr": record.get("lr_end")}
         self._write("scalars", "epoch", values, global_step)
         self._gpu(global_step)
-        self.mark = None
         self._progress({**record, "loss_spike": spike})
 
     def _progress(self, record: dict[str, Any]) -> None:

@@ -1,18 +1,12 @@
-"""GPU telemetry of rank 0's node, sampled with NVML (``nvidia-ml-py``) in a background thread.
+"""GPU telemetry of rank 0's node, sampled with NVML (``nvidia-ml-py``) in a background thread:
+utilization, memory used and power every ``interval`` seconds; at :meth:`GpuSampler.stop` their
+means and peaks, and the energy (NVML's counter where every GPU has one, else the power
+integrated). The cost block labels all nodes' energy (this node's x nodes) an estimate.
 
-Every ``interval`` seconds: utilization, memory used and power of each GPU watched. At the end
-(:meth:`GpuSampler.stop`): mean utilization, peak memory per GPU, mean power and the energy,
-from NVML's energy counter (Volta and newer) where every GPU has one, else the power samples
-integrated. Only rank 0's node is measured; the cost block labels all nodes' energy (that
-node's x the node count) an estimate.
-
-The GPUs are found by UUID (``uuids``, :func:`imagenet_ddp.jobs.distributed.node_gpu_uuids`):
-NVML ignores ``CUDA_VISIBLE_DEVICES`` and on a shared node lists other jobs' GPUs. A GPU NVML
-cannot open or read (another task's behind a device cgroup, a MIG instance) is left out and
-named in ``unsampled``; the others are sampled. Without the package, the driver or a GPU,
-nothing is sampled and the summary says why: figures are absent, never zero. The thread only
-reads NVML and takes no lock the loop holds; signals go to the main thread as before.
-"""
+GPUs are found by UUID (jobs.distributed.node_gpu_uuids): NVML ignores CUDA_VISIBLE_DEVICES and
+lists other jobs' GPUs. One it cannot open or read (a device cgroup, MIG) is named in
+``unsampled``, the others sampled; without the package, driver or a GPU the summary says why:
+figures absent, never zero. The thread takes no lock the loop holds."""
 
 from __future__ import annotations
 
@@ -50,8 +44,6 @@ class GpuSampler:
         self._samples: list[tuple[float, list[float], list[int], list[float]]] = []
         self._energy_start: list[int] | None = None
         self._energy_end: list[int] | None = None
-
-    # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> GpuSampler:
         """Open NVML and start the thread; on any reason not to, record it and do nothing."""
@@ -127,8 +119,6 @@ class GpuSampler:
         while not self._stop.wait(self.interval):
             self._sample()
 
-    # ------------------------------------------------------------------ reading NVML
-
     def _sample(self) -> None:
         nvml = self._nvml
         util, memory, power = [], [], []
@@ -150,8 +140,6 @@ class GpuSampler:
             return [int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(h)) for h in self._handles]
         except Exception:
             return None
-
-    # ------------------------------------------------------------------ results
 
     def latest(self) -> dict[str, float] | None:
         """The newest sample as scalars (mean utilization, memory and power summed), or None."""
@@ -215,15 +203,9 @@ def _ok(value) -> bool:
 def _first_read(nvml, handle) -> Exception | None:
     """The error of reading what every sample reads, or None: a GPU that cannot be read at
     the start is left out instead of ending sampling for all."""
-    for read in (
-        nvml.nvmlDeviceGetUtilizationRates,
-        nvml.nvmlDeviceGetMemoryInfo,
-        nvml.nvmlDeviceGetPowerUsage,
-    ):
-        result = _try(read, handle)
-        if not _ok(result):
-            return result
-    return None
+    reads = (nvml.nvmlDeviceGetUtilizationRates, nvml.nvmlDeviceGetMemoryInfo,
+             nvml.nvmlDeviceGetPowerUsage)  # fmt: skip
+    return next((e for e in (_try(read, handle) for read in reads) if not _ok(e)), None)
 
 
 def _named(unsampled: list[dict[str, str]]) -> str:

@@ -1,14 +1,7 @@
-"""TensorBoard event files of a run, written by rank 0 only (``torch.utils.tensorboard``).
-
-Layout: ``results/runs/<run>/tensorboard/``. Every scalar's x axis is the global step
-(``epoch x steps_per_epoch + step``), so a resumed run continues its curves: a resumed job
-appends an event file beside the earlier ones; a fresh start removes them (they belong to a
-training that no longer exists). Tags (imagenet_ddp.monitoring.monitor): ``train/*`` every
-``log_interval`` steps (loss, images_per_s, lr, rank 0's step-time breakdown), ``epoch/*`` at
-each epoch's end (monitor.EPOCH_TAGS, lr), ``gpu/*`` (NVML, rank 0's node); the profiler
-window's traces (``*.pt.trace.json``, training.profile_window). Events are flushed every
-``FLUSH_SECONDS``: ``tensorboard --logdir results/runs`` shows a running job that late at most.
-"""
+"""TensorBoard event files of a run (``<run dir>/tensorboard/``), written by rank 0 only. The x
+axis is the global step, so a resumed job appends an event file and continues the curves; a
+fresh start removes the old ones (a training that no longer exists). Tags: docs/results.md
+"Watching a run". Flushed every ``FLUSH_SECONDS``: a running job shows that late at most."""
 
 from __future__ import annotations
 

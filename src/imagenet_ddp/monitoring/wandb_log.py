@@ -1,12 +1,9 @@
-"""Weights & Biases tracking of a run (``wandb_project``), written by rank 0 only: the same
-scalars, tags and global steps as TensorBoard's. The steps are W&B's ``global_step`` metric
-(every other one's x axis), not W&B's own step, which refuses a step lower than one logged:
-a resumed job logs again the steps after its checkpoint. The run id is kept in the checkpoint
-directory (``wandb_run_id``, as MLflow's): a resumed job continues the run (``resume="allow"``),
-a fresh start makes a new one. ``wandb_mode: offline`` (the default: compute nodes often have
-no network) writes ``<run dir>/wandb/offline-run-*``; ``wandb sync`` uploads them from a login
-node. Needs ``imagenet-ddp[wandb]``.
-"""
+"""Weights & Biases tracking (``wandb_project``), rank 0 only: TensorBoard's scalars and steps.
+The x axis is a ``global_step`` metric, not W&B's own step, which refuses a step lower than one
+logged (a resumed job logs the steps after its checkpoint again). The run id is kept beside the
+checkpoints (``wandb_run_id``): a resumed job continues the run, a fresh start makes a new one.
+``wandb_mode: offline`` (the default: compute nodes often have no network) writes
+``<run dir>/wandb/offline-run-*`` for ``wandb sync``. Needs ``imagenet-ddp[wandb]``."""
 
 from __future__ import annotations
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import resource
 import shutil
@@ -28,7 +27,7 @@ from imagenet_ddp.data.reader import create_dataset
 from imagenet_ddp.io import atomic_path, write_json_atomic
 from imagenet_ddp.jobs import distributed as D
 from imagenet_ddp.jobs.signals import stop_signals_blocked
-from imagenet_ddp.jobs.spec import STAGING_DIR, PreflightJob, read_spec, staged_copy
+from imagenet_ddp.jobs.spec import PreflightJob, read_spec, staged_copy, staging_reports
 from imagenet_ddp.preflight.report import build_report, collective_figures, table
 from imagenet_ddp.training import recipe
 from imagenet_ddp.training.accuracy import evaluate_loader, shard_loader
@@ -62,18 +61,11 @@ def placement(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> dict:
     distributed.select_device chose, as training would)."""
     visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
     record = {
-        "rank": info.rank,
-        "local_rank": info.local_rank,
-        "host": info.host,
-        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-        "slurm_step_id": os.environ.get("SLURM_STEP_ID"),
-        "slurm_procid": os.environ.get("SLURM_PROCID"),
-        "visible": visible,
-        "device": str(device),
-        "gpu": None,
-        "gpu_name": None,
+        "rank": info.rank, "local_rank": info.local_rank, "host": info.host,
+        **{k.lower(): os.environ.get(k) for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID")},
+        "visible": visible, "device": str(device), "gpu": None, "gpu_name": None,
         "gpu_memory_gb": None,
-    }
+    }  # fmt: skip
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         record.update(gpu=str(props.uuid), gpu_name=props.name,
@@ -87,13 +79,6 @@ def placement(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> dict:
             index = info.local_rank % len(ids)
         record["gpu"] = ids[index]
     return record
-
-
-def _peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    # CPU: the process's peak resident memory (ru_maxrss is in KiB on Linux).
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 def _step_seconds(job, images, targets, steps: int) -> list[float]:
@@ -127,12 +112,15 @@ def model_step(job, cfg: TrainConfig, num_classes: int) -> dict:
     with _without_allreduce(job):
         compute = statistics.median(_step_seconds(job, images, targets, MODEL_STEPS["timed"]))
     per_step = cfg.batch_size * cfg.accumulation  # a rank's images per optimizer step
+    cuda = job.device.type == "cuda"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    peak = torch.cuda.max_memory_allocated(job.device) if cuda else rss  # CPU: peak RSS
     return {
         "model_images_per_s": per_step / step,
         "compute_images_per_s": per_step / compute,
         "compile_seconds": max(0.0, first - step) if cfg.compile else 0.0,
-        "peak_memory_gb": _peak_memory_gb(job.device),
-        "peak_memory_kind": "device" if job.device.type == "cuda" else "host RSS",
+        "peak_memory_gb": peak / 1e9,
+        "peak_memory_kind": "device" if cuda else "host RSS",
     }
 
 
@@ -233,18 +221,10 @@ def eval_rate(cfg: TrainConfig, job, holdout, info: D.DistInfo, workers: int, de
     """img/s of this rank's holdout evaluation as training runs it: a persistent loader, a
     first pass to start its workers, then a pass timed, pipeline fill included (every
     evaluation refills it)."""
-    loader = shard_loader(
-        holdout,
-        device=device,
-        batch_size=cfg.batch_size,
-        workers=workers,
-        rank=info.rank,
-        world_size=info.world_size,
-        persistent=True,
-    )
-    settings = {"num_classes": holdout.num_classes, "device": device, "precision": cfg.precision}
-    settings["channels_last"] = cfg.channels_last
-    settings["mean_std"] = recipe.mean_std(cfg)
+    loader = shard_loader(holdout, device=device, batch_size=cfg.batch_size, workers=workers,
+                          rank=info.rank, world_size=info.world_size, persistent=True)  # fmt: skip
+    settings = {"num_classes": holdout.num_classes, "device": device, "precision": cfg.precision,
+                "channels_last": cfg.channels_last, "mean_std": recipe.mean_std(cfg)}  # fmt: skip
     try:
         evaluate_loader(job.model, loader, **settings)
         started = time.perf_counter()
@@ -272,8 +252,7 @@ def checkpoint_cost(job, directory: Path) -> dict:
         with atomic_path(probe / "write-rate.pt") as tmp:  # as save_checkpoint writes
             torch.save(snapshot, tmp)
         write = time.perf_counter() - began
-        path = probe / "write-rate.pt"
-        size = path.stat().st_size
+        size = (probe / "write-rate.pt").stat().st_size
     finally:
         shutil.rmtree(probe, ignore_errors=True)
     return {
@@ -335,10 +314,6 @@ def measure(spec: PreflightJob, cfg: TrainConfig, info: D.DistInfo, device: torc
     record.update(checkpoint_cost(job, paths.checkpoint_root))
     sizes = {"train": len(train_ids), "holdout": len(holdout_ids)}
     return {"record": record, "gradient_bytes": gradient_bytes, "sizes": sizes}
-
-
-def staging_reports(run_dir: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((run_dir / STAGING_DIR).glob("*.json"))]
 
 
 def run(job: PreflightJob) -> int:

@@ -16,17 +16,8 @@ from typing import Any
 
 from imagenet_ddp.io import write_json_atomic
 
-FIELDS = (
-    "JobIDRaw",
-    "JobName",
-    "State",
-    "ExitCode",
-    "ElapsedRaw",
-    "AllocTRES",
-    "NNodes",
-    "TotalCPU",
-    "MaxRSS",
-)
+FIELDS = ("JobIDRaw", "JobName", "State", "ExitCode", "ElapsedRaw", "AllocTRES", "NNodes",
+          "TotalCPU", "MaxRSS")  # fmt: skip
 TIMEOUT_SECONDS = 30
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 
@@ -43,10 +34,6 @@ def _seconds(value: str) -> float | None:
         return None
     days, hours, minutes, seconds = match.groups()
     return ((int(days or 0) * 24 + int(hours or 0)) * 60 + int(minutes)) * 60 + float(seconds)
-
-
-def _tres(value: str) -> dict[str, str]:
-    return dict(item.split("=", 1) for item in value.split(",") if "=" in item)
 
 
 def parse_sacct(text: str) -> dict[str, dict[str, Any]]:
@@ -66,10 +53,9 @@ def parse_sacct(text: str) -> dict[str, dict[str, Any]]:
         if step:
             job["steps"].append({"step": step, "name": row["JobName"], "state": row["State"]})
             continue
-        tres = _tres(row["AllocTRES"])
+        tres = dict(item.split("=", 1) for item in row["AllocTRES"].split(",") if "=" in item)
         elapsed = int(row["ElapsedRaw"]) if row["ElapsedRaw"].isdigit() else None
-        gpus = int(tres.get("gres/gpu", 0))
-        cpus = int(tres.get("cpu", 0))
+        gpus, cpus = int(tres.get("gres/gpu", 0)), int(tres.get("cpu", 0))
         job.update(
             state=row["State"],
             exit_code=row["ExitCode"],

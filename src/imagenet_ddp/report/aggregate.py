@@ -14,6 +14,7 @@ import pandas as pd
 
 from imagenet_ddp import __version__
 from imagenet_ddp.io import write_csv_atomic, write_text_atomic
+from imagenet_ddp.jobs.spec import staging_reports
 from imagenet_ddp.provenance import provenance_path, write_provenance
 from imagenet_ddp.settings.geometry import WORLD_KEYS
 from imagenet_ddp.settings.kinds import declarations
@@ -136,8 +137,8 @@ def run_row(run_dir: Path, version: str = __version__) -> dict[str, Any]:
     evaluation = json.loads((run_dir / "eval.json").read_text())
     job = json.loads((run_dir / "job.json").read_text())
     provenance = json.loads(provenance_path(run_dir / "model.pt").read_text())
-    staging = [json.loads(p.read_text()) for p in sorted((run_dir / "staging").glob("*.json"))]
-    cfg = train["config"]
+    staging = staging_reports(run_dir)
+    cfg, recorded = train["config"], provenance["code"].get("package_version")
     gpus = sum(1 for r in train["ranks"] if r["device"].startswith("cuda"))
     stage_seconds = max((s["seconds"] for s in staging), default=float("nan"))
     stage_bytes = max((s["bytes"] for s in staging), default=0)
@@ -185,13 +186,8 @@ def run_row(run_dir: Path, version: str = __version__) -> dict[str, Any]:
         "git_commit": provenance["code"].get("git_commit", "unknown"),
         **code_row(train.get("cost")),
         # No rule reruns a finished training for a code change: the table says so instead.
-        "trained_by_other_code": _other_version(provenance, version),
+        "trained_by_other_code": None if recorded is None else recorded != version,
     }
-
-
-def _other_version(provenance: dict[str, Any], version: str) -> bool | None:
-    recorded = (provenance.get("code") or {}).get("package_version")
-    return None if recorded is None else recorded != version
 
 
 def diverged_cell(diverged: dict[str, Any] | None) -> str:
@@ -217,8 +213,8 @@ def shape_columns(train: dict[str, Any]) -> dict[str, Any]:
         "shape": train.get("shape", ""),
         "allocation_shapes": "; ".join(f"{s}: {', '.join(a)}" for s, a in allocations.items()),
         "throughput_by_shape": "; ".join(
-            f"{s}: {_number('.0f')(_float(f['steady_images_per_s']))} img/s steady, "
-            f"{_number('.0f')(_float(f['images_per_s']))} end to end ({f['epochs']} epochs)"
+            f"{s}: {number('.0f')(f['steady_images_per_s'])} img/s steady, "
+            f"{number('.0f')(f['images_per_s'])} end to end ({f['epochs']} epochs)"
             for s, f in figures.items()
         ),
     }
@@ -357,7 +353,8 @@ def _percent(value: Any) -> str:
     return "" if pd.isna(value) else f"{100 * value:.1f} %"
 
 
-def _number(fmt: str) -> Any:
+def number(fmt: str) -> Any:
+    """A cell formatter: ``fmt`` (and a unit), empty where unknown (None or NaN)."""
     return lambda value, unit="": "" if pd.isna(value) else format(value, fmt) + unit
 
 
@@ -386,7 +383,7 @@ def _efficiency(row: pd.Series) -> str:
 def _input_bound(row: pd.Series) -> str:
     """The measured input-bound share, and the preflight's projection beside it where both
     exist (no preflight, or one from before the projected breakdown: the measured alone)."""
-    measured = _number(".0f")(row["input_bound_pct"], " %")
+    measured = number(".0f")(row["input_bound_pct"], " %")
     projected = row["preflight_input_bound_pct"]
     if not measured or pd.isna(projected):
         return measured
@@ -413,18 +410,18 @@ SHORT_COLUMNS: list[tuple[str, str, Any]] = [
         ),
     ),
     ("model", "left", lambda row: row["model"]),
-    ("nodes x ranks", "right", lambda row: _shapes(row)),
+    ("nodes x ranks", "right", _shapes),
     ("GPUs", "right", lambda row: str(row["gpus"])),
     ("global batch", "right", lambda row: str(row["global_batch"])),
     ("precision", "left", lambda row: row["precision"]),
     ("epochs", "right", lambda row: str(row["epochs"])),
-    ("img/s (steady)", "right", lambda row: _number(".0f")(row["steady_images_per_s"])),
-    ("scaling eff.", "right", lambda row: _efficiency(row)),
+    ("img/s (steady)", "right", lambda row: number(".0f")(row["steady_images_per_s"])),
+    ("scaling eff.", "right", _efficiency),
     # the diagnosis of a slow run: the share of step time its most input-bound rank waited
-    ("input-bound", "right", lambda row: _input_bound(row)),
+    ("input-bound", "right", _input_bound),
     ("holdout top-1", "right", lambda row: _percent(row["holdout_top1"])),
     ("test top-1", "right", lambda row: _percent(row["test_top1"])),
-    ("GPU-h", "right", lambda row: _number(".3g")(row["gpu_hours"])),
+    ("GPU-h", "right", lambda row: number(".3g")(row["gpu_hours"])),
     ("wall h:mm:ss", "right", lambda row: _wall(row["wall_seconds"])),
 ]
 

@@ -29,18 +29,9 @@ from matplotlib.ticker import (  # noqa: E402
 from imagenet_ddp.errors import InputError  # noqa: E402
 from imagenet_ddp.io import atomic_path  # noqa: E402
 
-RUNS_COLUMNS = [
-    "run",
-    "model",
-    "world_size",
-    "images_per_s",
-    "images_per_s_per_rank",
-    "steady_images_per_s",
-    "steady_images_per_s_per_rank",
-    "scaling_efficiency",
-    "scaling_group",
-    "scaling_baseline",
-]
+RUNS_COLUMNS = ["run", "model", "world_size", "images_per_s", "images_per_s_per_rank",
+                "steady_images_per_s", "steady_images_per_s_per_rank", "scaling_efficiency",
+                "scaling_group", "scaling_baseline"]  # fmt: skip
 TEXT_COLUMNS = ("run", "model", "class_index", "scaling_group", "scaling_baseline")
 HISTORY_COLUMNS = ["epoch", "train_loss", "holdout_loss", "train_top1", "holdout_top1"]
 # Absent in tables from before cost was measured: plotted as missing.
@@ -49,25 +40,13 @@ PER_CLASS_COLUMNS = ["class_index", "test_top1", "test_total"]
 
 # Fixed style so the figures do not depend on a user's matplotlibrc.
 STYLE = {
-    "figure.dpi": 100,
-    "savefig.dpi": 130,
-    "font.size": 10,
-    "axes.titlesize": 11,
-    "axes.labelsize": 10,
-    "legend.fontsize": 8.5,
-    "axes.grid": True,
-    "grid.alpha": 0.3,
-    "axes.spines.top": False,
-    "axes.spines.right": False,
-    "svg.hashsalt": "imagenet-ddp",
+    "figure.dpi": 100, "savefig.dpi": 130, "font.size": 10, "axes.titlesize": 11,
+    "axes.labelsize": 10, "legend.fontsize": 8.5, "axes.grid": True, "grid.alpha": 0.3,
+    "axes.spines.top": False, "axes.spines.right": False, "svg.hashsalt": "imagenet-ddp",
     "svg.fonttype": "path",
-}
+}  # fmt: skip
 # No dates, no version strings: identical inputs give identical bytes.
-METADATA = {
-    ".png": {"Software": None},
-    ".svg": {"Date": None, "Creator": None},
-}
-SUPPORTED_SUFFIXES = tuple(METADATA)
+METADATA = {".png": {"Software": None}, ".svg": {"Date": None, "Creator": None}}
 
 
 def _read_csv(
@@ -177,22 +156,17 @@ def _rank_axis(ax, ranks: Sequence[int]) -> bool:
     return log
 
 
-def _label_points(ax, table: pd.DataFrame, y: str) -> None:
-    """Name each run next to its point: below right, or above right near the bottom axis."""
+def _label_points(ax, table: pd.DataFrame, x: str, y: str) -> None:
+    """Name each run next to its point (after the axes' limits): below right, or above right
+    near the bottom axis."""
     if len(table) > 12:  # labels would pile up; the table in the report names the runs
         return
     to_axes = ax.transData + ax.transAxes.inverted()
     for row in table.itertuples():
-        point = (row.world_size, getattr(row, y))
+        point = (getattr(row, x), getattr(row, y))
         near_bottom = to_axes.transform(point)[1] < 0.1
-        ax.annotate(
-            row.run,
-            point,
-            xytext=(6, 5 if near_bottom else -12),
-            textcoords="offset points",
-            fontsize=7.5,
-            color="0.3",
-        )
+        ax.annotate(row.run, point, xytext=(6, 5 if near_bottom else -12),
+                    textcoords="offset points", fontsize=7.5, color="0.3")  # fmt: skip
 
 
 STEADY = {"linestyle": "-", "marker": "o"}
@@ -202,14 +176,9 @@ IDEAL = {"linestyle": "--", "alpha": 0.7}
 
 def _group_legend(ax, handles: list, title: str) -> None:
     """One entry per group, below the axes: group labels can be long."""
-    ax.legend(
-        handles=handles,
-        title=title,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.16),
-        ncol=1 if len(handles) > 3 or max(len(h.get_label()) for h in handles) > 40 else 2,
-        frameon=False,
-    )
+    wide = len(handles) > 3 or max(len(h.get_label()) for h in handles) > 40
+    ax.legend(handles=handles, title=title, loc="upper center", bbox_to_anchor=(0.5, -0.16),
+              ncol=1 if wide else 2, frameon=False)  # fmt: skip
 
 
 def plot_throughput(table: pd.DataFrame, out: Path) -> None:
@@ -244,7 +213,7 @@ def plot_throughput(table: pd.DataFrame, out: Path) -> None:
             ax.set_ylim(bottom=0, top=(values.max() if len(values) else 1.0) * 1.15)
         # After the limits (placement depends on them); at the steady point where there is one.
         labelled = table.assign(label_y=table["steady_images_per_s"].fillna(table["images_per_s"]))
-        _label_points(ax, labelled, "label_y")
+        _label_points(ax, labelled, "world_size", "label_y")
         ax.set_ylabel("Training throughput (images/s, all ranks)")
         ax.set_title("Training throughput vs ranks", pad=24)
         gray = {"color": "0.3"}
@@ -255,13 +224,9 @@ def plot_throughput(table: pd.DataFrame, out: Path) -> None:
                 Line2D([], [], **gray, **IDEAL, label="ideal linear scaling"),
             ],
             # between the title and the axes, not in them: no point or label falls under it
-            loc="lower center",
-            bbox_to_anchor=(0.5, 1.0),
-            ncol=3,
-            fontsize=8,
-            handlelength=2.5,
+            loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize=8, handlelength=2.5,
             frameon=False,
-        )
+        )  # fmt: skip
         ax.add_artist(styles)
         styles.set_clip_on(False)  # add_artist clips to the axes
         _group_legend(ax, handles, "Scaling group (same settings, geometry varies)")
@@ -297,17 +262,11 @@ def plot_efficiency(table: pd.DataFrame, out: Path) -> None:
             "Scaling efficiency vs ranks\n"
             "(steady-state per-rank throughput / group's smallest run's)"
         )
-        ax.legend(
-            handles=[
-                Line2D([], [], color="0.4", linestyle="--", linewidth=1, label="ideal (100 %)"),
-                Line2D(
-                    [], [], color="0.3", marker="o", markerfacecolor="white", linestyle="none",
-                    label="group's smallest run (baseline)",
-                ),
-            ],
-            loc="lower left",
-            frameon=False,
-        )  # fmt: skip
+        ax.legend(handles=[
+            Line2D([], [], color="0.4", linestyle="--", linewidth=1, label="ideal (100 %)"),
+            Line2D([], [], color="0.3", marker="o", markerfacecolor="white", linestyle="none",
+                   label="group's smallest run (baseline)"),
+        ], loc="lower left", frameon=False)  # fmt: skip
         ax.add_artist(ax.get_legend())
         _group_legend(ax, handles, "Scaling group (same settings, geometry varies)")
         _save(fig, out)
@@ -375,14 +334,8 @@ def _curve_legends(fig, axes, styles: dict, colors: dict) -> None:
         ax.legend(handles=handles, loc=loc, frameon=False)
     run_handles = [Line2D([], [], color=c, linewidth=2, label=r) for r, c in colors.items()]
     ncol = min(len(run_handles), 5)
-    fig.legend(
-        handles=run_handles,
-        loc="lower center",
-        ncol=ncol,
-        frameon=False,
-        title="Run",
-        bbox_to_anchor=(0.5, -0.02),
-    )
+    fig.legend(handles=run_handles, loc="lower center", ncol=ncol, frameon=False, title="Run",
+               bbox_to_anchor=(0.5, -0.02))  # fmt: skip
     fig.suptitle("Training curves")
     rows = -(-len(run_handles) // ncol)
     fig.tight_layout(rect=(0, 0.035 + 0.045 * rows, 1, 1))
@@ -425,21 +378,13 @@ def _class_points(ax, positions, runs: list[str], values: list[np.ndarray]) -> N
 def _per_class_legend(ax, chance: float) -> None:
     handles = [
         Line2D([], [], color="black", label="median (box: quartiles)"),
-        Line2D(
-            [],
-            [],
-            marker="D",
-            linestyle="",
-            markerfacecolor="white",
-            markeredgecolor="black",
-            label="mean over classes",
-        ),
+        Line2D([], [], marker="D", linestyle="", markerfacecolor="white",
+               markeredgecolor="black", label="mean over classes"),
         Line2D([], [], marker="o", linestyle="", color="0.4", label="one class"),
         Line2D([], [], color="firebrick", linestyle=":", label=f"chance ({chance:.3g} %)"),
-    ]
-    ax.legend(
-        handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False
-    )
+    ]  # fmt: skip
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2,
+              frameon=False)  # fmt: skip
 
 
 def plot_per_class(per_class: dict[str, pd.DataFrame], out: Path) -> None:
@@ -452,16 +397,10 @@ def plot_per_class(per_class: dict[str, pd.DataFrame], out: Path) -> None:
     with plt.rc_context(STYLE):
         fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(runs) + 2.5), 4.6))
         positions = np.arange(1, len(runs) + 1)
-        ax.boxplot(
-            values,
-            positions=positions,
-            widths=0.55,
-            showfliers=False,
-            medianprops={"color": "black"},
-            boxprops={"color": "0.35"},
-            whiskerprops={"color": "0.35"},
-            capprops={"color": "0.35"},
-        )
+        gray = {"color": "0.35"}
+        ax.boxplot(values, positions=positions, widths=0.55, showfliers=False,
+                   medianprops={"color": "black"}, boxprops=gray, whiskerprops=gray,
+                   capprops=gray)  # fmt: skip
         _class_points(ax, positions, runs, values)
         n_classes = max(len(f) for f in per_class.values())
         chance = 100 / n_classes
@@ -488,11 +427,9 @@ def _cost_panel(ax, table: pd.DataFrame, x: str, xlabel: str, empty: str) -> Non
         ax.set_xticks([])
         return
     ax.scatter(points[x], points["images_per_s"], color="C0", zorder=3)
-    for row in points.itertuples() if len(points) <= 12 else ():
-        ax.annotate(row.run, (getattr(row, x), row.images_per_s), xytext=(5, 4),
-                    textcoords="offset points", fontsize=7.5, color="0.3")  # fmt: skip
     ax.set_ylim(bottom=0)
     ax.set_xlim(left=0)
+    _label_points(ax, points, x, "images_per_s")
 
 
 def plot_cost(table: pd.DataFrame, out: Path) -> None:
@@ -520,18 +457,12 @@ def plot_cost(table: pd.DataFrame, out: Path) -> None:
 
 
 def make_plots(
-    runs_csv: Path,
-    run_dirs: Sequence[Path],
-    *,
-    throughput: Path,
-    efficiency: Path,
-    curves: Path,
-    per_class: Path,
-    cost: Path | None = None,
-) -> None:
+    runs_csv: Path, run_dirs: Sequence[Path], *, throughput: Path, efficiency: Path,
+    curves: Path, per_class: Path, cost: Path | None = None,
+) -> None:  # fmt: skip
     for path in (throughput, efficiency, curves, per_class, cost or per_class):
         if Path(path).suffix.lower() not in METADATA:
-            raise InputError(f"{path}: unsupported figure format; use one of {SUPPORTED_SUFFIXES}")
+            raise InputError(f"{path}: unsupported figure format; use one of {tuple(METADATA)}")
     if not run_dirs:
         raise InputError("no run directories given (--run-dirs)")
     table = read_runs(runs_csv)

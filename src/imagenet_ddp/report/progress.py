@@ -17,7 +17,7 @@ from imagenet_ddp.io import write_csv_atomic, write_text_atomic
 from imagenet_ddp.jobs import attempts as A
 from imagenet_ddp.jobs.spec import PROGRESS, TRAIN_SPEC
 from imagenet_ddp.provenance import provenance_path
-from imagenet_ddp.report.aggregate import aggregate_runs, to_markdown
+from imagenet_ddp.report.aggregate import aggregate_runs, number, to_markdown
 
 # What a finished run has written (aggregate.run_row reads them; accounting.json is optional).
 FINISHED_FILES = ("train_metrics.json", "eval.json", "job.json")
@@ -46,7 +46,8 @@ def _last_attempt(checkpoint_root: Path) -> dict[str, Any] | None:
 
 
 def _training(run_dir: Path) -> dict[str, Any]:
-    """Epochs done, the last epoch's throughput, and the ETA at its pace (epoch end included)."""
+    """Epochs done, the last epoch's throughput, the ETA at its pace (epoch end included), the
+    worst loss spike so far."""
     progress = _read(run_dir / PROGRESS) or {}
     spec = _read(run_dir / TRAIN_SPEC) or {}
     epochs = (spec.get("run") or {}).get("epochs")
@@ -59,34 +60,32 @@ def _training(run_dir: Path) -> dict[str, Any]:
         "epochs": epochs,
         "images_per_s": progress.get("images_per_s", math.nan),
         "eta_hours": eta,
+        "spike": progress.get("loss_spike"),
     }
 
 
 def run_state(run: str, run_dir: Path, checkpoint_root: Path, now: float) -> dict[str, Any]:
     """A row for a run that has not finished: its last attempt's state, its worst loss spike."""
-    row = _state(run, run_dir, checkpoint_root, now)
-    spike = (_read(run_dir / PROGRESS) or {}).get("loss_spike")
-    return {**row, "note": "; ".join(p for p in (row["note"], spike) if p)}
+    row = {"run": run, **_training(run_dir)}
+    state, note = _state(_last_attempt(checkpoint_root), now)
+    return {**row, "state": state, "note": "; ".join(p for p in (note, row["spike"]) if p)}
 
 
-def _state(run: str, run_dir: Path, checkpoint_root: Path, now: float) -> dict[str, Any]:
-    row = {"run": run, **_training(run_dir), "note": ""}
-    last = _last_attempt(checkpoint_root)
+def _state(last: dict[str, Any] | None, now: float) -> tuple[str, str]:
     if last is None:
-        return {**row, "state": "not started"}
+        return "not started", ""
     outcome = last.get("outcome")
     if outcome == "running" and last.get("ended") is None:
         alive = now - (last.get("alive") or last.get("started") or now)
         job = last.get("slurm_job_id") or "local"
-        note = f"job {job}, last sign of life {alive / 60:.0f} min ago"
-        return {**row, "state": "training", "note": note}
+        return "training", f"job {job}, last sign of life {alive / 60:.0f} min ago"
     if outcome in ("failed", "refused", "killed"):
         error = (last.get("error") or "").splitlines()[:1]
         note = f"attempt {last.get('attempt')}: {error[0] if error else 'no error recorded'}"
-        return {**row, "state": outcome, "note": note[:160]}
+        return outcome, note[:160]
     if outcome == "stopped":
-        return {**row, "state": "stopped", "note": "checkpointed; resumes in its next job"}
-    return {**row, "state": "trained", "note": "not evaluated yet"}  # completed
+        return "stopped", "checkpointed; resumes in its next job"
+    return "trained", "not evaluated yet"  # completed
 
 
 def progress_tables(
@@ -104,30 +103,18 @@ def progress_tables(
     return table, pd.DataFrame(others, columns=OTHER_COLUMNS)
 
 
-def _cell(value: Any, fmt: str) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return ""
-    return format(value, fmt)
-
-
 def _epochs(row: pd.Series) -> str:
     """Epochs done of all ("10/90"); the count alone where the total is unknown (no spec yet)."""
-    done, total = int(row["epochs_done"]), _cell(row["epochs"], ".0f")
+    done, total = int(row["epochs_done"]), number(".0f")(row["epochs"])
     return f"{done}/{total}" if total else (str(done) if done else "")
 
 
 def others_markdown(others: pd.DataFrame) -> str:
     rows = [
-        [
-            row["run"],
-            row["state"],
-            _epochs(row),
-            _cell(row["images_per_s"], ".0f"),
-            _cell(row["eta_hours"], ".1f"),
-            row["note"],
-        ]
+        [row["run"], row["state"], _epochs(row), number(".0f")(row["images_per_s"]),
+         number(".1f")(row["eta_hours"]), row["note"]]
         for _, row in others.iterrows()
-    ]
+    ]  # fmt: skip
     headings = ["run", "state", "epochs", "img/s (last epoch)", "ETA h", "note"]
     frame = pd.DataFrame(rows, columns=headings, dtype=object)
     return frame.to_markdown(index=False, disable_numparse=True)

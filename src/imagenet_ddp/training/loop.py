@@ -95,7 +95,7 @@ def train_epoch(job: TrainingState, loop: Loop, epoch: int, step: int, carried):
     timer = StepTimer(job.device, cfg.log_interval, loop.profile.window(epoch))
     meter = EpochMeter(job.device, cfg.throughput_warmup_steps, carried)
     meter.shape_of(job.geometry.shape)
-    progress = Progress(job.info.is_main, epoch, steps_per_epoch, cfg.log_interval, meter)
+    progress = Progress(job.info.is_main, epoch, steps_per_epoch, cfg.log_interval)
     job.step_model.train()
     epoch_batches = batches(job, loop, epoch, step)
     for micro_batches in timed_steps(epoch_batches, timer, profiler):

@@ -40,8 +40,7 @@ class EpochMeter:
     def __init__(self, device: torch.device, warmup_steps: int, partial: dict | None = None):
         self.device, self.warmup_steps = device, warmup_steps
         partial = partial or {}
-        self.loss_sum = torch.tensor(partial.get("loss_sum", 0.0), dtype=torch.float64)
-        self.loss_sum = self.loss_sum.to(device)
+        self.loss_sum = torch.tensor(partial.get("loss_sum", 0.0), dtype=torch.float64).to(device)
         self.correct = torch.tensor(partial.get("correct", 0.0), dtype=torch.float64).to(device)
         self.samples = int(partial.get("samples", 0))
         self.previous_seconds = float(partial.get("seconds", 0.0))  # earlier jobs' share
@@ -50,6 +49,7 @@ class EpochMeter:
         self.window: tuple[float, int] | None = None  # (start time, samples at start)
         self.shape = partial.get("shape")  # the shape of the epoch so far (see shape_of)
         self.started = time.perf_counter()
+        self.mark = (self.started, self.samples, 0, 0.0, 0.0)  # time, samples, steps, loss, rate
 
     def update(
         self, loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, step_end=True
@@ -67,12 +67,23 @@ class EpochMeter:
     def pause(self, seconds: float) -> None:
         """Leave ``seconds`` (a mid-epoch checkpoint) out of the epoch's times."""
         self.started += seconds
+        self.mark = (self.mark[0] + seconds, *self.mark[1:])
         if self.window is not None:
             self.window = (self.window[0] + seconds, self.window[1])
 
     def mean_loss(self) -> float:
         """The epoch's mean training loss so far (reads the device: call once per interval)."""
         return float(self.loss_sum.item()) / max(self.samples, 1)
+
+    def interval(self) -> tuple[float, float]:
+        """(mean loss, global img/s since the last interval) for the progress line and the
+        monitor: measured once per step, so both show one figure. Host time: the CPU runs
+        ahead of the GPU by a bounded queue only."""
+        if self.mark[2] != self.steps:
+            now = time.perf_counter()
+            rate = (self.samples - self.mark[1]) * D.world_size() / max(now - self.mark[0], 1e-9)
+            self.mark = (now, self.samples, self.steps, self.mean_loss(), rate)
+        return self.mark[3], self.mark[4]
 
     def seconds(self) -> float:
         return self.previous_seconds + time.perf_counter() - self.started
@@ -130,11 +141,9 @@ class EpochMeter:
 class Progress:
     """tqdm bar for an interactive rank 0; one plain line per interval in batch logs."""
 
-    def __init__(self, enabled: bool, epoch: int, total: int, interval: int, meter: EpochMeter):
+    def __init__(self, enabled: bool, epoch: int, total: int, interval: int):
         self.enabled, self.interval, self.epoch, self.total = enabled, interval, epoch, total
-        self.world_size = D.world_size()
         self.bar = None
-        self.mark = (time.perf_counter(), meter.samples)
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -147,11 +156,7 @@ class Progress:
             self.bar.update(1)
         if step % self.interval and step != self.total:
             return
-        # Host time between intervals: the CPU runs ahead of the GPU by a bounded queue only.
-        now = time.perf_counter()
-        rate = (meter.samples - self.mark[1]) * self.world_size / max(now - self.mark[0], 1e-9)
-        self.mark = (now, meter.samples)
-        loss = meter.mean_loss()
+        loss, rate = meter.interval()
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.3f}", img_s=f"{rate:.0f}")
         else:
