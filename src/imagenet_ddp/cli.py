@@ -93,8 +93,13 @@ def _add_prepare_parsers(sub) -> None:
             _add_out_arguments(p)
         else:
             _required(p, "chunk:int chunks:int chunk-dir")
-            p.add_argument("--prepared-dir", type=Path, dest="shared_root", metavar="DIR",
-                           help="convert nothing if a copy is there")  # fmt: skip
+            p.add_argument(
+                "--prepared-dir",
+                type=Path,
+                dest="shared_root",
+                metavar="DIR",
+                help="convert nothing if a copy is there",
+            )
         _required(p, "short-side:int quality:int workers:int shard-samples:int")
         p.add_argument("--on-corrupt", choices=["fail", "skip"], required=True)
         p.set_defaults(func=func)

@@ -344,8 +344,9 @@ _NONDETERMINISTIC = {
     "reflection padding": "reflection_pad1d reflection_pad2d reflection_pad3d",
     "grid sampling": "grid_sampler_2d grid_sampler_3d",
 }
-NONDETERMINISTIC_CUDA_BACKWARD = {op: what for what, ops in _NONDETERMINISTIC.items()
-                                  for op in ops.split()}  # fmt: skip
+NONDETERMINISTIC_CUDA_BACKWARD = {
+    op: what for what, ops in _NONDETERMINISTIC.items() for op in ops.split()
+}
 
 
 def nondeterministic_on_cuda(

@@ -344,8 +344,13 @@ def verify_archives(data_dir: Path, *, check_md5: bool = True) -> dict:
 
 def _class_table(devkit) -> pd.DataFrame:
     wnids = devkit.wnids
-    return pd.DataFrame({"class_index": np.arange(len(wnids), dtype=np.int64), "wnid": wnids,
-                         "words": [devkit.wnid_to_words[w] for w in wnids]})  # fmt: skip
+    return pd.DataFrame(
+        {
+            "class_index": np.arange(len(wnids), dtype=np.int64),
+            "wnid": wnids,
+            "words": [devkit.wnid_to_words[w] for w in wnids],
+        }
+    )
 
 
 def _train_table(wnids: list[str], listing) -> pd.DataFrame:

@@ -47,15 +47,22 @@ def check_imagenet_counts(where: str, train: dict[str, int], val: dict[str, int]
     if hashlib.sha256("\n".join(sorted(train)).encode()).hexdigest() != ILSVRC2012_WNIDS_SHA256:
         return
     (low, high), per_val = ILSVRC2012_TRAIN_PER_CLASS, ILSVRC2012_VAL_PER_CLASS
-    problems = [f"class {n} has {c} train images, ILSVRC2012 has {low} to {high} per class"
-                for n, c in sorted(train.items()) if not low <= c <= high]  # fmt: skip
-    problems += [f"class {n} has {c} validation images, ILSVRC2012 has {per_val}"
-                 for n, c in sorted(val.items()) if c != per_val]  # fmt: skip
+    problems = [
+        f"class {n} has {c} train images, ILSVRC2012 has {low} to {high} per class"
+        for n, c in sorted(train.items())
+        if not low <= c <= high
+    ]
+    problems += [
+        f"class {n} has {c} validation images, ILSVRC2012 has {per_val}"
+        for n, c in sorted(val.items())
+        if c != per_val
+    ]
     if (total := sum(train.values())) != ILSVRC2012_TRAIN_IMAGES:
         problems.append(f"{total} train images, ILSVRC2012 has {ILSVRC2012_TRAIN_IMAGES}")
     if problems:
-        raise InputError(f"{where}: {problems[0]}; the copy is incomplete: restore it or "
-                         "re-extract it")  # fmt: skip
+        raise InputError(
+            f"{where}: {problems[0]}; the copy is incomplete: restore it or re-extract it"
+        )
 
 
 class Layout:
@@ -179,8 +186,13 @@ class _Folders(Layout):
         data_dir = Path(data_dir)
         classes, train, val = self.listing(data_dir)
         words = self.words(data_dir, classes)
-        table = pd.DataFrame({"class_index": np.arange(len(classes), dtype=np.int64),
-                              "wnid": classes, "words": [words[c] for c in classes]})  # fmt: skip
+        table = pd.DataFrame(
+            {
+                "class_index": np.arange(len(classes), dtype=np.int64),
+                "wnid": classes,
+                "words": [words[c] for c in classes],
+            }
+        )
         rank = {c: i for i, c in enumerate(classes)}
         return (
             table,

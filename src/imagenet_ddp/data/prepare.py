@@ -465,8 +465,12 @@ def prepare_chunk(
                 data_dir, index, tmp / CHUNK_PARTS, shards, which=which, workers=workers, **settings
             )
             write_csv_atomic(tmp / CHUNK_ROWS, pd.DataFrame(rows, columns=ROW_COLUMNS))
-            record.update(num_classes=num_classes, shards=[shards.start, shards.stop],
-                          records=records, skipped=skipped)  # fmt: skip
+            record.update(
+                num_classes=num_classes,
+                shards=[shards.start, shards.stop],
+                records=records,
+                skipped=skipped,
+            )
         write_json_atomic(tmp / CHUNK_JSON, record)
     return record
 

@@ -223,8 +223,10 @@ def fingerprint(src: Path) -> str:
     try:
         return content_digest(src)[:16]
     except FileNotFoundError:
-        raise InputError(f"{Path(src) / PREPARED_JSON} not found: {src} is not a prepared "
-                         "directory; run `imagenet-ddp prepare`") from None  # fmt: skip
+        raise InputError(
+            f"{Path(src) / PREPARED_JSON} not found: {src} is not a prepared "
+            "directory; run `imagenet-ddp prepare`"
+        ) from None
 
 
 def staged_path(src: Path, scratch_root: Path) -> Path:

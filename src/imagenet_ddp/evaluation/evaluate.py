@@ -161,16 +161,23 @@ def main(argv: list[str] | None = None) -> int:
     job = read_spec(parser.parse_args(argv).spec, "evaluate")
     paths, settings = job.paths, job.settings
     result = evaluate_run(
-        model_path=paths.model, prepared_train=paths.prepared_train,
-        prepared_val=paths.prepared_val, holdout_ids_csv=paths.split_dir / "holdout.csv",
-        geometry=job.geometry, batch_size=settings.batch_size, workers=settings.workers,
+        model_path=paths.model,
+        prepared_train=paths.prepared_train,
+        prepared_val=paths.prepared_val,
+        holdout_ids_csv=paths.split_dir / "holdout.csv",
+        geometry=job.geometry,
+        batch_size=settings.batch_size,
+        workers=settings.workers,
         device=settings.device,
-    )  # fmt: skip
+    )
     if dist_info_from_env().rank == 0:
         write_outputs(
-            result, classes=paths.classes, out=paths.out, per_class_csv=paths.per_class,
+            result,
+            classes=paths.classes,
+            out=paths.out,
+            per_class_csv=paths.per_class,
             provenance={"model": str(paths.model), "batch_size": settings.batch_size},
-        )  # fmt: skip
+        )
     return 0
 
 

@@ -287,8 +287,9 @@ def spawn_local_ranks(argv: list[str], geometry: Geometry, grace_seconds: float 
         port = sock.getsockname()[1]
     ranks = str(geometry.tasks_per_node)
     env = worker_env(geometry)
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=ranks,
-               LOCAL_WORLD_SIZE=ranks)  # fmt: skip
+    env.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=ranks, LOCAL_WORLD_SIZE=ranks
+    )
     print("+ " + shlex.join(argv) + f"  (x {ranks} ranks)", flush=True)
     # Orphans of the ranks become this process's children (PR_SET_CHILD_SUBREAPER)
     with contextlib.suppress(OSError, AttributeError):

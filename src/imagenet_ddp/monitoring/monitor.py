@@ -26,8 +26,11 @@ PROGRESS_KEYS = ("epoch", "images_per_s", "epoch_seconds", "eval_seconds", "chec
 
 # The sinks: (attribute of RunMonitor, name in messages, class); each imports its library
 # when made.
-SINKS = (("board", "TensorBoard", TensorBoardLog), ("tracker", "MLflow", MlflowLog),
-         ("wandb", "W&B", WandbLog))  # fmt: skip
+SINKS = (
+    ("board", "TensorBoard", TensorBoardLog),
+    ("tracker", "MLflow", MlflowLog),
+    ("wandb", "W&B", WandbLog),
+)
 EPOCH_TAGS = ("train_loss", "train_top1", "holdout_top1", "holdout_top5", "holdout_loss",
               "images_per_s", "steady_images_per_s",
               *("data_wait_ms", "compute_ms", "step_ms", "input_bound_pct", "mfu_pct"))  # fmt: skip

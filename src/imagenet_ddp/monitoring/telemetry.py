@@ -203,8 +203,11 @@ def _ok(value) -> bool:
 def _first_read(nvml, handle) -> Exception | None:
     """The error of reading what every sample reads, or None: a GPU that cannot be read at
     the start is left out instead of ending sampling for all."""
-    reads = (nvml.nvmlDeviceGetUtilizationRates, nvml.nvmlDeviceGetMemoryInfo,
-             nvml.nvmlDeviceGetPowerUsage)  # fmt: skip
+    reads = (
+        nvml.nvmlDeviceGetUtilizationRates,
+        nvml.nvmlDeviceGetMemoryInfo,
+        nvml.nvmlDeviceGetPowerUsage,
+    )
     return next((e for e in (_try(read, handle) for read in reads) if not _ok(e)), None)
 
 

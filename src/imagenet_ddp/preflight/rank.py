@@ -221,10 +221,22 @@ def eval_rate(cfg: TrainConfig, job, holdout, info: D.DistInfo, workers: int, de
     """img/s of this rank's holdout evaluation as training runs it: a persistent loader, a
     first pass to start its workers, then a pass timed, pipeline fill included (every
     evaluation refills it)."""
-    loader = shard_loader(holdout, device=device, batch_size=cfg.batch_size, workers=workers,
-                          rank=info.rank, world_size=info.world_size, persistent=True)  # fmt: skip
-    settings = {"num_classes": holdout.num_classes, "device": device, "precision": cfg.precision,
-                "channels_last": cfg.channels_last, "mean_std": recipe.mean_std(cfg)}  # fmt: skip
+    loader = shard_loader(
+        holdout,
+        device=device,
+        batch_size=cfg.batch_size,
+        workers=workers,
+        rank=info.rank,
+        world_size=info.world_size,
+        persistent=True,
+    )
+    settings = {
+        "num_classes": holdout.num_classes,
+        "device": device,
+        "precision": cfg.precision,
+        "channels_last": cfg.channels_last,
+        "mean_std": recipe.mean_std(cfg),
+    }
     try:
         evaluate_loader(job.model, loader, **settings)
         started = time.perf_counter()

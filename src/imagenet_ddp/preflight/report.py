@@ -33,8 +33,13 @@ def allreduce_figures(nbytes: int, seconds_per_rank: list[float]) -> dict[str, A
     world = len(seconds_per_rank)
     seconds = max(seconds_per_rank)
     algbw = nbytes / seconds / 1e9 if seconds > 0 else 0.0
-    return {"bytes": nbytes, "ranks": world, "seconds": seconds, "algbw_gbps": algbw,
-            "busbw_gbps": bus_bandwidth(algbw, world)}  # fmt: skip
+    return {
+        "bytes": nbytes,
+        "ranks": world,
+        "seconds": seconds,
+        "algbw_gbps": algbw,
+        "busbw_gbps": bus_bandwidth(algbw, world),
+    }
 
 
 def spread(values: dict[int, float], hosts: dict[int, str]) -> dict[str, Any]:
@@ -335,13 +340,15 @@ def build_report(
     }
     main = next(r for r in ranks if r["rank"] == 0)  # rank 0 holds and writes checkpoints
     rates = {
-        "model": min(model.values()), "loader": slowest_loader, "workers": workers,
+        "model": min(model.values()),
+        "loader": slowest_loader,
+        "workers": workers,
         "compile_seconds": report["model"]["compile_seconds"],
         "staging_seconds": max(n["staging"]["seconds"] for n in nodes.values()),
         "eval": min(r["eval_images_per_s"] for r in ranks),
         "checkpoint_hold_seconds": main.get("checkpoint_hold_seconds"),
         "checkpoint_write_seconds": main.get("checkpoint_write_seconds"),
-    }  # fmt: skip
+    }
     report["projection"] = projection(run, rates, sizes, limits)
     gpu_problems = placement_problems(ranks, run["gpus_per_node"])
     report["problems"] = gpu_problems + speed_problems(report, run)
@@ -357,11 +364,19 @@ def _nodes(ranks: list[dict], staging: list[dict]) -> dict[str, dict]:
         # in_place: the local launcher reads the copy where it is. A reused copy (or none)
         # measured no copy: its rate is unknown, not zero.
         copied = not (s["reused"] or s.get("in_place"))
-        stage = {"bytes": s["bytes"], "seconds": s["seconds"], "reused": s["reused"],
-                 "in_place": s.get("in_place"),
-                 "gb_per_s": s["bytes_per_s"] / 1e9 if copied else None}  # fmt: skip
-        out[host] = {"ranks": sorted(r["rank"] for r in ranks if r["host"] == host),
-                     "model": model[host], "loader": loader[host], "staging": stage}  # fmt: skip
+        stage = {
+            "bytes": s["bytes"],
+            "seconds": s["seconds"],
+            "reused": s["reused"],
+            "in_place": s.get("in_place"),
+            "gb_per_s": s["bytes_per_s"] / 1e9 if copied else None,
+        }
+        out[host] = {
+            "ranks": sorted(r["rank"] for r in ranks if r["host"] == host),
+            "model": model[host],
+            "loader": loader[host],
+            "staging": stage,
+        }
     return out
 
 

@@ -16,8 +16,17 @@ from typing import Any
 
 from imagenet_ddp.io import write_json_atomic
 
-FIELDS = ("JobIDRaw", "JobName", "State", "ExitCode", "ElapsedRaw", "AllocTRES", "NNodes",
-          "TotalCPU", "MaxRSS")  # fmt: skip
+FIELDS = (
+    "JobIDRaw",
+    "JobName",
+    "State",
+    "ExitCode",
+    "ElapsedRaw",
+    "AllocTRES",
+    "NNodes",
+    "TotalCPU",
+    "MaxRSS",
+)
 TIMEOUT_SECONDS = 30
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 

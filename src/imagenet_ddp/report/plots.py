@@ -29,9 +29,18 @@ from matplotlib.ticker import (  # noqa: E402
 from imagenet_ddp.errors import InputError  # noqa: E402
 from imagenet_ddp.io import atomic_path  # noqa: E402
 
-RUNS_COLUMNS = ["run", "model", "world_size", "images_per_s", "images_per_s_per_rank",
-                "steady_images_per_s", "steady_images_per_s_per_rank", "scaling_efficiency",
-                "scaling_group", "scaling_baseline"]  # fmt: skip
+RUNS_COLUMNS = [
+    "run",
+    "model",
+    "world_size",
+    "images_per_s",
+    "images_per_s_per_rank",
+    "steady_images_per_s",
+    "steady_images_per_s_per_rank",
+    "scaling_efficiency",
+    "scaling_group",
+    "scaling_baseline",
+]
 TEXT_COLUMNS = ("run", "model", "class_index", "scaling_group", "scaling_baseline")
 HISTORY_COLUMNS = ["epoch", "train_loss", "holdout_loss", "train_top1", "holdout_top1"]
 # Absent in tables from before cost was measured: plotted as missing.
@@ -40,11 +49,19 @@ PER_CLASS_COLUMNS = ["class_index", "test_top1", "test_total"]
 
 # Fixed style so the figures do not depend on a user's matplotlibrc.
 STYLE = {
-    "figure.dpi": 100, "savefig.dpi": 130, "font.size": 10, "axes.titlesize": 11,
-    "axes.labelsize": 10, "legend.fontsize": 8.5, "axes.grid": True, "grid.alpha": 0.3,
-    "axes.spines.top": False, "axes.spines.right": False, "svg.hashsalt": "imagenet-ddp",
+    "figure.dpi": 100,
+    "savefig.dpi": 130,
+    "font.size": 10,
+    "axes.titlesize": 11,
+    "axes.labelsize": 10,
+    "legend.fontsize": 8.5,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "svg.hashsalt": "imagenet-ddp",
     "svg.fonttype": "path",
-}  # fmt: skip
+}
 # No dates, no version strings: identical inputs give identical bytes.
 METADATA = {".png": {"Software": None}, ".svg": {"Date": None, "Creator": None}}
 
@@ -177,8 +194,14 @@ IDEAL = {"linestyle": "--", "alpha": 0.7}
 def _group_legend(ax, handles: list, title: str) -> None:
     """One entry per group, below the axes: group labels can be long."""
     wide = len(handles) > 3 or max(len(h.get_label()) for h in handles) > 40
-    ax.legend(handles=handles, title=title, loc="upper center", bbox_to_anchor=(0.5, -0.16),
-              ncol=1 if wide else 2, frameon=False)  # fmt: skip
+    ax.legend(
+        handles=handles,
+        title=title,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.16),
+        ncol=1 if wide else 2,
+        frameon=False,
+    )
 
 
 def plot_throughput(table: pd.DataFrame, out: Path) -> None:
@@ -262,11 +285,22 @@ def plot_efficiency(table: pd.DataFrame, out: Path) -> None:
             "Scaling efficiency vs ranks\n"
             "(steady-state per-rank throughput / group's smallest run's)"
         )
-        ax.legend(handles=[
-            Line2D([], [], color="0.4", linestyle="--", linewidth=1, label="ideal (100 %)"),
-            Line2D([], [], color="0.3", marker="o", markerfacecolor="white", linestyle="none",
-                   label="group's smallest run (baseline)"),
-        ], loc="lower left", frameon=False)  # fmt: skip
+        ax.legend(
+            handles=[
+                Line2D([], [], color="0.4", linestyle="--", linewidth=1, label="ideal (100 %)"),
+                Line2D(
+                    [],
+                    [],
+                    color="0.3",
+                    marker="o",
+                    markerfacecolor="white",
+                    linestyle="none",
+                    label="group's smallest run (baseline)",
+                ),
+            ],
+            loc="lower left",
+            frameon=False,
+        )
         ax.add_artist(ax.get_legend())
         _group_legend(ax, handles, "Scaling group (same settings, geometry varies)")
         _save(fig, out)
@@ -334,8 +368,14 @@ def _curve_legends(fig, axes, styles: dict, colors: dict) -> None:
         ax.legend(handles=handles, loc=loc, frameon=False)
     run_handles = [Line2D([], [], color=c, linewidth=2, label=r) for r, c in colors.items()]
     ncol = min(len(run_handles), 5)
-    fig.legend(handles=run_handles, loc="lower center", ncol=ncol, frameon=False, title="Run",
-               bbox_to_anchor=(0.5, -0.02))  # fmt: skip
+    fig.legend(
+        handles=run_handles,
+        loc="lower center",
+        ncol=ncol,
+        frameon=False,
+        title="Run",
+        bbox_to_anchor=(0.5, -0.02),
+    )
     fig.suptitle("Training curves")
     rows = -(-len(run_handles) // ncol)
     fig.tight_layout(rect=(0, 0.035 + 0.045 * rows, 1, 1))
@@ -378,13 +418,21 @@ def _class_points(ax, positions, runs: list[str], values: list[np.ndarray]) -> N
 def _per_class_legend(ax, chance: float) -> None:
     handles = [
         Line2D([], [], color="black", label="median (box: quartiles)"),
-        Line2D([], [], marker="D", linestyle="", markerfacecolor="white",
-               markeredgecolor="black", label="mean over classes"),
+        Line2D(
+            [],
+            [],
+            marker="D",
+            linestyle="",
+            markerfacecolor="white",
+            markeredgecolor="black",
+            label="mean over classes",
+        ),
         Line2D([], [], marker="o", linestyle="", color="0.4", label="one class"),
         Line2D([], [], color="firebrick", linestyle=":", label=f"chance ({chance:.3g} %)"),
-    ]  # fmt: skip
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2,
-              frameon=False)  # fmt: skip
+    ]
+    ax.legend(
+        handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False
+    )
 
 
 def plot_per_class(per_class: dict[str, pd.DataFrame], out: Path) -> None:
@@ -398,9 +446,16 @@ def plot_per_class(per_class: dict[str, pd.DataFrame], out: Path) -> None:
         fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(runs) + 2.5), 4.6))
         positions = np.arange(1, len(runs) + 1)
         gray = {"color": "0.35"}
-        ax.boxplot(values, positions=positions, widths=0.55, showfliers=False,
-                   medianprops={"color": "black"}, boxprops=gray, whiskerprops=gray,
-                   capprops=gray)  # fmt: skip
+        ax.boxplot(
+            values,
+            positions=positions,
+            widths=0.55,
+            showfliers=False,
+            medianprops={"color": "black"},
+            boxprops=gray,
+            whiskerprops=gray,
+            capprops=gray,
+        )
         _class_points(ax, positions, runs, values)
         n_classes = max(len(f) for f in per_class.values())
         chance = 100 / n_classes
@@ -457,9 +512,15 @@ def plot_cost(table: pd.DataFrame, out: Path) -> None:
 
 
 def make_plots(
-    runs_csv: Path, run_dirs: Sequence[Path], *, throughput: Path, efficiency: Path,
-    curves: Path, per_class: Path, cost: Path | None = None,
-) -> None:  # fmt: skip
+    runs_csv: Path,
+    run_dirs: Sequence[Path],
+    *,
+    throughput: Path,
+    efficiency: Path,
+    curves: Path,
+    per_class: Path,
+    cost: Path | None = None,
+) -> None:
     for path in (throughput, efficiency, curves, per_class, cost or per_class):
         if Path(path).suffix.lower() not in METADATA:
             raise InputError(f"{path}: unsupported figure format; use one of {tuple(METADATA)}")

@@ -111,10 +111,16 @@ def _epochs(row: pd.Series) -> str:
 
 def others_markdown(others: pd.DataFrame) -> str:
     rows = [
-        [row["run"], row["state"], _epochs(row), number(".0f")(row["images_per_s"]),
-         number(".1f")(row["eta_hours"]), row["note"]]
+        [
+            row["run"],
+            row["state"],
+            _epochs(row),
+            number(".0f")(row["images_per_s"]),
+            number(".1f")(row["eta_hours"]),
+            row["note"],
+        ]
         for _, row in others.iterrows()
-    ]  # fmt: skip
+    ]
     headings = ["run", "state", "epochs", "img/s (last epoch)", "ETA h", "note"]
     frame = pd.DataFrame(rows, columns=headings, dtype=object)
     return frame.to_markdown(index=False, disable_numparse=True)
