@@ -268,23 +268,18 @@ def forward_backward(job: TrainingState, images: torch.Tensor, targets, count: i
     return loss, logits, hard
 
 
-def evaluate_holdout(job: TrainingState, model: torch.nn.Module, holdout: Holdout) -> dict:
-    cfg = job.cfg
-    return evaluate_loader(
-        model, holdout.loader, num_classes=holdout.num_classes, device=job.device,
-        precision=cfg.precision, channels_last=cfg.channels_last, mean_std=recipe.mean_std(cfg),
-    )  # fmt: skip
-
-
 def evaluate_epoch(job: TrainingState, epoch: int, holdout: Holdout) -> dict:
     """The holdout columns of the epoch's row: raw weights and, when the recipe keeps them,
     the EMA weights; None (NaN in history.csv) on an epoch ``eval_interval`` skips. Evaluation
     draws from no shared random generator (accuracy.shard_loader), so skipping it changes
     neither the weights nor the random streams that follow."""
+    cfg, row = job.cfg, {}
     models = {"holdout": job.model} | ({"holdout_ema": job.ema.module} if job.ema else {})
-    row = {}
     for prefix, model in models.items():
-        result = evaluate_holdout(job, model, holdout) if job.cfg.evaluates(epoch) else {}
+        result = evaluate_loader(
+            model, holdout.loader, num_classes=holdout.num_classes, device=job.device,
+            precision=cfg.precision, channels_last=cfg.channels_last, mean_std=recipe.mean_std(cfg),
+        ) if cfg.evaluates(epoch) else {}  # fmt: skip
         keys = ("top1", "top5", "loss") if prefix == "holdout" else ("top1", "top5")
         row.update({f"{prefix}_{key}": result.get(key) for key in keys})
     return row

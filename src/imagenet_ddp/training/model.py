@@ -38,25 +38,11 @@ from typing import Any
 
 import torch
 
-from imagenet_ddp import models
 from imagenet_ddp.io import atomic_path
+from imagenet_ddp.models import build_model  # the one factory (torchvision's and timm's)
 from imagenet_ddp.training.checkpoint import load_tensors
 
 MODEL_FORMAT_VERSION = 1
-
-
-def build_model(
-    name: str,
-    num_classes: int,
-    model_kwargs: dict[str, Any] | None = None,
-    *,
-    zero_init_residual: bool | None = False,
-) -> torch.nn.Module:
-    """A randomly initialised model: :func:`imagenet_ddp.models.build_model`, the one factory
-    (torchvision's and timm's, by name; ``model_kwargs`` the constructor's own options)."""
-    return models.build_model(
-        name, num_classes, model_kwargs, zero_init_residual=zero_init_residual
-    )
 
 
 def save_model(

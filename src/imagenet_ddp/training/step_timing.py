@@ -66,8 +66,7 @@ def flops_per_image(model_name: str, num_classes: int, crop: int, model_kwargs: 
     """Model FLOPs of one training step per image (forward and backward). Counted on a batch
     of 2 (BatchNorm in training mode refuses one value per channel, as a tiny crop gives).
     ``model_kwargs``: as JSON (hashable, for the cache)."""
-    from imagenet_ddp.models import on_meta
-    from imagenet_ddp.training.model import build_model
+    from imagenet_ddp.models import build_model, on_meta
 
     model = on_meta(lambda: build_model(model_name, num_classes, json.loads(model_kwargs)))
     images = torch.empty(2, 3, crop, crop, device="meta")

@@ -25,6 +25,7 @@ import imagenet_ddp.jobs.early_signals  # noqa: F401
 import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LambdaLR
 
 from imagenet_ddp import models
 from imagenet_ddp.data.reader import create_dataset
@@ -63,7 +64,7 @@ from imagenet_ddp.training.discipline import check_device_discipline
 from imagenet_ddp.training.guard import DIVERGED, Guard, GuardSettings
 from imagenet_ddp.training.loop import Holdout, Loop, run_epochs
 from imagenet_ddp.training.metrics import recorded_settings, write_run_metrics
-from imagenet_ddp.training.model import build_model, save_model
+from imagenet_ddp.training.model import save_model
 from imagenet_ddp.training.profile_window import ProfileWindow
 from imagenet_ddp.training.state import TrainingState
 
@@ -263,7 +264,7 @@ def initial_model(cfg: TrainConfig, info: D.DistInfo, num_classes: int, init_wei
     """The run's model, from ``init_weights`` (a state_dict, :func:`initial_weights`) or random
     initialisation; loaded weights win over zero_init_residual, which keeps only the keys
     under init_weights_exclude (imagenet_ddp.models)."""
-    model = build_model(
+    model = models.build_model(
         cfg.model, num_classes, cfg.model_kwargs, zero_init_residual=cfg.zero_init_residual
     )
     if init_weights is not None:
@@ -316,7 +317,7 @@ def build_job(
         model=model,
         step_model=step_model,
         optimizer=optimizer,
-        scheduler=recipe.build_scheduler(cfg, optimizer, steps_per_epoch),
+        scheduler=LambdaLR(optimizer, recipe.lr_lambda(steps_per_epoch, cfg)),
         scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
         criterion=recipe.build_criterion(cfg),
         checkpoint_dir=Path(),
