@@ -22,8 +22,8 @@ import pickle
 import random
 import re
 import sys
-import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -274,37 +274,29 @@ def cpu_copy(obj: Any) -> Any:
 
 class CheckpointWriter:
     """Rank 0's checkpoint writes, one at a time in a background thread (at most one copy
-    held); :meth:`wait` re-raises a failed write in the training thread."""
+    held); :meth:`wait` re-raises a failed write in the training thread. The executor's thread
+    is joined at interpreter exit: an exit mid-write finishes the file first."""
 
     def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+        self._pending: Future | None = None
         self.path: Path | None = None  # the newest checkpoint written
         self.write_seconds: float | None = None  # of the newest write
 
     def submit(self, directory: Path, state: dict[str, Any], keep: int) -> Path:
         self.wait()
-
-        def write() -> None:
-            began = time.perf_counter()
-            try:
-                self.path = save_checkpoint(directory, state, keep)
-                self.write_seconds = time.perf_counter() - began
-            except BaseException as error:  # noqa: BLE001 - re-raised by wait()
-                self._error = error
-
-        # Not a daemon: an interpreter that exits mid-write finishes the file first.
-        self._thread = threading.Thread(target=write, name="checkpoint-writer")
-        self._thread.start()
+        self._pending = self._pool.submit(self._write, directory, state, keep)
         return directory / checkpoint_name(state["epoch"], state["step_in_epoch"])
 
+    def _write(self, directory: Path, state: dict[str, Any], keep: int) -> None:
+        began = time.perf_counter()
+        self.path = save_checkpoint(directory, state, keep)
+        self.write_seconds = time.perf_counter() - began
+
     def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
 
 def save_job(

@@ -130,7 +130,7 @@ class Guard:
     """One rank's guard: fed every step (:meth:`after_step`), asked at saves (:meth:`agree`).
     A step's (loss, gradient norm) reach the host without a host sync: copied asynchronously
     at the step's end (on CUDA into one of two pinned buffers), read once the next step is
-    queued, or at once where the loop synchronizes anyway (:meth:`settle`: a save)."""
+    queued, or at once where the loop synchronizes anyway (:meth:`agree`: a save)."""
 
     def __init__(self, settings: GuardSettings, device: torch.device, rank: int) -> None:
         self.rule = GuardRule(settings)
@@ -172,10 +172,6 @@ class Guard:
             event.synchronize()
         return values.tolist(), where
 
-    def settle(self) -> Divergence | None:
-        """Judge the last queued step now (it has synchronized anyway)."""
-        return self._judge(self._read()) if self.enabled else None
-
     def _judge(self, read) -> Divergence | None:
         if read is None or self.agreed is not None:
             return self.agreed
@@ -196,7 +192,7 @@ class Guard:
         says a rank suspects one."""
         if not self.enabled:
             return None
-        self.settle()
+        self._judge(self._read())  # the last queued step, now (the loop synchronizes here)
         seen = D.all_gather_objects(self.agreed or self.suspect)
         found = [d for d in seen if d is not None]
         return min(found, key=lambda d: (d.epoch, d.step, d.rank)) if found else None

@@ -1,4 +1,4 @@
-"""The model: one factory for training and evaluation, and the ``model.pt`` file format.
+"""The ``model.pt`` file format, and the model built from it (imagenet_ddp.models builds).
 
 ``model.pt`` has exactly one writer (:func:`save_model`) and one reader (:func:`read_model_file`;
 :func:`load_model` and :func:`model_from_state` build the model from it).
@@ -16,19 +16,8 @@ It is a ``torch.save`` dict::
                     ``model`` then holds the weights of the last good checkpoint
 
 Tensors and plain data only: read with ``weights_only=True`` (a file that needs more is
-refused, checkpoint.load_tensors).
-
-Loading into torchvision without this package (docs/results.md "Loading a trained model")::
-
-    state = torch.load("model.pt", map_location="cpu", weights_only=True)
-    model = torchvision.models.get_model(state["arch"], num_classes=state["num_classes"],
-                                         **state["config"].get("model_kwargs", {}))
-    model.load_state_dict(state["model"])
-
-A timm model (``arch`` "timm/<name>")::
-
-    model = timm.create_model(state["arch"][5:], num_classes=state["num_classes"],
-                              **state["config"]["model_kwargs"])
+refused, checkpoint.load_tensors). Loading it into torchvision or timm without this package:
+docs/results.md "Loading a trained model".
 """
 
 from __future__ import annotations
