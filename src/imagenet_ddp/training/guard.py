@@ -1,15 +1,9 @@
-"""The divergence guard: a run whose loss or gradients go bad stops within a step or two,
-recorded ``diverged`` (docs/reliability.md "Divergence"), instead of training on for every
-epoch and allocation it has. It stops on (``divergence_*`` settings, :meth:`GuardRule.step`):
-a non-finite gradient (all-reduced: every rank decides alike, with no communication); a
-non-finite loss on any rank; with fp16, ``divergence_fp16_skips`` GradScaler skips in a row;
-after the warm-up, ``divergence_window_steps`` steps in a row with a loss above
-``divergence_loss_factor`` x ln(classes). What one rank alone sees, the ranks agree on through
-the stop flag's all-reduce (:class:`imagenet_ddp.jobs.signals.StopFlag`).
-
-No host sync per step: each step's (loss, gradient norm) is read when the next step has been
-queued (:class:`StepValues`), so a run stops after the step that follows the bad one; every
-save first reads the last step (:meth:`Guard.agree`), so bad weights are never checkpointed.
+"""The divergence guard (docs/reliability.md "Divergence"): a run whose loss or gradients go
+bad stops within a step or two, recorded ``diverged``, instead of training on for every epoch
+and allocation it has. What one rank alone sees, the ranks agree on through the stop flag's
+all-reduce (imagenet_ddp.jobs.signals.StopFlag). No host sync per step: a step's values are
+read once the next is queued, and every save first reads the last one (:meth:`Guard.agree`),
+so bad weights are never checkpointed.
 """
 
 from __future__ import annotations

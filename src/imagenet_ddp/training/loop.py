@@ -1,13 +1,9 @@
 """The step loop: one rank trains from the resume point to the last epoch.
 
-:func:`run_epochs` runs the epochs, :func:`train_epoch` an epoch's steps, :func:`train_step`
-one optimizer step, :func:`end_epoch` the epoch's end (holdout every ``eval_interval``
-epochs, history row, checkpoint written in the background).
-
-A stop signal (SIGTERM, SIGUSR1, SIGINT: time limit, scancel, preemption, Ctrl-C) makes every
-rank stop at the same step; rank 0 writes a checkpoint and the job exits with EXIT_REQUEUE
-(:mod:`imagenet_ddp.jobs.signals`). A diverged run (:mod:`.guard`) stops the same way but
-writes no checkpoint: every save asks the guard first.
+A stop signal (time limit, scancel, preemption, Ctrl-C) makes every rank stop at the same
+step; rank 0 writes a checkpoint and the job exits EXIT_REQUEUE (imagenet_ddp.jobs.signals).
+A diverged run (:mod:`.guard`) stops the same way but writes no checkpoint: every save asks
+the guard first.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
-"""Where a training step's time goes: data wait, compute, the rest; model FLOPs and MFU.
+"""Where a training step's time goes (data wait, compute, the rest), model FLOPs and MFU.
 
 No host sync per step. The loop marks each step at ``fetch`` (before the loader's next()),
-``ready`` (the batch on the device, normalized, mixed) and ``done`` (the optimizer step queued):
-
-- ``data_wait``: host time ``fetch`` to ``ready``.
-- ``compute``: ``ready`` to ``done``; on a GPU, between two CUDA events, read once complete
-  (``Event.query()`` every ``log_interval`` steps, all at the epoch's end), never waited for.
-- ``step``: CPU: one ``fetch`` to the next (the loop's bookkeeping included); GPU: one ``done``
-  event to the next.
-- ``input_bound``: CPU: the data wait; GPU: the device's idle gap before ``ready``, at most the
-  host's data wait (a gap the host spent logging is not the input's).
-
-Exposed communication lies inside ``compute`` (backward returns after the last all-reduce);
-the profiler window (``profile``) shows it apart. Model FLOPs (:func:`flops_per_image`) are
-counted once per crop size with ``FlopCounterMode`` on the meta device: matrix multiplications
-and convolutions of one forward and backward per image (a grouped convolution's backward by
-:func:`_conv_backward_flops`); MFU (:func:`mfu_percent`) compares them at the epoch's steady
-throughput with the device's dense peak (:data:`PEAK_TFLOPS`).
+``ready`` (the batch on the device, normalized, mixed) and ``done`` (the optimizer step
+queued). ``data_wait``: fetch to ready on the host. ``compute``: ready to done; on a GPU
+between two CUDA events, read once complete (queried every ``log_interval`` steps), never
+waited for. ``step``: CPU: fetch to fetch; GPU: done event to done event. ``input_bound``: CPU:
+the data wait; GPU: the device's idle gap before ``ready``, at most the host's data wait.
+Exposed communication lies inside ``compute`` (the profiler window shows it apart). Model
+FLOPs are counted once per crop size on the meta device (:func:`flops_per_image`); MFU
+compares them at the epoch's steady throughput with the device's dense peak.
 """
 
 from __future__ import annotations

@@ -104,11 +104,9 @@ def _set_determinism(cfg: TrainConfig, device: torch.device) -> None:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
         if device.type == "cpu" and cfg.precision != "fp32":
-            # oneDNN's bf16 CPU kernels differ from process to process (measured: two fresh
-            # runs of 4 steps, 1 thread, diverge); torch's deterministic mode does not cover
-            # them. Without oneDNN, bf16 training and its resumes are bitwise reproducible, at
-            # a cost (measured: ResNet-18, 16 px, batch 4, 1 thread: 31 ms/step fp32, 50 bf16
-            # with oneDNN, 830 without). GPU runs are unaffected.
+            # oneDNN's bf16 CPU kernels differ between processes, beyond torch's deterministic
+            # mode; without it resumes are bitwise exact, much slower (measured, ResNet-18,
+            # 16 px, batch 4, 1 thread: 50 ms/step with oneDNN, 830 without). GPUs: unaffected.
             torch.backends.mkldnn.enabled = False
     elif device.type == "cuda":
         torch.backends.cudnn.benchmark = True
@@ -249,10 +247,10 @@ def initial_weights(cfg: TrainConfig) -> dict | None:
     else:
         try:
             state = models.read_init_weights(cfg.init_weights, cfg.init_weights_sha256)
-        except (OSError, models.WeightsFileError) as exc:
-            error = f"init_weights {exc}" if isinstance(exc, models.WeightsFileError) else (
-                f"init_weights {cfg.init_weights}: cannot be read ({exc.strerror or exc})"
-            )  # fmt: skip
+        except models.WeightsFileError as exc:
+            error = f"init_weights {exc}"
+        except OSError as exc:
+            error = f"init_weights {cfg.init_weights}: cannot be read ({exc.strerror or exc})"
     failed = [(rank, e) for rank, e in enumerate(D.all_gather_objects(error)) if e]
     if failed:
         rank, e = failed[0]
