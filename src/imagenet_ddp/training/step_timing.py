@@ -41,16 +41,10 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
 
 def peak_flops(device: torch.device, precision: str) -> float | None:
     """The device's dense peak FLOP/s at ``precision``; None on CPU or an unknown GPU."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    if "MIG" in name:  # a slice of a GPU: its share of the peak is not in the name
-        return None
-    for pattern, peaks in PEAK_TFLOPS:
-        if pattern.lower() in name.lower():
-            value = peaks.get(precision)
-            return None if value is None else value * 1e12
-    return None
+    if device.type != "cuda" or "MIG" in (name := torch.cuda.get_device_name(device)):
+        return None  # a MIG slice: its share of the peak is not in the name
+    peaks = next((p for pattern, p in PEAK_TFLOPS if pattern.lower() in name.lower()), {})
+    return peaks[precision] * 1e12 if precision in peaks else None
 
 
 @functools.cache
