@@ -278,6 +278,7 @@ def test_a_rank_marks_its_progress_from_a_thread_so_a_slow_filesystem_stalls_no_
 def test_a_retry_that_will_refuse_is_submitted_without_gpus(tmp_path):
     """Real Snakemake, dry-run at a given attempt: the train job's SLURM shape is the run's
     until two attempts in a row failed without progress, then one task without GPUs."""
+    from imagenet_ddp.training.config import TrainConfig
     from tests.workflow_helpers import copy_workflow, shown_specs, snakemake
 
     # 2 loader workers: the dry-run refuses fewer on a GPU run
@@ -296,6 +297,8 @@ def test_a_retry_that_will_refuse_is_submitted_without_gpus(tmp_path):
         return resources, settings
 
     resources, settings = train_job(3)
+    # the dry-run's spec carries every setting resolved ("auto" too): a rank takes it as it is
+    assert TrainConfig.from_dict(settings).weight_decay_groups == "torchvision"
     assert "nodes=2, tasks_per_node=2, cpus_per_task=1, gres=gpu:2" in resources
     assert "mpi=srun" in resources
     root = workdir / "results/checkpoints/r"

@@ -98,7 +98,10 @@ def test_a_compact_spec_reads_back_whole_and_refuses_another_package_version():
     spec = to_dict(make_job("train", run, attempt=2))
     text = compact_spec(spec)
     sent = json.loads(text)["run"]
-    assert sent == {"run": "r", "nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1, "lr": 0.3}
+    family = {"weight_decay_groups": "torchvision", "normalization": "imagenet",
+              "zero_init_residual": False}  # "auto" resolved: no longer the default  # fmt: skip
+    assert sent == {"run": "r", "nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1, "lr": 0.3,
+                    **family}  # fmt: skip
     assert len(text) < len(json.dumps(spec)) / 2
     read = to_dict(load(text, "train"))
     assert read == {**spec, "run": {**declarations().rank_defaults(), **spec["run"]}}

@@ -29,17 +29,19 @@ def with_schema_defaults(config: dict) -> dict:
 
 def run_settings(**settings) -> dict:
     """A run's settings as the train rule passes them to the worker (every key, the schema's
-    defaults filled in), then ``settings``. The geometry is left out unless given: a rank
-    started by hand (torchrun) reads it from the ranks that started."""
+    defaults filled in), then ``settings``, "auto" made the model family's value. The geometry
+    is left out unless given: a rank started by hand (torchrun) reads it from the ranks that
+    started."""
     from imagenet_ddp.settings.geometry import GEOMETRY_KEYS
     from imagenet_ddp.settings.kinds import declarations
+    from imagenet_ddp.settings.presets import per_family
 
     properties = yaml.safe_load(SCHEMA.read_text())["definitions"]["run_settings"]["properties"]
     defaults = {k: v["default"] for k, v in properties.items() if "default" in v}
     passed = declarations(SCHEMA).rank_settings(defaults)  # as the rule passes them
     for key in GEOMETRY_KEYS:
         passed.pop(key, None)
-    return {"run": "run", **passed, **settings}
+    return per_family({"run": "run", **passed, **settings})
 
 
 def shown_specs(text: str, kind: str, workdir: Path | None = None) -> list[dict]:

@@ -16,9 +16,10 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from imagenet_ddp.data.dataset import normalize_batch
 from imagenet_ddp.jobs.distributed import all_reduce_sum
-from imagenet_ddp.jobs.signals import ignore_stop_signals, loader_context, stop_signals_blocked
+from imagenet_ddp.jobs.signals import stop_signals_blocked
 from imagenet_ddp.models import IMAGENET_MEAN_STD
 from imagenet_ddp.precision import autocast
+from imagenet_ddp.training.data import train_loader
 
 
 def shard_loader(
@@ -31,59 +32,30 @@ def shard_loader(
     world_size: int = 1,
     persistent: bool = False,
 ) -> DataLoader:
-    """This rank's share of ``dataset`` (indices rank, rank + W, ...), in order.
-
-    ``persistent``: the workers outlive a pass, so a loader made once serves every evaluation of
-    a training run (no fork and warm-up per pass). Its own generator: a DataLoader's iterator
-    draws its workers' base seed from ``generator``, else from torch's global one, which would
-    make the training's random streams depend on how often the holdout is evaluated."""
+    """This rank's share of ``dataset`` (indices rank, rank + W, ...), in order. ``persistent``:
+    a loader made once serves every evaluation of a training run (no fork and warm-up per pass);
+    its own generator (data.train_loader) keeps the training's random streams independent of
+    how often the holdout is evaluated."""
     shard = Subset(dataset, range(rank, len(dataset), world_size))
-    return DataLoader(
-        shard,
-        batch_size=batch_size,
-        shuffle=False,
-        num_workers=workers,
-        pin_memory=device.type == "cuda",
-        prefetch_factor=4 if workers > 0 else None,
-        persistent_workers=persistent and workers > 0,
-        generator=torch.Generator().manual_seed(0),
-        worker_init_fn=ignore_stop_signals,  # a stop signal is the rank's to handle
-        multiprocessing_context=loader_context() if workers > 0 else None,
-    )
+    return train_loader(shard, None, batch_size, workers, device.type == "cuda", persistent)
 
 
 def evaluate_dataset(
     model: torch.nn.Module,
     dataset: Dataset,
     *,
-    num_classes: int,
     device: torch.device,
     batch_size: int,
     workers: int = 0,
-    precision: str = "fp32",
-    channels_last: bool = False,
     rank: int = 0,
     world_size: int = 1,
-    mean_std: tuple = IMAGENET_MEAN_STD,
+    **options,
 ) -> dict[str, Any]:
-    """Evaluate ``dataset`` split across ranks; every rank returns the global result."""
-    loader = shard_loader(
-        dataset,
-        device=device,
-        batch_size=batch_size,
-        workers=workers,
-        rank=rank,
-        world_size=world_size,
-    )
-    return evaluate_loader(
-        model,
-        loader,
-        num_classes=num_classes,
-        device=device,
-        precision=precision,
-        channels_last=channels_last,
-        mean_std=mean_std,
-    )
+    """Evaluate ``dataset`` split across ranks; every rank returns the global result.
+    ``options``: :func:`evaluate_loader`'s (num_classes, precision, ...)."""
+    loader = shard_loader(dataset, device=device, batch_size=batch_size, workers=workers,
+                          rank=rank, world_size=world_size)  # fmt: skip
+    return evaluate_loader(model, loader, device=device, **options)
 
 
 @torch.no_grad()

@@ -1,17 +1,12 @@
 """Training checkpoints: where they live, atomic writes, finding the newest that loads.
 
-A run's checkpoints live in ``<root>/<settings fingerprint>-<tag>/``, outside the rule's
-outputs, so Snakemake's cleanup keeps them for the next attempt. The fingerprint hashes every
-setting that changes the weights (a changed ``lr`` never resumes a stale run); the tag
-(:func:`checkpoint_tag`) the global batch, the sample order's version and the geometry but the
-rank count, so a run resumes on another rank count with the same global batch (an elastic
-resume). Others are not resumed: one line says so (:func:`other_geometries`).
-
-Rank 0 writes from a CPU copy in a background thread (:class:`CheckpointWriter`) and alone
-chooses the checkpoint a job resumes from (:func:`agreed_checkpoint`). A checkpoint holds
-tensors and plain data only, read with ``torch.load(weights_only=True)``: a file that needs
-any other class (it could run code) is refused in one line (:class:`UnsafeCheckpoint`);
-``imagenet-ddp convert-checkpoint`` rewrites an earlier version's one the user trusts.
+``<root>/<settings fingerprint>-<tag>/`` lies outside the rule's outputs, so Snakemake's cleanup
+keeps it for the next attempt. The fingerprint hashes every setting that changes the weights;
+the tag (:func:`checkpoint_tag`) the global batch, sample order and geometry but the rank
+count, so a run resumes on another rank count with the same global batch (an elastic resume).
+Rank 0 writes in the background and alone chooses the checkpoint to resume
+(:func:`agreed_checkpoint`). Tensors and plain data only (``weights_only=True``): a file that
+needs another class could run code and is refused (:class:`UnsafeCheckpoint`).
 """
 
 from __future__ import annotations
@@ -22,8 +17,8 @@ import pickle
 import random
 import re
 import sys
-import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,15 +134,12 @@ def _each_leaf(obj: Any, leaf) -> Any:
     return leaf(obj)
 
 
-def _plain_leaf(obj: Any) -> Any:
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(obj.copy())
-    return obj.item() if isinstance(obj, np.generic) else obj
-
-
 def plain(obj: Any) -> Any:
     """``obj`` with numpy arrays as tensors and numpy scalars as numbers (``weights_only``)."""
-    return _each_leaf(obj, _plain_leaf)
+    return _each_leaf(obj, lambda x: (
+        torch.from_numpy(x.copy()) if isinstance(x, np.ndarray)
+        else x.item() if isinstance(x, np.generic) else x
+    ))  # fmt: skip
 
 
 def convert_trusted(path: Path) -> Path:
@@ -274,37 +266,29 @@ def cpu_copy(obj: Any) -> Any:
 
 class CheckpointWriter:
     """Rank 0's checkpoint writes, one at a time in a background thread (at most one copy
-    held); :meth:`wait` re-raises a failed write in the training thread."""
+    held); :meth:`wait` re-raises a failed write in the training thread. The executor's thread
+    is joined at interpreter exit: an exit mid-write finishes the file first."""
 
     def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+        self._pending: Future | None = None
         self.path: Path | None = None  # the newest checkpoint written
         self.write_seconds: float | None = None  # of the newest write
 
     def submit(self, directory: Path, state: dict[str, Any], keep: int) -> Path:
         self.wait()
-
-        def write() -> None:
-            began = time.perf_counter()
-            try:
-                self.path = save_checkpoint(directory, state, keep)
-                self.write_seconds = time.perf_counter() - began
-            except BaseException as error:  # noqa: BLE001 - re-raised by wait()
-                self._error = error
-
-        # Not a daemon: an interpreter that exits mid-write finishes the file first.
-        self._thread = threading.Thread(target=write, name="checkpoint-writer")
-        self._thread.start()
+        self._pending = self._pool.submit(self._write, directory, state, keep)
         return directory / checkpoint_name(state["epoch"], state["step_in_epoch"])
 
+    def _write(self, directory: Path, state: dict[str, Any], keep: int) -> None:
+        began = time.perf_counter()
+        self.path = save_checkpoint(directory, state, keep)
+        self.write_seconds = time.perf_counter() - began
+
     def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
 
 def save_job(

@@ -20,7 +20,9 @@ from imagenet_ddp.jobs import distributed as D
 from imagenet_ddp.settings.epoch_end import evaluates
 from imagenet_ddp.settings.geometry import GEOMETRY_KEYS, Geometry, loader_workers
 from imagenet_ddp.settings.kinds import EXTRA, declarations, digest, weight_settings
-from imagenet_ddp.settings.presets import per_family
+
+# "auto" made the model family's value by the workflow (settings.presets.per_family), at parse.
+FAMILY_AUTO = ("weight_decay_groups", "normalization")
 
 
 class _TrainConfig:
@@ -29,24 +31,23 @@ class _TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> _TrainConfig:
-        """The run of ``data`` (a job spec's ``run``: every setting, the workflow passes them);
-        unknown keys are kept in ``extra``."""
+        """The run of ``data`` (a job spec's ``run``: every setting, resolved, as the workflow
+        passes them); unknown keys are kept in ``extra``."""
         fields = dataclasses.fields(cls)
         known = {f.name for f in fields}
-        missing = [
+        lacking = [
             f.name
             for f in fields
             if f.default is dataclasses.MISSING
             and f.default_factory is dataclasses.MISSING
             and f.name not in data
-        ]
-        if missing:
+        ] + [f"{k} (auto)" for k in FAMILY_AUTO if data.get(k) == "auto"]
+        if lacking:
             raise ValueError(
-                f"run {data.get('run')!r}: the run settings lack {', '.join(missing)}; the "
-                "workflow passes every setting (the schema's defaults filled in), and a job "
-                "spec written by hand must too"
+                f"run {data.get('run')!r}: the run settings lack {', '.join(lacking)}; the "
+                "workflow passes every setting resolved (schema defaults and the model family's "
+                "values filled in), and a job spec written by hand must too"
             )
-        data = per_family(dict(data))  # "auto" made the model family's value, as the workflow does
         extra = {k: v for k, v in data.items() if k not in known}
         cfg = cls(**{k: v for k, v in data.items() if k in known})
         cfg.extra.update(extra)
@@ -80,41 +81,16 @@ class _TrainConfig:
         return int(round(size / self.progressive_multiple)) * self.progressive_multiple
 
 
-_TYPES = {
-    "integer": int,
-    "number": float,
-    "boolean": bool,
-    "string": str,
-    "array": list,
-    "object": dict,
-}
-
-
-def _annotation(spec: dict[str, Any]) -> Any:
-    """The Python type a declaration's JSON-schema type says (documentation only)."""
-    kinds = spec.get("type")
-    if kinds is None:  # an enum (strings) or anyOf (workers: an integer or "auto")
-        return str if "enum" in spec else Any
-    kinds = [kinds] if isinstance(kinds, str) else kinds
-    types = [type(None) if k == "null" else _TYPES[k] for k in kinds]
-    return types[0] if len(types) == 1 else types[0] | types[1]
-
-
 def _fields() -> list[tuple]:
     """TrainConfig's fields: every declared setting that reaches the rank, in the schema's
-    order, none with a default (the schema's is the one; the workflow passes every setting),
-    but the job's geometry: None there means "as the ranks started" (a rank started by hand,
-    torchrun); and ``extra``, the keys the declarations do not know."""
-    settings = declarations()
-    fields: list[tuple] = [("run", str)]
-    fields += [
-        (name, _annotation(settings.properties[name]))
-        for name in settings.rank_fields()
-        if name != "run" and name not in GEOMETRY_KEYS
-    ]
-    fields += [(name, int | None, field(default=None)) for name in GEOMETRY_KEYS]
-    fields.append((EXTRA, dict[str, Any], field(default_factory=dict)))
-    return fields
+    order (typed and checked there), none with a default (the schema's is the one; the
+    workflow passes every setting), but the job's geometry: None there means "as the ranks
+    started" (a rank started by hand, torchrun); and ``extra``, the keys the declarations do
+    not know."""
+    names = [n for n in declarations().rank_fields() if n != "run" and n not in GEOMETRY_KEYS]
+    geometry = [(name, int | None, field(default=None)) for name in GEOMETRY_KEYS]
+    return [("run", str), *((n, Any) for n in names), *geometry,
+            (EXTRA, dict[str, Any], field(default_factory=dict))]  # fmt: skip
 
 
 TrainConfig = dataclasses.make_dataclass("TrainConfig", _fields(), bases=(_TrainConfig,))

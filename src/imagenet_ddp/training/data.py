@@ -143,23 +143,27 @@ def read_ids(path: Path) -> list[int]:
 
 
 def train_loader(
-    dataset: Dataset, sampler: EpochSampler, batch_size: int, workers: int, pin: bool
+    dataset: Dataset, sampler, batch_size: int, workers: int, pin: bool, persistent: bool = True
 ) -> DataLoader:
+    """A rank's DataLoader: the training's, or with no ``sampler`` the holdout's in order
+    (accuracy.shard_loader). Its workers ignore stop signals (the rank's to handle). Its own
+    generator: without one, each iterator draws its workers' base seed from the global RNG, so
+    a resumed job (a new iterator mid-epoch, after the RNG is restored) would draw once more
+    than the unbroken run, and the training's streams would depend on how often the holdout is
+    evaluated: a model that draws while it trains (dropout, stochastic depth) would differ.
+    Augmentation seeds itself per sample. ``persistent``: workers outlive a pass."""
+    forks = workers > 0
     return DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
         num_workers=workers,
         pin_memory=pin,
-        persistent_workers=workers > 0,
-        prefetch_factor=4 if workers > 0 else None,
-        drop_last=True,
+        persistent_workers=persistent and forks,
+        prefetch_factor=4 if forks else None,
+        drop_last=sampler is not None,
         worker_init_fn=ignore_stop_signals,
-        multiprocessing_context=loader_context() if workers > 0 else None,
-        # Its own generator: without one, every epoch's iterator draws its workers' base seed
-        # from the global RNG, and a resumed job (a new iterator mid-epoch, after the RNG is
-        # restored) draws once more than the unbroken run, so a model that draws while it
-        # trains (dropout, stochastic depth) would differ. Augmentation seeds itself per sample.
+        multiprocessing_context=loader_context() if forks else None,
         generator=torch.Generator().manual_seed(0),
     )
 

@@ -1,15 +1,9 @@
-"""The divergence guard: a run whose loss or gradients go bad stops within a step or two,
-recorded ``diverged`` (docs/reliability.md "Divergence"), instead of training on for every
-epoch and allocation it has. It stops on (``divergence_*`` settings, :meth:`GuardRule.step`):
-a non-finite gradient (all-reduced: every rank decides alike, with no communication); a
-non-finite loss on any rank; with fp16, ``divergence_fp16_skips`` GradScaler skips in a row;
-after the warm-up, ``divergence_window_steps`` steps in a row with a loss above
-``divergence_loss_factor`` x ln(classes). What one rank alone sees, the ranks agree on through
-the stop flag's all-reduce (:class:`imagenet_ddp.jobs.signals.StopFlag`).
-
-No host sync per step: each step's (loss, gradient norm) is read when the next step has been
-queued (:class:`StepValues`), so a run stops after the step that follows the bad one; every
-save first reads the last step (:meth:`Guard.agree`), so bad weights are never checkpointed.
+"""The divergence guard (docs/reliability.md "Divergence"): a run whose loss or gradients go
+bad stops within a step or two, recorded ``diverged``, instead of training on for every epoch
+and allocation it has. What one rank alone sees, the ranks agree on through the stop flag's
+all-reduce (imagenet_ddp.jobs.signals.StopFlag). No host sync per step: a step's values are
+read once the next is queued, and every save first reads the last one (:meth:`Guard.agree`),
+so bad weights are never checkpointed.
 """
 
 from __future__ import annotations
@@ -130,7 +124,7 @@ class Guard:
     """One rank's guard: fed every step (:meth:`after_step`), asked at saves (:meth:`agree`).
     A step's (loss, gradient norm) reach the host without a host sync: copied asynchronously
     at the step's end (on CUDA into one of two pinned buffers), read once the next step is
-    queued, or at once where the loop synchronizes anyway (:meth:`settle`: a save)."""
+    queued, or at once where the loop synchronizes anyway (:meth:`agree`: a save)."""
 
     def __init__(self, settings: GuardSettings, device: torch.device, rank: int) -> None:
         self.rule = GuardRule(settings)
@@ -172,10 +166,6 @@ class Guard:
             event.synchronize()
         return values.tolist(), where
 
-    def settle(self) -> Divergence | None:
-        """Judge the last queued step now (it has synchronized anyway)."""
-        return self._judge(self._read()) if self.enabled else None
-
     def _judge(self, read) -> Divergence | None:
         if read is None or self.agreed is not None:
             return self.agreed
@@ -196,7 +186,7 @@ class Guard:
         says a rank suspects one."""
         if not self.enabled:
             return None
-        self.settle()
+        self._judge(self._read())  # the last queued step, now (the loop synchronizes here)
         seen = D.all_gather_objects(self.agreed or self.suspect)
         found = [d for d in seen if d is not None]
         return min(found, key=lambda d: (d.epoch, d.step, d.rank)) if found else None

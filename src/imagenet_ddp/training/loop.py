@@ -1,13 +1,9 @@
 """The step loop: one rank trains from the resume point to the last epoch.
 
-:func:`run_epochs` runs the epochs, :func:`train_epoch` an epoch's steps, :func:`train_step`
-one optimizer step, :func:`end_epoch` the epoch's end (holdout every ``eval_interval``
-epochs, history row, checkpoint written in the background).
-
-A stop signal (SIGTERM, SIGUSR1, SIGINT: time limit, scancel, preemption, Ctrl-C) makes every
-rank stop at the same step; rank 0 writes a checkpoint and the job exits with EXIT_REQUEUE
-(:mod:`imagenet_ddp.jobs.signals`). A diverged run (:mod:`.guard`) stops the same way but
-writes no checkpoint: every save asks the guard first.
+A stop signal (time limit, scancel, preemption, Ctrl-C) makes every rank stop at the same
+step; rank 0 writes a checkpoint and the job exits EXIT_REQUEUE (imagenet_ddp.jobs.signals).
+A diverged run (:mod:`.guard`) stops the same way but writes no checkpoint: every save asks
+the guard first.
 """
 
 from __future__ import annotations
@@ -268,23 +264,18 @@ def forward_backward(job: TrainingState, images: torch.Tensor, targets, count: i
     return loss, logits, hard
 
 
-def evaluate_holdout(job: TrainingState, model: torch.nn.Module, holdout: Holdout) -> dict:
-    cfg = job.cfg
-    return evaluate_loader(
-        model, holdout.loader, num_classes=holdout.num_classes, device=job.device,
-        precision=cfg.precision, channels_last=cfg.channels_last, mean_std=recipe.mean_std(cfg),
-    )  # fmt: skip
-
-
 def evaluate_epoch(job: TrainingState, epoch: int, holdout: Holdout) -> dict:
     """The holdout columns of the epoch's row: raw weights and, when the recipe keeps them,
     the EMA weights; None (NaN in history.csv) on an epoch ``eval_interval`` skips. Evaluation
     draws from no shared random generator (accuracy.shard_loader), so skipping it changes
     neither the weights nor the random streams that follow."""
+    cfg, row = job.cfg, {}
     models = {"holdout": job.model} | ({"holdout_ema": job.ema.module} if job.ema else {})
-    row = {}
     for prefix, model in models.items():
-        result = evaluate_holdout(job, model, holdout) if job.cfg.evaluates(epoch) else {}
+        result = evaluate_loader(
+            model, holdout.loader, num_classes=holdout.num_classes, device=job.device,
+            precision=cfg.precision, channels_last=cfg.channels_last, mean_std=recipe.mean_std(cfg),
+        ) if cfg.evaluates(epoch) else {}  # fmt: skip
         keys = ("top1", "top5", "loss") if prefix == "holdout" else ("top1", "top5")
         row.update({f"{prefix}_{key}": result.get(key) for key in keys})
     return row

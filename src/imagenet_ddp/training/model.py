@@ -1,4 +1,4 @@
-"""The model: one factory for training and evaluation, and the ``model.pt`` file format.
+"""The ``model.pt`` file format, and the model built from it (imagenet_ddp.models builds).
 
 ``model.pt`` has exactly one writer (:func:`save_model`) and one reader (:func:`read_model_file`;
 :func:`load_model` and :func:`model_from_state` build the model from it).
@@ -16,19 +16,8 @@ It is a ``torch.save`` dict::
                     ``model`` then holds the weights of the last good checkpoint
 
 Tensors and plain data only: read with ``weights_only=True`` (a file that needs more is
-refused, checkpoint.load_tensors).
-
-Loading into torchvision without this package (docs/results.md "Loading a trained model")::
-
-    state = torch.load("model.pt", map_location="cpu", weights_only=True)
-    model = torchvision.models.get_model(state["arch"], num_classes=state["num_classes"],
-                                         **state["config"].get("model_kwargs", {}))
-    model.load_state_dict(state["model"])
-
-A timm model (``arch`` "timm/<name>")::
-
-    model = timm.create_model(state["arch"][5:], num_classes=state["num_classes"],
-                              **state["config"]["model_kwargs"])
+refused, checkpoint.load_tensors). Loading it into torchvision or timm without this package:
+docs/results.md "Loading a trained model".
 """
 
 from __future__ import annotations
@@ -38,25 +27,11 @@ from typing import Any
 
 import torch
 
-from imagenet_ddp import models
 from imagenet_ddp.io import atomic_path
+from imagenet_ddp.models import build_model  # the one factory (torchvision's and timm's)
 from imagenet_ddp.training.checkpoint import load_tensors
 
 MODEL_FORMAT_VERSION = 1
-
-
-def build_model(
-    name: str,
-    num_classes: int,
-    model_kwargs: dict[str, Any] | None = None,
-    *,
-    zero_init_residual: bool | None = False,
-) -> torch.nn.Module:
-    """A randomly initialised model: :func:`imagenet_ddp.models.build_model`, the one factory
-    (torchvision's and timm's, by name; ``model_kwargs`` the constructor's own options)."""
-    return models.build_model(
-        name, num_classes, model_kwargs, zero_init_residual=zero_init_residual
-    )
 
 
 def save_model(

@@ -1,18 +1,13 @@
 """The opt-in profiler window (``profile: {epoch, steps, ranks}``): a ``torch.profiler`` trace
-of a few training steps, written into the run's TensorBoard folder.
+of a few training steps in the run's TensorBoard folder (``tensorboard_trace_handler``; open
+it in TensorBoard's profile plugin or ``chrome://tracing``).
 
-The window opens at the first step of epoch ``epoch`` (0-based) that this job trains; that
-step is the profiler's warm-up (its first step carries the profiler's own start-up), the next
-``steps`` are recorded, then the trace is written (``tensorboard_trace_handler``:
-``<run dir>/tensorboard/<host>-rank<r>.<time>.pt.trace.json``, which TensorBoard's profile
-plugin and ``chrome://tracing`` open). Rank 0 records; with ``ranks: per_node``, the first rank
-of every node. An epoch shorter than the window writes what it recorded at its end.
-
-The profiler only observes: the weights are bitwise those of the same run without it
-(tests/test_step_timing.py). The recorded steps run slower (the profiler's overhead), so the
-profiled epoch's throughput and step times include it: history.csv's ``profiled_steps`` says
-how many steps of an epoch were profiled. A bookkeeping setting: changing it reruns nothing
-and keeps the checkpoints (imagenet_ddp.settings.kinds).
+The window opens at the first step of epoch ``epoch`` that this job trains (the profiler's
+warm-up), records the next ``steps``, then writes the trace (an epoch shorter than the window
+at its end); rank 0 records, with ``ranks: per_node`` the first rank of every node. The
+profiler only observes: the weights are bitwise those of the run without it
+(tests/test_step_timing.py); the profiled steps are slower, which history.csv's
+``profiled_steps`` says. A bookkeeping setting: changing it reruns nothing.
 """
 
 from __future__ import annotations

@@ -32,9 +32,14 @@ NORM_LAYERS = (
 
 def parameter_groups(cfg: TrainConfig, model: torch.nn.Module) -> list[dict]:
     """Parameters grouped by weight decay (``weight_decay_groups``): torchvision's reference's
-    normalization layers, other biases, the rest; or timm's own (:func:`timm_groups`)."""
+    normalization layers, other biases, the rest; or timm's (``create_optimizer_v2``'s: every
+    1-D parameter, bias and name of the model's ``no_weight_decay()`` without weight decay)."""
     if cfg.weight_decay_groups == "timm":
-        return timm_groups(model, cfg.weight_decay)
+        from timm.optim import param_groups_weight_decay
+
+        exempt = getattr(model, "no_weight_decay", set)()
+        groups = param_groups_weight_decay(model, cfg.weight_decay, no_weight_decay_list=exempt)
+        return [{**g, "group": "decay" if g["weight_decay"] else "no_decay"} for g in groups]
     decay = {
         "norm": cfg.weight_decay if cfg.norm_weight_decay is None else cfg.norm_weight_decay,
         "bias": cfg.weight_decay if cfg.bias_weight_decay is None else cfg.bias_weight_decay,
@@ -43,29 +48,14 @@ def parameter_groups(cfg: TrainConfig, model: torch.nn.Module) -> list[dict]:
     groups: dict[str, list] = {"norm": [], "bias": [], "other": []}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
-            if not param.requires_grad:
-                continue
-            kind = (
-                "norm"
-                if isinstance(module, NORM_LAYERS)
-                else ("bias" if name == "bias" else "other")
-            )
-            groups[kind].append(param)
+            if param.requires_grad:
+                norm = isinstance(module, NORM_LAYERS)
+                groups["norm" if norm else "bias" if name == "bias" else "other"].append(param)
     return [
         {"params": params, "weight_decay": decay[kind], "group": kind}
         for kind, params in groups.items()
         if params
     ]
-
-
-def timm_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """timm's groups (``create_optimizer_v2``'s): every 1-D parameter, bias and name of the
-    model's ``no_weight_decay()`` without weight decay; the rest with ``weight_decay``."""
-    from timm.optim import param_groups_weight_decay
-
-    exempt = getattr(model, "no_weight_decay", set)()
-    groups = param_groups_weight_decay(model, weight_decay, no_weight_decay_list=exempt)
-    return [{**g, "group": "decay" if g["weight_decay"] else "no_decay"} for g in groups]
 
 
 def build_optimizer(
@@ -113,10 +103,6 @@ def warmup_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
     if cfg.warmup_steps > 0:
         return int(cfg.warmup_steps)
     return int(cfg.warmup_epochs * steps_per_epoch)
-
-
-def build_scheduler(cfg: TrainConfig, optimizer, steps_per_epoch: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(steps_per_epoch, cfg))
 
 
 def build_criterion(cfg: TrainConfig) -> torch.nn.Module:

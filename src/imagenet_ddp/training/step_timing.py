@@ -1,22 +1,14 @@
-"""Where a training step's time goes: data wait, compute, the rest; model FLOPs and MFU.
+"""Where a training step's time goes (data wait, compute, the rest), model FLOPs and MFU.
 
 No host sync per step. The loop marks each step at ``fetch`` (before the loader's next()),
-``ready`` (the batch on the device, normalized, mixed) and ``done`` (the optimizer step queued):
-
-- ``data_wait``: host time ``fetch`` to ``ready``.
-- ``compute``: ``ready`` to ``done``; on a GPU, between two CUDA events, read once complete
-  (``Event.query()`` every ``log_interval`` steps, all at the epoch's end), never waited for.
-- ``step``: CPU: one ``fetch`` to the next (the loop's bookkeeping included); GPU: one ``done``
-  event to the next.
-- ``input_bound``: CPU: the data wait; GPU: the device's idle gap before ``ready``, at most the
-  host's data wait (a gap the host spent logging is not the input's).
-
-Exposed communication lies inside ``compute`` (backward returns after the last all-reduce);
-the profiler window (``profile``) shows it apart. Model FLOPs (:func:`flops_per_image`) are
-counted once per crop size with ``FlopCounterMode`` on the meta device: matrix multiplications
-and convolutions of one forward and backward per image (a grouped convolution's backward by
-:func:`_conv_backward_flops`); MFU (:func:`mfu_percent`) compares them at the epoch's steady
-throughput with the device's dense peak (:data:`PEAK_TFLOPS`).
+``ready`` (the batch on the device, normalized, mixed) and ``done`` (the optimizer step
+queued). ``data_wait``: fetch to ready on the host. ``compute``: ready to done; on a GPU
+between two CUDA events, read once complete (queried every ``log_interval`` steps), never
+waited for. ``step``: CPU: fetch to fetch; GPU: done event to done event. ``input_bound``: CPU:
+the data wait; GPU: the device's idle gap before ``ready``, at most the host's data wait.
+Exposed communication lies inside ``compute`` (the profiler window shows it apart). Model
+FLOPs are counted once per crop size on the meta device (:func:`flops_per_image`); MFU
+compares them at the epoch's steady throughput with the device's dense peak.
 """
 
 from __future__ import annotations
@@ -49,16 +41,10 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
 
 def peak_flops(device: torch.device, precision: str) -> float | None:
     """The device's dense peak FLOP/s at ``precision``; None on CPU or an unknown GPU."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    if "MIG" in name:  # a slice of a GPU: its share of the peak is not in the name
-        return None
-    for pattern, peaks in PEAK_TFLOPS:
-        if pattern.lower() in name.lower():
-            value = peaks.get(precision)
-            return None if value is None else value * 1e12
-    return None
+    if device.type != "cuda" or "MIG" in (name := torch.cuda.get_device_name(device)):
+        return None  # a MIG slice: its share of the peak is not in the name
+    peaks = next((p for pattern, p in PEAK_TFLOPS if pattern.lower() in name.lower()), {})
+    return peaks[precision] * 1e12 if precision in peaks else None
 
 
 @functools.cache
@@ -66,8 +52,7 @@ def flops_per_image(model_name: str, num_classes: int, crop: int, model_kwargs: 
     """Model FLOPs of one training step per image (forward and backward). Counted on a batch
     of 2 (BatchNorm in training mode refuses one value per channel, as a tiny crop gives).
     ``model_kwargs``: as JSON (hashable, for the cache)."""
-    from imagenet_ddp.models import on_meta
-    from imagenet_ddp.training.model import build_model
+    from imagenet_ddp.models import build_model, on_meta
 
     model = on_meta(lambda: build_model(model_name, num_classes, json.loads(model_kwargs)))
     images = torch.empty(2, 3, crop, crop, device="meta")

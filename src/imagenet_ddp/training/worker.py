@@ -25,6 +25,7 @@ import imagenet_ddp.jobs.early_signals  # noqa: F401
 import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LambdaLR
 
 from imagenet_ddp import models
 from imagenet_ddp.data.reader import create_dataset
@@ -63,7 +64,7 @@ from imagenet_ddp.training.discipline import check_device_discipline
 from imagenet_ddp.training.guard import DIVERGED, Guard, GuardSettings
 from imagenet_ddp.training.loop import Holdout, Loop, run_epochs
 from imagenet_ddp.training.metrics import recorded_settings, write_run_metrics
-from imagenet_ddp.training.model import build_model, save_model
+from imagenet_ddp.training.model import save_model
 from imagenet_ddp.training.profile_window import ProfileWindow
 from imagenet_ddp.training.state import TrainingState
 
@@ -103,11 +104,9 @@ def _set_determinism(cfg: TrainConfig, device: torch.device) -> None:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
         if device.type == "cpu" and cfg.precision != "fp32":
-            # oneDNN's bf16 CPU kernels differ from process to process (measured: two fresh
-            # runs of 4 steps, 1 thread, diverge); torch's deterministic mode does not cover
-            # them. Without oneDNN, bf16 training and its resumes are bitwise reproducible, at
-            # a cost (measured: ResNet-18, 16 px, batch 4, 1 thread: 31 ms/step fp32, 50 bf16
-            # with oneDNN, 830 without). GPU runs are unaffected.
+            # oneDNN's bf16 CPU kernels differ between processes, beyond torch's deterministic
+            # mode; without it resumes are bitwise exact, much slower (measured, ResNet-18,
+            # 16 px, batch 4, 1 thread: 50 ms/step with oneDNN, 830 without). GPUs: unaffected.
             torch.backends.mkldnn.enabled = False
     elif device.type == "cuda":
         torch.backends.cudnn.benchmark = True
@@ -248,10 +247,10 @@ def initial_weights(cfg: TrainConfig) -> dict | None:
     else:
         try:
             state = models.read_init_weights(cfg.init_weights, cfg.init_weights_sha256)
-        except (OSError, models.WeightsFileError) as exc:
-            error = f"init_weights {exc}" if isinstance(exc, models.WeightsFileError) else (
-                f"init_weights {cfg.init_weights}: cannot be read ({exc.strerror or exc})"
-            )  # fmt: skip
+        except models.WeightsFileError as exc:
+            error = f"init_weights {exc}"
+        except OSError as exc:
+            error = f"init_weights {cfg.init_weights}: cannot be read ({exc.strerror or exc})"
     failed = [(rank, e) for rank, e in enumerate(D.all_gather_objects(error)) if e]
     if failed:
         rank, e = failed[0]
@@ -263,7 +262,7 @@ def initial_model(cfg: TrainConfig, info: D.DistInfo, num_classes: int, init_wei
     """The run's model, from ``init_weights`` (a state_dict, :func:`initial_weights`) or random
     initialisation; loaded weights win over zero_init_residual, which keeps only the keys
     under init_weights_exclude (imagenet_ddp.models)."""
-    model = build_model(
+    model = models.build_model(
         cfg.model, num_classes, cfg.model_kwargs, zero_init_residual=cfg.zero_init_residual
     )
     if init_weights is not None:
@@ -316,7 +315,7 @@ def build_job(
         model=model,
         step_model=step_model,
         optimizer=optimizer,
-        scheduler=recipe.build_scheduler(cfg, optimizer, steps_per_epoch),
+        scheduler=LambdaLR(optimizer, recipe.lr_lambda(steps_per_epoch, cfg)),
         scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
         criterion=recipe.build_criterion(cfg),
         checkpoint_dir=Path(),
