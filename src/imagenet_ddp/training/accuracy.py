@@ -53,8 +53,14 @@ def evaluate_dataset(
 ) -> dict[str, Any]:
     """Evaluate ``dataset`` split across ranks; every rank returns the global result.
     ``options``: :func:`evaluate_loader`'s (num_classes, precision, ...)."""
-    loader = shard_loader(dataset, device=device, batch_size=batch_size, workers=workers,
-                          rank=rank, world_size=world_size)  # fmt: skip
+    loader = shard_loader(
+        dataset,
+        device=device,
+        batch_size=batch_size,
+        workers=workers,
+        rank=rank,
+        world_size=world_size,
+    )
     return evaluate_loader(model, loader, device=device, **options)
 
 

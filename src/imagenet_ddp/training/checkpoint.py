@@ -136,10 +136,16 @@ def _each_leaf(obj: Any, leaf) -> Any:
 
 def plain(obj: Any) -> Any:
     """``obj`` with numpy arrays as tensors and numpy scalars as numbers (``weights_only``)."""
-    return _each_leaf(obj, lambda x: (
-        torch.from_numpy(x.copy()) if isinstance(x, np.ndarray)
-        else x.item() if isinstance(x, np.generic) else x
-    ))  # fmt: skip
+    return _each_leaf(
+        obj,
+        lambda x: (
+            torch.from_numpy(x.copy())
+            if isinstance(x, np.ndarray)
+            else x.item()
+            if isinstance(x, np.generic)
+            else x
+        ),
+    )
 
 
 def convert_trusted(path: Path) -> Path:

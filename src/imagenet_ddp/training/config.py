@@ -89,8 +89,12 @@ def _fields() -> list[tuple]:
     not know."""
     names = [n for n in declarations().rank_fields() if n != "run" and n not in GEOMETRY_KEYS]
     geometry = [(name, int | None, field(default=None)) for name in GEOMETRY_KEYS]
-    return [("run", str), *((n, Any) for n in names), *geometry,
-            (EXTRA, dict[str, Any], field(default_factory=dict))]  # fmt: skip
+    return [
+        ("run", str),
+        *((n, Any) for n in names),
+        *geometry,
+        (EXTRA, dict[str, Any], field(default_factory=dict)),
+    ]
 
 
 TrainConfig = dataclasses.make_dataclass("TrainConfig", _fields(), bases=(_TrainConfig,))

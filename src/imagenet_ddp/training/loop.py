@@ -272,10 +272,19 @@ def evaluate_epoch(job: TrainingState, epoch: int, holdout: Holdout) -> dict:
     cfg, row = job.cfg, {}
     models = {"holdout": job.model} | ({"holdout_ema": job.ema.module} if job.ema else {})
     for prefix, model in models.items():
-        result = evaluate_loader(
-            model, holdout.loader, num_classes=holdout.num_classes, device=job.device,
-            precision=cfg.precision, channels_last=cfg.channels_last, mean_std=recipe.mean_std(cfg),
-        ) if cfg.evaluates(epoch) else {}  # fmt: skip
+        result = (
+            evaluate_loader(
+                model,
+                holdout.loader,
+                num_classes=holdout.num_classes,
+                device=job.device,
+                precision=cfg.precision,
+                channels_last=cfg.channels_last,
+                mean_std=recipe.mean_std(cfg),
+            )
+            if cfg.evaluates(epoch)
+            else {}
+        )
         keys = ("top1", "top5", "loss") if prefix == "holdout" else ("top1", "top5")
         row.update({f"{prefix}_{key}": result.get(key) for key in keys})
     return row
