@@ -29,7 +29,7 @@ from imagenet_ddp.jobs.spec import PREPARED, SpecError
 from imagenet_ddp.jobs.spec import job_spec as spec_json
 from imagenet_ddp.settings.evaluation import eval_settings
 from imagenet_ddp.settings.geometry import slurm_resources
-from imagenet_ddp.settings.kinds import declarations, rerun_line
+from imagenet_ddp.settings.kinds import declarations, load_schema, rerun_line
 from imagenet_ddp.settings.presets import hyperparameter_line
 from imagenet_ddp.settings.run_checks import CHECKED_SETTINGS, warmup_warnings
 from imagenet_ddp.settings.notices import summarised
@@ -48,8 +48,9 @@ def refuse(lines):
 # Validation fills in the schema's defaults (their one home); runs resolve as written.
 _WRITTEN = written_settings(config)
 _SCHEMA = os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml")
+_SCHEMA_DOC = load_schema(_SCHEMA)  # read once: validation and the runs' resolution
 _problems = config_problems(
-    config, _SCHEMA
+    config, _SCHEMA_DOC
 )  # as snakemake.utils.validate, one line each
 if _problems:
     refuse(_problems)
@@ -59,7 +60,7 @@ SETTINGS = declarations(_SCHEMA)
 # would fail on the GPU node fails here, one line per problem. What needs torch (a model built
 # on the meta device, a weights file's keys) is the local `check` rule's, before any GPU job.
 try:
-    RUNS = resolve_runs(config, _WRITTEN, _SCHEMA)
+    RUNS = resolve_runs(config, _WRITTEN, _SCHEMA_DOC)
 except RunsError as error:
     refuse([str(error)])
 

@@ -292,12 +292,13 @@ def run_defaults(config_schema: Mapping[str, Any]) -> dict[str, Any]:
 def resolve_runs(
     config: Mapping[str, Any],
     written: Mapping[str, Any],
-    schema_path: str | os.PathLike[str],
+    schema: str | os.PathLike[str] | Mapping[str, Any],
 ) -> dict[str, dict[str, Any]]:
     """Every run by name, in order (hand-written runs, then each sweep's), resolved and checked.
     ``config``: validated; ``written``: its :func:`written_settings` from before validation;
-    ``schema_path``: the config schema. Raises :class:`RunsError`, one line per problem."""
-    config_schema = load_schema(schema_path)
+    ``schema``: the config schema, its file or mapping. Raises :class:`RunsError`, one line
+    per problem."""
+    config_schema = schema if isinstance(schema, Mapping) else load_schema(schema)
     try:
         entries = expand_runs(
             {**config, "runs": written["runs"], "sweep": written["sweep"]},
