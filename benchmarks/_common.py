@@ -169,12 +169,17 @@ def write_prepared(
 
     out_dir = Path(out_dir)
     (out_dir / P.SHARD_DIR).mkdir(parents=True, exist_ok=True)
-    writer = P._ShardWriter(out_dir / P.SHARD_DIR, shard_bytes)
-    rows = []
+    # A new shard before a sample would take one past shard_bytes (3072: at most its headers,
+    # label, padding and the tar end).
+    writers, rows = [], []
     for sample_id, (data, label) in enumerate(zip(images, labels, strict=True)):
-        shard, offset = writer.write(data, key=P.sample_key(sample_id), label=int(label))
-        rows.append((sample_id, int(label), shard, offset, len(data)))
-    writer.close()
+        if not writers or writers[-1].record["bytes"] + len(data) + 3072 > shard_bytes:
+            if writers:
+                writers[-1].close()
+            writers.append(P._ShardWriter(out_dir / P.SHARD_DIR / P.shard_name(len(writers))))
+        offset = writers[-1].write(data, key=P.sample_key(sample_id), label=int(label))
+        rows.append((sample_id, int(label), len(writers) - 1, offset, len(data)))
+    writers[-1].close()
     samples = pd.DataFrame(rows, columns=["sample_id", "class_index", "shard", "offset", "length"])
     write_csv_atomic(out_dir / P.SAMPLES_CSV, samples)
     info = {
@@ -187,9 +192,9 @@ def write_prepared(
         "num_samples": len(rows),
         "num_skipped": 0,
         "skipped": [],
-        "total_bytes": sum(s["bytes"] for s in writer.shards),
+        "total_bytes": sum(w.record["bytes"] for w in writers),
         "shard_bytes_target": shard_bytes,
-        "shards": writer.shards,
+        "shards": [w.record for w in writers],
         "samples_csv_sha256": hashlib.sha256((out_dir / P.SAMPLES_CSV).read_bytes()).hexdigest(),
     }
     write_json_atomic(out_dir / P.PREPARED_JSON, info)

@@ -18,7 +18,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import sys
 import tarfile
 import threading
 import warnings
@@ -181,48 +180,32 @@ def _tar_member(name: str, data: bytes) -> bytes:
 
 
 class _ShardWriter:
-    """Shards as ustar tar files: per sample ``<key>.jpg`` and ``<key>.cls`` (the class index);
-    ``write`` returns (shard, the JPEG's offset in it). A shard is closed before a sample would
-    take it past ``shard_bytes``."""
+    """One shard as a ustar tar file: per sample ``<key>.jpg`` and ``<key>.cls`` (the class
+    index); ``write`` returns the JPEG's offset in it, ``record`` describes it once closed."""
 
-    def __init__(self, directory: Path, shard_bytes: int):
-        self.directory, self.shard_bytes = directory, shard_bytes
-        self.shards: list[dict] = []
-        self._file, self._hash, self._offset = None, None, 0
-
-    def _open(self) -> None:
-        self.close()
-        name = shard_name(len(self.shards))
-        self._file = open(self.directory / name, "wb")  # noqa: SIM115 (closed in close)
+    def __init__(self, path: Path):
+        self._file = open(path, "wb")  # noqa: SIM115 (closed in close)
         self._hash = hashlib.sha256()
-        self._offset = 0
-        self.shards.append({"name": name, "bytes": 0, "samples": 0, "sha256": None})
+        self.record = {"name": path.name, "bytes": 0, "samples": 0, "sha256": None}
 
     def _append(self, block: bytes) -> None:
         self._file.write(block)
         self._hash.update(block)
-        self._offset += len(block)
-        self.shards[-1]["bytes"] = self._offset
+        self.record["bytes"] += len(block)
 
     def close(self) -> None:
-        if self._file is not None:
+        if not self._file.closed:
             self._append(_TAR_END)
             self._file.close()
-            self.shards[-1]["sha256"] = self._hash.hexdigest()
-            self._file = None
+            self.record["sha256"] = self._hash.hexdigest()
 
-    def write(self, data: bytes, *, key: str, label: int) -> tuple[int, int]:
-        jpg = _tar_member(f"{key}.jpg", data)
-        cls = _tar_member(f"{key}.cls", str(int(label)).encode())
-        size = len(jpg) + len(cls)
-        if self._file is None or (
-            self.shards[-1]["samples"] and self._offset + size + len(_TAR_END) > self.shard_bytes
-        ):
-            self._open()
-        offset = self._offset + tarfile.BLOCKSIZE
-        self._append(jpg + cls)
-        self.shards[-1]["samples"] += 1
-        return len(self.shards) - 1, offset
+    def write(self, data: bytes, *, key: str, label: int) -> int:
+        offset = self.record["bytes"] + tarfile.BLOCKSIZE
+        self._append(
+            _tar_member(f"{key}.jpg", data) + _tar_member(f"{key}.cls", str(int(label)).encode())
+        )
+        self.record["samples"] += 1
+        return offset
 
 
 def num_shards(num_samples: int, shard_samples: int) -> int:
@@ -279,17 +262,18 @@ def write_shard_parts(
             if writer is None:  # a new shard: the previous ones are done (images come in order)
                 for previous in writers.values():
                     previous.close()
-                (parts_dir / f"{shard:05d}").mkdir(parents=True)  # one shard each: no size limit
-                writer = writers[shard] = _ShardWriter(parts_dir / f"{shard:05d}", sys.maxsize)
+                (parts_dir / f"{shard:05d}").mkdir(parents=True)
+                writer = _ShardWriter(parts_dir / f"{shard:05d}" / shard_name(0))
+                writers[shard] = writer
             label = class_index[position]
-            _, offset = writer.write(data, key=sample_key(sample_id), label=label)
+            offset = writer.write(data, key=sample_key(sample_id), label=label)
             rows.append((sample_id, label, shard, offset, len(data)))
     finally:
         converted.close()  # stops the pool now, also on error
         for writer in writers.values():
             writer.close()
     records = [
-        {**w.shards[0], "shard": s, "part": f"{s:05d}/{w.shards[0]['name']}"}
+        {**w.record, "shard": s, "part": f"{s:05d}/{w.record['name']}"}
         for s, w in sorted(writers.items())
     ]
     return rows, records, skipped
