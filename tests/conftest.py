@@ -6,6 +6,7 @@ Tests must treat these directories as read-only; use ``writable_archives`` to da
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import shutil
 import sys
@@ -204,3 +205,8 @@ def demo_split(demo_index, tmp_path_factory) -> Path:
 def writable_archives(demo_archives, tmp_path) -> Path:
     """A private copy of the demo archives, for tests that damage them."""
     return Path(shutil.copytree(demo_archives, tmp_path / "ILSVRC2012"))
+
+
+def prepared_copy(manifest: Path) -> Path:
+    """The copy in prepare.dir that a `prepare` or `prepare-join` manifest names."""
+    return Path(json.loads(Path(manifest).read_text())["dir"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import tarfile
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 
 from imagenet_ddp.cli import main
 from imagenet_ddp.data.archives import TRAIN_ARCHIVE, VAL_ARCHIVE
+from tests.conftest import prepared_copy
 from tests.workflow_helpers import copy_workflow, read_config, snakemake, write_config
 
 
@@ -149,7 +151,9 @@ def test_corrupt_jpeg_in_a_class_tar(writable_archives, tmp_path, capsys, mode):
         str(index_dir),
         "--which",
         "train",
-        "--out",
+        "--manifest",
+        str(tmp_path / "train.json"),
+        "--prepared-dir",
         str(out),
         "--short-side",
         "24",
@@ -164,10 +168,10 @@ def test_corrupt_jpeg_in_a_class_tar(writable_archives, tmp_path, capsys, mode):
     )
     if mode == "fail":
         assert code == 2 and victim in err and "on_corrupt" in err
-        assert not out.exists()
+        assert not (tmp_path / "train.json").exists() and not list(out.glob("train-*"))
     else:
         assert code == 0
-        assert victim in (out / "prepared.json").read_text()
+        assert victim in (prepared_copy(tmp_path / "train.json") / "prepared.json").read_text()
 
 
 def test_class_with_too_few_images_for_a_stratified_split(tmp_path, capsys):
@@ -292,20 +296,26 @@ def test_concurrent_writers_of_one_prepared_dataset_are_excluded(demo_archives, 
 
     index_dir = tmp_path / "index"
     assert main(["index", "--data-dir", str(demo_archives), "--out-dir", str(index_dir)]) == 0
-    shared = tmp_path / "shared" / "train"
 
-    def prepare_args(out: Path) -> list[str]:
+    def prepare_args(manifest: Path, prepared_dir: Path) -> list[str]:
         return ["prepare", "--data-dir", str(demo_archives), "--index-dir", str(index_dir),
-                "--which", "train", "--out", str(out), "--short-side", "24", "--quality", "90",
-                "--workers", "1", "--on-corrupt", "fail", "--shard-samples", "16"]  # fmt: skip
+                "--which", "train", "--manifest", str(manifest), "--prepared-dir",
+                str(prepared_dir), "--short-side", "24", "--quality", "90", "--workers", "1",
+                "--on-corrupt", "fail", "--shard-samples", "16"]  # fmt: skip
 
-    argv = [sys.executable, "-m", "imagenet_ddp.cli", *prepare_args(shared)]
-    writers = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(2)]
-    outputs = [w.communicate(timeout=120)[0] for w in writers]
-    assert [w.returncode for w in writers] == [0, 0]
-    assert sum("reusing" in out for out in outputs) == 1, outputs
-    reference = tmp_path / "reference"
-    assert main(prepare_args(reference)) == 0
+    manifests = [tmp_path / f"workflow{i}" / "train.json" for i in range(2)]
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "imagenet_ddp.cli", *prepare_args(m, tmp_path / "shared")]
+        )
+        for m in manifests
+    ]
+    assert [w.wait(timeout=120) for w in writers] == [0, 0]
+    assert sorted(json.loads(m.read_text())["reused"] for m in manifests) == [False, True]
+    shared = prepared_copy(manifests[0])
+    assert prepared_copy(manifests[1]) == shared
+    assert main(prepare_args(tmp_path / "reference.json", tmp_path / "reference")) == 0
+    reference = prepared_copy(tmp_path / "reference.json")
     for path in sorted(reference.rglob("*")):
         if path.is_file():
             assert (shared / path.relative_to(reference)).read_bytes() == path.read_bytes()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import prepared_copy
 from tests.test_evaluate import eval_inputs  # noqa: F401 (a fixture of that module)
 
 CLI = [sys.executable, "-m", "imagenet_ddp.cli"]
@@ -99,39 +100,43 @@ def _interrupt(argv, ready, tmp_path: Path, sig=signal.SIGINT) -> tuple[int, str
     return code, log.read_text()
 
 
-def _prepare_argv(demo, out: Path, workers: int = 8) -> list:
+def _prepare_argv(demo, shared: Path, workers: int = 8) -> list:
     """More workers than cores, as a job's prepare.workers on a busy node: some wait for a
-    chunk when the signal comes (where multiprocessing.Pool's queue lock is held)."""
+    chunk when the signal comes (where multiprocessing.Pool's queue lock is held). The copy
+    goes into ``shared`` (prepare.dir), ``shared.json`` names it."""
     return [*CLI, "prepare", "--data-dir", demo["archives"], "--index-dir", demo["index"],
-            "--which", "train", "--out", out, "--short-side", "144", "--quality", "90",
-            "--workers", workers, "--on-corrupt", "fail", "--shard-samples", "40"]  # fmt: skip
+            "--which", "train", "--manifest", shared.with_suffix(".json"), "--prepared-dir",
+            shared, "--short-side", "144", "--quality", "90", "--workers", workers,
+            "--on-corrupt", "fail", "--shard-samples", "40"]  # fmt: skip
 
 
-def _converting(out: Path):
+def _converting(shared: Path):
     """Ready once the pool has written a shard into prepare's temporary copy."""
-    return lambda pid: any(out.parent.glob(f".{out.name}.tmp-*/.parts/*"))
+    return lambda pid: any(shared.glob(".train-*.tmp-*/.parts/*"))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_stopped_prepare_ends_with_its_pool_and_leaves_no_copy(bigger_demo, tmp_path, sig):
-    out = tmp_path / "prepared" / "train"
-    code, log = _interrupt(_prepare_argv(bigger_demo, out), _converting(out), tmp_path, sig)
+    shared = tmp_path / "prepared"
+    code, log = _interrupt(_prepare_argv(bigger_demo, shared), _converting(shared), tmp_path, sig)
     assert code == (130 if sig == signal.SIGINT else 128 + sig), log
     if sig == signal.SIGINT:
         assert log.strip().endswith("imagenet-ddp prepare: interrupted"), log
-    assert not out.exists() and not list(out.parent.glob(".train.tmp-*")), "nothing half-written"
+    left = [*shared.glob("train-*"), *shared.glob(".train-*.tmp-*")]
+    assert not left and not shared.with_suffix(".json").exists(), "nothing half-written"
 
 
 def test_a_killed_prepares_temporary_copy_is_removed_by_the_next(bigger_demo, tmp_path):
     """SIGKILL leaves the temporary copy (and no pool worker: they die with their parent);
     the next prepare, under the same lock, removes it and writes the copy."""
-    out = tmp_path / "prepared" / "train"
-    _interrupt(_prepare_argv(bigger_demo, out), _converting(out), tmp_path, signal.SIGKILL)
-    [stale] = out.parent.glob(".train.tmp-*")
-    done = subprocess.run([str(a) for a in _prepare_argv(bigger_demo, out, workers=2)],
+    shared = tmp_path / "prepared"
+    _interrupt(_prepare_argv(bigger_demo, shared), _converting(shared), tmp_path, signal.SIGKILL)
+    [stale] = shared.glob(".train-*.tmp-*")
+    done = subprocess.run([str(a) for a in _prepare_argv(bigger_demo, shared, workers=2)],
                           capture_output=True, text=True, check=True)  # fmt: skip
     assert f"removing {stale}" in done.stdout and not stale.exists()
-    assert (out / "prepared.json").is_file() and not list(out.parent.glob(".train.tmp-*"))
+    copy = prepared_copy(shared.with_suffix(".json"))
+    assert (copy / "prepared.json").is_file() and not list(shared.glob(".train-*.tmp-*"))
 
 
 def _threads_started(pid: int) -> bool:

@@ -11,7 +11,7 @@ import pytest
 from imagenet_ddp.cli import main
 from imagenet_ddp.data.prepare import join_chunks, prepare_split
 from imagenet_ddp.errors import InputError
-from tests.conftest import PREPARE_SETTINGS
+from tests.conftest import PREPARE_SETTINGS, prepared_copy
 
 
 def _tree(root):
@@ -33,20 +33,21 @@ def _args(demo_archives, index_dir, which="train"):
 
 @pytest.mark.parametrize("which", ["train", "val"])
 def test_three_jobs_joined_equal_one_job_byte_for_byte(demo_archives, index_dir, tmp_path, which):
-    one = tmp_path / "one"
-    assert main(["prepare", *_args(demo_archives, index_dir, which), "--out", str(one)]) == 0
+    argv = ["prepare", *_args(demo_archives, index_dir, which), "--manifest", tmp_path / "one"]
+    assert main([*map(str, argv), "--prepared-dir", str(tmp_path / "one-dir")]) == 0
     chunks = [tmp_path / "chunks" / f"{k}-of-3" for k in range(3)]
     for k, chunk in enumerate(chunks):
         argv = ["prepare-chunk", *_args(demo_archives, index_dir, which), "--chunk", str(k)]
         assert main([*argv, "--chunks", "3", "--chunk-dir", str(chunk)]) == 0
-    joined = tmp_path / "joined"
-    assert main(["prepare-join", "--chunk-dirs", *map(str, chunks), "--out", str(joined)]) == 0
+    argv = ["prepare-join", "--chunk-dirs", *chunks, "--manifest", tmp_path / "joined"]
+    assert main([*map(str, argv), "--prepared-dir", str(tmp_path / "joined-dir")]) == 0
+    one, joined = prepared_copy(tmp_path / "one"), prepared_copy(tmp_path / "joined")
 
     info = json.loads((one / "prepared.json").read_text())
     assert len(info["shards"]) >= 3, "a shard per job at least, or the test proves little"
     assert sorted(_tree(joined)) == sorted(_tree(one)) and _tree(joined) == _tree(one)
     provenance = [
-        json.loads((tmp_path / f"{n}.provenance.json").read_text()) for n in (one, joined)
+        json.loads(n.with_name(n.name + ".provenance.json").read_text()) for n in (one, joined)
     ]
     assert provenance[0]["config"] == provenance[1]["config"]
     assert [p["jobs"] for p in provenance] == [1, 3]
@@ -71,11 +72,12 @@ def test_an_index_without_offsets_or_with_wrong_ones_is_never_misread(
 ):
     old = pd.read_csv(index_dir / "train.csv").drop(columns=["member_offset", "offset"])
     old.to_csv(index_dir / "train.csv", index=False)
-    out = tmp_path / "p"
-    assert main(["prepare", *_args(demo_archives, index_dir), "--out", str(out)]) == 2
+    shared, out = tmp_path / "shared", tmp_path / "p"
+    argv = [*_args(demo_archives, index_dir), "--manifest", str(out), "--prepared-dir"]
+    assert main(["prepare", *argv, str(shared)]) == 2
     err = capsys.readouterr().err
     assert "lacks columns ['member_offset', 'offset']" in err and "rebuild it" in err
-    assert not out.exists()
+    assert not out.exists() and not list(shared.glob("train-*"))
 
     classes, train, _ = demo_index
     moved = train.copy()

@@ -23,7 +23,7 @@ from imagenet_ddp.data.dataset import (
 )
 from imagenet_ddp.data.prepare import prepare_split
 from imagenet_ddp.errors import InputError
-from tests.conftest import PREPARE_SETTINGS
+from tests.conftest import PREPARE_SETTINGS, prepared_copy
 
 SMALL = {"num_classes": 4, "shard_samples": 8}  # the demo's classes; several shards
 
@@ -88,16 +88,17 @@ def test_shards_are_tar_files_with_webdataset_names_and_the_index_points_into_th
     assert all(r["jpg"] == payloads[f"{k}.jpg"][2] for r, k in zip(read, keys, strict=True))
 
 
-def test_an_old_format_copy_is_rebuilt_not_misread(demo_archives, tmp_path, capsys):
+def test_an_old_format_copy_is_rebuilt_not_misread(demo_archives, tmp_path):
     from imagenet_ddp.cli import main
 
-    index_dir, out = tmp_path / "index", tmp_path / "prepared"
+    index_dir, manifest = tmp_path / "index", tmp_path / "val.json"
     assert main(["index", "--data-dir", str(demo_archives), "--out-dir", str(index_dir)]) == 0
     args = ["prepare", "--data-dir", str(demo_archives), "--index-dir", str(index_dir),
-            "--which", "val", "--out", str(out), "--short-side", "16",
-            "--shard-samples", "8", "--quality", "90", "--workers", "1",
-            "--on-corrupt", "fail"]  # fmt: skip
+            "--which", "val", "--manifest", str(manifest), "--prepared-dir",
+            str(tmp_path / "prepared"), "--short-side", "16", "--shard-samples", "8",
+            "--quality", "90", "--workers", "1", "--on-corrupt", "fail"]  # fmt: skip
     assert main(args) == 0
+    out = prepared_copy(manifest)
     new = {p.name: p.read_bytes() for p in (out / "shards").iterdir()}
     # Turn it into what format 1 wrote: bare concatenated JPEGs in .bin shards, no tar framing,
     # and a provenance identity without the format version.
@@ -112,15 +113,14 @@ def test_an_old_format_copy_is_rebuilt_not_misread(demo_archives, tmp_path, caps
     info = json.loads((out / "prepared.json").read_text())
     info.update(format_version=1, shards=[{"name": "shard-00000.bin"}])
     (out / "prepared.json").write_text(json.dumps(info))
-    provenance = tmp_path / "prepared.provenance.json"
+    provenance = out.with_name(out.name + ".provenance.json")
     record = json.loads(provenance.read_text())
     del record["config"]["format_version"]
     provenance.write_text(json.dumps(record))
     with pytest.raises(InputError, match=r"v1 is not .* v2 .*rerun `imagenet-ddp prepare`"):
         PreparedImageDataset(out)
-    capsys.readouterr()
     assert main(args) == 0
-    assert "reusing" not in capsys.readouterr().out
+    assert json.loads(manifest.read_text())["reused"] is False
     assert {p.name: p.read_bytes() for p in (out / "shards").iterdir()} == new
     assert len(PreparedImageDataset(out)) == len(jpegs)
 

@@ -51,34 +51,20 @@ def _prepare_settings(args: argparse.Namespace) -> dict:
                                           "workers")}  # fmt: skip
 
 
-def _shared(args: argparse.Namespace) -> bool:
-    """--manifest (with its --prepared-dir), the workflow's way; else --out."""
-    if args.manifest and not args.prepared_dir:
-        raise InputError("--manifest needs --prepared-dir (the directory holding the copies)")
-    return bool(args.manifest)
-
-
 def cmd_prepare(args: argparse.Namespace) -> None:
-    from imagenet_ddp.data.prepare import prepare, prepare_shared
+    from imagenet_ddp.data.prepare import prepare_shared
 
-    if _shared(args):
-        copy = prepare_shared(
-            args.data_dir, args.index_dir, args.which, args.manifest, args.prepared_dir,
-            **_prepare_settings(args),
-        )  # fmt: skip
-        print(f"{args.manifest} names {copy}")
-    elif prepare(args.data_dir, args.index_dir, args.which, args.out, **_prepare_settings(args)):
-        print(f"{args.out} is already prepared from the same index and settings; reusing")
+    copy = prepare_shared(
+        args.data_dir, args.index_dir, args.which, args.manifest, args.prepared_dir,
+        **_prepare_settings(args),
+    )  # fmt: skip
+    print(f"{args.manifest} names {copy}")
 
 
 def cmd_prepare_join(args: argparse.Namespace) -> None:
-    from imagenet_ddp.data.prepare import join_chunks, join_shared
+    from imagenet_ddp.data.prepare import join_shared
 
-    if _shared(args):
-        copy = join_shared(args.chunk_dirs, args.manifest, args.prepared_dir)
-        print(f"{args.manifest} names {copy}")
-    elif join_chunks(args.chunk_dirs, args.out):
-        print(f"{args.out} is already prepared from the same index and settings; reusing")
+    print(f"{args.manifest} names {join_shared(args.chunk_dirs, args.manifest, args.prepared_dir)}")
 
 
 def _add_prepare_parsers(sub) -> None:
@@ -89,8 +75,8 @@ def _add_prepare_parsers(sub) -> None:
         p = sub.add_parser(name, help=help_text)
         _required(p, "data-dir index-dir")
         p.add_argument("--which", choices=["train", "val"], required=True)
-        if func is cmd_prepare:
-            _add_out_arguments(p)
+        if func is cmd_prepare:  # the copy in prepare.dir (content-addressed), named by a file
+            _required(p, "manifest prepared-dir")
         else:
             _required(p, "chunk:int chunks:int chunk-dir")
             p.add_argument(
@@ -103,20 +89,8 @@ def _add_prepare_parsers(sub) -> None:
         _required(p, "short-side:int quality:int workers:int shard-samples:int")
         p.add_argument("--on-corrupt", choices=["fail", "skip"], required=True)
         p.set_defaults(func=func)
-    p = _command(sub, "prepare-join", "join the K prepare-chunk outputs into one copy",
-                 cmd_prepare_join, "chunk-dirs+")  # fmt: skip
-    _add_out_arguments(p)
-
-
-def _add_out_arguments(p) -> None:
-    """Where the copy goes: a directory (--out), or the workflow's way, a manifest naming a
-    content-addressed copy in a shared directory (--manifest with --prepared-dir)."""
-    group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--out", type=Path, help="the prepared directory itself")
-    group.add_argument(
-        "--manifest", type=Path, help="a file naming the copy (needs --prepared-dir)"
-    )
-    p.add_argument("--prepared-dir", type=Path, help="the shared directory of the copies")
+    _command(sub, "prepare-join", "join the K prepare-chunk outputs into one copy",
+             cmd_prepare_join, "chunk-dirs+ manifest prepared-dir")  # fmt: skip
 
 
 def cmd_data_content(args: argparse.Namespace) -> None:
