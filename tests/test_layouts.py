@@ -14,9 +14,10 @@ import pytest
 
 from imagenet_ddp.data import layouts
 from imagenet_ddp.data.layouts import SAME_COLUMNS, dry_run_layout, find_layout
-from imagenet_ddp.data.prepare import prepare
+from imagenet_ddp.data.prepare import prepare_shared
 from imagenet_ddp.data.split import split_index
 from imagenet_ddp.errors import InputError
+from tests.conftest import prepared_copy
 from tests.demo_layouts import extract_demo_layout
 
 KAGGLE_VAL = "ILSVRC/Data/CLS-LOC/val"
@@ -70,25 +71,26 @@ def test_same_images_give_same_index_split_and_prepared_copy(trees, tmp_path):
         layouts.write_index(data_dir, work / "index")
         split_index(work / "index", work / "split", 0.25, seed=0)
         for which in ("train", "val"):
-            reused = prepare(
+            prepare_shared(
                 data_dir,
                 work / "index",
                 which,
-                work / "prepared" / which,
+                work / f"{which}.json",
+                work / "prepared",
                 short_side=24,
                 quality=90,
                 on_corrupt="fail",
                 shard_samples=16,
                 workers=1,
             )
-            assert not reused
+            assert not json.loads((work / f"{which}.json").read_text())["reused"]
         results[layout] = work
     first = results.pop("archives")
     for layout, work in results.items():
         assert _digests(work / "split") == _digests(first / "split"), layout
         for which in ("train", "val"):  # the copies (their provenance beside them differs)
-            prepared = _digests(work / "prepared" / which)
-            assert prepared == _digests(first / "prepared" / which), layout
+            prepared = _digests(prepared_copy(work / f"{which}.json"))
+            assert prepared == _digests(prepared_copy(first / f"{which}.json")), layout
             assert "shards/shard-00000.tar" in prepared
         same = _digests(work / "index")["classes.csv"] == _digests(first / "index")["classes.csv"]
         assert same, layout
@@ -265,10 +267,11 @@ def test_prepare_refuses_a_file_changed_since_the_index(copy_of, tmp_path):
     victim = sorted((data_dir / KAGGLE_VAL).iterdir())[0]
     victim.write_bytes(victim.read_bytes() + b"\0")
     with pytest.raises(InputError) as excinfo:
-        prepare(
+        prepare_shared(
             data_dir,
             tmp_path / "index",
             "val",
+            tmp_path / "val.json",
             tmp_path / "prepared",
             short_side=24,
             quality=90,
@@ -277,7 +280,7 @@ def test_prepare_refuses_a_file_changed_since_the_index(copy_of, tmp_path):
             workers=1,
         )
     assert f"{victim} has" in _one_line(excinfo)
-    assert not (tmp_path / "prepared").exists()
+    assert not (tmp_path / "val.json").exists() and not list(tmp_path.glob("prepared/val-*"))
 
 
 def test_ilsvrc2012_counts_checked_only_for_its_classes(monkeypatch):

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from imagenet_ddp.cli import main
-from imagenet_ddp.data.prepare import join_chunks, prepare_split
+from imagenet_ddp.data.prepare import join_shared, prepare_split
 from imagenet_ddp.errors import InputError
 from tests.conftest import PREPARE_SETTINGS, prepared_copy
 
@@ -52,7 +52,8 @@ def test_three_jobs_joined_equal_one_job_byte_for_byte(demo_archives, index_dir,
     assert provenance[0]["config"] == provenance[1]["config"]
     assert [p["jobs"] for p in provenance] == [1, 3]
     # The join is reused like a one-job copy: same index and settings, nothing rebuilt.
-    assert join_chunks(chunks, one) is True
+    assert join_shared(chunks, tmp_path / "again.json", tmp_path / "one-dir") == one
+    assert json.loads((tmp_path / "again.json").read_text())["reused"] is True
 
 
 def test_join_refuses_an_incomplete_or_mixed_set_of_chunks(demo_archives, index_dir, tmp_path):
@@ -61,9 +62,9 @@ def test_join_refuses_an_incomplete_or_mixed_set_of_chunks(demo_archives, index_
         argv = ["prepare-chunk", *_args(demo_archives, index_dir), "--chunk", str(k)]
         assert main([*argv, "--chunks", "3", "--chunk-dir", str(chunks[k])]) == 0
     with pytest.raises(InputError, match="not jobs 0..K-1 of one K"):
-        join_chunks([chunks[0], chunks[2]], tmp_path / "out")
+        join_shared([chunks[0], chunks[2]], tmp_path / "m.json", tmp_path / "out")
     with pytest.raises(InputError, match="not a finished prepare chunk"):
-        join_chunks(chunks, tmp_path / "out")
+        join_shared(chunks, tmp_path / "m.json", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

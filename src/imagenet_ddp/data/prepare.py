@@ -1,9 +1,9 @@
 """Writing the prepared copy (format: :mod:`imagenet_ddp.data.prepared_layout`): images converted
-in a process pool, in order, into shards fixed by the index alone, so one job (:func:`prepare`)
-or K (:func:`prepare_chunk`, :func:`join_chunks`) give the same bytes for any ``workers``. A
-copy from the same index and settings is reused; the workflow's is content-addressed in
-prepare.dir and named by a manifest, the rule's output (:func:`prepare_shared`), so Snakemake
-never deletes a copy in use."""
+in a process pool, in order, into shards fixed by the index alone, so one job
+(:func:`prepare_shared`) or K (:func:`prepare_chunk`, :func:`join_shared`) give the same bytes for
+any ``workers``. The copy is content-addressed in prepare.dir, made once and reused by every
+workflow of the same index and settings, and named by a manifest, the rule's output, so
+Snakemake never deletes a copy in use."""
 
 from __future__ import annotations
 
@@ -329,8 +329,8 @@ def prepare_split(
     data_dir: Path, index: pd.DataFrame, out_dir: Path, *, which: str, num_classes: int,
     workers: int, **settings,
 ) -> dict:  # fmt: skip
-    """The prepared copy of ``index`` in ``out_dir``, with no lock or reuse (:func:`prepare`);
-    returns prepared.json's content plus ``out_dir``."""
+    """The prepared copy of ``index`` in ``out_dir``, with no lock or reuse
+    (:func:`prepare_shared`'s); returns prepared.json's content plus ``out_dir``."""
     index = check_index(index, which)
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     shards = range(num_shards(len(index), settings["shard_samples"]))
@@ -390,34 +390,39 @@ def is_prepared(out: Path, wanted: dict) -> bool:
         return False
 
 
-def _build_once(out: Path, wanted: dict, jobs: int, build) -> bool:
-    """``build()`` (returning the summary) under ``out``'s lock, unless a copy of ``wanted`` is
-    there; True if it was reused. Killed writers' temporaries (tens of GB) are removed first:
-    every writer holds the lock while its temporary exists."""
+def _build_once(root: Path, manifest: Path, wanted: dict, jobs: int, build) -> Path:
+    """``build(out)`` (returning the summary) into the content-addressed copy of ``wanted`` in
+    prepare.dir ``root``, under its lock, unless it is there; then ``manifest`` naming it.
+    Killed writers' temporaries (tens of GB) are removed first: every writer holds the lock
+    while its temporary exists."""
+    out = shared_copy(root, wanted)
     with exclusive_lock(lock_path_for(out)):
-        if is_prepared(out, wanted):
-            return True
-        for stale in Path(out).parent.glob(f".{Path(out).name}.tmp-*"):
-            print(f"removing {stale}: the temporary copy of a prepare that was killed", flush=True)
-            if stale.is_dir():
-                shutil.rmtree(stale, ignore_errors=True)
-            else:
-                stale.unlink(missing_ok=True)
-        summary = build()
-        extra = {"summary": summary, "jobs": jobs}
-        write_provenance(provenance_file(out), "prepare", wanted, extra=extra)
-    return False
+        reused = is_prepared(out, wanted)
+        if not reused:
+            for stale in out.parent.glob(f".{out.name}.tmp-*"):
+                print(f"removing {stale}: a killed prepare's temporary copy", flush=True)
+                if stale.is_dir():
+                    shutil.rmtree(stale, ignore_errors=True)
+                else:
+                    stale.unlink(missing_ok=True)
+            extra = {"summary": build(out), "jobs": jobs}
+            write_provenance(provenance_file(out), "prepare", wanted, extra=extra)
+    write_manifest(manifest, out, wanted, reused)
+    return out
 
 
-def prepare(data_dir: Path, index_dir: Path, which: str, out: Path, **settings) -> bool:
-    """Build ``out`` unless an identical copy is there; True if it was reused. ``settings``:
+def prepare_shared(
+    data_dir: Path, index_dir: Path, which: str, manifest: Path, root: Path, **settings
+) -> Path:
+    """Decode ``which`` into its copy in prepare.dir ``root`` (made once, reused by every
+    workflow of the same index and settings), then ``manifest`` naming it. ``settings``:
     short_side, quality, on_corrupt, shard_samples, workers."""
 
-    def build() -> dict:
+    def build(out: Path) -> dict:
         index, num_classes = _read_inputs(index_dir, which)
         return prepare_split(data_dir, index, out, which=which, num_classes=num_classes, **settings)
 
-    return _build_once(out, identity(index_dir, which, settings), 1, build)
+    return _build_once(root, manifest, identity(index_dir, which, settings), 1, build)
 
 
 def prepare_chunk(
@@ -484,13 +489,13 @@ def _read_chunks(chunk_dirs: list[Path]) -> list[dict]:
     return chunks
 
 
-def join_chunks(chunk_dirs: list[Path], out: Path) -> bool:
-    """Join finished chunks into ``out``, as :func:`prepare` writes it, unless an identical copy
-    is there; True if it was reused."""
+def join_shared(chunk_dirs: list[Path], manifest: Path, root: Path) -> Path:
+    """Join finished chunks into their copy in prepare.dir ``root``, as :func:`prepare_shared`
+    writes it, unless it is there; then ``manifest`` naming it."""
     chunks = _read_chunks(chunk_dirs)
     wanted = chunks[0]["identity"]
 
-    def build() -> dict:
+    def build(out: Path) -> dict:
         rows = pd.concat(
             [pd.read_csv(c["dir"] / CHUNK_ROWS, dtype="int64") for c in chunks],
             ignore_index=True,
@@ -507,30 +512,9 @@ def join_chunks(chunk_dirs: list[Path], out: Path) -> bool:
             )
         return {**info, "out_dir": str(out)}
 
-    return _build_once(out, wanted, len(chunks), build)
+    return _build_once(root, manifest, wanted, len(chunks), build)
 
 
 def shared_copy(root: Path, wanted: dict) -> Path:
     """The content-addressed folder in prepare.dir ``root`` of the copy made from ``wanted``."""
     return Path(root) / copy_name(wanted["which"], identity_digest(wanted))
-
-
-def prepare_shared(
-    data_dir: Path, index_dir: Path, which: str, manifest: Path, root: Path, **settings
-) -> Path:
-    """:func:`prepare` into the content-addressed copy in ``root`` (made once, reused by every
-    workflow of the same index and settings), then ``manifest`` naming it."""
-    wanted = identity(index_dir, which, settings)
-    copy = shared_copy(root, wanted)
-    reused = prepare(data_dir, index_dir, which, copy, **settings)
-    write_manifest(manifest, copy, wanted, reused)
-    return copy
-
-
-def join_shared(chunk_dirs: list[Path], manifest: Path, root: Path) -> Path:
-    """:func:`join_chunks` into the content-addressed copy in ``root``, then ``manifest``."""
-    wanted = _read_chunks(chunk_dirs)[0]["identity"]
-    copy = shared_copy(root, wanted)
-    reused = join_chunks(chunk_dirs, copy)
-    write_manifest(manifest, copy, wanted, reused)
-    return copy
