@@ -234,17 +234,15 @@ def expand_nodelist(nodelist: str) -> list[str]:
 def rendezvous_from_slurm_env() -> None:
     """MASTER_ADDR/PORT of an srun task (the step's first node, a port from the job id) and,
     on several nodes, GLOO_SOCKET_IFNAME, unless already set."""
-    if "MASTER_ADDR" not in os.environ:
-        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ["SLURM_JOB_NODELIST"]
-        os.environ["MASTER_ADDR"] = expand_nodelist(nodelist)[0]
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(master_port(int(os.environ["SLURM_JOB_ID"])))
-    if "GLOO_SOCKET_IFNAME" not in os.environ:
-        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
-        others = [h for h in expand_nodelist(nodelist) if h != socket.gethostname()]
-        if others:  # several nodes: the gloo group beside NCCL must not bind loopback
-            with contextlib.suppress(OSError):
-                os.environ["GLOO_SOCKET_IFNAME"] = interface_towards(others[0])
+    hosts = expand_nodelist(
+        os.environ.get("SLURM_STEP_NODELIST") or os.environ["SLURM_JOB_NODELIST"]
+    )
+    os.environ.setdefault("MASTER_ADDR", hosts[0])
+    os.environ.setdefault("MASTER_PORT", str(master_port(int(os.environ["SLURM_JOB_ID"]))))
+    others = [h for h in hosts if h != socket.gethostname()]
+    if others and "GLOO_SOCKET_IFNAME" not in os.environ:  # gloo beside NCCL: not loopback
+        with contextlib.suppress(OSError):
+            os.environ["GLOO_SOCKET_IFNAME"] = interface_towards(others[0])
 
 
 def interface_towards(host: str) -> str:
