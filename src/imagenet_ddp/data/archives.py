@@ -126,10 +126,6 @@ class TrainListing:
     member_sizes: list[int]
     entries: list[list[Entry]]  # offsets absolute in the outer tar
 
-    @property
-    def num_images(self) -> int:
-        return sum(len(e) for e in self.entries)
-
 
 def list_train_archive(data_dir: Path) -> TrainListing:
     """List the outer train tar and every inner per-class tar, reading headers only."""
@@ -291,21 +287,12 @@ def read_md5sums(path: Path) -> dict[str, str]:
     return sums
 
 
-def _read_consistent_archives(data_dir: Path) -> tuple[Devkit, TrainListing, list[Entry]]:
-    """The devkit and both listings, after checking they describe the same classes/images."""
-    require_archives(data_dir)
-    devkit = read_devkit(data_dir)
-    val = list_val_archive(data_dir)
-    train = list_train_archive(data_dir)
-    _check_consistent(data_dir, devkit, train, val)
-    return devkit, train, val
-
-
-def verify_archives(data_dir: Path, *, check_md5: bool = True) -> dict:
+def verify_archives(data_dir: Path, *, check_md5: bool = True, index=None) -> dict:
     """Check presence, structure (every header) and, last, md5 of the three archives:
-    InputError on the first problem, else a JSON-able report."""
+    InputError on the first problem, else a JSON-able report. ``index``: :func:`build_index`'s
+    tables where the caller read them (every header is read once)."""
     data_dir = Path(data_dir)
-    devkit, train, val = _read_consistent_archives(data_dir)
+    classes, train, val = index or build_index(data_dir)
 
     md5sums_path = data_dir / MD5SUMS
     expected = read_md5sums(md5sums_path) if md5sums_path.is_file() else None
@@ -334,11 +321,7 @@ def verify_archives(data_dir: Path, *, check_md5: bool = True) -> dict:
         "md5sums": str(md5sums_path) if expected is not None else None,
         "check_md5": check_md5,
         "files": files,
-        "counts": {
-            "classes": len(devkit.wnids),
-            "train_images": train.num_images,
-            "val_images": len(val),
-        },
+        "counts": {"classes": len(classes), "train_images": len(train), "val_images": len(val)},
     }
 
 
@@ -399,10 +382,14 @@ def _val_table(devkit, val_entries) -> pd.DataFrame:
 
 def build_index(data_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(classes, train, val) tables from the archives' headers: class_index, wnid, words and
-    SAMPLE_COLUMNS, by class index then file name (val's member "", member_offset 0)."""
-    devkit, train_listing, val_entries = _read_consistent_archives(Path(data_dir))
-    train = _train_table(devkit.wnids, train_listing)
-    val = _val_table(devkit, val_entries)
+    SAMPLE_COLUMNS, by class index then file name (val's member "", member_offset 0), after
+    checking the devkit and both archives describe the same classes and images."""
+    data_dir = Path(data_dir)
+    require_archives(data_dir)
+    devkit = read_devkit(data_dir)
+    val, train = list_val_archive(data_dir), list_train_archive(data_dir)
+    _check_consistent(data_dir, devkit, train, val)
+    train, val = _train_table(devkit.wnids, train), _val_table(devkit, val)
     return _class_table(devkit), train[SAMPLE_COLUMNS], val[SAMPLE_COLUMNS]
 
 

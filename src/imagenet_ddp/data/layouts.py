@@ -98,13 +98,12 @@ class Archives(Layout):
     def verify(self, data_dir: Path, *, check_files: bool) -> dict:
         from imagenet_ddp.data.archives import build_index, verify_archives
 
-        report = verify_archives(data_dir, check_md5=check_files)
-        classes, train, val = build_index(data_dir)
+        classes, train, val = index = build_index(data_dir)
         wnids = classes["wnid"].tolist()
         check_imagenet_counts(
             str(data_dir), _counts(wnids, train["wnid"]), _counts(wnids, val["wnid"])
-        )
-        return report
+        )  # before the md5 of ~150 GB
+        return verify_archives(data_dir, check_md5=check_files, index=index)
 
     def build_index(self, data_dir: Path):
         from imagenet_ddp.data.archives import build_index
