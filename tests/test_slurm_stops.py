@@ -22,7 +22,9 @@ batch step, as every multi-rank job) and the test stops four of its jobs in turn
 4. the time limit: sbatch `--signal=USR1@30` (as profiles/slurm asks, with a shorter warning
    for a 2-minute limit) sends SIGUSR1 to the ranks' step 30-60 s before the limit;
 
-then lets it finish (a job the warning stops again is resubmitted the same way).
+then lets it finish in one more job, whose time limit the test raises (as a user would
+`scontrol update` a run's last job), so that the test's path and length do not depend on how
+many epochs each 2-minute job trains.
 
 Before the second stop, the test drains the second node, as a node failure or a busy queue
 leaves a run fewer nodes than it asks for. The run accepts 1 node as well (`fallback_nodes`):
@@ -72,8 +74,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 # fourth trains until its warning, 60-90 s after its start (30-60 s before its 2-minute limit:
 # slurmctld checks every 30 s), 4-9 epochs after start-up, so it must have more left than
 # that (with 8 epochs a fast machine's fourth job finished before its warning: seen in CI);
-# the next finishes, or is warned and resubmitted on a loaded machine (max_allocations leaves
-# room for that).
+# the next, its limit raised by the test, finishes.
 RUN = {key: CONFIG[key] for key in CONFIG if key != "run"} | {
     "name": "stops", "nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1, "epochs": 12,
     "max_allocations": 12, "batch_size": 2, "crop_size": 24, "eval_resize": 24, "workers": 1,
@@ -310,6 +311,14 @@ def test_every_way_of_stopping_a_job_checkpoints_and_the_run_finishes_in_one_inv
             elastic = {"waiting": waiting, "reason": reason,
                        "on_one": stopped["scancel --batch"][0],
                        "nodes": stopped.pop("nodes of the third")[0]}  # fmt: skip
+            # Then the run ends in one more job, its limit raised as the third's: else each
+            # 2-minute job, stopped by its own warning, trains 2-3 epochs and waits for the
+            # next (plugin's status checks, queue), and the test ran past 1,200 s (seen alone
+            # on an idle machine, 2026-11-27).
+            seen = {waiting, *(job for job, _ in stopped.values())}
+            last = next_train_job(slurm_cluster, workdir, seen, run)
+            slurm_cluster.run("scontrol", "update", f"JobId={last}",
+                              f"TimeLimit={RUNTIME_MINUTES + 8}")  # fmt: skip
             run.wait(timeout=900)  # then it runs to the end
         finally:
             node = slurm_cluster.node_names[1]
@@ -359,9 +368,9 @@ def assert_each_stop_checkpointed_and_the_next_job_resumed(
     assert [a.get("slurm_job_id") for a in record[:4]] == ids, (record, output[-4000:])
     outcomes = {how: a["outcome"] for how, a in zip(stopped, record, strict=False)}
     assert outcomes == dict.fromkeys(stopped, "stopped"), (outcomes, stopped, output[-4000:])
-    # Every job but the last was stopped (a later one by its warning again, on a loaded
-    # machine), wrote a checkpoint and exited 75; the last completed the run.
-    assert len(record) >= 5 and record[-1]["outcome"] == "completed", record
+    # One path: the four stopped jobs, each with a checkpoint, then one (its limit raised)
+    # completed the run.
+    assert len(record) == 5 and record[-1]["outcome"] == "completed", record
     assert all(a["outcome"] == "stopped" and a["last_checkpoint"] for a in record[:-1]), record
     codes = {how: a["exit_code"] for how, a in zip(stopped, record, strict=False)}
     # No exit code: the launcher was killed and the next job closed its entry. Where the
@@ -370,7 +379,6 @@ def assert_each_stop_checkpointed_and_the_next_job_resumed(
     allowed = {"kill": {75}, "time limit": {75}, "scancel --batch": {75, None}}
     allowed["scancel"] = {None} if "scancel" in sigkilled else {75, None}
     assert all(codes[how] in allowed[how] for how in stopped), (codes, record)
-    assert all(a["exit_code"] == 75 for a in record[4:-1]), record
     # every rank that stopped recorded it (attempts.record_stop): the first four were signalled
     signals = {
         how: (a.get("stop") or {}).get("signal") for how, a in zip(stopped, record, strict=False)
@@ -437,7 +445,7 @@ def assert_every_allocation_counted(cluster, workdir, output, waiting: int) -> N
     cancelled in the queue had no allocation); each job's log is kept."""
     train = [fields[:2] for fields in sacct_jobs(cluster, output, "JobID,State,Comment")
              if fields[0] != str(waiting)]  # fmt: skip
-    assert len(train) >= 5 and train[-1][1] == "COMPLETED", (train, output[-4000:])
+    assert len(train) == 5 and train[-1][1] == "COMPLETED", (train, output[-4000:])
     run_dir = workdir / "results/runs/stops"
     cost = json.loads((run_dir / "train_metrics.json").read_text())["cost"]
     assert cost["allocations"] == len(train)
