@@ -261,6 +261,21 @@ def test_verify_names_a_truncated_jpeg_the_dry_run_does_not_open(copy_of):
     assert find_layout(data_dir).verify(data_dir, check_files=False)["check_files"] is False
 
 
+def test_an_index_replaces_an_earlier_one_whole_and_never_a_folder_of_other_files(trees, tmp_path):
+    out = tmp_path / "index"
+    layouts.write_index(trees["imagefolder"], out)
+    first = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert set(first) == {"classes.csv", "train.csv", "val.csv", "provenance.json"}
+    layouts.write_index(trees["imagefolder"], out)  # a rerun: the same files, whole
+    assert {p.name for p in out.iterdir()} == set(first)
+    assert (out / "train.csv").read_bytes() == first["train.csv"]
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("a user's file")
+    with pytest.raises(InputError, match="holds files that are no index's"):
+        layouts.write_index(trees["imagefolder"], tmp_path / "mine")
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+
+
 def test_prepare_refuses_a_file_changed_since_the_index(copy_of, tmp_path):
     data_dir = copy_of("kaggle")
     layouts.write_index(data_dir, tmp_path / "index")

@@ -559,18 +559,24 @@ def write_verify_report(data_dir: Path, report: Path, *, check_md5: bool, layout
 
 
 def write_index(data_dir: Path, out_dir: Path, *, layout: str = AUTO) -> None:
-    """The ``index`` stage for any layout: classes.csv, train.csv and val.csv."""
-    from imagenet_ddp.io import write_csv_atomic
+    """The ``index`` stage for any layout: classes.csv, train.csv, val.csv and provenance.json
+    in ``out_dir``, all or none (a Ctrl-C while they are written leaves no partial index)."""
+    from imagenet_ddp.io import atomic_path, write_csv_atomic
     from imagenet_ddp.provenance import provenance_path, write_provenance
 
     found = find_layout(data_dir, layout)
     classes, train, val = found.build_index(Path(data_dir))
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    for name, frame in (("classes", classes), ("train", train), ("val", val)):
-        write_csv_atomic(Path(out_dir) / f"{name}.csv", frame)
-    write_provenance(
-        provenance_path(out_dir),
-        "index",
-        {"data_dir": str(data_dir), "layout": found.name},
-        extra={"counts": {"classes": len(classes), "train": len(train), "val": len(val)}},
-    )
+    ours = {"classes.csv", "train.csv", "val.csv", "provenance.json"}
+    if Path(out_dir).is_dir() and not {p.name for p in Path(out_dir).iterdir()} <= ours:
+        raise InputError(
+            f"{out_dir} holds files that are no index's; give the index a folder of its own"
+        )
+    with atomic_path(out_dir, is_dir=True) as tmp:  # replaces an earlier index whole
+        for name, frame in (("classes", classes), ("train", train), ("val", val)):
+            write_csv_atomic(tmp / f"{name}.csv", frame)
+        write_provenance(
+            provenance_path(tmp),
+            "index",
+            {"data_dir": str(data_dir), "layout": found.name},
+            extra={"counts": {"classes": len(classes), "train": len(train), "val": len(val)}},
+        )
