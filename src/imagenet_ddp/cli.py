@@ -46,51 +46,24 @@ def _command(sub, name: str, help_text: str, func, required: str = ""):
     return p
 
 
-def _prepare_settings(args: argparse.Namespace) -> dict:
-    return {k: getattr(args, k) for k in ("short_side", "quality", "on_corrupt", "shard_samples",
-                                          "workers")}  # fmt: skip
-
-
-def cmd_prepare(args: argparse.Namespace) -> None:
-    from imagenet_ddp.data.prepare import prepare_shared
-
-    copy = prepare_shared(
-        args.data_dir, args.index_dir, args.which, args.manifest, args.prepared_dir,
-        **_prepare_settings(args),
-    )  # fmt: skip
-    print(f"{args.manifest} names {copy}")
-
-
-def cmd_prepare_join(args: argparse.Namespace) -> None:
-    from imagenet_ddp.data.prepare import join_shared
-
-    print(f"{args.manifest} names {join_shared(args.chunk_dirs, args.manifest, args.prepared_dir)}")
-
-
 def _add_prepare_parsers(sub) -> None:
     for name, help_text, func in (
-        ("prepare", "decode once into training-ready shards", cmd_prepare),
+        ("prepare", "decode once into training-ready shards", _call("data.prepare:prepare_shared")),
         ("prepare-chunk", "job k of K: one range of shards", _call("data.prepare:prepare_chunk")),
     ):
         p = sub.add_parser(name, help=help_text)
         _required(p, "data-dir index-dir")
         p.add_argument("--which", choices=["train", "val"], required=True)
-        if func is cmd_prepare:  # the copy in prepare.dir (content-addressed), named by a file
+        if name == "prepare":  # the copy in prepare.dir (content-addressed), named by a file
             _required(p, "manifest prepared-dir")
         else:
             _required(p, "chunk:int chunks:int chunk-dir")
-            p.add_argument(
-                "--prepared-dir",
-                type=Path,
-                dest="shared_root",
-                metavar="DIR",
-                help="convert nothing if a copy is there",
-            )
+            p.add_argument("--prepared-dir", type=Path, help="convert nothing if a copy is there")
         _required(p, "short-side:int quality:int workers:int shard-samples:int")
         p.add_argument("--on-corrupt", choices=["fail", "skip"], required=True)
         p.set_defaults(func=func)
     _command(sub, "prepare-join", "join the K prepare-chunk outputs into one copy",
-             cmd_prepare_join, "chunk-dirs+ manifest prepared-dir")  # fmt: skip
+             _call("data.prepare:join_shared"), "chunk-dirs+ manifest prepared-dir")  # fmt: skip
 
 
 def cmd_data_content(args: argparse.Namespace) -> None:

@@ -390,12 +390,12 @@ def is_prepared(out: Path, wanted: dict) -> bool:
         return False
 
 
-def _build_once(root: Path, manifest: Path, wanted: dict, jobs: int, build) -> Path:
+def _build_once(prepared_dir: Path, manifest: Path, wanted: dict, jobs: int, build) -> Path:
     """``build(out)`` (returning the summary) into the content-addressed copy of ``wanted`` in
-    prepare.dir ``root``, under its lock, unless it is there; then ``manifest`` naming it.
+    prepare.dir ``prepared_dir``, under its lock, unless it is there; then ``manifest`` naming it.
     Killed writers' temporaries (tens of GB) are removed first: every writer holds the lock
     while its temporary exists."""
-    out = shared_copy(root, wanted)
+    out = shared_copy(prepared_dir, wanted)
     with exclusive_lock(lock_path_for(out)):
         reused = is_prepared(out, wanted)
         if not reused:
@@ -408,13 +408,14 @@ def _build_once(root: Path, manifest: Path, wanted: dict, jobs: int, build) -> P
             extra = {"summary": build(out), "jobs": jobs}
             write_provenance(provenance_file(out), "prepare", wanted, extra=extra)
     write_manifest(manifest, out, wanted, reused)
+    print(f"{manifest} names {out}" + (" (reused: same index and settings)" if reused else ""))
     return out
 
 
 def prepare_shared(
-    data_dir: Path, index_dir: Path, which: str, manifest: Path, root: Path, **settings
+    data_dir: Path, index_dir: Path, which: str, manifest: Path, prepared_dir: Path, **settings
 ) -> Path:
-    """Decode ``which`` into its copy in prepare.dir ``root`` (made once, reused by every
+    """Decode ``which`` into its copy in prepare.dir ``prepared_dir`` (made once, reused by every
     workflow of the same index and settings), then ``manifest`` naming it. ``settings``:
     short_side, quality, on_corrupt, shard_samples, workers."""
 
@@ -422,7 +423,7 @@ def prepare_shared(
         index, num_classes = _read_inputs(index_dir, which)
         return prepare_split(data_dir, index, out, which=which, num_classes=num_classes, **settings)
 
-    return _build_once(root, manifest, identity(index_dir, which, settings), 1, build)
+    return _build_once(prepared_dir, manifest, identity(index_dir, which, settings), 1, build)
 
 
 def prepare_chunk(
@@ -434,18 +435,18 @@ def prepare_chunk(
     chunk: int,
     chunks: int,
     workers: int,
-    shared_root: Path | None = None,
+    prepared_dir: Path | None = None,
     **settings,
 ) -> dict:
     """Job ``chunk`` of ``chunks``: convert its shard range into ``chunk_dir`` (atomically);
-    nothing where ``shared_root`` (prepare.dir) holds the copy already (the join reuses it)."""
+    nothing where ``prepared_dir`` (prepare.dir) holds the copy already (the join reuses it)."""
     if not 0 <= chunk < chunks:
         raise InputError(f"chunk {chunk} of {chunks}: use 0 <= chunk < chunks (prepare.jobs)")
     find_layout(data_dir)
     wanted = identity(index_dir, which, settings)
     record = {"identity": wanted, "chunk": chunk, "chunks": chunks}
     with atomic_path(chunk_dir, is_dir=True) as tmp:
-        if shared_root is not None and is_prepared(shared_copy(shared_root, wanted), wanted):
+        if prepared_dir is not None and is_prepared(shared_copy(prepared_dir, wanted), wanted):
             record["reuses"] = True
         else:
             index, num_classes = _read_inputs(index_dir, which)
@@ -489,9 +490,9 @@ def _read_chunks(chunk_dirs: list[Path]) -> list[dict]:
     return chunks
 
 
-def join_shared(chunk_dirs: list[Path], manifest: Path, root: Path) -> Path:
-    """Join finished chunks into their copy in prepare.dir ``root``, as :func:`prepare_shared`
-    writes it, unless it is there; then ``manifest`` naming it."""
+def join_shared(chunk_dirs: list[Path], manifest: Path, prepared_dir: Path) -> Path:
+    """Join finished chunks into their copy in prepare.dir ``prepared_dir`` (as
+    :func:`prepare_shared` writes it) unless it is there; then ``manifest`` naming it."""
     chunks = _read_chunks(chunk_dirs)
     wanted = chunks[0]["identity"]
 
@@ -512,7 +513,7 @@ def join_shared(chunk_dirs: list[Path], manifest: Path, root: Path) -> Path:
             )
         return {**info, "out_dir": str(out)}
 
-    return _build_once(root, manifest, wanted, len(chunks), build)
+    return _build_once(prepared_dir, manifest, wanted, len(chunks), build)
 
 
 def shared_copy(root: Path, wanted: dict) -> Path:
