@@ -565,12 +565,12 @@ def write_index(data_dir: Path, out_dir: Path, *, layout: str = AUTO) -> None:
     from imagenet_ddp.provenance import provenance_path, write_provenance
 
     found = find_layout(data_dir, layout)
-    classes, train, val = found.build_index(Path(data_dir))
     ours = {"classes.csv", "train.csv", "val.csv", "provenance.json"}
     if Path(out_dir).is_dir() and not {p.name for p in Path(out_dir).iterdir()} <= ours:
-        raise InputError(
+        raise InputError(  # before the listing: minutes on 1.28 M images
             f"{out_dir} holds files that are no index's; give the index a folder of its own"
         )
+    classes, train, val = found.build_index(Path(data_dir))
     with atomic_path(out_dir, is_dir=True) as tmp:  # replaces an earlier index whole
         for name, frame in (("classes", classes), ("train", train), ("val", val)):
             write_csv_atomic(tmp / f"{name}.csv", frame)
