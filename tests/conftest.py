@@ -5,7 +5,6 @@ Tests must treat these directories as read-only; use ``writable_archives`` to da
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
 import shutil
@@ -15,8 +14,6 @@ from pathlib import Path
 import pytest
 
 from tests.slurm_cluster.fixture import slurm_cluster  # noqa: F401  (session: local SLURM)
-
-HANG_SECONDS = 1200  # the slowest test takes ~6 min on 2 cores
 
 # What the workflow writes in the checkout it runs in (the demo's outputs, Snakemake's state). A
 # test that reads them passes or fails by what the user ran before; one that writes them damages
@@ -88,16 +85,6 @@ def _checkout_outputs_untouched():
             f"read {read[:5]}, created, changed or removed {changed[:5]}",
             pytrace=False,
         )
-
-
-@pytest.fixture(autouse=True)
-def _hang_guard():
-    """A hung test ends the run after HANG_SECONDS with every thread's traceback, instead of
-    holding CI until its time limit (faulthandler exits the process; subprocesses of tests
-    have their own deadlines)."""
-    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 # CI runs the suite on 2 workers (pytest-xdist, the README's `-n 2`): these files run one after

@@ -49,8 +49,8 @@ def test_every_dependency_is_pinned():
     assert not missing, f"pin these in requirements/constraints.txt: {missing}"
 
 
-TEST_TOOLS = {"pytest", "pytest-xdist", "execnet", "ruff", "snakefmt", "webdataset", "braceexpand",
-              "import-linter", "grimp"}  # fmt: skip
+TEST_TOOLS = {"pytest", "pytest-xdist", "pytest-timeout", "execnet", "ruff", "snakefmt",
+              "webdataset", "braceexpand", "import-linter", "grimp"}  # fmt: skip
 
 
 def _env_pip(env_file: Path = ENVS / "imagenet-ddp.yaml") -> list[str]:
