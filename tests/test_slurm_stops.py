@@ -158,11 +158,15 @@ def crash_invocation(workdir) -> subprocess.CompletedProcess:
     """The run that fails at start, in its own invocation (beside the other: --nolock; the
     outputs differ) with a config of its own: its runs alone. A --set-resources on the command
     line replaces the profile's set-resources whole, so mem_mb is restated (without it the job
-    asks default-resources' 500 MB, which the dry-run's memory check refuses)."""
+    asks default-resources' 500 MB, which the dry-run's memory check refuses), and so is the
+    stop warning: the default's 300 s lead within a 5-minute limit reached a job as it started,
+    and killed its one task before its handlers were in place (seen once; the
+    dry-run now refuses such a limit)."""
     (workdir / "crash.yaml").write_text(json.dumps({"runs": [CRASH]}))  # YAML
     return snakemake(
         workdir, "results/runs/crash/model.pt", *SLURM, "--nolock", "--configfile", "crash.yaml",
-        "--set-resources", "train:runtime=5", "train:mem_mb=4000", check=False, timeout=1500,
+        "--set-resources", "train:runtime=5", "train:mem_mb=4000",
+        f"train:slurm_extra='--signal=USR1@{WARNING_SECONDS}'", check=False, timeout=1500,
     )  # fmt: skip
 
 
