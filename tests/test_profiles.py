@@ -131,3 +131,53 @@ def test_the_controller_job_passes_the_profiles_through_and_refuses_an_order_tha
         assert refused.returncode == 2 and "Snakefile" not in refused.stdout, refused.stdout
         [line] = refused.stderr.splitlines()
         assert "give --profile <site profile> --workflow-profile profiles/slurm" in line
+
+
+@pytest.mark.parametrize(
+    ("runtime", "extra", "lead"),
+    [
+        (6, "--signal=USR1@300", 300),  # the default warning: sent up to 360 s before the limit
+        (2, "--signal=B:USR1@60 --exclusive", 60),
+        (2, "--signal USR1", 60),  # sbatch's default lead
+        (5, "--signal=USR1@30 --signal=USR1@240", 240),  # sbatch takes the last
+    ],
+)
+def test_a_time_limit_within_the_stop_warning_is_a_problem(runtime, extra, lead):
+    from imagenet_ddp.jobs.site import stop_warning_problem
+
+    problem = stop_warning_problem(runtime, extra)
+    assert problem.startswith(f"train's runtime ({runtime} min) is within its stop warning (")
+    assert f"...@{lead}: sent up to {lead + 60} s before the time limit" in problem
+    assert stop_warning_problem(runtime + 0.5, extra) is None  # at worst 30 s to train
+    assert stop_warning_problem(None, extra) is None  # no runtime set: no limit to check
+    assert stop_warning_problem(runtime, "--exclusive") is None  # no warning asked for
+
+
+def test_the_dry_run_refuses_a_train_time_limit_within_its_stop_warning(tmp_path):
+    """Real Snakemake: the warning comes up to 60 s early (slurmctld's 30 s check), so a train
+    runtime within it would have every job told to stop as it starts, and the run's
+    allocations spent without training. Read from what train submits: the rule's own
+    `--signal` (execution.stop_signal) or a set-resources slurm_extra, which replaces it."""
+    from tests.workflow_helpers import copy_workflow, snakemake
+
+    workdir = copy_workflow(tmp_path / "wf")
+
+    def dry_run(*args):
+        result = snakemake(workdir, "-n", *args, check=False)
+        return result.returncode, result.stdout + result.stderr
+
+    code, out = dry_run("--set-resources", "train:runtime=6")
+    lines = [line for line in out.splitlines() if "stop warning" in line]
+    assert code != 0 and lines == [
+        "train's runtime (6 min) is within its stop warning (--signal ...@300: sent up to 360 s "
+        "before the time limit), so each job would be told to stop as it starts: raise train's "
+        "runtime (set-resources train: runtime) or lower the seconds of execution.stop_signal"
+    ], out[-2000:]
+    assert "Traceback" not in out
+    assert dry_run("--set-resources", "train:runtime=7")[0] == 0
+    code, out = dry_run("--set-resources", "train:runtime=2", "--config",
+                        "execution={stop_signal: USR1@90}")  # fmt: skip
+    assert code != 0 and "(--signal ...@90: sent up to 150 s before" in out, out[-2000:]
+    code, out = dry_run("--set-resources", "train:runtime=2",
+                        "train:slurm_extra='--signal=USR1@30'")  # fmt: skip
+    assert code == 0, out[-2000:]

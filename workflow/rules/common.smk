@@ -188,14 +188,14 @@ def preflight_reports():
     ]
 
 
-def _rule_resource(rule, key):
-    """A resource that set-resources gives `rule`, else default-resources; a number, a string,
-    or None (unset, or an expression such as `60 * attempt`, not evaluated here). Read through
-    Snakemake's public ResourceSettings, never changed."""
+def _rule_resource(rule, key, defaults=True):
+    """A resource that set-resources gives `rule`, else default-resources (where `defaults`); a
+    number, a string, or None (unset, or an expression such as `60 * attempt`, not evaluated
+    here). Read through Snakemake's public ResourceSettings, never changed."""
     settings = workflow.resource_settings
     for resources in (
         settings.overwrite_resources.get(rule),
-        settings.default_resources,
+        settings.default_resources if defaults else None,
     ):
         given = None if resources is None or key not in resources else resources[key]
         if given is not None:
@@ -344,12 +344,18 @@ def run_dirs():
 
 # The image every job runs in with `--sdm apptainer` (built from workflow/envs/imagenet-ddp.def),
 # and what would fail every job of the site (a missing local image, a component the jobs'
-# environment lacks, a shared scratch dir, an unknown launcher): one line each.
+# environment lacks, a shared scratch dir, an unknown launcher, a train time limit within its
+# stop warning): one line each.
 CONTAINER = config["container"]["image"]
 _SDM = workflow.deployment_settings.deployment_method
 _APPTAINER = DeploymentMethod.APPTAINER in _SDM
+_limit = (  # train's, and its slurm_extra as submitted: its stop warning must fit in it
+    _train_runtime(),
+    _rule_resource("train", "slurm_extra", False) or train_slurm_extra(None),
+)
+_CONDA = DeploymentMethod.CONDA in _SDM
 _problems = site_problems(
-    config, RUNS, apptainer=_APPTAINER, conda=DeploymentMethod.CONDA in _SDM
+    config, RUNS, apptainer=_APPTAINER, conda=_CONDA, train_limit=_limit
 )
 if _problems:
     refuse(_problems)

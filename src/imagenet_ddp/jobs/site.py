@@ -4,6 +4,7 @@ job. Torch-free: it runs while Snakemake parses the rules.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,11 +21,17 @@ from imagenet_ddp.settings.run_checks import (
 
 
 def site_problems(
-    config: Mapping, runs: Mapping[str, Mapping], *, apptainer: bool, conda: bool
+    config: Mapping,
+    runs: Mapping[str, Mapping],
+    *,
+    apptainer: bool,
+    conda: bool,
+    train_limit: tuple[float | None, str] = (None, ""),
 ) -> list[str]:
     """What would fail every job of the site, one line each: a local image that is missing
     (--sdm apptainer), a component a run asks for that the jobs' environment lacks, a scratch
-    dir every node shares, an unknown launcher."""
+    dir every node shares, an unknown launcher, a train time limit within its stop warning
+    (``train_limit``: train's runtime in minutes, its slurm_extra as submitted)."""
     deployment = "apptainer" if apptainer else "conda" if conda else ""
     launcher = launcher_problem(config["execution"]["launcher"])
     problems = [
@@ -32,8 +39,27 @@ def site_problems(
         *optional_component_problems(runs, deployment=deployment),
         configured_scratch_problem(config["stage"]["scratch_dir"]),
         launcher and f"config.yaml: {launcher}",
+        stop_warning_problem(*train_limit),
     ]
     return [p for p in problems if p]
+
+
+def stop_warning_problem(runtime_minutes: float | None, slurm_extra: str) -> str | None:
+    """A train time limit no longer than its ``--signal`` warning's lead: slurmctld sends the
+    warning up to 60 s early (its 30 s check, sbatch(1)), so each job would be told to stop
+    as it starts and end without training, allocation after allocation."""
+    leads = re.findall(r"--signal[= ](?:[RB]+:)?\w+(?:@(\d+))?", slurm_extra or "")
+    if runtime_minutes is None or not leads:
+        return None
+    lead = int(leads[-1] or 60)  # sbatch's last --signal counts; without @N, 60 s
+    if runtime_minutes * 60 > lead + 60:
+        return None
+    return (
+        f"train's runtime ({runtime_minutes:g} min) is within its stop warning (--signal "
+        f"...@{lead}: sent up to {lead + 60} s before the time limit), so each job would be "
+        "told to stop as it starts: raise train's runtime (set-resources train: runtime) or "
+        "lower the seconds of execution.stop_signal"
+    )
 
 
 def memory_problems(
