@@ -23,6 +23,7 @@ from imagenet_ddp.jobs.site import (
     launch_prefix,
     memory_problems,
     site_problems,
+    stop_warning_problem,
     train_resources,
 )
 from imagenet_ddp.jobs.spec import PREPARED, SpecError
@@ -349,14 +350,12 @@ def run_dirs():
 CONTAINER = config["container"]["image"]
 _SDM = workflow.deployment_settings.deployment_method
 _APPTAINER = DeploymentMethod.APPTAINER in _SDM
-_limit = (  # train's, and its slurm_extra as submitted: its stop warning must fit in it
-    _train_runtime(),
-    _rule_resource("train", "slurm_extra", False) or train_slurm_extra(None),
-)
-_CONDA = DeploymentMethod.CONDA in _SDM
 _problems = site_problems(
-    config, RUNS, apptainer=_APPTAINER, conda=_CONDA, train_limit=_limit
+    config, RUNS, apptainer=_APPTAINER, conda=DeploymentMethod.CONDA in _SDM
 )
+# train's time limit against its stop warning, from the slurm_extra train is submitted with
+_extra = _rule_resource("train", "slurm_extra", False) or train_slurm_extra(None)
+_problems += filter(None, [stop_warning_problem(_train_runtime(), _extra)])
 if _problems:
     refuse(_problems)
 # The srun tasks of a containerised job run the host's apptainer, by the absolute path this

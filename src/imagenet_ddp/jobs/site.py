@@ -21,17 +21,11 @@ from imagenet_ddp.settings.run_checks import (
 
 
 def site_problems(
-    config: Mapping,
-    runs: Mapping[str, Mapping],
-    *,
-    apptainer: bool,
-    conda: bool,
-    train_limit: tuple[float | None, str] = (None, ""),
+    config: Mapping, runs: Mapping[str, Mapping], *, apptainer: bool, conda: bool
 ) -> list[str]:
     """What would fail every job of the site, one line each: a local image that is missing
     (--sdm apptainer), a component a run asks for that the jobs' environment lacks, a scratch
-    dir every node shares, an unknown launcher, a train time limit within its stop warning
-    (``train_limit``: train's runtime in minutes, its slurm_extra as submitted)."""
+    dir every node shares, an unknown launcher."""
     deployment = "apptainer" if apptainer else "conda" if conda else ""
     launcher = launcher_problem(config["execution"]["launcher"])
     problems = [
@@ -39,15 +33,14 @@ def site_problems(
         *optional_component_problems(runs, deployment=deployment),
         configured_scratch_problem(config["stage"]["scratch_dir"]),
         launcher and f"config.yaml: {launcher}",
-        stop_warning_problem(*train_limit),
     ]
     return [p for p in problems if p]
 
 
 def stop_warning_problem(runtime_minutes: float | None, slurm_extra: str) -> str | None:
-    """A train time limit no longer than its ``--signal`` warning's lead: slurmctld sends the
-    warning up to 60 s early (its 30 s check, sbatch(1)), so each job would be told to stop
-    as it starts and end without training, allocation after allocation."""
+    """A train time limit (minutes) within the lead of its ``--signal`` warning (``slurm_extra``
+    as train submits it): slurmctld sends it up to 60 s early (its 30 s check, sbatch(1)), so
+    each job would be told to stop as it starts, allocation after allocation."""
     leads = re.findall(r"--signal[= ](?:[RB]+:)?\w+(?:@(\d+))?", slurm_extra or "")
     if runtime_minutes is None or not leads:
         return None
