@@ -181,3 +181,6 @@ def test_the_dry_run_refuses_a_train_time_limit_within_its_stop_warning(tmp_path
     code, out = dry_run("--set-resources", "train:runtime=2",
                         "train:slurm_extra='--signal=USR1@30'")  # fmt: skip
     assert code == 0, out[-2000:]
+    code, out = dry_run("--set-resources", "train:runtime=7",
+                        "train:slurm_extra='--signal=USR1@400 --exclusive'")  # fmt: skip
+    assert code != 0 and "(--signal ...@400: sent up to 460 s before" in out, out[-2000:]
