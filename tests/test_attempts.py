@@ -278,7 +278,7 @@ def test_a_rank_marks_its_progress_from_a_thread_so_a_slow_filesystem_stalls_no_
 def test_a_retry_that_will_refuse_is_submitted_without_gpus(tmp_path):
     """Real Snakemake, dry-run at a given attempt: the train job's SLURM shape is the run's
     until two attempts in a row failed without progress, then one task without GPUs."""
-    from imagenet_ddp.training.config import TrainConfig
+    from imagenet_ddp.settings.kinds import TrainConfig
     from tests.workflow_helpers import copy_workflow, shown_specs, snakemake
 
     # 2 loader workers: the dry-run refuses fewer on a GPU run

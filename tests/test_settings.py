@@ -98,9 +98,9 @@ FINGERPRINTS = {
 
 @pytest.mark.parametrize("name", sorted(FINGERPRINTS))
 def test_checkpoint_fingerprints_stay_those_of_earlier_versions(name):
+    from imagenet_ddp.settings.kinds import TrainConfig
     from imagenet_ddp.settings.presets import resolve_run
     from imagenet_ddp.settings.runs import run_defaults
-    from imagenet_ddp.training.config import TrainConfig
 
     entry, fingerprint = FINGERPRINTS[name]
     run = resolve_run(run_defaults(load_schema(SCHEMA)), TRAIN_DEFAULTS, {"name": name, **entry})

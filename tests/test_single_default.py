@@ -23,7 +23,7 @@ NOT_SETTINGS = {"extra"}  # unknown keys kept
 
 def train_config_class():
     """The training worker's config dataclass (one place to repoint when it moves)."""
-    from imagenet_ddp.training.config import TrainConfig
+    from imagenet_ddp.settings.kinds import TrainConfig
 
     return TrainConfig
 

@@ -120,8 +120,7 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
 
 
 def test_auto_loader_workers_follow_the_tasks_cpus(monkeypatch):
-    from imagenet_ddp.jobs.distributed import DistInfo
-    from imagenet_ddp.training.config import resolve_geometry
+    from imagenet_ddp.jobs.distributed import DistInfo, resolve_geometry
 
     info, cpu = DistInfo(0, 1, 0, 1, "h"), torch.device("cpu")
     monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
@@ -134,8 +133,7 @@ def test_auto_loader_workers_follow_the_tasks_cpus(monkeypatch):
 
 
 def test_geometry_is_checked_against_the_ranks_that_started():
-    from imagenet_ddp.jobs.distributed import DistInfo
-    from imagenet_ddp.training.config import resolve_geometry
+    from imagenet_ddp.jobs.distributed import DistInfo, resolve_geometry
 
     cfg = train_config(nodes=2, tasks_per_node=4, cpus_per_task=8, gpus_per_node=4)
     geometry = resolve_geometry(cfg, DistInfo(0, 8, 0, 4, "h"), torch.device("cpu"))

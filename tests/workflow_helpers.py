@@ -95,7 +95,7 @@ def make_job(kind: str = "train", run: dict | None = None, root="/nowhere", **gi
 
 def train_config(**settings):
     """The worker's TrainConfig of :func:`run_settings`."""
-    from imagenet_ddp.training.config import TrainConfig
+    from imagenet_ddp.settings.kinds import TrainConfig
 
     return TrainConfig.from_dict(run_settings(**settings))
 

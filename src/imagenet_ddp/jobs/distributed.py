@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from imagenet_ddp.settings.geometry import Geometry, loader_workers
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -50,6 +52,25 @@ def dist_info_from_env() -> DistInfo:
         ),
         host=socket.gethostname(),
     )
+
+
+def resolve_geometry(cfg, info: DistInfo, device: torch.device) -> Geometry:
+    """The geometry that ``cfg`` (a TrainConfig) states, checked against the ranks that
+    actually started; None in ``cfg`` means "as they started" (a rank started by hand)."""
+    tasks = cfg.tasks_per_node or info.local_world_size
+    nodes = cfg.nodes or max(1, info.world_size // tasks)
+    if nodes * tasks != info.world_size:
+        raise RuntimeError(
+            f"run {cfg.run!r}: configured {nodes} node(s) x {tasks} task(s) per node, but "
+            f"{info.world_size} ranks started; check the launcher's geometry"
+        )
+    cpus = cfg.cpus_per_task or int(
+        os.environ.get("SLURM_CPUS_PER_TASK") or os.environ.get("OMP_NUM_THREADS") or 1
+    )
+    gpus = cfg.gpus_per_node
+    if gpus is None:
+        gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    return Geometry(nodes, tasks, cpus, gpus, loader_workers(cfg.workers, cpus))
 
 
 def tasks_on_this_node(counts: str, node_id: int) -> int:

@@ -29,10 +29,10 @@ from imagenet_ddp.jobs import distributed as D
 from imagenet_ddp.jobs.signals import stop_signals_blocked
 from imagenet_ddp.jobs.spec import PreflightJob, read_spec, staged_copy, staging_reports
 from imagenet_ddp.preflight.report import build_report, collective_figures, table
+from imagenet_ddp.settings.kinds import TrainConfig
 from imagenet_ddp.training import recipe
 from imagenet_ddp.training.accuracy import evaluate_loader, shard_loader
 from imagenet_ddp.training.checkpoint import cpu_copy, job_state
-from imagenet_ddp.training.config import TrainConfig, resolve_geometry
 from imagenet_ddp.training.data import (
     EpochSampler,
     SeededAugmentation,
@@ -297,7 +297,7 @@ def seeded_sample(ids: list[int], wanted: int, seed: int) -> list[int]:
 def measure(spec: PreflightJob, cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> dict:
     """Every figure of this rank; the sizes of the run's data for the projection."""
     seed_everything(cfg.seed)
-    geometry = resolve_geometry(cfg, info, device)
+    geometry = D.resolve_geometry(cfg, info, device)
     paths = spec.paths
     split = paths.split_dir
     train_ids = read_ids(split / "train.csv")

@@ -14,8 +14,8 @@ from torchvision.transforms import v2
 
 from imagenet_ddp import models, optimizers
 from imagenet_ddp.data.dataset import train_transform
+from imagenet_ddp.settings.kinds import TrainConfig
 from imagenet_ddp.settings.presets import scaled_lr
-from imagenet_ddp.training.config import TrainConfig
 
 # torchvision.references.classification.utils.set_weight_decay's normalization layers.
 NORM_LAYERS = (

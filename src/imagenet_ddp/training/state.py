@@ -11,7 +11,7 @@ import torch
 
 from imagenet_ddp.jobs import distributed as D
 from imagenet_ddp.settings.geometry import Geometry
-from imagenet_ddp.training.config import TrainConfig
+from imagenet_ddp.settings.kinds import TrainConfig
 
 
 @dataclass

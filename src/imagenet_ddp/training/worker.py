@@ -42,6 +42,7 @@ from imagenet_ddp.jobs.signals import StopFlag, ignore_stop_signals
 from imagenet_ddp.monitoring.cost import over_attempts
 from imagenet_ddp.monitoring.monitor import RunMonitor
 from imagenet_ddp.settings.geometry import Geometry
+from imagenet_ddp.settings.kinds import TrainConfig
 from imagenet_ddp.training import recipe
 from imagenet_ddp.training.accuracy import shard_loader
 from imagenet_ddp.training.checkpoint import (
@@ -51,7 +52,6 @@ from imagenet_ddp.training.checkpoint import (
     load_latest_checkpoint,
     resume_job,
 )
-from imagenet_ddp.training.config import TrainConfig, resolve_geometry
 from imagenet_ddp.training.data import (
     EpochSampler,
     RepeatedAugmentationSampler,
@@ -116,7 +116,7 @@ def _set_determinism(cfg: TrainConfig, device: torch.device) -> None:
 def _train(cfg, info, device, stop, paths, train_data, stop_after_steps, attempt_key) -> int:
     split_dir, out_dir, checkpoint_root = paths.split_dir, paths.run_dir, paths.checkpoint_root
     _set_determinism(cfg, device)
-    geometry = resolve_geometry(cfg, info, device)
+    geometry = D.resolve_geometry(cfg, info, device)
     # decode=False: the transform decodes, after drawing its crop box (imagenet_ddp.data.jpeg)
     base = create_dataset(train_data, read_ids(split_dir / "train.csv"), train=True)
     holdout = _holdout(cfg, info, device, geometry, train_data, split_dir)
