@@ -8,7 +8,9 @@ import pytest
 import torch
 import yaml
 
-from imagenet_ddp.settings.presets import PRESETS, resolve_run, scaled_lr
+from imagenet_ddp.optimizers import create_optimizer, scaled_lr
+from imagenet_ddp.settings.geometry import global_batch
+from imagenet_ddp.settings.presets import PRESETS, resolve_run
 from imagenet_ddp.training import recipe
 from tests.workflow_helpers import REPO, train_config
 
@@ -74,14 +76,14 @@ def test_linear_schedule_is_ffcvs_triangle():
 
 def test_linear_scaling_rule_uses_the_global_batch():
     run = {"lr": 0.1, "lr_scaling": "linear", "batch_size": 128, "nodes": 2, "tasks_per_node": 4}
-    assert scaled_lr(run) == pytest.approx(0.1 * 1024 / 256)
+    assert global_batch(run) == 1024 and scaled_lr(run, 1024) == pytest.approx(0.1 * 1024 / 256)
     # A rank: the ranks that started (its TrainConfig may leave the geometry to them).
     cfg = train_config(lr=0.1, lr_scaling="linear", batch_size=128)
-    assert scaled_lr(vars(cfg), world_size=8) == pytest.approx(0.4)
-    assert scaled_lr(vars(train_config(lr=0.1, lr_scaling="none", batch_size=128)), 8) == 0.1
+    assert global_batch(vars(cfg), 8) == 1024 and scaled_lr(vars(cfg), 512) == pytest.approx(0.2)
+    assert scaled_lr(vars(train_config(lr=0.1, lr_scaling="none", batch_size=128)), 1024) == 0.1
     # The default: a base LR per 256 images, as torchvision's reference and timm scale it.
-    assert scaled_lr(vars(train_config(lr=0.1, batch_size=32)), world_size=8) == 0.1
-    optimizer = recipe.build_optimizer(cfg, torch.nn.Linear(2, 2), world_size=8)
+    assert scaled_lr(vars(train_config(lr=0.1, batch_size=32)), 256) == 0.1
+    optimizer = create_optimizer(cfg, torch.nn.Linear(2, 2), global_batch(vars(cfg), 8))
     assert optimizer.defaults["lr"] == pytest.approx(0.4)  # what the optimizer uses
 
 
@@ -91,16 +93,16 @@ def test_linear_scaling_rule_uses_the_global_batch():
 def test_no_weight_decay_on_norm_and_bias_parameters_when_asked():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
     cfg = train_config(weight_decay=1e-4, norm_weight_decay=0.0, bias_weight_decay=0.0)
-    groups = {g["group"]: g for g in recipe.build_optimizer(cfg, model).param_groups}
+    groups = {g["group"]: g for g in create_optimizer(cfg, model, 256).param_groups}
     assert groups["norm"]["weight_decay"] == 0.0
     assert {id(p) for p in groups["norm"]["params"]} == {id(model[1].weight), id(model[1].bias)}
     assert [id(p) for p in groups["bias"]["params"]] == [id(model[0].bias)]
     assert groups["other"]["weight_decay"] == 1e-4
     assert [id(p) for p in groups["other"]["params"]] == [id(model[0].weight)]
-    default = recipe.build_optimizer(train_config(weight_decay=1e-4), model)
+    default = create_optimizer(train_config(weight_decay=1e-4), model, 256)
     assert all(g["weight_decay"] == 1e-4 for g in default.param_groups)
-    assert isinstance(recipe.build_optimizer(train_config(optimizer="adamw"), model),
-                      torch.optim.AdamW)  # fmt: skip
+    adamw = create_optimizer(train_config(optimizer="adamw"), model, 256)
+    assert isinstance(adamw, torch.optim.AdamW)
 
 
 # ------------------------------------------------------------------ augmentation, EMA, crops
@@ -309,11 +311,9 @@ def test_each_preset_resolves_to_the_published_values(name):
     published = dict(PUBLISHED[name])
     # the sources' 8 GPUs; timm's and DeiT's global batch at 2 nodes x 8 GPUs
     run.update(nodes=2 if "global_batch" in published else 1, tasks_per_node=8)
-    from imagenet_ddp.settings.geometry import global_batch
-
     assert global_batch(run) == published.pop("global_batch", 8 * run["batch_size"])
     lr = published.pop("global_lr")
-    assert scaled_lr(run) == pytest.approx(lr)
+    assert scaled_lr(run, global_batch(run)) == pytest.approx(lr)
     # timm's absolute warm-up start and minimum LR, as factors of the source's LR
     if "warmup_lr" in published:
         assert run["warmup_start_factor"] * lr == pytest.approx(published.pop("warmup_lr"))
@@ -356,8 +356,8 @@ def test_timm_weight_decay_groups_are_timms_own(name):
 
     model = models.on_meta(lambda: models.build_model(name, 10))
     theirs = create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05)
-    ours = recipe.build_optimizer(
-        train_config(optimizer="adamw", weight_decay=0.05, weight_decay_groups="timm"), model
+    ours = create_optimizer(
+        train_config(optimizer="adamw", weight_decay=0.05, weight_decay_groups="timm"), model, 256
     )
 
     def decay(optimizer):
@@ -367,7 +367,7 @@ def test_timm_weight_decay_groups_are_timms_own(name):
     assert len(decay(ours)) == len(list(model.parameters()))
     named = dict(model.named_parameters())
     exempt = {n for n, p in named.items() if decay(ours)[id(p)] == 0.0}
-    default = decay(recipe.build_optimizer(train_config(weight_decay=0.05), model))
+    default = decay(create_optimizer(train_config(weight_decay=0.05), model, 256))
     if "pos_embed" in named:
         assert {"pos_embed", "cls_token"} <= exempt and default[id(named["pos_embed"])] == 0.05
     assert all(named[n].ndim <= 1 or n in ("pos_embed", "cls_token") for n in exempt)

@@ -362,13 +362,13 @@ def test_the_guard_reads_a_step_one_step_late_and_at_once_before_a_save():
 
 
 def test_warm_up_in_steps_and_sqrt_lr_scaling():
-    from imagenet_ddp.settings.presets import scaled_lr
+    from imagenet_ddp.optimizers import scaled_lr
     from tests.workflow_helpers import run_settings
 
     f = lr_lambda(steps_per_epoch=10, cfg=train_config(epochs=4, warmup_steps=4))
     assert f(2) == 0.5 and f(4) == 1.0
     run = run_settings(lr=0.1, batch_size=256, tasks_per_node=4, lr_scaling="sqrt")
-    assert scaled_lr(run) == pytest.approx(0.2)  # sqrt(1024 / 256) = 2
+    assert scaled_lr(run, 1024) == pytest.approx(0.2)  # sqrt(1024 / 256) = 2
 
 
 class _Payload:

@@ -1,14 +1,17 @@
 """The optimizer factory, one registry (:data:`FAMILIES`, keyed by a name or a prefix ending in
-``/``): ``sgd`` and ``adamw`` (torch's) and ``timm/<name>`` (``create_optimizer_v2``). The run
-settings ``lr``, ``momentum``, ``nesterov`` and the groups' weight decay are passed by the
-family's builder; ``optimizer_kwargs`` are checked against the class's signature
-(:func:`optimizer_problem`). Torch-free at import (the workflow's parse imports it).
+``/``): ``sgd`` and ``adamw`` (torch's) and ``timm/<name>`` (``create_optimizer_v2``). A run's
+optimizer (:func:`create_optimizer`, as timm's ``create_optimizer_v2`` takes a model): its
+parameter groups by weight decay and the scaled LR (:func:`scaled_lr`), passed with
+``momentum`` and ``nesterov`` by the family's builder; ``optimizer_kwargs`` are checked against
+the class's signature (:func:`optimizer_problem`). Torch-free at import (the workflow's parse
+imports it).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -120,6 +123,65 @@ def build_optimizer(
         raise ValueError(_unknown(name, []))
     given = dict(kwargs or {})
     return fam.build(name, groups, lr=lr, momentum=momentum, nesterov=nesterov, kwargs=given)
+
+
+def scaled_lr(run: Mapping[str, Any], global_batch: int) -> float:
+    """The LR the optimizer uses, its one computation (the rank's optimizer, the dry-run's
+    `lr_used`, the warm-up rule, the log's header): the run's ``lr`` x ``global_batch`` / 256
+    with ``lr_scaling: linear``, x sqrt(``global_batch`` / 256) with ``sqrt`` (Krizhevsky 2014),
+    else ``lr``. ``global_batch``: settings.geometry.global_batch, ``accumulation`` counted."""
+    if run["lr_scaling"] == "sqrt":
+        return float(run["lr"]) * math.sqrt(global_batch / 256)
+    if run["lr_scaling"] != "linear":
+        return float(run["lr"])
+    return float(run["lr"]) * global_batch / 256
+
+
+def parameter_groups(cfg, model) -> list[dict]:
+    """``model``'s parameters grouped by weight decay (``cfg.weight_decay_groups``):
+    torchvision's reference's (``set_weight_decay``: normalization layers, other biases, the
+    rest); or timm's (``create_optimizer_v2``'s: every 1-D parameter, bias and name of the
+    model's ``no_weight_decay()`` without weight decay)."""
+    import torch
+
+    if cfg.weight_decay_groups == "timm":
+        from timm.optim import param_groups_weight_decay
+
+        exempt = getattr(model, "no_weight_decay", set)()
+        groups = param_groups_weight_decay(model, cfg.weight_decay, no_weight_decay_list=exempt)
+        return [{**g, "group": "decay" if g["weight_decay"] else "no_decay"} for g in groups]
+    nn = torch.nn  # the reference's normalization layers
+    norm_layers = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm,
+                   nn.modules.instancenorm._InstanceNorm, nn.LocalResponseNorm)  # fmt: skip
+    decay = {
+        "norm": cfg.weight_decay if cfg.norm_weight_decay is None else cfg.norm_weight_decay,
+        "bias": cfg.weight_decay if cfg.bias_weight_decay is None else cfg.bias_weight_decay,
+        "other": cfg.weight_decay,
+    }
+    groups: dict[str, list] = {"norm": [], "bias": [], "other": []}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if param.requires_grad:
+                norm = isinstance(module, norm_layers)
+                groups["norm" if norm else "bias" if name == "bias" else "other"].append(param)
+    return [
+        {"params": params, "weight_decay": decay[kind], "group": kind}
+        for kind, params in groups.items()
+        if params
+    ]
+
+
+def create_optimizer(cfg, model, global_batch: int):
+    """The optimizer of the run ``cfg`` (a TrainConfig) over ``model``, its LR scaled to
+    ``global_batch`` (samples per optimizer step of the ranks that started)."""
+    return build_optimizer(
+        cfg.optimizer,
+        parameter_groups(cfg, model),
+        lr=scaled_lr(vars(cfg), global_batch),
+        momentum=cfg.momentum,
+        nesterov=cfg.nesterov,
+        kwargs=cfg.optimizer_kwargs,
+    )
 
 
 def _unknown(name: str, close: list[str]) -> str:

@@ -12,10 +12,10 @@ linear``), so another rank count keeps the source's LR per image. Torch-free.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from typing import Any
 
+from imagenet_ddp.optimizers import scaled_lr
 from imagenet_ddp.settings.geometry import global_batch
 from imagenet_ddp.settings.kinds import Declarations
 
@@ -257,18 +257,6 @@ def preset(name: str) -> dict[str, Any]:
     return {"recipe": name, **PRESETS[name]}
 
 
-def scaled_lr(run: Mapping[str, Any], world_size: int | None = None) -> float:
-    """The LR the optimizer uses, its one computation (the rank's optimizer, the dry-run's
-    `lr_used`, the warm-up rule, the log's header): ``lr`` x global batch / 256 with
-    ``lr_scaling: linear``, x sqrt(global batch / 256) with ``sqrt`` (Krizhevsky 2014), else
-    ``lr``. The global batch counts ``accumulation``; ``world_size``: the ranks that started."""
-    if run["lr_scaling"] == "sqrt":
-        return float(run["lr"]) * math.sqrt(global_batch(run, world_size) / 256)
-    if run["lr_scaling"] != "linear":
-        return float(run["lr"])
-    return float(run["lr"]) * global_batch(run, world_size) / 256
-
-
 def hyperparameter_line(run: Mapping[str, Any], settings: Declarations, compact=False) -> str:
     """The run's hyperparameters on one line with its global batch and ``lr_used``: every shown
     setting (kinds: imagenet_ddp.settings.kinds), sorted, for the attempt log's header; with
@@ -280,7 +268,7 @@ def hyperparameter_line(run: Mapping[str, Any], settings: Declarations, compact=
         always = ("model", "epochs", "batch_size", "lr", "lr_scaling")
         values = {k: shown[k] for k in always if k in shown}
         changed = dict(sorted(settings.changed_from_default(shown).items()))
-    values["global_batch"] = global_batch(run)  # as a published recipe states it
-    values["lr_used"] = round(scaled_lr(run), 8)  # after lr_scaling
+    values["global_batch"] = batch = global_batch(run)  # as a published recipe states it
+    values["lr_used"] = round(scaled_lr(run, batch), 8)  # after lr_scaling
     values.update(changed)
     return " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in values.items())

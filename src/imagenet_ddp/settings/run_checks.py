@@ -25,7 +25,6 @@ from imagenet_ddp.settings.evaluation import eval_settings
 from imagenet_ddp.settings.geometry import global_batch, loader_workers
 from imagenet_ddp.settings.init_weights import static_weights_problems
 from imagenet_ddp.settings.notices import Notice
-from imagenet_ddp.settings.presets import scaled_lr
 
 # Images in the ILSVRC2012 train archive (what `index` lists from the real archive).
 ILSVRC2012_TRAIN_IMAGES = 1_281_167
@@ -372,7 +371,8 @@ def warmup_warnings(runs: Mapping[str, Mapping], config: Mapping) -> list[Notice
     unknown = where.startswith(ASSUMED) and config["data"].get("layout") != "archives"
     notices = []
     for name, run in runs.items():
-        batch, lr_used = global_batch(run), scaled_lr(run)
+        batch = global_batch(run)
+        lr_used = optimizers.scaled_lr(run, batch)
         needed = required_warmup_steps(lr_used, batch)
         per_epoch = max(1, train // batch)
         if unknown and not run["warmup_steps"] and needed:

@@ -1,6 +1,7 @@
-"""The recipe: optimizer, learning-rate schedule, loss, augmentation and model EMA of a run,
-from torch's and torchvision's parts. The schedule is one closed-form factor per step in a
-LambdaLR: a resumed run gets exactly the LR of an uninterrupted one.
+"""The recipe: learning-rate schedule, loss, augmentation and model EMA of a run, from torch's
+and torchvision's parts (its optimizer: imagenet_ddp.optimizers.create_optimizer). The
+schedule is one closed-form factor per step in a LambdaLR: a resumed run gets exactly the LR
+of an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -12,65 +13,9 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchvision.transforms import v2
 
-from imagenet_ddp import models, optimizers
+from imagenet_ddp import models
 from imagenet_ddp.data.dataset import train_transform
 from imagenet_ddp.settings.kinds import TrainConfig
-from imagenet_ddp.settings.presets import scaled_lr
-
-# torchvision.references.classification.utils.set_weight_decay's normalization layers.
-NORM_LAYERS = (
-    torch.nn.modules.batchnorm._BatchNorm,
-    torch.nn.LayerNorm,
-    torch.nn.GroupNorm,
-    torch.nn.modules.instancenorm._InstanceNorm,
-    torch.nn.LocalResponseNorm,
-)
-
-
-# --------------------------------------------------------------------------- optimizer
-
-
-def parameter_groups(cfg: TrainConfig, model: torch.nn.Module) -> list[dict]:
-    """Parameters grouped by weight decay (``weight_decay_groups``): torchvision's reference's
-    normalization layers, other biases, the rest; or timm's (``create_optimizer_v2``'s: every
-    1-D parameter, bias and name of the model's ``no_weight_decay()`` without weight decay)."""
-    if cfg.weight_decay_groups == "timm":
-        from timm.optim import param_groups_weight_decay
-
-        exempt = getattr(model, "no_weight_decay", set)()
-        groups = param_groups_weight_decay(model, cfg.weight_decay, no_weight_decay_list=exempt)
-        return [{**g, "group": "decay" if g["weight_decay"] else "no_decay"} for g in groups]
-    decay = {
-        "norm": cfg.weight_decay if cfg.norm_weight_decay is None else cfg.norm_weight_decay,
-        "bias": cfg.weight_decay if cfg.bias_weight_decay is None else cfg.bias_weight_decay,
-        "other": cfg.weight_decay,
-    }
-    groups: dict[str, list] = {"norm": [], "bias": [], "other": []}
-    for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            if param.requires_grad:
-                norm = isinstance(module, NORM_LAYERS)
-                groups["norm" if norm else "bias" if name == "bias" else "other"].append(param)
-    return [
-        {"params": params, "weight_decay": decay[kind], "group": kind}
-        for kind, params in groups.items()
-        if params
-    ]
-
-
-def build_optimizer(
-    cfg: TrainConfig, model: torch.nn.Module, world_size: int = 1
-) -> torch.optim.Optimizer:
-    """The run's optimizer (imagenet_ddp.optimizers: torch's, or timm's by name)."""
-    return optimizers.build_optimizer(
-        cfg.optimizer,
-        parameter_groups(cfg, model),
-        lr=scaled_lr(vars(cfg), world_size),
-        momentum=cfg.momentum,
-        nesterov=cfg.nesterov,
-        kwargs=cfg.optimizer_kwargs,
-    )
-
 
 # --------------------------------------------------------------------------- schedule
 

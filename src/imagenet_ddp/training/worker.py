@@ -27,7 +27,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
-from imagenet_ddp import models
+from imagenet_ddp import models, optimizers
 from imagenet_ddp.data.reader import create_dataset
 from imagenet_ddp.jobs import distributed as D
 from imagenet_ddp.jobs.attempts import (
@@ -41,7 +41,7 @@ from imagenet_ddp.jobs.attempts import (
 from imagenet_ddp.jobs.signals import StopFlag, ignore_stop_signals
 from imagenet_ddp.monitoring.cost import over_attempts
 from imagenet_ddp.monitoring.monitor import RunMonitor
-from imagenet_ddp.settings.geometry import Geometry
+from imagenet_ddp.settings.geometry import Geometry, global_batch
 from imagenet_ddp.settings.kinds import TrainConfig
 from imagenet_ddp.training import recipe
 from imagenet_ddp.training.accuracy import shard_loader
@@ -295,7 +295,7 @@ def build_job(
     model = initial_model(cfg, info, num_classes, init_weights).to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = recipe.build_optimizer(cfg, model, info.world_size)
+    optimizer = optimizers.create_optimizer(cfg, model, global_batch(vars(cfg), info.world_size))
     ema = recipe.build_ema(cfg, model, info.world_size, device)  # a copy, before DDP's hooks
     step_model = model
     if D.is_distributed():
