@@ -10,7 +10,8 @@ import yaml
 
 from imagenet_ddp.optimizers import create_optimizer, scaled_lr
 from imagenet_ddp.settings.geometry import global_batch
-from imagenet_ddp.settings.presets import PRESETS, resolve_run
+from imagenet_ddp.settings.presets import PRESETS
+from imagenet_ddp.settings.runs import resolve_run
 from imagenet_ddp.training import recipe
 from tests.workflow_helpers import REPO, train_config
 

@@ -606,8 +606,8 @@ def test_timms_and_deits_presets_pass_the_dry_run_at_2_x_8_gpus(preset, tmp_path
     """At the scale of the sources (2 nodes x 8 GPUs: their global batch), each preset passes
     every check (its timm model built on the meta device at its crops, its optimizer, the
     warm-up rule) and its log's hyperparameter line states the source's global batch and LR."""
-    from imagenet_ddp.settings.kinds import declarations
-    from imagenet_ddp.settings.presets import hyperparameter_line, resolve_run
+    from imagenet_ddp.settings.kinds import declarations, hyperparameter_line
+    from imagenet_ddp.settings.runs import resolve_run
 
     config = demo_config()
     config["demo"]["enabled"] = False  # ImageNet's 1.28 M images

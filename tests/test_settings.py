@@ -99,8 +99,7 @@ FINGERPRINTS = {
 @pytest.mark.parametrize("name", sorted(FINGERPRINTS))
 def test_checkpoint_fingerprints_stay_those_of_earlier_versions(name):
     from imagenet_ddp.settings.kinds import TrainConfig
-    from imagenet_ddp.settings.presets import resolve_run
-    from imagenet_ddp.settings.runs import run_defaults
+    from imagenet_ddp.settings.runs import resolve_run, run_defaults
 
     entry, fingerprint = FINGERPRINTS[name]
     run = resolve_run(run_defaults(load_schema(SCHEMA)), TRAIN_DEFAULTS, {"name": name, **entry})
@@ -129,8 +128,7 @@ def test_a_new_setting_at_its_earlier_value_changes_no_key():
 def test_train_reruns_exactly_when_its_checkpoint_key_changes():
     """The rerun params hold the settings of the checkpoint key: the fingerprint's (but the
     run's name, the wildcard) and the geometry's; no bookkeeping, speed, site or preset."""
-    from imagenet_ddp.settings.presets import resolve_run
-    from imagenet_ddp.settings.runs import run_defaults
+    from imagenet_ddp.settings.runs import resolve_run, run_defaults
 
     settings = declarations(SCHEMA)
     run = resolve_run(run_defaults(load_schema(SCHEMA)), TRAIN_DEFAULTS, {"name": "r"})

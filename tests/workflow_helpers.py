@@ -34,7 +34,7 @@ def run_settings(**settings) -> dict:
     started."""
     from imagenet_ddp.settings.geometry import GEOMETRY_KEYS
     from imagenet_ddp.settings.kinds import declarations
-    from imagenet_ddp.settings.presets import per_family
+    from imagenet_ddp.settings.runs import per_family
 
     properties = yaml.safe_load(SCHEMA.read_text())["definitions"]["run_settings"]["properties"]
     defaults = {k: v["default"] for k, v in properties.items() if "default" in v}

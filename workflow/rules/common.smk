@@ -30,8 +30,8 @@ from imagenet_ddp.jobs.spec import PREPARED, SpecError
 from imagenet_ddp.jobs.spec import job_spec as spec_json
 from imagenet_ddp.settings.evaluation import eval_settings
 from imagenet_ddp.settings.geometry import slurm_resources
-from imagenet_ddp.settings.kinds import declarations, load_schema, rerun_line
-from imagenet_ddp.settings.presets import hyperparameter_line
+from imagenet_ddp.settings.kinds import declarations, hyperparameter_line, load_schema
+from imagenet_ddp.settings.kinds import rerun_line
 from imagenet_ddp.settings.run_checks import CHECKED_SETTINGS, warmup_warnings
 from imagenet_ddp.settings.notices import summarised
 from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
@@ -233,7 +233,7 @@ for _line in summarised(_warnings + warmup_warnings(RUNS, config)):
 
 
 def run_hyperparameters(wildcards):
-    """train's `hyperparameters` param, shown by `snakemake -n` (settings.presets)."""
+    """train's `hyperparameters` param, shown by `snakemake -n` (settings.kinds)."""
     return hyperparameter_line(RUNS[wildcards.run], SETTINGS, compact=True)
 
 

@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 
 from imagenet_ddp.jobs.spec import TrainJob
-from imagenet_ddp.settings.kinds import declarations
-from imagenet_ddp.settings.presets import hyperparameter_line
+from imagenet_ddp.settings.kinds import declarations, hyperparameter_line
 
 
 def open_attempt_log(link: str | os.PathLike[str], job: TrainJob) -> Path:

@@ -22,8 +22,9 @@ from typing import Any
 
 import yaml
 
+from imagenet_ddp.optimizers import scaled_lr
 from imagenet_ddp.settings.epoch_end import evaluates
-from imagenet_ddp.settings.geometry import GEOMETRY_KEYS
+from imagenet_ddp.settings.geometry import GEOMETRY_KEYS, global_batch
 
 SCHEMA = Path(__file__).parents[1] / "config.schema.yaml"  # the package's: package-data
 
@@ -207,6 +208,23 @@ def rerun_line(settings: Mapping[str, Any]) -> str:
         f"{k}={json.dumps(v, sort_keys=True, separators=(',', ':'))}"
         for k, v in sorted(settings.items())
     )
+
+
+def hyperparameter_line(run: Mapping[str, Any], settings: Declarations, compact=False) -> str:
+    """The run's hyperparameters on one line with its global batch and ``lr_used``: every shown
+    setting (kinds: imagenet_ddp.settings.kinds), sorted, for the attempt log's header; with
+    ``compact``, the dry-run's (model, epochs, batch size, lr, lr_scaling, then the settings not
+    at the schema's default, a preset's values included): reviewed before spending GPU hours."""
+    shown = settings.shown_settings(run)
+    values, changed = dict(sorted(shown.items())), {}
+    if compact:
+        always = ("model", "epochs", "batch_size", "lr", "lr_scaling")
+        values = {k: shown[k] for k in always if k in shown}
+        changed = dict(sorted(settings.changed_from_default(shown).items()))
+    values["global_batch"] = batch = global_batch(run)  # as a published recipe states it
+    values["lr_used"] = round(scaled_lr(run, batch), 8)  # after lr_scaling
+    values.update(changed)
+    return " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in values.items())
 
 
 def weight_settings(settings: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Published ImageNet recipes by name (``recipe:`` in a run or in ``train_defaults``), each key
 checked against its source by tests/test_recipes.py; what a source used that is not
-implemented is named "Left out". Keys set at the same level or below win:
+implemented is named "Left out". Keys set at the same level or below win
+(:func:`imagenet_ddp.settings.runs.resolve_run`):
 
 - ``recipe`` in ``train_defaults``: schema defaults < preset < ``train_defaults`` < the run;
 - ``recipe`` in a run: schema defaults < ``train_defaults`` < preset < the run.
@@ -11,13 +12,7 @@ linear``), so another rank count keeps the source's LR per image. Torch-free.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
 from typing import Any
-
-from imagenet_ddp.optimizers import scaled_lr
-from imagenet_ddp.settings.geometry import global_batch
-from imagenet_ddp.settings.kinds import Declarations
 
 PRESETS: dict[str, dict[str, Any]] = {
     # torchvision references/classification README, "ResNet" (torchrun --nproc_per_node=8
@@ -214,38 +209,6 @@ REPORTED_TOP1 = {
 REPORTED_MODEL = {name: "model" for name in PRESETS} | {"torchvision-resnet50-v2": "ema"}
 
 
-def resolve_run(
-    defaults: Mapping[str, Any], train_defaults: Mapping[str, Any], run: Mapping[str, Any]
-) -> dict[str, Any]:
-    """One run's settings: ``defaults`` (the schema's), the preset, ``train_defaults`` and the
-    run's own keys, in the module docstring's order."""
-    resolved = dict(defaults)
-    if "recipe" in run:
-        resolved.update({k: v for k, v in train_defaults.items() if k != "recipe"})
-        resolved.update(preset(run["recipe"]))
-    else:
-        resolved.update(preset(train_defaults.get("recipe", "none")))
-        resolved.update(train_defaults)
-    resolved.update(run)
-    return per_family(resolved)
-
-
-def per_family(run: dict[str, Any]) -> dict[str, Any]:
-    """The settings whose default is the model family's (``auto``) made concrete: timm models take
-    timm's weight-decay groups and, fine-tuning, their weights' normalization; torchvision's,
-    the reference values they had before these settings existed (so no earlier run reruns)."""
-    from imagenet_ddp.models import family
-
-    timm = family(run.get("model", ""))[0] == "timm"
-    if run.get("weight_decay_groups") == "auto":
-        run["weight_decay_groups"] = "timm" if timm else "torchvision"
-    if run.get("normalization") == "auto":
-        run["normalization"] = "model" if timm and run.get("init_weights") else "imagenet"
-    if run.get("zero_init_residual", False) is None and not timm:
-        run["zero_init_residual"] = False  # torchvision's constructors' own default
-    return run
-
-
 def preset(name: str) -> dict[str, Any]:
     if name == "none":
         return {}
@@ -255,20 +218,3 @@ def preset(name: str) -> dict[str, Any]:
             f"{', '.join(['none', *PRESETS])}"
         )
     return {"recipe": name, **PRESETS[name]}
-
-
-def hyperparameter_line(run: Mapping[str, Any], settings: Declarations, compact=False) -> str:
-    """The run's hyperparameters on one line with its global batch and ``lr_used``: every shown
-    setting (kinds: imagenet_ddp.settings.kinds), sorted, for the attempt log's header; with
-    ``compact``, the dry-run's (model, epochs, batch size, lr, lr_scaling, then the settings not
-    at the schema's default, a preset's values included): reviewed before spending GPU hours."""
-    shown = settings.shown_settings(run)
-    values, changed = dict(sorted(shown.items())), {}
-    if compact:
-        always = ("model", "epochs", "batch_size", "lr", "lr_scaling")
-        values = {k: shown[k] for k in always if k in shown}
-        changed = dict(sorted(settings.changed_from_default(shown).items()))
-    values["global_batch"] = batch = global_batch(run)  # as a published recipe states it
-    values["lr_used"] = round(scaled_lr(run, batch), 8)  # after lr_scaling
-    values.update(changed)
-    return " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in values.items())

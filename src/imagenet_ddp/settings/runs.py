@@ -1,7 +1,7 @@
 """config.yaml to the workflow's runs, the one path (common.smk calls :func:`resolve_runs` once
 per parse): the config checked against its schema (:func:`config_problems`), ``sweep:``
 blocks expanded beside the hand-written ``runs`` (:func:`expand_runs`), each run resolved
-(:func:`imagenet_ddp.settings.presets.resolve_run`) and checked
+(:func:`resolve_run`: schema defaults, presets, ``train_defaults``, the run) and checked
 (:mod:`imagenet_ddp.settings.run_checks`).
 
 A sweep is a name template, shared ``settings``, ``grid`` axes (every combination, in written
@@ -23,11 +23,11 @@ import jsonschema
 from jsonschema import validators
 
 from imagenet_ddp.settings.kinds import load_schema
-from imagenet_ddp.settings.presets import resolve_run
+from imagenet_ddp.settings.presets import preset
 from imagenet_ddp.settings.run_checks import check_runs
 
-__all__ = ["RunsError", "SweepError", "config_problems", "expand_runs", "resolve_runs",
-           "run_defaults", "written_settings"]  # fmt: skip
+__all__ = ["RunsError", "SweepError", "config_problems", "expand_runs", "per_family", "resolve_run",
+           "resolve_runs", "run_defaults", "written_settings"]  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the schema
@@ -287,6 +287,38 @@ def run_defaults(config_schema: Mapping[str, Any]) -> dict[str, Any]:
     """The schema's default of every run key that has one."""
     keys = config_schema["definitions"]["run_settings"]["properties"]
     return {k: v["default"] for k, v in keys.items() if "default" in v}
+
+
+def resolve_run(
+    defaults: Mapping[str, Any], train_defaults: Mapping[str, Any], run: Mapping[str, Any]
+) -> dict[str, Any]:
+    """One run's settings: ``defaults`` (the schema's), the preset, ``train_defaults`` and the
+    run's own keys, in settings.presets' docstring's order."""
+    resolved = dict(defaults)
+    if "recipe" in run:
+        resolved.update({k: v for k, v in train_defaults.items() if k != "recipe"})
+        resolved.update(preset(run["recipe"]))
+    else:
+        resolved.update(preset(train_defaults.get("recipe", "none")))
+        resolved.update(train_defaults)
+    resolved.update(run)
+    return per_family(resolved)
+
+
+def per_family(run: dict[str, Any]) -> dict[str, Any]:
+    """The settings whose default is the model family's (``auto``) made concrete: timm models take
+    timm's weight-decay groups and, fine-tuning, their weights' normalization; torchvision's,
+    the reference values they had before these settings existed (so no earlier run reruns)."""
+    from imagenet_ddp.models import family
+
+    timm = family(run.get("model", ""))[0] == "timm"
+    if run.get("weight_decay_groups") == "auto":
+        run["weight_decay_groups"] = "timm" if timm else "torchvision"
+    if run.get("normalization") == "auto":
+        run["normalization"] = "model" if timm and run.get("init_weights") else "imagenet"
+    if run.get("zero_init_residual", False) is None and not timm:
+        run["zero_init_residual"] = False  # torchvision's constructors' own default
+    return run
 
 
 def resolve_runs(
