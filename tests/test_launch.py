@@ -385,7 +385,7 @@ def test_a_delivered_run_trains_afresh_only_when_a_retrain_is_asked_for(tmp_path
     and attempt record move aside, so it trains from scratch instead of writing its final
     checkpoint's model again; without the variable (a restarted Snakemake rerunning the job
     as incomplete, a retry) and for a run never delivered, nothing moves."""
-    from imagenet_ddp.jobs.stages import DELIVERED, start_afresh_if_delivered
+    from imagenet_ddp.jobs.launch import DELIVERED, start_afresh_if_delivered
 
     root = tmp_path / "checkpoints" / "run"
     (root / "key").mkdir(parents=True)

@@ -76,8 +76,8 @@ def cmd_data_content(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from imagenet_ddp.jobs.attempts import ran_in_this_allocation
+    from imagenet_ddp.jobs.launch import train_job
     from imagenet_ddp.jobs.spec import load, with_init_weights
-    from imagenet_ddp.jobs.stages import train_job
 
     job = with_init_weights(load(args.job, "train"), args.init_weights_sha256)
     # A rule's retries reach the jobstep's own Snakemake (snakemake-executor-plugin-slurm#284),
@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_parser(sub, "preflight", "check a run's placement, network, step and loader speed; "
                     "project it", _job("preflight.job:preflight_job"))  # fmt: skip
     _add_job_parser(sub, "evaluate", "top-1/top-5 and per-class accuracy",
-                    _job("jobs.stages:evaluate_job"))  # fmt: skip
+                    _job("jobs.launch:evaluate_job"))  # fmt: skip
     p = _command(sub, "convert-checkpoint", "rewrite a checkpoint or model.pt of an earlier "
                  "version that you trust so that it loads without running code (it is "
                  "unpickled in full once, here)", cmd_convert_checkpoint)  # fmt: skip
