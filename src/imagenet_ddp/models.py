@@ -7,13 +7,14 @@ initialisation or a local weights file (``init_weights``), whose weights win ove
 
 from __future__ import annotations
 
-import difflib
 import functools
 import inspect
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from imagenet_ddp.errors import did_you_mean
 
 TIMM_PREFIX = "timm/"
 
@@ -137,12 +138,10 @@ def unknown_name(name: str) -> str | None:
     names = sorted(fam.names())
     if arch.split(".")[0] in names:
         return None
-    found = difflib.get_close_matches(arch.split(".")[0], names, n=3, cutoff=0.6)
-    close = [fam.prefix + c for c in found]
+    hint = did_you_mean(arch.split(".")[0], names, fam.prefix)
     listing = fam.listing + "".join(
         f", or {f.prefix}<name>" for f in FAMILIES.values() if f.prefix and not fam.prefix
     )
-    hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
     return f"model {name!r} is not a {key} classification model; {hint}pick one of {listing}"
 
 
@@ -240,8 +239,7 @@ def model_problems(
 
 def _unknown_key(name: str, key: str, model) -> str:
     accepted = sorted(_init_parameters(model))
-    close = difflib.get_close_matches(key, accepted, n=3, cutoff=0.6)
-    hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
+    hint = did_you_mean(key, accepted)
     return (
         f"model_kwargs.{key}: not a parameter of {type(model).__name__} ({name!r}); "
         f"{hint}its parameters: {', '.join(accepted)}"

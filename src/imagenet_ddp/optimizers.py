@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from imagenet_ddp.errors import did_you_mean
+
 TIMM_PREFIX = "timm/"
 
 # Passed by the factory from the run settings (the one home of each).
@@ -120,7 +122,7 @@ def build_optimizer(
     """The optimizer ``name`` over ``groups`` (parameter groups, each with its weight decay)."""
     fam = family(name)
     if fam is None:
-        raise ValueError(_unknown(name, []))
+        raise ValueError(_unknown(name, suggest=False))
     given = dict(kwargs or {})
     return fam.build(name, groups, lr=lr, momentum=momentum, nesterov=nesterov, kwargs=given)
 
@@ -184,20 +186,15 @@ def create_optimizer(cfg, model, global_batch: int):
     )
 
 
-def _unknown(name: str, close: list[str]) -> str:
+def _unknown(name: str, suggest: bool = True) -> str:
+    """The line for an unknown optimizer; ``suggest``: with the closest names of every family
+    whose packages import here."""
     entries = list(FAMILIES.values())
     labels = ", ".join(f.label for f in entries[:-1]) + f" or {entries[-1].label}"
-    hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
+    names = [n for f in entries if _packages_here(f) for n in f.names()] if suggest else []
+    hint = did_you_mean(name, names)
     choices = ", ".join(f.choices for f in entries)
     return f"optimizer {name!r} is not {labels}; {hint}pick one of {choices}"
-
-
-def _close_names(name: str) -> list[str]:
-    """The three names closest to ``name`` of every family whose packages import here."""
-    import difflib
-
-    names = [n for f in FAMILIES.values() if _packages_here(f) for n in f.names()]
-    return difflib.get_close_matches(name, names, n=3, cutoff=0.6)
 
 
 def _packages_here(fam: Family) -> bool:
@@ -209,15 +206,13 @@ def optimizer_problem(
 ) -> str | None:
     """An unknown optimizer, an ``optimizer_kwargs`` key that a run setting owns or its class
     lacks, or values it refuses (built over a dummy parameter), in one line; None: it builds."""
-    import difflib
-
     fam = family(name)
     if fam is None:
-        return _unknown(name, _close_names(name))
+        return _unknown(name)
     try:
         cls = fam.resolve(name)
     except Exception:
-        return _unknown(name, _close_names(name))
+        return _unknown(name)
     for key in kwargs:
         if key in FROM_SETTINGS:
             return f"optimizer_kwargs.{key}: set by the run setting {FROM_SETTINGS[key]}; remove it"
@@ -228,8 +223,7 @@ def optimizer_problem(
     )
     for key in kwargs:
         if key not in accepted:
-            close = difflib.get_close_matches(key, accepted, n=3, cutoff=0.6)
-            hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
+            hint = did_you_mean(key, accepted)
             return (
                 f"optimizer_kwargs.{key}: not a parameter of {cls.__name__} ({name!r}); "
                 f"{hint}its parameters: {', '.join(accepted)}"
