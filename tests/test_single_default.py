@@ -65,7 +65,7 @@ def test_train_config_states_no_default_and_refuses_a_run_that_lacks_a_setting()
     lacking = {key: value for key, value in run_settings().items() if key != "lr"}
     with pytest.raises(ValueError, match="lack lr; the workflow passes every setting"):
         train_config_class().from_dict(lacking)
-    # "auto" is the workflow's to resolve at parse (settings.presets.per_family); the rank
+    # "auto" is the workflow's to resolve at parse (settings.runs.per_family); the rank
     # never guesses it, so a hand-written spec that leaves it is refused in one line.
     unresolved = {**run_settings(), "normalization": "auto"}
     with pytest.raises(ValueError, match=r"lack normalization \(auto\); the workflow passes"):

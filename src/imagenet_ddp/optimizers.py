@@ -153,8 +153,13 @@ def parameter_groups(cfg, model) -> list[dict]:
         groups = param_groups_weight_decay(model, cfg.weight_decay, no_weight_decay_list=exempt)
         return [{**g, "group": "decay" if g["weight_decay"] else "no_decay"} for g in groups]
     nn = torch.nn  # the reference's normalization layers
-    norm_layers = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm,
-                   nn.modules.instancenorm._InstanceNorm, nn.LocalResponseNorm)  # fmt: skip
+    norm_layers = (
+        nn.modules.batchnorm._BatchNorm,
+        nn.LayerNorm,
+        nn.GroupNorm,
+        nn.modules.instancenorm._InstanceNorm,
+        nn.LocalResponseNorm,
+    )
     decay = {
         "norm": cfg.weight_decay if cfg.norm_weight_decay is None else cfg.norm_weight_decay,
         "bias": cfg.weight_decay if cfg.bias_weight_decay is None else cfg.bias_weight_decay,

@@ -212,7 +212,7 @@ def rerun_line(settings: Mapping[str, Any]) -> str:
 
 def hyperparameter_line(run: Mapping[str, Any], settings: Declarations, compact=False) -> str:
     """The run's hyperparameters on one line with its global batch and ``lr_used``: every shown
-    setting (kinds: imagenet_ddp.settings.kinds), sorted, for the attempt log's header; with
+    setting (those whose kind is ``shown``), sorted, for the attempt log's header; with
     ``compact``, the dry-run's (model, epochs, batch size, lr, lr_scaling, then the settings not
     at the schema's default, a preset's values included): reviewed before spending GPU hours."""
     shown = settings.shown_settings(run)
@@ -238,7 +238,7 @@ def weight_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
 # workflow resolves every run over it and passes every key, so the class states none
 # (tests/test_single_default.py).
 
-# "auto" made the model family's value by the workflow (settings.presets.per_family), at parse.
+# "auto" made the model family's value by the workflow (settings.runs.per_family), at parse.
 FAMILY_AUTO = ("weight_decay_groups", "normalization")
 
 
