@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,18 @@ DEMO_KWARGS = {
     "image_size": 32,
     "seed": 0,
 }
+
+
+@pytest.fixture(scope="module")
+def module_tmp(request, tmp_path_factory) -> Iterator[Path]:
+    """A directory for the runs a module's tests share (their checkpoints: 0.3-2 GB), removed
+    when the module ends with no test failed in this process, kept to read otherwise, as pytest
+    keeps a failed test's tmp_path (pyproject.toml, tmp_path_retention_policy)."""
+    failed = request.session.testsfailed
+    path = tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2])
+    yield path
+    if request.session.testsfailed == failed:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -22,8 +22,8 @@ FIGURES = [
 
 
 @pytest.fixture(scope="module")
-def reported_run(tmp_path_factory):
-    workdir = copy_workflow(tmp_path_factory.mktemp("report-e2e"), as_shipped=True)
+def reported_run(module_tmp):
+    workdir = copy_workflow(module_tmp / "report-e2e", as_shipped=True)
     snakemake(workdir, "--profile", "profiles/local")
     snakemake(workdir, "--report", "report.html")
     return workdir

@@ -129,8 +129,9 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(prepared_demo, split_dir, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("uninterrupted")
+def uninterrupted(prepared_demo, split_dir, module_tmp) -> Path:
+    root = module_tmp / "uninterrupted"
+    root.mkdir()
     result = torchrun(prepared_demo["train"], split_dir, root / "out", root / "ckpt")
     assert result.returncode == 0, result.stdout + result.stderr
     return root / "out"
@@ -368,12 +369,13 @@ def lines_until(proc: subprocess.Popen, text: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def eight_epochs(prepared_demo, split_dir, tmp_path_factory) -> tuple[dict, Path]:
+def eight_epochs(prepared_demo, split_dir, module_tmp) -> tuple[dict, Path]:
     # 8 steps per epoch: room for an interval checkpoint inside an epoch (polled every 2 steps).
     # fp32: bf16 resumes are proven above; deterministic CPU bf16 runs without oneDNN, ~25x
     # slower per step, too slow for this fixture's three runs.
     config = {**CONFIG, "epochs": 4, "batch_size": 2, "precision": "fp32"}
-    root = tmp_path_factory.mktemp("eight-epochs")
+    root = module_tmp / "eight-epochs"
+    root.mkdir()
     result = torchrun(prepared_demo["train"], split_dir, root / "out", root / "ckpt", config=config)
     assert result.returncode == 0, result.stdout + result.stderr
     return config, root / "out"
@@ -490,8 +492,9 @@ ELASTIC = {**CONFIG, "precision": "fp32", "channels_last": False}
 
 
 @pytest.fixture(scope="module")
-def elastic_reference(prepared_demo, split_dir, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("elastic-reference")
+def elastic_reference(prepared_demo, split_dir, module_tmp) -> Path:
+    root = module_tmp / "elastic-reference"
+    root.mkdir()
     result = torchrun(prepared_demo["train"], split_dir, root / "out", root / "ckpt",
                       config=ELASTIC)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr

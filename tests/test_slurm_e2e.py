@@ -138,14 +138,15 @@ def _restarting_controller(cluster, tmp: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def slurm_run(slurm_cluster, tmp_path_factory):
+def slurm_run(slurm_cluster, module_tmp):
     """The workflow through profiles/slurm, its controller killed (SIGKILL, as a dying login
     node) while the GPU run's train job trains, then started again as the controller job
     profiles/slurm/controller.sbatch (on the cluster's service partition), which finishes."""
     # Staging into each node's own tmpfs, set as a site user sets their node-local disk.
     stage = slurm_cluster.node_scratch_config()
-    workdir = copy_workflow(tmp_path_factory.mktemp("slurm-e2e"), runs=RUNS, stage=stage)
-    restart_dir = tmp_path_factory.mktemp("controller-restart")
+    workdir = copy_workflow(module_tmp / "slurm-e2e", runs=RUNS, stage=stage)
+    restart_dir = module_tmp / "controller-restart"
+    restart_dir.mkdir()
     restarting = _restarting_controller(slurm_cluster, restart_dir)  # meanwhile, beside it
     os.environ[FAKE_GPUS] = "1"  # sbatch exports it to the jobs (and srun to the ranks)
     first_out = workdir.parent / "snakemake-first.log"

@@ -32,10 +32,10 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def local_run(tmp_path_factory):
+def local_run(module_tmp):
     from tests.workflow_helpers import copy_workflow
 
-    workdir = copy_workflow(tmp_path_factory.mktemp("local-e2e"))
+    workdir = copy_workflow(module_tmp / "local-e2e")
     config = read_config(workdir)
     config["train_defaults"]["preflight"] = True  # every run trains after its preflight
     write_config(workdir, config)
