@@ -69,9 +69,12 @@ def _outputs_listing() -> dict[str, tuple[int, int]]:
 
 
 @pytest.fixture(autouse=True)
-def _checkout_outputs_untouched():
+def _checkout_outputs_untouched(tmp_path):
     """Fails the test that read or wrote the checkout's results/, resources/, logs/ or
-    .snakemake/ (CI runs the demo in its checkout first, so that there is something to read)."""
+    .snakemake/ (CI runs the demo in its checkout first, so that there is something to read).
+    Takes ``tmp_path`` so that it stops recording before pytest removes a passing test's
+    tmp_path: rmtree opens names relative to a directory's descriptor, a ``results`` among them,
+    which the hook would take for the checkout's."""
     before = _outputs_listing()
     del _outputs_read[:]
     _recording[0] = True
