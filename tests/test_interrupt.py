@@ -11,6 +11,7 @@ runs for a few seconds."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +39,20 @@ def bigger_demo(tmp_path_factory) -> dict[str, Path]:
                    check=True, capture_output=True)  # fmt: skip
     extract_demo_layout(root / "archives", root / "folders", "imagefolder")
     return {"archives": root / "archives", "index": root / "index", "folders": root / "folders"}
+
+
+@pytest.fixture(scope="module")
+def many_files(bigger_demo) -> Path:
+    """The ImageFolder tree with 20,000 more train files (links to an image of their class):
+    index's threads list and stat them for most of a second, so a Ctrl-C sent once they start
+    lands among them, not after the command (it ended first once in 75 on the small tree)."""
+    root = bigger_demo["folders"].with_name("many")
+    shutil.copytree(bigger_demo["folders"], root, copy_function=os.link)
+    for folder in sorted((root / "train").iterdir()):
+        first = min(folder.iterdir())
+        for i in range(2500):
+            os.link(first, folder / f"link_{i:05d}.JPEG")
+    return root
 
 
 def _descendants(pid: int) -> set[int]:
@@ -100,6 +115,78 @@ def _interrupt(argv, ready, tmp_path: Path, sig=signal.SIGINT) -> tuple[int, str
     return code, log.read_text()
 
 
+# Each in a Python of its own: a stop that escaped would end the test's process.
+THREADED_STOP = """
+import os, signal, threading, time, traceback
+from imagenet_ddp.data.layouts import _threaded
+
+calls = []
+def call(item):
+    calls.append(item)
+    if item == 100:
+        os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler in the main thread
+    time.sleep(0.005)
+try:
+    for _ in _threaded(call, range(20_000)):
+        pass
+except KeyboardInterrupt as exc:
+    print("raised in", traceback.extract_tb(exc.__traceback__)[-1].name)
+print(len(calls), threading.active_count(), signal.getsignal(signal.SIGINT).__name__)
+"""
+
+
+def test_a_ctrl_c_in_the_io_threads_is_raised_between_items_and_the_pool_ends():
+    """The hang CI met once: a KeyboardInterrupt raised inside concurrent.futures' calls left
+    its idle semaphore's lock held, and index waited for ever at the pool's shutdown (here, 1
+    Ctrl-C in 24). It is noted there and raised by the check between items (io.stops_noted); the
+    queued calls (the first 4,096 take 1.3 s) are cancelled; no thread is left."""
+    done = subprocess.run([sys.executable, "-c", THREADED_STOP], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    raised, counts = done.stdout.splitlines()
+    calls, threads, handler = counts.split()
+    assert raised == "raised in _raise_noted", done.stdout + done.stderr
+    assert int(calls) < 4096 and threads == "1" and handler == "default_int_handler", counts
+
+
+NOTED = """
+import os, signal
+from imagenet_ddp.io import stops_noted
+
+def send(sig):
+    os.kill(os.getpid(), sig)
+    sum(range(10_000))  # the handler runs by now: it must not raise
+
+try:
+    with stops_noted() as check:
+        send(signal.SIGTERM)
+        print("noted")
+        check()
+except SystemExit as exc:
+    print("checked:", exc.code)
+try:
+    with stops_noted(), stops_noted():
+        send(signal.SIGINT)
+except KeyboardInterrupt:
+    print("nested, never checked: raised on leaving")
+defaults = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+print("defaults back:", defaults == (signal.default_int_handler, signal.SIG_DFL))
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+with stops_noted() as check:
+    send(signal.SIGINT)
+    check()
+print("ignored stays ignored")
+"""
+
+
+def test_a_stop_is_noted_then_raised_by_the_check_or_at_the_end_and_an_ignored_one_stays():
+    done = subprocess.run([sys.executable, "-c", NOTED], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.stdout.splitlines() == [
+        "noted", "checked: 143", "nested, never checked: raised on leaving", "defaults back: True",
+        "ignored stays ignored",
+    ], done.stdout + done.stderr  # fmt: skip
+
+
 def _prepare_argv(demo, shared: Path, workers: int = 8) -> list:
     """More workers than cores, as a job's prepare.workers on a busy node: some wait for a
     chunk when the signal comes (where multiprocessing.Pool's queue lock is held). The copy
@@ -160,11 +247,13 @@ def _reading(data: Path):
 
 
 @pytest.mark.parametrize("command", ["index", "verify"])
-def test_index_and_verify_end_at_a_ctrl_c_without_output(bigger_demo, tmp_path, command):
+def test_index_and_verify_end_at_a_ctrl_c_without_output(
+    bigger_demo, many_files, tmp_path, command
+):
     """index lists an ImageFolder tree on threads, verify reads the archives: a Ctrl-C's
     KeyboardInterrupt ends either; the threads finish the file at hand; nothing is written."""
     if command == "index":
-        data = bigger_demo["folders"]
+        data = many_files
         argv = [*CLI, "index", "--data-dir", data, "--out-dir", tmp_path / "index"]
         ready = _threads_started
     else:

@@ -1,4 +1,5 @@
-"""Atomic file writing (nothing half-written ever carries a final name), locks, heartbeats."""
+"""Atomic file writing (nothing half-written ever carries a final name), a stop raised where
+that cleanup can run, locks, heartbeats."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,43 @@ def atomic_path(final: str | os.PathLike[str], *, is_dir: bool = False) -> Itera
         else:
             tmp.unlink(missing_ok=True)
         raise
+
+
+# A data command's Ctrl-C or SIGTERM while it runs a pool. Python raises a SIGINT's
+# KeyboardInterrupt between any two bytecodes; inside a pool's own calls it can leave their locks
+# held (seen: concurrent.futures' idle semaphore, and `index` waited for ever at the pool's
+# shutdown). Job processes handle their stops themselves (jobs.signals).
+_noted: list[int] = []  # one record: a use inside another finds no default to replace
+
+
+def _raise_noted() -> None:
+    """The first stop noted, as its default would end the command but with cleanups run
+    (atomic_path): KeyboardInterrupt for SIGINT, else SystemExit(128 + n)."""
+    if _noted and threading.current_thread() is threading.main_thread():
+        sig = _noted[0]
+        _noted.clear()
+        raise KeyboardInterrupt if sig == signal.SIGINT else SystemExit(128 + sig)
+
+
+@contextlib.contextmanager
+def stops_noted() -> Iterator[Callable[[], None]]:
+    """Inside, SIGINT and SIGTERM at their defaults are only noted (one ignored or handled stays
+    so); yields the check that raises one, for the caller to call between a pool's calls. On
+    leaving, the defaults come back and a stop noted after the last check is raised. Off the
+    main thread, where no signal is handled, nothing changes."""
+    main = threading.current_thread() is threading.main_thread()
+    defaults = (signal.default_int_handler, signal.SIG_DFL)
+    replaced = {
+        sig: signal.signal(sig, lambda signum, _: _noted.append(signum))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+        if main and signal.getsignal(sig) in defaults
+    }
+    try:
+        yield _raise_noted
+    finally:
+        for sig, handler in replaced.items():
+            signal.signal(sig, handler)
+        _raise_noted()
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:

@@ -25,6 +25,7 @@ from imagenet_ddp.data.archive_names import (
     VAL_ARCHIVE,
 )
 from imagenet_ddp.errors import InputError
+from imagenet_ddp.io import stops_noted
 
 AUTO = "auto"
 # The columns equal in every layout for the same images; the rest say where the bytes are.
@@ -147,10 +148,9 @@ class _Folders(Layout):
         self.check_structure(data_dir)
         classes = _class_folders(data_dir, self.train_dir)
         skipped: list[str] = []  # non-image files, skipped as torchvision's ImageFolder does
-        with ThreadPoolExecutor(_IO_THREADS) as pool:
-            folder_files = functools.partial(_image_files, data_dir, skipped=skipped)
-            per_class = list(pool.map(lambda c: folder_files(f"{self.train_dir}/{c}"), classes))
         folders = [f"{self.train_dir}/{c}" for c in classes]  # one string per class, shared
+        folder_files = functools.partial(_image_files, data_dir, skipped=skipped)
+        per_class = [names for _, names in _threaded(folder_files, folders)]
         train = [
             (c, folder, name)
             for c, folder, names in zip(classes, folders, per_class, strict=True)
@@ -193,11 +193,7 @@ class _Folders(Layout):
             }
         )
         rank = {c: i for i, c in enumerate(classes)}
-        return (
-            table,
-            _sample_table(data_dir, train, rank),
-            _sample_table(data_dir, val, rank),
-        )
+        return table, _sample_table(data_dir, train, rank), _sample_table(data_dir, val, rank)
 
     def read_items(self, data_dir: Path, which: str, index) -> Iterator[tuple[int, bytes]]:
         # On threads, 256 ahead: at an assumed 1 ms an open, serial would take 20 min a pass.
@@ -228,11 +224,9 @@ class ImageFolder(_Folders):
     def val_files(self, data_dir: Path, classes: list[str], skipped=None) -> list[tuple]:
         val_classes = _class_folders(data_dir, self.val_dir, unlabelled=True)
         _same_classes(data_dir, classes, val_classes)
-        files = []
-        for name in classes:
-            folder = f"{self.val_dir}/{name}"
-            files.extend((name, folder, f) for f in _image_files(data_dir, folder, skipped))
-        return files
+        folders = {c: f"{self.val_dir}/{c}" for c in classes}  # one string per class, shared
+        listed = _threaded(lambda c: _image_files(data_dir, folders[c], skipped), classes)
+        return [(c, folders[c], f) for c, names in listed for f in names]
 
 
 class Kaggle(_Folders):
@@ -502,11 +496,17 @@ def _read_sample(data_dir: Path, row: tuple[int, str, str, int]) -> bytes:
 
 def _threaded(function, items: Iterator, batch: int = 4096) -> Iterator[tuple]:
     """(item, function(item)) in order, ``_IO_THREADS`` at a time, in batches (Executor.map
-    would submit a million futures at once)."""
-    items = iter(items)
-    with ThreadPoolExecutor(_IO_THREADS) as pool:
-        while chunk := list(itertools.islice(items, batch)):
-            yield from zip(chunk, pool.map(function, chunk), strict=True)
+    would submit a million futures at once). A Ctrl-C is raised between items, never inside the
+    pool's calls (io.stops_noted); the queued calls are cancelled, the running ones finish."""
+    items, pool = iter(items), ThreadPoolExecutor(_IO_THREADS)
+    with stops_noted() as stop_if_noted:
+        try:
+            while chunk := list(itertools.islice(items, batch)):
+                for done in zip(chunk, pool.map(function, chunk), strict=True):
+                    stop_if_noted()
+                    yield done
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _check_files(data_dir: Path, samples: list[tuple[str, str, str]]) -> None:

@@ -19,7 +19,6 @@ import os
 import shutil
 import signal
 import tarfile
-import threading
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -46,6 +45,7 @@ from imagenet_ddp.io import (
     exclusive_lock,
     file_digest,
     lock_path_for,
+    stops_noted,
     write_csv_atomic,
     write_json_atomic,
 )
@@ -120,50 +120,37 @@ def _worker_signals() -> None:
 
 def _converted(items: Iterator, workers: int) -> Iterator[tuple[int, bytes | None, str | None]]:
     """Converted images in input order; at most 4 chunks per worker read ahead. A SIGINT or
-    SIGTERM is noted and raised between chunks (inside the pool's calls it could leave their
-    locks held), as KeyboardInterrupt or SystemExit: the queued chunks are cancelled, the
+    SIGTERM is raised between chunks (io.stops_noted): the queued chunks are cancelled, the
     running ones finish, and the caller's temporary copy is removed (io.atomic_path)."""
-    received: list[int] = []
-    main = threading.current_thread() is threading.main_thread()  # where handlers can be set
-    previous = {sig: signal.signal(sig, lambda signum, _: received.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM) if main}  # fmt: skip
-
-    def stop_if_signalled() -> None:
-        if received and received[0] == signal.SIGINT:
-            raise KeyboardInterrupt
-        if received:
-            raise SystemExit(128 + received[0])
-
     pool, ahead, items = None, collections.deque(), iter(items)
-    try:
-        if workers <= 1:
-            for item in items:
-                stop_if_signalled()
-                yield _convert_one(item)
-            return
-        methods = multiprocessing.get_all_start_methods()
-        context = multiprocessing.get_context("fork" if "fork" in methods else None)
-        pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_signals)
-        while chunk := list(itertools.islice(items, _CHUNK)):
-            stop_if_signalled()
-            ahead.append(pool.submit(_convert_chunk, chunk))
-            if len(ahead) >= 4 * workers:
-                yield from _result(ahead.popleft(), stop_if_signalled)
-        while ahead:
-            yield from _result(ahead.popleft(), stop_if_signalled)
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with stops_noted() as stop_if_noted:
+        try:
+            if workers <= 1:
+                for item in items:
+                    stop_if_noted()
+                    yield _convert_one(item)
+                return
+            methods = multiprocessing.get_all_start_methods()
+            context = multiprocessing.get_context("fork" if "fork" in methods else None)
+            pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_signals)
+            while chunk := list(itertools.islice(items, _CHUNK)):
+                stop_if_noted()
+                ahead.append(pool.submit(_convert_chunk, chunk))
+                if len(ahead) >= 4 * workers:
+                    yield from _result(ahead.popleft(), stop_if_noted)
+            while ahead:
+                yield from _result(ahead.popleft(), stop_if_noted)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _result(future, stop_if_signalled) -> list:
+def _result(future, stop_if_noted) -> list:
     """A chunk's results; a stop noted meanwhile first (a SIGTERM kills the workers)."""
     try:
         return future.result()  # BrokenProcessPool where a stop killed the workers
     finally:
-        stop_if_signalled()
+        stop_if_noted()
 
 
 def sample_key(sample_id: int) -> str:
