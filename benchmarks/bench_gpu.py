@@ -11,9 +11,16 @@ Two modes, as NVIDIA's DeepLearningExamples report them:
   backward, SGD step, with bf16 autocast on GPU (fp32 on CPU) and channels_last (``--precision``,
   ``--no-channels-last``) and optionally ``torch.compile`` (``--compile``). Upper bound of
   training speed on this GPU.
-* **loader only**: ``PreparedImageDataset`` + ``train_transform`` in a DataLoader with
-  ``num_workers`` = CPUs (``--workers``), pinned memory, ``.to(device, non_blocking=True)``;
-  no model. The loader must deliver at least what the model consumes (ratio >= 1.0).
+* **training's loader**: the loader a training rank runs, timed by the preflight's own code
+  (``imagenet_ddp.preflight.rank.loader_rate``): the prepared copy read with the crop-first
+  decode, the recipe's transform and augmentations (``--recipe``: ``none`` is the v1 recipe's,
+  or a preset such as ``torchvision-resnet50-v2``, ``deit-small``), uint8 crops, the seeded
+  sampler, ``--workers`` forkserver workers (default: the CPUs this process may use), pinned
+  copies to the device; no model. Each of ``--repeats`` fresh loaders is timed in whole rounds
+  of its workers for at least ``--seconds`` (30 on a GPU) after one warm-up round. The loader
+  must deliver at least what the model consumes (ratio >= 1.0). (Before 2026-12-01 this mode
+  decoded whole images and normalized to float32 on the CPU over 10 batches: not the path
+  training runs; its 2026-11-27 figure is withdrawn.)
 
 Anchor printed beside: NVIDIA DeepLearningExamples ResNet-50 v1.5, 2,470 img/s per A100 80GB
 with AMP (training, batch 256, DALI), the published number our synthetic mode should approach
@@ -76,40 +83,38 @@ def synthetic(args, device) -> list[float]:
     return rates
 
 
-def loader_only(args, device, prepared: Path) -> list[float]:
-    import torch
-    from torch.utils.data import DataLoader, RandomSampler
+def recipe_config(recipe: str, crop: int, batch: int, workers: int):
+    """The worker's TrainConfig of ``recipe`` (a preset, or ``none``: the schema's defaults) at
+    this crop and batch, resolved as the workflow resolves a run."""
+    from imagenet_ddp.settings.kinds import SCHEMA, TrainConfig, declarations, load_schema
+    from imagenet_ddp.settings.runs import resolve_run, run_defaults
 
-    from imagenet_ddp.data.dataset import PreparedImageDataset, train_transform
+    run = {"name": "bench", "crop_size": crop, "batch_size": batch, "workers": workers}
+    if recipe != "none":
+        run["recipe"] = recipe
+    resolved = resolve_run(run_defaults(load_schema(SCHEMA)), {}, run)
+    return TrainConfig.from_dict(declarations(SCHEMA).rank_settings(resolved))
 
-    dataset = PreparedImageDataset(prepared, transform=train_transform(args.crop))
-    batches = args.steps
-    sampler = RandomSampler(dataset, replacement=True, num_samples=10**9)
-    loader = DataLoader(
-        dataset,
-        batch_size=args.batch,
-        sampler=sampler,
-        num_workers=args.workers,
-        pin_memory=device.type == "cuda",
-        persistent_workers=args.workers > 0,
-        prefetch_factor=4 if args.workers > 0 else None,
-        drop_last=True,
-    )
-    it = iter(loader)
-    for _ in range(max(2, args.warmup)):  # workers started, first batches through
-        images, _ = next(it)
-    rates = []
+
+def loader_only(args, device, prepared: Path) -> tuple[list[float], float]:
+    """Training's own loader, timed by the preflight's code (imagenet_ddp.preflight.rank
+    loader_rate): the run's dataset (crop-first decode), its recipe's transform and
+    augmentations, uint8 crops, the seeded sampler, ``workers`` forkserver workers, pinned
+    copies to the device; each repeat a fresh loader timed in whole rounds of its workers for at
+    least ``--seconds`` after one warm-up round. Returns the rates and the seconds timed."""
+    from imagenet_ddp.data.reader import create_dataset
+    from imagenet_ddp.jobs.distributed import DistInfo
+    from imagenet_ddp.preflight.rank import loader_rate
+
+    cfg = recipe_config(args.recipe, args.crop, args.batch, args.workers)
+    base = create_dataset(prepared, None, train=True)  # every sample of the copy
+    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, host="bench")
+    rates, seconds = [], 0.0
     for _ in range(args.repeats):
-        started = time.perf_counter()
-        for _ in range(batches):
-            images, targets = next(it)
-            images = images.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        rates.append(args.batch * batches / (time.perf_counter() - started))
-    del it
-    return rates
+        figure = loader_rate(cfg, base, info, args.workers, device, min_seconds=args.seconds)
+        rates.append(figure["loader_images_per_s"])
+        seconds = max(seconds, figure["loader_timed_seconds"])
+    return rates, seconds
 
 
 def job_cpus() -> int:
@@ -157,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=job_cpus())
     parser.add_argument("--prepared", type=Path, default=None, help="a real prepared dir")
     parser.add_argument("--images", type=int, default=None, help="synthetic prepared images")
+    parser.add_argument(
+        "--recipe", default="none", help="the loader's recipe: none (v1's), a preset's name"
+    )
+    parser.add_argument("--seconds", type=float, default=None, help="loader window (GPU: 30)")
     args = parser.parse_args(argv)
 
     import torch
@@ -170,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or (3 if small else 30)
     args.warmup = args.warmup or (1 if small else 10)
     args.repeats = args.repeats or (2 if small else 5)
+    args.seconds = args.seconds if args.seconds is not None else (0.0 if small else 30.0)
     args.precision = args.precision or ("bf16" if cuda else "fp32")  # CPU bf16: emulated, slow
     if args.quick:
         args.workers = min(args.workers, 1)
@@ -181,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         prepared = args.prepared or make_prepared(
             Path(tmp), args.images or (16 if args.quick else 2048), 36 if small else 256
         )
-        loader_rates = loader_only(args, device, prepared)
+        loader_rates, loader_seconds = loader_only(args, device, prepared)
 
     model_img_s, loader_img_s = C.median(model_rates), C.median(loader_rates)
     name = torch.cuda.get_device_name(device) if cuda else f"CPU ({C.cpu_model()})"
@@ -197,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             "met": model_img_s >= ANCHOR_IMG_S if on_gpu else None,
         },
         {
-            "metric": f"loader only ({args.workers} workers), img/s",
+            "metric": f"training's loader ({args.workers} workers, {args.recipe}), img/s",
             "ours": loader_img_s,
             "baseline": model_img_s,
             "unit": "img/s",
@@ -217,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             " row 2 = our synthetic model img/s (loader must keep up)",
             "loader data: "
             + (str(args.prepared) if args.prepared else "synthetic ImageNet-size JPEGs prepared")
-            + f", transform train_transform({args.crop}), pin_memory {cuda}",
+            + f"; training's loader with recipe {args.recipe}: crop-first decode, uint8 crops,"
+            f" seeded sampler, pin_memory {cuda}; median of {args.repeats} fresh loaders,"
+            f" each timed {loader_seconds:.1f} s in whole rounds of its workers after a warm-up"
+            " round",
         ],
         json_out=args.json,
     )

@@ -142,8 +142,8 @@ grep -q "^simplejpeg .*MISSING" "$LOGS/env.log" || JPEG_OK=1
 [ "$ENV_OK" = 0 ] || say "env step exit $ENV_OK"
 gpu_ready() { [ "$DEVICE" = cpu ] || [ "$CUDA_OK" = 1 ]; }
 
-section "2a. bench_gpu.py: ResNet-50 synthetic (eager) + loader-only"
-# bench_gpu runs its loader-only mode after the model in every call: it needs simplejpeg.
+section "2a. bench_gpu.py: ResNet-50 synthetic (eager) + training's loader (v1 recipe, 30 s windows)"
+# bench_gpu times training's loader after the model in every call: it needs simplejpeg.
 if gpu_ready && [ "$JPEG_OK" = 1 ]; then
     run_step bench_eager "$T_BENCH" "$PY" benchmarks/bench_gpu.py $BENCH_EAGER \
         --json "$LOGS/bench_eager.json"

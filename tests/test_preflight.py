@@ -223,3 +223,23 @@ def test_the_loader_figure_is_its_steady_rate_not_the_prefetched_queue(workers):
     figure = steady_loader_rate(loader, workers, batch, torch.device("cpu"))
     true_rate = workers / seconds
     assert figure["loader_images_per_s"] == pytest.approx(true_rate, rel=0.15), figure
+
+
+def test_a_benchmark_window_times_whole_rounds_for_its_duration_past_the_dataset():
+    """bench_gpu.py times training's loader through the preflight's code for >= 30 s on a GPU
+    node: with ``min_seconds`` the timing goes on in whole rounds of the workers past the few
+    rounds and past one epoch of the (lazy, endless) sampler, at the steady rate."""
+    import torch
+
+    from imagenet_ddp.jobs.distributed import DistInfo
+    from imagenet_ddp.preflight.rank import loader_batches, preflight_loader, steady_loader_rate
+
+    seconds, batch, workers = 0.02, 4, 2
+    dataset = SleepyImages(40, seconds)  # 10 batches an epoch: the window needs ~13
+    loader = preflight_loader(dataset, DistInfo(0, 1, 0, 1, "h"), 0, batch, workers, pin=False,
+                              endless=True)  # fmt: skip
+    figure = steady_loader_rate(loader, workers, batch, torch.device("cpu"), min_seconds=0.5)
+    assert figure["loader_timed_seconds"] >= 0.5, figure
+    timed_batches = figure["loader_images_per_s"] * figure["loader_timed_seconds"] / batch
+    assert round(timed_batches) % workers == 0 and timed_batches > loader_batches(workers)["timed"]
+    assert figure["loader_images_per_s"] == pytest.approx(workers / seconds, rel=0.15), figure

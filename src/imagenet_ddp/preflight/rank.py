@@ -179,8 +179,11 @@ def loader_batches(workers: int) -> dict[str, int]:
     return {key: rounds * per_round for key, rounds in LOADER_ROUNDS.items()}
 
 
-def preflight_loader(dataset, info: D.DistInfo, seed: int, batch_size: int, workers: int, pin):
-    """The run's DataLoader over as many epochs of this rank's share as the timing takes."""
+def preflight_loader(
+    dataset, info: D.DistInfo, seed: int, batch_size: int, workers: int, pin, endless=False
+):
+    """The run's DataLoader over as many epochs of this rank's share as the timing takes
+    (``endless``: as many as a timing by duration takes; the sampler is lazy)."""
     sampler = EpochSampler(len(dataset), info.world_size, info.rank, seed, batch_size)
     if len(sampler) < batch_size:
         raise ValueError(
@@ -188,31 +191,37 @@ def preflight_loader(dataset, info: D.DistInfo, seed: int, batch_size: int, work
             "sampled training images; lower batch_size"
         )
     needed = sum(loader_batches(workers).values()) * batch_size
-    epochs = -(-needed // (len(sampler) // batch_size * batch_size))
+    epochs = 10**6 if endless else -(-needed // (len(sampler) // batch_size * batch_size))
     return train_loader(dataset, _Epochs(sampler, epochs), batch_size, workers, pin=pin)
 
 
-def steady_loader_rate(loader, workers: int, batch_size: int, device) -> dict:
+def steady_loader_rate(loader, workers: int, batch_size: int, device, min_seconds=0.0) -> dict:
     """img/s of ``loader`` once its pipeline is full (:data:`LOADER_ROUNDS`), each batch copied
-    to ``device``; the start-up apart."""
+    to ``device``; the start-up apart. ``min_seconds``: whole rounds of the workers more until
+    the timing lasts that long (a benchmark's window; a few rounds read noisy at 8+ workers)."""
     counts = loader_batches(workers)
+    per_round = max(1, workers)
     started = time.perf_counter()
     with stop_signals_blocked():  # workers are forked here; see imagenet_ddp.jobs.signals
         batches = iter(loader)
     for _ in range(counts["warmup"]):
         next(batches)
     startup = time.perf_counter() - started
-    started = time.perf_counter()
-    for _ in range(counts["timed"]):
-        images, _ = next(batches)
-        images = images.to(device, non_blocking=True)
-    synchronize(device)
+    started, timed = time.perf_counter(), 0
+    while timed < counts["timed"] or time.perf_counter() - started < min_seconds:
+        for _ in range(per_round):
+            images, _ = next(batches)
+            images = images.to(device, non_blocking=True)
+        timed += per_round
+        if timed >= counts["timed"]:
+            synchronize(device)
     seconds = time.perf_counter() - started
     del batches
     shutdown_loader_workers(loader)
     return {
-        "loader_images_per_s": counts["timed"] * batch_size / seconds,
+        "loader_images_per_s": timed * batch_size / seconds,
         "loader_startup_seconds": startup,
+        "loader_timed_seconds": seconds,
         "workers": workers,
     }
 
@@ -275,16 +284,18 @@ def checkpoint_cost(job, directory: Path) -> dict:
     }
 
 
-def loader_rate(cfg: TrainConfig, base, info: D.DistInfo, workers: int, device) -> dict:
-    """img/s of this rank's DataLoader with the run's augmentation and workers."""
+def loader_rate(
+    cfg: TrainConfig, base, info: D.DistInfo, workers: int, device, min_seconds=0.0
+) -> dict:
+    """img/s of this rank's DataLoader with the run's augmentation and workers: training's own
+    dataset, transform (uint8 crops) and sampler (benchmarks/bench_gpu.py times this too)."""
     dataset = SeededAugmentation(base, recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
     try:
-        loader = preflight_loader(
-            dataset, info, cfg.seed, cfg.batch_size, workers, pin=device.type == "cuda"
-        )
+        loader = preflight_loader(dataset, info, cfg.seed, cfg.batch_size, workers,
+                                  pin=device.type == "cuda", endless=min_seconds > 0)  # fmt: skip
     except ValueError as error:
         raise ValueError(f"run {cfg.run!r}: {error}") from None
-    return steady_loader_rate(loader, workers, cfg.batch_size, device)
+    return steady_loader_rate(loader, workers, cfg.batch_size, device, min_seconds)
 
 
 def seeded_sample(ids: list[int], wanted: int, seed: int) -> list[int]:
