@@ -42,6 +42,8 @@ def preflight_job(job: PreflightJob) -> int:
         for line in report["problems"]:
             print(f"preflight of run {run['run']!r}: {line}", file=sys.stderr)
         return 1
+    for line in report.get("warnings", []):  # the run may go, and trains input-bound
+        print(f"preflight of run {run['run']!r}: warning: {line}", file=sys.stderr)
     write_json_atomic(out, report)
     write_provenance(provenance_path(out), "preflight", run, seeds={"preflight": run["seed"]})
     print(f"preflight of run {run['run']!r} passed in {report['wall_seconds']:.1f} s")

@@ -64,7 +64,7 @@ def placement(cfg: TrainConfig, info: D.DistInfo, device: torch.device) -> dict:
         "rank": info.rank, "local_rank": info.local_rank, "host": info.host,
         **{k.lower(): os.environ.get(k) for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID")},
         "visible": visible, "device": str(device), "gpu": None, "gpu_name": None,
-        "gpu_memory_gb": None,
+        "gpu_memory_gb": None, "node_cpus": os.cpu_count(),
     }  # fmt: skip
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

@@ -214,15 +214,6 @@ def speed_problems(report: dict[str, Any], run: dict[str, Any]) -> list[str]:
             f"{s['slowest']:.1f} img/s, {s['slowest_over_median']:.0%} of the median "
             f"{s['median']:.1f}; check that node (clocks, thermal, other jobs) or exclude it"
         )
-    slowest = report["loader"]["spread"]
-    if slowest["slowest"] < report["model"]["images_per_s"]:  # that rank's GPU would wait
-        problems.append(
-            f"loader: rank {slowest['slowest_rank']} on {slowest['slowest_host']} loads "
-            f"{slowest['slowest']:.1f} img/s, the step takes "
-            f"{report['model']['images_per_s']:.1f} (loader/model {report['loader_over_model']:.2f}"
-            f" for the median rank); set cpus_per_task >= "
-            f"{report['loader']['cpus_per_task_needed']} (or cheaper augmentations)"
-        )
     world_bw = report["allreduce"]["busbw_gbps"]
     if run["nodes"] > 1 and cuda and world_bw < MIN_INTERNODE_BUSBW_GBPS:
         problems.append(
@@ -239,6 +230,33 @@ def speed_problems(report: dict[str, Any], run: dict[str, Any]) -> list[str]:
             "or use more nodes"
         )
     return problems
+
+
+def loader_warnings(report: dict[str, Any], run: dict[str, Any]) -> list[str]:
+    """A loader slower than the step: a warning, not a refusal (the run trains, input-bound),
+    with the projected share of the step and of the GPU-hours its GPUs would wait, and the way
+    out that fits the node (``node_cpus`` per rank, recorded by each rank)."""
+    slowest = report["loader"]["spread"]
+    if slowest["slowest"] >= report["model"]["images_per_s"]:
+        return []
+    p = report["projection"]
+    share = p["step_breakdown"]["input_bound_pct"]
+    needed = report["loader"]["cpus_per_task_needed"]
+    per_rank = min(r.get("node_cpus") or 0 for r in report["ranks"]) // run["tasks_per_node"]
+    if per_rank and needed > per_rank:
+        way_out = (
+            f"cpus_per_task {needed} would be needed, more than the node's {per_rank} CPUs per "
+            "rank: a smaller prepare.short_side, cheaper augmentations, or GPU decoding"
+        )
+    else:
+        way_out = f"set cpus_per_task >= {needed} (or cheaper augmentations)"
+    return [
+        f"loader: rank {slowest['slowest_rank']} on {slowest['slowest_host']} loads "
+        f"{slowest['slowest']:.1f} img/s, the step takes {report['model']['images_per_s']:.1f} "
+        f"(loader/model {report['loader_over_model']:.2f} for the median rank): input-bound "
+        f"{share:.0f} % of each step, ~{p['gpu_hours'] * share / 100:.2f} of its projected "
+        f"{p['gpu_hours']:.2f} GPU-hours waiting; {way_out}"
+    ]
 
 
 def table(report: dict[str, Any]) -> str:
@@ -280,6 +298,7 @@ def table(report: dict[str, Any]) -> str:
         _breakdown_line(p["step_breakdown"]),
         "problems: " + ("none" if not report["problems"] else ""),
         *(f"  - {line}" for line in report["problems"]),
+        *(f"warning: {line}" for line in report.get("warnings", [])),
     ]
     return "\n".join(lines)
 
@@ -352,6 +371,7 @@ def build_report(
     report["projection"] = projection(run, rates, sizes, limits)
     gpu_problems = placement_problems(ranks, run["gpus_per_node"])
     report["problems"] = gpu_problems + speed_problems(report, run)
+    report["warnings"] = loader_warnings(report, run)
     return report
 
 
