@@ -292,7 +292,8 @@ def run_staged(job: TrainJob, spec_path: Path) -> int:
             code, signalled = launcher.start_ranks(execution, job.geometry, ranks)
         finally:
             if execution.stage.cleanup and signalled and launcher.stop_skips_cleanup():
-                print("stop signal received: node-local copies are left to the job's epilog")
+                print("stop signal received: node-local copies are left to the job's epilog, "
+                      "else to the next job staging on each node (data.stage)")  # fmt: skip
             elif execution.stage.cleanup:
                 on_every_node("unstage-node", unstage_this_node)
         return code

@@ -151,8 +151,9 @@ class Srun(Launcher):
         return allocated_nodes()
 
     def stop_skips_cleanup(self) -> bool:
-        # The job is ending (time limit, scancel, preemption): SLURM creates no new step now;
-        # its epilog removes $SLURM_TMPDIR.
+        # The job is ending (time limit, scancel, preemption): SLURM creates no new step now.
+        # A site's epilog may remove $SLURM_TMPDIR; else the next job staging on the node
+        # reclaims the copy once this job's heartbeat has stopped (data.stage).
         return True
 
 
