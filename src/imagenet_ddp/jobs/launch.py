@@ -270,7 +270,8 @@ def run_staged(job: TrainJob, spec_path: Path) -> int:
     execution = job.execution
     launcher = get_launcher(execution.launcher)
     launcher.check(job.geometry)
-    python = launcher.python()
+    # the scratch root as the launcher sees it (srun passes its environment to every node)
+    python = launcher.python(binds=[scratch_root(execution.stage.scratch_dir or None)[0]])
 
     def on_every_node(command: str, here) -> tuple[int, int]:
         # one task per node (stage-node, unstage-node: main below), or a call here
