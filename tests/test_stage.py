@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from collections import namedtuple
 from pathlib import Path
 
@@ -470,6 +471,41 @@ def test_a_filesystem_without_flock_gets_a_directory_lock_that_excludes(monkeypa
     assert not (tmp_path / "out" / ".train.lock.d").exists()
 
 
+@pytest.mark.parametrize("flock", [True, False])
+def test_a_lock_is_never_held_twice_and_can_be_tried_without_waiting(monkeypatch, tmp_path, flock):
+    """reclaim_stale_leases tries a copy's lock (wait=False: held means a live stager copies
+    it). cleanup_staged removes the lock file while it holds it: a waiter then holding the
+    removed file must lock the new one, or it and a newcomer would both hold the lock."""
+    import threading
+
+    from imagenet_ddp import io
+
+    if not flock:
+        _no_flock(monkeypatch)
+    monkeypatch.setattr(io, "POLL_S", 0.01)
+    lock, seen = tmp_path / ".train.lock", []
+    waiting = threading.Event()
+
+    def waiter():
+        waiting.set()
+        with io.exclusive_lock(lock) as held, io.exclusive_lock(lock, wait=False) as newcomer:
+            seen.append((held, newcomer))
+
+    with io.exclusive_lock(lock) as held:
+        assert held is True
+        with io.exclusive_lock(lock, wait=False) as other:
+            assert other is False, "held: a try fails at once"
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        waiting.wait()
+        time.sleep(0.2)  # the waiter waits on the lock file now
+        lock.unlink(missing_ok=True)  # as cleanup_staged does, holding it
+    thread.join(timeout=10)
+    assert seen == [(True, False)], "the waiter and a newcomer held it at once"
+    with io.exclusive_lock(lock, wait=False) as free:
+        assert free is True
+
+
 def test_a_stale_directory_lock_is_taken_over_and_other_errors_still_raise(monkeypatch, tmp_path):
     """A holder SIGKILLed (or its node lost) leaves its lock directory: once untouched for
     STALE_S a waiter takes it; a held one is kept fresh by its holder's heartbeat."""
@@ -532,6 +568,20 @@ def test_on_lustre_mounted_localflock_the_lock_is_a_directory_every_node_sees(
         assert not (shared / "out" / ".train.lock.d").exists()
         with pytest.raises(BlockingIOError):
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_what_an_earlier_version_left_in_the_shared_part_is_reclaimed(prepared_demo, tmp_path):
+    """Before issue 51 copies went to <scratch>/imagenet_ddp/<fp>: a killed job's copy and
+    partial there, its lease stale, go with the next staging of this user after an upgrade."""
+    from imagenet_ddp.data.stage import reclaim_stale_leases
+
+    legacy = tmp_path / "imagenet_ddp" / stage.fingerprint(prepared_demo["val"])
+    shutil.copytree(prepared_demo["val"], legacy / "val")
+    shutil.copytree(prepared_demo["val"], legacy / ".val.tmp-abc123")
+    (legacy / "val.leases").mkdir()
+    (legacy / "val.leases" / "0123").write_text(str(tmp_path / "gone-heartbeat"))
+    assert reclaim_stale_leases(tmp_path) == [legacy / "val"]
+    assert not (tmp_path / "imagenet_ddp").exists()
 
 
 # A stager that copies one file a time slowly (a big train set), touching ``progress`` after

@@ -427,19 +427,26 @@ def _destination_of(temporary: Path) -> Path:
 
 
 def reclaim_stale_leases(scratch_root: Path) -> list[Path]:
-    """In this user's part of ``scratch_root``: remove the partial copies no stager writes
+    """In this user's part of ``scratch_root`` (and an earlier version's ``imagenet_ddp``
+    there, where this user made it): remove the partial copies no stager writes
     (their lock is free: a stager holds it for its whole copy, and the kernel releases a
     SIGKILLed one's), ended jobs' leases, and the copies no lease holds now. Returns the
     copies removed."""
-    base, removed = user_stage_dir(scratch_root), []
+    removed = []
+    # an earlier version's shared <root>/imagenet_ddp too, where this user made it
+    legacy, parts = Path(scratch_root) / STAGE_DIR, [user_stage_dir(scratch_root)]
+    with contextlib.suppress(OSError):
+        if legacy.lstat().st_uid == os.getuid() and not legacy.is_symlink():
+            parts.append(legacy)
     with scratch_access(scratch_root):
-        for dest in sorted({_destination_of(tmp) for tmp in base.glob("*/.*.tmp-*")}):
+        partials = (tmp for base in parts for tmp in base.glob("*/.*.tmp-*"))
+        for dest in sorted({_destination_of(tmp) for tmp in partials}):
             with exclusive_lock(lock_path_for(dest), wait=False) as held:
                 if held:  # else a live stager copies it now
                     _remove_partials(dest)
             if held and cleanup_staged(dest):  # its lease too, unless a live job holds one
                 removed.append(dest)
-        for leases in sorted(base.glob("*/*.leases")):
+        for leases in sorted(leases for base in parts for leases in base.glob("*/*.leases")):
             stale = [p for p in leases.iterdir() if _owner_gone(p)]
             if not stale:
                 continue
