@@ -19,6 +19,7 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from imagenet_ddp.data.prepared_layout import PREPARED_JSON, SHARD_DIR, content_digest
@@ -413,11 +414,13 @@ def cleanup_staged(dest: Path, lease: str | None = None) -> bool:
     return gone
 
 
-def _owner_gone(lease: Path) -> bool:
-    """Whether the job that took ``lease`` has ended: its heartbeat is gone or long silent."""
+def _owner_gone(lease: Path, ended: Callable[[str], bool]) -> bool:
+    """Whether the job that took ``lease`` has ended: its heartbeat is gone or long silent, or
+    ``ended`` (given the heartbeat's path) says so."""
     with contextlib.suppress(OSError):
-        beat = last_beat(lease.read_text())
-        return beat is None or time.time() - beat > STALE_S
+        beat_file = lease.read_text()
+        beat = last_beat(beat_file)
+        return beat is None or time.time() - beat > STALE_S or ended(beat_file)
     return False
 
 
@@ -426,12 +429,15 @@ def _destination_of(temporary: Path) -> Path:
     return temporary.with_name(temporary.name[1 : temporary.name.rindex(".tmp-")])
 
 
-def reclaim_stale_leases(scratch_root: Path) -> list[Path]:
+def reclaim_stale_leases(
+    scratch_root: Path, ended: Callable[[str], bool] = lambda beat: False
+) -> list[Path]:
     """In this user's part of ``scratch_root`` (and an earlier version's ``imagenet_ddp``
     there, where this user made it): remove the partial copies no stager writes
     (their lock is free: a stager holds it for its whole copy, and the kernel releases a
-    SIGKILLed one's), ended jobs' leases, and the copies no lease holds now. Returns the
-    copies removed."""
+    SIGKILLed one's), ended jobs' leases (``ended``: whether a heartbeat's job has ended,
+    where SLURM says so before its file goes silent), and the copies no lease holds now.
+    Returns the copies removed."""
     removed = []
     # an earlier version's shared <root>/imagenet_ddp too, where this user made it
     legacy, parts = Path(scratch_root) / STAGE_DIR, [user_stage_dir(scratch_root)]
@@ -447,7 +453,7 @@ def reclaim_stale_leases(scratch_root: Path) -> list[Path]:
             if held and cleanup_staged(dest):  # its lease too, unless a live job holds one
                 removed.append(dest)
         for leases in sorted(leases for base in parts for leases in base.glob("*/*.leases")):
-            stale = [p for p in leases.iterdir() if _owner_gone(p)]
+            stale = [p for p in leases.iterdir() if _owner_gone(p, ended)]
             if not stale:
                 continue
             dest = leases.with_name(leases.name[: -len(".leases")])
