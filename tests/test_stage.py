@@ -584,7 +584,7 @@ def test_what_an_earlier_version_left_in_the_shared_part_is_reclaimed(prepared_d
     assert not (tmp_path / "imagenet_ddp").exists()
 
 
-# A stager that copies one file a time slowly (a big train set), touching ``progress`` after
+# A stager that copies one file at a time slowly (a big train set), touching ``progress`` after
 # each, with its job's heartbeat beating: argv src scratch progress heartbeat.
 SLOW_STAGER = """
 import shutil, sys, time
@@ -596,7 +596,7 @@ def slow(a, b):
     real(a, b)
     if str(b).endswith(".tar"):
         Path(sys.argv[3]).touch()
-    time.sleep(0.5)
+    time.sleep(2)  # the demo's 3 shards: seconds to kill it mid-copy on a loaded machine
 shutil.copyfile = slow
 with Heartbeat(sys.argv[4]):
     stage_dataset(Path(sys.argv[1]), Path(sys.argv[2]), verify="size", lease=sys.argv[4])
