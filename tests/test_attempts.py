@@ -521,3 +521,42 @@ def test_a_rank_killed_by_killwait_after_its_stops_checkpoint_is_a_stopped_job(
     monkeypatch.setattr(launch, "run_staged", killed_before_the_checkpoint)
     assert launch.run_attempt(spec, tmp_path / "spec.json") == 137
     assert attempts.load(root)[-1]["outcome"] == "failed"
+
+
+def test_a_checkpoint_write_sigkilled_midway_is_removed_by_the_next_writer(tmp_path):
+    """Issue 51 item 2: a rank SIGKILLed inside atomic_path (cgroup kill, OOM) left its
+    `.checkpoint-*.pt.tmp-*` on the shared filesystem for ever (pruning globs checkpoint-*.pt
+    only). The next writer of the directory removes one silent longer than any live write."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    from imagenet_ddp import io
+    from imagenet_ddp.training import checkpoint as ckpt
+
+    final = tmp_path / "checkpoint-e0003-s0000000.pt"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom imagenet_ddp.io import atomic_path\n"
+         "with atomic_path(sys.argv[1]) as tmp:\n    tmp.write_bytes(b'x' * 2**20)\n"
+         "    print('written', flush=True)\n    time.sleep(60)\n", str(final)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert writer.stdout.readline() == "written\n"
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    (left,) = io.temporaries(final)
+    other = tmp_path / ".eval.json.tmp-abc"  # another file's temporary: not the checkpoints'
+    other.write_text("{}")
+    ckpt.save_checkpoint(tmp_path, {"epoch": 3, "step_in_epoch": 0, "w": torch.ones(3)}, keep=2)
+    assert left.exists(), "just written: it could be a live write"
+    silent = time.time() - io.STALE_S - 5
+    for path in (left, other):
+        os.utime(path, (silent, silent))
+    ckpt.save_checkpoint(tmp_path, {"epoch": 4, "step_in_epoch": 0, "w": torch.ones(3)}, keep=2)
+    assert not left.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*.pt")) == [
+        "checkpoint-e0003-s0000000.pt", "checkpoint-e0004-s0000000.pt"
+    ]  # fmt: skip

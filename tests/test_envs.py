@@ -172,6 +172,7 @@ FAKE_APPTAINER = """#!/bin/sh
 if [ "$1" = "--version" ]; then echo "apptainer version 1.3.4"; exit 0; fi
 echo "$*" >> "$FAKE_APPTAINER_LOG"
 echo "runtime for srun tasks: $IMAGENET_DDP_CONTAINER_RUNTIME" >> "$FAKE_APPTAINER_LOG"
+echo "args for srun tasks: $IMAGENET_DDP_CONTAINER_ARGS" >> "$FAKE_APPTAINER_LOG"
 for last; do :; done
 exec bash -c "$last"
 """
@@ -198,9 +199,11 @@ def test_with_sdm_apptainer_every_job_runs_in_the_configured_image(tmp_path, mon
     monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_APPTAINER_LOG", str(log))
     snakemake(workdir, "--profile", "profiles/local", "--sdm", "apptainer",
-              "--apptainer-args=--nv", "--until", "demo_data")  # fmt: skip
+              "--apptainer-args=--nv --bind /opt/site", "--until", "demo_data")  # fmt: skip
     call = log.read_text()
-    assert call.startswith(f"exec --home {workdir} --nv ")
+    assert call.startswith(f"exec --home {workdir} --nv --bind /opt/site ")
+    # and its --apptainer-args, whose binds the srun tasks repeat (issue 51)
+    assert "args for srun tasks: --nv --bind /opt/site\n" in call
     assert " imagenet-ddp.sif bash -c " in call and "imagenet-ddp demo-data" in call
     # apptainer from a dir of its own (as a module's): the container's environment carries
     # its absolute path, which the launcher's srun tasks run (jobs.container, issue 36)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +163,43 @@ def test_a_retry_inside_the_allocation_it_ended_in_is_not_run(tmp_path, monkeypa
     assert attempts.ran_in_this_allocation(root, RUN)["attempt"] == 1
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     assert attempts.ran_in_this_allocation(root, RUN) is None
+
+
+def test_a_staging_lease_of_an_ended_job_is_reclaimed_before_its_heartbeat_goes_stale(
+    fake_squeue, monkeypatch, prepared_demo
+):
+    """Issue 51 item 2: a job SIGKILLed with its node's copy leaves its heartbeat file, fresh
+    for STALE_S (10 min): squeue says at once that the job ended; a local launcher's pid
+    that is gone says so too. Where neither can say, the heartbeat decides."""
+    import socket
+    import subprocess
+    import sys
+
+    from imagenet_ddp.data import stage
+
+    tmp_path = fake_squeue
+    (tmp_path / "squeue.out").write_text("RUNNING\n")
+    assert holders.beat_owner_ended("/ckpt/alive/41") is False
+    (tmp_path / "squeue.err").write_text("slurm_load_jobs error: Invalid job id specified\n")
+    assert holders.beat_owner_ended("/ckpt/alive/41") is True
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    calls = (tmp_path / "squeue.calls").read_text()
+    assert holders.beat_owner_ended("/ckpt/alive/41") is False, "this job's own"
+    assert (tmp_path / "squeue.calls").read_text() == calls, "its own: squeue not asked"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    here = f"/ckpt/alive/local-{socket.gethostname()}"
+    assert holders.beat_owner_ended(f"{here}-{gone}") is True
+    assert holders.beat_owner_ended(f"{here}-{os.getpid()}") is False
+    assert holders.beat_owner_ended(f"/ckpt/alive/local-othernode-{gone}") is False
+    # the staging: the ended job's lease goes now, its fresh heartbeat notwithstanding
+    beat = tmp_path / "ckpt" / "alive" / "57"
+    beat.parent.mkdir(parents=True)
+    beat.touch()
+    scratch = tmp_path / "scratch"
+    report = stage.stage_dataset(prepared_demo["val"], scratch, verify="size", lease=str(beat))
+    assert stage.reclaim_stale_leases(scratch) == [], "without squeue: the heartbeat is fresh"
+    assert stage.reclaim_stale_leases(scratch, holders.beat_owner_ended) == [
+        Path(report["dest"])
+    ]  # fmt: skip
+    assert not Path(report["dest"]).exists()

@@ -135,6 +135,47 @@ def test_srun_tasks_enter_the_rules_container_again():
     assert task_python({"SINGULARITY_CONTAINER": image})[0] == "singularity"
 
 
+def test_srun_tasks_enter_the_image_with_the_rules_binds_and_the_scratch_root(monkeypatch):
+    """Issue 51 item 5: the profile's --apptainer-args binds reached the rule's container only;
+    srun's tasks entered the image with `exec --nv`, so a scratch outside $HOME, $PWD and /tmp
+    was not there. Snakemake's --apptainer-args travel in the environment (host_args_env); each
+    task repeats their binds and GPU flag, not --cleanenv (it would take SLURM_PROCID), and
+    binds the scratch root unless bound already or by default."""
+    import sys
+
+    from imagenet_ddp.jobs import launch, launchers
+    from imagenet_ddp.jobs.container import ARGS_VARIABLE, host_args_env, task_options
+
+    args = ("--nv --cleanenv --bind /etc/slurm,/run/munge:/run/munge:ro -B /data "
+            "--bind=/usr/bin/srun --mount type=bind,src=/opt/x,dst=/opt/x")  # fmt: skip
+    carried = host_args_env(args)
+    assert carried[ARGS_VARIABLE] == carried[f"APPTAINERENV_{ARGS_VARIABLE}"] == args
+    assert host_args_env("") == {}
+    image = "/images/imagenet-ddp.sif"
+    inside = {"APPTAINER_CONTAINER": image, **carried}
+    argv = launchers.task_python(inside, binds=["/local/scratch", "/data", "/tmp"])
+    assert argv == [
+        "apptainer", "exec", "--nv", "--bind", "/etc/slurm,/run/munge:/run/munge:ro",
+        "-B", "/data", "--bind", "/usr/bin/srun", "--mount", "type=bind,src=/opt/x,dst=/opt/x",
+        "--bind", "/local/scratch", image, sys.executable,
+    ]  # fmt: skip
+    assert task_options({ARGS_VARIABLE: "--rocm"}) == ["--rocm"]  # its GPU flag, not --nv
+    assert task_options({}, ["/scratch/"]) == ["--nv", "--bind", "/scratch"]
+    # run_staged hands the job's scratch root to every task: staging, ranks, unstaging
+    for name, value in inside.items():
+        monkeypatch.setenv(name, value)
+    steps = []
+    monkeypatch.setattr(launchers, "_run_step", lambda argv, geometry: steps.append(argv) or (0, 0))
+    run = {"nodes": 2, "tasks_per_node": 2, "cpus_per_task": 3}
+    spec = make_job("preflight", run, launcher="srun", scratch_dir="/local/scratch")
+    assert launch.run_staged(spec, "/nowhere/spec.json") == 0
+    assert len(steps) == 3
+    for step in steps:
+        entered = step[step.index("apptainer") : step.index(image)]
+        assert entered[-2:] == ["--bind", "/local/scratch"] and "-B" in entered, step
+        assert "--cleanenv" not in entered
+
+
 def test_srun_tasks_run_the_hosts_apptainer_from_a_module_dir(tmp_path):
     """Issue 36: apptainer from a module (here a Spack-like dir on PATH, no other one): the
     Snakemake that starts the container resolves its absolute path on the host, the

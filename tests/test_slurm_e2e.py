@@ -362,7 +362,8 @@ def test_each_node_staged_its_own_copy_into_its_scratch_and_cleaned_it(slurm_run
             if run["name"] == GPU_RUN:  # its last job, after its final checkpoint: no copy
                 assert "the run's final checkpoint" in report["in_place"], report
                 continue
-            assert Path(report["dest"]).is_relative_to(cluster.scratch / "imagenet_ddp"), report
+            mine = cluster.scratch / f"imagenet_ddp-{os.getuid()}"  # this user's part
+            assert Path(report["dest"]).is_relative_to(mine), report
             assert "in_place" not in report and report["cleaned"] is True, report
             assert report["scratch"] == {
                 "root": str(cluster.scratch), "from": "stage.scratch_dir",
@@ -431,7 +432,7 @@ def test_staging_under_srun_refuses_shared_scratch_and_copies_into_each_nodes_ow
     marker = str(Path(dest) / ".staged.json")
     for node in cluster.node_names:  # ... each holding its own copy there
         assert marker in cluster.node_files(node), node
-        cluster.on_node(node, "rm", "-rf", str(cluster.scratch / "imagenet_ddp"))
+        cluster.on_node(node, "rm", "-rf", str(Path(dest).parent.parent))
     assert not Path(dest).exists() and not any(cluster.scratch.iterdir())  # host: empty
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import tempfile
+import time
 from collections import namedtuple
 from pathlib import Path
 
@@ -32,7 +34,7 @@ def test_stage_copies_then_reuses_then_cleans_up(prepared_demo, tmp_path, verify
     src = prepared_demo["train"]
     scratch = tmp_path / "scratch"
     report = stage_dataset(src, scratch, verify=verify)
-    dest = scratch / "imagenet_ddp" / stage.fingerprint(src) / "train"
+    dest = stage.user_stage_dir(scratch) / stage.fingerprint(src) / "train"
     assert report["dest"] == str(dest) and report["src"] == str(src)
     assert report["host"] == socket.gethostname() and report["verify"] == verify
     assert report["reused"] is False and report["bytes_per_s"] > 0
@@ -53,8 +55,8 @@ def test_train_and_val_stage_side_by_side(prepared_demo, tmp_path):
         w: stage_dataset(prepared_demo[w], tmp_path, verify="size") for w in ("train", "val")
     }
     assert reports["train"]["dest"] != reports["val"]["dest"]
-    cleanup_staged(tmp_path / "imagenet_ddp" / stage.fingerprint(prepared_demo["train"]) / "train")
-    assert (tmp_path / "imagenet_ddp").is_dir()  # val is still there
+    cleanup_staged(stage.staged_path(prepared_demo["train"], tmp_path))
+    assert stage.user_stage_dir(tmp_path).is_dir()  # val is still there
     cleanup_staged(stage.staged_path(prepared_demo["val"], tmp_path))
     assert list(tmp_path.iterdir()) == []
 
@@ -469,6 +471,41 @@ def test_a_filesystem_without_flock_gets_a_directory_lock_that_excludes(monkeypa
     assert not (tmp_path / "out" / ".train.lock.d").exists()
 
 
+@pytest.mark.parametrize("flock", [True, False])
+def test_a_lock_is_never_held_twice_and_can_be_tried_without_waiting(monkeypatch, tmp_path, flock):
+    """reclaim_stale_leases tries a copy's lock (wait=False: held means a live stager copies
+    it). cleanup_staged removes the lock file while it holds it: a waiter then holding the
+    removed file must lock the new one, or it and a newcomer would both hold the lock."""
+    import threading
+
+    from imagenet_ddp import io
+
+    if not flock:
+        _no_flock(monkeypatch)
+    monkeypatch.setattr(io, "POLL_S", 0.01)
+    lock, seen = tmp_path / ".train.lock", []
+    waiting = threading.Event()
+
+    def waiter():
+        waiting.set()
+        with io.exclusive_lock(lock) as held, io.exclusive_lock(lock, wait=False) as newcomer:
+            seen.append((held, newcomer))
+
+    with io.exclusive_lock(lock) as held:
+        assert held is True
+        with io.exclusive_lock(lock, wait=False) as other:
+            assert other is False, "held: a try fails at once"
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        waiting.wait()
+        time.sleep(0.2)  # the waiter waits on the lock file now
+        lock.unlink(missing_ok=True)  # as cleanup_staged does, holding it
+    thread.join(timeout=10)
+    assert seen == [(True, False)], "the waiter and a newcomer held it at once"
+    with io.exclusive_lock(lock, wait=False) as free:
+        assert free is True
+
+
 def test_a_stale_directory_lock_is_taken_over_and_other_errors_still_raise(monkeypatch, tmp_path):
     """A holder SIGKILLed (or its node lost) leaves its lock directory: once untouched for
     STALE_S a waiter takes it; a held one is kept fresh by its holder's heartbeat."""
@@ -531,3 +568,181 @@ def test_on_lustre_mounted_localflock_the_lock_is_a_directory_every_node_sees(
         assert not (shared / "out" / ".train.lock.d").exists()
         with pytest.raises(BlockingIOError):
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_what_an_earlier_version_left_in_the_shared_part_is_reclaimed(prepared_demo, tmp_path):
+    """Before issue 51 copies went to <scratch>/imagenet_ddp/<fp>: a killed job's copy and
+    partial there, its lease stale, go with the next staging of this user after an upgrade."""
+    from imagenet_ddp.data.stage import reclaim_stale_leases
+
+    legacy = tmp_path / "imagenet_ddp" / stage.fingerprint(prepared_demo["val"])
+    shutil.copytree(prepared_demo["val"], legacy / "val")
+    shutil.copytree(prepared_demo["val"], legacy / ".val.tmp-abc123")
+    (legacy / "val.leases").mkdir()
+    (legacy / "val.leases" / "0123").write_text(str(tmp_path / "gone-heartbeat"))
+    assert reclaim_stale_leases(tmp_path) == [legacy / "val"]
+    assert not (tmp_path / "imagenet_ddp").exists()
+
+
+# A stager that copies one file at a time slowly (a big train set), touching ``progress`` after
+# each, with its job's heartbeat beating: argv src scratch progress heartbeat.
+SLOW_STAGER = """
+import shutil, sys, time
+from pathlib import Path
+from imagenet_ddp.data.stage import stage_dataset
+from imagenet_ddp.io import Heartbeat
+real = shutil.copyfile
+def slow(a, b):
+    real(a, b)
+    if str(b).endswith(".tar"):
+        Path(sys.argv[3]).touch()
+    time.sleep(2)  # the demo's 3 shards: seconds to kill it mid-copy on a loaded machine
+shutil.copyfile = slow
+with Heartbeat(sys.argv[4]):
+    stage_dataset(Path(sys.argv[1]), Path(sys.argv[2]), verify="size", lease=sys.argv[4])
+"""
+
+
+def _start_slow_stager(src, scratch, tmp_path, name):
+    import subprocess
+    import sys
+    import time
+
+    progress, beat = tmp_path / f"{name}.progress", tmp_path / "ckpt" / name / "beat"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_STAGER, str(src), str(scratch), str(progress), str(beat)]
+    )
+    deadline = time.monotonic() + 60
+    while not progress.exists():  # mid-copy: files copied, the marker not yet written
+        assert proc.poll() is None and time.monotonic() < deadline, "the stager did not start"
+        time.sleep(0.05)
+    return proc, str(beat)
+
+
+def test_a_copy_sigkilled_midway_is_reclaimed_by_the_next_stager_of_any_run(
+    prepared_demo, tmp_path
+):
+    """Issue 51 item 2: a stager SIGKILLed mid-copy (scancel past KillWait, cgroup kill) left a
+    partial `.train.tmp-*` that nothing reclaimed, and cleanup said removed. Its lock (held for
+    the whole copy) is free once the kernel ends it: the next stager, of another data set,
+    removes the partial, but never a live stager's; the killed job's lease (its heartbeat
+    still fresh) goes once stale; cleanup reports True only when nothing is left."""
+    import os
+    import signal
+    import time
+
+    from imagenet_ddp import io
+    from imagenet_ddp.data.stage import reclaim_stale_leases
+
+    scratch, src = tmp_path / "scratch", prepared_demo["train"]
+    dest = stage.staged_path(src, scratch)
+    live, first_beat = _start_slow_stager(src, scratch, tmp_path, "live")
+    try:
+        (partial,) = io.temporaries(dest)
+        assert reclaim_stale_leases(scratch) == [] and partial.is_dir(), "a live copy is kept"
+    finally:
+        live.send_signal(signal.SIGKILL)
+        live.wait()
+    killed, beat = _start_slow_stager(src, scratch, tmp_path, "killed")
+    killed.send_signal(signal.SIGKILL)
+    assert killed.wait() == -signal.SIGKILL
+    (left,) = io.temporaries(dest)  # the first's removed by the second, which held the lock
+    assert left != partial and list(left.rglob("*.tar")), "the kill left a partial copy"
+    assert os.path.exists(beat), "SIGKILLed: its heartbeat file stays, fresh for STALE_S"
+    # The next job on the node stages another data set: it reclaims the partials at once.
+    (tmp_path / "b").touch()  # that job's heartbeat
+    assert reclaim_stale_leases(scratch) == []  # as stage_this_node does, before its copy
+    other = stage_dataset(prepared_demo["val"], scratch, verify="size", lease=str(tmp_path / "b"))
+    assert io.temporaries(dest) == [] and not dest.exists()
+    assert len(list(dest.parent.glob("*.leases/*"))) == 2, "the killed jobs' leases look live"
+    silent = time.time() - io.STALE_S - 5
+    for path in (first_beat, beat):
+        os.utime(path, (silent, silent))
+    assert reclaim_stale_leases(scratch) == [dest]
+    assert not dest.parent.exists(), "nothing of the killed copy is left"
+    assert Path(other["dest"]).is_dir(), "the other data set's copy is untouched"
+    # Killed again; its own run's next attempt gives its lease up (stage_this_node): cleanup
+    # says True only with nothing left (before: True, the partial copy still there).
+    killed, beat = _start_slow_stager(src, scratch, tmp_path, "again")
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert io.temporaries(dest)
+    assert cleanup_staged(dest, beat) is True
+    assert io.temporaries(dest) == [] and not dest.parent.exists()
+    # Killed once more; the same data set staged next: the partial goes, a full copy is made.
+    killed, _ = _start_slow_stager(src, scratch, tmp_path, "last")
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert stage_dataset(src, scratch, verify="size")["reused"] is False
+    assert io.temporaries(dest) == [] and _tree(dest) == _tree(src)
+
+
+def _stage_as(uid: int, src: Path, scratch: Path) -> tuple[int, str]:
+    """Stage ``src`` into ``scratch`` in a child of this process that runs as ``uid`` (forked:
+    this interpreter lives under root's 0700 home): (exit code, the dest or the error line)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 3
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            try:
+                said, code = stage_dataset(src, scratch, verify="size")["dest"], 0
+            except InputError as error:
+                said, code = f"error: {error}", 1
+            except BaseException as error:  # the old code's traceback, as its type and text
+                said, code = f"{type(error).__name__}: {error}", 2
+            os.write(write, said.encode())
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        said = pipe.read()
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), said
+
+
+OTHER_UID = 65534  # nobody
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="runs a stager as another uid"
+)
+def test_a_second_user_stages_on_a_node_the_first_staged_on(prepared_demo):
+    """Issue 51 item 3: copies went to <scratch>/imagenet_ddp/<fp>, 0755, for every user: a
+    second uid got a PermissionError traceback on `.prepared.lock`. Each user has a private
+    part now; one it cannot write is one line naming the path and what to do."""
+
+    def as_other(src, scratch):
+        return _stage_as(OTHER_UID, src, scratch)
+
+    shared = Path(tempfile.mkdtemp(prefix="test-stage-users-"))  # tmp_path is root's own, 0700
+    try:
+        shared.chmod(0o755)
+        src = shared / "val"
+        shutil.copytree(prepared_demo["val"], src)
+        scratch = shared / "tmp"  # a node's /tmp: every user's, sticky
+        scratch.mkdir(mode=0o1777)
+        scratch.chmod(0o1777)
+        mine = Path(stage_dataset(src, scratch, verify="size")["dest"])
+        code, theirs = as_other(src, scratch)
+        assert code == 0, theirs  # before: PermissionError on <scratch>/imagenet_ddp/<fp>
+        relative = mine.relative_to(stage.user_stage_dir(scratch))
+        assert Path(theirs) == scratch / f"imagenet_ddp-{OTHER_UID}" / relative
+        assert _tree(Path(theirs)) == _tree(src) == _tree(mine)
+        assert stage.user_stage_dir(scratch).stat().st_mode & 0o777 == 0o700
+        # a scratch root it may not write: one line naming it, no traceback
+        closed = shared / "closed"
+        closed.mkdir(mode=0o755)
+        code, line = as_other(src, closed)
+        assert code == 1 and len(line.splitlines()) == 1, line
+        assert f"scratch {closed}/imagenet_ddp-{OTHER_UID}: permission denied to uid" in line
+        assert "set stage.scratch_dir to a node-local directory this user may write" in line
+        # its part made by someone else (here root): refused, not written into
+        (closed / f"imagenet_ddp-{OTHER_UID}").mkdir(mode=0o777)
+        (closed / f"imagenet_ddp-{OTHER_UID}").chmod(0o777)
+        code, line = as_other(src, closed)
+        assert code == 1 and f"belongs to uid 0, not to this job's uid {OTHER_UID}" in line
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -28,7 +29,7 @@ def atomic_path(final: str | os.PathLike[str], *, is_dir: bool = False) -> Itera
     ``final`` only if the block succeeds; else removed, ``final`` untouched."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    prefix = f".{final.name}.tmp-"
+    prefix = _temporary_prefix(final)
     tmp = Path(
         tempfile.mkdtemp(prefix=prefix, dir=final.parent)
         if is_dir
@@ -49,6 +50,44 @@ def atomic_path(final: str | os.PathLike[str], *, is_dir: bool = False) -> Itera
         else:
             tmp.unlink(missing_ok=True)
         raise
+
+
+def _temporary_prefix(final: Path) -> str:
+    return f".{final.name}.tmp-"
+
+
+def temporaries(final: str | os.PathLike[str]) -> list[Path]:
+    """The temporaries :func:`atomic_path` made for ``final`` that are still there: a live
+    writer's, or one SIGKILLed before its cleanup ran (no ``finally`` runs then)."""
+    final = Path(final)
+    return sorted(final.parent.glob(f"{glob.escape(_temporary_prefix(final))}*"))
+
+
+def remove_path(path: Path) -> int:
+    """Remove a file or tree; the bytes it held (0 if it was gone)."""
+    try:
+        if not path.is_dir() or path.is_symlink():
+            size = path.lstat().st_size
+            path.unlink()
+            return size
+    except FileNotFoundError:
+        return 0
+    size = sum(p.lstat().st_size for p in path.rglob("*") if p.is_file())
+    shutil.rmtree(path, ignore_errors=True)
+    return size
+
+
+def remove_stale_temporaries(directory: Path, pattern: str, older_than: float) -> list[Path]:
+    """Remove the :func:`atomic_path` temporaries of the files ``pattern`` names in
+    ``directory`` that nobody has written for ``older_than`` seconds (their writer was
+    SIGKILLed: a live one's mtime moves while it writes). The removed paths."""
+    cutoff, removed = time.time() - older_than, []
+    for tmp in sorted(Path(directory).glob(f".{pattern}.tmp-*")):
+        with contextlib.suppress(OSError):
+            if tmp.lstat().st_mtime < cutoff:
+                remove_path(tmp)
+                removed.append(tmp)
+    return removed
 
 
 # A data command's Ctrl-C or SIGTERM while it runs a pool. Python raises a SIGINT's
@@ -161,39 +200,56 @@ def last_beat(path) -> float | None:
 
 
 @contextlib.contextmanager
-def exclusive_lock(lock_file: str | os.PathLike[str]) -> Iterator[None]:
+def exclusive_lock(lock_file: str | os.PathLike[str], *, wait: bool = True) -> Iterator[bool]:
     """Hold an exclusive lock on ``lock_file`` (created if needed), released on exit: flock,
     which the kernel releases if the holder dies; where the filesystem has none
     (:data:`NO_FLOCK_ERRNOS`) or one that locks within a node only (Lustre's ``localflock``),
-    a lock directory beside it (:func:`directory_lock`)."""
+    a lock directory beside it (:func:`directory_lock`). Yields True; with ``wait=False``
+    False at once where another holds it (then nothing is held)."""
     lock_file = Path(lock_file)
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
-    fallback = directory_lock(lock_file.with_name(lock_file.name + ".d"))
-    if flock_is_node_local(lock_file.parent):
-        with fallback:
-            yield
-        return
-    with open(lock_file, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError as error:
-            if error.errno not in NO_FLOCK_ERRNOS:
-                raise
-            with fallback:
-                yield
+    fallback = directory_lock(lock_file.with_name(lock_file.name + ".d"), wait=wait)
+    while True:
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+        if flock_is_node_local(lock_file.parent):
+            with fallback as held:
+                yield held
             return
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        with open(lock_file, "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:  # only without wait: another process holds it
+                yield False
+                return
+            except OSError as error:
+                if error.errno not in NO_FLOCK_ERRNOS:
+                    raise
+                with fallback as held:
+                    yield held
+                return
+            if not _still_named(handle, lock_file):
+                # its holder removed the file (stage.cleanup_staged) while this one waited on
+                # it: a newcomer may hold the file now there, so lock that one instead
+                continue
+            try:
+                yield True
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+            return
+
+
+def _still_named(handle, path: Path) -> bool:
+    try:
+        return os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
 
 
 @contextlib.contextmanager
-def directory_lock(path: Path) -> Iterator[None]:
+def directory_lock(path: Path, *, wait: bool = True) -> Iterator[bool]:
     """A lock that needs no flock: ``mkdir(path)`` succeeds for one process on any node, whose
     :class:`Heartbeat` keeps it fresh; one silent for :data:`STALE_S` (its holder SIGKILLed or
     its node lost) is renamed away (one waiter wins the rename) and taken. ``path/owner``
-    names the holder.
+    names the holder. Yields True; with ``wait=False`` False where a live holder has it.
 
     Not filelock's: its SoftFileLock breaks a dead holder's marker on the same host only, and
     its SoftFileLease (filelock 3.30) takes one over across hosts by renameat2's
@@ -210,12 +266,16 @@ def directory_lock(path: Path) -> Iterator[None]:
                 with contextlib.suppress(FileNotFoundError):  # another waiter renamed it first
                     os.rename(path, stale)
                     shutil.rmtree(stale, ignore_errors=True)
+                continue
+            if not wait:
+                yield False
+                return
             time.sleep(POLL_S)
     owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
     (path / "owner").write_text(json.dumps(owner) + "\n")
     try:
         with Heartbeat(path, HEARTBEAT_S):
-            yield
+            yield True
     finally:
         shutil.rmtree(path, ignore_errors=True)
 

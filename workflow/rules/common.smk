@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 from imagenet_ddp import __version__ as PACKAGE_VERSION  # report.smk's param
 from imagenet_ddp.data.layouts import LAYOUTS, dry_run_layout
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.jobs.container import host_runtime_env
+from imagenet_ddp.jobs.container import host_args_env, host_runtime_env
 from imagenet_ddp.jobs.site import (
     launch_prefix,
     memory_problems,
@@ -359,9 +359,11 @@ _problems += filter(None, [stop_warning_problem(_train_runtime(), _extra)])
 if _problems:
     refuse(_problems)
 # The srun tasks of a containerised job run the host's apptainer, by the absolute path this
-# Snakemake resolves here: the container's PATH lacks a module's apptainer (jobs.container).
+# Snakemake resolves here: the container's PATH lacks a module's apptainer; with the binds of
+# the rule's --apptainer-args, which srun's tasks do not inherit (jobs.container).
 if _APPTAINER:
     os.environ.update(host_runtime_env())
+    os.environ.update(host_args_env(workflow.deployment_settings.apptainer_args))
 
 
 # The training-ready copy; point several workflows (or users) at one shared directory to

@@ -1,10 +1,13 @@
 """Copy a prepared directory to node-local scratch once per node, and remove it afterwards.
 
-Into ``<scratch_root>/imagenet_ddp/<fingerprint of prepared.json>/<src.name>``, under a lock,
+Into ``<scratch_root>/imagenet_ddp-<uid>/<fingerprint of prepared.json>/<src.name>`` (one
+private part per user: a node's /tmp is every user's), under a lock held for the whole copy,
 complete once its marker (written last, after verification) exists; a complete copy is reused.
 A scratch root every node shares is refused (:func:`scratch_problem`). Each job sharing a copy
-holds a lease naming its io.Heartbeat file; the last to leave removes the copy, and a lease
-whose heartbeat is gone or stale is reclaimed (:func:`reclaim_stale_leases`)."""
+holds a lease naming its io.Heartbeat file; the last to leave removes the copy. The next stager
+of any run reclaims what a killed job left (:func:`reclaim_stale_leases`): a lease whose
+heartbeat is gone or stale, and a partial copy whose lock no stager holds (the kernel releases
+a SIGKILLed stager's flock)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from imagenet_ddp.data.prepared_layout import PREPARED_JSON, SHARD_DIR, content_digest
@@ -27,12 +31,14 @@ from imagenet_ddp.io import (
     file_digest,
     last_beat,
     lock_path_for,
+    remove_path,
+    temporaries,
     write_json_atomic,
 )
 from imagenet_ddp.mounts import existing_ancestor, is_network, mount_of
 from imagenet_ddp.settings.node_memory import DataSizes, estimate_mb
 
-STAGE_DIR = "imagenet_ddp"
+STAGE_DIR = "imagenet_ddp"  # <scratch>/imagenet_ddp-<uid>: this user's part (user_stage_dir)
 MARKER = ".staged.json"
 
 
@@ -229,8 +235,46 @@ def fingerprint(src: Path) -> str:
         ) from None
 
 
+def user_stage_dir(scratch_root: Path) -> Path:
+    """This user's part of a scratch root, private (0700 when made here): the same root on
+    the same node serves every user's jobs, and one user's directory refuses another's."""
+    return Path(scratch_root) / f"{STAGE_DIR}-{os.getuid()}"
+
+
 def staged_path(src: Path, scratch_root: Path) -> Path:
-    return Path(scratch_root) / STAGE_DIR / fingerprint(src) / Path(src).name
+    return user_stage_dir(scratch_root) / fingerprint(src) / Path(src).name
+
+
+def _own_stage_dir(scratch_root: Path) -> Path:
+    """:func:`user_stage_dir`, made if needed; refused where another user owns it."""
+    base = user_stage_dir(scratch_root)
+    with scratch_access(scratch_root):
+        Path(scratch_root).mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            base.mkdir(mode=0o700)
+        owner = base.lstat().st_uid
+    if owner != os.getuid() or base.is_symlink():
+        raise InputError(
+            f"scratch {base} belongs to uid {owner}, not to this job's uid {os.getuid()}: "
+            f"have it removed, or set {SCRATCH_KEY} to a node-local directory of your own"
+        )
+    return base
+
+
+@contextlib.contextmanager
+def scratch_access(scratch_root: Path):
+    """A PermissionError under ``scratch_root`` as one InputError line naming the path."""
+    try:
+        yield
+    except PermissionError as error:
+        where = Path(error.filename or scratch_root)
+        if not where.is_relative_to(scratch_root):
+            raise  # not the scratch's (the prepared copy's own): as it is
+        raise InputError(
+            f"scratch {error.filename or scratch_root}: permission denied to uid {os.getuid()} "
+            f"({error.strerror}); set {SCRATCH_KEY} to a node-local directory this user may "
+            "write, or have the node's admin free it"
+        ) from None
 
 
 def _files(src: Path) -> list[tuple[str, int]]:
@@ -294,14 +338,16 @@ def stage_dataset(src: Path, scratch_root: Path, *, verify: str, lease: str | No
     files = _files(src)
     total = sum(size for _, size in files)
     started = time.perf_counter()
-    with exclusive_lock(lock_path_for(dest)):
+    _own_stage_dir(scratch_root)
+    with scratch_access(scratch_root), exclusive_lock(lock_path_for(dest)):
         if lease is not None:  # taken before the copy: a concurrent cleanup must keep it
             _leases(dest).mkdir(parents=True, exist_ok=True)
             _lease_file(dest, lease).write_text(lease)
         if _is_complete(dest, fp, files):
             seconds = time.perf_counter() - started
             return _report(src, dest, files, verify, seconds=seconds, reused=True)
-        free = shutil.disk_usage(dest.parent).free
+        # Under the lock no other stager writes: a temporary here is a killed stager's.
+        free = shutil.disk_usage(dest.parent).free + _remove_partials(dest)
         if dest.exists():  # an incomplete copy: its space is about to be freed
             free += sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
         if free < total:
@@ -324,14 +370,29 @@ def stage_dataset(src: Path, scratch_root: Path, *, verify: str, lease: str | No
     return _report(src, dest, files, verify, seconds=seconds, bytes_per_s=rate)
 
 
+def _remove_partials(dest: Path) -> int:
+    """Remove the partial copies into ``dest`` (atomic_path's temporaries); the caller holds
+    its lock, so no stager writes them. The bytes freed."""
+    freed = sum(remove_path(tmp) for tmp in temporaries(dest))
+    if freed:
+        print(f"removed {_human(freed)} of partial copies into {dest} that a killed stager "
+              "left", flush=True)  # fmt: skip
+    return freed
+
+
+def _is_stage_part(path: Path) -> bool:
+    """Whether ``path`` names a user's part of a scratch root (or an earlier version's)."""
+    return path.name == STAGE_DIR or path.name.startswith(f"{STAGE_DIR}-")
+
+
 def cleanup_staged(dest: Path, lease: str | None = None) -> bool:
-    """Give up ``lease`` on a staged copy; remove it (and empty parents) if no lease remains.
-    Returns whether the copy is gone."""
+    """Give up ``lease`` on a staged copy; remove it, its partial copies (and empty parents)
+    if no lease remains. Returns whether nothing of it is left."""
     dest = Path(dest)
-    if dest.parent.parent.name != STAGE_DIR:
-        raise ValueError(f"{dest} is not a staged copy (<scratch>/{STAGE_DIR}/<fp>/<name>)")
+    if not _is_stage_part(dest.parent.parent):
+        raise ValueError(f"{dest} is not a staged copy (<scratch>/{STAGE_DIR}-<uid>/<fp>/<name>)")
     lock = lock_path_for(dest)
-    if not (dest.exists() or lock.exists()):
+    if not (dest.exists() or lock.exists() or temporaries(dest)):
         return True
     with exclusive_lock(lock):
         leases = _leases(dest)
@@ -341,35 +402,65 @@ def cleanup_staged(dest: Path, lease: str | None = None) -> bool:
             return False  # another job still reads it; the last one removes it
         shutil.rmtree(leases, ignore_errors=True)
         shutil.rmtree(dest, ignore_errors=True)
-    lock.unlink(missing_ok=True)
+        _remove_partials(dest)
+        gone = not (dest.exists() or temporaries(dest))
+        if gone:  # removed while held: a waiter finds it unlinked (io.exclusive_lock)
+            lock.unlink(missing_ok=True)
     for parent in (dest.parent, dest.parent.parent):
         try:
             parent.rmdir()
         except OSError:  # not empty (another copy or a stager still there) or already gone
             break
-    return True
+    return gone
 
 
-def _owner_gone(lease: Path) -> bool:
-    """Whether the job that took ``lease`` has ended: its heartbeat is gone or long silent."""
+def _owner_gone(lease: Path, ended: Callable[[str], bool]) -> bool:
+    """Whether the job that took ``lease`` has ended: its heartbeat is gone or long silent, or
+    ``ended`` (given the heartbeat's path) says so."""
     with contextlib.suppress(OSError):
-        beat = last_beat(lease.read_text())
-        return beat is None or time.time() - beat > STALE_S
+        beat_file = lease.read_text()
+        beat = last_beat(beat_file)
+        return beat is None or time.time() - beat > STALE_S or ended(beat_file)
     return False
 
 
-def reclaim_stale_leases(scratch_root: Path) -> list[Path]:
-    """Remove ended jobs' leases under ``scratch_root`` and the copies no lease holds now."""
+def _destination_of(temporary: Path) -> Path:
+    """The copy an atomic_path temporary (``.<name>.tmp-XXXX``) was to become."""
+    return temporary.with_name(temporary.name[1 : temporary.name.rindex(".tmp-")])
+
+
+def reclaim_stale_leases(
+    scratch_root: Path, ended: Callable[[str], bool] = lambda beat: False
+) -> list[Path]:
+    """In this user's part of ``scratch_root`` (and an earlier version's ``imagenet_ddp``
+    there, where this user made it): remove the partial copies no stager writes
+    (their lock is free: a stager holds it for its whole copy, and the kernel releases a
+    SIGKILLed one's), ended jobs' leases (``ended``: whether a heartbeat's job has ended,
+    where SLURM says so before its file goes silent), and the copies no lease holds now.
+    Returns the copies removed."""
     removed = []
-    for leases in sorted((Path(scratch_root) / STAGE_DIR).glob("*/*.leases")):
-        stale = [p for p in leases.iterdir() if _owner_gone(p)]
-        if not stale:
-            continue
-        dest = leases.with_name(leases.name[: -len(".leases")])
-        with exclusive_lock(lock_path_for(dest)):
-            for lease in stale:
-                lease.unlink(missing_ok=True)
-        print(f"reclaimed {len(stale)} stale staging lease(s) on {dest}", flush=True)
-        if cleanup_staged(dest):  # removed only if no live lease remains
-            removed.append(dest)
+    # an earlier version's shared <root>/imagenet_ddp too, where this user made it
+    legacy, parts = Path(scratch_root) / STAGE_DIR, [user_stage_dir(scratch_root)]
+    with contextlib.suppress(OSError):
+        if legacy.lstat().st_uid == os.getuid() and not legacy.is_symlink():
+            parts.append(legacy)
+    with scratch_access(scratch_root):
+        partials = (tmp for base in parts for tmp in base.glob("*/.*.tmp-*"))
+        for dest in sorted({_destination_of(tmp) for tmp in partials}):
+            with exclusive_lock(lock_path_for(dest), wait=False) as held:
+                if held:  # else a live stager copies it now
+                    _remove_partials(dest)
+            if held and cleanup_staged(dest):  # its lease too, unless a live job holds one
+                removed.append(dest)
+        for leases in sorted(leases for base in parts for leases in base.glob("*/*.leases")):
+            stale = [p for p in leases.iterdir() if _owner_gone(p, ended)]
+            if not stale:
+                continue
+            dest = leases.with_name(leases.name[: -len(".leases")])
+            with exclusive_lock(lock_path_for(dest)):
+                for lease in stale:
+                    lease.unlink(missing_ok=True)
+            print(f"reclaimed {len(stale)} stale staging lease(s) on {dest}", flush=True)
+            if cleanup_staged(dest):  # removed only if no live lease remains
+                removed.append(dest)
     return removed

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from imagenet_ddp.io import HEARTBEAT_S, exclusive_lock, lock_path_for
 from imagenet_ddp.jobs.attempts import EXIT_REQUEUE, RECORD, last_sign, load, of_run, settings_key
@@ -34,6 +37,18 @@ def job_state(job_id: str) -> str | None:
         state = result.stdout.strip()
         return "" if state in ENDED else state
     return "" if "Invalid job id" in result.stderr else None  # purged: long gone
+
+
+def beat_owner_ended(beat: str | os.PathLike) -> bool:
+    """Whether the job that a heartbeat file names (attempts.beat_path: its SLURM job id, or
+    ``local-<host>-<pid>``) has ended, as squeue or this host knows: a SIGKILLed job's file
+    stays fresh for STALE_S. False where neither can say (the heartbeat decides then)."""
+    name = Path(beat).name
+    if name.isdigit():
+        return name != os.environ.get("SLURM_JOB_ID") and job_state(name) == ""
+    local = f"local-{socket.gethostname()}-"
+    pid = name[len(local) :]
+    return name.startswith(local) and pid.isdigit() and not psutil.pid_exists(int(pid))
 
 
 def live_holder(checkpoint_root, run: dict[str, Any]) -> dict | None:

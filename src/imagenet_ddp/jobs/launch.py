@@ -34,7 +34,7 @@ from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import Heartbeat, write_json_atomic
 from imagenet_ddp.jobs import attempts
 from imagenet_ddp.jobs.early_signals import EXIT_REQUEUE, STOP_SIGNALS
-from imagenet_ddp.jobs.holders import begin_unless_held, give_back, live_holder
+from imagenet_ddp.jobs.holders import beat_owner_ended, begin_unless_held, give_back, live_holder
 from imagenet_ddp.jobs.launchers import get_launcher, resolve_launcher
 from imagenet_ddp.jobs.spec import (
     EVAL_SPEC,
@@ -148,7 +148,8 @@ def stage_this_node(job: TrainJob) -> dict:
         raise InputError(in_ram)  # before the copy: in RAM it would be OOM-killed in epoch 0
     else:  # the lease names this job's heartbeat, which every node sees
         lease = os.path.abspath(attempts.beat_path(paths.checkpoint_root))
-        reclaim_stale_leases(scratch)  # copies pinned by jobs killed before their cleanup
+        # copies pinned by jobs killed before their cleanup (squeue: ended ones at once)
+        reclaim_stale_leases(scratch, ended=beat_owner_ended)
         report = stage_dataset(src, scratch, verify=stage.verify, lease=lease)
         report["lease"] = lease
     report["scratch"] = scratch_info(scratch, origin)  # a site's node-local disk shows here
@@ -270,7 +271,8 @@ def run_staged(job: TrainJob, spec_path: Path) -> int:
     execution = job.execution
     launcher = get_launcher(execution.launcher)
     launcher.check(job.geometry)
-    python = launcher.python()
+    # the scratch root as the launcher sees it (srun passes its environment to every node)
+    python = launcher.python(binds=[scratch_root(execution.stage.scratch_dir or None)[0]])
 
     def on_every_node(command: str, here) -> tuple[int, int]:
         # one task per node (stage-node, unstage-node: main below), or a call here
@@ -292,7 +294,8 @@ def run_staged(job: TrainJob, spec_path: Path) -> int:
             code, signalled = launcher.start_ranks(execution, job.geometry, ranks)
         finally:
             if execution.stage.cleanup and signalled and launcher.stop_skips_cleanup():
-                print("stop signal received: node-local copies are left to the job's epilog")
+                print("stop signal received: node-local copies are left to the job's epilog, "
+                      "else to the next job staging on each node (data.stage)")  # fmt: skip
             elif execution.stage.cleanup:
                 on_every_node("unstage-node", unstage_this_node)
         return code

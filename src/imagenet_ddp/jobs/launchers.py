@@ -16,13 +16,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import ClassVar
 
 import psutil
 
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.jobs.container import task_runtime
+from imagenet_ddp.jobs.container import task_options, task_runtime
 from imagenet_ddp.settings.geometry import Geometry
 from imagenet_ddp.settings.node_memory import compile_threads_env
 
@@ -49,8 +49,9 @@ class Launcher:
                 f"launcher {self.name!r} runs on one node; use launcher 'srun' for nodes > 1"
             )
 
-    def python(self) -> list[str]:
-        """The command that starts Python for a rank or a per-node step."""
+    def python(self, binds: Iterable[str] = ()) -> list[str]:
+        """The command that starts Python for a rank or a per-node step, which must see the
+        paths ``binds`` (the scratch root: in a container, bound)."""
         return [sys.executable]
 
     def on_every_node(
@@ -134,8 +135,8 @@ class Srun(Launcher):
     def detect(self, environ: Mapping[str, str]) -> bool:
         return bool(environ.get("SLURM_JOB_ID"))
 
-    def python(self) -> list[str]:
-        return task_python()
+    def python(self, binds: Iterable[str] = ()) -> list[str]:
+        return task_python(binds=binds)
 
     def on_every_node(self, execution, geometry, here, argv):
         extra = shlex.split(execution.srun_extra)  # a quoted value is one word, as in a shell
@@ -151,8 +152,9 @@ class Srun(Launcher):
         return allocated_nodes()
 
     def stop_skips_cleanup(self) -> bool:
-        # The job is ending (time limit, scancel, preemption): SLURM creates no new step now;
-        # its epilog removes $SLURM_TMPDIR.
+        # The job is ending (time limit, scancel, preemption): SLURM creates no new step now.
+        # A site's epilog may remove $SLURM_TMPDIR; else the next job staging on the node
+        # reclaims the copy once this job's heartbeat has stopped (data.stage).
         return True
 
 
@@ -184,16 +186,17 @@ def srun_argv(
 CONTAINER_IMAGE_VARIABLES = ("APPTAINER_CONTAINER", "SINGULARITY_CONTAINER")
 
 
-def task_python(environ=None) -> list[str]:
+def task_python(environ=None, binds: Iterable[str] = ()) -> list[str]:
     """The command that starts Python for a task of an srun step. Inside a container (``--sdm
-    apptainer``) srun starts its tasks on the host: each enters the same image again."""
+    apptainer``) srun starts its tasks on the host: each enters the same image again, with the
+    rule's binds and ``binds`` (jobs.container.task_options)."""
     environ = os.environ if environ is None else environ
     image = next((environ[v] for v in CONTAINER_IMAGE_VARIABLES if environ.get(v)), None)
     if image is None:
         return [sys.executable]
     # The host's runtime by its absolute path (imagenet_ddp.jobs.container): the container's
     # PATH does not hold a module's apptainer.
-    return [task_runtime(environ), "exec", "--nv", image, sys.executable]
+    return [task_runtime(environ), "exec", *task_options(environ, binds), image, sys.executable]
 
 
 SLURM_SECONDS = 30

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from imagenet_ddp.io import atomic_path
+from imagenet_ddp.io import STALE_S, atomic_path, remove_stale_temporaries
 from imagenet_ddp.jobs import distributed as D
 from imagenet_ddp.settings.geometry import SAMPLE_ORDER, Geometry, global_batch
 from imagenet_ddp.training.state import TrainingState
@@ -67,8 +67,11 @@ class CheckpointWriteError(OSError):
 
 def save_checkpoint(directory: Path, state: dict[str, Any], keep: int) -> Path:
     """Write atomically, then prune the oldest: a failed write (full disk, quota) leaves the
-    earlier ones intact and ends the job with one line."""
+    earlier ones intact and ends the job with one line. First the temporaries of a writer
+    SIGKILLed mid-write (no cleanup ran) go, silent for STALE_S: one job writes a run's
+    checkpoints (jobs.holders), and a live write moves its temporary's mtime."""
     path = directory / checkpoint_name(state["epoch"], state["step_in_epoch"])
+    remove_stale_temporaries(directory, "checkpoint-*.pt", older_than=STALE_S)
     try:
         with atomic_path(path) as tmp:
             torch.save(state, tmp)
