@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from imagenet_ddp.io import HEARTBEAT_S, exclusive_lock, lock_path_for
-from imagenet_ddp.jobs.attempts import EXIT_REQUEUE, RECORD, last_sign, load, of_run, settings_key
+from imagenet_ddp.jobs.attempts import EXIT_REQUEUE, RECORD, last_sign, load, of_run, run_keys
 from imagenet_ddp.jobs.launchers import slurm
 
 # States of a job that has ended (squeue shows them for MinJobAge); any other is live. A job an
@@ -40,7 +40,7 @@ def live_holder(checkpoint_root, run: dict[str, Any]) -> dict | None:
     """The open entry of another job that still runs the run (squeue; where squeue cannot say,
     its heartbeat within :data:`STALE_SECONDS`), with its ``state``; None if none."""
     now, own = time.time(), os.environ.get("SLURM_JOB_ID")
-    for entry in of_run(load(checkpoint_root), settings_key(run)):
+    for entry in of_run(load(checkpoint_root), run_keys(run)):
         if entry.get("ended") is not None or (own and entry.get("slurm_job_id") == own):
             continue
         state = job_state(entry["slurm_job_id"]) if entry.get("slurm_job_id") else None
