@@ -24,6 +24,7 @@ import yaml
 
 from imagenet_ddp.optimizers import scaled_lr
 from imagenet_ddp.settings.epoch_end import evaluates
+from imagenet_ddp.settings.evaluation import eval_crop
 from imagenet_ddp.settings.geometry import GEOMETRY_KEYS, global_batch
 
 SCHEMA = Path(__file__).parents[1] / "config.schema.yaml"  # the package's: package-data
@@ -285,7 +286,7 @@ class _TrainConfig:
 
     @property
     def eval_crop(self) -> int:
-        return self.eval_crop_size or self.crop_size
+        return eval_crop(vars(self))
 
     def crop_for_epoch(self, epoch: int) -> int:
         """Training crop of ``epoch``: progressive resizing as FFCV's ResNet recipes do it
