@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from imagenet_ddp.io import HEARTBEAT_S, Heartbeat, last_beat, write_json_atomic
+from imagenet_ddp.io import LATE_S, Heartbeat, last_beat, write_json_atomic
 from imagenet_ddp.jobs.early_signals import EXIT_REQUEUE  # torch-free, as this module
 from imagenet_ddp.provenance import code_version
 from imagenet_ddp.settings.geometry import (
@@ -212,7 +212,7 @@ def _settle(checkpoint_root, run: dict[str, Any], seconds: float = 30.0) -> None
         last = mine[-1] if mine else None
         if last is None or last.get("ended") is not None:
             return
-        if time.time() - last_sign(checkpoint_root, last) > HEARTBEAT_S + 5:
+        if time.time() - last_sign(checkpoint_root, last) > LATE_S:
             return  # long silent: killed (a node failure), nothing to wait for
         if stopped_by_ranks(checkpoint_root, last, checkpointed=False):
             return
@@ -396,8 +396,10 @@ def record_divergence(checkpoint_root, line: str) -> None:
 
 
 PROGRESS_DIR = "progress"
+# A rank's step written every PROGRESS_SECONDS (RankProgress, a Heartbeat); a rank four writes
+# behind the others at the end is named as hung.
 PROGRESS_SECONDS = 15.0
-HUNG_SECONDS = 60.0  # a rank this far behind the others at the end is named as hung
+HUNG_SECONDS = 4 * PROGRESS_SECONDS
 
 
 class RankProgress(Heartbeat):
