@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import time
 
 import pandas as pd
 import pytest
@@ -447,7 +449,16 @@ def test_progress_shows_the_finished_runs_while_one_failed_and_one_still_trains(
     entry, _ = attempts.begin(roots[2], settings, attempt=1, gpus=8, cores=64)
     attempts.record_error(roots[2], 0, "node1", RuntimeError("CUDA error: out of memory"))
     attempts.end(roots[2], entry, 1)
-    attempts.begin(roots[3], {**settings, "run": "busy"}, attempt=1, gpus=8, cores=64)
+    busy_entry, _ = attempts.begin(roots[3], {**settings, "run": "busy"}, attempt=1, gpus=8,
+                                   cores=64)  # fmt: skip
+    # Started 3 hours ago, its heartbeat 2 minutes ago: the sign of life is the heartbeat's.
+    record = attempts.load(roots[3])
+    record[0]["started"] = time.time() - 3 * 3600
+    (roots[3] / attempts.RECORD).write_text(json.dumps({"attempts": record}))
+    beat = roots[3] / attempts.ALIVE_DIR / busy_entry["beat"]
+    beat.parent.mkdir(parents=True, exist_ok=True)
+    beat.touch()
+    os.utime(beat, (time.time() - 120, time.time() - 120))
     busy = run_dirs[3]
     busy.mkdir(parents=True)
     (busy / "job_spec.json").write_text(json.dumps({"kind": "train", "run": {"epochs": 90}}))
@@ -467,7 +478,10 @@ def test_progress_shows_the_finished_runs_while_one_failed_and_one_still_trains(
     assert table.loc["a-1x1", "test_top1"] == pytest.approx(0.58)
     assert "CUDA error: out of memory" in table.loc["broken", "note"]
     assert table.loc["busy", "epochs_done"] == 10 and table.loc["busy", "epochs"] == 90
-    assert table.loc["busy", "note"].endswith("ago; loss spiked to 7.4 at epoch 0")
+    job = busy_entry["slurm_job_id"] or "local"
+    assert table.loc["busy", "note"] == (
+        f"job {job}, last sign of life 2 min ago; loss spiked to 7.4 at epoch 0"
+    )
     assert table.loc["busy", "eta_hours"] == pytest.approx(80 * 66 / 3600)
     text = (out / "runs.md").read_text()
     assert "Finished: 2 of 5." in text and "| broken" in text and "10/90" in text

@@ -48,19 +48,35 @@ def test_each_attempt_is_recorded_with_its_start_and_newest_checkpoint(tmp_path)
 
 def test_the_count_follows_the_checkpoints_key():
     """Settings that resume the checkpoints continue the count; the others start both afresh
-    (training.checkpoint: the weights' settings, the global batch and the geometry but the
-    rank count)."""
+    (settings.geometry.checkpoint_tag: the weights' settings, the global batch, CPU or GPU;
+    not the rank count nor the loader)."""
     key = attempts.settings_key
     for same in ({"gpu_type": "h100"}, {"mlflow_uri": "http://m"}, {"log_interval": 7},
                  {"throughput_warmup_steps": 9}, {"recipe": "named"},
                  {"tasks_per_node": 1, "accumulation": 2},  # the same global batch, 8
-                 {"nodes": 2, "tasks_per_node": 1}):  # fmt: skip
+                 {"nodes": 2, "tasks_per_node": 1},
+                 {"cpus_per_task": 4}, {"workers": 3}):  # the loader: the same stream  # fmt: skip
         assert key({**RUN, **same}) == key(RUN), same
-    for other in ({"lr": 0.2}, {"nodes": 2}, {"accumulation": 2}, {"cpus_per_task": 4},
-                  {"workers": 3}, {"seed": 1}):  # fmt: skip
+    for other in ({"lr": 0.2}, {"nodes": 2}, {"accumulation": 2}, {"seed": 1},
+                  {"gpus_per_node": 2, "device": "auto"}):  # fmt: skip
         assert key({**RUN, **other}) != key(RUN), other
     synced = {**RUN, "sync_bn": True}  # keyed by the rank count too
     assert key({**synced, "tasks_per_node": 1, "accumulation": 2}) != key(synced)
+
+
+def test_entries_of_an_earlier_version_keyed_by_the_loader_still_count(tmp_path):
+    """An earlier version keyed the entries on cpus_per_task, gpus_per_node and workers too: a
+    run upgraded mid-training keeps its count (max_allocations) and cost."""
+    legacy = {**RUN, "workers": 0, "gpus_per_node": 0}
+    first, _ = attempts.begin(tmp_path, legacy, attempt=1, gpus=0, cores=2)
+    attempts.end(tmp_path, first, 75)
+    record = attempts.load(tmp_path)
+    record[0]["key"] = attempts._earlier_key(legacy)  # as the earlier version wrote it
+    (tmp_path / attempts.RECORD).write_text(json.dumps({"attempts": record}))
+    second, _ = attempts.begin(tmp_path, legacy, attempt=2, gpus=0, cores=2)
+    assert second["attempt"] == 2 and second["key"] == attempts.settings_key(legacy)
+    cost = attempts.cost_over_attempts(tmp_path, attempts.run_keys(legacy), time.time())
+    assert [a["attempt"] for a in cost["attempts"]] == [1, 2]
 
 
 def test_each_attempt_records_the_shape_it_ran_on(tmp_path):

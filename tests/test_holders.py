@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from imagenet_ddp.io import SILENT_S
 from imagenet_ddp.jobs import attempts, holders
 
 RUN = {"run": "r", "epochs": 2, "lr": 0.1, "batch_size": 4, "nodes": 1, "tasks_per_node": 1}
@@ -93,7 +94,7 @@ def test_without_squeue_a_fresh_heartbeat_holds_the_run_and_a_stale_one_does_not
 ):
     root = fake_squeue / "ckpt"
     (fake_squeue / "squeue.err").write_text("squeue: error: Unable to contact slurm controller")
-    open_entry(root, "50", time.time() - holders.STALE_SECONDS - 5)  # killed with its launcher
+    open_entry(root, "50", time.time() - SILENT_S - 5)  # killed with its launcher
     assert holders.live_holder(root, RUN) is None
     open_entry(root, "50", time.time())
     assert holders.live_holder(root, RUN)["state"] == "heartbeat"

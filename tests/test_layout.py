@@ -97,3 +97,27 @@ def test_the_checks_fail_where_they_should(tmp_path):
     assert "No cycles are allowed in imagenet_ddp.data." in output, output
     assert unnamed_in_doc(package_modules(fake), "data/ a.py b.py down.py main.py " +
                           " ".join(f"{u}/" for u in units)) == ["stray_module.py"]  # fmt: skip
+
+
+# One home per concept (issue 51): each is defined or computed in one module, the others call it.
+ONE_HOME = {
+    r"\b128 \+": "io.py",  # exit_by_signal
+    r"^\s+return (2|75|130)$|EXIT_\w+ = \d": "io.py",  # EXIT_INPUT, EXIT_REQUEUE
+    r'"timm/"': "models.py",  # TIMM_PREFIX
+    r"0\.485|0\.229": "models.py",  # IMAGENET_MEAN_STD
+    r'eval_crop_size"?\)? or': "settings/evaluation.py",  # eval_crop
+    r"batch_size \* world": "settings/geometry.py",  # global_batch
+    r"-c\{|-w\{": "settings/geometry.py",  # checkpoint_tag (Geometry.tag names, keys nothing)
+    r"HEARTBEAT_S \+|\d \* HEARTBEAT_S|STALE_S = \d": "io.py",  # liveness thresholds
+    r'get\("alive"\)': "jobs/attempts.py",  # last_sign, the one reader of a heartbeat
+}
+
+
+def test_each_concept_has_one_home():
+    for pattern, home in ONE_HOME.items():
+        found = sorted(
+            str(path.relative_to(PACKAGE))
+            for path in PACKAGE.rglob("*.py")
+            if re.search(pattern, path.read_text(), re.M)
+        )
+        assert found in ([home], []), (pattern, found)

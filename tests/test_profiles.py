@@ -117,7 +117,8 @@ def test_the_controller_job_passes_the_profiles_through_and_refuses_an_order_tha
         return subprocess.run(["bash", str(script), *args], cwd=workdir, env=env,
                               capture_output=True, text=True, timeout=300)  # fmt: skip
 
-    ran = controller("--profile", "site", "--workflow-profile", "profiles/slurm", "-n",
+    # The `=` forms, as Snakemake accepts them (issue 51: `--profile=X` went unseen).
+    ran = controller("--profile=site", "--workflow-profile=profiles/slurm", "-n",
                      "--config", "execution={slurm_extra: --qos=long}")  # fmt: skip
     assert ran.returncode == 0, (ran.stdout + ran.stderr)[-3000:]
     train = re.search(r"rule train:.*?resources: ([^\n]*)", ran.stdout, re.S).group(1)
@@ -126,8 +127,13 @@ def test_the_controller_job_passes_the_profiles_through_and_refuses_an_order_tha
     for resource in kept:
         assert resource in train, (resource, train)
     for wrong in (("--profile", "profiles/slurm", "--workflow-profile", "site"),
-                  ("--profile", "site")):  # fmt: skip
+                  ("--profile", "site"), ("--profile=site",), ("--prof", "site"),
+                  ("--profile=profiles/slurm", "--wo=site"), ("SNAKEMAKE_PROFILE=site",),
+                  ("--profile", "profiles/slurm", "--profile", "site")):  # fmt: skip
+        if wrong[0].startswith("SNAKEMAKE_PROFILE="):  # Snakemake's own variable, no option
+            env["SNAKEMAKE_PROFILE"], wrong = wrong[0].split("=")[1], ()
         refused = controller(*wrong, "-n")
+        env.pop("SNAKEMAKE_PROFILE", None)
         assert refused.returncode == 2 and "Snakefile" not in refused.stdout, refused.stdout
         [line] = refused.stderr.splitlines()
         assert "give --profile <site profile> --workflow-profile profiles/slurm" in line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,22 +152,51 @@ def test_checkpoints_are_keyed_by_settings_and_global_batch_not_rank_count(tmp_p
     assert train_config(lr=0.1, nodes=4, workers=3, log_interval=1).fingerprint() == fingerprint
     assert train_config(lr=0.2).fingerprint() != fingerprint
     # The tag: the global batch (batch_size x ranks x accumulation), the order's version and
-    # the geometry but the rank count.
+    # CPU or GPU; not the rank count, nor the loader's CPUs and workers (the same stream).
     cfg, doubled = train_config(batch_size=4), train_config(batch_size=4, accumulation=2)
     two_ranks, one_rank = Geometry(2, 1, 2, 0, 1), Geometry(1, 1, 2, 0, 1)
-    assert checkpoint_tag(cfg, two_ranks) == checkpoint_tag(doubled, one_rank) == "b8-o2-c2-g0-w1"
-    assert checkpoint_tag(cfg, one_rank) == "b4-o2-c2-g0-w1"
-    assert checkpoint_tag(doubled, Geometry(1, 1, 4, 0, 3)) == "b8-o2-c4-g0-w3"
+    assert checkpoint_tag(cfg, two_ranks) == checkpoint_tag(doubled, one_rank) == "b8-o2-cpu"
+    assert checkpoint_tag(cfg, one_rank) == "b4-o2-cpu"
+    assert checkpoint_tag(doubled, Geometry(1, 1, 4, 0, 3)) == "b8-o2-cpu"
+    assert checkpoint_tag(doubled, Geometry(1, 1, 4, 8, 3)) == "b8-o2-gpu"  # device: auto
+    assert checkpoint_tag(train_config(batch_size=8, device="cpu"), Geometry(1, 1, 4, 8)) == (
+        "b8-o2-cpu"
+    )
     # sync_bn's batch statistics span the ranks of a micro-step: keyed by the rank count too.
     synced = train_config(batch_size=4, sync_bn=True)
-    assert checkpoint_tag(synced, two_ranks) == "b8-o2-c2-g0-w1-r2"
+    assert checkpoint_tag(synced, two_ranks) == "b8-o2-cpu-r2"
     one = checkpoint_dir(tmp_path, fingerprint, "n1x1-c2-g0-w1")  # an earlier version's name
-    two = checkpoint_dir(tmp_path, fingerprint, "b8-o2-c2-g0-w1")
+    two = checkpoint_dir(tmp_path, fingerprint, "b8-o2-cpu")
     assert one != two
     save_checkpoint(one, {"epoch": 3, "step_in_epoch": 0}, keep=2)
-    assert other_geometries(tmp_path, fingerprint, "b8-o2-c2-g0-w1") == [one]
+    assert other_geometries(tmp_path, fingerprint, "b8-o2-cpu") == [one]
     assert other_geometries(tmp_path, fingerprint, "n1x1-c2-g0-w1") == []
-    assert other_geometries(tmp_path, train_config(lr=0.2).fingerprint(), "b8-o2-c2-g0-w1") == []
+    assert other_geometries(tmp_path, train_config(lr=0.2).fingerprint(), "b8-o2-cpu") == []
+
+
+def test_a_run_resumes_checkpoints_an_earlier_version_named_by_the_loader(tmp_path):
+    """Earlier versions named the directory by the loader as well (``-c16-g8-w15``): a run
+    upgraded mid-training, under new loader settings too, resumes the newest checkpoint of
+    any of them; another global batch, CPU/GPU or sync_bn rank count does not."""
+    from imagenet_ddp.settings.geometry import Geometry
+    from imagenet_ddp.training.checkpoint import agreed_checkpoint, checkpoint_dir, loader_named
+
+    cfg, geometry = train_config(batch_size=4), Geometry(2, 1, 4, 0, 3)
+    fingerprint = cfg.fingerprint()
+    old = checkpoint_dir(tmp_path, fingerprint, "b8-o2-c2-g0-w1")
+    older = checkpoint_dir(tmp_path, fingerprint, "b8-o2-c1-g0-w0")
+    for name in ("b16-o2-c2-g0-w1", "b8-o2-c2-g8-w1", "b8-o2-c2-g0-w1-r2"):
+        save_checkpoint(checkpoint_dir(tmp_path, fingerprint, name),
+                        {"epoch": 9, "step_in_epoch": 0}, keep=2)  # fmt: skip
+    save_checkpoint(old, {"epoch": 2, "step_in_epoch": 5}, keep=2)
+    save_checkpoint(older, {"epoch": 1, "step_in_epoch": 0}, keep=2)
+    found = loader_named(tmp_path, fingerprint, cfg, geometry)
+    assert found == [older, old]
+    mine = checkpoint_dir(tmp_path, fingerprint, "b8-o2-cpu")
+    state = agreed_checkpoint(mine, found)
+    assert (state["epoch"], state["step_in_epoch"], Path(state["path"]).parent) == (2, 5, old)
+    save_checkpoint(mine, {"epoch": 2, "step_in_epoch": 5}, keep=2)  # the same point: its own
+    assert Path(agreed_checkpoint(mine, found)["path"]).parent == mine
 
 
 def test_a_resumed_epochs_counts_are_shared_out_on_another_rank_count():

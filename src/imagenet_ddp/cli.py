@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from pathlib import Path
 
 from imagenet_ddp.errors import InputError
+from imagenet_ddp.io import EXIT_INPUT, exit_by_signal
 
 
 def _function(target: str):
@@ -220,10 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         code = args.func(args)
     except InputError as exc:
         print(f"imagenet-ddp {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_INPUT
     except KeyboardInterrupt:
         print(f"imagenet-ddp {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return exit_by_signal(signal.SIGINT)
     return int(code or 0)
 
 

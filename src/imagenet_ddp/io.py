@@ -96,6 +96,20 @@ def remove_stale_temporaries(directory: Path, pattern: str, older_than: float) -
 # shutdown). Job processes handle their stops themselves (jobs.signals).
 _noted: list[int] = []  # one record: a use inside another finds no default to replace
 
+# Exit codes, their one home: bad input (an InputError's one line, as argparse's own usage
+# errors), a planned stop after the checkpoint (EX_TEMPFAIL: rerun to resume), killed by a
+# signal (:func:`exit_by_signal`).
+EXIT_INPUT = 2
+EXIT_REQUEUE = 75
+# What stops a command: Ctrl-C (SIGINT) and kill/scancel (SIGTERM); a rank also stops on the
+# time limit's warning (jobs.early_signals.STOP_SIGNALS adds SIGUSR1).
+STOPS = (signal.SIGINT, signal.SIGTERM)
+
+
+def exit_by_signal(sig: int) -> int:
+    """The exit code of a process ended by signal ``sig``, as a shell says it: 128 + N."""
+    return 128 + int(sig)
+
 
 def _raise_noted() -> None:
     """The first stop noted, as its default would end the command but with cleanups run
@@ -103,7 +117,7 @@ def _raise_noted() -> None:
     if _noted and threading.current_thread() is threading.main_thread():
         sig = _noted[0]
         _noted.clear()
-        raise KeyboardInterrupt if sig == signal.SIGINT else SystemExit(128 + sig)
+        raise KeyboardInterrupt if sig == signal.SIGINT else SystemExit(exit_by_signal(sig))
 
 
 @contextlib.contextmanager
@@ -116,7 +130,7 @@ def stops_noted() -> Iterator[Callable[[], None]]:
     defaults = (signal.default_int_handler, signal.SIG_DFL)
     replaced = {
         sig: signal.signal(sig, lambda signum, _: _noted.append(signum))
-        for sig in (signal.SIGINT, signal.SIGTERM)
+        for sig in STOPS
         if main and signal.getsignal(sig) in defaults
     }
     try:
@@ -152,10 +166,14 @@ def lock_path_for(path: str | os.PathLike[str]) -> Path:
 # mounted without `flock` (the default before 2.13) answers ENOSYS; some NFS/FUSE mounts
 # EOPNOTSUPP or ENOLCK.
 NO_FLOCK_ERRNOS = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK})
-# A holder's sign of life (:class:`Heartbeat`) every HEARTBEAT_S; a directory lock silent for
-# STALE_S is taken over (generous against clocks that differ between nodes).
+# Liveness, one home: a holder's sign of life (:class:`Heartbeat`) every HEARTBEAT_S, read by
+# :func:`last_beat`; how long a silence means what, in beats (deliberately different numbers):
 HEARTBEAT_S = 30.0
-STALE_S = 600.0
+LATE_S = HEARTBEAT_S + 5.0  # a beat missed: no longer beating (attempts._settle waits no more)
+SILENT_S = 3 * HEARTBEAT_S  # three missed: a job taken for dead where squeue cannot say (holders)
+# 20 missed: a directory lock taken over (data.stage), generous against clocks that differ
+# between nodes, since another node's beat is compared with this node's clock.
+STALE_S = 20 * HEARTBEAT_S
 POLL_S = 2.0
 
 

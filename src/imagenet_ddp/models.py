@@ -16,7 +16,7 @@ from typing import Any
 
 from imagenet_ddp.errors import did_you_mean
 
-TIMM_PREFIX = "timm/"
+TIMM_PREFIX = "timm/"  # a timm model's (and optimizer's: optimizers) name: timm/<its name>
 
 # torchvision.models.list_models(module=torchvision.models) of the pinned torchvision, kept
 # torch-free for a login node's bare Snakemake (tests/test_run_checks.py holds it to the

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from imagenet_ddp.errors import did_you_mean
-
-TIMM_PREFIX = "timm/"
+from imagenet_ddp.models import TIMM_PREFIX  # timm's optimizers are named as its models are
 
 # Passed by the factory from the run settings (the one home of each).
 FROM_SETTINGS = {

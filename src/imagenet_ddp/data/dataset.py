@@ -22,9 +22,9 @@ from imagenet_ddp.data.prepared_layout import (
     SHARD_DIR,
 )
 from imagenet_ddp.errors import InputError
+from imagenet_ddp.models import IMAGENET_MEAN_STD
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+IMAGENET_MEAN, IMAGENET_STD = IMAGENET_MEAN_STD
 
 
 def read_prepared_info(root: Path) -> dict:

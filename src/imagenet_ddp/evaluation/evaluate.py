@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 from imagenet_ddp.models import input_normalization
-from imagenet_ddp.settings.evaluation import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS
+from imagenet_ddp.settings.evaluation import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS, eval_crop
 from imagenet_ddp.settings.geometry import Geometry, loader_workers
 from imagenet_ddp.settings.presets import REPORTED_MODEL
 from imagenet_ddp.training.accuracy import evaluate_dataset
@@ -94,8 +94,7 @@ def _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv) -> dict[str, D
     from imagenet_ddp.data.reader import create_dataset
     from imagenet_ddp.training.data import read_ids
 
-    # eval_crop_size 0 (or a model.pt from before it existed): the training crop.
-    size = (cfg["eval_resize"], cfg.get("eval_crop_size") or cfg["crop_size"])
+    size = (cfg["eval_resize"], eval_crop(cfg))
     holdout_ids = read_ids(holdout_ids_csv)
     mode = cfg.get("interpolation", "bilinear")  # a model.pt from before it: bilinear
     return {  # uint8 crops: see training.accuracy

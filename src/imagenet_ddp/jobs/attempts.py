@@ -22,13 +22,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from imagenet_ddp.io import HEARTBEAT_S, Heartbeat, last_beat, write_json_atomic
+from imagenet_ddp.io import LATE_S, Heartbeat, last_beat, write_json_atomic
 from imagenet_ddp.jobs.early_signals import EXIT_REQUEUE  # torch-free, as this module
 from imagenet_ddp.provenance import code_version
 from imagenet_ddp.settings.geometry import (
     SAMPLE_ORDER,
     Geometry,
     accepted_nodes,
+    checkpoint_tag,
     global_batch,
     world_size,
 )
@@ -40,14 +41,26 @@ ALIVE_DIR = "alive"  # the jobs' heartbeats (io.Heartbeat), one file per job
 
 
 def settings_key(run: dict[str, Any]) -> str:
-    """The entries of one line of checkpoints, keyed as the checkpoints are (training.checkpoint.
-    checkpoint_tag, its fields as the run states them): another node count with the same
-    global batch continues them."""
+    """The entries of one line of checkpoints, keyed as the checkpoints are (the fingerprint's
+    settings and settings.geometry.checkpoint_tag): another node count with the same global
+    batch, or other loader settings, continue them."""
+    return digest({**weight_settings(run), "tag": checkpoint_tag(run)})
+
+
+def _earlier_key(run: dict[str, Any]) -> str:
+    """:func:`settings_key` as versions before the loader left the key wrote it (the loader
+    settings as the run states them now): their entries count for the run still."""
     geometry = {k: run.get(k) for k in ("cpus_per_task", "gpus_per_node", "workers")}
-    if run.get("sync_bn"):  # its checkpoints key on the rank count too
+    if run.get("sync_bn"):
         geometry["world"] = world_size(run)
     order = {"global_batch": global_batch(run), "order": SAMPLE_ORDER}
     return digest({**weight_settings(run), "geometry": geometry, **order})
+
+
+def run_keys(run: dict[str, Any]) -> tuple[str, str]:
+    """The keys of the run's entries: :func:`settings_key` (what a new entry gets), and an
+    earlier version's."""
+    return settings_key(run), _earlier_key(run)
 
 
 def beat_path(checkpoint_root) -> Path:
@@ -78,8 +91,10 @@ def _save(checkpoint_root, attempts: list[dict[str, Any]]) -> None:
     write_json_atomic(Path(checkpoint_root) / RECORD, {"attempts": attempts})
 
 
-def of_run(attempts: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
-    return [a for a in attempts if a.get("key") == key]
+def of_run(attempts: list[dict[str, Any]], keys: str | tuple[str, ...]) -> list[dict[str, Any]]:
+    """The entries of ``keys`` (one key, or :func:`run_keys`)."""
+    keys = (keys,) if isinstance(keys, str) else keys
+    return [a for a in attempts if a.get("key") in keys]
 
 
 def newest_checkpoint(checkpoint_root: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -100,7 +115,7 @@ def final_checkpoint(checkpoint_root, run: dict[str, Any]) -> str | None:
     """The run's final checkpoint where an attempt recorded it and it is still there (its job
     ended before the outputs): the next job needs no staged copy."""
     recorded = load(checkpoint_root)
-    for entry in of_run(recorded, settings_key(run)) if recorded else []:
+    for entry in of_run(recorded, run_keys(run)) if recorded else []:
         last = entry.get("last_checkpoint") or {}
         if last.get("epoch", 0) >= run["epochs"] and Path(last["path"]).is_file():
             return last["path"]
@@ -168,7 +183,7 @@ def _closed(mine: list[dict[str, Any]], checkpoint_root, ahead=False) -> list[di
 
 
 def _mine_ahead(checkpoint_root, run: dict[str, Any]) -> list[dict[str, Any]]:
-    return _closed(of_run(load(checkpoint_root), settings_key(run)), checkpoint_root, ahead=True)
+    return _closed(of_run(load(checkpoint_root), run_keys(run)), checkpoint_root, ahead=True)
 
 
 def refusal_ahead(checkpoint_root, run: dict[str, Any], attempt: int) -> str | None:
@@ -193,11 +208,11 @@ def _settle(checkpoint_root, run: dict[str, Any], seconds: float = 30.0) -> None
     recorded a stop: SLURM says a job ended while its ranks may still agree to stop."""
     deadline = time.time() + seconds
     while time.time() < deadline:
-        mine = of_run(load(checkpoint_root), settings_key(run))
+        mine = of_run(load(checkpoint_root), run_keys(run))
         last = mine[-1] if mine else None
         if last is None or last.get("ended") is not None:
             return
-        if time.time() - last_sign(checkpoint_root, last) > HEARTBEAT_S + 5:
+        if time.time() - last_sign(checkpoint_root, last) > LATE_S:
             return  # long silent: killed (a node failure), nothing to wait for
         if stopped_by_ranks(checkpoint_root, last, checkpointed=False):
             return
@@ -232,7 +247,7 @@ def begin(
 ) -> tuple[dict[str, Any], str | None]:
     """Close a killed predecessor, append this attempt; returns (entry, refusal reason)."""
     attempts, key = load(checkpoint_root), settings_key(run)
-    mine = _closed(of_run(attempts, key), checkpoint_root)
+    mine = _closed(of_run(attempts, run_keys(run)), checkpoint_root)
     now = time.time()
     entry = {
         "attempt": len(mine) + 1,
@@ -269,7 +284,7 @@ def ran_in_this_allocation(checkpoint_root, run: dict[str, Any]) -> dict | None:
     retries reach the jobstep's Snakemake (snakemake-executor-plugin-slurm#284)."""
     own = os.environ.get("SLURM_JOB_ID")
     restart = os.environ.get("SLURM_RESTART_COUNT", "0")
-    for entry in of_run(load(checkpoint_root), settings_key(run)) if own else []:
+    for entry in of_run(load(checkpoint_root), run_keys(run)) if own else []:
         same = entry.get("slurm_job_id") == own and entry.get("slurm_restart", "0") == restart
         if same and entry.get("ended") is not None:
             return entry
@@ -381,8 +396,10 @@ def record_divergence(checkpoint_root, line: str) -> None:
 
 
 PROGRESS_DIR = "progress"
+# A rank's step written every PROGRESS_SECONDS (RankProgress, a Heartbeat); a rank four writes
+# behind the others at the end is named as hung.
 PROGRESS_SECONDS = 15.0
-HUNG_SECONDS = 60.0  # a rank this far behind the others at the end is named as hung
+HUNG_SECONDS = 4 * PROGRESS_SECONDS
 
 
 class RankProgress(Heartbeat):
@@ -444,7 +461,7 @@ def code_versions(attempts: list[dict[str, Any]]) -> tuple[list[str], bool]:
     return labels, len(labels) > 1
 
 
-def cost_over_attempts(checkpoint_root, key: str, now: float) -> dict[str, Any]:
+def cost_over_attempts(checkpoint_root, key: str | tuple[str, ...], now: float) -> dict[str, Any]:
     """Allocations, wall time and GPU-/core-hours over the run's attempts (a running one up to
     ``now``), and those lost after each interrupted one's last checkpoint."""
     mine = [a for a in of_run(load(checkpoint_root), key) if a["outcome"] != "refused"]

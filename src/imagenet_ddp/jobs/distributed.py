@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from imagenet_ddp.settings.geometry import Geometry, loader_workers
+from imagenet_ddp.settings.geometry import Geometry, loader_workers, trains_on_gpus
 
 
 @dataclass(frozen=True)
@@ -92,8 +92,7 @@ def select_device(
     CPU. Whether each task sees all the node's GPUs, its own or a shared subset
     (``--gpu-bind=closest``), a rank takes the one at its position among its node's ranks that
     see the same (:func:`gpu_index`), and sets it first: no rank touches GPU 0 by default."""
-    wants_gpu = requested == "cuda" or (requested == "auto" and (gpus_per_node or 0) > 0)
-    if requested == "cpu" or not wants_gpu:
+    if not trains_on_gpus({"device": requested, "gpus_per_node": gpus_per_node}):
         return torch.device("cpu")
     if os.environ.get(FAKE_GPUS) == "1":  # the test cluster: choose as below, compute on CPU
         ids = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]

@@ -10,10 +10,13 @@ from __future__ import annotations
 import signal
 import sys
 
-# The signals that stop a rank (their one home: jobs.signals, which imports torch, uses these)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-# The exit code of a job stopped after writing its checkpoint (EX_TEMPFAIL: rerun to resume)
-EXIT_REQUEUE = 75
+from imagenet_ddp.io import EXIT_REQUEUE, STOPS
+
+# The signals that stop a rank (their one home: jobs.signals, which imports torch, and the
+# schema's execution.stop_signal, tests/test_schema.py, follow it): a command's, and the time
+# limit's warning, SIGUSR1 (what srun passes on to its tasks).
+STOP_SIGNALS = (*STOPS, signal.SIGUSR1)
+__all__ = ["EXIT_REQUEUE", "STOP_SIGNALS", "hold", "taken"]
 ENTRY_MODULES = ("imagenet_ddp.training.worker",)
 
 _held: list[int] = []  # the signals, in the order they came

@@ -16,16 +16,14 @@ from typing import Any
 
 import psutil
 
-from imagenet_ddp.io import HEARTBEAT_S, exclusive_lock, lock_path_for
-from imagenet_ddp.jobs.attempts import EXIT_REQUEUE, RECORD, last_sign, load, of_run, settings_key
+from imagenet_ddp.io import SILENT_S, exclusive_lock, lock_path_for
+from imagenet_ddp.jobs.attempts import EXIT_REQUEUE, RECORD, last_sign, load, of_run, run_keys
 from imagenet_ddp.jobs.launchers import slurm
 
 # States of a job that has ended (squeue shows them for MinJobAge); any other is live. A job an
 # admin holds in the queue is not running and holds nothing: only a started job holds a run.
 ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
          "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED"}  # fmt: skip
-# An open entry whose heartbeat is older than this is taken as dead where squeue cannot say.
-STALE_SECONDS = 3 * HEARTBEAT_S
 
 
 def job_state(job_id: str) -> str | None:
@@ -53,14 +51,14 @@ def beat_owner_ended(beat: str | os.PathLike) -> bool:
 
 def live_holder(checkpoint_root, run: dict[str, Any]) -> dict | None:
     """The open entry of another job that still runs the run (squeue; where squeue cannot say,
-    its heartbeat within :data:`STALE_SECONDS`), with its ``state``; None if none."""
+    its heartbeat within ``io.SILENT_S``), with its ``state``; None if none."""
     now, own = time.time(), os.environ.get("SLURM_JOB_ID")
-    for entry in of_run(load(checkpoint_root), settings_key(run)):
+    for entry in of_run(load(checkpoint_root), run_keys(run)):
         if entry.get("ended") is not None or (own and entry.get("slurm_job_id") == own):
             continue
         state = job_state(entry["slurm_job_id"]) if entry.get("slurm_job_id") else None
         if state is None:
-            if now - last_sign(checkpoint_root, entry) < STALE_SECONDS:
+            if now - last_sign(checkpoint_root, entry) < SILENT_S:
                 return {**entry, "state": "heartbeat"}
         elif state and state != "PENDING":
             return {**entry, "state": state}

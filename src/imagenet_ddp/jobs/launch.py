@@ -31,7 +31,7 @@ from imagenet_ddp.data.stage import (
     stage_dataset,
 )
 from imagenet_ddp.errors import InputError
-from imagenet_ddp.io import Heartbeat, write_json_atomic
+from imagenet_ddp.io import EXIT_INPUT, Heartbeat, write_json_atomic
 from imagenet_ddp.jobs import attempts
 from imagenet_ddp.jobs.early_signals import EXIT_REQUEUE, STOP_SIGNALS
 from imagenet_ddp.jobs.holders import beat_owner_ended, begin_unless_held, give_back, live_holder
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             unstage_this_node(job)
     except InputError as error:  # one line per node in the job's log, as the CLI prints it
         print(f"{args.command} on {socket.gethostname()}: error: {error}", file=sys.stderr)
-        return 2
+        return EXIT_INPUT
     if received:
         print(f"{socket.gethostname()}: {signal.Signals(received[0]).name} while "
               f"{args.command}: finished it, exit {EXIT_REQUEUE}", flush=True)  # fmt: skip

@@ -22,6 +22,7 @@ from typing import ClassVar
 import psutil
 
 from imagenet_ddp.errors import InputError
+from imagenet_ddp.io import exit_by_signal
 from imagenet_ddp.jobs.container import task_options, task_runtime
 from imagenet_ddp.settings.geometry import Geometry
 from imagenet_ddp.settings.node_memory import compile_threads_env
@@ -320,7 +321,7 @@ def _end_leftovers(before: set[int]) -> None:
 
 def _exit_code(proc: subprocess.Popen) -> int:
     code = proc.returncode
-    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says
+    return exit_by_signal(-code) if code < 0 else code  # killed by signal N
 
 
 def _wait_for_ranks(procs: list[subprocess.Popen], grace_seconds: float) -> int:

@@ -67,16 +67,16 @@ def _training(run_dir: Path) -> dict[str, Any]:
 def run_state(run: str, run_dir: Path, checkpoint_root: Path, now: float) -> dict[str, Any]:
     """A row for a run that has not finished: its last attempt's state, its worst loss spike."""
     row = {"run": run, **_training(run_dir)}
-    state, note = _state(_last_attempt(checkpoint_root), now)
+    state, note = _state(checkpoint_root, _last_attempt(checkpoint_root), now)
     return {**row, "state": state, "note": "; ".join(p for p in (note, row["spike"]) if p)}
 
 
-def _state(last: dict[str, Any] | None, now: float) -> tuple[str, str]:
+def _state(checkpoint_root: Path, last: dict[str, Any] | None, now: float) -> tuple[str, str]:
     if last is None:
         return "not started", ""
     outcome = last.get("outcome")
     if outcome == "running" and last.get("ended") is None:
-        alive = now - (last.get("alive") or last.get("started") or now)
+        alive = now - A.last_sign(checkpoint_root, last)  # its heartbeat file
         job = last.get("slurm_job_id") or "local"
         return "training", f"job {job}, last sign of life {alive / 60:.0f} min ago"
     if outcome in ("failed", "refused", "killed"):

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 DEFAULT_BATCH_SIZE = 128
 DEFAULT_WORKERS = "auto"  # cpus_per_task - 1, as in training (geometry.loader_workers)
+
+
+def eval_crop(settings: Mapping[str, Any]) -> int:
+    """The evaluation's center crop: ``eval_crop_size``, else (0, or a model.pt from before it
+    existed) the training crop."""
+    return settings.get("eval_crop_size") or settings["crop_size"]
 
 
 def eval_settings(evaluate: dict[str, Any] | None, run: dict[str, Any]) -> dict[str, Any]:

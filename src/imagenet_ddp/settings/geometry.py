@@ -21,8 +21,8 @@ LAUNCH_KEYS = GEOMETRY_KEYS[:3]
 @dataclass(frozen=True)
 class Geometry:
     """Where a job runs, and so where a run's figures were measured: every row of the results
-    states it. ``workers`` (DataLoader workers per rank) is part of it for a training rank,
-    which keys its checkpoints by :attr:`tag`; the launcher leaves it 0."""
+    states it. ``workers`` (DataLoader workers per rank) is part of it for a training rank;
+    the launcher leaves it 0."""
 
     nodes: int
     tasks_per_node: int
@@ -47,7 +47,8 @@ class Geometry:
 
     @property
     def tag(self) -> str:
-        """The checkpoint key's geometry part: a changed geometry never resumes."""
+        """All of it in one word (train_metrics.json's ``geometry``), e.g. ``n2x8-c14-g8-w13``;
+        no key (:func:`checkpoint_tag` is)."""
         return (
             f"n{self.nodes}x{self.tasks_per_node}-c{self.cpus_per_task}"
             f"-g{self.gpus_per_node}-w{self.workers}"
@@ -66,10 +67,10 @@ def world_size(settings: Mapping[str, Any]) -> int:
     return int(settings.get("nodes") or 1) * int(settings.get("tasks_per_node") or 1)
 
 
-# The sample order's version in the checkpoint key (training.checkpoint.checkpoint_tag) and the
-# attempt record's (attempts.settings_key): "o2" is global batches cut into micro-batch groups
-# (training.data.EpochSampler). Before it each rank read a strided share of the epoch, so a
-# multi-rank checkpoint of an earlier version would resume under another order: never resumed.
+# The sample order's version in the checkpoint key (:func:`checkpoint_tag`): "o2" is global
+# batches cut into micro-batch groups (training.data.EpochSampler). Before it each rank read a
+# strided share of the epoch, so a multi-rank checkpoint of an earlier version would resume
+# under another order: never resumed.
 SAMPLE_ORDER = "o2"
 
 
@@ -79,6 +80,28 @@ def global_batch(settings: Mapping[str, Any], world: int | None = None) -> int:
     instead of the rank count (training.checkpoint), and what the LR scales with."""
     world = world_size(settings) if world is None else world
     return int(settings["batch_size"]) * world * int(settings.get("accumulation") or 1)
+
+
+def trains_on_gpus(settings: Mapping[str, Any]) -> bool:
+    """Whether the run computes on GPUs: ``device: cuda``, or ``auto`` with GPUs asked
+    (jobs.distributed.select_device decides the same way)."""
+    device = settings.get("device") or "auto"
+    return device == "cuda" or (device == "auto" and int(settings.get("gpus_per_node") or 0) > 0)
+
+
+def checkpoint_tag(settings: Mapping[str, Any], world: int | None = None) -> str:
+    """The checkpoint key's second part (the fingerprint is its first), e.g. ``b1024-o2-gpu``:
+    the global batch, the sample order's version and CPU or GPU (their numerics differ; under
+    ``device: auto`` the GPUs asked decide). With ``sync_bn`` the batch statistics span the
+    ranks of a micro-step, so the rank count changes the weights: ``-r32``. Not the rank count
+    otherwise (an elastic resume), nor the loader's CPUs or workers: the order is a function of
+    (seed, epoch) and each sample seeds its own augmentation (training.data), so the stream is
+    the same under any. The one home of the key: the checkpoint directory
+    (training.checkpoint) and the attempt record (jobs.attempts.settings_key) both use it."""
+    world = world_size(settings) if world is None else world
+    device = "gpu" if trains_on_gpus(settings) else "cpu"
+    tag = f"b{global_batch(settings, world)}-{SAMPLE_ORDER}-{device}"
+    return f"{tag}-r{world}" if settings.get("sync_bn") else tag
 
 
 def accepted_nodes(settings: Mapping[str, Any]) -> tuple[int, ...]:

@@ -24,6 +24,7 @@ import yaml
 
 from imagenet_ddp.optimizers import scaled_lr
 from imagenet_ddp.settings.epoch_end import evaluates
+from imagenet_ddp.settings.evaluation import eval_crop
 from imagenet_ddp.settings.geometry import GEOMETRY_KEYS, global_batch
 
 SCHEMA = Path(__file__).parents[1] / "config.schema.yaml"  # the package's: package-data
@@ -34,8 +35,8 @@ class Kind:
     """What a change of a setting of this kind does."""
 
     fingerprint: bool  # hashed into the checkpoint key: a change trains afresh
-    # In train's params: exactly the checkpoint key's settings (fingerprint and geometry): a
-    # rerun that would only resume a finished run's final checkpoint changes nothing.
+    # In train's params: the checkpoint key's settings and the geometry's: a rerun that would
+    # only resume a finished run's final checkpoint changes nothing (a loader change does so).
     rerun: bool
     shown: bool  # on the dry-run's `hyperparameters:` line
     compared: bool  # must be equal between the runs of a scaling group
@@ -50,7 +51,10 @@ KINDS = {
     "numerics": Kind(fingerprint=True, rerun=True, shown=False, compared=True),
     # A preset's name (`recipe`): its values are other settings; shown beside them.
     "preset": Kind(fingerprint=False, rerun=False, shown=True, compared=True),
-    # Where the figures are measured: the checkpoint key's other part (its tag).
+    # Where the figures are measured. The global batch, CPU or GPU (and the rank count under
+    # sync_bn) are the checkpoint key's other part (settings.geometry.checkpoint_tag); the
+    # loader's settings are not (a run resumes under them) but still rerun a finished train:
+    # its params keep the text every earlier version gave them.
     "geometry": Kind(fingerprint=False, rerun=True, shown=False, compared=True),
     # How the figures are taken, and where a run trains (gpu_type): a run in progress resumes
     # under the new value; a finished run keeps its figures and the value they were taken at.
@@ -282,7 +286,7 @@ class _TrainConfig:
 
     @property
     def eval_crop(self) -> int:
-        return self.eval_crop_size or self.crop_size
+        return eval_crop(vars(self))
 
     def crop_for_epoch(self, epoch: int) -> int:
         """Training crop of ``epoch``: progressive resizing as FFCV's ResNet recipes do it

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from imagenet_ddp.settings.evaluation import eval_crop
 from imagenet_ddp.settings.geometry import loader_workers
 from imagenet_ddp.settings.notices import Notice
 
@@ -77,14 +78,14 @@ def _batch_mb(batch_size: int, crop: int) -> float:
 def estimate_mb(run: Mapping[str, Any], data: DataSizes = DataSizes()) -> dict[str, float]:
     """Per node: ``measured`` and ``estimated`` MiB of a run's training job (see module)."""
     workers = loader_workers(run["workers"], run["cpus_per_task"])
-    eval_crop = run.get("eval_crop_size") or run["crop_size"]
+    crop = eval_crop(run)
     # The holdout's loader (as many workers, the same batch size) keeps its workers from the
     # first evaluation on, beside the training loader's persistent workers.
     batch = run["batch_size"]
     train_arrays = data.train_images * DATASET_BYTES_PER_SAMPLE / MIB
     holdout_arrays = data.holdout_images * DATASET_BYTES_PER_SAMPLE / MIB
     train_worker = LOADER_WORKER_MB + PREFETCH_BATCHES * _batch_mb(batch, run["crop_size"])
-    holdout_worker = LOADER_WORKER_MB + PREFETCH_BATCHES * _batch_mb(batch, eval_crop)
+    holdout_worker = LOADER_WORKER_MB + PREFETCH_BATCHES * _batch_mb(batch, crop)
     per_rank = RANK_MB + (FORKSERVER_MB if workers else 0) + train_arrays + holdout_arrays
     per_rank += workers * (train_worker + train_arrays + holdout_worker + holdout_arrays)
     extra = CUDA_RANK_EXTRA_MB if run["gpus_per_node"] > 0 else 0

@@ -21,7 +21,7 @@ from imagenet_ddp.models import (
     family,
     unknown_name,
 )
-from imagenet_ddp.settings.evaluation import eval_settings
+from imagenet_ddp.settings.evaluation import eval_crop, eval_settings
 from imagenet_ddp.settings.geometry import global_batch, loader_workers
 from imagenet_ddp.settings.init_weights import static_weights_problems
 from imagenet_ddp.settings.notices import Notice
@@ -122,7 +122,7 @@ def _name_listed(fam: str) -> bool:
 
 
 def _crops(run: Mapping) -> tuple[int, ...]:
-    crops = {run["crop_size"], run.get("eval_crop_size") or run["crop_size"]}
+    crops = {run["crop_size"], eval_crop(run)}
     if run.get("progressive_min_crop"):
         crops.add(run["progressive_min_crop"])
     return tuple(sorted(crops))
@@ -143,13 +143,12 @@ def _image_size_problems(run: Mapping, short_side: int) -> list[str]:
             "would upsample the prepared images; lower eval_resize or raise "
             "prepare.short_side (which re-prepares the data)"
         )
-    eval_crop = run.get("eval_crop_size") or crop
-    if eval_crop > resize:
+    if eval_crop(run) > resize:
         # eval_transform resizes the shorter side to eval_resize, then center-crops eval_crop:
         # a crop larger than the resized image is padded with black borders.
         key = "eval_crop_size" if run.get("eval_crop_size") else "crop_size"
         problems.append(
-            f"{key} {eval_crop} is larger than eval_resize {resize}: evaluation's center crop "
+            f"{key} {eval_crop(run)} is larger than eval_resize {resize}: evaluation's center crop "
             f"would pad the resized images with black borders; set eval_resize >= {key} "
             "(ImageNet: 256 for 224)"
         )

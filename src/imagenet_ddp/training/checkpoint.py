@@ -2,8 +2,10 @@
 
 ``<root>/<settings fingerprint>-<tag>/`` lies outside the rule's outputs, so Snakemake's cleanup
 keeps it for the next attempt. The fingerprint hashes every setting that changes the weights;
-the tag (:func:`checkpoint_tag`) the global batch, sample order and geometry but the rank
-count, so a run resumes on another rank count with the same global batch (an elastic resume).
+the tag (settings.geometry.checkpoint_tag) the global batch, sample order and CPU or GPU, not
+the rank count nor the loader's CPUs and workers, so a run resumes on another rank count with
+the same global batch (an elastic resume) and after a loader change. Directories an earlier
+version also named by the loader (``-c16-g8-w15``) are resumed too (:func:`loader_named`).
 Rank 0 writes in the background and alone chooses the checkpoint to resume
 (:func:`agreed_checkpoint`). Tensors and plain data only (``weights_only=True``): a file that
 needs another class could run code and is refused (:class:`UnsafeCheckpoint`).
@@ -18,6 +20,7 @@ import random
 import re
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,21 +31,37 @@ import torch
 
 from imagenet_ddp.io import STALE_S, atomic_path, remove_stale_temporaries
 from imagenet_ddp.jobs import distributed as D
-from imagenet_ddp.settings.geometry import SAMPLE_ORDER, Geometry, global_batch
+from imagenet_ddp.settings.geometry import Geometry, trains_on_gpus
+from imagenet_ddp.settings.geometry import checkpoint_tag as settings_tag
 from imagenet_ddp.training.state import TrainingState
 
 
 def checkpoint_tag(cfg, geometry: Geometry) -> str:
-    """The key's second part, e.g. ``b1024-o2-c16-g8-w15`` (global batch, order, CPUs per
-    rank, GPUs per node, workers); with ``sync_bn`` the rank count changes the weights: ``-r32``."""
-    world, g = geometry.world_size, geometry
-    tag = f"b{global_batch(vars(cfg), world)}-{SAMPLE_ORDER}"
-    tag += f"-c{g.cpus_per_task}-g{g.gpus_per_node}-w{g.workers}"
-    return f"{tag}-r{world}" if cfg.sync_bn else tag
+    """The key's second part (settings.geometry.checkpoint_tag) of the job's resolved geometry."""
+    settings = {**vars(cfg), "gpus_per_node": geometry.gpus_per_node}
+    return settings_tag(settings, geometry.world_size)
 
 
 def checkpoint_dir(root: Path, fingerprint: str, geometry_tag: str) -> Path:
     return root / f"{fingerprint}-{geometry_tag}"
+
+
+# Earlier versions' tag, which keyed on the loader too: b1024-o2-c16-g8-w15[-r32].
+_LOADER_NAMED = re.compile(r"(b\d+-o\d+)-c\d+-g(\d+)-w\d+(-r\d+)?")
+
+
+def loader_named(root: Path, fingerprint: str, cfg, geometry: Geometry) -> list[Path]:
+    """This key's directories as an earlier version named them, by CPUs, GPUs and workers as
+    well: the same sample stream, so a run upgraded mid-training resumes from them (the
+    newest checkpoint of any wins, :func:`load_latest_checkpoint`)."""
+    mine = checkpoint_tag(cfg, geometry)
+    found = []
+    for d in sorted(root.glob(f"{fingerprint}-b*-c*-g*-w*")) if root.is_dir() else []:
+        m = _LOADER_NAMED.fullmatch(d.name[len(fingerprint) + 1 :])
+        on_gpus = trains_on_gpus({"device": cfg.device, "gpus_per_node": int(m[2])}) if m else 0
+        if m and f"{m[1]}-{'gpu' if on_gpus else 'cpu'}{m[3] or ''}" == mine and d.is_dir():
+            found.append(d)
+    return found
 
 
 def other_geometries(root: Path, fingerprint: str, geometry_tag: str) -> list[Path]:
@@ -88,11 +107,13 @@ def save_checkpoint(directory: Path, state: dict[str, Any], keep: int) -> Path:
     return path
 
 
-def load_latest_checkpoint(directory: Path) -> dict[str, Any] | None:
-    """Newest checkpoint that loads; a torn one is skipped, an unsafe one refused."""
-    if not directory.is_dir():
-        return None
-    for path in sorted(directory.glob("checkpoint-*.pt"), reverse=True):
+def load_latest_checkpoint(directory: Path, earlier: Sequence[Path] = ()) -> dict[str, Any] | None:
+    """Newest checkpoint that loads, of ``directory`` and the ``earlier`` directories of the
+    same key (:func:`loader_named`; ``directory``'s first at the same point); a torn one is
+    skipped, an unsafe one refused."""
+    found = [(p.name, i, p) for i, d in enumerate(reversed([directory, *earlier]))
+             for p in (d.glob("checkpoint-*.pt") if d.is_dir() else ())]  # fmt: skip
+    for *_, path in sorted(found, reverse=True):
         try:
             return load_checkpoint(path)
         except UnsafeCheckpoint:
@@ -171,7 +192,7 @@ class ResumeDisagreement(RuntimeError):
     """A rank cannot read the checkpoint rank 0 resumes from; every rank raises it."""
 
 
-def agreed_checkpoint(directory: Path) -> dict[str, Any] | None:
+def agreed_checkpoint(directory: Path, earlier: Sequence[Path] = ()) -> dict[str, Any] | None:
     """The checkpoint rank 0 chooses (the newest that loads there), read by name by every rank.
     Collective. Each rank's own choice could differ: after a fast requeue a node's attribute
     cache (NFS ``acdirmax``) may list no newest file. A rank that cannot read it makes every
@@ -180,28 +201,30 @@ def agreed_checkpoint(directory: Path) -> dict[str, Any] | None:
     state, refused = None, None
     if main:
         try:
-            state = load_latest_checkpoint(directory)
+            state = load_latest_checkpoint(directory, earlier)
         except UnsafeCheckpoint as error:  # every rank refuses, none waits for rank 0
             refused = str(error)
-    name, refused = D.all_gather_objects(
-        (None if state is None else Path(state["path"]).name, refused)
-    )[0]
+    # By name; one in an earlier directory (loader_named) with that directory's name.
+    chosen, sent = None if state is None else Path(state["path"]), None
+    if chosen is not None:
+        sent = chosen.name if chosen.parent == directory else f"{chosen.parent.name}/{chosen.name}"
+    name, refused = D.all_gather_objects((sent, refused))[0]
     if refused:
         raise UnsafeCheckpoint(refused)
     if name is None:
         return None
-    error = None
+    error, path = None, (directory.parent if "/" in name else directory) / name
     if not main:
         try:
-            state = load_checkpoint(directory / name)
+            state = load_checkpoint(path)
         except Exception as exc:  # noqa: BLE001 - reported by every rank below
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     failed = [(rank, e) for rank, e in enumerate(D.all_gather_objects(error)) if e]
     if failed:
         rank, e = failed[0]
         raise ResumeDisagreement(
-            f"rank {rank} (of {len(failed)} failing) cannot read {directory / name}, the "
-            f"checkpoint rank 0 resumes from ({e}); if the file exists, this node's view of the "
+            f"rank {rank} (of {len(failed)} failing) cannot read {path}, the checkpoint rank 0 "
+            f"resumes from ({e}); if the file exists, this node's view of the "
             "shared filesystem is stale (attribute cache after a fast requeue): rerun to resume"
         )
     return state

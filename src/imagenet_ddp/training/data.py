@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from imagenet_ddp.jobs.signals import ignore_stop_signals, loader_context
+from imagenet_ddp.settings.geometry import global_batch
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -83,7 +84,9 @@ class EpochSampler(Sampler):
     ):
         self.length, self.world_size, self.rank, self.seed = length, world_size, rank, seed
         self.batch_size, self.accumulation = batch_size, accumulation
-        self.global_batch = batch_size * world_size * accumulation
+        self.global_batch = global_batch(
+            {"batch_size": batch_size, "accumulation": accumulation}, world_size
+        )
         self.steps = length // self.global_batch  # optimizer steps per epoch
         self.epoch, self.skip = 0, 0
 

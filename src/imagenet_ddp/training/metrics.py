@@ -23,6 +23,7 @@ import torch
 
 from imagenet_ddp.io import write_csv_atomic, write_json_atomic
 from imagenet_ddp.jobs import distributed as D
+from imagenet_ddp.settings.geometry import global_batch
 from imagenet_ddp.training.state import TrainingState
 from imagenet_ddp.training.step_timing import BREAKDOWN_COLUMNS, BREAKDOWN_NOTE
 
@@ -271,7 +272,7 @@ def write_run_metrics(job, out_dir: Path, ranks: list, resumed_from, cost=None, 
             "nodes": len({r["host"] for r in ranks}),
             "hosts": sorted({r["host"] for r in ranks}),
             "ranks": ranks,
-            "global_batch": cfg.batch_size * world * cfg.accumulation,
+            "global_batch": global_batch(vars(cfg), world),
             "accumulation": cfg.accumulation,
             "shape": job.geometry.shape,
             "throughput_by_shape": by_shape,

@@ -15,6 +15,7 @@ from torchvision.transforms import v2
 
 from imagenet_ddp import models
 from imagenet_ddp.data.dataset import train_transform
+from imagenet_ddp.settings.geometry import global_batch
 from imagenet_ddp.settings.kinds import TrainConfig
 
 # --------------------------------------------------------------------------- schedule
@@ -162,7 +163,7 @@ def build_ema(cfg: TrainConfig, model: torch.nn.Module, world_size: int, device:
     (1 - decay) x global batch x ema_steps / epochs."""
     if cfg.ema_decay <= 0:
         return None
-    adjust = cfg.batch_size * world_size * cfg.accumulation * cfg.ema_steps / cfg.epochs
+    adjust = global_batch(vars(cfg), world_size) * cfg.ema_steps / cfg.epochs
     alpha = min(1.0, (1.0 - cfg.ema_decay) * adjust)
     return AveragedModel(
         model, device=device, multi_avg_fn=get_ema_multi_avg_fn(1.0 - alpha), use_buffers=True

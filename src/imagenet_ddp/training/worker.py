@@ -36,7 +36,7 @@ from imagenet_ddp.jobs.attempts import (
     has_record,
     record_divergence,
     record_error,
-    settings_key,
+    run_keys,
 )
 from imagenet_ddp.jobs.signals import StopFlag, ignore_stop_signals
 from imagenet_ddp.monitoring.cost import over_attempts
@@ -50,6 +50,7 @@ from imagenet_ddp.training.checkpoint import (
     checkpoint_dir,
     checkpoint_tag,
     load_latest_checkpoint,
+    loader_named,
     resume_job,
 )
 from imagenet_ddp.training.data import (
@@ -124,7 +125,9 @@ def _train(cfg, info, device, stop, paths, train_data, stop_after_steps, attempt
     ckpt_dir = checkpoint_dir(checkpoint_root, cfg.fingerprint(), checkpoint_tag(cfg, geometry))
     # The checkpoint first: a fresh start alone reads the init_weights file, into the model
     # before EMA copies it and DDP wraps it; a resume never does (it may be gone by then).
-    state = agreed_checkpoint(ckpt_dir)
+    state = agreed_checkpoint(
+        ckpt_dir, loader_named(checkpoint_root, cfg.fingerprint(), cfg, geometry)
+    )
     init = initial_weights(cfg) if state is None else None
     job = build_job(cfg, info, device, geometry, base.num_classes, sampler.steps, init_weights=init)
     del init
@@ -344,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train_data = args.train_data or staged_copy(paths.run_dir, info.host)
         # the launcher keeps the record; a rank started by hand (tests) has none
-        key = settings_key(job.run) if has_record(paths.checkpoint_root) else None
+        key = run_keys(job.run) if has_record(paths.checkpoint_root) else None
         return train(TrainConfig.from_dict(job.run), paths, train_data, args.stop_after_steps, key)
     except Exception as error:  # the attempt record names it; a retry repeats it (attempts)
         record_error(paths.checkpoint_root, info.rank, info.host, error)
