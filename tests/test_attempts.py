@@ -354,9 +354,10 @@ def test_a_job_of_another_version_is_refused_once_and_its_retries_ask_for_no_gpu
 def test_every_stage_refuses_to_run_for_a_plan_of_another_version(
     tmp_path, monkeypatch, capsys, command
 ):
-    """Issue 50: a data stage (every stage: imagenet_ddp.cli.main) run by a workflow whose parse had another version (the
-    stage versions it planned are that version's) refuses in one line, exit 2, writing nothing;
-    at the plan's own version the stage runs (here: fails on its missing input instead)."""
+    """Issue 50: a data stage (every stage: imagenet_ddp.cli.main) run by a workflow whose
+    parse had another version (the stage versions it planned are that version's) refuses in
+    one line, exit 2, writing nothing; at the plan's own version the stage runs (here: fails
+    on its missing input instead)."""
     from imagenet_ddp import __version__, cli
 
     argv = {
