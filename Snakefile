@@ -29,9 +29,16 @@ os.environ["PATH"] = os.pathsep.join(
 )
 
 
-# The workflow's folder, for the conda env file's pip arguments (workflow/envs/imagenet-ddp.yaml):
-# Snakemake copies that file into its conda prefix, where a relative path would not resolve.
-os.environ["IMAGENET_DDP_ROOT"] = workflow.basedir
+# This workflow's own folder, the clone where another workflow uses it as a `module` (whose
+# workflow.basedir is that workflow's folder: docs/cluster.md "As a module"): its files are read
+# relative to it, and the conda env file's pip arguments name it (workflow/envs/imagenet-ddp.yaml:
+# Snakemake copies that file into its conda prefix, where a relative path would not resolve).
+if not workflow.current_basedir.is_local:
+    sys.exit(
+        f"imagenet-ddp as a module: {workflow.current_basedir} is not a local folder; clone the "
+        "workflow and name its Snakefile by path (module ...: snakefile: '<clone>/Snakefile')"
+    )
+os.environ["IMAGENET_DDP_ROOT"] = str(workflow.current_basedir)
 
 
 envvars:

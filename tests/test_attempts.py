@@ -328,6 +328,75 @@ def test_a_retry_that_will_refuse_is_submitted_without_gpus(tmp_path):
     assert "gres=" not in refused and "mpi=" not in refused and "tasks_per_node" not in refused
 
 
+def test_a_job_of_another_version_is_refused_once_and_its_retries_ask_for_no_gpus(
+    tmp_path, monkeypatch, capsys
+):
+    """Issue 50: after a `git pull` without a reinstall the workflow plans with one version and
+    the jobs run another. The real CLI refuses the train job before anything runs, in one line
+    naming both versions and the reinstall (exit 2), and records the refusal, so that the
+    workflow sizes each retry as one task without GPUs, which refuses again at once."""
+    from imagenet_ddp import __version__, cli
+    from imagenet_ddp.jobs.site import REFUSED_SHAPE, train_resources
+    from imagenet_ddp.jobs.spec import compact_spec, to_dict
+    from imagenet_ddp.settings.kinds import declarations
+    from tests.workflow_helpers import make_job, run_settings
+
+    monkeypatch.setenv("IMAGENET_DDP_ROOT", "/clone")
+    monkeypatch.delenv("IMAGENET_DDP_PLAN_VERSION", raising=False)
+    run = run_settings(run="r", nodes=2, tasks_per_node=4, cpus_per_task=8, gpus_per_node=4)
+    root = tmp_path / "checkpoint_root"  # make_job's
+    settings = {**declarations().rank_defaults(), **run}
+    for attempt in (1, 2):
+        spec = compact_spec(to_dict(make_job("train", run, tmp_path, attempt=attempt)))
+        other = spec.replace(f'"version":"{__version__}"', '"version":"9.9.9"')
+        if attempt == 2:  # the workflow's sizing of the retry, from the record alone
+            assert train_resources(run, settings, str(root), 2, 0.0) == REFUSED_SHAPE
+        assert cli.main(["train", "--job", other, "--attempt-log", str(tmp_path / "l")]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "planned this job with imagenet-ddp 9.9.9" in lines[0]
+        assert f"installed here is {__version__}" in lines[0]
+        assert "-m pip install -c /clone/requirements/constraints.txt -e /clone" in lines[0]
+    record = attempts.of_run(attempts.load(root), attempts.settings_key(settings))
+    assert [(a["outcome"], a["snakemake_attempt"], a["gpus"]) for a in record] == [
+        ("refused", 1, 0),
+        ("refused", 2, 0),
+    ]
+    assert not (tmp_path / "l").exists() and not (tmp_path / "run_dir").exists()
+    # a new invocation's first job (reinstalled, say) asks for the run's GPUs again
+    assert train_resources(run, settings, str(root), 1, 0.0)["gres"] == "gpu:4"
+
+
+@pytest.mark.parametrize("command", ["verify", "index"])
+def test_every_stage_refuses_to_run_for_a_plan_of_another_version(
+    tmp_path, monkeypatch, capsys, command
+):
+    """Issue 50: a data stage (every stage: imagenet_ddp.cli.main) run by a workflow whose
+    parse had another version (the stage versions it planned are that version's) refuses in
+    one line, exit 2, writing nothing; at the plan's own version the stage runs (here: fails
+    on its missing input instead)."""
+    from imagenet_ddp import __version__, cli
+
+    argv = {
+        "verify": ["verify", "--data-dir", "nowhere", "--report", "out/r.json",
+                   "--no-check-md5"],
+        "index": ["index", "--data-dir", "nowhere", "--out-dir", "out"],
+    }[command]  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("IMAGENET_DDP_PLAN_VERSION", "0.0.1")
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit:  # argparse: a required option this test does not give
+        code = exit.code
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"imagenet-ddp 0.0.1, but the package installed here is {__version__}" in err
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setenv("IMAGENET_DDP_PLAN_VERSION", __version__)
+    with contextlib.suppress(Exception, SystemExit):
+        cli.main(argv)
+    assert "planned this job" not in capsys.readouterr().err
+
+
 def test_a_step_that_exits_0_without_finishing_the_run_is_stopped(tmp_path, monkeypatch):
     """srun exits 0 when it gives up waiting for a signalled step (seen in CI at a time
     limit): the job is stopped (75), its attempt not "completed", no output is written."""

@@ -106,5 +106,5 @@ def test_a_compact_spec_reads_back_whole_and_refuses_another_package_version():
     read = to_dict(load(text, "train"))
     assert read == {**spec, "run": {**declarations().rank_defaults(), **spec["run"]}}
     other = text.replace(f'"version":"{__version__}"', '"version":"0.0.1"')
-    with pytest.raises(SpecError, match="the workflow is imagenet-ddp 0.0.1, this job runs"):
+    with pytest.raises(SpecError, match="planned this job with imagenet-ddp 0.0.1"):
         load(other, "train")

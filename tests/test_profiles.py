@@ -74,10 +74,9 @@ def test_the_workflow_profile_leaves_the_sites_part_to_the_site():
     assert "slurm_account" not in str(profile.get("set-resources"))
     rules_text = "".join(p.read_text() for p in sorted((ROOT / "workflow/rules").glob("*.smk")))
     rules = set(re.findall(r"^\s*rule (\w+):", rules_text, flags=re.M))
-    local = set(re.findall(r"^    (\w+),$", rules_text.split("localrules:", 1)[1].split("\n\n")[0],
-                           flags=re.M))  # fmt: skip
-    # and rules marked `localrule: True` in their own block
-    local |= set(re.findall(r"^rule (\w+):\n(?:(?:    .*)?\n)*?    localrule: True$", rules_text,
+    assert not re.search(r"^localrules:", rules_text, re.M)  # unprefixed under a module
+    # the rules marked `localrule: True` in their own block
+    local = set(re.findall(r"^rule (\w+):\n(?:(?:    .*)?\n)*?    localrule: True$", rules_text,
                             flags=re.M))  # fmt: skip
     targets = {"preflight"}  # no job of its own
     submitted = rules - local - targets

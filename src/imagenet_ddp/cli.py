@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import os
 import signal
 import sys
 from pathlib import Path
 
-from imagenet_ddp.errors import InputError
+from imagenet_ddp.errors import PLAN_VERSION_ENV, InputError, version_problem
 from imagenet_ddp.io import EXIT_INPUT, exit_by_signal
 
 
@@ -216,9 +218,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def refuse_other_version(args: argparse.Namespace) -> None:
+    """Refuse a job that its workflow planned with another version of this package (the plan's
+    version: inherited from the parse, and in a job spec). A training's refusal goes into its
+    attempt record first: its retries then ask for one task without GPUs and refuse at once
+    (jobs.attempts.refusal_ahead), never the run's GPUs again."""
+    spec = _raw_spec(args.job) if args.command == "train" else None
+    planned = (os.environ.get(PLAN_VERSION_ENV), (spec or {}).get("version"))
+    problem = version_problem(planned[0]) or version_problem(planned[1])
+    if problem is None:
+        return
+    try:  # what this version reads of another's spec: the record's place, the run, the attempt
+        root, attempt = spec["paths"]["checkpoint_root"], int(spec["execution"]["attempt"])
+        from imagenet_ddp.settings.kinds import declarations
+
+        run = {**declarations().rank_defaults(), **spec["run"]}
+    except (KeyError, TypeError, ValueError):
+        raise InputError(problem) from None
+    from imagenet_ddp.jobs.attempts import begin
+
+    begin(root, run, attempt=attempt, gpus=0, cores=0, refused=problem)
+    raise InputError(problem)
+
+
+def _raw_spec(value: str) -> dict | None:
+    """``--job``'s JSON as written (a spec's text or its file), None where unreadable."""
+    try:
+        data = json.loads(value if value.lstrip().startswith("{") else Path(value).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        refuse_other_version(args)
         code = args.func(args)
     except InputError as exc:
         print(f"imagenet-ddp {args.command}: error: {exc}", file=sys.stderr)

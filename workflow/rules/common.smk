@@ -11,9 +11,12 @@ import time
 from snakemake.exceptions import WorkflowError
 from snakemake.settings.types import DeploymentMethod
 
-# What runs at parse comes from this workflow's own source tree and needs only Snakemake and its
-# dependencies: a dry-run or --lint works in a login node's bare Snakemake environment.
-sys.path.insert(0, os.path.join(workflow.basedir, "src"))
+# This workflow's folder (Snakefile's): where it is used as a `module`, workflow.basedir is the
+# using workflow's. What runs at parse comes from its own source tree, src/ beside it, and needs
+# only Snakemake and its dependencies: a dry-run or --lint works in a login node's bare Snakemake
+# environment. A copy of the workflow without src/ parses with the installed package.
+WORKFLOW_DIR = os.path.dirname(os.path.dirname(str(workflow.current_basedir)))
+sys.path.insert(0, os.path.join(WORKFLOW_DIR, "src"))
 
 from imagenet_ddp import __version__ as PACKAGE_VERSION  # report.smk's param
 from imagenet_ddp.data.layouts import LAYOUTS, dry_run_layout
@@ -38,6 +41,11 @@ from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
 from imagenet_ddp.settings.runs import config_problems
 from imagenet_ddp.jobs.stage_versions import STAGE_VERSIONS
 
+# The version this plan is made with: every `imagenet-ddp` command of its jobs refuses to run
+# another (imagenet_ddp.cli, exit 2). Inherited by the jobs' own Snakemake (sbatch
+# --export=ALL), which keeps the plan's where its checkout has changed since.
+os.environ.setdefault("IMAGENET_DDP_PLAN_VERSION", PACKAGE_VERSION)
+
 
 def refuse(lines):
     """Stop the parse: one line per refusal, no traceback (a WorkflowError adds its own)."""
@@ -48,7 +56,7 @@ def refuse(lines):
 
 # Validation fills in the schema's defaults (their one home); runs resolve as written.
 _WRITTEN = written_settings(config)
-_SCHEMA = os.path.join(workflow.basedir, "workflow/schemas/config.schema.yaml")
+_SCHEMA = os.path.join(WORKFLOW_DIR, "workflow/schemas/config.schema.yaml")
 _SCHEMA_DOC = load_schema(_SCHEMA)  # read once: validation and the runs' resolution
 _problems = config_problems(
     config, _SCHEMA_DOC
@@ -189,13 +197,20 @@ def preflight_reports():
     ]
 
 
+# The names set-resources gives these rules: under a `module`'s prefix (`use rule * from
+# imagenet as imagenet_*`), imagenet_train. Read at parse, while this file's rules are named.
+_RULE_NAMES = {
+    name: workflow.modifier.modify_rulename(name) for name in ("train", "evaluate")
+}
+
+
 def _rule_resource(rule, key, defaults=True):
     """A resource that set-resources gives `rule`, else default-resources (where `defaults`); a
     number, a string, or None (unset, or an expression such as `60 * attempt`, not evaluated
     here). Read through Snakemake's public ResourceSettings, never changed."""
     settings = workflow.resource_settings
     for resources in (
-        settings.overwrite_resources.get(rule),
+        settings.overwrite_resources.get(_RULE_NAMES[rule]),
         settings.default_resources if defaults else None,
     ):
         given = None if resources is None or key not in resources else resources[key]
@@ -310,7 +325,9 @@ def train_slurm_extra(wildcards):
 # {resources.mpi}.
 LAUNCH_PREFIX = {}
 for _name in ("train", "evaluate"):
-    LAUNCH_PREFIX[_name], _problem = launch_prefix(_name, _rule_resource(_name, "mpi"))
+    LAUNCH_PREFIX[_name], _problem = launch_prefix(
+        _RULE_NAMES[_name], _rule_resource(_name, "mpi")
+    )
     if _problem:
         refuse([_problem])
 

@@ -18,11 +18,8 @@ REPORT_TARGETS = [
 
 # The report rules run on the machine that runs Snakemake (a cluster's login node), not as
 # sbatch jobs: each reads a few small files for seconds, where a job would wait in the queue.
-localrules:
-    accounting,
-    aggregate,
-    plots,
-    progress,
+# Each says so itself (`localrule: True`), which a `module`'s prefix keeps, as `localrules:`
+# does not (it names rules unprefixed).
 
 
 # SLURM's accounting of a run's training jobs (sacct, with a timeout:
@@ -36,6 +33,7 @@ rule accounting:
         "results/runs/{run}/accounting.json",
     log:
         "logs/accounting/{run}.log",
+    localrule: True
     conda:
         "../envs/imagenet-ddp.yaml"
     container:
@@ -67,6 +65,7 @@ rule aggregate:
         markdown="results/aggregate/runs.md",
     log:
         "logs/aggregate.log",
+    localrule: True
     conda:
         "../envs/imagenet-ddp.yaml"
     container:
@@ -121,6 +120,7 @@ rule plots:
         ),
     log:
         "logs/plots.log",
+    localrule: True
     conda:
         "../envs/imagenet-ddp.yaml"
     container:
@@ -142,6 +142,7 @@ rule progress:
     """The runs so far: finished runs' table; the others' epoch, throughput, ETA or failure."""
     log:
         "logs/progress.log",
+    localrule: True
     conda:
         "../envs/imagenet-ddp.yaml"
     container:

@@ -244,8 +244,10 @@ def begin(
     gpus: int,
     cores: int,
     shape: Geometry | None = None,
+    refused: str | None = None,
 ) -> tuple[dict[str, Any], str | None]:
-    """Close a killed predecessor, append this attempt; returns (entry, refusal reason)."""
+    """Close a killed predecessor, append this attempt; returns (entry, refusal reason).
+    ``refused``: a reason found before (another version's job: imagenet_ddp.cli)."""
     attempts, key = load(checkpoint_root), settings_key(run)
     mine = _closed(of_run(attempts, run_keys(run)), checkpoint_root)
     now = time.time()
@@ -271,7 +273,7 @@ def begin(
         "accumulation": int(run.get("accumulation") or 1),
         "code": {k: v for k, v in code_version().items() if k.startswith("git_")},
     }
-    why = refusal(mine, attempt, int(run.get("max_allocations", 10)))
+    why = refused or refusal(mine, attempt, int(run.get("max_allocations", 10)))
     if why:
         entry.update(outcome="refused", ended=now, exit_code=1, error=why)
     attempts.append(entry)

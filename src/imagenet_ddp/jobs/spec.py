@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from imagenet_ddp import __version__
 from imagenet_ddp.data.prepared_layout import resolve_prepared
-from imagenet_ddp.errors import InputError
+from imagenet_ddp.errors import InputError, version_problem
 from imagenet_ddp.io import write_json_atomic
 from imagenet_ddp.jobs.launchers import launcher_problem
 from imagenet_ddp.settings.geometry import GEOMETRY_KEYS, LAUNCH_KEYS, Geometry
@@ -315,12 +315,9 @@ def _from_compact(data: Any) -> Any:
         return data
     data = dict(data)
     version = data.pop("version")
-    if version != __version__:
-        raise SpecError(
-            f"the workflow is imagenet-ddp {version}, this job runs {__version__}: install the "
-            "workflow's version where its jobs run (pip install -e <workflow folder>, or "
-            "rebuild the image)"
-        )
+    problem = version_problem(version)
+    if problem:
+        raise SpecError(problem)
     if isinstance(data.get("run"), dict):
         data["run"] = {**declarations().rank_defaults(), **data["run"]}
     return data
