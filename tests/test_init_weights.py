@@ -227,7 +227,8 @@ def test_a_fresh_start_whose_weights_file_is_gone_is_refused_by_its_rank_in_one_
 def test_the_workflow_refuses_a_head_that_does_not_fit_and_passes_the_digest(tmp_path):
     """A real workflow: the run's local check (before any of its GPU jobs) refuses the data's
     class count (the demo's 6) against the file's 10, with one line in its log; with the head
-    excluded it passes, and a dry-run of train then passes the file's digest to the job."""
+    excluded it passes, and a dry-run of train then passes the file's digest to the job (in
+    its rerun key, whose `key` job the dry-run shows)."""
     workdir = copy_workflow(tmp_path / "wf")
     torch.save(trained_like(10).state_dict(), workdir / "in1k.pth")
     config = read_config(workdir)
@@ -246,4 +247,5 @@ def test_the_workflow_refuses_a_head_that_does_not_fit_and_passes_the_digest(tmp
     snakemake(workdir, "-c1", target)
     result = snakemake(workdir, "-n", "-p", f"results/runs/{run}/model.pt")
     digest = IW.file_digest(workdir / "in1k.pth", "sha256")
-    assert f"--init-weights-sha256 '{digest}'" in result.stdout
+    assert f'"init_weights_sha256":"{digest}"' in result.stdout
+    assert f"--key results/keys/train/{run}/" in result.stdout
