@@ -439,7 +439,7 @@ def test_changing_split_seed_reruns_split_and_downstream_only(local_run):
     # Every training waits for the data's new content digest (data_content, a checkpoint),
     # which decides it once it has run: another split is other data, so they will retrain
     # (tests of a data change that runs: test_rerun_matrix_under_each_trigger_set).
-    assert plan == {"split": 1, "data_content": 1, "all": 1}, plan
+    assert plan == {"split": 1, "data_content": 1}, plan
 
 
 def test_prepare_split_into_jobs_shows_them_in_the_dry_run(local_run):
@@ -511,7 +511,7 @@ def test_a_stage_version_and_an_lr_change_in_one_invocation(local_run):
         write_config(local_run, original)
         snakemake(local_run, "--profile", "profiles/local")  # back: retrains that run again
     # train is decided once data_content has run (the lr's run then, the other not)
-    assert plan == {"split": 1, "data_content": 1, "all": 1}, plan
+    assert plan == {"split": 1, "data_content": 1}, plan
     assert after["results/split/train.csv"] != before["results/split/train.csv"]  # rerun
     changed = {p for p in before if after[p] != before[p]}
     assert changed == {"results/split/train.csv", two, evals[1]}, changed
