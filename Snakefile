@@ -60,3 +60,6 @@ rule all:
     input:
         REPORT_TARGETS,
         VERIFY_REPORT,  # what trains waits for it (data_content); a rerun of it alone, no more
+        # every run's rerun keys: a changed setting or data content is a missing key, which
+        # Snakemake plans under every trigger set (common.smk key_files)
+        key_files,

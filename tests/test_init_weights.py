@@ -227,7 +227,7 @@ def test_a_fresh_start_whose_weights_file_is_gone_is_refused_by_its_rank_in_one_
 def test_the_workflow_refuses_a_head_that_does_not_fit_and_passes_the_digest(tmp_path):
     """A real workflow: the run's local check (before any of its GPU jobs) refuses the data's
     class count (the demo's 6) against the file's 10, with one line in its log; with the head
-    excluded it passes, and a dry-run of train then passes the file's digest to the job."""
+    excluded it passes and records the file's digest, which train's rerun key holds."""
     workdir = copy_workflow(tmp_path / "wf")
     torch.save(trained_like(10).state_dict(), workdir / "in1k.pth")
     config = read_config(workdir)
@@ -246,4 +246,7 @@ def test_the_workflow_refuses_a_head_that_does_not_fit_and_passes_the_digest(tmp
     snakemake(workdir, "-c1", target)
     result = snakemake(workdir, "-n", "-p", f"results/runs/{run}/model.pt")
     digest = IW.file_digest(workdir / "in1k.pth", "sha256")
-    assert f"--init-weights-sha256 '{digest}'" in result.stdout
+    # the check's record holds it, which train's rerun key takes (common.smk rerun_key) once
+    # data_content has run: the dry-run decides train after it
+    assert json.loads((workdir / target).read_text())["init_weights_sha256"] == digest
+    assert "checkpoint data_content:" in result.stdout

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from imagenet_ddp.jobs.distributed import master_port
 from imagenet_ddp.jobs.launchers import (
     THREAD_COUNT_VARIABLES,
@@ -421,21 +423,27 @@ def test_a_retry_that_will_refuse_is_not_shifted_to_its_one_node(monkeypatch, tm
     assert on_allocation(job).run == run
 
 
-def test_a_delivered_run_trains_afresh_only_when_a_retrain_is_asked_for(tmp_path):
-    """`IMAGENET_DDP_RETRAIN=1 snakemake --forcerun train` (issue 35): the run's checkpoints
-    and attempt record move aside, so it trains from scratch instead of writing its final
-    checkpoint's model again; without the variable (a restarted Snakemake rerunning the job
-    as incomplete, a retry) and for a run never delivered, nothing moves."""
+def test_a_delivered_run_trains_afresh_when_it_is_asked_for_again(tmp_path):
+    """Issue 50: a run delivered before this invocation began whose train runs again
+    (`--forcerun`, its outputs deleted, `--delete-all-output`) trains from scratch: its
+    checkpoints and attempt record move aside, never resumed into the same model. A run not
+    delivered (a resubmission after a stop, a retry) resumes, and so does one delivered since
+    the invocation began (a dead controller's job finished it while this one waited)."""
     from imagenet_ddp.jobs.launch import DELIVERED, start_afresh_if_delivered
 
     root = tmp_path / "checkpoints" / "run"
     (root / "key").mkdir(parents=True)
     (root / "key" / "epoch-3.pt").write_bytes(b"final")
-    assert start_afresh_if_delivered(root, {"IMAGENET_DDP_RETRAIN": "1"}) is None  # in progress
-    (root / DELIVERED).write_text("{}")
-    assert start_afresh_if_delivered(root, {}) is None
+    began = {"IMAGENET_DDP_INVOCATION_STARTED": "1000.0"}
+    assert start_afresh_if_delivered(root, began) is None  # in progress: resumes
+    (root / DELIVERED).write_text(json.dumps({"delivered_at": 1000.5}))
+    assert start_afresh_if_delivered(root, began) is None  # delivered during this invocation
     assert (root / "key" / "epoch-3.pt").read_bytes() == b"final"
-    previous = start_afresh_if_delivered(root, {"IMAGENET_DDP_RETRAIN": "1"})
+    (root / DELIVERED).write_text(json.dumps({"delivered_at": 999.0}))
+    previous = start_afresh_if_delivered(root, began)
     assert previous == tmp_path / "checkpoints" / "run.previous" and not root.exists()
     assert (previous / "key" / "epoch-3.pt").read_bytes() == b"final"
-    assert start_afresh_if_delivered(root, {"IMAGENET_DDP_RETRAIN": "1"}) is None  # a retry
+    assert start_afresh_if_delivered(root, began) is None  # a retry: nothing delivered now
+    (root / "key").mkdir(parents=True)
+    (root / DELIVERED).write_text("{}")  # an earlier version's marker, or a job run by hand
+    assert start_afresh_if_delivered(root, {}) == previous and not root.exists()

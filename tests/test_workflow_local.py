@@ -282,26 +282,23 @@ def test_changing_one_runs_weights_or_geometry_reruns_only_that_run(local_run, k
     finally:
         write_config(local_run, original)
     assert plan == {
-        "preflight_run": 1, "train": 1, "evaluate": 1, "accounting": 1, "aggregate": 1,
-        "plots": 1, "all": 1,
+        "key": 1, "preflight_run": 1, "train": 1, "evaluate": 1, "accounting": 1,
+        "aggregate": 1, "plots": 1, "all": 1,
     }, plan  # fmt: skip
     assert "wildcards: run=resnet18-1x1" in result.stdout
     assert "wildcards: run=resnet18-1x2" not in result.stdout
-    assert "Params have changed since last execution" in result.stdout
+    # The reason, one line per run: the one setting that changed (issue 50)
+    old = config["train_defaults"].get(key, 1) if key == "lr" else 1
+    assert f"run 'resnet18-1x1': {key} {old} -> {value}" in result.stderr.splitlines()
     # Each train job in a few lines: its SLURM shape, a compact hyperparameter line, a spec
     # file's path (not the spec twice), and a reason that names the one setting that changed.
     blocks = shown.split("\n\n")
     (block,) = [b for b in blocks if "rule train:" in b]
     assert len(block.encode()) < 2800, block  # its whole spec, twice (resources, command)
     assert "nodes=" in block and "hyperparameters=model=" in block, block
-    # These runs train after a preflight, whose params are train's: its reason says what
-    # changed, train's that the preflight reran (Snakemake looks no further).
-    (changed,) = [b for b in blocks if "Params have changed" in b]
-    assert "rule preflight_run:" in changed and "results/preflight/" in block, changed
-    before, now = re.search(r"before: '([^']*)' now: '([^']*)'", changed).groups()
-    differ = set(before.split()) ^ set(now.split())  # the one setting that changed
-    assert {item.split("=")[0] for item in differ} == {key}, differ
-    assert f"{key}={value}" in now.split(), now
+    # These runs train after a preflight, whose input is train's key: train's reason says
+    # that the preflight reran.
+    assert "results/preflight/" in block, block
 
 
 def _changed(spec: dict):
@@ -423,8 +420,8 @@ def test_sweep_of_the_same_runs_is_up_to_date_and_one_axis_value_reruns_only_its
         write_config(local_run, original)
     assert unchanged == {}, unchanged
     assert changed == {
-        "preflight_run": 1, "train": 1, "evaluate": 1, "accounting": 1, "aggregate": 1,
-        "plots": 1, "all": 1,
+        "key": 1, "preflight_run": 1, "train": 1, "evaluate": 1, "accounting": 1,
+        "aggregate": 1, "plots": 1, "all": 1,
     }, changed  # fmt: skip
     assert "wildcards: run=resnet18-1x1" in result.stdout
     assert "wildcards: run=resnet18-1x2" not in result.stdout
@@ -439,12 +436,10 @@ def test_changing_split_seed_reruns_split_and_downstream_only(local_run):
         plan = planned_jobs(local_run, "--profile", "profiles/local")
     finally:
         write_config(local_run, original)
-    # Every training waits for the data's new content digest (data_content, a checkpoint):
-    # another split is other data, so they will retrain.
-    assert plan == {
-        "split": 1, "data_content": 1, "preflight_run": 2, "train": 2, "evaluate": 2,
-        "accounting": 2, "aggregate": 1, "plots": 1, "all": 1,
-    }, plan  # fmt: skip
+    # Every training waits for the data's new content digest (data_content, a checkpoint),
+    # which decides it once it has run: another split is other data, so they will retrain
+    # (tests of a data change that runs: test_rerun_matrix_under_each_trigger_set).
+    assert plan == {"split": 1, "data_content": 1}, plan
 
 
 def test_prepare_split_into_jobs_shows_them_in_the_dry_run(local_run):
@@ -515,7 +510,8 @@ def test_a_stage_version_and_an_lr_change_in_one_invocation(local_run):
         shutil.rmtree(local_run / "src", ignore_errors=True)
         write_config(local_run, original)
         snakemake(local_run, "--profile", "profiles/local")  # back: retrains that run again
-    assert plan["split"] == 1 and plan["data_content"] == 1 and plan["train"] == 2, plan
+    # train is decided once data_content has run (the lr's run then, the other not)
+    assert plan == {"split": 1, "data_content": 1}, plan
     assert after["results/split/train.csv"] != before["results/split/train.csv"]  # rerun
     changed = {p for p in before if after[p] != before[p]}
     assert changed == {"results/split/train.csv", two, evals[1]}, changed
@@ -749,30 +745,113 @@ def _assert_models_beyond_the_presets(runs: Path) -> None:
     assert table["flops_per_image"].nunique() == len(MODEL_RUNS)
 
 
-def test_a_retrain_asked_for_trains_the_run_again_from_scratch(local_run, monkeypatch):
-    """`--forcerun` of a finished run's model resumes its final checkpoint (the same model, no
-    epoch trained); with IMAGENET_DDP_RETRAIN=1 it trains from epoch 0, its earlier
-    checkpoints and attempt record moved to `<root>.previous` (docs/configuration.md "Reruns").
-    Last in this file: it leaves the run retrained."""
+TRIGGERS = {
+    "default": (),
+    "mtime": ("--rerun-triggers", "mtime"),
+    "mtime params": ("--rerun-triggers", "mtime", "params"),
+}
+DATA_STAGES = {"verify": 1, "index": 1, "split": 1, "prepare": 2, "data_content": 1, "all": 1}
+
+
+def test_rerun_matrix_under_each_trigger_set(local_run):
+    """Issue 50: on the finished demo, Snakemake's default triggers, `--rerun-triggers mtime`
+    and `mtime params` (plain `snakemake -c2`, no profile), each with a no-op, an lr change, a
+    touch of the train archive and a data change (another demo seed). A rerun key is an input
+    path named by its content (jobs.rerun_keys), so mtime alone retrains for an lr; a touch
+    reruns the data stages and nothing downstream, not even the tables; going back to an
+    earlier lr retrains under mtime (the delivered job removed the older key); a trigger set
+    without mtime is refused in one line. Real runs: one lr retrain, the touch, the data change
+    (it leaves the workflow trained on demo seed 1, one run at the doubled lr)."""
+    config = read_config(local_run)
+    original = copy.deepcopy(config)
+    run = config["runs"][1]["name"]
+    lr = config["train_defaults"]["lr"]
+    outputs = ("model.pt", "eval.json", "accounting.json")
+    files = [f"results/runs/{r['name']}/{f}" for r in config["runs"] for f in outputs]
+    files.append("results/aggregate/runs.csv")
+    for name, triggers in TRIGGERS.items():
+        assert planned_jobs(local_run, "-c2", *triggers) == {}, name
+    refused = snakemake(local_run, "-n", "-c2", "--rerun-triggers", "code", check=False)
+    assert refused.returncode != 0 and "--rerun-triggers without mtime:" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+    retrain = {"key": 1, "preflight_run": 1, "train": 1, "evaluate": 1, "accounting": 1,
+               "aggregate": 1, "plots": 1, "all": 1}  # fmt: skip
+    config["runs"][1]["lr"] = lr * 2
+    write_config(local_run, config)
+    for name, triggers in TRIGGERS.items():
+        assert planned_jobs(local_run, "-c2", *triggers) == retrain, name
+    shown = snakemake(local_run, "-n", "-c2")
+    # the reason, one line: the parse compares with what the last delivered training recorded
+    assert [x for x in shown.stderr.splitlines() if x.startswith("run ")] == [
+        f"run {run!r}: lr {lr} -> {lr * 2}"
+    ], shown.stderr[-3000:]
+    snakemake(local_run, "-c2", *TRIGGERS["mtime"])
+    assert len(list((local_run / f"results/keys/train/{run}").iterdir())) == 1  # the old one gone
+    write_config(local_run, original)  # back to the earlier lr: retrains under mtime too
+    for name, triggers in TRIGGERS.items():
+        assert planned_jobs(local_run, "-c2", *triggers) == retrain, name
+
+    write_config(local_run, config)  # the lr trained last: its key is there
+    for name, triggers in TRIGGERS.items():
+        assert planned_jobs(local_run, "-c2", *triggers) == {}, name
+
+    before = _mtimes(local_run, *files)
+    os.utime(local_run / "resources/demo/ILSVRC2012/ILSVRC2012_img_train.tar")  # same bytes
+    for name, triggers in TRIGGERS.items():  # train and evaluate: decided after data_content
+        assert planned_jobs(local_run, "-c2", *triggers) == DATA_STAGES, name
+    snakemake(local_run, "-c2", *TRIGGERS["mtime"])
+    assert _mtimes(local_run, *files) == before  # no train, evaluate, accounting or table
+    for name, triggers in TRIGGERS.items():
+        assert planned_jobs(local_run, "-c2", *triggers) == {}, name
+
+    config["demo"]["seed"] = 1  # other images: decided once data_content has run
+    write_config(local_run, config)
+    data = {**DATA_STAGES, "demo_data": 1}
+    assert planned_jobs(local_run, "-c2") == data
+    assert planned_jobs(local_run, "-c2", *TRIGGERS["mtime params"]) == data
+    assert planned_jobs(local_run, "-c2", *TRIGGERS["mtime"]) == {}  # a param: mtime ignores it
+    forced = (*TRIGGERS["mtime"], "--forcerun", "demo_data")
+    assert planned_jobs(local_run, "-c2", *forced) == data
+    ran = snakemake(local_run, "-c2", *forced)
+    text = ran.stdout + ran.stderr
+    for rule, count in (("train", 2), ("evaluate", 2), ("accounting", 2), ("aggregate", 1)):
+        assert len(re.findall(rf"^(local)?rule {rule}:", text, re.M)) == count, (rule, text[-3000:])
+    after = _mtimes(local_run, *files)
+    assert all(after[f] != before[f] for f in files), (before, after)
+    for name, triggers in TRIGGERS.items():
+        assert planned_jobs(local_run, "-c2", *triggers) == {}, name
+
+
+def test_a_forced_or_cleaned_run_trains_again_from_scratch(local_run):
+    """Issue 50: `--forcerun` of a finished run's model trains it from step 0 (never its final
+    checkpoint resumed into the same model), its earlier checkpoints and attempt record moved to
+    `<root>.previous`, the log saying so in one line; `--delete-all-output` then a run does the
+    same (docs/configuration.md "Reruns" lists what the cleanup leaves). Last in this file: it
+    leaves the run retrained."""
     from imagenet_ddp.jobs import attempts
 
     run = "resnet18-1x1"
     target = f"results/runs/{run}/model.pt"
     root = local_run / "results/checkpoints" / run
-    epochs = json.loads((local_run / f"results/runs/{run}/train_metrics.json").read_text())
     before = len(attempts.load(root))
-    snakemake(local_run, "--profile", "profiles/local", "--forcerun", target, target)
-    resumed = attempts.load(root)
-    assert len(resumed) == before + 1 and resumed[-1]["outcome"] == "completed"
-    assert resumed[-1]["start"]["epoch"] > 0, resumed[-1]  # its final checkpoint, not epoch 0
-    assert not root.with_name(f"{run}.previous").exists()
-
-    monkeypatch.setenv("IMAGENET_DDP_RETRAIN", "1")
-    snakemake(local_run, "--profile", "profiles/local", "--forcerun", target, target)
-    afresh = attempts.load(root)
-    assert len(afresh) == 1 and afresh[0]["outcome"] == "completed", afresh
-    assert (afresh[0]["start"]["epoch"], afresh[0]["start"]["step"]) == (0, 0), afresh[0]
-    assert len(attempts.load(root.with_name(f"{run}.previous"))) == before + 1
-    retrained = json.loads((local_run / f"results/runs/{run}/train_metrics.json").read_text())
-    trained = [[e["epoch"] for e in m["epochs"]] for m in (epochs, retrained)]
-    assert trained[0] == trained[1] and trained[1][0] == 0, trained  # every epoch again
+    epochs = json.loads((local_run / f"results/runs/{run}/train_metrics.json").read_text())
+    trained = []
+    for cleanup in (("--forcerun", target), None):
+        if cleanup is None:  # the cleanup of the run's model and what it is made of
+            snakemake(local_run, "--profile", "profiles/local", "--delete-all-output", target)
+            assert not (local_run / target).exists() and (root / "delivered.json").is_file()
+        snakemake(local_run, "--profile", "profiles/local", *(cleanup or ()), target)
+        afresh = attempts.load(root)
+        assert len(afresh) == 1 and afresh[0]["outcome"] == "completed", afresh
+        assert (afresh[0]["start"]["epoch"], afresh[0]["start"]["step"]) == (0, 0), afresh[0]
+        log = (local_run / f"logs/train/{run}.log").read_text()
+        assert f"{root.name} held a delivered run; training from scratch" in log, log[-2000:]
+        trained.append(
+            json.loads((local_run / f"results/runs/{run}/train_metrics.json").read_text())
+        )
+    assert len(attempts.load(root.with_name(f"{run}.previous"))) == 1  # the forced one's
+    assert before >= 1
+    for retrained in trained:
+        runs = [[e["epoch"] for e in m["epochs"]] for m in (epochs, retrained)]
+        assert runs[0] == runs[1] and runs[1][0] == 0, runs  # every epoch again

@@ -81,9 +81,11 @@ def cmd_data_content(args: argparse.Namespace) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from imagenet_ddp.jobs.attempts import ran_in_this_allocation
     from imagenet_ddp.jobs.launch import train_job
+    from imagenet_ddp.jobs.rerun_keys import read_key
     from imagenet_ddp.jobs.spec import load, with_init_weights
 
-    job = with_init_weights(load(args.job, "train"), args.init_weights_sha256)
+    key = read_key(args.key) if args.key else {}
+    job = with_init_weights(load(args.job, "train"), key.get("init_weights_sha256", ""))
     # A rule's retries reach the jobstep's own Snakemake (snakemake-executor-plugin-slurm#284),
     # which would run the job again in its allocation. Before the attempt log: {log} keeps
     # pointing at the attempt that ran.
@@ -96,7 +98,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         from imagenet_ddp.jobs.attempt_log import open_attempt_log
 
         open_attempt_log(args.attempt_log, job)
-    return train_job(job)
+    return train_job(job, args.key)
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from imagenet_ddp.jobs.launch import evaluate_job
+    from imagenet_ddp.jobs.spec import load
+
+    return evaluate_job(load(args.job, "evaluate"), args.key)
 
 
 def _job(target: str):
@@ -114,12 +123,15 @@ def _add_job_parser(sub, name: str, help_text: str, func) -> None:
         help=f"the {name} job spec (imagenet_ddp.jobs.spec): a file's path (the workflow's "
         "rule passes one it wrote; or one a job wrote, edited) or JSON",
     )
-    if name == "train":
+    if name in ("train", "evaluate"):
         p.add_argument(
-            "--init-weights-sha256",
-            default="",
-            help="the init_weights file's digest as the check read it (the rule's param)",
+            "--key",
+            metavar="FILE",
+            help="the job's rerun key (jobs.rerun_keys, the rule's input): recorded in job.json,"
+            " the run's other keys removed once it delivered; train's holds the init_weights"
+            " file's digest as the check read it",
         )
+    if name == "train":
         p.add_argument(
             "--attempt-log",
             metavar="LINK",
@@ -209,8 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_parser(sub, "train", "stage data on every node and run DDP training", cmd_train)
     _add_job_parser(sub, "preflight", "check a run's placement, network, step and loader speed; "
                     "project it", _job("preflight.job:preflight_job"))  # fmt: skip
-    _add_job_parser(sub, "evaluate", "top-1/top-5 and per-class accuracy",
-                    _job("jobs.launch:evaluate_job"))  # fmt: skip
+    _add_job_parser(sub, "evaluate", "top-1/top-5 and per-class accuracy", cmd_evaluate)
     p = _command(sub, "convert-checkpoint", "rewrite a checkpoint or model.pt of an earlier "
                  "version that you trust so that it loads without running code (it is "
                  "unpickled in full once, here)", cmd_convert_checkpoint)  # fmt: skip

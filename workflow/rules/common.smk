@@ -7,9 +7,10 @@ import os
 import re
 import sys
 import time
+from types import SimpleNamespace
 
-from snakemake.exceptions import WorkflowError
-from snakemake.settings.types import DeploymentMethod
+from snakemake.exceptions import IncompleteCheckpointException, WorkflowError
+from snakemake.settings.types import DeploymentMethod, RerunTrigger
 
 # This workflow's folder (Snakefile's): where it is used as a `module`, workflow.basedir is the
 # using workflow's. What runs at parse comes from its own source tree, src/ beside it, and needs
@@ -40,6 +41,7 @@ from imagenet_ddp.settings.notices import summarised
 from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
 from imagenet_ddp.settings.runs import config_problems
 from imagenet_ddp.jobs.stage_versions import STAGE_VERSIONS
+from imagenet_ddp.jobs.rerun_keys import changes, key_path, key_text
 
 # The version this plan is made with: every `imagenet-ddp` command of its jobs refuses to run
 # another (imagenet_ddp.cli, exit 2). Inherited by the jobs' own Snakemake (sbatch
@@ -128,42 +130,90 @@ def training_settings(name):
     return SETTINGS.rank_settings(RUNS[name])
 
 
-def run_rerun_settings(wildcards):
-    """What reruns the run's train (and preflight), on one line in a frozen format; a setting
-    a newer version adds at its x-earlier value stays off it (settings.kinds.rerun_line).
-    """
-    return rerun_line(SETTINGS.rerun_settings(RUNS[wildcards.run]))
-
-
-# What a training reads, by content (the data_content checkpoint): each job reading it is judged
-# again once it has run (docs/configuration.md "What the data is: by content").
+# What reruns a run's train and evaluate, by path (imagenet_ddp.jobs.rerun_keys): each job's
+# input is results/keys/<kind>/<run>/<digest>.json, named by the digest of its key, which the
+# local `key` rule writes when it is missing and `all` asks for. It holds the run's rerun
+# settings (a setting a newer version adds at its x-earlier value stays off them:
+# settings.kinds), the content digest of the data the job reads (the data_content checkpoint,
+# docs/configuration.md "What the data is: by content") and, for train, its weights file's
+# sha256 as its check read it (another content retrains the run, a moved file does not).
 DATA_CONTENT = "results/data/content.json"
 
 
-def data_content_file(wildcards):  # train's and evaluate's: its digest is their param
-    return ancient(checkpoints.data_content.get().output[0])
+def rerun_key(kind, name, content, check=None):
+    """The key of the run's `kind` job from the data_content and check records' paths."""
+    with open(content) as f:
+        data = json.load(f)["evaluate" if kind == "evaluate" else "train"]
+    if kind == "evaluate":
+        batch = evaluation_settings(name)["batch_size"]
+        return {
+            "batch_size": batch,
+            "data": data,
+            "version": STAGE_VERSIONS["evaluate"],
+        }
+    with open(check) as f:
+        init_weights = json.load(f)["init_weights_sha256"]
+    settings = SETTINGS.rerun_settings(RUNS[name])
+    return {"settings": settings, "data": data, "init_weights_sha256": init_weights}
 
 
-def data_content(key):
-    """A param: the content digest of what a job of this kind reads (train, evaluate)."""
+def _records(kind, name):
+    """The checkpoint records a key is made of (each job is judged again once they exist)."""
+    records = [lambda: checkpoints.data_content.get().output[0]]
+    if kind != "evaluate":
+        records.append(lambda: checkpoints.check.get(run=name).output[0])
+    return records
+
+
+def key_file(kind):
+    """An input function: the run's key file. While a record it is made of is yet to be
+    (re)made, that record, ancient: Snakemake judges the job again once it exists, and until
+    then neither the job nor what reads its outputs is planned for the record's new time (a
+    data rerun that makes the same bytes reruns nothing downstream)."""
 
     def value(wildcards):
-        with open(checkpoints.data_content.get().output[0]) as f:
-            return json.load(f)[key]
+        refuse_unserved_triggers()
+        records, pending = [], []
+        for record in _records(kind, wildcards.run):
+            try:
+                records.append(record())
+            except IncompleteCheckpointException as incomplete:
+                pending.append(ancient(incomplete.targetfile))
+        if pending:
+            return pending
+        return key_path(kind, wildcards.run, rerun_key(kind, wildcards.run, *records))
 
     return value
 
 
-def run_check_file(wildcards):
-    """Train's input: the run's check (the checks that need torch), once passed."""
-    return ancient(checkpoints.check.get(run=wildcards.run).output[0])
+def key_files(wildcards=None):
+    """`all`'s: every run's keys. A missing key is a missing input of the target, which
+    Snakemake plans under every rerun trigger set (a missing input of a finished job it
+    would not: mtime alone)."""
+    files = []
+    for name in RUNS:
+        for kind in ("train", "evaluate"):
+            found = key_file(kind)(SimpleNamespace(run=name))
+            files += found if isinstance(found, list) else [found]
+    return files
 
 
-def init_weights_sha256(wildcards):
-    """A param: the run's init_weights file's sha256 as its check read it ('' without one):
-    another content retrains the run, a moved file does not."""
-    with open(checkpoints.check.get(run=wildcards.run).output[0]) as f:
-        return json.load(f)["init_weights_sha256"]
+def key_records(wildcards):
+    """The `key` rule's inputs: the records its key is made of, ancient (their times are no
+    reason: the key's path is)."""
+    return [ancient(record()) for record in _records(wildcards.kind, wildcards.run)]
+
+
+def key_content(wildcards, input):
+    """The `key` rule's param: the key's text, of the path asked for (a stale path of a key
+    that is no longer the run's is refused)."""
+    key = rerun_key(wildcards.kind, wildcards.run, *input)
+    path = key_path(wildcards.kind, wildcards.run, key)
+    if os.path.basename(path) != f"{wildcards.digest}.json":
+        raise WorkflowError(
+            f"{path}: the run's {wildcards.kind} key now; not {wildcards.digest}"
+        )
+    return key_text(key)
 
 
 def check_params(wildcards):
@@ -411,3 +461,44 @@ def prepare_flags(wildcards):
         f" --quality {PREPARE['jpeg_quality']} --on-corrupt {PREPARE['on_corrupt']}"
         f" --shard-samples {PREPARE['shard_samples']}"
     )
+
+
+def refuse_unserved_triggers():
+    """A rerun trigger set without mtime cannot be served: new images under data.dir's file
+    names are seen by the data stages' times only. Snakemake's DAG settings (its public
+    workflow.dag_settings) exist once the DAG is built, so the key's input functions ask.
+    """
+    if RerunTrigger.MTIME not in workflow.dag_settings.rerun_triggers:
+        refuse(["--rerun-triggers without mtime: new images under the same file names in"
+                " data.dir would never retrain a run (the data stages see them by their"
+                " time); add mtime"])  # fmt: skip
+
+
+def _key_changes():
+    """One line per run whose train key differs from what its last delivered training recorded
+    (job.json's key): what changed, bookkeeping and unchanged keys left out. Read from our own
+    records only, once their checkpoint records exist."""
+    lines = []
+    for name in RUNS:
+        paths = [
+            DATA_CONTENT,
+            f"results/checks/{name}.json",
+            f"results/runs/{name}/job.json",
+        ]
+        if not all(os.path.isfile(p) for p in paths):
+            continue
+        try:
+            with open(paths[2]) as f:
+                recorded = json.load(f).get("key")
+            now = rerun_key("train", name, *paths[:2])
+        except (OSError, ValueError, KeyError):
+            continue
+        line = recorded and changes(name, recorded, now)
+        lines += [line] if line else []
+    return lines
+
+
+# Printed by the main Snakemake's parse only, not by each job's own.
+if workflow.is_main_process:
+    for _line in _key_changes():
+        print(_line, file=sys.stderr)

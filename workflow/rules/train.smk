@@ -31,13 +31,37 @@ checkpoint check:
         " --run-dir {params.run_dir:q} --out {output:q} > {log:q} 2>&1"
 
 
+# A run's rerun key (common.smk key_file, imagenet_ddp.jobs.rerun_keys), written when missing:
+# its path is its content's digest, so it never reruns for a time or a trigger; the job that
+# reads it removes the run's other keys of its kind once it has delivered.
+rule key:
+    """Write a run's train or evaluate rerun key (what retrains or re-evaluates it)."""
+    input:
+        key_records,
+    output:
+        "results/keys/{kind}/{run}/{digest}.json",
+    log:
+        "logs/keys/{kind}/{run}/{digest}.log",
+    wildcard_constraints:
+        kind="train|evaluate",
+        digest="[0-9a-f]{16}",
+    localrule: True
+    conda:
+        "../envs/imagenet-ddp.yaml"
+    container:
+        CONTAINER
+    params:
+        key=key_content,
+    shell:
+        "printf '%s\\n' {params.key:q} > {output:q} 2> {log:q}"
+
+
 rule train:
     """Train one run with DDP on its nodes x tasks_per_node ranks; resumed after a stop."""
     input:
-        # Checkpoints' records, by content (common.smk): their times are no reason; train's
-        # params below say whether the data or the weights file changed.
-        data=data_content_file,
-        check=run_check_file,
+        # What retrains the run, by path (common.smk key_file): its settings, data content
+        # and weights file.
+        key=key_file("train"),
         preflight=preflight_input,  # runs with `preflight: true`: a passing preflight first
     output:
         model="results/runs/{run}/model.pt",
@@ -83,21 +107,14 @@ rule train:
         # process of the job reads.
         job=job_spec("train", "train"),
         hyperparameters=run_hyperparameters,
-    params:
-        # What reruns the training (docs/configuration.md "Reruns"): its checkpoint key's
-        # settings on one line (kinds weights, numerics, geometry), what its data is by content
-        # and its weights file's content.
-        settings=run_rerun_settings,
-        data=data_content("train"),
-        init_weights=init_weights_sha256,
     # exec: the launcher replaces the rule's shell, which a stop signal would kill (SLURM
     # signals every process of the step) before the ranks have written their checkpoint.
     # Every job (attempt) writes its own log, logs/train/<run>/job-<SLURM job id>-attempt<n>-
     # <UTC start>.log, which Snakemake does not delete when it starts the next job; {log} links
     # to the newest (imagenet_ddp.jobs.attempt_log).
     shell:
-        "exec imagenet-ddp train --job {resources.job:q} --init-weights-sha256"
-        " '{params.init_weights}' --attempt-log {log:q}"
+        "exec imagenet-ddp train --job {resources.job:q} --key {input.key:q}"
+        " --attempt-log {log:q}"
 
 
 # Evaluation runs like training: DDP ranks on the GPUs of `evaluate` geometry (config.yaml
@@ -108,9 +125,10 @@ rule evaluate:
     """Evaluate a run's model on the holdout and the val (test) set, DDP ranks."""
     input:
         model="results/runs/{run}/model.pt",
-        # The shared prepared copies, read directly (no staging: one sequential pass), the
-        # holdout list and the classes, by content (common.smk data_content_file).
-        data=data_content_file,
+        # What re-evaluates it besides a new model, by path (common.smk key_file): the
+        # content of the prepared copies, holdout list and classes it reads, its batch size and
+        # what the stage writes.
+        key=key_file("evaluate"),
     output:
         metrics="results/runs/{run}/eval.json",
         per_class="results/runs/{run}/per_class.csv",
@@ -134,15 +152,9 @@ rule evaluate:
         # The evaluation's job spec: its geometry, batch size, loader workers, paths and where
         # it runs (common.smk job_spec; a resource: no rerun when it changes, see rule train).
         job=job_spec("evaluate", "evaluate"),
-    params:
-        # What reruns the evaluation (the geometry does not): its data by content, its batch
-        # size and what the stage writes.
-        data=data_content("evaluate"),
-        batch_size=lambda wildcards: evaluation_settings(wildcards.run)["batch_size"],
-        version=STAGE_VERSIONS["evaluate"],
     # exec: the launcher replaces the rule's shell (see rule train).
     shell:
-        "exec imagenet-ddp evaluate --job {resources.job:q} > {log:q} 2>&1"
+        "exec imagenet-ddp evaluate --job {resources.job:q} --key {input.key:q} > {log:q} 2>&1"
 
 
 # The preflight of a run (imagenet_ddp.preflight.job): its exact geometry and SLURM shape, staging
@@ -152,9 +164,8 @@ rule evaluate:
 rule preflight_run:
     """Check a run's geometry, staging, all-reduce, step and loader; project its cost."""
     input:
-        # as train's (see there): its projection is of this data
-        data=data_content_file,
-        check=run_check_file,
+        # train's key (see there): its projection is of these settings and this data
+        key=key_file("train"),
     output:
         report="results/preflight/{run}/preflight.json",
     log:
@@ -182,9 +193,6 @@ rule preflight_run:
         # train:mpi="srun --mpi=pmix"); train's time limit, what the projection counts
         # allocations of; train's checkpoint folder, where it measures the write rate.
         job=job_spec("preflight", "train"),
-    params:
-        settings=run_rerun_settings,
-        data=data_content("train"),
     shell:
         "exec imagenet-ddp preflight --job {resources.job:q} > {log:q} 2>&1"
 

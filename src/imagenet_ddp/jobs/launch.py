@@ -32,7 +32,7 @@ from imagenet_ddp.data.stage import (
 )
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import EXIT_INPUT, Heartbeat, write_json_atomic
-from imagenet_ddp.jobs import attempts
+from imagenet_ddp.jobs import attempts, rerun_keys
 from imagenet_ddp.jobs.early_signals import EXIT_REQUEUE, STOP_SIGNALS
 from imagenet_ddp.jobs.holders import beat_owner_ended, begin_unless_held, give_back, live_holder
 from imagenet_ddp.jobs.launchers import get_launcher, resolve_launcher
@@ -51,28 +51,40 @@ from imagenet_ddp.settings.geometry import LAUNCH_KEYS, on_nodes
 
 STAGED_KINDS = ("train", "preflight")  # jobs that stage the prepared copy on every node
 DELIVERED = "delivered.json"  # in the checkpoint root: this run's outputs were written
-RETRAIN = "IMAGENET_DDP_RETRAIN"  # =1: a delivered run trains again from scratch
+INVOCATION_STARTED = "IMAGENET_DDP_INVOCATION_STARTED"  # the main Snakemake's (common.smk)
 
 
 def start_afresh_if_delivered(checkpoint_root: Path, environ=None) -> Path | None:
-    """`IMAGENET_DDP_RETRAIN=1 snakemake --forcerun train` (docs/configuration.md "Reruns"): a
-    delivered run trains from scratch. Asked for, never inferred (a restarted Snakemake reruns
-    it as incomplete, and must resume). Its checkpoints, record and marker move to
-    ``<root>.previous``, which is returned (None if nothing moved)."""
+    """A run whose outputs were delivered (the marker is written only after them) before this
+    Snakemake invocation began, and whose train Snakemake runs again, was asked for again
+    (`--forcerun`, `-R`, its outputs deleted, `--delete-all-output` then a run, a rerun key
+    changed): it trains from scratch, never resumes its final checkpoint into the same model.
+    Its checkpoints, attempt record and marker move to ``<root>.previous`` (one kept), which is
+    returned. Nothing moves (None) for a run not delivered (a resubmission after a stop
+    resumes), nor for one delivered since the invocation began: a job of a Snakemake that
+    died finished it while this one waited behind it (docs/reliability.md "A controller that
+    dies"), and resuming writes the same outputs without training."""
     environ = os.environ if environ is None else environ
     root = Path(checkpoint_root)
-    if environ.get(RETRAIN) != "1" or not (root / DELIVERED).is_file():
+    marker = root / DELIVERED
+    if not marker.is_file():
+        return None
+    began = float(environ.get(INVOCATION_STARTED, "inf"))
+    if json.loads(marker.read_text()).get("delivered_at", 0.0) >= began:
         return None
     previous = root.with_name(root.name + ".previous")
     shutil.rmtree(previous, ignore_errors=True)
     os.replace(root, previous)
-    print(f"train: {root} held a delivered run; training afresh (earlier: {previous})")
+    print(
+        f"train: {root} held a delivered run; training from scratch (its checkpoints: {previous})"
+    )
     return previous
 
 
-def train_job(job: TrainJob) -> int:
-    """Train one run on ``job.run``'s geometry of ranks; on success write ``job.json`` and the
-    provenance beside ``model.pt``."""
+def train_job(job: TrainJob, key: str | None = None) -> int:
+    """Train one run on ``job.run``'s geometry of ranks; on success write ``job.json`` (with
+    its rerun ``key``'s content) and the provenance beside ``model.pt``, then remove the run's
+    other keys (jobs.rerun_keys)."""
     _ = job.geometry  # a run without its geometry is refused before anything is written
     # Another job of the run still training (its controller died, a new one submitted this
     # one): give the allocation back before writing anything of the run (jobs.holders).
@@ -92,6 +104,7 @@ def train_job(job: TrainJob) -> int:
         **{key: job.run[key] for key in LAUNCH_KEYS},
         "wall_seconds": time.time() - started,
         "spec": str(spec_path),
+        "key": rerun_keys.read_key(key) if key else None,  # the parse names what changed
     }
     write_json_atomic(run_dir / "job.json", record)
     # The worker's resolved settings (every default filled in), beside the model.
@@ -101,13 +114,17 @@ def train_job(job: TrainJob) -> int:
     # by which aggregate flags a model that another version trained).
     extra = {"prepared_train": prepared_content(job.paths.prepared_train)}
     write_provenance(provenance, "train", config, seeds={"train": config["seed"]}, extra=extra)
-    write_json_atomic(job.paths.checkpoint_root / DELIVERED, {"model": str(run_dir / "model.pt")})
+    delivered = {"model": str(run_dir / "model.pt"), "delivered_at": time.time()}
+    write_json_atomic(job.paths.checkpoint_root / DELIVERED, delivered)
+    if key:
+        rerun_keys.keep_only(key)
     return 0
 
 
-def evaluate_job(job: EvalJob) -> int:
+def evaluate_job(job: EvalJob, key: str | None = None) -> int:
     """Evaluate a model on ``job.geometry``'s ranks; rank 0 writes eval.json, to which the job's
-    wall time (start-up and model loading included) is added."""
+    wall time (start-up and model loading included) is added; then the run's other evaluate
+    keys are removed (jobs.rerun_keys)."""
     job = with_launcher(job, resolve_launcher(job.execution.launcher))
     out = job.paths.out
     spec_path = write_spec(out.with_name(EVAL_SPEC), job)
@@ -118,6 +135,8 @@ def evaluate_job(job: EvalJob) -> int:
     result = json.loads(out.read_text())
     result["evaluation"]["job_wall_seconds"] = time.time() - started
     write_json_atomic(out, result)
+    if key:
+        rerun_keys.keep_only(key)
     return 0
 
 
