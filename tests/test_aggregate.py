@@ -13,6 +13,7 @@ import pytest
 from imagenet_ddp.report.aggregate import (
     ALONE_NOTE,
     BASELINE_NOTE,
+    BEST_NOTE,
     COLUMNS,
     LOSS_SPIKE_NOTE,
     SHORT_COLUMNS,
@@ -86,7 +87,12 @@ def test_table_columns_and_order(tmp_path):
         write_run_dir(tmp_path, "c-1x1", nodes=1, tasks_per_node=1, steady_per_worker=50.0, lr=0.2),
     ]
     table = aggregate_runs(dirs)
-    assert list(table.columns) == COLUMNS
+    # COLUMNS, then every setting of the runs not among them, by name (runs.csv: all of them)
+    settings = sorted(k for k in {**BASE_CONFIG, "nodes": 1, "tasks_per_node": 1,
+                                  "gpus_per_node": 1} if k not in COLUMNS)  # fmt: skip
+    assert list(table.columns) == COLUMNS + settings
+    assert {"momentum", "weight_decay", "seed", "workers"} <= set(settings)
+    assert list(table["lr"]) == [0.1, 0.1, 0.2]
     assert list(table["run"]) == ["a-1x1", "b-1x2", "c-1x1"]  # by group, then world size
     assert list(table["scaling_group"]) == ["resnet18 (lr=0.1)"] * 2 + ["resnet18 (lr=0.2)"]
 
@@ -268,19 +274,24 @@ def test_markdown_is_the_short_table_and_the_csv_keeps_every_figure(tmp_path):
     csv, markdown = tmp_path / "runs.csv", tmp_path / "runs.md"
     write_aggregate(dirs, csv, markdown)
     text = markdown.read_text()
-    table_text, columns, legend, note = text.split("\n\n")
+    table_text, best, columns, legend, note = text.split("\n\n")
     header, rule, *rows = table_text.splitlines()
     assert [cell.strip() for cell in header.strip("|").split("|")] == [
         "run", "model", "nodes x ranks", "GPUs", "global batch", "precision", "epochs",
-        "img/s (steady)", "scaling eff.", "input-bound", "holdout top-1", "test top-1", "GPU-h",
-        "wall h:mm:ss",
+        "img/s (steady)", "scaling eff.", "input-bound", "holdout top-1", "test top-1",
+        "target top-1", "to target", "GPU-h", "wall h:mm:ss",
     ]  # fmt: skip
+    # equal holdout top-1: the first by name is the best
+    assert best == BEST_NOTE + "a-1x1" and rows[0].split("|")[1].strip() == "a-1x1 (best)"
+    assert rows[0].split("|")[14].strip() == "no target (report.target_top1)"  # a ResNet-18
     assert [row.split("|")[3].strip() for row in rows] == ["1 x 1", "2 x 2"]
     assert [row.split("|")[10].strip() for row in rows] == ["2 %", "2 %"]  # input-bound
     assert "runs.csv" in note and "report" in note
     # a line under the table for every column: what it is, includes, and why empty or 0
     assert columns == "Columns:" and [line.split(": ")[0] for line in legend.splitlines()] == [
-        f"- {heading}" for heading, *_ in SHORT_COLUMNS
+        "- run",
+        "- settings that differ",
+        *(f"- {heading}" for heading, *_ in SHORT_COLUMNS[1:]),
     ]
     for words in (
         "0: on CPU",
@@ -292,7 +303,7 @@ def test_markdown_is_the_short_table_and_the_csv_keeps_every_figure(tmp_path):
     ):
         assert words in legend, words  # fmt: skip
     written = pd.read_csv(csv)
-    assert list(written.columns) == COLUMNS
+    assert list(written.columns)[: len(COLUMNS)] == COLUMNS and "momentum" in written.columns
     # counts as integers, and no run named as its own baseline
     cells = pd.read_csv(csv, dtype=str, keep_default_na=False)  # as written
     assert cells["allocations"].tolist() == ["", "3"] and cells["gpus"].tolist() == ["1", "4"]
@@ -383,7 +394,8 @@ def test_the_preflights_projected_breakdown_stands_beside_the_measured_one(tmp_p
     at = COLUMNS.index("preflight_loader_over_model")
     assert COLUMNS[at + 1 : at + 3] == ["preflight_compute_ms", "preflight_input_bound_pct"]
     rows = to_markdown(aggregate_runs(dirs)).splitlines()[2:5]
-    cells = {row.split("|")[1].strip(): row.split("|")[10].strip() for row in rows}
+    cells = {row.split("|")[1].strip().removesuffix(" (best)"): row.split("|")[10].strip()
+             for row in rows}  # fmt: skip
     assert cells == {"new-1x1": "2 % (preflight 20 %)", "old-1x1": "2 %", "none-1x1": "2 %"}
 
 
