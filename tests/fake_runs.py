@@ -49,13 +49,17 @@ def write_run_dir(
     steady_per_worker: float | None,
     per_worker: float | None = None,
     legacy: bool = False,
+    history: list[dict[str, Any]] | None = None,
+    cost: dict[str, Any] | None = None,
+    holdout_top1: float = 0.6,
     **settings: Any,
 ) -> Path:
     """results/runs/<run>/ with train_metrics.json, eval.json, job.json and staging/*.json.
 
     ``per_worker`` is the end-to-end figure (default: 90 % of the steady one); ``legacy``
     writes a train_metrics.json from before the steady-state window (no steady keys, no
-    geometry in the config).
+    geometry in the config); ``history``: train_metrics.json's epochs (history.csv's rows),
+    ``cost``: its cost block (the attempt record's).
     """
     world = nodes * tasks_per_node
     if per_worker is None:
@@ -81,7 +85,11 @@ def write_run_dir(
         "throughput_warmup_steps": config["throughput_warmup_steps"],
         # the step-time breakdown (training.step_timing), medians over epochs
         **BREAKDOWN,
+        "epochs": history or [],
+        "lr_used": config["lr"] * config["batch_size"] * world / 256,
     }
+    if cost is not None:
+        metrics["cost"] = cost
     if legacy:
         for key in ("nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node"):
             config.pop(key)
@@ -96,7 +104,9 @@ def write_run_dir(
     (run_dir / "staging").mkdir(parents=True)
     (run_dir / "train_metrics.json").write_text(json.dumps(metrics))
     (run_dir / "eval.json").write_text(
-        json.dumps({"holdout": {"top1": 0.6, "top5": 0.8}, "test": {"top1": 0.58, "top5": 0.79}})
+        json.dumps(
+            {"holdout": {"top1": holdout_top1, "top5": 0.8}, "test": {"top1": 0.58, "top5": 0.79}}
+        )
     )
     (run_dir / "job.json").write_text(json.dumps({"wall_seconds": 3600.0}))
     (run_dir / "model.pt.provenance.json").write_text(

@@ -13,11 +13,14 @@ import pandas as pd
 import pytest
 
 from imagenet_ddp.report.aggregate import (
+    ACCURACY_NOTE,
     ALONE_NOTE,
     BASELINE_NOTE,
+    BEST_NOTE,
     COLUMNS,
     LOSS_SPIKE_NOTE,
     SHORT_COLUMNS,
+    STEADY_NOTE,
     aggregate_runs,
     group_labels,
     scaling_key,
@@ -88,7 +91,12 @@ def test_table_columns_and_order(tmp_path):
         write_run_dir(tmp_path, "c-1x1", nodes=1, tasks_per_node=1, steady_per_worker=50.0, lr=0.2),
     ]
     table = aggregate_runs(dirs)
-    assert list(table.columns) == COLUMNS
+    # COLUMNS, then every setting of the runs not among them, by name (runs.csv: all of them)
+    settings = sorted(k for k in {**BASE_CONFIG, "nodes": 1, "tasks_per_node": 1,
+                                  "gpus_per_node": 1} if k not in COLUMNS)  # fmt: skip
+    assert list(table.columns) == COLUMNS + settings
+    assert {"momentum", "weight_decay", "seed", "workers"} <= set(settings)
+    assert list(table["lr"]) == [0.1, 0.1, 0.2]
     assert list(table["run"]) == ["a-1x1", "b-1x2", "c-1x1"]  # by group, then world size
     assert list(table["scaling_group"]) == ["resnet18 (lr=0.1)"] * 2 + ["resnet18 (lr=0.2)"]
 
@@ -270,19 +278,28 @@ def test_markdown_is_the_short_table_and_the_csv_keeps_every_figure(tmp_path):
     csv, markdown = tmp_path / "runs.csv", tmp_path / "runs.md"
     write_aggregate(dirs, csv, markdown)
     text = markdown.read_text()
-    table_text, columns, legend, note = text.split("\n\n")
+    table_text, best, columns, legend, note = text.split("\n\n")
     header, rule, *rows = table_text.splitlines()
+    # lr_used differs (0.1 x 256 / 256 on 1 rank, x 4 on 4: lr_scaling), so lr stands beside it
     assert [cell.strip() for cell in header.strip("|").split("|")] == [
-        "run", "model", "nodes x ranks", "GPUs", "global batch", "precision", "epochs",
-        "img/s (steady)", "scaling eff.", "input-bound", "holdout top-1", "test top-1", "GPU-h",
-        "wall h:mm:ss",
+        "run", "lr", "lr_used", "model", "nodes x ranks", "GPUs", "global batch", "precision",
+        "epochs",
+        "img/s (steady)", "scaling eff.", "input-bound", "holdout top-1", "test top-1",
+        "target top-1", "to target", "GPU-h", "wall h:mm:ss",
     ]  # fmt: skip
-    assert [row.split("|")[3].strip() for row in rows] == ["1 x 1", "2 x 2"]
-    assert [row.split("|")[10].strip() for row in rows] == ["2 %", "2 %"]  # input-bound
+    # equal holdout top-1: the first by name is the best
+    assert best == BEST_NOTE + "a-1x1" and rows[0].split("|")[1].strip() == "a-1x1 (best)"
+    assert rows[0].split("|")[16].strip() == "no target (report.target_top1)"  # a ResNet-18
+    lrs = [[c.strip() for c in row.split("|")[2:4]] for row in rows]
+    assert lrs == [["0.1", "0.1"], ["0.1", "0.4"]]
+    assert [row.split("|")[5].strip() for row in rows] == ["1 x 1", "2 x 2"]
+    assert [row.split("|")[12].strip() for row in rows] == ["2 %", "2 %"]  # input-bound
     assert "runs.csv" in note and "report" in note
     # a line under the table for every column: what it is, includes, and why empty or 0
     assert columns == "Columns:" and [line.split(": ")[0] for line in legend.splitlines()] == [
-        f"- {heading}" for heading, *_ in SHORT_COLUMNS
+        "- run",
+        "- settings that differ",
+        *(f"- {heading}" for heading, *_ in SHORT_COLUMNS[1:]),
     ]
     for words in (
         "0: on CPU",
@@ -294,7 +311,7 @@ def test_markdown_is_the_short_table_and_the_csv_keeps_every_figure(tmp_path):
     ):
         assert words in legend, words  # fmt: skip
     written = pd.read_csv(csv)
-    assert list(written.columns) == COLUMNS
+    assert list(written.columns)[: len(COLUMNS)] == COLUMNS and "momentum" in written.columns
     # counts as integers, and no run named as its own baseline
     cells = pd.read_csv(csv, dtype=str, keep_default_na=False)  # as written
     assert cells["allocations"].tolist() == ["", "3"] and cells["gpus"].tolist() == ["1", "4"]
@@ -385,7 +402,8 @@ def test_the_preflights_projected_breakdown_stands_beside_the_measured_one(tmp_p
     at = COLUMNS.index("preflight_loader_over_model")
     assert COLUMNS[at + 1 : at + 3] == ["preflight_compute_ms", "preflight_input_bound_pct"]
     rows = to_markdown(aggregate_runs(dirs)).splitlines()[2:5]
-    cells = {row.split("|")[1].strip(): row.split("|")[10].strip() for row in rows}
+    cells = {row.split("|")[1].strip().removesuffix(" (best)"): row.split("|")[10].strip()
+             for row in rows}  # fmt: skip
     assert cells == {"new-1x1": "2 % (preflight 20 %)", "old-1x1": "2 %", "none-1x1": "2 %"}
 
 
@@ -509,3 +527,116 @@ def test_a_loss_spike_far_above_chance_is_named_even_when_the_run_recovers(tmp_p
     text = to_markdown(table.reset_index())
     assert "| r4 (loss spike)" in text and "| r1 " in text
     assert LOSS_SPIKE_NOTE + f"r4: {spike}" in text
+
+
+def _epochs(top1: list[float], *, images: int = 160, seconds: float = 100.0, **row) -> list:
+    """history rows (train_metrics.json's epochs) of a 10-class run, holdout top-1 per epoch."""
+    base = {"train_loss": 1.0, "train_top1": 0.5, "holdout_loss": 1.5, "chance_loss": math.log(10),
+            "images": images, "epoch_seconds": seconds, "eval_seconds": 10.0,
+            "checkpoint_seconds": 0.0}  # fmt: skip
+    return [{**base, "epoch": e, "holdout_top1": t, **row} for e, t in enumerate(top1)]
+
+
+def test_a_sweep_of_learning_rates_reads_which_run_is_best_and_why(tmp_path):
+    """The issue's newcomer: three lr values, runs.md shows lr and lr_used as columns (the
+    sweep's axes first), the best run marked, and the run at chance flagged with its cause."""
+    dirs = [
+        write_run_dir(tmp_path, f"lr{lr}", nodes=1, tasks_per_node=1, steady_per_worker=100.0,
+                      lr=lr, holdout_top1=top1, warmup_epochs=float(i), batch_size=16,
+                      history=_epochs([top1], train_top1=train, holdout_loss=loss, images=160))
+        for i, (lr, top1, train, loss) in enumerate(
+            [(0.1, 0.7, 0.8, 1.0), (0.4, 0.7, 0.9, 0.9), (1.6, 0.1, 0.9, 5.05)]
+        )
+    ]  # fmt: skip
+    table = aggregate_runs(dirs).set_index("run")
+    # ties by name: lr0.1 and lr0.4 both at 70 %
+    assert table["best"].to_dict() == {"lr0.1": True, "lr0.4": False, "lr1.6": False}
+    assert table.loc["lr1.6", "accuracy_flag"] == "at chance"
+    note = table.loc["lr1.6", "accuracy_note"]
+    assert "holdout top-1 10.0 %, chance 10.0 % (10 classes)" in note
+    assert "holdout loss 5.05 against chance ln(10) = 2.30" in note
+    assert "10 optimizer steps, too few for BatchNorm's running statistics" in note
+    assert table.loc[["lr0.1", "lr0.4"], "accuracy_flag"].tolist() == ["", ""]
+    assert table["lr_used"].tolist() == pytest.approx([0.1 / 16, 0.4 / 16, 1.6 / 16])
+    text = to_markdown(aggregate_runs(dirs), axes=["warmup_epochs", "lr"])
+    header, _, *rows = text.split("\n\n")[0].splitlines()
+    cells = [c.strip() for c in header.strip("|").split("|")]
+    assert cells[:4] == ["run", "warmup_epochs", "lr", "lr_used"]  # axes first, lr_used by lr
+    assert cells[4] == "model"  # nothing else differs
+    first = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert first[:4] == ["lr0.1 (best)", "0", "0.1", "0.00625"]
+    assert [c.strip() for c in rows[2].strip("|").split("|")][0] == "lr1.6 (at chance)"
+    assert ACCURACY_NOTE + "lr1.6: holdout top-1 10.0 %" in text
+    assert BEST_NOTE + "lr0.1" in text
+
+
+def test_a_high_holdout_loss_beside_a_high_train_accuracy_is_flagged(tmp_path):
+    run = write_run_dir(tmp_path, "r", nodes=1, tasks_per_node=1, steady_per_worker=100.0,
+                        holdout_top1=0.4, batch_size=16,
+                        history=_epochs([0.4] * 8, train_top1=0.95, holdout_loss=5.0))  # fmt: skip
+    row = aggregate_runs([run]).iloc[0]
+    assert row["accuracy_flag"] == "holdout loss high"
+    assert "evaluation unlike training" in row["accuracy_note"]  # 80 steps: enough for BN
+    assert not row["best"]  # a table of one run names no best
+
+
+def test_an_empty_steady_figure_says_why(tmp_path):
+    """5 steps an epoch against throughput_warmup_steps 5: not "trained before it was
+    measured" (the issue's demo run); an old file without the window still reads so."""
+    short = write_run_dir(tmp_path, "short", nodes=1, tasks_per_node=1, steady_per_worker=None,
+                          per_worker=90.0, throughput_warmup_steps=5, batch_size=16,
+                          history=_epochs([0.5], images=80))  # fmt: skip
+    old = write_run_dir(tmp_path, "old", nodes=1, tasks_per_node=1, steady_per_worker=None,
+                        per_worker=90.0, legacy=True)  # fmt: skip
+    table = aggregate_runs([short, old]).set_index("run")
+    assert table.loc["short", "steady_note"] == "5 steps per epoch <= throughput_warmup_steps 5"
+    assert table.loc["old", "steady_note"] == "trained before it was measured"
+    text = to_markdown(aggregate_runs([short, old]))
+    assert (
+        STEADY_NOTE + "short: 5 steps per epoch <= throughput_warmup_steps 5; old: trained" in text
+    )
+    assert "empty: trained before it was measured" not in text
+
+
+def test_time_and_gpu_hours_to_the_target_over_every_allocation(tmp_path):
+    """Epoch 2 (0-based) reaches 50 %: epochs 0-2 ran in two allocations, the first stopped
+    after its checkpoint at epoch 2 with 60 s lost; the second resumed and ran epochs 2-4."""
+    history = _epochs([0.2, 0.4, 0.55, 0.6, 0.7], seconds=100.0)  # 110 s an epoch with eval
+    attempts = [
+        {"attempt": 1, "wall_seconds": 300.0, "gpu_hours": 8 * 300 / 3600, "lost_seconds": 60.0,
+         "last_checkpoint": {"epoch": 2, "step": 0}, "start": {"epoch": 0, "step": 0}},
+        {"attempt": 2, "wall_seconds": 400.0, "gpu_hours": 4 * 400 / 3600, "lost_seconds": 0.0,
+         "last_checkpoint": {"epoch": 5, "step": 0}, "start": {"epoch": 2, "step": 0}},
+    ]  # fmt: skip
+    run = write_run_dir(tmp_path, "r50", nodes=1, tasks_per_node=1, steady_per_worker=100.0,
+                        model="resnet50", history=history,
+                        cost={"allocations": 2, "gpu_hours": 8 * 300 / 3600 + 4 * 400 / 3600,
+                              "attempts": attempts})  # fmt: skip
+    preset = write_run_dir(tmp_path, "a3", nodes=1, tasks_per_node=1, steady_per_worker=100.0,
+                           recipe="timm-resnet50-a3", history=history)  # fmt: skip
+    row = aggregate_runs([run], {"r50": 50.0}).iloc[0]
+    assert (row["target_top1"], row["target_source"], row["target_epochs"]) == (0.5, "set", 3)
+    # the first allocation whole, the second less its epochs 3 and 4 (220 s)
+    assert row["target_wall_seconds"] == pytest.approx(300 + 180)
+    assert row["target_gpu_hours"] == pytest.approx((8 * 300 + 4 * 180) / 3600)
+    default = aggregate_runs([run]).iloc[0]  # a ResNet-50 without a target: MLPerf's
+    assert (default["target_top1"], default["target_source"]) == (0.759, "MLPerf ResNet-50")
+    assert default["target_note"] == "not reached in 5 epochs (best 70.0 %)"
+    table = aggregate_runs([run, preset], {"r50": 50.0}).set_index("run")
+    assert table.loc["a3", "target_top1"] == pytest.approx(0.781)  # its published figure
+    assert table.loc["a3", "target_source"] == "published (timm-resnet50-a3)"
+    text = to_markdown(table.reset_index())
+    assert re.search(r"\| +50\.0 % \(set\) \| +3 ep, 0:08:00, 0\.867 GPU-h \|", text)
+    assert re.search(
+        r"\| +78\.1 % \(published\) \| +not reached in 5 epochs \(best 70\.0 %\)", text
+    )
+
+
+def test_write_aggregate_takes_the_report_settings(tmp_path):
+    run = write_run_dir(tmp_path, "r", nodes=1, tasks_per_node=1, steady_per_worker=100.0,
+                        history=_epochs([0.6]))  # fmt: skip
+    csv, markdown = tmp_path / "runs.csv", tmp_path / "runs.md"
+    write_aggregate([run], csv, markdown, '{"axes": [], "target_top1": {"r": 55}}')
+    written = pd.read_csv(csv)
+    assert written.loc[0, "target_epochs"] == 1
+    assert "1 ep (no attempt record: time and GPU-hours unknown)" in markdown.read_text()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -92,7 +93,7 @@ def make_fake_results(
 def _outputs(out: Path, suffix: str = ".png") -> dict[str, Path]:
     return {
         name: out / f"{name}{suffix}"
-        for name in ("throughput", "efficiency", "curves", "per_class", "cost")
+        for name in ("throughput", "efficiency", "curves", "per_class", "cost", "to_target")
     }
 
 
@@ -446,3 +447,33 @@ def test_a_run_diverged_in_its_first_epoch_plots_no_curve_and_stops_nothing(tmp_
     history, _ = plots.read_run_dir(tmp_path)
     plots.plot_curves({"diverged": history}, tmp_path / "curves.png")
     assert history.empty and (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_holdout_against_gpu_hours_draws_every_run_and_its_target(tmp_path, monkeypatch):
+    """Each run's holdout top-1 per evaluated epoch against the GPU-hours to its end
+    (report.target.cost_by_epoch), its target dotted; a run without an attempt record draws
+    no point."""
+    csv, run_dirs = make_fake_results(tmp_path, epochs=3)
+    metrics_path = run_dirs[0] / "train_metrics.json"
+    metrics = json.loads(metrics_path.read_text())
+    metrics["epochs"] = [
+        {"epoch": e, "holdout_top1": top1, "epoch_seconds": 3600.0, "eval_seconds": 0.0}
+        for e, top1 in enumerate([0.2, None, 0.6])  # epoch 1 not evaluated
+    ]
+    attempt = {"attempt": 1, "wall_seconds": 3 * 3600.0, "gpu_hours": 3 * 8.0,
+               "lost_seconds": 0.0, "last_checkpoint": {"epoch": 3, "step": 0}}  # fmt: skip
+    metrics["cost"] = {"attempts": [attempt]}
+    metrics_path.write_text(json.dumps(metrics))
+    table = pd.read_csv(csv)
+    table["target_top1"] = [0.5] + [float("nan")] * (len(table) - 1)
+    table.to_csv(csv, index=False)
+    figure = _figures(monkeypatch, csv, run_dirs, tmp_path)["to_target"]
+    (ax,) = figure.axes
+    lines = _solid_lines(ax)
+    first = lines[0]
+    assert first.get_label() == run_dirs[0].name
+    assert first.get_xdata().tolist() == [8.0, 24.0] and first.get_ydata().tolist() == [20.0, 60.0]
+    assert all(len(line.get_xdata()) == 0 for line in lines[1:])  # no attempt record
+    dotted = [line for line in ax.get_lines() if line.get_linestyle() == ":"]
+    assert [line.get_ydata()[0] for line in dotted] == [50.0]
+    assert "GPU-hours" in ax.get_xlabel()

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 import pytest
 
@@ -18,6 +20,7 @@ FIGURES = [
     "results/plots/training_curves.png",
     "results/plots/per_class_test_top1.png",
     "results/plots/cost.png",
+    "results/plots/holdout_vs_gpu_hours.png",
 ]
 
 
@@ -46,6 +49,7 @@ def test_report_holds_figures_table_captions_and_description(reported_run):
         "training_curves.png",
         "per_class_test_top1.png",
         "cost.png",
+        "holdout_vs_gpu_hours.png",
         "runs.csv",
     ):
         assert name in html, name
@@ -72,12 +76,33 @@ def test_the_demos_runs_reach_comparable_accuracy(reported_run):
 
 
 def test_runs_md_is_the_short_table_and_the_csv_every_figure(reported_run):
-    header, *_, note = (reported_run / "results/aggregate/runs.md").read_text().splitlines()
-    assert [cell.strip() for cell in header.strip("|").split("|")] == [
-        heading for heading, *_ in SHORT_COLUMNS
-    ]
-    assert "runs.csv" in note
-    assert list(pd.read_csv(reported_run / "results/aggregate/runs.csv").columns) == COLUMNS
+    """As a newcomer reads it: the demo's two runs differ in ranks, so in lr_used (linear
+    scaling) beside lr; one is marked best; each reached config.yaml's report.target_top1 50 %
+    at an epoch, with the allocations' time to it (0 GPU-hours: on CPU)."""
+    text = (reported_run / "results/aggregate/runs.md").read_text()
+    header, _, *lines = text.splitlines()
+    headings = [cell.strip() for cell in header.strip("|").split("|")]
+    assert headings == [
+        "run", "lr", "lr_used", *(heading for heading, *_ in SHORT_COLUMNS[1:])
+    ]  # fmt: skip
+    rows = [dict(zip(headings, (c.strip() for c in line.strip("|").split("|")), strict=True))
+            for line in lines[:2]]  # fmt: skip
+    assert {r["lr_used"] for r in rows} == {"0.025", "0.0125"} and {r["lr"] for r in rows} == {
+        "0.2"
+    }
+    assert sum(r["run"].endswith(" (best)") for r in rows) == 1
+    assert not any("at chance" in r["run"] or "holdout loss high" in r["run"] for r in rows)
+    assert {r["target top-1"] for r in rows} == {"50.0 % (set)"}
+    for r in rows:
+        assert re.fullmatch(r"[1-4] ep, 0:\d\d:\d\d, 0 GPU-h", r["to target"]), r
+    assert "runs.csv" in lines[-1]
+    table = pd.read_csv(reported_run / "results/aggregate/runs.csv")
+    assert list(table.columns)[: len(COLUMNS)] == COLUMNS
+    assert {"optimizer", "momentum", "lr_scaling", "warmup_epochs"} <= set(table.columns)
+    reached = table["target_wall_seconds"]
+    assert (table["target_epochs"].between(1, 4)).all() and (reached > 0).all()
+    assert (reached <= table["wall_seconds"] + 1).all()  # one allocation each: within its time
+    assert (table["target_gpu_hours"] == 0).all() and table["steady_note"].isna().all()
 
 
 def test_every_caption_file_is_used():

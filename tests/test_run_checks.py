@@ -636,3 +636,54 @@ def test_settings_timms_parts_would_ignore_are_refused():
     assert "BinaryCrossEntropy smooths one-hot targets only" in line
     (line,) = problems(demo_config(bce_target_threshold=0.2))
     assert "it applies to loss bce only" in line
+
+
+def test_the_issues_short_demo_runs_are_warned_at_the_dry_run():
+    """Issue 53: a 3-class tree, 5 steps an epoch against throughput_warmup_steps 5, 10 steps
+    in all (holdout at chance), and AdamW's lr 0.001 scaled to 6.25e-05 at batch 16."""
+    from imagenet_ddp.settings.notices import summarised
+
+    config = demo_config()
+    config["demo"].update(num_classes=3, train_per_class=30)  # 90 images, 81 after the holdout
+    config["train_defaults"].update(epochs=2, batch_size=16, throughput_warmup_steps=5)
+    config["runs"] = [
+        {"name": "sgd", "tasks_per_node": 1},
+        {"name": "adamw", "tasks_per_node": 1, "optimizer": "adamw", "lr": 0.001},
+        {"name": "vit", "tasks_per_node": 1, "model": "timm/vit_tiny_patch16_224"},
+    ]
+    notices = run_checks.training_warnings(resolved(config), config)
+    by_kind = {}
+    for notice in notices:
+        by_kind.setdefault(notice.kind, []).append((notice.run, notice.detail))
+    assert by_kind == {
+        run_checks.FEW_STEPS_FOR_BATCHNORM: [("sgd", "10 steps"), ("adamw", "10 steps")],
+        run_checks.NO_STEADY_WINDOW: [("sgd", "5 <= 5"), ("adamw", "5 <= 5"), ("vit", "5 <= 5")],
+        run_checks.ADAPTIVE_LR_SHRUNK: [
+            ("adamw", "lr 0.001 -> lr_used 6.25e-05 at global batch 16")
+        ],
+    }  # fmt: skip
+    lines = summarised(notices)
+    assert len(lines) == 3 and lines[1].startswith("config.yaml: runs 'sgd', 'adamw', 'vit' (")
+    # the repository's demo: 28 and 56 steps an epoch, 4 epochs, SGD
+    shipped = with_schema_defaults(yaml.safe_load((REPO / "config.yaml").read_text()))
+    assert run_checks.training_warnings(resolved(shipped), shipped) == []
+
+
+def test_report_settings_name_runs_and_the_sweeps_axes():
+    import json
+
+    config = demo_config()
+    runs = {"a": {}, "b": {}}
+    config["sweep"] = [{"name": "x", "zip": {"seed": [0, 1]}, "grid": {"lr": [0.1]}}]
+    config["report"] = {"target_top1": 75.9}
+    problems, text = run_checks.report_settings(config, runs)
+    assert problems == [] and json.loads(text) == {
+        "axes": ["lr", "seed"], "target_top1": {"a": 75.9, "b": 75.9},
+    }  # fmt: skip
+    config["report"] = {"target_top1": {"a": 70, "nope": 60}}
+    problems, text = run_checks.report_settings(config, runs)
+    assert json.loads(text)["target_top1"] == {"a": 70.0}
+    assert problems == [
+        "config.yaml: report.target_top1 names 'nope', no run of this config (runs: 'a', 'b'); "
+        "name runs, or give one number for all"
+    ]

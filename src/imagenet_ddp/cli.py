@@ -184,7 +184,7 @@ STAGES = {
     "aggregate": (
         "one table of all runs",
         "report.aggregate:write_aggregate",
-        "run-dirs+ csv markdown",
+        "run-dirs+ csv markdown report-settings:str",
     ),  # fmt: skip
     "accounting": (
         "sacct accounting of each run's training job",
@@ -214,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stages["check"].add_argument("--run", dest="run_json", required=True, help="settings, as JSON")
     stages["plots"].add_argument("--cost", type=Path, help="throughput vs cost per epoch, energy")
+    stages["plots"].add_argument("--to-target", type=Path, help="holdout top-1 vs GPU-hours")
     _add_prepare_parsers(sub)
     data = "prepared-train prepared-val split-train split-holdout classes out"
     _command(sub, "data-content", "record the digests of what trains and evaluates",

@@ -38,6 +38,7 @@ from imagenet_ddp.settings.kinds import declarations, hyperparameter_line, load_
 from imagenet_ddp.settings.kinds import rerun_line
 from imagenet_ddp.settings.run_checks import CHECKED_SETTINGS, warmup_warnings
 from imagenet_ddp.settings.notices import summarised
+from imagenet_ddp.settings.run_checks import report_settings, training_warnings
 from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
 from imagenet_ddp.settings.runs import config_problems
 from imagenet_ddp.jobs.stage_versions import STAGE_VERSIONS
@@ -295,6 +296,14 @@ if _refusals:
     refuse(_refusals)
 for _line in summarised(_warnings + warmup_warnings(RUNS, config)):
     print(f"warning: {_line}", file=sys.stderr)  # one line per kind, naming the runs
+# Too few steps for BatchNorm, no steady-state window, an adaptive optimizer's lr scaled down.
+for _line in summarised(training_warnings(RUNS, config)):
+    print(f"warning: {_line}", file=sys.stderr)
+
+# report.target_top1 by run and the sweeps' axes: aggregate's param (settings.run_checks).
+_report_problems, REPORT_SETTINGS = report_settings(config, RUNS)
+if _report_problems:
+    refuse(_report_problems)
 
 
 def run_hyperparameters(wildcards):

@@ -7,6 +7,7 @@ PLOT_FILES = {
     "curves": "results/plots/training_curves.png",
     "per_class": "results/plots/per_class_test_top1.png",
     "cost": "results/plots/cost.png",
+    "to_target": "results/plots/holdout_vs_gpu_hours.png",
 }
 
 REPORT_TARGETS = [
@@ -76,9 +77,10 @@ rule aggregate:
         # a run trained by another package version.
         version=STAGE_VERSIONS["aggregate"],
         package=PACKAGE_VERSION,
+        report=REPORT_SETTINGS,  # report.target_top1, the sweeps' axes
     shell:
         "imagenet-ddp aggregate --run-dirs {params.run_dirs:q} --csv {output.csv:q}"
-        " --markdown {output.markdown:q} > {log:q} 2>&1"
+        " --markdown {output.markdown:q} --report-settings {params.report:q} > {log:q} 2>&1"
 
 
 rule plots:
@@ -118,6 +120,12 @@ rule plots:
             category="Cost",
             labels={"figure": "throughput vs cost per epoch and energy"},
         ),
+        to_target=report(
+            PLOT_FILES["to_target"],
+            caption="../report/to_target.rst",
+            category="Accuracy",
+            labels={"figure": "holdout top-1 vs GPU-hours"},
+        ),
     log:
         "logs/plots.log",
     localrule: True
@@ -132,7 +140,7 @@ rule plots:
         "imagenet-ddp plots --runs-csv {input.runs:q} --run-dirs {params.run_dirs:q}"
         " --throughput {output.throughput:q} --efficiency {output.efficiency:q}"
         " --curves {output.curves:q} --per-class {output.per_class:q}"
-        " --cost {output.cost:q} > {log:q} 2>&1"
+        " --cost {output.cost:q} --to-target {output.to_target:q} > {log:q} 2>&1"
 
 
 # `snakemake progress` (add --nolock while the workflow runs in this directory): the runs

@@ -16,6 +16,6 @@ STAGE_VERSIONS = {
     "check": 1,
     "evaluate": 1,
     "accounting": 1,
-    "aggregate": 1,
-    "plots": 1,
+    "aggregate": 2,
+    "plots": 2,
 }

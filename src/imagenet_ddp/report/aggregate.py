@@ -16,9 +16,11 @@ from imagenet_ddp import __version__
 from imagenet_ddp.io import write_csv_atomic, write_text_atomic
 from imagenet_ddp.jobs.spec import staging_reports
 from imagenet_ddp.provenance import provenance_path, write_provenance
+from imagenet_ddp.report.target import time_to_target
 from imagenet_ddp.settings.geometry import WORLD_KEYS
 from imagenet_ddp.settings.kinds import declarations
-from imagenet_ddp.settings.presets import REPORTED_MODEL, REPORTED_TOP1
+from imagenet_ddp.settings.presets import REPORTED_MODEL, REPORTED_TOP1, default_target_top1
+from imagenet_ddp.settings.run_checks import BATCHNORM_MIN_STEPS
 from imagenet_ddp.training.metrics import loss_spike
 
 # What a run cost (monitoring.cost, monitoring.telemetry, report.accounting); empty where not
@@ -47,16 +49,24 @@ EMA_COLUMNS = [
     "published_compare_with",
 ]  # fmt: skip
 
+# Time and GPU-hours to report.target_top1 (report.target), beside published_top1.
+TARGET_COLUMNS = [
+    "target_top1", "target_source", "target_epochs", "target_wall_seconds", "target_gpu_hours",
+    "target_note",
+]  # fmt: skip
+
 COLUMNS = [
-    "run", "model", "nodes", "world_size", "gpus", "gpu_type", "global_batch", "shape",
+    "run", "best", "accuracy_flag", "accuracy_note", "model", "lr", "lr_used", "nodes",
+    "world_size", "gpus", "gpu_type", "global_batch", "shape",
     "allocation_shapes", "throughput_by_shape", "precision", "epochs", "diverged", "loss_spike",
     "staging_seconds", "staging_gb_per_s", "mean_epoch_seconds", "epoch_end_share", "images_per_s",
     "images_per_s_per_rank", "throughput_warmup_steps", "steady_images_per_s",
-    "steady_images_per_s_per_rank",
+    "steady_images_per_s_per_rank", "steady_note",
     *BREAKDOWN_COLUMNS,
     "scaling_efficiency", "scaling_baseline", "scaling_note", "scaling_group", "holdout_top1",
     "holdout_top5", "test_top1", "test_top5",
     *EMA_COLUMNS,
+    *TARGET_COLUMNS,
     "wall_seconds",
     *PREFLIGHT_COLUMNS,
     *COST_COLUMNS,
@@ -65,7 +75,9 @@ COLUMNS = [
 
 
 # Counts that may be unknown (a run from before they were kept): integers, empty where unknown.
-INTEGER_COLUMNS = ["throughput_warmup_steps", "allocations", "preflight_allocations"]
+INTEGER_COLUMNS = [
+    "throughput_warmup_steps", "allocations", "preflight_allocations", "target_epochs",
+]  # fmt: skip
 
 BASELINE_NOTE = "baseline: smallest run of its group"
 ALONE_NOTE = "only run of its group"
@@ -131,8 +143,11 @@ def _float(value: Any) -> float:
     return float("nan") if value is None else float(value)
 
 
-def run_row(run_dir: Path, version: str = __version__) -> dict[str, Any]:
-    """Collect one run's numbers from the files its train/evaluate rules wrote."""
+def run_row(
+    run_dir: Path, version: str = __version__, target_top1: float | None = None
+) -> dict[str, Any]:
+    """Collect one run's numbers from the files its train/evaluate rules wrote;
+    ``target_top1``: its report.target_top1 in % (None: :func:`default_target_top1`)."""
     train = json.loads((run_dir / "train_metrics.json").read_text())
     evaluation = json.loads((run_dir / "eval.json").read_text())
     job = json.loads((run_dir / "job.json").read_text())
@@ -142,9 +157,14 @@ def run_row(run_dir: Path, version: str = __version__) -> dict[str, Any]:
     gpus = sum(1 for r in train["ranks"] if r["device"].startswith("cuda"))
     stage_seconds = max((s["seconds"] for s in staging), default=float("nan"))
     stage_bytes = max((s["bytes"] for s in staging), default=0)
+    history = train.get("epochs") or []
     return {
         "run": train["run"],
+        "settings": cfg,  # every setting: runs.csv's columns after COLUMNS (aggregate_runs)
+        **accuracy_flag(history, evaluation["holdout"]["top1"], train["global_batch"]),
         "model": cfg["model"],
+        "lr": cfg.get("lr"),
+        "lr_used": _float(train.get("lr_used")),  # after lr_scaling; absent in older files
         "nodes": train["nodes"],
         "world_size": train["world_size"],
         "gpus": gpus,
@@ -169,6 +189,7 @@ def run_row(run_dir: Path, version: str = __version__) -> dict[str, Any]:
         "throughput_warmup_steps": train.get("throughput_warmup_steps"),
         "steady_images_per_s": _float(train.get("steady_images_per_s")),
         "steady_images_per_s_per_rank": _float(train.get("steady_images_per_s_per_worker")),
+        "steady_note": steady_note(train, history),
         # Where the time went (training.step_timing.BREAKDOWN_NOTE): medians over epochs.
         **{k: _float(train.get(k)) for k in BREAKDOWN_COLUMNS},
         "scaling_key": scaling_key(cfg),
@@ -177,6 +198,7 @@ def run_row(run_dir: Path, version: str = __version__) -> dict[str, Any]:
         "test_top1": evaluation["test"]["top1"],
         "test_top5": evaluation["test"]["top5"],
         **published_columns(cfg.get("recipe"), evaluation),
+        **target_columns(cfg, history, train.get("cost"), target_top1),
         "wall_seconds": job["wall_seconds"],
         **preflight_row(
             _read_optional(run_dir.parent.parent / "preflight" / run_dir.name / "preflight.json"),
@@ -188,6 +210,91 @@ def run_row(run_dir: Path, version: str = __version__) -> dict[str, Any]:
         # No rule reruns a finished training for a code change: the table says so instead.
         "trained_by_other_code": None if recorded is None else recorded != version,
     }
+
+
+def steady_note(train: dict[str, Any], history: list[dict[str, Any]]) -> str:
+    """Why a run has no steady img/s (training.metrics.THROUGHPUT_NOTE); "" where it has one."""
+    if train.get("steady_images_per_s") is not None:
+        return ""
+    warmup = train.get("throughput_warmup_steps")
+    if warmup is None:
+        return "trained before it was measured"
+    steps = steps_per_epoch(history, train["global_batch"])
+    if steps is not None and steps <= warmup:
+        return f"{steps} steps per epoch <= throughput_warmup_steps {warmup}"
+    return "no epoch finished" if not history else "not measured"
+
+
+def steps_per_epoch(history: list[dict[str, Any]], global_batch: int) -> int | None:
+    """The fewest optimizer steps of an epoch (its images / the global batch); None unknown."""
+    steps = [int(h["images"]) // global_batch for h in history if h.get("images") is not None]
+    return min(steps) if steps else None
+
+
+# A run whose holdout top-1 is within this share of the way from chance to 100 %: at chance.
+NEAR_CHANCE = 0.05
+# Train top-1 this share of the way from chance to 100 % is "high"; a holdout loss above
+# HIGH_LOSS_FACTOR x ln(classes) beside it is far above chance.
+HIGH_TRAIN, HIGH_LOSS_FACTOR = 0.5, 2.0
+
+
+def accuracy_flag(
+    history: list[dict[str, Any]], holdout_top1: float, global_batch: int
+) -> dict[str, str]:
+    """``accuracy_flag`` ("at chance", "holdout loss high" or "") and ``accuracy_note``: the
+    figures and the likely cause. From the last evaluated epoch of history (its chance_loss is
+    ln(classes)); empty for a history from before chance_loss was kept."""
+    rows = [h for h in history if h.get("chance_loss") is not None]
+    if not rows:
+        return {"accuracy_flag": "", "accuracy_note": ""}
+    last = rows[-1]
+    evaluated = [h for h in rows if h.get("holdout_loss") is not None]
+    chance_loss = float(last["chance_loss"])
+    classes = round(math.exp(chance_loss))
+    chance = 1 / classes
+    train_top1 = _float(last.get("train_top1"))
+    loss = _float(evaluated[-1]["holdout_loss"]) if evaluated else math.nan
+    at_chance = holdout_top1 <= chance + NEAR_CHANCE * (1 - chance)
+    learned = train_top1 >= chance + HIGH_TRAIN * (1 - chance)
+    high_loss = learned and loss > HIGH_LOSS_FACTOR * chance_loss
+    if not (at_chance or high_loss):
+        return {"accuracy_flag": "", "accuracy_note": ""}
+    steps = sum(int(h.get("images") or 0) // global_batch for h in history)
+    said = [f"holdout top-1 {100 * holdout_top1:.1f} %, chance {100 * chance:.1f} % ({classes} "
+            f"classes)"] if at_chance else []  # fmt: skip
+    if high_loss:
+        said.append(f"holdout loss {loss:.2f} against chance ln({classes}) = {chance_loss:.2f}")
+    said.append(f"train top-1 {100 * train_top1:.0f} %")
+    if learned and steps < BATCHNORM_MIN_STEPS:
+        cause = (
+            f"likely cause: {steps} optimizer steps, too few for BatchNorm's running statistics "
+            f"(evaluation uses them; fewer than {BATCHNORM_MIN_STEPS}): more epochs or a "
+            "smaller global batch"
+        )
+    elif learned:
+        cause = "likely cause: evaluation unlike training (BatchNorm statistics, transforms)"
+    else:
+        cause = f"it did not learn in {steps} optimizer steps: lr_used, warm-up or steps"
+    return {
+        "accuracy_flag": "at chance" if at_chance else "holdout loss high",
+        "accuracy_note": ", ".join(said) + "; " + cause,
+    }
+
+
+def target_columns(
+    cfg: dict[str, Any],
+    history: list[dict[str, Any]],
+    cost: dict[str, Any] | None,
+    target_top1: float | None,
+) -> dict[str, Any]:
+    """TARGET_COLUMNS of one run: its target (a fraction) and where it comes from, and the
+    epochs, allocation time and GPU-hours its holdout took to reach it (report.target)."""
+    source = "set"
+    if target_top1 is None:
+        target_top1, source = default_target_top1(cfg.get("recipe"), cfg["model"])
+    target = None if target_top1 is None else target_top1 / 100
+    reached = time_to_target(history, (cost or {}).get("attempts") or [], target)
+    return {"target_top1": _float(target), "target_source": source, **reached}
 
 
 def diverged_cell(diverged: dict[str, Any] | None) -> str:
@@ -340,11 +447,34 @@ def add_scaling(table: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-def aggregate_runs(run_dirs: list[Path]) -> pd.DataFrame:
-    table = add_scaling(pd.DataFrame([run_row(d) for d in run_dirs]))
+def _setting_value(value: Any) -> Any:
+    """A setting as one CSV cell: lists and mappings as JSON."""
+    return json.dumps(value, sort_keys=True) if isinstance(value, dict | list | tuple) else value
+
+
+def aggregate_runs(
+    run_dirs: list[Path], target_top1: dict[str, float] | None = None
+) -> pd.DataFrame:
+    """COLUMNS, then every setting of the runs not among them (by name); ``target_top1``:
+    report.target_top1 in % by run name (others: their default)."""
+    targets = target_top1 or {}
+    rows = [run_row(d, target_top1=targets.get(d.name)) for d in run_dirs]
+    settings = pd.DataFrame(
+        [
+            {k: _setting_value(v) for k, v in row.pop("settings").items() if k not in COLUMNS}
+            for row in rows
+        ]
+    )
+    table = add_scaling(pd.DataFrame(rows))
     for column in INTEGER_COLUMNS:  # counts: 3, not 3.0; empty where unknown
         table[column] = table[column].astype("Int64")
-    return table[COLUMNS].sort_values(["scaling_group", "world_size", "run"]).reset_index(drop=True)
+    # The best by holdout top-1, ties by name; a table of one run names none.
+    ranked = table[table["holdout_top1"].notna()].sort_values(
+        ["holdout_top1", "run"], ascending=[False, True]
+    )
+    table["best"] = table["run"] == (ranked["run"].iloc[0] if len(ranked) > 1 else None)
+    table = pd.concat([table[COLUMNS], settings[sorted(settings.columns)]], axis=1)
+    return table.sort_values(["scaling_group", "world_size", "run"]).reset_index(drop=True)
 
 
 # runs.md: the figures a person compares first, as (heading, alignment, how to show a row);
@@ -390,6 +520,29 @@ def _input_bound(row: pd.Series) -> str:
     return f"{measured} (preflight {projected:.0f} %)"
 
 
+def _target(row: pd.Series) -> str:
+    """The run's target and where it comes from; a published figure beside a set target."""
+    if pd.isna(row["target_top1"]):
+        return ""
+    source = row["target_source"]
+    published = row["published_top1"]
+    shown = source.split(" (")[0]  # "published (recipe)": the recipe is in its own column
+    if source == "set" and not pd.isna(published):
+        shown += f"; published {_percent(published)}"
+    return f"{_percent(row['target_top1'])} ({shown})"
+
+
+def _to_target(row: pd.Series) -> str:
+    """Epochs, allocation time and GPU-hours to the target, or why not."""
+    if pd.isna(row["target_epochs"]):
+        return row["target_note"]
+    cell = f"{row['target_epochs']} ep"
+    if not pd.isna(row["target_wall_seconds"]):
+        hours = number(".3g")(row["target_gpu_hours"])
+        return f"{cell}, {_wall(row['target_wall_seconds'])}, {hours} GPU-h"
+    return f"{cell} ({row['target_note']})"
+
+
 def _wall(seconds: Any) -> str:
     if pd.isna(seconds):
         return ""
@@ -407,6 +560,8 @@ SHORT_COLUMNS: list[tuple[str, str, Any]] = [
             + (" †" if _flag(row, "trained_by_other_code") else "")
             + (" (diverged)" if row["diverged"] else "")
             + (" (loss spike)" if row.get("loss_spike") else "")
+            + (f" ({row['accuracy_flag']})" if row.get("accuracy_flag") else "")
+            + (" (best)" if _flag(row, "best") else "")
         ),
     ),
     ("model", "left", lambda row: row["model"]),
@@ -421,6 +576,8 @@ SHORT_COLUMNS: list[tuple[str, str, Any]] = [
     ("input-bound", "right", _input_bound),
     ("holdout top-1", "right", lambda row: _percent(row["holdout_top1"])),
     ("test top-1", "right", lambda row: _percent(row["test_top1"])),
+    ("target top-1", "right", lambda row: _target(row)),
+    ("to target", "right", lambda row: _to_target(row)),
     ("GPU-h", "right", lambda row: number(".3g")(row["gpu_hours"])),
     ("wall h:mm:ss", "right", lambda row: _wall(row["wall_seconds"])),
 ]
@@ -434,6 +591,13 @@ LOSS_SPIKE_NOTE = (
     "(chance, a uniform guess's), even where the run recovered: an LR too high for its warm-up "
     "(docs/configuration.md#warm-up-and-batch-size): "
 )
+ACCURACY_NOTE = (
+    "(at chance), (holdout loss high): a holdout top-1 within 5 % of the way from chance (1 / "
+    "classes) to 100 %, or a holdout loss above 2 x ln(classes) while train top-1 is high, and "
+    "the likely cause: "
+)
+BEST_NOTE = "(best): the highest holdout top-1 of the table (ties: the first by name): "
+STEADY_NOTE = "img/s (steady) and scaling eff. empty: "
 CODE_CHANGED = "\\* allocations of the run ran different code (checked out at each submission): "
 
 OTHER_CODE = (
@@ -443,8 +607,11 @@ OTHER_CODE = (
 
 # What each column of runs.md is and why a cell may be empty or 0, under the table.
 LEGEND = [
-    ("run", "its name in config.yaml; a mark after it (\\*, †, diverged, loss spike) is "
-     "explained above"),
+    ("run", "its name in config.yaml; a mark after it (\\*, †, diverged, loss spike, at "
+     "chance, holdout loss high, best) is explained above"),
+    ("settings that differ", "the columns after run: each setting whose value differs between "
+     "the runs of the table (a sweep's axes first; lr_used, the LR after lr_scaling, beside "
+     "lr); runs.csv holds every setting of every run"),
     ("model", "torchvision name, or timm/<name>"),
     ("nodes x ranks", "nodes x ranks per node of the last training job; (+ N x M): other "
      "shapes an elastic run's allocations ran on"),
@@ -454,10 +621,13 @@ LEGEND = [
     ("epochs", "the run's epochs setting"),
     ("img/s (steady)", "training images per second over all ranks, median over epochs of the "
      "slowest rank, each epoch's first throughput_warmup_steps steps left out; holdout "
-     "evaluation, checkpoints and staging not included; empty: trained before it was measured"),
+     "evaluation, checkpoints and staging not included; empty: no steady-state window, the reason "
+     "named above (an epoch of no more steps than throughput_warmup_steps, or trained before it "
+     "was measured)"),
     ("scaling eff.", "steady img/s per rank relative to the group's baseline, its smallest run "
      "(same settings but nodes and ranks; 100 %: linear scaling); `baseline` for that run; "
-     "empty for a group's only run (nothing to compare with; runs.csv: scaling_note)"),
+     "empty for a group's only run (nothing to compare with; runs.csv: scaling_note) and where "
+     "the run or its baseline has no steady img/s"),
     ("input-bound", "share of step time the most input-bound rank waited for its next batch "
      "(median over epochs): a few % means the loader keeps up, a high share needs more loader "
      "workers (cpus_per_task); (preflight N %): what the preflight projected; empty: not "
@@ -465,6 +635,11 @@ LEGEND = [
     ("holdout top-1", "top-1 on the images split.holdout_fraction held out of the train set, "
      "by the evaluate job on the final weights"),
     ("test top-1", "top-1 on the official validation set (the test set here), likewise"),
+    ("target top-1", "report.target_top1: set, the recipe's published top-1 (published), or "
+     "MLPerf's 75.9 % for a ResNet-50 (MLPerf); empty: none"),
+    ("to target", "epochs until the holdout top-1 of an evaluated epoch first reached the "
+     "target, the allocations' wall time and GPU-hours to that epoch's end (every allocation "
+     "before it, staging and lost work included); else why not"),
     ("GPU-h", "allocated GPUs x wall time, summed over every allocation of the run (staging, "
      "warm-up, holdout evaluation, checkpoints and lost work included); 0: no GPU allocated "
      "(a CPU run); empty: not recorded"),
@@ -481,12 +656,45 @@ MORE_FIGURES = (
 )
 
 
-def to_markdown(table: pd.DataFrame) -> str:
-    """runs.md: :data:`SHORT_COLUMNS` of every run, then where the rest is. Empty cells, not
-    "nan": a group's only run has no efficiency, an old run no steady figure."""
-    rows = [[show(row) for *_, show in SHORT_COLUMNS] for _, row in table.iterrows()]
-    headings = [heading for heading, *_ in SHORT_COLUMNS]
-    align = [side for _, side, _ in SHORT_COLUMNS]
+# Settings shown elsewhere in runs.md (their own column, nodes x ranks) or that do not say how
+# runs differ in what they learn or measure (bookkeeping, site: settings.kinds).
+_SHOWN = {"model", "precision", "epochs", "lr", "lr_used"}
+
+
+def differing_settings(table: pd.DataFrame, axes: list[str] = ()) -> list[str]:
+    """The settings whose values differ between the table's runs: ``axes`` (a sweep's) first,
+    then by name; lr and lr_used together where either differs."""
+    decl = declarations()
+    skip = {*WORLD_KEYS, *decl.not_compared(), "gpus_per_node", *_SHOWN}
+    candidates = [c for c in table.columns if c not in COLUMNS and c not in skip]
+    differ = [c for c in candidates if table[c].astype(str).nunique() > 1]
+    ordered = [a for a in axes if a in differ] + sorted(c for c in differ if c not in axes)
+    lr_differs = any(table[c].astype(str).nunique() > 1 for c in ("lr", "lr_used"))
+    if lr_differs:
+        before = axes[: axes.index("lr")] if "lr" in axes else []  # an lr axis keeps its place
+        at = len([a for a in before if a in ordered])
+        ordered[at:at] = ["lr", "lr_used"]
+    return ordered
+
+
+def _setting_cell(value: Any) -> str:
+    if isinstance(value, float):
+        return "" if math.isnan(value) else format(value, ".4g")
+    return "" if value is None else str(value)
+
+
+def to_markdown(table: pd.DataFrame, axes: list[str] = ()) -> str:
+    """runs.md: the run, the settings that differ between runs, :data:`SHORT_COLUMNS` of
+    every run, then where the rest is. Empty cells, not "nan": a group's only run has no
+    efficiency, an old run no steady figure."""
+    shown = [
+        (name, "right", lambda row, name=name: _setting_cell(row[name]))
+        for name in differing_settings(table, list(axes))
+    ]
+    columns = [SHORT_COLUMNS[0], *shown, *SHORT_COLUMNS[1:]]
+    rows = [[show(row) for *_, show in columns] for _, row in table.iterrows()]
+    headings = [heading for heading, *_ in columns]
+    align = [side for _, side, _ in columns]
     short = pd.DataFrame(rows, columns=headings, dtype=object)
     text = short.to_markdown(index=False, disable_numparse=True, colalign=align)
     rows = [row for _, row in table.iterrows()]
@@ -499,6 +707,11 @@ def to_markdown(table: pd.DataFrame) -> str:
          lambda r: f"{r['run']}: {r['diverged']}", "; "),
         (LOSS_SPIKE_NOTE, [r for r in rows if r.get("loss_spike")],
          lambda r: f"{r['run']}: {r['loss_spike']}", "; "),
+        (ACCURACY_NOTE, [r for r in rows if r.get("accuracy_flag")],
+         lambda r: f"{r['run']}: {r['accuracy_note']}", "; "),
+        (STEADY_NOTE, [r for r in rows if r.get("steady_note")],
+         lambda r: f"{r['run']}: {r['steady_note']}", "; "),
+        (BEST_NOTE, [r for r in rows if _flag(r, "best")], lambda r: r["run"], ", "),
     )  # fmt: skip
     for note, named, show, separator in notes:
         if named:
@@ -507,9 +720,18 @@ def to_markdown(table: pd.DataFrame) -> str:
     return text + "\n\nColumns:\n\n" + legend + "\n\n" + MORE_FIGURES + "\n"
 
 
-def write_aggregate(run_dirs: list[Path], csv: Path, markdown: Path) -> None:
-    """The ``aggregate`` stage: runs.csv, runs.md and the provenance beside the CSV."""
-    table = aggregate_runs(run_dirs)
+def write_aggregate(
+    run_dirs: list[Path], csv: Path, markdown: Path, report_settings: str = "{}"
+) -> None:
+    """The ``aggregate`` stage: runs.csv, runs.md and the provenance beside the CSV.
+    ``report_settings``: JSON of settings.run_checks.report_settings (the sweeps' axes,
+    report.target_top1 by run)."""
+    settings = json.loads(report_settings)
+    table = aggregate_runs(run_dirs, settings.get("target_top1"))
     write_csv_atomic(csv, table)
-    write_text_atomic(markdown, to_markdown(table))
-    write_provenance(provenance_path(csv), "aggregate", {"run_dirs": [str(d) for d in run_dirs]})
+    write_text_atomic(markdown, to_markdown(table, settings.get("axes", [])))
+    write_provenance(
+        provenance_path(csv),
+        "aggregate",
+        {"run_dirs": [str(d) for d in run_dirs], "report": settings},
+    )

@@ -28,6 +28,7 @@ from matplotlib.ticker import (  # noqa: E402
 
 from imagenet_ddp.errors import InputError  # noqa: E402
 from imagenet_ddp.io import atomic_path  # noqa: E402
+from imagenet_ddp.report.target import cost_by_epoch  # noqa: E402
 
 RUNS_COLUMNS = [
     "run",
@@ -511,6 +512,54 @@ def plot_cost(table: pd.DataFrame, out: Path) -> None:
         _save(fig, out)
 
 
+def cost_curve(run_dir: Path) -> pd.DataFrame:
+    """A run's holdout top-1 per evaluated epoch against the allocations' wall hours and
+    GPU-hours to that epoch's end (report.target.cost_by_epoch); no rows without an attempt
+    record."""
+    path = Path(run_dir) / "train_metrics.json"
+    train = json.loads(path.read_text()) if path.is_file() else {}
+    history = train.get("epochs") or []
+    costs = cost_by_epoch(history, (train.get("cost") or {}).get("attempts") or [])
+    rows = [
+        {"epoch": h["epoch"], "holdout_top1": h["holdout_top1"], "wall_hours": wall / 3600,
+         "gpu_hours": gpu}
+        for h, (wall, gpu) in zip(history, costs or [], strict=False)
+        if h.get("holdout_top1") is not None
+    ]  # fmt: skip
+    return pd.DataFrame(rows, columns=["epoch", "holdout_top1", "wall_hours", "gpu_hours"])
+
+
+def plot_to_target(curves: dict[str, pd.DataFrame], table: pd.DataFrame, out: Path) -> None:
+    """Holdout top-1 of every run against the GPU-hours spent to each evaluated epoch (the
+    allocations' wall hours where no run had GPUs), each run's target dotted."""
+    gpu = any((c["gpu_hours"] > 0).any() for c in curves.values())
+    column = "gpu_hours" if gpu else "wall_hours"
+    given = table.set_index("run").get("target_top1")  # absent in tables from before it
+    targets = None if given is None else pd.to_numeric(given, errors="coerce")
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots(figsize=(7.4, 4.6))
+        colors = _colors(list(curves))
+        for run, curve in curves.items():
+            ax.plot(curve[column], 100 * curve["holdout_top1"], marker="o", ms=3,
+                    color=colors[run], label=run)  # fmt: skip
+            target = None if targets is None else targets.get(run)
+            if target is not None and not np.isnan(target):
+                ax.axhline(100 * target, color=colors[run], linestyle=":", linewidth=1)
+        if not any(len(c) for c in curves.values()):
+            ax.text(0.5, 0.5, "no epoch with an attempt record", ha="center",
+                    transform=ax.transAxes)  # fmt: skip
+        ax.set_xlabel(
+            "GPU-hours to the epoch's end, every allocation"
+            if gpu
+            else "Allocation hours to the epoch's end (no run had GPUs)"
+        )
+        ax.set_ylabel("Holdout top-1 (%)")
+        ax.set_ylim(0, 100)
+        ax.set_title("Holdout top-1 vs cost (dotted: each run's target)")
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, frameon=False)
+        _save(fig, out)
+
+
 def make_plots(
     runs_csv: Path,
     run_dirs: Sequence[Path],
@@ -520,8 +569,10 @@ def make_plots(
     curves: Path,
     per_class: Path,
     cost: Path | None = None,
+    to_target: Path | None = None,
 ) -> None:
-    for path in (throughput, efficiency, curves, per_class, cost or per_class):
+    for path in (throughput, efficiency, curves, per_class, cost or per_class,
+                 to_target or per_class):  # fmt: skip
         if Path(path).suffix.lower() not in METADATA:
             raise InputError(f"{path}: unsupported figure format; use one of {tuple(METADATA)}")
     if not run_dirs:
@@ -539,3 +590,5 @@ def make_plots(
     plot_per_class(per_class_tables, per_class)
     if cost is not None:
         plot_cost(table, cost)
+    if to_target is not None:
+        plot_to_target({Path(d).name: cost_curve(d) for d in run_dirs}, table, to_target)

@@ -208,6 +208,20 @@ REPORTED_TOP1 = {
 # evaluates model_ema with --model-ema: IMAGENET1K_V2 are those weights), or "model".
 REPORTED_MODEL = {name: "model" for name in PRESETS} | {"torchvision-resnet50-v2": "ema"}
 
+# MLPerf Training's ResNet-50 target (top-1 on ImageNet's validation set, in %): the default
+# report.target_top1 of a ResNet-50 run whose preset reports none.
+MLPERF_RESNET50_TOP1 = 75.9
+
+
+def default_target_top1(recipe: str | None, model: str) -> tuple[float | None, str]:
+    """(report.target_top1 of a run that sets none, in %, and where it comes from): its
+    preset's reported top-1, else MLPerf's for a ResNet-50, else none."""
+    if recipe in REPORTED_TOP1:
+        return REPORTED_TOP1[recipe], f"published ({recipe})"
+    if model in ("resnet50", "timm/resnet50") or model.startswith("timm/resnet50."):
+        return MLPERF_RESNET50_TOP1, "MLPerf ResNet-50"
+    return None, ""
+
 
 def preset(name: str) -> dict[str, Any]:
     if name == "none":

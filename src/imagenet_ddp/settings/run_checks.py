@@ -502,3 +502,89 @@ def write_check(run_json: str, num_classes: int, run_dir: Path, out: Path) -> No
         name = run.get("run") or run.get("name")
         raise InputError("\n".join(f"config.yaml: run {name!r}: {p}" for p in problems))
     write_json_atomic(out, {"init_weights_sha256": digest, "checked_by": __version__})
+
+
+# BatchNorm's running statistics (momentum 0.1) keep 0.9^n of their initial values after n
+# steps (0.5 % at 50), and follow weights that still move fast early on: a run of fewer
+# optimizer steps is evaluated on statistics of other weights (the issue's 3-class demo: 10
+# steps, train top-1 90 %, holdout at chance; with batch statistics 100 %).
+BATCHNORM_MIN_STEPS = 50
+
+# Model names (torchvision's, or timm's after "timm/") that normalize with LayerNorm only.
+NO_BATCHNORM = ("vit_", "deit", "swin", "convnext", "beit", "cait", "xcit", "mixer", "eva")
+
+# Optimizers that normalize the step by the gradient's own scale: linear LR scaling (Goyal et
+# al.'s rule for SGD) does not carry over to them.
+ADAPTIVE_OPTIMIZERS = ("adamw", "timm/adam", "timm/nadam", "timm/radam", "timm/lamb",
+                       "timm/lion", "timm/ada", "timm/laprop", "timm/madgrad", "timm/novograd",
+                       "timm/rmsprop", "timm/kron", "timm/mars")  # fmt: skip
+
+FEW_STEPS_FOR_BATCHNORM = (
+    f"fewer than {BATCHNORM_MIN_STEPS} optimizer steps in all: BatchNorm's running statistics "
+    "will not describe the trained weights and the holdout may score at chance (docs/results.md"
+    "#accuracy-flags): more epochs or a smaller global batch"
+)
+NO_STEADY_WINDOW = (
+    "steps per epoch do not exceed throughput_warmup_steps: img/s (steady) and scaling "
+    "efficiency stay empty; lower throughput_warmup_steps or train on more images per epoch"
+)
+ADAPTIVE_LR_SHRUNK = (
+    "lr_scaling shrinks an adaptive optimizer's lr more than 10x (lr x global batch / 256): "
+    "set lr for this batch with lr_scaling: none, or lr_scaling: sqrt"
+)
+
+
+def training_warnings(runs: Mapping[str, Mapping], config: Mapping) -> list[Notice]:
+    """Per run: too few optimizer steps for BatchNorm's statistics; no steady-state window (an
+    epoch of no more steps than throughput_warmup_steps); linear LR scaling that shrinks an
+    adaptive optimizer's lr more than 10x. A folder layout's size is unknown here: the step
+    counts are judged only where it is known (the archives', the demo's)."""
+    train, _, where = split_sizes(config)
+    known = not where.startswith(ASSUMED) or config["data"].get("layout") == "archives"
+    notices = []
+    for name, run in runs.items():
+        batch = global_batch(run)
+        per_epoch = train // batch
+        tail = run["model"].split("/")[-1]
+        if known and not tail.startswith(NO_BATCHNORM):
+            steps = run["epochs"] * per_epoch
+            if steps < BATCHNORM_MIN_STEPS:
+                notices.append(Notice(FEW_STEPS_FOR_BATCHNORM, name, f"{steps} steps"))
+        if known and per_epoch <= run["throughput_warmup_steps"]:
+            detail = f"{per_epoch} <= {run['throughput_warmup_steps']}"
+            notices.append(Notice(NO_STEADY_WINDOW, name, detail))
+        lr_used = optimizers.scaled_lr(run, batch)
+        if run["optimizer"].startswith(ADAPTIVE_OPTIMIZERS) and lr_used < run["lr"] / 10:
+            detail = f"lr {run['lr']:g} -> lr_used {lr_used:.3g} at global batch {batch}"
+            notices.append(Notice(ADAPTIVE_LR_SHRUNK, name, detail))
+    return notices
+
+
+def report_settings(config: Mapping, runs: Mapping[str, Mapping]) -> tuple[list[str], str]:
+    """(problems, the aggregate rule's JSON): the sweeps' axes in written order and
+    report.target_top1 by run name (one number: every run's; a mapping: the runs it names)."""
+    import json
+
+    targets = (config.get("report") or {}).get("target_top1")
+    problems = []
+    if targets is None:
+        by_run = {}
+    elif isinstance(targets, int | float):
+        by_run = dict.fromkeys(runs, float(targets))
+    else:
+        by_run = {k: float(v) for k, v in targets.items() if k in runs}
+        unknown = [k for k in targets if k not in runs]
+        if unknown:
+            problems.append(
+                f"config.yaml: report.target_top1 names {', '.join(map(repr, unknown))}, no run "
+                f"of this config (runs: {', '.join(map(repr, list(runs)[:5]))}"
+                f"{', ...' if len(runs) > 5 else ''}); name runs, or give one number for all"
+            )
+    axes = [
+        key
+        for sweep in config.get("sweep") or []
+        for part in ("grid", "zip")
+        for key in sweep.get(part) or {}
+    ]
+    settings = {"axes": list(dict.fromkeys(axes)), "target_top1": by_run}
+    return problems, json.dumps(settings, sort_keys=True)
