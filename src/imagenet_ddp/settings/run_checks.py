@@ -76,6 +76,10 @@ CHECKED_SETTINGS = (
     "model", "model_kwargs", "crop_size", "eval_crop_size", "progressive_min_crop",
     "zero_init_residual", "deterministic", "gpus_per_node", "optimizer", "optimizer_kwargs",
     "momentum", "nesterov", "init_weights_exclude", "init_weights_sha256",
+    # and its transforms at their extremes (training.recipe.transform_problems)
+    "auto_augment", "crop_scale", "crop_ratio", "random_erasing", "interpolation", "hflip",
+    "eval_resize", "progressive_start_epoch", "progressive_end_epoch", "progressive_multiple",
+    "epochs", "normalization",
 )  # fmt: skip
 
 
@@ -483,9 +487,11 @@ def _holdout_count(n: int, fraction: float) -> int:
     return int(round(n * fraction))  # exactly as imagenet_ddp.data.split.stratified_split
 
 
-def write_check(run_json: str, num_classes: int, run_dir: Path, out: Path) -> None:
+def write_check(run_json: str, num_classes: int, run_dir: Path, out: Path, more=None) -> None:
     """The ``check`` stage: :func:`deep_problems` of the run (its settings' JSON) and its weights
-    file's digest, which ``out`` records for train's param; refused with one line per problem."""
+    file's digest, which ``out`` records for train's param; refused with one line per problem.
+    ``more``: the run's further problems, of its resolved settings (training.recipe's check of
+    its transforms, a layer above this one)."""
     import json
 
     from imagenet_ddp import __version__
@@ -499,6 +505,7 @@ def write_check(run_json: str, num_classes: int, run_dir: Path, out: Path) -> No
     if problem:  # the file is gone or not the pinned one: nothing more to say of its keys
         run = {**run, "init_weights": ""}
     problems = deep_problems(run, num_classes) + ([problem] if problem else [])
+    problems += more(run) if more and not problems else []
     if problems:
         name = run.get("run") or run.get("name")
         raise InputError("\n".join(f"config.yaml: run {name!r}: {p}" for p in problems))
