@@ -675,3 +675,23 @@ def test_settings_timms_parts_would_ignore_are_refused():
     assert "BinaryCrossEntropy smooths one-hot targets only" in line
     (line,) = problems(demo_config(bce_target_threshold=0.2))
     assert "it applies to loss bce only" in line
+
+
+def test_the_dry_run_names_the_defaults_that_differ_from_torchvisions_reference():
+    """Issue 51: a reference command ported by its numbers trained at a quarter of its LR, with
+    our weight decay and Nesterov: an SGD run without a recipe is named with each setting that
+    is not the reference train.py's and the --lr its lr is; the reference's own values pass."""
+    from imagenet_ddp.settings.notices import summarised
+
+    config = demo_config(batch_size=32, tasks_per_node=2, lr=0.1)
+    (line,) = summarised(run_checks.reference_notes(resolved(config)))
+    assert line == (
+        "config.yaml: run 'r' (weight_decay 5e-05/1e-4, nesterov true/false, lr_schedule "
+        "cosine/step every 30 epochs x 0.1, lr_scaling linear/none (--lr as given), lr 0.1 is "
+        f"their --lr 0.025 at global batch 64): {run_checks.REFERENCE_DIFFERS}"
+    )
+    ported = {"weight_decay": 1e-4, "nesterov": False, "lr_schedule": "step",
+              "lr_scaling": "none"}  # fmt: skip
+    assert run_checks.reference_notes(resolved(demo_config(**ported))) == []
+    assert run_checks.reference_notes(resolved(demo_config(recipe="torchvision-resnet50-v1"))) == []
+    assert run_checks.reference_notes(resolved(demo_config(optimizer="adamw"))) == []

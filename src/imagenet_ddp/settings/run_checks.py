@@ -473,6 +473,49 @@ WARMUP_UNKNOWN = (
 )
 
 
+# torchvision's references/classification/train.py defaults (its README's ResNet command adds
+# none of these): lr used as given (--lr 0.1 at 8 GPUs x 32), --wd 1e-4, plain momentum,
+# --lr-scheduler steplr --lr-step-size 30 --lr-gamma 0.1. Ours (the schema's) differ.
+REFERENCE_DEFAULTS = {
+    "weight_decay": (1e-4, "1e-4"),
+    "nesterov": (False, "false"),
+    "lr_schedule": ("step", "step every 30 epochs x 0.1"),
+    "lr_scaling": ("none", "none (--lr as given)"),
+}
+REFERENCE_DIFFERS = (
+    "SGD settings other than torchvision's reference train.py's (ours/theirs); to port a "
+    "reference command: docs/configuration.md#porting-a-reference-command, or recipe: "
+    "torchvision-resnet50-v1"
+)
+
+
+def reference_notes(runs: Mapping[str, Mapping]) -> list[Notice]:
+    """A note per SGD run without a recipe naming its settings that differ from torchvision's
+    reference defaults, and the reference --lr its lr is (what a side-by-side run needs)."""
+    notes = []
+    for name, run in runs.items():
+        if run.get("recipe", "none") != "none" or run["optimizer"] != "sgd":
+            continue
+        differ = [
+            f"{key} {_shown(run[key])}/{theirs}"
+            for key, (value, theirs) in REFERENCE_DEFAULTS.items()
+            if run[key] != value
+        ]
+        if not differ:
+            continue
+        batch = global_batch(run)
+        used = optimizers.scaled_lr(run, batch)
+        lr = f"lr {run['lr']:g} is their --lr {used:.3g} at global batch {batch}"
+        notes.append(Notice(REFERENCE_DIFFERS, name, ", ".join([*differ, lr])))
+    return notes
+
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def container_problem(
     image: str, *, apptainer: bool, workdir: str | os.PathLike[str] = "."
 ) -> str | None:
