@@ -229,7 +229,9 @@ _refusals, _warnings = memory_problems(
 )
 if _refusals:
     refuse(_refusals)
-for _line in summarised(_warnings + warmup_warnings(RUNS, config) + reference_notes(RUNS)):
+for _line in summarised(
+    _warnings + warmup_warnings(RUNS, config) + reference_notes(RUNS)
+):
     print(f"warning: {_line}", file=sys.stderr)  # one line per kind, naming the runs
 
 
