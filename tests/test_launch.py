@@ -251,7 +251,7 @@ def test_the_dry_run_shows_the_mpi_prefix_and_refuses_one_that_is_not_srun(tmp_p
         "--set-resources", "train:mpi=srun --mpi=pmix",
     )  # fmt: skip
     text = shown.stdout + shown.stderr
-    warned = [line for line in text.splitlines() if "warm-up steeper than published" in line]
+    warned = [line for line in text.splitlines() if "warm-up steeper than Goyal et al." in line]
     assert len(warned) == 1 and "'hot' (0 steps to lr_used 20" in warned[0], warned  # one line
     # train's ranks, and its preflight's: they are measured as they will run
     for rule, kind in (("train", "train"), ("preflight_run", "preflight")):

@@ -501,3 +501,81 @@ def test_each_repeat_is_augmented_with_its_own_seed():
     assert torch.equal(data[(1, 0)][0], data[(1, 0, 0)][0])  # repeat 0: the sample's seed
     assert not torch.equal(data[(1, 0, 0)][0], data[(1, 0, 1)][0])
     assert torch.equal(data[(1, 0, 1)][0], data[(1, 0, 1)][0])  # timm's draws seeded too
+
+
+# ------------------------------------------------------------------ the extreme draw
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_transform_takes_its_extreme_draws(name):
+    """Each preset's training transform with every extreme forced (each op of its policy alone
+    at probability 1 and at magnitude 0 and 10, the smallest and largest crop box, flip and
+    erasing at probability 1) and its evaluation transform take synthetic images at each of
+    its crops: the 1-in-500 draw that a few-step test misses cannot raise in a step. On the
+    old code the DeiT and ResNet-strikes-back presets raised (posterize to 0 bits)."""
+    cfg = train_config(**PRESETS[name])
+    assert recipe.transform_problems(cfg) == []
+    boxes, ops = recipe.extreme_transforms(cfg, cfg.crop_size)
+    assert len(boxes) == 4  # both ends of crop_scale x crop_ratio
+    if cfg.auto_augment.startswith("rand-"):  # every op of timm's policy, at both ends
+        policy = recipe.timm_rand_augment(cfg.auto_augment, 224, (0.5,) * 3, "bicubic")
+        names = [op.name for op in policy.transforms[1].ops]
+        assert list(ops) == [f"{n} at magnitude {m}" for n in names for m in (0, 10)]
+        assert "PosterizeIncreasing at magnitude 10" in ops
+    elif cfg.auto_augment != "none":
+        space = recipe.POLICIES[cfg.auto_augment](None)._AUGMENTATION_SPACE
+        assert {n.split(" at ")[0] for n in ops} == set(space)
+
+
+def test_posterize_at_zero_bits_is_black_as_pillow_before_13_made_it():
+    """timm's PosterizeIncreasing asks for 0 bits at magnitude 10; the pinned Pillow refuses
+    it (while this holds, our op stays), Pillow 11.3 and 12.3 returned every channel 0 (their
+    mask ~(2**8 - 1); checked by hand against both, docs/proven.md). Ours: black at 0 bits,
+    Pillow's own at 1 to 8 (1 bit keeps 0 and 128, another image than 0 bits)."""
+    import numpy as np
+    from PIL import Image, ImageOps
+    from timm.data import auto_augment
+
+    pixels = torch.randint(0, 256, (16, 16, 3), dtype=torch.uint8).numpy()
+    for mode in ("RGB", "L"):
+        image = Image.fromarray(pixels).convert(mode)
+        with pytest.raises(ValueError, match="bits must be between"):
+            auto_augment.posterize(image, 0)
+        assert not np.asarray(recipe.posterize(image, 0)).any()
+        assert recipe.posterize(image, 0).mode == mode
+        for bits in range(1, 9):
+            ours, pillows = recipe.posterize(image, bits), ImageOps.posterize(image, bits)
+            assert np.array_equal(np.asarray(ours), np.asarray(pillows)), (mode, bits)
+    # timm's own op is replaced in each policy built here
+    policy = recipe.timm_rand_augment("rand-m9-mstd0.5-inc1", 224, (0.5,) * 3, "bicubic")
+    [op] = [o for o in policy.transforms[1].ops if o.name == "PosterizeIncreasing"]
+    assert op.aug_fn is recipe.posterize
+
+
+def test_the_check_stage_refuses_a_transform_that_raises_in_one_line(tmp_path, monkeypatch):
+    """The `check` job's stage runs the run's transforms at their extremes: the old posterize
+    (timm's own, under Pillow 13) fails it in one line naming the run and the transform."""
+    import json
+
+    from timm.data import auto_augment
+
+    from imagenet_ddp.errors import InputError
+    from imagenet_ddp.settings.kinds import declarations
+    from tests.workflow_helpers import run_settings
+
+    small = {"model": "resnet18", "model_kwargs": {}, "crop_size": 32, "eval_resize": 36,
+             "eval_crop_size": 32, "epochs": 1}  # fmt: skip
+    run = run_settings(**{**PRESETS["deit-small"], **small, "run": "deit"})
+    settings = json.dumps(declarations().changed_from_default(run))
+    recipe.write_check(settings, 10, tmp_path / "run", tmp_path / "ok.json")
+    assert (tmp_path / "ok.json").is_file()
+    monkeypatch.setattr(recipe, "posterize", auto_augment.posterize)
+    with pytest.raises(InputError) as refused:
+        recipe.write_check(settings, 10, tmp_path / "run", tmp_path / "check.json")
+    assert str(refused.value) == (
+        "config.yaml: run 'deit': auto_augment 'rand-m9-mstd0.5-inc1': its training "
+        "PosterizeIncreasing at magnitude 10 at crop 32 raises ValueError: bits must be between "
+        "or equal to 1 and 8; the run would fail in a step on its node: change auto_augment, "
+        "crop_scale, crop_ratio or the crops"
+    )
+    assert not (tmp_path / "check.json").exists()

@@ -460,9 +460,16 @@ def test_the_warm_up_rule_warns_for_a_4_rank_scale_up_and_not_for_its_1_and_2_ra
     config["runs"][-1]["name"] = "r4-long"
     (notice,) = run_checks.warmup_warnings(resolved(config), config)
     assert str(notice).startswith(
-        "config.yaml: run 'r4' (14 steps to lr_used 0.05: 0.0036/step, max 0.002; "
-        "warmup_steps 25 or warmup_epochs 1.8): warm-up steeper than published (docs"
-    )  # a value that satisfies it
+        "config.yaml: run 'r4' (14 steps to lr_used 0.05: 0.0036/step, max 0.002; 25 steps are "
+        "45% of the run's 56 (at most 10%): lr 0.1 (lr_used 0.025, no warm-up needed)): warm-up "
+        'steeper than Goyal et al. 2017, "Accurate, Large Minibatch SGD" (5 epochs of '
+    )  # the 2-rank run's lr_used, which trained: a value that satisfies it
+    config["runs"] = [{"name": "r4", "tasks_per_node": 4, "lr": 0.1, "warmup_epochs": 0}]
+    assert run_checks.warmup_warnings(resolved(config), config) == []
+    config["train_defaults"]["epochs"] = 20  # 280 steps: the rule's 25 fit in a tenth
+    config["runs"] = [{"name": "r4", "tasks_per_node": 4}]
+    (notice,) = run_checks.warmup_warnings(resolved(config), config)
+    assert notice.detail.endswith("; warmup_steps 25 or warmup_epochs 1.8")
     config["runs"] = [{"name": "r4", "tasks_per_node": 4, "warmup_steps": 25, "warmup_epochs": 0}]
     assert run_checks.warmup_warnings(resolved(config), config) == []
 
@@ -472,6 +479,7 @@ def test_a_sweeps_warnings_are_one_short_line_per_kind(tmp_path):
     from imagenet_ddp.settings.notices import Notice, summarised
 
     config = demo_config()
+    config["train_defaults"]["epochs"] = 20  # the rule's warm-up fits in a tenth of the run
     config["runs"] = [{"name": f"r{i}", "tasks_per_node": 4, "seed": i} for i in range(12)]
     notices = run_checks.warmup_warnings(resolved(config), config)
     notices.append(Notice("another kind", "r0"))
@@ -480,7 +488,7 @@ def test_a_sweeps_warnings_are_one_short_line_per_kind(tmp_path):
         "config.yaml: runs 'r0', 'r1', 'r2' and 9 more (14 steps to lr_used 0.05: 0.0036/step, "
         f"max 0.002; warmup_steps 25 or warmup_epochs 1.8): {run_checks.WARMUP_TOO_SHORT}"
     )
-    assert len(first) <= 250  # 12 runs, one line
+    assert len(first) <= 320  # 12 runs, one line
     config["runs"][1]["warmup_epochs"] = 0.5  # its own figure, named with it
     first = summarised(run_checks.warmup_warnings(resolved(config), config))[0]
     assert first.startswith("config.yaml: runs 'r0' (14 steps to lr_used 0.05: 0.0036/step")
@@ -509,12 +517,13 @@ def test_the_warm_up_rule_judges_the_ramp_per_step_whatever_the_batch(tmp_path):
     config = digits_config(known=True)
     notices = run_checks.warmup_warnings(resolved(config), config)
     assert [n.run for n in notices] == ["r1", "r2", "r4"]
-    assert notices[2].detail == (
-        "10 steps to lr_used 0.2: 0.02/step, max 0.001; 196 steps, over half the run: "
-        "lr_used <= 0.05"  # the 150-step run's fix: its 1- and 2-rank LR, 0.1 per 256
+    assert notices[2].detail == (  # the 150-step run's: a tenth of it, the LR that fits it
+        "10 steps to lr_used 0.2: 0.02/step, max 0.001; 196 steps are 131% of the run's 150 "
+        "(at most 10%): lr 0.11 (lr_used 0.055) with warmup_steps 15"
     )
     assert notices[1].detail == (
-        "20 steps to lr_used 0.1: 0.005/step, max 0.001; warmup_steps 98 or warmup_epochs 4.9"
+        "20 steps to lr_used 0.1: 0.005/step, max 0.001; 98 steps are 33% of the run's 300 "
+        "(at most 10%): lr 0.22 (lr_used 0.055) with warmup_steps 30"
     )
     # the invariant: the rise per step x the LR per 256 images is Goyal et al.'s at most
     assert pytest.approx(3.2 / 782 * 0.1) == run_checks.GOYAL_RAMP
@@ -523,7 +532,7 @@ def test_the_warm_up_rule_judges_the_ramp_per_step_whatever_the_batch(tmp_path):
         assert lr_used / steps * (lr_used * 256 / batch) <= run_checks.GOYAL_RAMP * 1.0001
         assert lr_used / (steps - 1) * (lr_used * 256 / batch) > run_checks.GOYAL_RAMP
     config["train_defaults"]["warmup_epochs"] = 0
-    config["runs"][2]["warmup_steps"] = 196
+    config["runs"][2].update(lr=0.11, warmup_steps=15)  # the advice: no warning
     assert [n.run for n in run_checks.warmup_warnings(resolved(config), config)] == [
         "r1",
         "r2",
@@ -533,7 +542,35 @@ def test_the_warm_up_rule_judges_the_ramp_per_step_whatever_the_batch(tmp_path):
 def test_a_run_without_warm_up_is_named_as_reaching_its_lr_at_once(tmp_path):
     config = demo_config(tasks_per_node=4, warmup_epochs=0)
     (notice,) = run_checks.warmup_warnings(resolved(config), config)
-    assert notice.detail.startswith("0 steps to lr_used 0.05: at once, max 0.002; warmup_steps 25")
+    assert notice.detail.startswith("0 steps to lr_used 0.05: at once, max 0.002; 25 steps are")
+
+
+def test_the_issues_digits_run_is_told_a_warm_up_that_fits_its_150_steps():
+    """Issue 51: 1,294 train images, batch 32 x 4 ranks, 15 epochs (150 optimizer steps), lr
+    0.4 per 256 scaled linearly. The old advice, warmup_steps 196, is longer than the run: a
+    warning of its own now; the advice is a tenth of the run with the lr that fits it, in the
+    run's lr_scaling (and that advice passes)."""
+    run = {"batch_size": 32, "nodes": 1, "tasks_per_node": 4, "lr": 0.4, "lr_scaling": "linear",
+           "epochs": 15, "warmup_epochs": 1.0, "warmup_steps": 0}  # fmt: skip
+    needed = run_checks.required_warmup_steps(0.2, 128)
+    assert needed == 196
+    kind, detail = run_checks.warmup_advice(run, 128, needed, 1294)
+    assert kind == run_checks.WARMUP_TOO_SHORT and detail.endswith(
+        "196 steps are 131% of the run's 150 (at most 10%): lr 0.11 (lr_used 0.055) with "
+        "warmup_steps 15"
+    )
+    followed = {**run, "warmup_epochs": 0.0, "warmup_steps": 196}  # the old advice
+    kind, detail = run_checks.warmup_advice(followed, 128, needed, 1294)
+    assert kind == run_checks.WARMUP_TOO_LONG
+    assert detail.startswith("196 warm-up steps of the run's 150; 196 steps are 131%")
+    fixed = {**followed, "lr": 0.11, "warmup_steps": 15}
+    assert run_checks.warmup_advice(fixed, 128, run_checks.required_warmup_steps(
+        0.055, 128), 1294) is None  # fmt: skip
+    for scaling, lr in (("none", 0.055), ("sqrt", 0.078)):  # the same lr_used, its own lr
+        kind, detail = run_checks.warmup_advice({**run, "lr_scaling": scaling}, 128, needed, 1294)
+        assert f": lr {lr} (lr_used 0.055) with warmup_steps 15" in detail, detail
+    assert "Goyal et al. 2017" in run_checks.WARMUP_TOO_SHORT
+    assert "Accurate, Large Minibatch SGD" in run_checks.WARMUP_UNKNOWN
 
 
 def test_a_warm_up_in_epochs_on_data_not_indexed_yet_is_judged_by_its_smallest_train_set(
@@ -545,7 +582,9 @@ def test_a_warm_up_in_epochs_on_data_not_indexed_yet_is_judged_by_its_smallest_t
     notices = run_checks.warmup_warnings(resolved(config), config)
     assert {n.kind for n in notices} == {run_checks.WARMUP_UNKNOWN}
     assert notices[2] == (run_checks.WARMUP_UNKNOWN, "r4",
-                          "fewer than 25088 train images: warmup_steps 196")  # fmt: skip
+                          "fewer than 25088 train images: warmup_steps 196 with 16726 train "
+                          "images or more (then 10% of the run's steps at most), with fewer lr "
+                          "0.1 (lr_used 0.05, no warm-up needed)")  # fmt: skip
     config["data"]["layout"] = "archives"  # the archives' count is exact: judged, and enough
     assert run_checks.warmup_warnings(resolved(config), config) == []
 
@@ -687,3 +726,23 @@ def test_report_settings_name_runs_and_the_sweeps_axes():
         "config.yaml: report.target_top1 names 'nope', no run of this config (runs: 'a', 'b'); "
         "name runs, or give one number for all"
     ]
+
+
+def test_the_dry_run_names_the_defaults_that_differ_from_torchvisions_reference():
+    """Issue 51: a reference command ported by its numbers trained at a quarter of its LR, with
+    our weight decay and Nesterov: an SGD run without a recipe is named with each setting that
+    is not the reference train.py's and the --lr its lr is; the reference's own values pass."""
+    from imagenet_ddp.settings.notices import summarised
+
+    config = demo_config(batch_size=32, tasks_per_node=2, lr=0.1)
+    (line,) = summarised(run_checks.reference_notes(resolved(config)))
+    assert line == (
+        "config.yaml: run 'r' (weight_decay 5e-05/1e-4, nesterov true/false, lr_schedule "
+        "cosine/step every 30 epochs x 0.1, lr_scaling linear/none (--lr as given), lr 0.1 is "
+        f"their --lr 0.025 at global batch 64): {run_checks.REFERENCE_DIFFERS}"
+    )
+    ported = {"weight_decay": 1e-4, "nesterov": False, "lr_schedule": "step",
+              "lr_scaling": "none"}  # fmt: skip
+    assert run_checks.reference_notes(resolved(demo_config(**ported))) == []
+    assert run_checks.reference_notes(resolved(demo_config(recipe="torchvision-resnet50-v1"))) == []
+    assert run_checks.reference_notes(resolved(demo_config(optimizer="adamw"))) == []

@@ -612,6 +612,26 @@ RECIPE_RUNS = [
         "progressive_end_epoch": 1,
         "progressive_multiple": 8,
     },
+    {  # DeiT's recipe on 2 ranks at its augmentation's full strength: each image takes two
+        # of its RandAugment ops at magnitude 10, probability 1 (posterize to 0 bits in ~1 of
+        # 8: a crash in the first step before issue 51), the smallest crop, flip and erasing
+        "name": "recipe-deit",
+        "recipe": "deit-small",
+        **SHORT,
+        "model_kwargs": {},
+        "tasks_per_node": 2,
+        "auto_augment": "rand-m10-mstd0-inc1-p1",
+        "crop_scale": [0.08, 0.08],
+        "hflip": 1.0,
+        "random_erasing": 1.0,
+    },
+    {  # ResNet strikes back's (timm's LAMB, BCE, repeated augmentation) on 2 ranks
+        "name": "recipe-rsb",
+        "recipe": "timm-resnet50-a1",
+        **SHORT,
+        "model_kwargs": {},
+        "tasks_per_node": 2,
+    },
     {  # every component at once (sync_bn aside: torch syncs BatchNorm on GPUs only)
         "name": "recipe-all",
         **SHORT,
@@ -689,6 +709,9 @@ def test_each_recipe_preset_and_all_components_train(local_run):
         header, hyperparameters = log.splitlines()[:2]  # each job: a header, its settings
         assert header.startswith("== job local, Snakemake attempt 1, started "), header
         assert hyperparameters.startswith("hyperparameters: "), log[:200]
+    deit = json.loads((runs / "recipe-deit/train_metrics.json").read_text())
+    assert deit["config"]["auto_augment"] == "rand-m10-mstd0-inc1-p1" and deit["world_size"] == 2
+    assert json.loads((runs / "recipe-rsb/train_metrics.json").read_text())["world_size"] == 2
     v2 = json.loads((runs / "recipe-tv-v2/train_metrics.json").read_text())
     assert v2["config"]["recipe"] == "torchvision-resnet50-v2"
     assert (v2["config"]["mixup_alpha"], v2["config"]["auto_augment"]) == (0.2, "trivialaugment")

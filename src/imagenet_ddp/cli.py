@@ -177,8 +177,8 @@ STAGES = {
         "index-dir out-dir holdout-fraction:float seed:int",
     ),
     "check": (
-        "check a run's model, optimizer and weights with torch",
-        "settings.run_checks:write_check",
+        "check a run's model, optimizer, weights and transforms with torch",
+        "training.recipe:write_check",
         "num-classes:int run-dir out",  # and --run
     ),
     "aggregate": (

@@ -36,7 +36,8 @@ from imagenet_ddp.settings.evaluation import eval_settings
 from imagenet_ddp.settings.geometry import slurm_resources
 from imagenet_ddp.settings.kinds import declarations, hyperparameter_line, load_schema
 from imagenet_ddp.settings.kinds import rerun_line
-from imagenet_ddp.settings.run_checks import CHECKED_SETTINGS, warmup_warnings
+from imagenet_ddp.settings.run_checks import CHECKED_SETTINGS, reference_notes
+from imagenet_ddp.settings.run_checks import warmup_warnings
 from imagenet_ddp.settings.notices import summarised
 from imagenet_ddp.settings.run_checks import report_settings, training_warnings
 from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
@@ -294,7 +295,9 @@ _refusals, _warnings = memory_problems(
 )
 if _refusals:
     refuse(_refusals)
-for _line in summarised(_warnings + warmup_warnings(RUNS, config)):
+for _line in summarised(
+    _warnings + warmup_warnings(RUNS, config) + reference_notes(RUNS)
+):
     print(f"warning: {_line}", file=sys.stderr)  # one line per kind, naming the runs
 # Too few steps for BatchNorm, no steady-state window, an adaptive optimizer's lr scaled down.
 for _line in summarised(training_warnings(RUNS, config)):

@@ -1,7 +1,8 @@
 # The checks a run needs torch for, once per change of its settings or weights file and before
 # any of its GPU jobs: its model built on the meta device at its crops (constructor options,
 # training-mode outputs, CUDA determinism, residual zero-init), its optimizer, its init_weights
-# file's keys and shapes against the data's class count, and that file's sha256 (train's param).
+# file's keys and shapes against the data's class count, that file's sha256 (train's param), and
+# its training transform at every extreme draw and evaluation transform on synthetic images.
 # Local: a few seconds on the machine that runs Snakemake. A checkpoint, so a check that reruns
 # (a setting changed) leaves train to its own params, which say whether it retrains.
 checkpoint check:
@@ -29,6 +30,9 @@ checkpoint check:
     shell:
         "imagenet-ddp check --run {resources.run:q} --num-classes {params.num_classes}"
         " --run-dir {params.run_dir:q} --out {output:q} > {log:q} 2>&1"
+        # a refusal's lines (else the log's last) to the terminal, above Snakemake's own block
+        " || {{ s=$?; grep -A99 '^imagenet-ddp check: error: ' {log:q} >&2"
+        " || tail -n 1 {log:q} >&2; exit $s; }}"
 
 
 # A run's rerun key (common.smk key_file, imagenet_ddp.jobs.rerun_keys), written when missing:

@@ -257,6 +257,10 @@ def run_attempt(job: TrainJob, spec_path: Path) -> int:
     code = 1
     try:
         code = stopped_after_all(run_staged(job, spec_path), job, entry)
+        if code == EXIT_REQUEUE:  # Snakemake's own "Error in rule train" block follows it
+            print(f"run {run.get('run')!r}: a planned stop (exit {EXIT_REQUEUE}), not a failure: "
+                  "its checkpoint is written and Snakemake resubmits the job (the rule's "
+                  "retries), which resumes from it", flush=True)  # fmt: skip
     except Exception as error:
         entry["error"] = f"launcher on {socket.gethostname()}: {type(error).__name__}: {error}"
         raise

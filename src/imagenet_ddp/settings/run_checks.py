@@ -76,6 +76,10 @@ CHECKED_SETTINGS = (
     "model", "model_kwargs", "crop_size", "eval_crop_size", "progressive_min_crop",
     "zero_init_residual", "deterministic", "gpus_per_node", "optimizer", "optimizer_kwargs",
     "momentum", "nesterov", "init_weights_exclude", "init_weights_sha256",
+    # and its transforms at their extremes (training.recipe.transform_problems)
+    "auto_augment", "crop_scale", "crop_ratio", "random_erasing", "interpolation", "hflip",
+    "eval_resize", "progressive_start_epoch", "progressive_end_epoch", "progressive_multiple",
+    "epochs", "normalization",
 )  # fmt: skip
 
 
@@ -361,53 +365,154 @@ def required_warmup_steps(lr_used: float, batch: int) -> int:
     return math.ceil(lr_used * per_256 / GOYAL_RAMP - 1e-9)
 
 
+# At most a tenth of a run's optimizer steps warm up (Goyal et al.: 5 of 90 epochs): a longer
+# warm-up leaves the schedule too few steps (issue 51: 196 of 150 never decayed); past it the
+# advice is a lower lr, down to Goyal et al.'s 0.1 per 256 images, which needs none.
+MAX_WARMUP_SHARE = 0.1
+
+
 def warmup_warnings(runs: Mapping[str, Mapping], config: Mapping) -> list[Notice]:
     """A warning per run that reaches its scaled LR in fewer warm-up steps than
-    :func:`required_warmup_steps`, naming a warm-up that would do. A folder layout's size is
-    unknown here: a warm-up in epochs is judged by the smallest train set it suits."""
+    :func:`required_warmup_steps`, naming a warm-up, or a lower ``lr`` (in the run's
+    ``lr_scaling``), that fits in MAX_WARMUP_SHARE of its optimizer steps. A folder layout's
+    size is unknown here: a warm-up in epochs is judged by the smallest train set it suits."""
     train, _, where = split_sizes(config)
     # ImageNet's count assumed (split_sizes): exact only for the archives' layout
     unknown = where.startswith(ASSUMED) and config["data"].get("layout") != "archives"
     notices = []
     for name, run in runs.items():
         batch = global_batch(run)
-        lr_used = optimizers.scaled_lr(run, batch)
-        needed = required_warmup_steps(lr_used, batch)
-        per_epoch = max(1, train // batch)
-        if unknown and not run["warmup_steps"] and needed:
-            smallest = (
-                math.ceil(needed * batch / run["warmup_epochs"]) if run["warmup_epochs"] else 0
-            )
-            fewer = f"fewer than {smallest} train images" if smallest else "any train set"
-            notices.append(Notice(WARMUP_UNKNOWN, name, f"{fewer}: warmup_steps {needed}"))
-            continue
-        steps = run["warmup_steps"] or int(run["warmup_epochs"] * per_epoch)
-        if steps >= needed:
-            continue
-        ramp = f"{lr_used / steps:.2g}/step" if steps else "at once"
-        fix = f"warmup_steps {needed} or warmup_epochs {math.ceil(needed / per_epoch * 10) / 10}"
-        if needed > run["epochs"] * per_epoch / 2:  # a warm-up of most of the run: a lower LR
-            fit = max(
-                math.sqrt(steps * GOYAL_RAMP * batch / 256),
-                GOYAL_NO_WARMUP_LR * min(1, batch / 256),
-            )
-            fix = f"{needed} steps, over half the run: lr_used <= {fit:.2g}"
-        detail = (
-            f"{steps} steps to lr_used {lr_used:.3g}: {ramp}, max "
-            f"{GOYAL_RAMP / (lr_used * 256 / batch):.2g}; {fix}"
-        )
-        notices.append(Notice(WARMUP_TOO_SHORT, name, detail))
+        needed = required_warmup_steps(optimizers.scaled_lr(run, batch), batch)
+        if unknown:
+            detail = _warmup_advice_unknown_size(run, batch, needed)
+            notices += [Notice(WARMUP_UNKNOWN, name, detail)] if detail else []
+        else:
+            advice = warmup_advice(run, batch, needed, train)
+            notices += [Notice(advice[0], name, advice[1])] if advice else []
     return notices
 
 
+def warmup_advice(run: Mapping, batch: int, needed: int, train: int) -> tuple[str, str] | None:
+    """(kind, detail) for a run of ``train`` images whose warm-up is shorter than ``needed``
+    steps or as long as the run: ``needed`` steps if they fit in MAX_WARMUP_SHARE of its
+    steps, else a lower lr whose warm-up does (None: its warm-up fits)."""
+    per_epoch = max(1, train // batch)
+    steps = run["warmup_steps"] or int(run["warmup_epochs"] * per_epoch)
+    lr_used, total = optimizers.scaled_lr(run, batch), run["epochs"] * per_epoch
+    if needed <= steps < total or (steps == 0 and needed == 0):
+        return None
+    longest = max(1, int(MAX_WARMUP_SHARE * total))
+    ramp = f"{lr_used / steps:.2g}/step" if steps else "at once"
+    if needed == 0:
+        fix = f"none needed at this lr: warmup_epochs 0, or warmup_steps {longest} at most"
+    elif needed <= longest:
+        fix = f"warmup_steps {needed} or warmup_epochs {math.ceil(needed / per_epoch * 10) / 10}"
+    else:
+        fit = max(math.sqrt(longest * GOYAL_RAMP * batch / 256), _no_warmup_lr(batch))
+        lr, used = _lr_setting(run, fit, batch)
+        warm = required_warmup_steps(used, batch)
+        fix = (
+            f"{needed} steps are {needed / total:.0%} of the run's {total} (at most "
+            f"{MAX_WARMUP_SHARE:.0%}): lr {lr:g} (lr_used {used:.2g}"
+            + (f") with warmup_steps {warm}" if warm else ", no warm-up needed)")
+        )
+    if steps >= total:  # the LR rises through the whole run and never decays
+        return WARMUP_TOO_LONG, f"{steps} warm-up steps of the run's {total}; {fix}"
+    return WARMUP_TOO_SHORT, (
+        f"{steps} steps to lr_used {lr_used:.3g}: {ramp}, max "
+        f"{GOYAL_RAMP / (lr_used * 256 / batch):.2g}; {fix}"
+    )
+
+
+def _warmup_advice_unknown_size(run: Mapping, batch: int, needed: int) -> str | None:
+    """The advice for a train set of unknown size: ``needed`` steps where the run is long
+    enough for them to be MAX_WARMUP_SHARE of it, else the lr that needs no warm-up."""
+    if not needed or run["warmup_steps"] >= needed:
+        return None
+    smallest = 0
+    if not run["warmup_steps"] and run["warmup_epochs"]:
+        smallest = math.ceil(needed * batch / run["warmup_epochs"])
+    fewer = f"fewer than {smallest} train images" if smallest else "any train set"
+    enough = math.ceil(needed * batch / (MAX_WARMUP_SHARE * run["epochs"]))
+    lr, used = _lr_setting(run, _no_warmup_lr(batch), batch)
+    return (
+        f"{fewer}: warmup_steps {needed} with {enough} train images or more (then "
+        f"{MAX_WARMUP_SHARE:.0%} of the run's steps at most), with fewer lr {lr:g} (lr_used "
+        f"{used:.2g}, no warm-up needed)"
+    )
+
+
+def _no_warmup_lr(batch: int) -> float:
+    """The highest lr_used the rule lets start without warm-up at ``batch``."""
+    return GOYAL_NO_WARMUP_LR * min(1.0, batch / 256)
+
+
+def _lr_setting(run: Mapping, lr_used: float, batch: int) -> tuple[float, float]:
+    """The run's ``lr`` (two significant digits, rounded down) whose ``lr_scaling`` gives at
+    most ``lr_used`` at ``batch``, and the lr_used it gives."""
+    factor = optimizers.scaled_lr({**run, "lr": 1.0}, batch)
+    exact = lr_used / factor
+    unit = 10 ** (math.floor(math.log10(exact)) - 1)
+    lr = round(math.floor(exact / unit * (1 + 1e-9)) * unit, 12)
+    return lr, optimizers.scaled_lr({**run, "lr": lr}, batch)
+
+
 WARMUP_TOO_SHORT = (
-    "warm-up steeper than published (docs/configuration.md#warm-up-and-batch-size): use "
-    "the warm-up shown or a lower lr"
+    'warm-up steeper than Goyal et al. 2017, "Accurate, Large Minibatch SGD" (5 epochs of '
+    "gradual warm-up; docs/configuration.md#warm-up-and-batch-size): use the warm-up or lr shown"
+)
+WARMUP_TOO_LONG = (
+    "warm-up as long as the run: its LR rises to the last step and never decays; use the "
+    "warm-up or lr shown (docs/configuration.md#warm-up-and-batch-size)"
 )
 WARMUP_UNKNOWN = (
-    "warm-up in epochs too short for the rule if data.dir holds the train images shown (its "
-    "size is not known at the dry-run): set warmup_steps as shown"
+    "warm-up in epochs too short for Goyal et al. 2017's rule (\"Accurate, Large Minibatch "
+    'SGD", 5 epochs of gradual warm-up) if data.dir holds the train images shown (its size is '
+    "not known at the dry-run): set warmup_steps or lr as shown"
 )
+
+
+# torchvision's references/classification/train.py defaults (its README's ResNet command adds
+# none of these): lr used as given (--lr 0.1 at 8 GPUs x 32), --wd 1e-4, plain momentum,
+# --lr-scheduler steplr --lr-step-size 30 --lr-gamma 0.1. Ours (the schema's) differ.
+REFERENCE_DEFAULTS = {
+    "weight_decay": (1e-4, "1e-4"),
+    "nesterov": (False, "false"),
+    "lr_schedule": ("step", "step every 30 epochs x 0.1"),
+    "lr_scaling": ("none", "none (--lr as given)"),
+}
+REFERENCE_DIFFERS = (
+    "SGD settings other than torchvision's reference train.py's (ours/theirs); to port a "
+    "reference command: docs/configuration.md#porting-a-reference-command, or recipe: "
+    "torchvision-resnet50-v1"
+)
+
+
+def reference_notes(runs: Mapping[str, Mapping]) -> list[Notice]:
+    """A note per SGD run without a recipe naming its settings that differ from torchvision's
+    reference defaults, and the reference --lr its lr is (what a side-by-side run needs)."""
+    notes = []
+    for name, run in runs.items():
+        if run.get("recipe", "none") != "none" or run["optimizer"] != "sgd":
+            continue
+        differ = [
+            f"{key} {_shown(run[key])}/{theirs}"
+            for key, (value, theirs) in REFERENCE_DEFAULTS.items()
+            if run[key] != value
+        ]
+        if not differ:
+            continue
+        batch = global_batch(run)
+        used = optimizers.scaled_lr(run, batch)
+        lr = f"lr {run['lr']:g} is their --lr {used:.3g} at global batch {batch}"
+        notes.append(Notice(REFERENCE_DIFFERS, name, ", ".join([*differ, lr])))
+    return notes
+
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def container_problem(
@@ -482,9 +587,11 @@ def _holdout_count(n: int, fraction: float) -> int:
     return int(round(n * fraction))  # exactly as imagenet_ddp.data.split.stratified_split
 
 
-def write_check(run_json: str, num_classes: int, run_dir: Path, out: Path) -> None:
+def write_check(run_json: str, num_classes: int, run_dir: Path, out: Path, more=None) -> None:
     """The ``check`` stage: :func:`deep_problems` of the run (its settings' JSON) and its weights
-    file's digest, which ``out`` records for train's param; refused with one line per problem."""
+    file's digest, which ``out`` records for train's param; refused with one line per problem.
+    ``more``: the run's further problems, of its resolved settings (training.recipe's check of
+    its transforms, a layer above this one)."""
     import json
 
     from imagenet_ddp import __version__
@@ -498,6 +605,7 @@ def write_check(run_json: str, num_classes: int, run_dir: Path, out: Path) -> No
     if problem:  # the file is gone or not the pinned one: nothing more to say of its keys
         run = {**run, "init_weights": ""}
     problems = deep_problems(run, num_classes) + ([problem] if problem else [])
+    problems += more(run) if more and not problems else []
     if problems:
         name = run.get("run") or run.get("name")
         raise InputError("\n".join(f"config.yaml: run {name!r}: {p}" for p in problems))

@@ -7,7 +7,9 @@ of an uninterrupted one.
 from __future__ import annotations
 
 import bisect
+import copy
 import math
+from functools import partial
 
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -85,6 +87,7 @@ def timm_rand_augment(spec: str, crop_size: int, mean, interpolation: str):
     """timm's RandAugment of a ``rand-...`` spec with ``create_transform``'s hyperparameters, on
     PIL images as timm runs it (its Python and NumPy draws seeded per sample by
     training.data.SeededAugmentation)."""
+    from timm.data import auto_augment
     from timm.data.auto_augment import rand_augment_transform
     from timm.data.transforms import str_to_pil_interp
 
@@ -93,7 +96,27 @@ def timm_rand_augment(spec: str, crop_size: int, mean, interpolation: str):
         "img_mean": tuple(round(255 * m) for m in mean),
         "interpolation": str_to_pil_interp(interpolation),
     }
-    return v2.Compose([v2.ToPILImage(), rand_augment_transform(spec, hparams), v2.PILToTensor()])
+    augment = rand_augment_transform(spec, hparams)
+    for op in augment.ops:
+        if op.aug_fn is auto_augment.posterize:
+            op.aug_fn = posterize
+    return v2.Compose([v2.ToPILImage(), augment, v2.PILToTensor()])
+
+
+def posterize(img, bits_to_keep, **_):
+    """timm's posterize op as the published ``inc1`` recipes ran it. PosterizeIncreasing keeps
+    4 - int(m / 10 x 4) bits: 0 at magnitude 10, which a magnitude of 9 with mstd 0.5 draws
+    (clipped) in ~2 % of its ops. Pillow up to 12 kept no bits there (mask ~255: every
+    channel 0, a black image; timm's own policy comment says so), Pillow 13 raises
+    ``bits must be between or equal to 1 and 8``. Clamping to 1 bit would be another image
+    (values 0 and 128), so 0 bits stay black, as DeiT and ResNet strikes back trained."""
+    from PIL import ImageOps
+
+    if bits_to_keep >= 8:
+        return img
+    if bits_to_keep <= 0:
+        return img.point([0] * 256 * len(img.getbands()))
+    return ImageOps.posterize(img, bits_to_keep)
 
 
 def sample_transform(cfg: TrainConfig, crop_size: int):
@@ -120,6 +143,138 @@ def sample_transform(cfg: TrainConfig, crop_size: int):
         # reference (which erases after normalizing) gives them.
         steps.append(v2.RandomErasing(p=cfg.random_erasing, value=[round(255 * m) for m in mean]))
     return v2.Compose(steps)
+
+
+# --------------------------------------------------------------------------- extreme draws
+
+
+def extreme_transforms(cfg: TrainConfig, crop_size: int) -> tuple[dict, dict]:
+    """The run's training transform at each extreme one of its draws can reach, by name:
+    (crops, ops). Crops: the box at each end of crop_scale x crop_ratio, the flip and erasing
+    at probability 1. Ops: each op of its ``auto_augment`` policy alone at probability 1, at
+    both ends of its magnitudes, then erasing: applied to the smallest crop's output. A draw
+    that raises once in 500 samples (1 per step at 2,048 images a step) raises here always."""
+    mean = mean_std(cfg)[0]
+    erase = [v2.RandomErasing(p=1.0, value=[round(255 * m) for m in mean])]
+    erase = erase if cfg.random_erasing > 0 else []
+    crops = {}
+    for scale in sorted(set(cfg.crop_scale)):  # the smallest first
+        for ratio in sorted(set(cfg.crop_ratio)):
+            crop = train_transform(
+                crop_size,
+                normalize=False,
+                scale=(scale, scale),
+                ratio=(ratio, ratio),
+                hflip=1.0,
+                interpolation=cfg.interpolation,
+            )
+            crops[f"crop scale {scale:g} ratio {ratio:.3g}"] = v2.Compose([crop, *erase])
+    ops = {name: v2.Compose([op, *erase]) for name, op in _policy_extremes(cfg, crop_size, mean)}
+    return crops, ops
+
+
+def _policy_extremes(cfg: TrainConfig, crop_size: int, mean):
+    """(name, op at one extreme) for each op of the run's policy: timm's at magnitude 0 and its
+    upper bound; torchvision's at the ends of the magnitude bins they draw from, each sign (their
+    per-op call, ``_apply_image_or_video_transform``, is the only way to force one op)."""
+    if cfg.auto_augment.startswith("rand-"):
+        timm = timm_rand_augment(cfg.auto_augment, crop_size, mean, cfg.interpolation)
+        for op in timm.transforms[1].ops:
+            for magnitude in (0.0, float(op.magnitude_max or 10)):
+                forced = copy.copy(op)
+                forced.prob, forced.magnitude_std, forced.magnitude = 1.0, 0, magnitude
+                steps = [v2.ToPILImage(), forced, v2.PILToTensor()]
+                yield f"{op.name} at magnitude {magnitude:g}", v2.Compose(steps)
+    elif cfg.auto_augment != "none":
+        policy = POLICIES[cfg.auto_augment](v2.InterpolationMode(cfg.interpolation))
+        bins = {"randaugment": [getattr(policy, "magnitude", 0)], "autoaugment": [0, 9]}
+        ends = bins.get(cfg.auto_augment, [0, getattr(policy, "num_magnitude_bins", 31) - 1])
+        for op_name, (magnitudes_fn, signed) in policy._AUGMENTATION_SPACE.items():
+            for end in ends:
+                for sign in (1, -1) if signed else (1,):
+                    yield (
+                        f"{op_name} at bin {end}{' negated' if sign < 0 else ''}",
+                        partial(_torchvision_op, policy, op_name, magnitudes_fn, end, sign),
+                    )
+
+
+def _torchvision_op(policy, op_name, magnitudes_fn, end, sign, image):
+    magnitudes = magnitudes_fn(10 if isinstance(policy, v2.AutoAugment) else
+                               policy.num_magnitude_bins, *image.shape[-2:])  # fmt: skip
+    magnitude = 0.0 if magnitudes is None else sign * float(magnitudes[end])
+    return policy._apply_image_or_video_transform(
+        image, op_name, magnitude, interpolation=policy.interpolation, fill=policy._fill
+    )
+
+
+def synthetic_images(size: int) -> list:
+    """A few images a transform must take: noise and one flat colour (what equalize and
+    autocontrast divide by), landscape and portrait, decoded and as an encoded JPEG (the
+    training crop's two inputs) with the shorter side ``size``."""
+    import numpy as np
+    import simplejpeg
+
+    generator = torch.Generator().manual_seed(0)
+    long = size * 4 // 3
+    noise = torch.randint(0, 256, (3, size, long), dtype=torch.uint8, generator=generator)
+    flat = torch.full((3, long, size), 128, dtype=torch.uint8)
+    encoded = simplejpeg.encode_jpeg(np.ascontiguousarray(noise.permute(1, 2, 0).numpy()))
+    return [noise, flat, encoded]
+
+
+def transform_problems(cfg: TrainConfig) -> list[str]:
+    """The run's training transform at its extremes (:func:`extreme_transforms`) at each of its
+    crops, and its evaluation transform, on :func:`synthetic_images`: one line per transform
+    that raises, naming it (what would otherwise raise in a step on the GPU node)."""
+    import random
+
+    import numpy as np
+
+    from imagenet_ddp.data.dataset import eval_transform
+
+    crops = sorted({cfg.crop_for_epoch(e) for e in range(cfg.epochs)} | {cfg.crop_size})
+    images = synthetic_images(max(*crops, cfg.eval_resize))
+    decoded = [i for i in images if torch.is_tensor(i)]
+    problems = []
+
+    def apply(name, transform, inputs):
+        try:
+            outputs = []
+            for seed, image in enumerate(inputs):
+                random.seed(seed)
+                np.random.seed(seed)
+                torch.manual_seed(seed)
+                outputs.append(transform(image))
+            return outputs
+        except Exception as error:  # noqa: BLE001 - any of them would stop the run's step
+            first = (str(error).splitlines() or [""])[0]
+            problems.append(
+                f"auto_augment {cfg.auto_augment!r}: its {name} raises {type(error).__name__}: "
+                f"{first}; the run would fail in a step on its node: change auto_augment, "
+                "crop_scale, crop_ratio or the crops"
+            )
+            return None
+
+    for crop in crops:
+        boxes, ops = extreme_transforms(cfg, crop)
+        smallest = [apply(f"training {name} at crop {crop}", t, images)
+                    for name, t in boxes.items()][0]  # fmt: skip
+        for name, transform in ops.items() if smallest else ():
+            apply(f"training {name} at crop {crop}", transform, smallest[:2])
+    evaluation = eval_transform(cfg.eval_resize, cfg.eval_crop, normalize=False,
+                                interpolation=cfg.interpolation)  # fmt: skip
+    apply(f"evaluation resize {cfg.eval_resize} crop {cfg.eval_crop}", evaluation, decoded)
+    return problems
+
+
+def write_check(run_json: str, num_classes: int, run_dir, out) -> None:
+    """The ``check`` stage: settings.run_checks.write_check, the run's transforms too."""
+    from imagenet_ddp.settings import run_checks
+
+    def transforms(run: dict) -> list[str]:
+        return transform_problems(TrainConfig.from_dict(run))
+
+    run_checks.write_check(run_json, num_classes, run_dir, out, more=transforms)
 
 
 class EpochTransforms:
