@@ -482,7 +482,9 @@ def test_an_attempt_record_with_two_commits_marks_the_run_in_the_table(tmp_path)
     assert list(table["code_changed"]) == [True, False]
     assert table.loc["moved", "code_versions"] == "aaa bbb"
     text = (tmp_path / "runs.md").read_text()
-    assert re.search(r"^\| moved \* +\|", text, re.M) and re.search(r"^\| steady +\|", text, re.M)
+    # "(best)": the two tie on holdout top-1, the first by name is marked
+    assert re.search(r"^\| moved \* \(best\) +\|", text, re.M)
+    assert re.search(r"^\| steady +\|", text, re.M)
     assert "ran different code" in text and "moved (aaa bbb)" in text and "steady (" not in text
 
 
