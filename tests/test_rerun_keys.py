@@ -37,3 +37,19 @@ def test_the_change_is_named_in_one_line():
     assert K.changes("r", KEY, dict(KEY)) is None
     data = K.changes("r", KEY, {**KEY, "data": "cd" * 32})
     assert data == f"run 'r': data {'ab' * 8}... -> {'cd' * 8}..." and "\n" not in data
+
+
+def test_the_key_command_writes_a_key_only_where_its_digest_names_it(tmp_path, capsys):
+    """The `key` rule's `imagenet-ddp key`: the canonical line at its own path; a key given for
+    another path (a stale plan) is refused in one line, nothing written."""
+    import json
+
+    from imagenet_ddp.cli import main
+
+    path = tmp_path / K.key_path("train", "r", KEY)
+    assert main(["key", "--text", json.dumps(KEY), "--out", str(path)]) == 0
+    assert K.read_key(path) == KEY and path.read_text() == K.key_text(KEY) + "\n"
+    other = path.with_name("0000000000000000.json")
+    assert main(["key", "--text", json.dumps(KEY), "--out", str(other)]) == 2
+    assert not other.exists()
+    assert f"the key given is {K.key_digest(KEY)}'s, not this path's" in capsys.readouterr().err

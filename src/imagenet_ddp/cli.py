@@ -70,6 +70,17 @@ def _add_prepare_parsers(sub) -> None:
              _call("data.prepare:join_shared"), "chunk-dirs+ manifest prepared-dir")  # fmt: skip
 
 
+def cmd_key(args: argparse.Namespace) -> None:
+    """The `key` rule: a run's rerun key, written where its digest names it (jobs.rerun_keys)."""
+    from imagenet_ddp.io import write_text_atomic
+    from imagenet_ddp.jobs.rerun_keys import key_digest, key_text
+
+    key = json.loads(args.text)
+    if key_digest(key) != args.out.stem:
+        raise InputError(f"{args.out}: the key given is {key_digest(key)}'s, not this path's")
+    write_text_atomic(args.out, key_text(key) + "\n")
+
+
 def cmd_data_content(args: argparse.Namespace) -> None:
     from imagenet_ddp.data.prepared_layout import content_record
     from imagenet_ddp.io import write_json_atomic
@@ -217,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     stages["plots"].add_argument("--to-target", type=Path, help="holdout top-1 vs GPU-hours")
     _add_prepare_parsers(sub)
     data = "prepared-train prepared-val split-train split-holdout classes out"
+    _command(sub, "key", "write a run's rerun key where its digest names it", cmd_key,
+             "text:str out")  # fmt: skip
     _command(sub, "data-content", "record the digests of what trains and evaluates",
              cmd_data_content, data)  # fmt: skip
     _add_job_parser(sub, "train", "stage data on every node and run DDP training", cmd_train)

@@ -48,6 +48,8 @@ from imagenet_ddp.jobs.rerun_keys import changes, key_path, key_text
 # The version this plan is made with: every `imagenet-ddp` command of its jobs refuses to run
 # another (imagenet_ddp.cli, exit 2). Inherited by the jobs' own Snakemake (sbatch
 # --export=ALL), which keeps the plan's where its checkout has changed since.
+# The main Snakemake's parse sets it first; each job's own parse inherits it.
+MAIN_PARSE = "IMAGENET_DDP_PLAN_VERSION" not in os.environ
 os.environ.setdefault("IMAGENET_DDP_PLAN_VERSION", PACKAGE_VERSION)
 
 
@@ -511,6 +513,6 @@ def _key_changes():
 
 
 # Printed by the main Snakemake's parse only, not by each job's own.
-if workflow.is_main_process:
+if MAIN_PARSE:
     for _line in _key_changes():
         print(_line, file=sys.stderr)

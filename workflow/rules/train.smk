@@ -57,7 +57,7 @@ rule key:
     params:
         key=key_content,
     shell:
-        "printf '%s\\n' {params.key:q} > {output:q} 2> {log:q}"
+        "imagenet-ddp key --text {params.key:q} --out {output:q} > {log:q} 2>&1"
 
 
 rule train:

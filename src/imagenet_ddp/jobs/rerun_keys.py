@@ -23,9 +23,12 @@ def key_text(key: Mapping[str, Any]) -> str:
     return json.dumps(key, sort_keys=True, separators=(",", ":"))
 
 
+def key_digest(key: Mapping[str, Any]) -> str:
+    return hashlib.sha256(key_text(key).encode()).hexdigest()[:16]
+
+
 def key_path(kind: str, run: str, key: Mapping[str, Any]) -> str:
-    digest = hashlib.sha256(key_text(key).encode()).hexdigest()[:16]
-    return f"{KEYS}/{kind}/{run}/{digest}.json"
+    return f"{KEYS}/{kind}/{run}/{key_digest(key)}.json"
 
 
 def read_key(path: str | Path) -> dict:

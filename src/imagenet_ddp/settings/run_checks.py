@@ -618,7 +618,7 @@ def write_check(run_json: str, num_classes: int, run_dir: Path, out: Path, more=
 # steps, train top-1 90 %, holdout at chance; with batch statistics 100 %).
 BATCHNORM_MIN_STEPS = 50
 
-# Model names (torchvision's, or timm's after "timm/") that normalize with LayerNorm only.
+# Model names (torchvision's, or timm's after its prefix) that normalize with LayerNorm only.
 NO_BATCHNORM = ("vit_", "deit", "swin", "convnext", "beit", "cait", "xcit", "mixer", "eva")
 
 # Optimizers that normalize the step by the gradient's own scale: linear LR scaling (Goyal et
