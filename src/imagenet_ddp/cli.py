@@ -75,7 +75,10 @@ def cmd_key(args: argparse.Namespace) -> None:
     from imagenet_ddp.io import write_text_atomic
     from imagenet_ddp.jobs.rerun_keys import key_digest, key_text
 
-    key = json.loads(args.text)
+    try:
+        key = json.loads(args.text)
+    except ValueError:
+        raise InputError(f"{args.out}: not a key: {args.text[:80]!r}") from None
     if key_digest(key) != args.out.stem:
         raise InputError(f"{args.out}: the key given is {key_digest(key)}'s, not this path's")
     write_text_atomic(args.out, key_text(key) + "\n")

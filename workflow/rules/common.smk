@@ -180,9 +180,16 @@ def key_file(kind):
         records, pending = [], []
         for record in _records(kind, wildcards.run):
             try:
-                records.append(record())
+                path = record()
             except IncompleteCheckpointException as incomplete:
                 pending.append(ancient(incomplete.targetfile))
+                continue
+            # a checkpoint done but its record missing (--touch skips a missing output): as
+            # pending, until a run writes it
+            if os.path.exists(path):
+                records.append(path)
+            else:
+                pending.append(ancient(path))
         if pending:
             return pending
         return key_path(kind, wildcards.run, rerun_key(kind, wildcards.run, *records))
@@ -208,10 +215,17 @@ def key_records(wildcards):
     return [ancient(record()) for record in _records(wildcards.kind, wildcards.run)]
 
 
-def key_content(wildcards, input):
+def key_content(wildcards):
     """The `key` rule's param: the key's text, of the path asked for (a stale path of a key
-    that is no longer the run's is refused)."""
-    key = rerun_key(wildcards.kind, wildcards.run, *input)
+    that is no longer the run's is refused). Read from the records themselves: while one is
+    yet to be (re)made (a dry-run, a --touch), a placeholder, which no job runs with."""
+    try:
+        paths = [record() for record in _records(wildcards.kind, wildcards.run)]
+    except IncompleteCheckpointException:
+        paths = []
+    if not paths or not all(os.path.exists(path) for path in paths):
+        return "decided once its records exist"
+    key = rerun_key(wildcards.kind, wildcards.run, *paths)
     path = key_path(wildcards.kind, wildcards.run, key)
     if os.path.basename(path) != f"{wildcards.digest}.json":
         raise WorkflowError(
@@ -490,8 +504,9 @@ def refuse_unserved_triggers():
 
 def _key_changes():
     """One line per run whose train key differs from what its last delivered training recorded
-    (job.json's key): what changed, bookkeeping and unchanged keys left out. Read from our own
-    records only, once their checkpoint records exist."""
+    (job.json's key; before the keys, its train_metrics.json's settings): what changed,
+    bookkeeping and unchanged keys left out. Read from our own records only, once their
+    checkpoint records exist."""
     lines = []
     for name in RUNS:
         paths = [
@@ -505,9 +520,18 @@ def _key_changes():
             with open(paths[2]) as f:
                 recorded = json.load(f).get("key")
             now = rerun_key("train", name, *paths[:2])
+            if (
+                recorded is None
+            ):  # trained by a version before the keys: its settings only
+                with open(f"results/runs/{name}/train_metrics.json") as f:
+                    config = json.load(f)["config"]
+                now = {"settings": now["settings"]}
+                recorded = {
+                    "settings": {k: config[k] for k in now["settings"] if k in config}
+                }
         except (OSError, ValueError, KeyError):
             continue
-        line = recorded and changes(name, recorded, now)
+        line = changes(name, recorded, now)
         lines += [line] if line else []
     return lines
 

@@ -206,3 +206,11 @@ rule preflight:
     """Target: the preflight of every run (nothing trains)."""
     input:
         expand("results/preflight/{run}/preflight.json", run=RUNS),
+
+
+# `snakemake keys`: every run's rerun keys written, nothing trained (an upgrade writes them once
+# and then --touch records the finished jobs: docs/configuration.md "Code changes").
+rule keys:
+    """Target: every run's train and evaluate rerun keys (nothing trains)."""
+    input:
+        key_files,
