@@ -37,7 +37,9 @@ checkpoint check:
 
 # A run's rerun key (common.smk key_file, imagenet_ddp.jobs.rerun_keys), written when missing:
 # its path is its content's digest, so it never reruns for a time or a trigger; the job that
-# reads it removes the run's other keys of its kind once it has delivered.
+# reads it removes the run's other keys of its kind once it has delivered. Its shell and its
+# param's format are its code and params: a change to either rewrites every key, and with it
+# reruns every finished train and evaluate under the default triggers: keep both as they are.
 rule key:
     """Write a run's train or evaluate rerun key (what retrains or re-evaluates it)."""
     input:
