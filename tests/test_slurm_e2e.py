@@ -254,11 +254,11 @@ def test_a_restarted_controller_waits_for_the_runs_live_train_job_and_adopts_its
 def test_every_job_went_through_sbatch_and_completed(slurm_run):
     first, second = slurm_run.logs
     total = int(re.search(r"(\d+) of \1 steps \(100%\) done", second).group(1))
-    # nothing ran here but the target, the runs' checks, the data's content record and the
-    # report rules
+    # nothing ran here but the target, the runs' checks, the data's content record, the rerun
+    # keys and the report rules
     local = re.findall(r"local(?:rule|checkpoint) (\w+):", second)
     assert set(re.findall(r"local(?:rule|checkpoint) (\w+):", slurm_run.log)) == {
-        "all", "check", "data_content", "accounting", "aggregate", "plots"
+        "all", "check", "data_content", "key", "accounting", "aggregate", "plots"
     }  # fmt: skip
     for log, uuid in zip(slurm_run.logs, slurm_run.uuids, strict=True):
         jobs = _jobs_of(slurm_run.cluster, uuid)
@@ -272,7 +272,7 @@ def test_every_job_went_through_sbatch_and_completed(slurm_run):
     rules = {re.sub(r"_wildcards_.*", "", c) for c in slurm_run.jobs}
     # the report rules are local rules (workflow/rules/report.smk), never sbatch jobs
     assert {"rule_train", "rule_evaluate", "rule_prepare"} <= rules, rules
-    assert not rules & {"rule_accounting", "rule_aggregate", "rule_plots"}, rules
+    assert not rules & {"rule_accounting", "rule_aggregate", "rule_plots", "rule_key"}, rules
     for run in RUNS:
         assert f"rule_train_wildcards_{run['name']}" in slurm_run.jobs
 
