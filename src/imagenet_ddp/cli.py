@@ -200,6 +200,16 @@ STAGES = {
         "report.aggregate:write_aggregate",
         "run-dirs+ csv markdown report-settings:str",
     ),  # fmt: skip
+    "prune": (
+        "a pruned sweep's decision at one rung: the ranking and the survivors",
+        "settings.halving:write_decision",
+        "sweep:int epoch:int eta:int metric:str runs:str+ metrics+ out",
+    ),
+    "rung-final": (
+        "a pruned sweep's run: its last stage's outputs in its run folder",
+        "settings.halving:deliver_stage",
+        "rung-dir run-dir epoch:int epochs:int",
+    ),
     "accounting": (
         "sacct accounting of each run's training job",
         "report.accounting:write_accounting",

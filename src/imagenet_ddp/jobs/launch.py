@@ -54,7 +54,7 @@ DELIVERED = "delivered.json"  # in the checkpoint root: this run's outputs were 
 INVOCATION_STARTED = "IMAGENET_DDP_INVOCATION_STARTED"  # the main Snakemake's (common.smk)
 
 
-def start_afresh_if_delivered(checkpoint_root: Path, environ=None) -> Path | None:
+def start_afresh_if_delivered(checkpoint_root: Path, environ=None, epoch=None) -> Path | None:
     """A run whose outputs were delivered (the marker is written only after them) before this
     Snakemake invocation began, and whose train Snakemake runs again, was asked for again
     (`--forcerun`, `-R`, its outputs deleted, `--delete-all-output` then a run, a rerun key
@@ -63,14 +63,19 @@ def start_afresh_if_delivered(checkpoint_root: Path, environ=None) -> Path | Non
     returned. Nothing moves (None) for a run not delivered (a resubmission after a stop
     resumes), nor for one delivered since the invocation began: a job of a Snakemake that
     died finished it while this one waited behind it (docs/reliability.md "A controller that
-    dies"), and resuming writes the same outputs without training."""
+    dies"), and resuming writes the same outputs without training. ``epoch``: the epoch this
+    job trains to (a rung's stop_epoch, settings.halving); a delivery of an earlier epoch (the
+    rung before) is where it resumes, not a reason to start afresh (None: any delivery is)."""
     environ = os.environ if environ is None else environ
     root = Path(checkpoint_root)
     marker = root / DELIVERED
     if not marker.is_file():
         return None
     began = float(environ.get(INVOCATION_STARTED, "inf"))
-    if json.loads(marker.read_text()).get("delivered_at", 0.0) >= began:
+    delivered = json.loads(marker.read_text())
+    if delivered.get("delivered_at", 0.0) >= began:
+        return None
+    if epoch is not None and delivered.get("epoch", float("inf")) < epoch:
         return None
     previous = root.with_name(root.name + ".previous")
     shutil.rmtree(previous, ignore_errors=True)
@@ -91,7 +96,8 @@ def train_job(job: TrainJob, key: str | None = None) -> int:
     holder = live_holder(job.paths.checkpoint_root, job.run)
     if holder:
         return give_back(holder, job.name)
-    start_afresh_if_delivered(job.paths.checkpoint_root)
+    target = job.stop_epoch or job.run.get("epochs")
+    start_afresh_if_delivered(job.paths.checkpoint_root, epoch=target)
     job = on_allocation(with_launcher(job, resolve_launcher(job.execution.launcher)))
     run_dir = job.paths.run_dir
     spec_path = write_spec(run_dir / TRAIN_SPEC, job)
@@ -114,7 +120,7 @@ def train_job(job: TrainJob, key: str | None = None) -> int:
     # by which aggregate flags a model that another version trained).
     extra = {"prepared_train": prepared_content(job.paths.prepared_train)}
     write_provenance(provenance, "train", config, seeds={"train": config["seed"]}, extra=extra)
-    delivered = {"model": str(run_dir / "model.pt"), "delivered_at": time.time()}
+    delivered = {"model": str(run_dir / "model.pt"), "delivered_at": time.time(), "epoch": target}
     write_json_atomic(job.paths.checkpoint_root / DELIVERED, delivered)
     if key:
         rerun_keys.keep_only(key)

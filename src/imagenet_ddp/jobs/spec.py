@@ -110,6 +110,9 @@ class TrainJob:
     run: dict[str, Any]  # every run setting, geometry included (TrainConfig.from_dict)
     paths: TrainPaths
     execution: Execution
+    # A rung of a pruned sweep (settings.halving): the run's schedule, stopped after this many
+    # epochs with the outputs of that epoch (its holdout evaluated); None: to the end.
+    stop_epoch: int | None = None
 
     def __post_init__(self) -> None:
         if self.execution.stage is None:
@@ -257,6 +260,8 @@ def job_spec(
     attempt: int,
     launch_prefix: str,
     train_runtime: float | None = None,
+    stop_epoch: int | None = None,
+    run_dir: str | None = None,
 ) -> str:
     """The compact JSON spec of run ``name``'s ``kind`` job (train, preflight, evaluate):
     ``settings`` as the rank gets them, its paths, and where and how it runs (``execution``:
@@ -284,8 +289,10 @@ def job_spec(
         if kind == "preflight":
             paths["out"] = f"results/preflight/{name}/preflight.json"
             parts["train_runtime_minutes"] = train_runtime  # what train's allocations last
-        else:
-            paths["run_dir"] = f"results/runs/{name}"
+        else:  # a rung (stop_epoch) delivers into its own folder
+            paths["run_dir"] = run_dir or f"results/runs/{name}"
+            if stop_epoch is not None:
+                parts["stop_epoch"] = stop_epoch
     execution = config["execution"]
     block = {"launcher": execution["launcher"], "launch_prefix": launch_prefix,
              "srun_extra": execution["srun_extra"], "attempt": attempt}  # fmt: skip

@@ -55,14 +55,17 @@ class Loop:
     monitor: Any
     profile: Any
     stop_after_steps: int | None = None
+    stop_epoch: int | None = None  # a rung's end (jobs.spec.TrainJob); None: the run's
     first_step: int = 0  # the run's optimizer steps before this job's first
 
 
 def run_epochs(job: TrainingState, loop: Loop, resume) -> int:
-    """Train from the resume point to the last epoch: 0, EXIT_REQUEUE when stopped, DIVERGED
-    when the guard stopped the run."""
+    """Train from the resume point to the last epoch (a rung's ``loop.stop_epoch``: its
+    schedule unchanged, stopped there): 0, EXIT_REQUEUE when stopped, DIVERGED when the guard
+    stopped the run."""
     loop.first_step = job.scheduler.last_epoch
-    for epoch in range(resume.epoch, job.cfg.epochs):
+    last = min(loop.stop_epoch or job.cfg.epochs, job.cfg.epochs)
+    for epoch in range(resume.epoch, last):
         first, info = epoch == resume.epoch, job.info
         # a resumed epoch's counts, shared out again if it ran on another rank count
         carried = carried_partial(resume.partial, info.rank, info.world_size) if first else None
@@ -71,7 +74,7 @@ def run_epochs(job: TrainingState, loop: Loop, resume) -> int:
             code = stop_diverged(job, diverged)  # before the epoch's checkpoint
         if code is not None:
             return code
-        end_epoch(job, epoch, meter, loop.holdout, timer)
+        end_epoch(job, epoch, meter, loop.holdout, timer, force_eval=epoch == last - 1)
         loop.stop.checkpointed()  # end_epoch wrote one
         spike = loss_spike(job.history, job.cfg.divergence_loss_factor)  # for progress.json
         loop.monitor.epoch(epoch, job.history[-1], spike)
@@ -264,7 +267,7 @@ def forward_backward(job: TrainingState, images: torch.Tensor, targets, count: i
     return loss, logits, hard
 
 
-def evaluate_epoch(job: TrainingState, epoch: int, holdout: Holdout) -> dict:
+def evaluate_epoch(job: TrainingState, epoch: int, holdout: Holdout, force=False) -> dict:
     """The holdout columns of the epoch's row: raw weights and, when the recipe keeps them,
     the EMA weights; None (NaN in history.csv) on an epoch ``eval_interval`` skips. Evaluation
     draws from no shared random generator (accuracy.shard_loader), so skipping it changes
@@ -282,7 +285,7 @@ def evaluate_epoch(job: TrainingState, epoch: int, holdout: Holdout) -> dict:
                 channels_last=cfg.channels_last,
                 mean_std=recipe.mean_std(cfg),
             )
-            if cfg.evaluates(epoch)
+            if force or cfg.evaluates(epoch)
             else {}
         )
         keys = ("top1", "top5", "loss") if prefix == "holdout" else ("top1", "top5")
@@ -291,9 +294,15 @@ def evaluate_epoch(job: TrainingState, epoch: int, holdout: Holdout) -> dict:
 
 
 def end_epoch(
-    job: TrainingState, epoch: int, meter: EpochMeter, holdout: Holdout, timer: StepTimer
+    job: TrainingState,
+    epoch: int,
+    meter: EpochMeter,
+    holdout: Holdout,
+    timer: StepTimer,
+    force_eval: bool = False,
 ) -> None:
-    """Combine the ranks' counters, evaluate the holdout (every ``eval_interval`` epochs),
+    """Combine the ranks' counters, evaluate the holdout (every ``eval_interval`` epochs, and
+    ``force_eval``: a job's last, which a rung's decision reads),
     record and checkpoint the epoch. Its times are history.csv's ``eval_seconds`` and
     ``checkpoint_seconds`` (metrics.EPOCH_END_NOTE)."""
     record = {"epoch": epoch, **meter.reduce(), "lr_end": job.scheduler.get_last_lr()[0]}
@@ -304,7 +313,7 @@ def end_epoch(
     if job.ema is not None:
         D.broadcast_buffers(job.ema)
     began = time.perf_counter()
-    record.update(evaluate_epoch(job, epoch, holdout))
+    record.update(evaluate_epoch(job, epoch, holdout, force_eval))
     record["eval_seconds"] = time.perf_counter() - began  # ends with a collective: all ranks
     record["crop_size"] = job.cfg.crop_for_epoch(epoch)
     record["shape"] = meter.shape  # nodes x ranks per node, or mixed (EpochMeter.shape_of)

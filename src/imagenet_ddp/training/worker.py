@@ -78,11 +78,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train(cfg: TrainConfig, paths, train_data: Path, stop_after_steps=None, attempt_key=None):
+def train(cfg: TrainConfig, paths, train_data: Path, stop_after_steps=None, attempt_key=None,
+          stop_epoch=None):  # fmt: skip
     """Run training in this process (one rank); the process exit code. ``paths``: the job
     spec's (imagenet_ddp.jobs.spec.TrainPaths). ``attempt_key``: the run's key in the attempt
     record (imagenet_ddp.jobs.attempts), whose allocations the cost block sums; None: this
-    job's cost alone."""
+    job's cost alone. ``stop_epoch``: a rung's (jobs.spec.TrainJob), None: the run's end."""
     if cfg.deterministic:  # cuBLAS reads it when its first handle is created
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     stop = StopFlag(SIGNAL_CHECK_STEPS, checkpoint_seconds=cfg.checkpoint_interval_minutes * 60)
@@ -94,7 +95,8 @@ def train(cfg: TrainConfig, paths, train_data: Path, stop_after_steps=None, atte
     D.init_process_group(info, device, cfg.backend, cfg.timeout_minutes)
     stop.install()
     try:
-        return _train(cfg, info, device, stop, paths, train_data, stop_after_steps, attempt_key)
+        stops = (stop_after_steps, stop_epoch)
+        return _train(cfg, info, device, stop, paths, train_data, stops, attempt_key)
     finally:
         stop.settle()
         D.destroy_process_group()
@@ -114,7 +116,7 @@ def _set_determinism(cfg: TrainConfig, device: torch.device) -> None:
     seed_everything(cfg.seed)
 
 
-def _train(cfg, info, device, stop, paths, train_data, stop_after_steps, attempt_key) -> int:
+def _train(cfg, info, device, stop, paths, train_data, stops, attempt_key) -> int:
     split_dir, out_dir, checkpoint_root = paths.split_dir, paths.run_dir, paths.checkpoint_root
     _set_determinism(cfg, device)
     geometry = D.resolve_geometry(cfg, info, device)
@@ -141,7 +143,7 @@ def _train(cfg, info, device, stop, paths, train_data, stop_after_steps, attempt
     monitor = RunMonitor.for_job(job, out_dir, sampler.steps, resumed=resume.path is not None)
     profile = ProfileWindow(cfg.profile, info, out_dir / "tensorboard")  # opt-in traces
     try:
-        loop = Loop(loader, sampler, holdout, stop, monitor, profile, stop_after_steps)
+        loop = Loop(loader, sampler, holdout, stop, monitor, profile, *stops)
         code = run_epochs(job, loop, resume)
     finally:
         monitor.close()  # idempotent; finish() below already closed it on success
@@ -348,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         train_data = args.train_data or staged_copy(paths.run_dir, info.host)
         # the launcher keeps the record; a rank started by hand (tests) has none
         key = run_keys(job.run) if has_record(paths.checkpoint_root) else None
-        return train(TrainConfig.from_dict(job.run), paths, train_data, args.stop_after_steps, key)
+        cfg = TrainConfig.from_dict(job.run)
+        return train(cfg, paths, train_data, args.stop_after_steps, key, job.stop_epoch)
     except Exception as error:  # the attempt record names it; a retry repeats it (attempts)
         record_error(paths.checkpoint_root, info.rank, info.host, error)
         raise

@@ -1,0 +1,73 @@
+"""Successive halving's rung schedule and decisions (imagenet_ddp.settings.halving)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from imagenet_ddp.settings.halving import Halving, decide, halvings, rungs
+
+
+def test_rungs_are_min_epochs_times_powers_of_eta_below_epochs():
+    assert rungs(1, 2, 4) == (1, 2)
+    assert rungs(5, 3, 90) == (5, 15, 45)
+    assert rungs(4, 2, 4) == ()
+
+
+def test_plan_keeps_floor_n_over_eta_and_counts_epochs():
+    halving = Halving(0, tuple(f"r{i}" for i in range(9)), 3, (1, 3), 9)
+    assert halving.plan() == [(1, 9), (3, 3), (9, 1)]
+    assert halving.planned_epochs() == 9 * 1 + 3 * 2 + 1 * 6  # against 81 unpruned
+    assert Halving(0, ("a", "b"), 3, (1,), 4).plan() == [(1, 2), (4, 1)]  # at least one
+
+
+def _metrics(tmp_path, figures):
+    paths = {}
+    for name, top1 in figures.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"epochs": [{"holdout_top1": 0.0}, {"holdout_top1": top1}]}))
+        paths[name] = path
+    return paths
+
+
+def test_decision_ranks_high_first_ties_by_name_whatever_the_order(tmp_path):
+    figures = {"d": 0.5, "b": 0.7, "a": 0.5, "c": float("nan")}
+    halving = Halving(0, tuple(figures), 2, (1, 2), 4)
+    paths = _metrics(tmp_path, figures)
+    first = decide(halving, 1, paths)
+    assert [r["run"] for r in first["ranking"]] == ["b", "a", "d", "c"]  # no figure last
+    assert first["survivors"] == ["a", "b"] and first["pruned"] == ["c", "d"]
+    items = list(paths.items())
+    for seed in range(5):
+        random.Random(seed).shuffle(items)
+        assert decide(halving, 1, dict(items)) == first
+
+
+def test_a_pruned_sweep_needs_one_epochs_and_a_rung_below_it():
+    prune = {"eta": 2, "min_epochs": 1, "metric": "holdout_top1"}
+    config = {"sweep": [{"name": "r{epochs}", "grid": {"epochs": [2, 4]}, "prune": prune}]}
+    written = {"sweep": config["sweep"], "train_defaults": {}}
+    runs = {"r2": {"epochs": 2}, "r4": {"epochs": 4}}
+    found, problems = halvings(config, written, runs)
+    assert found == {} and problems[0].startswith("config.yaml: sweep[0].prune: ")
+    config["sweep"][0]["grid"] = {"lr": [0.1, 0.2]}
+    config["sweep"][0]["name"] = "r{lr}"
+    config["sweep"][0]["prune"]["min_epochs"] = 4
+    found, problems = halvings(config, written, {"r0.1": {"epochs": 4}, "r0.2": {"epochs": 4}})
+    assert "min_epochs 4 is not below the runs' epochs 4" in problems[0]
+    config["sweep"][0]["prune"]["min_epochs"] = 1
+    found, problems = halvings(config, written, {"r0.1": {"epochs": 4}, "r0.2": {"epochs": 4}})
+    assert problems == [] and found[0].stages == (1, 2, 4) and found[0].runs == ("r0.1", "r0.2")
+
+
+@pytest.mark.parametrize("epoch", [1, 3])
+def test_start_afresh_resumes_an_earlier_rungs_delivery(tmp_path, epoch):
+    from imagenet_ddp.jobs.launch import DELIVERED, start_afresh_if_delivered
+
+    root = tmp_path / "ckpt" / "run"
+    root.mkdir(parents=True)
+    (root / DELIVERED).write_text(json.dumps({"delivered_at": 1.0, "epoch": 2}))
+    moved = start_afresh_if_delivered(root, {"IMAGENET_DDP_INVOCATION_STARTED": "5"}, epoch)
+    assert (moved is None) == (epoch > 2)
