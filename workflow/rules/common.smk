@@ -422,10 +422,13 @@ def job_spec(kind, mpi_rule):
         settings = (
             evaluation_settings(name) if kind == "evaluate" else training_settings(name)
         )
+        rung = getattr(wildcards, "epoch", None)  # train_rung's stage (settings.halving)
+        stage = {"stop_epoch": int(rung), "run_dir": f"results/runs/{name}/rungs/{rung}"} if rung else {}
         try:
             return spec_json(kind, name, settings, config, attempt=attempt,
                              launch_prefix=LAUNCH_PREFIX[mpi_rule],
-                             train_runtime=_train_runtime())  # fmt: skip
+                             train_runtime=_train_runtime(),
+                             **stage)  # fmt: skip
         except SpecError as error:
             raise WorkflowError(f"{kind} job of run {name!r}: job spec: {error}")
 
@@ -540,3 +543,68 @@ def _key_changes():
 if MAIN_PARSE:
     for _line in _key_changes():
         print(_line, file=sys.stderr)
+
+
+# Successive halving (sweep[i].prune; imagenet_ddp.settings.halving): a pruned sweep's runs
+# train in stages (train_rung, results/runs/<run>/rungs/<epoch>/), each rung's `prune`
+# checkpoint keeps the best, and rung_final copies a run's last stage into its run folder,
+# which evaluate and aggregate read as any run's. Every run's stages resume one checkpoint.
+from imagenet_ddp.settings.halving import RUNG_OUTPUTS, by_run, halvings, plan_lines
+from imagenet_ddp.settings.halving import previous_stage, survivors
+
+HALVINGS, _problems = halvings(config, _WRITTEN, RUNS)
+if _problems:
+    refuse(_problems)
+HALVING_OF = by_run(HALVINGS)
+_names = lambda names: "|".join(re.escape(n) for n in names) or "(?!)"
+PRUNED_RUNS = _names(HALVING_OF)
+UNPRUNED_RUNS = _names([n for n in RUNS if n not in HALVING_OF])
+if MAIN_PARSE:
+    for _line in plan_lines(HALVINGS):
+        print(_line, file=sys.stderr)
+
+
+def _decision(halving, epoch):
+    """The survivors of the decision at rung `epoch` (IncompleteCheckpointException until it
+    is made: Snakemake plans it, and asks again once it is)."""
+    path = checkpoints.prune.get(sweep=halving.index, epoch=epoch).output[0]
+    return survivors(path)
+
+
+def rung_previous(wildcards):
+    """train_rung's: the run's stage before this one, ancient (it orders the stages on one
+    checkpoint; a rerun of it with the same settings makes the same bytes, no reason here)."""
+    halving, epoch = HALVING_OF[wildcards.run], int(wildcards.epoch)
+    if epoch not in halving.stages:
+        raise WorkflowError(f"run {wildcards.run!r}: {epoch} is none of its rungs {halving.stages}")
+    before = previous_stage(halving, epoch)
+    if before is None:
+        return []
+    return ancient(f"results/runs/{wildcards.run}/rungs/{before}/train_metrics.json")
+
+
+def prune_runs(wildcards):
+    """The runs that reached rung `epoch` of sweep `sweep`: all at the first, else the
+    survivors of the rung before."""
+    halving, epoch = HALVINGS[int(wildcards.sweep)], int(wildcards.epoch)
+    before = previous_stage(halving, epoch)
+    return list(halving.runs) if before is None else _decision(halving, before)
+
+
+def prune_metrics(wildcards):
+    return [f"results/runs/{n}/rungs/{wildcards.epoch}/train_metrics.json"
+            for n in prune_runs(wildcards)]  # fmt: skip
+
+
+def last_stage(name):
+    """The epoch the run's training ends at: the rung where it was pruned, else the end."""
+    halving = HALVING_OF[name]
+    for epoch in halving.rungs:
+        if name not in _decision(halving, epoch):
+            return epoch
+    return halving.epochs
+
+
+def rung_final_input(wildcards):
+    stage = last_stage(wildcards.run)
+    return [f"results/runs/{wildcards.run}/rungs/{stage}/{o}" for o in RUNG_OUTPUTS]

@@ -77,6 +77,9 @@ rule train:
         provenance="results/runs/{run}/model.pt.provenance.json",
     log:
         "logs/train/{run}.log",
+    # A pruned sweep's runs train by stages instead (train_rung, rung_final).
+    wildcard_constraints:
+        run=UNPRUNED_RUNS,
     # Resubmitted while it makes progress, up to the run's max_allocations (common.smk).
     retries: TRAIN_RETRIES
     conda:
@@ -121,6 +124,87 @@ rule train:
     shell:
         "exec imagenet-ddp train --job {resources.job:q} --key {input.key:q}"
         " --attempt-log {log:q}"
+
+
+# A stage of a pruned sweep's run (settings.halving): train's job with a stop_epoch, into the
+# stage's folder, resumed from the stage before on the run's one checkpoint root. Its key is
+# train's: a changed setting retrains this run's stages alone.
+use rule train as train_rung with:
+    input:
+        key=key_file("train"),
+        preflight=preflight_input,
+        previous=rung_previous,
+    output:
+        model="results/runs/{run}/rungs/{epoch}/model.pt",
+        metrics="results/runs/{run}/rungs/{epoch}/train_metrics.json",
+        history="results/runs/{run}/rungs/{epoch}/history.csv",
+        job="results/runs/{run}/rungs/{epoch}/job.json",
+        provenance="results/runs/{run}/rungs/{epoch}/model.pt.provenance.json",
+    log:
+        "logs/train/{run}/rung-{epoch}.log",
+    wildcard_constraints:
+        run=PRUNED_RUNS,
+        epoch="[0-9]+",
+
+
+# A pruned sweep's decision at one rung: the ranking of the runs that reached it, the survivors
+# (ties by name; the same whatever order they finished in). A checkpoint: which runs train on
+# is known once it is made.
+checkpoint prune:
+    """Rank a pruned sweep's runs at one rung; keep the best 1/eta."""
+    input:
+        prune_metrics,
+    output:
+        "results/sweeps/{sweep}/rung-{epoch}.json",
+    log:
+        "logs/prune/{sweep}/rung-{epoch}.log",
+    wildcard_constraints:
+        sweep="[0-9]+",
+        epoch="[0-9]+",
+    localrule: True
+    conda:
+        "../envs/imagenet-ddp.yaml"
+    container:
+        CONTAINER
+    params:
+        runs=prune_runs,
+        eta=lambda wildcards: HALVINGS[int(wildcards.sweep)].eta,
+        metric=lambda wildcards: HALVINGS[int(wildcards.sweep)].metric,
+    shell:
+        "imagenet-ddp prune --sweep {wildcards.sweep} --epoch {wildcards.epoch}"
+        " --eta {params.eta} --metric {params.metric} --runs {params.runs:q}"
+        " --metrics {input:q} --out {output:q} > {log:q} 2>&1"
+
+
+# A pruned sweep's run: its last stage's outputs (the rung it was pruned at, else the end)
+# copied into its run folder, train_metrics.json marked (halving); no GPU job.
+rule rung_final:
+    """A pruned sweep's run: its last stage's outputs in its run folder."""
+    input:
+        rung_final_input,
+    output:
+        model="results/runs/{run}/model.pt",
+        metrics="results/runs/{run}/train_metrics.json",
+        history="results/runs/{run}/history.csv",
+        job="results/runs/{run}/job.json",
+        provenance="results/runs/{run}/model.pt.provenance.json",
+    log:
+        "logs/rung_final/{run}.log",
+    wildcard_constraints:
+        run=PRUNED_RUNS,
+    localrule: True
+    conda:
+        "../envs/imagenet-ddp.yaml"
+    container:
+        CONTAINER
+    params:
+        rung_dir=lambda wildcards, input: os.path.dirname(input[0]),
+        epoch=lambda wildcards, input: os.path.basename(os.path.dirname(input[0])),
+        epochs=lambda wildcards: HALVING_OF[wildcards.run].epochs,
+    shell:
+        "imagenet-ddp rung-final --rung-dir {params.rung_dir:q} --run-dir"
+        " results/runs/{wildcards.run} --epoch {params.epoch} --epochs {params.epochs}"
+        " > {log:q} 2>&1"
 
 
 # Evaluation runs like training: DDP ranks on the GPUs of `evaluate` geometry (config.yaml
