@@ -422,8 +422,14 @@ def job_spec(kind, mpi_rule):
         settings = (
             evaluation_settings(name) if kind == "evaluate" else training_settings(name)
         )
-        rung = getattr(wildcards, "epoch", None)  # train_rung's stage (settings.halving)
-        stage = {"stop_epoch": int(rung), "run_dir": f"results/runs/{name}/rungs/{rung}"} if rung else {}
+        rung = getattr(
+            wildcards, "epoch", None
+        )  # train_rung's stage (settings.halving)
+        stage = (
+            {"stop_epoch": int(rung), "run_dir": f"results/runs/{name}/rungs/{rung}"}
+            if rung
+            else {}
+        )
         try:
             return spec_json(kind, name, settings, config, attempt=attempt,
                              launch_prefix=LAUNCH_PREFIX[mpi_rule],
@@ -573,10 +579,13 @@ def _decision(halving, epoch):
 
 def rung_previous(wildcards):
     """train_rung's: the run's stage before this one, ancient (it orders the stages on one
-    checkpoint; a rerun of it with the same settings makes the same bytes, no reason here)."""
+    checkpoint; a rerun of it with the same settings makes the same bytes, no reason here).
+    """
     halving, epoch = HALVING_OF[wildcards.run], int(wildcards.epoch)
     if epoch not in halving.stages:
-        raise WorkflowError(f"run {wildcards.run!r}: {epoch} is none of its rungs {halving.stages}")
+        raise WorkflowError(
+            f"run {wildcards.run!r}: {epoch} is none of its rungs {halving.stages}"
+        )
     before = previous_stage(halving, epoch)
     if before is None:
         return []

@@ -58,7 +58,8 @@ TARGET_COLUMNS = [
 COLUMNS = [
     "run", "best", "accuracy_flag", "accuracy_note", "model", "lr", "lr_used", "nodes",
     "world_size", "gpus", "gpu_type", "global_batch", "shape",
-    "allocation_shapes", "throughput_by_shape", "precision", "epochs", "diverged", "loss_spike",
+    "allocation_shapes", "throughput_by_shape", "precision", "epochs", "diverged",
+    "pruned_at_epoch", "loss_spike",
     "staging_seconds", "staging_gb_per_s", "mean_epoch_seconds", "epoch_end_share", "images_per_s",
     "images_per_s_per_rank", "throughput_warmup_steps", "steady_images_per_s",
     "steady_images_per_s_per_rank", "steady_note",
@@ -175,6 +176,8 @@ def run_row(
         "epochs": cfg["epochs"],
         # Stopped by the divergence guard (training.guard): where and why; "" otherwise.
         "diverged": diverged_cell(train.get("diverged")),
+        # A pruned sweep's run stopped by its decision (settings.halving): the epoch; "" else.
+        "pruned_at_epoch": _pruned_at(train.get("halving")),
         # An epoch far above chance, in warm-up or after (recovered or not): loss_spike.
         "loss_spike": loss_spike(train.get("epochs") or [], cfg.get("divergence_loss_factor", 2)),
         "staging_seconds": stage_seconds,
@@ -559,6 +562,9 @@ SHORT_COLUMNS: list[tuple[str, str, Any]] = [
             + (" *" if _flag(row, "code_changed") else "")
             + (" †" if _flag(row, "trained_by_other_code") else "")
             + (" (diverged)" if row["diverged"] else "")
+            + (
+                f" (pruned at epoch {row['pruned_at_epoch']})" if row.get("pruned_at_epoch") else ""
+            )  # fmt: skip
             + (" (loss spike)" if row.get("loss_spike") else "")
             + (f" ({row['accuracy_flag']})" if row.get("accuracy_flag") else "")
             + (" (best)" if _flag(row, "best") else "")
@@ -735,3 +741,8 @@ def write_aggregate(
         "aggregate",
         {"run_dirs": [str(d) for d in run_dirs], "report": settings},
     )
+
+
+def _pruned_at(halving: dict | None) -> int | str:
+    """A pruned run's epoch (train_metrics.json's ``halving``, settings.halving), else ""."""
+    return halving["stopped_at_epoch"] if halving and halving.get("pruned") else ""
