@@ -197,3 +197,59 @@ def test_dry_run_lists_every_expanded_run_with_its_resources(tmp_path):
     result = snakemake(workdir, "-n", "--profile", "profiles/local", check=False)
     assert result.returncode != 0
     assert "run name 'resnet18-n1' is produced twice" in result.stdout + result.stderr
+
+
+@pytest.mark.e2e
+def test_pruned_sweep_trains_by_rungs_and_its_survivor_equals_the_run_alone(tmp_path):
+    """4 runs, eta 2, min_epochs 1, epochs 3 (the tiny demo): 4 train to epoch 1, 2 to epoch
+    2, 1 to the end; the table marks the pruned; the survivor's model is bitwise the one the
+    same settings train alone; then nothing is planned."""
+    import json
+
+    import torch
+
+    from tests.workflow_helpers import (
+        copy_workflow,
+        planned_jobs,
+        read_config,
+        snakemake,
+        write_config,
+    )
+
+    workdir = copy_workflow(tmp_path / "w")
+    config = read_config(workdir)
+    del config["runs"]
+    config["sweep"] = [{"name": "r{lr}", "settings": {"tasks_per_node": 1},
+                        "grid": {"lr": [0.05, 0.1, 0.2, 0.4]},
+                        "prune": {"eta": 2, "min_epochs": 1}}]  # fmt: skip
+    write_config(workdir, config)
+    dry = snakemake(workdir, "-n", "--profile", "profiles/local")
+    assert "4 to epoch 1, 2 to epoch 2, 1 to epoch 3" in dry.stderr
+    snakemake(workdir, "--profile", "profiles/local")
+    w = workdir / "results"
+    first = json.loads((w / "sweeps/0/rung-1.json").read_text())
+    second = json.loads((w / "sweeps/0/rung-2.json").read_text())
+    assert len(first["survivors"]) == 2 and len(second["survivors"]) == 1
+    assert set(second["survivors"]) <= set(first["survivors"])
+    [survivor] = second["survivors"]
+    trained = {p.parent.parent.name: p.name for p in w.glob("runs/*/rungs/*")}
+    assert sorted(p.name for p in w.glob(f"runs/{survivor}/rungs/*")) == ["1", "2", "3"]
+    assert sum(1 for _ in w.glob("runs/*/rungs/2")) == 2 and len(trained) == 4
+    table = (w / "aggregate/runs.md").read_text()
+    for name in first["pruned"]:
+        assert f"{name} (pruned at epoch 1)" in table, table
+    for name in second["pruned"]:
+        assert f"{name} (pruned at epoch 2)" in table, table
+    assert f"{survivor} (pruned" not in table
+    # The survivor's settings trained alone, to the end: the same model, bitwise.
+    lr = float(survivor[1:])
+    config["runs"] = [{"name": "alone", "tasks_per_node": 1, "lr": lr}]
+    write_config(workdir, config)
+    snakemake(workdir, "--profile", "profiles/local", "results/runs/alone/model.pt")
+    swept = torch.load(w / f"runs/{survivor}/model.pt", weights_only=True)["model"]
+    alone = torch.load(w / "runs/alone/model.pt", weights_only=True)["model"]
+    assert swept.keys() == alone.keys()
+    assert all(torch.equal(swept[k], alone[k]) for k in swept)
+    del config["runs"]
+    write_config(workdir, config)
+    assert planned_jobs(workdir, "--profile", "profiles/local") == {}
