@@ -33,9 +33,8 @@ def refuse(lines) -> None:
 
 
 class RuleResources:
-    """The resources that set-resources gives this workflow's rules, by their names under a
-    `module`'s prefix (`use rule * from imagenet as imagenet_*`: imagenet_train), named while
-    the rules' file parses. Read through Snakemake's public ResourceSettings, never changed."""
+    """What set-resources gives this workflow's rules, by their names under a `module`'s prefix
+    (`use rule * from imagenet as imagenet_*`: imagenet_train), named while the rules parse."""
 
     def __init__(self, workflow, rules=("train", "evaluate")):
         self.names = {name: workflow.modifier.modify_rulename(name) for name in rules}
@@ -44,7 +43,7 @@ class RuleResources:
     def get(self, rule: str, key: str, defaults: bool = True) -> Any:
         """A resource that set-resources gives `rule`, else default-resources (where
         `defaults`); a number, a string, or None (unset, or an expression such as
-        `60 * attempt`, not evaluated here)."""
+        `60 * attempt`, not evaluated here). Read through Snakemake's public ResourceSettings."""
         settings = self._workflow.resource_settings
         for resources in (
             settings.overwrite_resources.get(self.names[rule]),
@@ -81,13 +80,11 @@ def refuse_unserved_triggers(workflow) -> None:
 
 
 class RerunKeys:
-    """The rerun keys' input functions and param. Each job's input is
-    results/keys/<kind>/<run>/<digest>.json, named by the digest of its key, which the local
-    `key` rule writes when it is missing and `all` asks for. It holds the run's rerun settings
-    (a setting a newer version adds at its x-earlier value stays off them: settings.kinds), the
-    content digest of the data the job reads (the data_content checkpoint,
-    docs/configuration.md "What the data is: by content") and, for train, its weights file's
-    sha256 as its check read it (another content retrains the run, a moved file does not)."""
+    """The rerun keys' input functions and param (jobs.rerun_keys: a key's path is its digest;
+    the local `key` rule writes it when missing, `all` asks for it). A key holds the run's
+    rerun settings (one a newer version adds at its x-earlier value stays off them:
+    settings.kinds), the content digest of the data the job reads (the data_content
+    checkpoint) and, for train, its weights file's sha256 as its check read it."""
 
     def __init__(self, workflow, checkpoints, config: Mapping, runs: Mapping, settings):
         self._workflow, self._checkpoints = workflow, checkpoints
