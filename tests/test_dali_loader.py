@@ -1,0 +1,95 @@
+"""loader: dali on DALI's CPU backend: the same samples, order, crop windows and flips as the
+pytorch path (training.data) for the same seeds, after a resume and on another rank count;
+pixels within resampling tolerance (DALI decodes the full-scale window, ours a DCT-reduced one)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+pytest.importorskip("nvidia.dali", reason="DALI (the dali extra) is not installed here")
+
+from imagenet_ddp.settings.kinds import TrainConfig, declarations  # noqa: E402
+from imagenet_ddp.training import recipe  # noqa: E402
+from imagenet_ddp.training.data import EpochSampler, SeededAugmentation, train_loader  # noqa: E402
+
+
+def _jpeg(height: int, width: int, shift: int) -> np.ndarray:
+    """Ramps (red along x, green along y): where a window lies shows in its pixels."""
+    y, x = np.mgrid[0:height, 0:width]
+    pixels = np.stack([x * 230 // width, y * 230 // height, np.full_like(x, shift)], axis=-1)
+    out = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(out, "JPEG", quality=95)
+    return np.frombuffer(out.getvalue(), np.uint8).copy()
+
+
+class Encoded(torch.utils.data.Dataset):
+    """The reader's training view (encoded JPEGs, data.reader.create_dataset(train=True))."""
+
+    def __init__(self, n: int = 12):
+        self.images = [_jpeg(96 + 8 * (i % 3), 128 - 8 * (i % 2), 20 * i) for i in range(n)]
+        self.targets = np.arange(n) % 3
+
+    def __len__(self):
+        return len(self.images)
+
+    def read_bytes(self, i):
+        return self.images[i]
+
+    def __getitem__(self, i):
+        return self.images[i], int(self.targets[i])
+
+
+def _cfg(**changes) -> TrainConfig:
+    run = {**declarations().rank_defaults(), "run": "t", "crop_size": 32, "epochs": 2,
+           "weight_decay_groups": "all", "normalization": "imagenet", **changes}  # fmt: skip
+    return TrainConfig.from_dict(run)
+
+
+def _batches(loader_name, world=1, rank=0, skip=0, batch=2, **changes):
+    cfg = _cfg(loader=loader_name, **changes)
+    dataset = SeededAugmentation(Encoded(), recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
+    sampler = EpochSampler(len(dataset), world, rank, cfg.seed, batch)
+    sampler.set_epoch(1, skip)
+    loader = train_loader(dataset, sampler, batch, 0, False, cfg=cfg, device=torch.device("cpu"))
+    return list(loader)
+
+
+def test_dali_batches_are_the_pytorch_paths_within_resampling_tolerance():
+    ours, dali = _batches("pytorch"), _batches("dali")
+    assert len(ours) == len(dali) == 6
+    for (a, ta), (b, tb) in zip(ours, dali, strict=True):
+        assert b.dtype == torch.uint8 and b.shape == a.shape == (2, 3, 32, 32)
+        assert torch.equal(ta, tb)  # the same samples in the same order
+        # the same windows and flips: a wrong window or flip moves the ramps by tens of levels
+        assert (a.float() - b.float()).abs().mean() < 3.0
+
+
+def test_flip_agreement_at_probability_one_and_zero():
+    for hflip in (0.0, 1.0):
+        (a, _), *_ = _batches("pytorch", hflip=hflip)
+        (b, _), *_ = _batches("dali", hflip=hflip)
+        assert (a.float() - b.float()).abs().mean() < 3.0, hflip
+
+
+def test_a_resume_and_another_rank_count_see_the_same_samples():
+    whole = _batches("dali")
+    resumed = _batches("dali", skip=2)  # from optimizer step 2 on
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(whole[2:], resumed, strict=True))
+    two = [_batches("dali", world=2, rank=r, batch=1) for r in (0, 1)]
+    for step, (images, targets) in enumerate(whole):  # ranks 0 and 1 share each global batch
+        assert torch.equal(torch.cat([two[0][step][0], two[1][step][0]]), images)
+        assert torch.equal(torch.cat([two[0][step][1], two[1][step][1]]), targets)
+
+
+def test_dali_refuses_the_augmentations_it_cannot_seed_per_sample():
+    from imagenet_ddp.settings.run_checks import _recipe_problems
+
+    run = {**declarations().rank_defaults(), "crop_size": 224, "model": "resnet18"}
+    assert not [p for p in _recipe_problems({**run, "loader": "dali"}) if "loader" in p]
+    found = _recipe_problems({**run, "loader": "dali", "auto_augment": "trivialaugment"})
+    assert any(p.startswith("runs[].loader 'dali' with auto_augment:") for p in found), found
