@@ -93,3 +93,15 @@ def test_dali_refuses_the_augmentations_it_cannot_seed_per_sample():
     assert not [p for p in _recipe_problems({**run, "loader": "dali"}) if "loader" in p]
     found = _recipe_problems({**run, "loader": "dali", "auto_augment": "trivialaugment"})
     assert any(p.startswith("runs[].loader 'dali' with auto_augment:") for p in found), found
+
+
+def test_a_dali_run_where_the_jobs_lack_dali_is_refused_in_one_line():
+    from imagenet_ddp.settings.run_checks import optional_component_problems
+
+    runs = {"a": {"loader": "dali"}, "b": {"loader": "pytorch"}}
+    assert optional_component_problems(runs, deployment="", has_module=lambda m: False) == [
+        "config.yaml: run 'a': runs[].loader 'dali' needs nvidia.dali, not installed in the "
+        "environment the jobs run in (this Snakemake's): install it (pip install "
+        "'imagenet-ddp[dali]'), use --sdm apptainer or conda, or set loader: pytorch"
+    ]
+    assert optional_component_problems(runs, deployment="") == []  # installed here
