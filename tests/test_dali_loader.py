@@ -105,3 +105,27 @@ def test_a_dali_run_where_the_jobs_lack_dali_is_refused_in_one_line():
         "'imagenet-ddp[dali]'), use --sdm apptainer or conda, or set loader: pytorch"
     ]
     assert optional_component_problems(runs, deployment="") == []  # installed here
+
+
+def test_the_worker_trains_through_dali_and_resumes_bitwise(prepared_demo, demo_split, tmp_path):
+    """The product's worker (one gloo rank) with ``loader: dali``: stopped after 2 steps and
+    resumed, its weights are the unbroken run's bitwise (DALI's CPU pixels are deterministic),
+    and not the pytorch path's (other pixels: DALI read them)."""
+    from tests.test_resume import CONFIG, torchrun, weights
+
+    config = {**CONFIG, "loader": "dali", "auto_augment": "none", "random_erasing": 0.0,
+              "epochs": 1, "run": "dali"}  # fmt: skip
+    train, runs = prepared_demo["train"], {}
+    for name, stops in (("whole", ()), ("resumed", ("--stop-after-steps", "2")), ("torch", ())):
+        out, ckpt = tmp_path / name / "out", tmp_path / name / "ckpt"
+        if name == "torch":
+            config = {**config, "loader": "pytorch"}
+        first = torchrun(train, demo_split, out, ckpt, *stops, config=config, nproc=1)
+        if stops:
+            assert first.returncode != 0 and "interrupted at epoch 0 step 2" in first.stdout
+            first = torchrun(train, demo_split, out, ckpt, config=config, nproc=1)
+        assert first.returncode == 0, first.stdout + first.stderr
+        runs[name] = weights(out)
+    assert runs["whole"].keys() == runs["resumed"].keys()
+    assert all(torch.equal(runs["whole"][k], runs["resumed"][k]) for k in runs["whole"])
+    assert not all(torch.equal(runs["whole"][k], runs["torch"][k]) for k in runs["whole"])
