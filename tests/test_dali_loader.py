@@ -129,3 +129,15 @@ def test_the_worker_trains_through_dali_and_resumes_bitwise(prepared_demo, demo_
     assert runs["whole"].keys() == runs["resumed"].keys()
     assert all(torch.equal(runs["whole"][k], runs["resumed"][k]) for k in runs["whole"])
     assert not all(torch.equal(runs["whole"][k], runs["torch"][k]) for k in runs["whole"])
+
+
+def test_the_check_job_refuses_dali_where_it_does_not_import(monkeypatch):
+    import sys
+
+    from imagenet_ddp.training.dali_loader import dali_problem
+
+    assert dali_problem(_cfg(loader="dali")) is None and dali_problem(_cfg()) is None
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # as if not installed
+    problem = dali_problem(_cfg(loader="dali"))
+    assert problem.startswith("runs[].loader 'dali': nvidia.dali does not import")
+    assert problem.endswith("install imagenet-ddp[dali] there, or set loader: pytorch")
