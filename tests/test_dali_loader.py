@@ -76,6 +76,19 @@ def test_flip_agreement_at_probability_one_and_zero():
         assert (a.float() - b.float()).abs().mean() < 3.0, hflip
 
 
+def test_random_erasing_erases_the_same_boxes():
+    """Erased pixels are the mean colour in both paths: exactly the same boxes, bitwise."""
+    fill = torch.tensor([124, 116, 104], dtype=torch.uint8)[:, None, None]
+    ours, dali = _batches("pytorch", random_erasing=0.7), _batches("dali", random_erasing=0.7)
+    erased = 0
+    for (a, _), (b, _) in zip(ours, dali, strict=True):
+        mask_a, mask_b = (a == fill).all(dim=1), (b == fill).all(dim=1)
+        assert torch.equal(mask_a, mask_b)
+        erased += int(mask_a.any(dim=(1, 2)).sum())
+        assert (a.float() - b.float()).abs().mean() < 3.0
+    assert 0 < erased < 12  # some samples erased, not all
+
+
 def test_a_resume_and_another_rank_count_see_the_same_samples():
     whole = _batches("dali")
     resumed = _batches("dali", skip=2)  # from optimizer step 2 on
@@ -113,8 +126,7 @@ def test_the_worker_trains_through_dali_and_resumes_bitwise(prepared_demo, demo_
     and not the pytorch path's (other pixels: DALI read them)."""
     from tests.test_resume import CONFIG, torchrun, weights
 
-    config = {**CONFIG, "loader": "dali", "auto_augment": "none", "random_erasing": 0.0,
-              "epochs": 1, "run": "dali"}  # fmt: skip
+    config = {**CONFIG, "loader": "dali", "auto_augment": "none", "epochs": 1, "run": "dali"}
     train, runs = prepared_demo["train"], {}
     for name, stops in (("whole", ()), ("resumed", ("--stop-after-steps", "2")), ("torch", ())):
         out, ckpt = tmp_path / name / "out", tmp_path / name / "ckpt"
