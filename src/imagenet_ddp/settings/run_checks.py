@@ -184,6 +184,7 @@ def _recipe_problems(run: Mapping) -> list[str]:
             "set sync_bn: false or train on GPUs (gpus_per_node > 0)"
         )
     problems += _timm_recipe_problems(run)
+    problems += [p for p in [_dali_problem(run)] if p]
     # timm's, and any model with model_kwargs: the check rule's (deep_problems)
     torchvision = _name_listed(family(run["model"])[0]) and not run.get("model_kwargs")
     residual = run["model"].startswith(RESIDUAL_BN)
@@ -193,6 +194,19 @@ def _recipe_problems(run: Mapping) -> list[str]:
             "family (resnet*, resnext*, wide_resnet*) has it; set zero_init_residual: false"
         )
     return problems
+
+
+def _dali_problem(run: Mapping) -> str | None:
+    """``loader: dali`` with a draw DALI cannot seed per sample (training.dali_loader)."""
+    if run.get("loader") != "dali":
+        return None
+    if run.get("auto_augment", "none") == "none":
+        return None
+    return (
+        "runs[].loader 'dali' with auto_augment: DALI's augmentation draws cannot be seeded per "
+        "sample, so a resume or another rank count would change them; set loader: pytorch, or "
+        "auto_augment: none (docs/configuration.md)"
+    )
 
 
 def _timm_recipe_problems(run: Mapping) -> list[str]:
@@ -562,7 +576,13 @@ def container_problem(
 
 # A setting's optional component: (its module, the extra installing it; the image and the conda
 # env install them all, tests/test_envs.py).
-OPTIONAL_COMPONENTS = {"wandb_project": ("wandb", "wandb"), "mlflow_uri": ("mlflow", "mlflow")}
+OPTIONAL_COMPONENTS = {
+    "wandb_project": ("wandb", "wandb"),
+    "mlflow_uri": ("mlflow", "mlflow"),
+    "loader": ("nvidia.dali", "dali"),
+}
+# A setting that asks for its component at one value only (any other: none asked).
+COMPONENT_VALUE = {"loader": "dali"}
 
 
 def optional_component_problems(
@@ -577,13 +597,16 @@ def optional_component_problems(
     problems = []
     for name, run in runs.items():
         for key, (module, extra) in OPTIONAL_COMPONENTS.items():
-            if run.get(key) and not has_module(module):
-                problems.append(
-                    f"config.yaml: run {name!r}: {key} is set but {module} is not installed in "
-                    f"the environment the jobs run in (this Snakemake's): install it (pip "
-                    f"install 'imagenet-ddp[{extra}]'), use --sdm apptainer or conda, or "
-                    f"unset {key}"
-                )
+            value = COMPONENT_VALUE.get(key)
+            if not (run.get(key) == value if value else run.get(key)) or has_module(module):
+                continue
+            asked = f"runs[].{key} {value!r} needs {module}, not" if value else (
+                f"{key} is set but {module} is not")  # fmt: skip
+            problems.append(
+                f"config.yaml: run {name!r}: {asked} installed in the environment the jobs run "
+                f"in (this Snakemake's): install it (pip install 'imagenet-ddp[{extra}]'), use "
+                f"--sdm apptainer or conda, or {f'set {key}: pytorch' if value else f'unset {key}'}"
+            )
     return problems
 
 
