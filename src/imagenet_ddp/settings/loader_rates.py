@@ -31,7 +31,10 @@ GPU_STEP_RATES = {
     ("resnet50", "a100"): (2470.0, 2470.0),
 }
 
-WAYS_OUT = "loader: dali (GPU decoding), more cpus_per_task, or a smaller prepare.short_side"
+WAYS_OUT = (
+    "loader: dali (GPU decoding, runs without auto_augment), more cpus_per_task, or a "
+    "smaller prepare.short_side"
+)
 
 
 def gpu_time_lost(loader: float, gpu: float) -> float:
