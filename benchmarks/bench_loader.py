@@ -117,6 +117,7 @@ class DaliCPU:
         self.cfg = SimpleNamespace(
             loader="dali", crop_scale=(0.08, 1.0), crop_ratio=(3 / 4, 4 / 3),
             hflip=0.5, interpolation="bilinear", seed=0, crop_for_epoch=lambda epoch: crop,
+            model="resnet50", normalization="imagenet",
         )  # fmt: skip
 
     def _loader(self, order: list[int]):
