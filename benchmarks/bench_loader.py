@@ -17,6 +17,10 @@ median over repetitions is reported; the candidates' order rotates every repetit
   image, then ``transforms.v2`` RandomResizedCrop / flip on the uint8 tensor.
 * **TorchCodec** (info, when ``torchcodec`` is installed): ``torchcodec.decoders.decode_jpeg``
   in place of torchvision's in the path before.
+* **DALI CPU** (when DALI, the ``dali`` extra, is installed): ``loader: dali`` on DALI's CPU
+  backend, one thread (``training.dali_loader.DaliLoader``, batches of 8): the same seeded crop
+  windows and flips drawn in Python, the window alone decoded by ``fn.decoders.image_slice``,
+  resized, flipped, uint8 CHW; each pass builds its pipeline (counted).
 * **baseline**: ``torchvision.datasets.ImageFolder`` with its default PIL loader on the
   extracted original JPEGs + ``transforms.RandomResizedCrop`` / ``RandomHorizontalFlip`` /
   ``ToTensor`` / ``Normalize`` (the PyTorch ImageNet example's training pipeline).
@@ -84,9 +88,53 @@ def one_pass(dataset, order: list[int]) -> float:
     import time
 
     started = time.process_time()
+    if hasattr(dataset, "batched_pass"):  # DALI: its own threads, counted by process_time
+        dataset.batched_pass(order)
+        return time.process_time() - started
     for i in order:
         dataset[i]
     return time.process_time() - started
+
+
+def _has_dali() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("nvidia.dali") is not None
+
+
+class DaliCPU:
+    """``loader: dali`` on DALI's CPU backend over the prepared copy, as training reads it."""
+
+    BATCH = 8
+
+    def __init__(self, root: Path, crop: int):
+        from types import SimpleNamespace
+
+        from imagenet_ddp.data.dataset import PreparedImageDataset
+        from imagenet_ddp.training.data import SeededAugmentation
+
+        self.seeded = SeededAugmentation(PreparedImageDataset(root, decode=False), None, 0)
+        self.cfg = SimpleNamespace(
+            loader="dali", crop_scale=(0.08, 1.0), crop_ratio=(3 / 4, 4 / 3),
+            hflip=0.5, interpolation="bilinear", seed=0, crop_for_epoch=lambda epoch: crop,
+            model="resnet50", normalization="imagenet",
+        )  # fmt: skip
+
+    def _loader(self, order: list[int]):
+        import torch
+
+        from imagenet_ddp.training.dali_loader import DaliLoader
+
+        keys = [(0, i) for i in order][: len(order) // self.BATCH * self.BATCH]
+        return DaliLoader(self.seeded, keys, self.cfg, self.BATCH, 1, torch.device("cpu"))
+
+    def batched_pass(self, order: list[int]) -> None:
+        for _ in self._loader(order):
+            pass
+
+    def __getitem__(self, i: int):
+        images, labels = next(iter(self._loader([i] * self.BATCH)))
+        return images[0], labels[0]
 
 
 def keyed(seeded):
@@ -174,6 +222,19 @@ def loader_rows(crop: int, rate: dict) -> list[dict]:
                 "met": None,
             }
         )
+    if "dali_cpu" in rate:
+        for name, other in (("ours", "ours"), ("ImageFolder+PIL", "baseline")):
+            rows.append(
+                {
+                    "metric": f"  DALI CPU vs {name} {crop}",
+                    "ours": rate["dali_cpu"],
+                    "baseline": rate[other],
+                    "unit": "img/s",
+                    "ratio": rate["dali_cpu"] / rate[other],
+                    "target": "(info)",
+                    "met": None,
+                }
+            )
     rows.append(
         {
             "metric": f"  ours, CPU normalize {crop}",
@@ -229,6 +290,8 @@ def candidates_for(data: dict, crop: int, side: int, torchcodec_decode) -> dict:
         ),
         "cpu_norm": PreparedImageDataset(root, transform=train_transform(crop), decode=False),
     }
+    if _has_dali():
+        candidates["dali_cpu"] = DaliCPU(root, crop)
     if torchcodec_decode is not None:
         candidates["torchcodec"] = keyed(
             SeededAugmentation(
@@ -285,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
             )
     if torchcodec_decode is None:
         notes.append("torchcodec not installed: its row is left out")
+    if not _has_dali():
+        notes.append("DALI not installed (the dali extra): its rows are left out")
+    else:
+        notes.append(f"DALI CPU: batches of {DaliCPU.BATCH}, a pass's tail under one left out")
     notes.append(
         f"{count} images, 1 process, 1 thread, num_workers=0, warm page cache, "
         f"median of {repeats} passes"

@@ -246,7 +246,7 @@ def test_the_workflow_refuses_a_head_that_does_not_fit_and_passes_the_digest(tmp
     snakemake(workdir, "-c1", target)
     result = snakemake(workdir, "-n", "-p", f"results/runs/{run}/model.pt")
     digest = IW.file_digest(workdir / "in1k.pth", "sha256")
-    # the check's record holds it, which train's rerun key takes (common.smk rerun_key) once
+    # the check's record holds it, which train's rerun key takes (jobs.plan RerunKeys.key) once
     # data_content has run: the dry-run decides train after it
     assert json.loads((workdir / target).read_text())["init_weights_sha256"] == digest
     assert "checkpoint data_content:" in result.stdout

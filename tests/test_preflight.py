@@ -12,10 +12,10 @@ from imagenet_ddp.preflight.report import (
     build_report,
     bus_bandwidth,
     collective_figures,
-    cpus_for_loader,
     placement_problems,
     table,
 )
+from imagenet_ddp.settings import loader_rates
 
 RUN = {
     "name": "r", "nodes": 2, "tasks_per_node": 2, "gpus_per_node": 2, "batch_size": 32,
@@ -151,10 +151,13 @@ def test_straggler_and_starving_loader_are_named():
     assert not any(line.startswith("loader") for line in starving["problems"])
     (line,) = starving["warnings"]
     assert "set cpus_per_task >= 6" in line  # 100 / (60 / 3) workers + 1
-    # 32 images a rank: compute 320 ms, loading 533 ms: 40 % of each step waits for data
+    # 60 img/s against a 100 img/s step: the GPU waits 40 % of its time, the figure the
+    # dry-run's estimate gives (settings.loader_rates.gpu_time_lost), in GPU-hours too
     gpu_hours = starving["projection"]["gpu_hours"]
-    assert f"input-bound 40 % of each step, ~{gpu_hours * 0.4:.2f} of its projected" in line
-    assert cpus_for_loader(60.0, 3, 100.0) == 6
+    assert f"40% of GPU time lost, ~{gpu_hours * 0.4:.2f} of its projected" in line
+    assert loader_rates.gpu_time_lost(60.0, 100.0) == pytest.approx(0.4)
+    assert "loader: dali" in line
+    assert loader_rates.cpus_for_loader(20.0, 100.0) == 6
     # Advice the node cannot give is not given: 8 CPUs on a node of 2 ranks are 4 per rank
     small = report([{**r, "node_cpus": 8} for r in ranks(**{f"r{i}": {"loader_images_per_s": 60.0}
                                                             for i in range(4)})])  # fmt: skip

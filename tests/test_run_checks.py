@@ -6,6 +6,7 @@ non-zero exit and one line per problem naming the run and the key.
 
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -48,7 +49,7 @@ def demo_config(**run) -> dict:
     return with_schema_defaults(config)
 
 
-# A GPU run's ranks need loader workers (run_checks.MIN_GPU_LOADER_WORKERS): 2 with auto.
+# A GPU run's ranks need loader workers (refused without): 2 with auto.
 FED = {"cpus_per_task": 3}
 
 
@@ -260,19 +261,67 @@ def test_a_gpu_type_without_gpus(models, tmp_path):
 
 def test_a_gpu_run_that_would_decode_in_its_training_thread_is_refused(models, tmp_path):
     """cpus_per_task 1 (the default) gives workers auto = 0: every image is decoded between
-    the GPU's steps. One line naming both keys and what to set; CPU runs are not judged."""
+    the GPU's steps. One line naming both keys and what to set; one worker is a warning's
+    (the loader estimate), CPU runs are not judged."""
     gpu = {"gpus_per_node": 2, "tasks_per_node": 2}
     [line] = problems(demo_config(**gpu, workers="auto"), models, tmp_path)
     assert line.startswith(
         "config.yaml: run 'r': workers auto (0) with cpus_per_task 1 on a GPU run "
-        "(gpus_per_node 2): fewer than 2 DataLoader workers per rank cannot feed a GPU"
+        "(gpus_per_node 2): every image would be decoded in the training thread"
     )
-    assert "set cpus_per_task: 3 or more" in line and "or workers >= 2" in line
-    [line] = problems(demo_config(**gpu, cpus_per_task=8, workers=1), models, tmp_path)
-    assert line.startswith("config.yaml: run 'r': workers 1 with cpus_per_task 8 on a GPU run")
-    assert problems(demo_config(**gpu, cpus_per_task=3, workers="auto"), models, tmp_path) == []
-    assert problems(demo_config(**gpu, workers=2), models, tmp_path) == []
+    assert "set cpus_per_task to the node's CPUs per GPU" in line and "workers >= 1" in line
+    [line] = problems(demo_config(**gpu, cpus_per_task=8, workers=0), models, tmp_path)
+    assert line.startswith("config.yaml: run 'r': workers 0 with cpus_per_task 8 on a GPU run")
+    assert problems(demo_config(**gpu, cpus_per_task=2, workers="auto"), models, tmp_path) == []
+    assert problems(demo_config(**gpu, workers=1), models, tmp_path) == []
     assert problems(demo_config(tasks_per_node=2, workers="auto"), models, tmp_path) == []
+
+
+def loader_lines(**run) -> list[str]:
+    config = demo_config(**run)
+    config["prepare"]["short_side"] = 256  # the rates' own
+    notices = run_checks.training_warnings(resolved(config), config)
+    return [str(n) for n in notices if n.kind in (run_checks.LOADER_SLOWER,
+                                                  run_checks.NO_STEP_RATE)]  # fmt: skip
+
+
+H200 = {"gpus_per_node": 1, "tasks_per_node": 1, "gpu_type": "h200", "model": "resnet50",
+        "crop_size": 224, "eval_resize": 256}  # fmt: skip
+# The policies of the v1 and DeiT presets (the helper `resolved` applies no preset)
+V1, DEIT = {"auto_augment": "none"}, {"auto_augment": "rand-m9-mstd0.5-inc1"}
+
+
+def test_a_gpu_run_whose_loader_is_slower_than_its_step_is_warned_with_the_share_lost():
+    """workers x the measured per-worker rate of the run's augmentation against the GPU's
+    step: DeiT's RandAugment loses more GPU time than v1's plain crop at the same workers."""
+    rates = run_checks.loader_rates.PER_WORKER_RATES
+    v1, deit = rates["none"], rates["randaugment"]
+    [plain] = loader_lines(**V1, cpus_per_task=5, **H200)
+    [dear] = loader_lines(**DEIT, cpus_per_task=5, **H200)
+    assert plain.startswith("config.yaml: run 'r' (4 workers x ") and "loader slower" in plain
+    assert f"4 workers x {v1:,.0f} img/s (none) = {4 * v1:,.0f} img/s a rank" in plain
+    assert f"4 workers x {deit:,.0f} img/s (randaugment) = {4 * deit:,.0f} img/s a rank" in dear
+    assert f"resnet50 on h200 4,689: {1 - 4 * v1 / 4689:.0%} of GPU time lost" in plain
+    assert f"resnet50 on h200 4,689: {1 - 4 * deit / 4689:.0%} of GPU time lost" in dear
+    assert "loader: dali" in plain and "prepare.short_side" in plain and "\n" not in plain
+    assert f"cpus_per_task {math.ceil(4689 / deit) + 1} would feed it" in dear
+    # compiled: the compiled figure; any GPU type: the slowest listed, said so
+    [fast] = loader_lines(**V1, cpus_per_task=5, compile=True, **H200)
+    assert "resnet50 on h200 compiled 6,809" in fast
+    [any_gpu] = loader_lines(cpus_per_task=5, **{**H200, "gpu_type": ""})
+    assert "resnet50 on a100 (gpu_type any: the slowest GPU listed) 2,470" in any_gpu
+
+
+def test_no_loader_warning_when_it_feeds_the_step_or_on_the_cpu():
+    workers = math.ceil(4689 / run_checks.loader_rates.PER_WORKER_RATES["none"])
+    assert loader_lines(cpus_per_task=workers + 1, **H200) == []
+    assert loader_lines(cpus_per_task=workers, **H200) != []  # one fewer cannot
+    assert loader_lines(model="resnet50", cpus_per_task=2) == []  # a CPU run
+
+
+def test_a_model_without_a_known_step_rate_is_noted_not_judged():
+    [line] = loader_lines(**{**H200, "model": "vit_b_16"}, cpus_per_task=3)
+    assert "no GPU step rate known" in line and "vit_b_16; 2 workers x" in line
 
 
 @pytest.mark.parametrize("device", ["auto", "cuda"])
@@ -362,6 +411,10 @@ def test_expected_split_sizes_are_exact(fraction):
         ),
         ({"gpus_per_node": 2, "tasks_per_node": 1}, "tasks_per_node 1 with gpus_per_node 2"),
         ({"batch_size": 400}, "global batch 800 is larger than the 324 training images"),
+        (
+            {"loader": "dali", "auto_augment": "trivialaugment"},
+            "runs[].loader 'dali' with auto_augment: DALI's augmentation draws cannot be seeded",
+        ),
         ({"gpus_per_node": 2}, "workers 0 with cpus_per_task 1 on a GPU run (gpus_per_node 2)"),
     ],
     ids=[
@@ -370,6 +423,7 @@ def test_expected_split_sizes_are_exact(fraction):
         "device",
         "gpus-vs-tasks",
         "global-batch",
+        "dali-augmentation",
         "loader-workers",
     ],
 )

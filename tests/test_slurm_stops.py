@@ -83,7 +83,7 @@ RUN = {key: CONFIG[key] for key in CONFIG if key != "run"} | {
 }  # fmt: skip
 # Fails at start on every node: a GPU run where CUDA is unusable (a broken driver); its
 # invocation's only run, so the rule's retries are max_allocations - 1 = 2. Two loader workers:
-# fewer on a GPU run is refused at the dry-run (run_checks.MIN_GPU_LOADER_WORKERS).
+# none on a GPU run is refused at the dry-run (run_checks._loader_workers_problem).
 CRASH = {**RUN, "name": "crash", "epochs": 1, "gpus_per_node": 1, "max_allocations": 3,
          "workers": 2, "fallback_nodes": []}  # fmt: skip
 RUNTIME_MINUTES = 2  # the warning comes 60-90 s after the start, the ranks long trained

@@ -171,7 +171,7 @@ def test_dry_run_lists_every_expanded_run_with_its_resources(tmp_path):
         {"name": "{model}-n{nodes}x{tasks_per_node}", "grid": {"nodes": [1, 2],
          "tasks_per_node": [1, 2]}},
         # The GPU type is an axis like any other: gres gpu:<type>:<n> of train and evaluate.
-        # (A GPU run needs loader workers: run_checks.MIN_GPU_LOADER_WORKERS.)
+        # (A GPU run needs loader workers: run_checks._loader_workers_problem.)
         {"name": "{model}-{gpu_type}",
          "settings": {"gpus_per_node": 2, "tasks_per_node": 2, "workers": 2},
          "grid": {"gpu_type": ["a100", "h100"]}},

@@ -7,10 +7,9 @@ import os
 import re
 import sys
 import time
-from types import SimpleNamespace
 
-from snakemake.exceptions import IncompleteCheckpointException, WorkflowError
-from snakemake.settings.types import DeploymentMethod, RerunTrigger
+from snakemake.exceptions import WorkflowError
+from snakemake.settings.types import DeploymentMethod
 
 # This workflow's folder (Snakefile's): where it is used as a `module`, workflow.basedir is the
 # using workflow's. What runs at parse comes from its own source tree, src/ beside it, and needs
@@ -43,7 +42,7 @@ from imagenet_ddp.settings.run_checks import report_settings, training_warnings
 from imagenet_ddp.settings.runs import RunsError, resolve_runs, written_settings
 from imagenet_ddp.settings.runs import config_problems
 from imagenet_ddp.jobs.stage_versions import STAGE_VERSIONS
-from imagenet_ddp.jobs.rerun_keys import changes, key_path, key_text
+from imagenet_ddp.jobs.plan import DATA_CONTENT, RerunKeys, RuleResources, refuse
 
 # The version this plan is made with: every `imagenet-ddp` command of its jobs refuses to run
 # another (imagenet_ddp.cli, exit 2). Inherited by the jobs' own Snakemake (sbatch
@@ -51,13 +50,6 @@ from imagenet_ddp.jobs.rerun_keys import changes, key_path, key_text
 # The main Snakemake's parse sets it first; each job's own parse inherits it.
 MAIN_PARSE = "IMAGENET_DDP_PLAN_VERSION" not in os.environ
 os.environ.setdefault("IMAGENET_DDP_PLAN_VERSION", PACKAGE_VERSION)
-
-
-def refuse(lines):
-    """Stop the parse: one line per refusal, no traceback (a WorkflowError adds its own)."""
-    for line in lines:
-        print(line, file=sys.stderr)
-    sys.exit(1)
 
 
 # Validation fills in the schema's defaults (their one home); runs resolve as written.
@@ -134,104 +126,11 @@ def training_settings(name):
     return SETTINGS.rank_settings(RUNS[name])
 
 
-# What reruns a run's train and evaluate, by path (imagenet_ddp.jobs.rerun_keys): each job's
-# input is results/keys/<kind>/<run>/<digest>.json, named by the digest of its key, which the
-# local `key` rule writes when it is missing and `all` asks for. It holds the run's rerun
-# settings (a setting a newer version adds at its x-earlier value stays off them:
-# settings.kinds), the content digest of the data the job reads (the data_content checkpoint,
-# docs/configuration.md "What the data is: by content") and, for train, its weights file's
-# sha256 as its check read it (another content retrains the run, a moved file does not).
-DATA_CONTENT = "results/data/content.json"
-
-
-def rerun_key(kind, name, content, check=None):
-    """The key of the run's `kind` job from the data_content and check records' paths."""
-    with open(content) as f:
-        data = json.load(f)["evaluate" if kind == "evaluate" else "train"]
-    if kind == "evaluate":
-        batch = evaluation_settings(name)["batch_size"]
-        return {
-            "batch_size": batch,
-            "data": data,
-            "version": STAGE_VERSIONS["evaluate"],
-        }
-    with open(check) as f:
-        init_weights = json.load(f)["init_weights_sha256"]
-    settings = SETTINGS.rerun_settings(RUNS[name])
-    return {"settings": settings, "data": data, "init_weights_sha256": init_weights}
-
-
-def _records(kind, name):
-    """The checkpoint records a key is made of (each job is judged again once they exist)."""
-    records = [lambda: checkpoints.data_content.get().output[0]]
-    if kind != "evaluate":
-        records.append(lambda: checkpoints.check.get(run=name).output[0])
-    return records
-
-
-def key_file(kind):
-    """An input function: the run's key file. While a record it is made of is yet to be
-    (re)made, that record, ancient: Snakemake judges the job again once it exists, and until
-    then neither the job nor what reads its outputs is planned for the record's new time (a
-    data rerun that makes the same bytes reruns nothing downstream)."""
-
-    def value(wildcards):
-        refuse_unserved_triggers()
-        records, pending = [], []
-        for record in _records(kind, wildcards.run):
-            try:
-                path = record()
-            except IncompleteCheckpointException as incomplete:
-                pending.append(ancient(incomplete.targetfile))
-                continue
-            # a checkpoint done but its record missing (--touch skips a missing output): as
-            # pending, until a run writes it
-            if os.path.exists(path):
-                records.append(path)
-            else:
-                pending.append(ancient(path))
-        if pending:
-            return pending
-        return key_path(kind, wildcards.run, rerun_key(kind, wildcards.run, *records))
-
-    return value
-
-
-def key_files(wildcards=None):
-    """`all`'s: every run's keys. A missing key is a missing input of the target, which
-    Snakemake plans under every rerun trigger set (a missing input of a finished job it
-    would not: mtime alone)."""
-    files = []
-    for name in RUNS:
-        for kind in ("train", "evaluate"):
-            found = key_file(kind)(SimpleNamespace(run=name))
-            files += found if isinstance(found, list) else [found]
-    return files
-
-
-def key_records(wildcards):
-    """The `key` rule's inputs: the records its key is made of, ancient (their times are no
-    reason: the key's path is)."""
-    return [ancient(record()) for record in _records(wildcards.kind, wildcards.run)]
-
-
-def key_content(wildcards):
-    """The `key` rule's param: the key's text, of the path asked for (a stale path of a key
-    that is no longer the run's is refused). Read from the records themselves: while one is
-    yet to be (re)made (a dry-run, a --touch), a placeholder, which no job runs with."""
-    try:
-        paths = [record() for record in _records(wildcards.kind, wildcards.run)]
-    except IncompleteCheckpointException:
-        paths = []
-    if not paths or not all(os.path.exists(path) for path in paths):
-        return "decided once its records exist"
-    key = rerun_key(wildcards.kind, wildcards.run, *paths)
-    path = key_path(wildcards.kind, wildcards.run, key)
-    if os.path.basename(path) != f"{wildcards.digest}.json":
-        raise WorkflowError(
-            f"{path}: the run's {wildcards.kind} key now; not {wildcards.digest}"
-        )
-    return key_text(key)
+# What reruns a run's train and evaluate, by path: its rerun key's file (imagenet_ddp.jobs.plan
+# RerunKeys, which the key rule writes; jobs.rerun_keys).
+KEYS = RerunKeys(workflow, checkpoints, config, RUNS, SETTINGS)
+key_file, key_files = KEYS.key_file, KEYS.key_files
+key_records, key_content = KEYS.key_records, KEYS.key_content
 
 
 def check_params(wildcards):
@@ -265,50 +164,17 @@ def preflight_reports():
     ]
 
 
-# The names set-resources gives these rules: under a `module`'s prefix (`use rule * from
-# imagenet as imagenet_*`), imagenet_train. Read at parse, while this file's rules are named.
-_RULE_NAMES = {
-    name: workflow.modifier.modify_rulename(name) for name in ("train", "evaluate")
-}
-
-
-def _rule_resource(rule, key, defaults=True):
-    """A resource that set-resources gives `rule`, else default-resources (where `defaults`); a
-    number, a string, or None (unset, or an expression such as `60 * attempt`, not evaluated
-    here). Read through Snakemake's public ResourceSettings, never changed."""
-    settings = workflow.resource_settings
-    for resources in (
-        settings.overwrite_resources.get(_RULE_NAMES[rule]),
-        settings.default_resources if defaults else None,
-    ):
-        given = None if resources is None or key not in resources else resources[key]
-        if given is not None:
-            try:  # a number or string; an expression (`60 * attempt`): its text
-                value = getattr(given, "value", given)
-            except ValueError:
-                value = getattr(given, "raw", None)
-            if isinstance(value, str) and key == "mem_mb":
-                match = re.fullmatch(
-                    r"\s*['\"]?(\d+(?:\.\d+)?)\s*(\*\s*attempt)?['\"]?\s*", value
-                )
-                value = float(match.group(1)) if match else None
-            return value if isinstance(value, (int, float, str)) else None
-    return None
-
-
-def _train_runtime():
-    """The train rule's time limit per allocation in minutes; None where none is set."""
-    value = _rule_resource("train", "runtime")
-    return value if isinstance(value, (int, float)) else None
+# What set-resources gives train and evaluate, under a `module`'s prefix too (imagenet_train):
+# named here, while this file's rules are named.
+RESOURCES = RuleResources(workflow)
+TRAIN_RUNTIME = RESOURCES.number("train", "runtime")  # minutes per allocation, or None
 
 
 # Memory per node: each run's training job against train's mem_mb (settings.node_memory):
 # refused above the measured per-process figures, a warning above measured + estimated. The
 # node checks again before it stages, with its real limit.
-_mem_mb = _rule_resource("train", "mem_mb")
-_refusals, _warnings = memory_problems(
-    RUNS, config, _mem_mb if isinstance(_mem_mb, (int, float)) else None
-)
+_mem_mb = RESOURCES.number("train", "mem_mb")
+_refusals, _warnings = memory_problems(RUNS, config, _mem_mb)
 if _refusals:
     refuse(_refusals)
 for _line in summarised(
@@ -404,7 +270,7 @@ def train_slurm_extra(wildcards):
 LAUNCH_PREFIX = {}
 for _name in ("train", "evaluate"):
     LAUNCH_PREFIX[_name], _problem = launch_prefix(
-        _RULE_NAMES[_name], _rule_resource(_name, "mpi")
+        RESOURCES.names[_name], RESOURCES.get(_name, "mpi")
     )
     if _problem:
         refuse([_problem])
@@ -433,7 +299,7 @@ def job_spec(kind, mpi_rule):
         try:
             return spec_json(kind, name, settings, config, attempt=attempt,
                              launch_prefix=LAUNCH_PREFIX[mpi_rule],
-                             train_runtime=_train_runtime(),
+                             train_runtime=TRAIN_RUNTIME,
                              **stage)  # fmt: skip
         except SpecError as error:
             raise WorkflowError(f"{kind} job of run {name!r}: job spec: {error}")
@@ -458,8 +324,8 @@ _problems = site_problems(
     config, RUNS, apptainer=_APPTAINER, conda=DeploymentMethod.CONDA in _SDM
 )
 # train's time limit against its stop warning, from the slurm_extra train is submitted with
-_extra = _rule_resource("train", "slurm_extra", False) or train_slurm_extra(None)
-_problems += filter(None, [stop_warning_problem(_train_runtime(), _extra)])
+_extra = RESOURCES.get("train", "slurm_extra", False) or train_slurm_extra(None)
+_problems += filter(None, [stop_warning_problem(TRAIN_RUNTIME, _extra)])
 if _problems:
     refuse(_problems)
 # The srun tasks of a containerised job run the host's apptainer, by the absolute path this
@@ -500,54 +366,9 @@ def prepare_flags(wildcards):
     )
 
 
-def refuse_unserved_triggers():
-    """A rerun trigger set without mtime cannot be served: new images under data.dir's file
-    names are seen by the data stages' times only. Snakemake's DAG settings (its public
-    workflow.dag_settings) exist once the DAG is built, so the key's input functions ask.
-    """
-    if RerunTrigger.MTIME not in workflow.dag_settings.rerun_triggers:
-        refuse(["--rerun-triggers without mtime: new images under the same file names in"
-                " data.dir would never retrain a run (the data stages see them by their"
-                " time); add mtime"])  # fmt: skip
-
-
-def _key_changes():
-    """One line per run whose train key differs from what its last delivered training recorded
-    (job.json's key; before the keys, its train_metrics.json's settings): what changed,
-    bookkeeping and unchanged keys left out. Read from our own records only, once their
-    checkpoint records exist."""
-    lines = []
-    for name in RUNS:
-        paths = [
-            DATA_CONTENT,
-            f"results/checks/{name}.json",
-            f"results/runs/{name}/job.json",
-        ]
-        if not all(os.path.isfile(p) for p in paths):
-            continue
-        try:
-            with open(paths[2]) as f:
-                recorded = json.load(f).get("key")
-            now = rerun_key("train", name, *paths[:2])
-            if (
-                recorded is None
-            ):  # trained by a version before the keys: its settings only
-                with open(f"results/runs/{name}/train_metrics.json") as f:
-                    config = json.load(f)["config"]
-                now = {"settings": now["settings"]}
-                recorded = {
-                    "settings": {k: config[k] for k in now["settings"] if k in config}
-                }
-        except (OSError, ValueError, KeyError):
-            continue
-        line = changes(name, recorded, now)
-        lines += [line] if line else []
-    return lines
-
-
 # Printed by the main Snakemake's parse only, not by each job's own.
 if MAIN_PARSE:
-    for _line in _key_changes():
+    for _line in KEYS.changed():
         print(_line, file=sys.stderr)
 
 

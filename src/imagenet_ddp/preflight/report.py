@@ -8,7 +8,7 @@ import math
 import statistics
 from typing import Any
 
-from imagenet_ddp.settings import epoch_end
+from imagenet_ddp.settings import epoch_end, loader_rates
 from imagenet_ddp.settings.geometry import global_batch, world_size
 
 FAILED = "preflight.failed.json"  # the report of a preflight with problems (no preflight.json)
@@ -61,15 +61,6 @@ def per_node(ranks: list[dict], key: str) -> dict[str, dict[str, float]]:
     for r in ranks:
         hosts.setdefault(r["host"], []).append(r[key])
     return {h: {"min": min(v), "median": statistics.median(v)} for h, v in sorted(hosts.items())}
-
-
-def cpus_for_loader(loader_rate: float, workers: int, model_rate: float) -> int:
-    """cpus_per_task whose loader workers (cpus - 1: `workers: auto`) would feed the model step,
-    the loader's rate taken to grow with its workers."""
-    per_worker = loader_rate / max(1, workers)
-    if per_worker <= 0:
-        return 0
-    return math.ceil(model_rate / per_worker) + 1
 
 
 def projection(
@@ -234,28 +225,30 @@ def speed_problems(report: dict[str, Any], run: dict[str, Any]) -> list[str]:
 
 def loader_warnings(report: dict[str, Any], run: dict[str, Any]) -> list[str]:
     """A loader slower than the step: a warning, not a refusal (the run trains, input-bound),
-    with the projected share of the step and of the GPU-hours its GPUs would wait, and the way
+    with the share of GPU time it would lose (as the dry-run estimates it:
+    settings.loader_rates.gpu_time_lost) and those of its projected GPU-hours, and the way
     out that fits the node (``node_cpus`` per rank, recorded by each rank)."""
     slowest = report["loader"]["spread"]
-    if slowest["slowest"] >= report["model"]["images_per_s"]:
+    lost = loader_rates.gpu_time_lost(slowest["slowest"], report["model"]["images_per_s"])
+    if not lost:
         return []
-    p = report["projection"]
-    share = p["step_breakdown"]["input_bound_pct"]
+    gpu_hours = report["projection"]["gpu_hours"]
     needed = report["loader"]["cpus_per_task_needed"]
     per_rank = min(r.get("node_cpus") or 0 for r in report["ranks"]) // run["tasks_per_node"]
     if per_rank and needed > per_rank:
         way_out = (
             f"cpus_per_task {needed} would be needed, more than the node's {per_rank} CPUs per "
-            "rank: a smaller prepare.short_side, cheaper augmentations, or GPU decoding"
+            "rank: loader: dali (GPU decoding, runs without auto_augment), a smaller "
+            "prepare.short_side, or cheaper augmentations"
         )
     else:
-        way_out = f"set cpus_per_task >= {needed} (or cheaper augmentations)"
+        way_out = f"set cpus_per_task >= {needed} (or {loader_rates.WAYS_OUT})"
     return [
         f"loader: rank {slowest['slowest_rank']} on {slowest['slowest_host']} loads "
         f"{slowest['slowest']:.1f} img/s, the step takes {report['model']['images_per_s']:.1f} "
-        f"(loader/model {report['loader_over_model']:.2f} for the median rank): input-bound "
-        f"{share:.0f} % of each step, ~{p['gpu_hours'] * share / 100:.2f} of its projected "
-        f"{p['gpu_hours']:.2f} GPU-hours waiting; {way_out}"
+        f"(loader/model {report['loader_over_model']:.2f} for the median rank): "
+        f"{lost:.0%} of GPU time lost, ~{gpu_hours * lost:.2f} of its projected "
+        f"{gpu_hours:.2f} GPU-hours waiting; {way_out}"
     ]
 
 
@@ -352,7 +345,9 @@ def build_report(
         "loader": {
             "images_per_s": loader_rate,
             "workers": workers,
-            "cpus_per_task_needed": cpus_for_loader(slowest_loader, workers, model_rate),
+            "cpus_per_task_needed": loader_rates.cpus_for_loader(
+                slowest_loader / max(1, workers), model_rate
+            ),
             "spread": spread(loader, hosts),
         },
         "loader_over_model": loader_rate / model_rate,

@@ -21,6 +21,7 @@ from imagenet_ddp.models import (
     family,
     unknown_name,
 )
+from imagenet_ddp.settings import loader_rates
 from imagenet_ddp.settings.evaluation import eval_crop, eval_settings
 from imagenet_ddp.settings.geometry import global_batch, loader_workers
 from imagenet_ddp.settings.init_weights import static_weights_problems
@@ -183,6 +184,7 @@ def _recipe_problems(run: Mapping) -> list[str]:
             "set sync_bn: false or train on GPUs (gpus_per_node > 0)"
         )
     problems += _timm_recipe_problems(run)
+    problems += [p for p in [_dali_problem(run)] if p]
     # timm's, and any model with model_kwargs: the check rule's (deep_problems)
     torchvision = _name_listed(family(run["model"])[0]) and not run.get("model_kwargs")
     residual = run["model"].startswith(RESIDUAL_BN)
@@ -192,6 +194,19 @@ def _recipe_problems(run: Mapping) -> list[str]:
             "family (resnet*, resnext*, wide_resnet*) has it; set zero_init_residual: false"
         )
     return problems
+
+
+def _dali_problem(run: Mapping) -> str | None:
+    """``loader: dali`` with a draw DALI cannot seed per sample (training.dali_loader)."""
+    if run.get("loader") != "dali":
+        return None
+    if run.get("auto_augment", "none") == "none":
+        return None
+    return (
+        "runs[].loader 'dali' with auto_augment: DALI's augmentation draws cannot be seeded per "
+        "sample, so a resume or another rank count would change them; set loader: pytorch, or "
+        "auto_augment: none (docs/configuration.md)"
+    )
 
 
 def _timm_recipe_problems(run: Mapping) -> list[str]:
@@ -260,25 +275,56 @@ def _device_problem(run: Mapping) -> str | None:
     return None
 
 
-# ResNet-50 on an A100 steps 2,470 img/s (bf16), one worker decodes ~1,500 img/s at 224
-# (benchmarks/README.md): 2 at the least; the preflight measures the run's own need.
-MIN_GPU_LOADER_WORKERS = 2
-
-
 def _loader_workers_problem(run: Mapping) -> str | None:
-    """A GPU rank with fewer than MIN_GPU_LOADER_WORKERS loader workers idles its GPU."""
+    """A GPU rank without loader workers decodes every image between its steps; fewer than
+    it needs: a warning (:func:`loader_notice`)."""
     gpus, cpus, setting = run["gpus_per_node"], run["cpus_per_task"], run["workers"]
-    workers = loader_workers(setting, cpus)
-    if gpus == 0 or run["device"] == "cpu" or workers >= MIN_GPU_LOADER_WORKERS:
+    if gpus == 0 or run["device"] == "cpu" or loader_workers(setting, cpus) > 0:
         return None
-    given = f"workers {workers}" if setting != "auto" else f"workers auto ({workers})"
+    given = "workers 0" if setting != "auto" else "workers auto (0)"
     return (
-        f"{given} with cpus_per_task {cpus} on a GPU run (gpus_per_node {gpus}): fewer than "
-        f"{MIN_GPU_LOADER_WORKERS} DataLoader workers per rank cannot feed a GPU (one decodes "
-        "~1,500 img/s, ResNet-50 on an A100 steps ~2,500); set cpus_per_task: "
-        f"{MIN_GPU_LOADER_WORKERS + 1} or more (workers auto = cpus_per_task - 1; a GPU node "
-        "has ~12-16 CPUs per GPU) or workers >= "
-        f"{MIN_GPU_LOADER_WORKERS}"
+        f"{given} with cpus_per_task {cpus} on a GPU run (gpus_per_node {gpus}): every image "
+        "would be decoded in the training thread between the GPU's steps; set cpus_per_task "
+        "to the node's CPUs per GPU (e.g. 14 on a DGX H100; workers auto = cpus_per_task - 1) "
+        "or workers >= 1"
+    )
+
+
+LOADER_SLOWER = (
+    "loader slower than the GPU's step, estimated from measured per-worker rates "
+    "(docs/preflight.md#the-dry-runs-loader-estimate): the GPU would wait for data that share "
+    f"of its time; ways out: {loader_rates.WAYS_OUT}; the preflight measures both"
+)
+NO_STEP_RATE = (
+    "no GPU step rate known for the model (settings.loader_rates): its loader is not judged "
+    "at the dry-run; the preflight measures both"
+)
+
+
+def loader_notice(name: str, run: Mapping, short_side: int) -> Notice | None:
+    """A GPU run whose loader (workers x the measured rate of its augmentation) is estimated
+    slower than its GPU's step, with the share of GPU time lost; a note where the model's
+    step rate is not known (None: a CPU run, no workers, or fed)."""
+    workers = loader_workers(run["workers"], run["cpus_per_task"])
+    if run["gpus_per_node"] == 0 or run["device"] == "cpu" or workers == 0:
+        return None
+    per_worker = loader_rates.per_worker_rate(run, short_side)
+    loader = workers * per_worker
+    policy = loader_rates.policy(run.get("auto_augment", "none"))
+    fed = f"{workers} workers x {per_worker:,.0f} img/s ({policy}) = {loader:,.0f} img/s a rank"
+    step = loader_rates.gpu_step_rate(run)
+    if step is None:
+        return Notice(NO_STEP_RATE, name, f"{run['model']}; {fed}")
+    gpu, source = step
+    lost = loader_rates.gpu_time_lost(loader, gpu)
+    if not lost:
+        return None
+    needed = loader_rates.cpus_for_loader(per_worker, gpu)
+    return Notice(
+        LOADER_SLOWER,
+        name,
+        f"{fed} against {source} {gpu:,.0f}: {lost:.0%} of GPU time lost; cpus_per_task "
+        f"{needed} would feed it",
     )
 
 
@@ -530,7 +576,13 @@ def container_problem(
 
 # A setting's optional component: (its module, the extra installing it; the image and the conda
 # env install them all, tests/test_envs.py).
-OPTIONAL_COMPONENTS = {"wandb_project": ("wandb", "wandb"), "mlflow_uri": ("mlflow", "mlflow")}
+OPTIONAL_COMPONENTS = {
+    "wandb_project": ("wandb", "wandb"),
+    "mlflow_uri": ("mlflow", "mlflow"),
+    "loader": ("nvidia.dali", "dali"),
+}
+# A setting that asks for its component at one value only (any other: none asked).
+COMPONENT_VALUE = {"loader": "dali"}
 
 
 def optional_component_problems(
@@ -545,13 +597,16 @@ def optional_component_problems(
     problems = []
     for name, run in runs.items():
         for key, (module, extra) in OPTIONAL_COMPONENTS.items():
-            if run.get(key) and not has_module(module):
-                problems.append(
-                    f"config.yaml: run {name!r}: {key} is set but {module} is not installed in "
-                    f"the environment the jobs run in (this Snakemake's): install it (pip "
-                    f"install 'imagenet-ddp[{extra}]'), use --sdm apptainer or conda, or "
-                    f"unset {key}"
-                )
+            value = COMPONENT_VALUE.get(key)
+            if not (run.get(key) == value if value else run.get(key)) or has_module(module):
+                continue
+            asked = f"runs[].{key} {value!r} needs {module}, not" if value else (
+                f"{key} is set but {module} is not")  # fmt: skip
+            problems.append(
+                f"config.yaml: run {name!r}: {asked} installed in the environment the jobs run "
+                f"in (this Snakemake's): install it (pip install 'imagenet-ddp[{extra}]'), use "
+                f"--sdm apptainer or conda, or {f'set {key}: pytorch' if value else f'unset {key}'}"
+            )
     return problems
 
 
@@ -645,8 +700,9 @@ ADAPTIVE_LR_SHRUNK = (
 def training_warnings(runs: Mapping[str, Mapping], config: Mapping) -> list[Notice]:
     """Per run: too few optimizer steps for BatchNorm's statistics; no steady-state window (an
     epoch of no more steps than throughput_warmup_steps); linear LR scaling that shrinks an
-    adaptive optimizer's lr more than 10x. A folder layout's size is unknown here: the step
-    counts are judged only where it is known (the archives', the demo's)."""
+    adaptive optimizer's lr more than 10x; a loader estimated slower than the GPU's step
+    (:func:`loader_notice`). A folder layout's size is unknown here: the step counts are judged
+    only where it is known (the archives', the demo's)."""
     train, _, where = split_sizes(config)
     known = not where.startswith(ASSUMED) or config["data"].get("layout") == "archives"
     notices = []
@@ -665,6 +721,8 @@ def training_warnings(runs: Mapping[str, Mapping], config: Mapping) -> list[Noti
         if run["optimizer"].startswith(ADAPTIVE_OPTIMIZERS) and lr_used < run["lr"] / 10:
             detail = f"lr {run['lr']:g} -> lr_used {lr_used:.3g} at global batch {batch}"
             notices.append(Notice(ADAPTIVE_LR_SHRUNK, name, detail))
+        loader = loader_notice(name, run, config["prepare"]["short_side"])
+        notices += [loader] if loader else []
     return notices
 
 

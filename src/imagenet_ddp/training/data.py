@@ -49,10 +49,10 @@ class SeededAugmentation(Dataset):
         """``key``: (epoch, index), or (epoch, index, repeat) from
         :class:`RepeatedAugmentationSampler`: each repeat its own seed (repeat 0: the
         sample's)."""
-        epoch, index, *repeat = key
+        epoch, index, *_ = key
         image, label = self.base[index]
         transform = self.transform(epoch) if self.per_epoch else self.transform
-        seed = sample_seed(self.seed, epoch, index + (repeat[0] << 34 if repeat else 0))
+        seed = self.key_seed(key)
         python, numpy = random.getstate(), np.random.get_state()
         with torch.random.fork_rng(devices=[]):
             # Not torch.manual_seed: on CUDA builds it also queues lazy seeding of every device
@@ -67,6 +67,11 @@ class SeededAugmentation(Dataset):
                 random.setstate(python)
                 np.random.set_state(numpy)
         return image, label
+
+    def key_seed(self, key: tuple[int, ...]) -> int:
+        """The seed of a sampler's key (the DALI loader draws from it too)."""
+        epoch, index, *repeat = key
+        return sample_seed(self.seed, epoch, index + (repeat[0] << 34 if repeat else 0))
 
 
 class EpochSampler(Sampler):
@@ -146,15 +151,22 @@ def read_ids(path: Path) -> list[int]:
 
 
 def train_loader(
-    dataset: Dataset, sampler, batch_size: int, workers: int, pin: bool, persistent: bool = True
-) -> DataLoader:
+    dataset: Dataset, sampler, batch_size: int, workers: int, pin: bool, persistent: bool = True,
+    *, cfg=None, device=None,
+):  # fmt: skip
     """A rank's DataLoader: the training's, or with no ``sampler`` the holdout's in order
     (accuracy.shard_loader). Its workers ignore stop signals (the rank's to handle). Its own
     generator: without one, each iterator draws its workers' base seed from the global RNG, so
     a resumed job (a new iterator mid-epoch, after the RNG is restored) would draw once more
     than the unbroken run, and the training's streams would depend on how often the holdout is
     evaluated: a model that draws while it trains (dropout, stochastic depth) would differ.
-    Augmentation seeds itself per sample. ``persistent``: workers outlive a pass."""
+    Augmentation seeds itself per sample. ``persistent``: workers outlive a pass. A run's
+    ``cfg`` with ``loader: dali``: the same batches through DALI on ``device``
+    (training.dali_loader), ``workers`` its threads."""
+    if cfg is not None and cfg.loader == "dali":
+        from imagenet_ddp.training.dali_loader import DaliLoader
+
+        return DaliLoader(dataset, sampler, cfg, batch_size, workers, device)
     forks = workers > 0
     return DataLoader(
         dataset,

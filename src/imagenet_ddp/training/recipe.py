@@ -272,7 +272,10 @@ def write_check(run_json: str, num_classes: int, run_dir, out) -> None:
     from imagenet_ddp.settings import run_checks
 
     def transforms(run: dict) -> list[str]:
-        return transform_problems(TrainConfig.from_dict(run))
+        from imagenet_ddp.training.dali_loader import dali_problem
+
+        cfg = TrainConfig.from_dict(run)
+        return [p for p in [dali_problem(cfg)] if p] + transform_problems(cfg)
 
     run_checks.write_check(run_json, num_classes, run_dir, out, more=transforms)
 

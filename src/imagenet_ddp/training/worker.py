@@ -225,8 +225,9 @@ def _train_loader(cfg, info, device, geometry, base):
             f"{len(dataset)} training samples; lower batch_size or accumulation"
         )
     loader = train_loader(
-        dataset, sampler, cfg.batch_size, geometry.workers, pin=device.type == "cuda"
-    )
+        dataset, sampler, cfg.batch_size, geometry.workers, pin=device.type == "cuda", cfg=cfg,
+        device=device,
+    )  # fmt: skip
     return sampler, loader
 
 

@@ -1,0 +1,153 @@
+"""``loader: dali``: the training batches through NVIDIA DALI, decoding only each crop region.
+
+The sampler's (epoch, index[, repeat]) keys, each sample's crop window and flip are drawn here,
+in Python, from the same per-sample seed and with the same draws as the pytorch path
+(training.data.SeededAugmentation.key_seed, data.jpeg.RandomResizedCropDecode), and fed to DALI
+through ``fn.external_source``: the samples, their order, windows and flips are the same on any
+rank or worker count and after a resume (the sampler's skip). DALI decodes the window
+(``fn.decoders.image_slice``: ``mixed``, the GPU's decoder, on CUDA; ``cpu`` otherwise), resizes
+it with the run's interpolation, flips it and hands uint8 CHW batches on, normalized on the
+device as the pytorch path's. Pixels differ from that path by resampling only (it decodes at a
+reduced DCT scale first). DALI's own random ops are seeded per operator, not per sample, so the
+recipes' auto_augment is refused with it (settings.run_checks); random erasing is drawn here
+and erased by DALI (``fn.erase``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import simplejpeg
+import torch
+from torchvision.transforms import v2
+
+from imagenet_ddp.models import input_normalization
+
+INTERPOLATION = {"bilinear": "INTERP_LINEAR", "bicubic": "INTERP_CUBIC"}
+
+
+def dali_problem(cfg) -> str | None:
+    """The check job's line where this environment cannot run ``loader: dali``."""
+    if getattr(cfg, "loader", "pytorch") != "dali":
+        return None
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError as error:
+        return (
+            f"runs[].loader 'dali': nvidia.dali does not import in the jobs' environment "
+            f"({error}); install imagenet-ddp[dali] there, or set loader: pytorch"
+        )
+    return None
+
+
+def sample_window(seed: int, height: int, width: int, crop, hflip: float, erasing=None):
+    """(top, left, height, width, flip, erased) of one sample: the draws of the pytorch path's
+    RandomResizedCrop box (on the image's size), its flip and then its RandomErasing
+    (``erasing``; erased: the (top, left, height, width) on the output, zeros for none), from
+    ``seed``, in the order that path's transform draws them (recipe.sample_transform)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        box = crop.make_params([torch.empty((1, 1, 1)).expand(1, height, width)])
+        flip = bool(torch.rand(1) < hflip)
+        erased = (0, 0, 0, 0)
+        if erasing is not None and torch.rand(1) < erasing.p:
+            size = crop.size
+            drawn = erasing.make_params([torch.empty((3, 1, 1)).expand(3, *size)])
+            erased = (0, 0, 0, 0) if drawn["v"] is None else tuple(drawn[k] for k in "ijhw")
+    return box["top"], box["left"], box["height"], box["width"], flip, erased
+
+
+class DaliLoader:
+    """A rank's training batches, (uint8 NCHW images, int64 targets), as the DataLoader's: one
+    pass per ``iter`` over the sampler's keys from its epoch and skip, ``len`` batches."""
+
+    def __init__(self, dataset, sampler, cfg, batch_size: int, workers: int, device):
+        self.dataset, self.base, self.sampler, self.cfg = dataset, dataset.base, sampler, cfg
+        self.batch_size, self.threads, self.device = batch_size, max(1, workers), device
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.batch_size
+
+    def _crop(self, size: int):
+        return v2.RandomResizedCrop(size, scale=tuple(self.cfg.crop_scale),
+                                    ratio=tuple(self.cfg.crop_ratio))  # fmt: skip
+
+    def _erasing(self):
+        """The recipe's RandomErasing (its draws only: DALI erases), or None."""
+        p = getattr(self.cfg, "random_erasing", 0)
+        return v2.RandomErasing(p=p, value=list(self.fill())) if p > 0 else None
+
+    def fill(self) -> tuple[int, ...]:
+        """Erased pixels' colour: the mean, as recipe.sample_transform's."""
+        mean = input_normalization(self.cfg.model, self.cfg.normalization)[0]
+        return tuple(round(255 * m) for m in mean)
+
+    def batch_inputs(self, keys: list) -> tuple:
+        """The external source's batch: encoded JPEGs, window anchors (x, y) and shapes (w, h),
+        flips, output sizes, erased anchors (y, x) and shapes (h, w), labels, one per key."""
+        size = self.cfg.crop_for_epoch(keys[0][0])
+        crop, erasing, columns = self._crop(size), self._erasing(), tuple([] for _ in range(8))
+        for key in keys:
+            index = key[1]
+            data = self.base.read_bytes(index)
+            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+            seed = self.dataset.key_seed(key)
+            top, left, h, w, flip, erased = sample_window(
+                seed, height, width, crop, self.cfg.hflip, erasing)  # fmt: skip
+            row = (data, np.array([left, top], np.float32), np.array([w, h], np.float32),
+                   np.array(flip, np.int32), np.array([size, size], np.float32),
+                   np.array(erased[:2], np.float32), np.array(erased[2:], np.float32),
+                   np.array(int(self.base.targets[index]), np.int64))  # fmt: skip
+            for column, value in zip(columns, row, strict=True):
+                column.append(value)
+        return columns
+
+    def _batches(self):
+        keys = list(iter(self.sampler))
+        for first in range(0, len(self) * self.batch_size, self.batch_size):
+            yield self.batch_inputs(keys[first : first + self.batch_size])
+
+    def pipeline(self):
+        """The DALI pipeline of one pass (built per pass: its source is that pass's keys)."""
+        from nvidia.dali import fn, pipeline_def, types
+
+        gpu = self.device.type == "cuda"
+        interp = getattr(types, INTERPOLATION[self.cfg.interpolation])
+        device_id = (self.device.index or 0) if gpu else None
+
+        @pipeline_def(batch_size=self.batch_size, num_threads=self.threads,
+                      device_id=device_id, seed=self.cfg.seed)  # fmt: skip
+        def crops():
+            jpegs, anchor, shape, flip, size, erase_at, erase, label = fn.external_source(
+                source=self._batches(), num_outputs=8, cycle=False)  # fmt: skip
+            images = fn.decoders.image_slice(
+                jpegs, anchor, shape, axis_names="WH", normalized_anchor=False,
+                normalized_shape=False, device="mixed" if gpu else "cpu",
+                output_type=types.RGB)  # fmt: skip
+            images = fn.resize(images, size=size, interp_type=interp, antialias=True)
+            images = fn.crop_mirror_normalize(images, mirror=flip, dtype=types.UINT8,
+                                              output_layout="CHW")  # fmt: skip
+            images = fn.erase(images, anchor=erase_at, shape=erase, axis_names="HW",
+                              fill_value=list(self.fill()))  # fmt: skip
+            return images, label
+
+        pipe = crops()
+        pipe.build()
+        return pipe
+
+    def __iter__(self):
+        pipe = self.pipeline()
+        for _ in range(len(self)):
+            images, labels = pipe.run()
+            yield _to_torch(images, self.device), torch.from_numpy(labels.as_array())
+
+
+def _to_torch(images, device) -> torch.Tensor:
+    """A batch of DALI's output as a torch tensor, on the device it was made on."""
+    if device.type != "cuda":
+        return torch.from_numpy(images.as_array())
+    from nvidia.dali.plugin.pytorch import feed_ndarray
+
+    tensor = images.as_tensor()
+    out = torch.empty(tensor.shape(), dtype=torch.uint8, device=device)
+    feed_ndarray(tensor, out, cuda_stream=torch.cuda.current_stream(device))
+    return out

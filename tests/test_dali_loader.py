@@ -1,0 +1,155 @@
+"""loader: dali on DALI's CPU backend: the same samples, order, crop windows and flips as the
+pytorch path (training.data) for the same seeds, after a resume and on another rank count;
+pixels within resampling tolerance (DALI decodes the full-scale window, ours a DCT-reduced one)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+pytest.importorskip("nvidia.dali", reason="DALI (the dali extra) is not installed here")
+
+from imagenet_ddp.settings.kinds import TrainConfig, declarations  # noqa: E402
+from imagenet_ddp.training import recipe  # noqa: E402
+from imagenet_ddp.training.data import EpochSampler, SeededAugmentation, train_loader  # noqa: E402
+
+
+def _jpeg(height: int, width: int, shift: int) -> np.ndarray:
+    """Ramps (red along x, green along y): where a window lies shows in its pixels."""
+    y, x = np.mgrid[0:height, 0:width]
+    pixels = np.stack([x * 230 // width, y * 230 // height, np.full_like(x, shift)], axis=-1)
+    out = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(out, "JPEG", quality=95)
+    return np.frombuffer(out.getvalue(), np.uint8).copy()
+
+
+class Encoded(torch.utils.data.Dataset):
+    """The reader's training view (encoded JPEGs, data.reader.create_dataset(train=True))."""
+
+    def __init__(self, n: int = 12):
+        self.images = [_jpeg(96 + 8 * (i % 3), 128 - 8 * (i % 2), 20 * i) for i in range(n)]
+        self.targets = np.arange(n) % 3
+
+    def __len__(self):
+        return len(self.images)
+
+    def read_bytes(self, i):
+        return self.images[i]
+
+    def __getitem__(self, i):
+        return self.images[i], int(self.targets[i])
+
+
+def _cfg(**changes) -> TrainConfig:
+    run = {**declarations().rank_defaults(), "run": "t", "crop_size": 32, "epochs": 2,
+           "weight_decay_groups": "all", "normalization": "imagenet", **changes}  # fmt: skip
+    return TrainConfig.from_dict(run)
+
+
+def _batches(loader_name, world=1, rank=0, skip=0, batch=2, **changes):
+    cfg = _cfg(loader=loader_name, **changes)
+    dataset = SeededAugmentation(Encoded(), recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
+    sampler = EpochSampler(len(dataset), world, rank, cfg.seed, batch)
+    sampler.set_epoch(1, skip)
+    loader = train_loader(dataset, sampler, batch, 0, False, cfg=cfg, device=torch.device("cpu"))
+    return list(loader)
+
+
+def test_dali_batches_are_the_pytorch_paths_within_resampling_tolerance():
+    ours, dali = _batches("pytorch"), _batches("dali")
+    assert len(ours) == len(dali) == 6
+    for (a, ta), (b, tb) in zip(ours, dali, strict=True):
+        assert b.dtype == torch.uint8 and b.shape == a.shape == (2, 3, 32, 32)
+        assert torch.equal(ta, tb)  # the same samples in the same order
+        # the same windows and flips: a wrong window or flip moves the ramps by tens of levels
+        assert (a.float() - b.float()).abs().mean() < 3.0
+
+
+def test_flip_agreement_at_probability_one_and_zero():
+    for hflip in (0.0, 1.0):
+        (a, _), *_ = _batches("pytorch", hflip=hflip)
+        (b, _), *_ = _batches("dali", hflip=hflip)
+        assert (a.float() - b.float()).abs().mean() < 3.0, hflip
+
+
+def test_random_erasing_erases_the_same_boxes():
+    """Erased pixels are the mean colour in both paths: exactly the same boxes, bitwise."""
+    fill = torch.tensor([124, 116, 104], dtype=torch.uint8)[:, None, None]
+    ours, dali = _batches("pytorch", random_erasing=0.7), _batches("dali", random_erasing=0.7)
+    erased = 0
+    for (a, _), (b, _) in zip(ours, dali, strict=True):
+        mask_a, mask_b = (a == fill).all(dim=1), (b == fill).all(dim=1)
+        assert torch.equal(mask_a, mask_b)
+        erased += int(mask_a.any(dim=(1, 2)).sum())
+        assert (a.float() - b.float()).abs().mean() < 3.0
+    assert 0 < erased < 12  # some samples erased, not all
+
+
+def test_a_resume_and_another_rank_count_see_the_same_samples():
+    whole = _batches("dali")
+    resumed = _batches("dali", skip=2)  # from optimizer step 2 on
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(whole[2:], resumed, strict=True))
+    two = [_batches("dali", world=2, rank=r, batch=1) for r in (0, 1)]
+    for step, (images, targets) in enumerate(whole):  # ranks 0 and 1 share each global batch
+        assert torch.equal(torch.cat([two[0][step][0], two[1][step][0]]), images)
+        assert torch.equal(torch.cat([two[0][step][1], two[1][step][1]]), targets)
+
+
+def test_dali_refuses_the_augmentations_it_cannot_seed_per_sample():
+    from imagenet_ddp.settings.run_checks import _recipe_problems
+
+    run = {**declarations().rank_defaults(), "crop_size": 224, "model": "resnet18"}
+    assert not [p for p in _recipe_problems({**run, "loader": "dali"}) if "loader" in p]
+    found = _recipe_problems({**run, "loader": "dali", "auto_augment": "trivialaugment"})
+    assert any(p.startswith("runs[].loader 'dali' with auto_augment:") for p in found), found
+
+
+def test_a_dali_run_where_the_jobs_lack_dali_is_refused_in_one_line():
+    from imagenet_ddp.settings.run_checks import optional_component_problems
+
+    runs = {"a": {"loader": "dali"}, "b": {"loader": "pytorch"}}
+    assert optional_component_problems(runs, deployment="", has_module=lambda m: False) == [
+        "config.yaml: run 'a': runs[].loader 'dali' needs nvidia.dali, not installed in the "
+        "environment the jobs run in (this Snakemake's): install it (pip install "
+        "'imagenet-ddp[dali]'), use --sdm apptainer or conda, or set loader: pytorch"
+    ]
+    assert optional_component_problems(runs, deployment="") == []  # installed here
+
+
+def test_the_worker_trains_through_dali_and_resumes_bitwise(prepared_demo, demo_split, tmp_path):
+    """The product's worker (one gloo rank) with ``loader: dali``: stopped after 2 steps and
+    resumed, its weights are the unbroken run's bitwise (DALI's CPU pixels are deterministic),
+    and not the pytorch path's (other pixels: DALI read them)."""
+    from tests.test_resume import CONFIG, torchrun, weights
+
+    config = {**CONFIG, "loader": "dali", "auto_augment": "none", "epochs": 1, "run": "dali"}
+    train, runs = prepared_demo["train"], {}
+    for name, stops in (("whole", ()), ("resumed", ("--stop-after-steps", "2")), ("torch", ())):
+        out, ckpt = tmp_path / name / "out", tmp_path / name / "ckpt"
+        if name == "torch":
+            config = {**config, "loader": "pytorch"}
+        first = torchrun(train, demo_split, out, ckpt, *stops, config=config, nproc=1)
+        if stops:
+            assert first.returncode != 0 and "interrupted at epoch 0 step 2" in first.stdout
+            first = torchrun(train, demo_split, out, ckpt, config=config, nproc=1)
+        assert first.returncode == 0, first.stdout + first.stderr
+        runs[name] = weights(out)
+    assert runs["whole"].keys() == runs["resumed"].keys()
+    assert all(torch.equal(runs["whole"][k], runs["resumed"][k]) for k in runs["whole"])
+    assert not all(torch.equal(runs["whole"][k], runs["torch"][k]) for k in runs["whole"])
+
+
+def test_the_check_job_refuses_dali_where_it_does_not_import(monkeypatch):
+    import sys
+
+    from imagenet_ddp.training.dali_loader import dali_problem
+
+    assert dali_problem(_cfg(loader="dali")) is None and dali_problem(_cfg()) is None
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # as if not installed
+    problem = dali_problem(_cfg(loader="dali"))
+    assert problem.startswith("runs[].loader 'dali': nvidia.dali does not import")
+    assert problem.endswith("install imagenet-ddp[dali] there, or set loader: pytorch")
