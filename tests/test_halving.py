@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from imagenet_ddp.settings.halving import Halving, decide, halvings, rungs
+from imagenet_ddp.settings.halving import Halving, decide, halvings, plan_lines, rungs
 
 
 def test_rungs_are_min_epochs_times_powers_of_eta_below_epochs():
@@ -21,6 +21,19 @@ def test_plan_keeps_floor_n_over_eta_and_counts_epochs():
     assert halving.plan() == [(1, 9), (3, 3), (9, 1)]
     assert halving.planned_epochs() == 9 * 1 + 3 * 2 + 1 * 6  # against 81 unpruned
     assert Halving(0, ("a", "b"), 3, (1,), 4).plan() == [(1, 2), (4, 1)]  # at least one
+
+
+def test_the_dry_runs_plan_line_counts_run_and_gpu_epochs_against_the_grid():
+    names = tuple(f"r{i}" for i in range(9))
+    halving = Halving(0, names, 3, (1, 3), 9)
+    on_gpus = {n: {"nodes": 2, "gpus_per_node": 8} for n in names}
+    [line] = plan_lines({0: halving}, on_gpus)
+    assert line == (
+        "sweep[0] prune (eta 3): 9 to epoch 1, 3 to epoch 3, 1 to epoch 9; 21 run-epochs "
+        "planned, 81 unpruned (26%); 16 GPUs a run: 336 GPU-epochs against 1296"
+    )
+    mixed = {**on_gpus, "r0": {"nodes": 1, "gpus_per_node": 8}}  # no one GPU count: run-epochs
+    assert plan_lines({0: halving}, mixed)[0].endswith("81 unpruned (26%)")
 
 
 def _metrics(tmp_path, figures):

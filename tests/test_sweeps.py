@@ -3,6 +3,10 @@ workflow's dry-run of an expanded sweep (its rerun behaviour: tests/test_workflo
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -209,6 +213,7 @@ def test_pruned_sweep_trains_by_rungs_and_its_survivor_equals_the_run_alone(tmp_
     import torch
 
     from tests.workflow_helpers import (
+        SNAKEMAKE,
         copy_workflow,
         planned_jobs,
         read_config,
@@ -225,8 +230,27 @@ def test_pruned_sweep_trains_by_rungs_and_its_survivor_equals_the_run_alone(tmp_
     write_config(workdir, config)
     dry = snakemake(workdir, "-n", "--profile", "profiles/local")
     assert "4 to epoch 1, 2 to epoch 2, 1 to epoch 3" in dry.stderr
-    snakemake(workdir, "--profile", "profiles/local")
+    assert "7 run-epochs planned, 12 unpruned" in dry.stderr
     w = workdir / "results"
+    # Snakemake killed (SIGKILL to its group, jobs included: a dying login node) once a
+    # second-rung job has started, then unlocked and started again: it finishes, and no
+    # finished first-rung stage trains again.
+    with open(tmp_path / "first.log", "w") as out:
+        first_run = subprocess.Popen([*SNAKEMAKE, "--profile", "profiles/local"], cwd=workdir,
+                                     stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 900
+    while not any(w.glob("runs/*/rungs/2")):
+        log = (tmp_path / "first.log").read_text()
+        assert first_run.poll() is None and time.monotonic() < deadline, log[-4000:]
+        time.sleep(0.5)
+    os.killpg(first_run.pid, signal.SIGKILL)
+    first_run.wait()
+    stamps = {p: p.stat().st_mtime_ns for p in w.glob("runs/*/rungs/1/model.pt")}
+    assert len(stamps) == 4 and (w / "sweeps/0/rung-1.json").is_file()
+    snakemake(workdir, "--unlock")
+    snakemake(workdir, "--profile", "profiles/local")
+    assert {p: p.stat().st_mtime_ns for p in w.glob("runs/*/rungs/1/model.pt")} == stamps
     first = json.loads((w / "sweeps/0/rung-1.json").read_text())
     second = json.loads((w / "sweeps/0/rung-2.json").read_text())
     assert len(first["survivors"]) == 2 and len(second["survivors"]) == 1

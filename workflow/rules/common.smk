@@ -387,7 +387,7 @@ _names = lambda names: "|".join(re.escape(n) for n in names) or "(?!)"
 PRUNED_RUNS = _names(HALVING_OF)
 UNPRUNED_RUNS = _names([n for n in RUNS if n not in HALVING_OF])
 if MAIN_PARSE:
-    for _line in plan_lines(HALVINGS):
+    for _line in plan_lines(HALVINGS, RUNS):
         print(_line, file=sys.stderr)
 
 

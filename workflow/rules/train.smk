@@ -170,6 +170,7 @@ checkpoint prune:
         runs=prune_runs,
         eta=lambda wildcards: HALVINGS[int(wildcards.sweep)].eta,
         metric=lambda wildcards: HALVINGS[int(wildcards.sweep)].metric,
+        version=STAGE_VERSIONS["prune"],
     shell:
         "imagenet-ddp prune --sweep {wildcards.sweep} --epoch {wildcards.epoch}"
         " --eta {params.eta} --metric {params.metric} --runs {params.runs:q}"
@@ -201,6 +202,7 @@ rule rung_final:
         rung_dir=lambda wildcards, input: os.path.dirname(input[0]),
         epoch=lambda wildcards, input: os.path.basename(os.path.dirname(input[0])),
         epochs=lambda wildcards: HALVING_OF[wildcards.run].epochs,
+        version=STAGE_VERSIONS["rung_final"],
     shell:
         "imagenet-ddp rung-final --rung-dir {params.rung_dir:q} --run-dir"
         " results/runs/{wildcards.run} --epoch {params.epoch} --epochs {params.epochs}"

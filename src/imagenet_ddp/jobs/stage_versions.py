@@ -18,4 +18,6 @@ STAGE_VERSIONS = {
     "accounting": 1,
     "aggregate": 2,
     "plots": 2,
+    "prune": 1,
+    "rung_final": 1,
 }

@@ -112,15 +112,21 @@ def previous_stage(halving: Halving, epoch: int) -> int | None:
     return stages[position - 1] if position else None
 
 
-def plan_lines(found: Mapping[int, Halving], hours_per_epoch=None) -> list[str]:
-    """The dry-run's lines: each sweep's rungs, runs per rung, the epochs (and GPU-hours where
-    ``hours_per_epoch(run)`` gives each run's) planned against the full grid's."""
+def plan_lines(found: Mapping[int, Halving], runs: Mapping[str, Mapping]) -> list[str]:
+    """The dry-run's lines: each sweep's rungs, runs per rung, the run-epochs planned against
+    the full grid's and, where its runs share a GPU count, the GPU-epochs (GPU-hours at one
+    epoch's time, which the preflight measures)."""
     lines = []
     for halving in found.values():
         stages = ", ".join(f"{alive} to epoch {epoch}" for epoch, alive in halving.plan())
-        full = len(halving.runs) * halving.epochs
-        line = (f"sweep[{halving.index}] prune (eta {halving.eta}): {stages}; "
-                f"{halving.planned_epochs()} run-epochs planned, {full} unpruned")  # fmt: skip
+        planned, full = halving.planned_epochs(), len(halving.runs) * halving.epochs
+        line = (
+            f"sweep[{halving.index}] prune (eta {halving.eta}): {stages}; "
+            f"{planned} run-epochs planned, {full} unpruned ({planned / full:.0%})"
+        )
+        gpus = {runs[n]["nodes"] * runs[n].get("gpus_per_node", 0) for n in halving.runs}
+        if len(gpus) == 1 and (g := gpus.pop()) > 0:
+            line += f"; {g} GPUs a run: {planned * g} GPU-epochs against {full * g}"
         lines.append(line)
     return lines
 
