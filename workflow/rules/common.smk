@@ -270,7 +270,7 @@ def train_slurm_extra(wildcards):
 LAUNCH_PREFIX = {}
 for _name in ("train", "evaluate"):
     LAUNCH_PREFIX[_name], _problem = launch_prefix(
-        RESOURCES.names[_name], RESOURCES.get(_name, "mpi")
+        RESOURCES.names[_name], RESOURCES.value(_name, "mpi")
     )
     if _problem:
         refuse([_problem])
@@ -324,7 +324,7 @@ _problems = site_problems(
     config, RUNS, apptainer=_APPTAINER, conda=DeploymentMethod.CONDA in _SDM
 )
 # train's time limit against its stop warning, from the slurm_extra train is submitted with
-_extra = RESOURCES.get("train", "slurm_extra", False) or train_slurm_extra(None)
+_extra = RESOURCES.value("train", "slurm_extra", False) or train_slurm_extra(None)
 _problems += filter(None, [stop_warning_problem(TRAIN_RUNTIME, _extra)])
 if _problems:
     refuse(_problems)

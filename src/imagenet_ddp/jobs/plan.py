@@ -40,7 +40,7 @@ class RuleResources:
         self.names = {name: workflow.modifier.modify_rulename(name) for name in rules}
         self._workflow = workflow
 
-    def get(self, rule: str, key: str, defaults: bool = True) -> Any:
+    def value(self, rule: str, key: str, defaults: bool = True) -> Any:
         """A resource that set-resources gives `rule`, else default-resources (where
         `defaults`); a number, a string, or None (unset, or an expression such as
         `60 * attempt`, not evaluated here). Read through Snakemake's public ResourceSettings."""
@@ -65,7 +65,7 @@ class RuleResources:
 
     def number(self, rule: str, key: str) -> float | None:
         """get's value where it is a number (train's runtime, mem_mb); else None."""
-        value = self.get(rule, key)
+        value = self.value(rule, key)
         return value if isinstance(value, (int, float)) else None
 
 
