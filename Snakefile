@@ -63,3 +63,5 @@ rule all:
         # every run's rerun keys: a changed setting or data content is a missing key, which
         # Snakemake plans under every trigger set (common.smk key_files)
         key_files,
+        # every pruned sweep's rung decisions: made again when a rung's figures change
+        PRUNE_DECISIONS,

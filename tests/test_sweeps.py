@@ -225,7 +225,7 @@ def test_pruned_sweep_trains_by_rungs_and_its_survivor_equals_the_run_alone(tmp_
     config = read_config(workdir)
     del config["runs"]
     config["sweep"] = [{"name": "r{lr}", "settings": {"tasks_per_node": 1},
-                        "grid": {"lr": [0.05, 0.1, 0.2, 0.4]},
+                        "zip": {"lr": [0.05, 0.1, 0.2, 0.4], "weight_decay": [1e-4] * 4},
                         "prune": {"eta": 2, "min_epochs": 1}}]  # fmt: skip
     write_config(workdir, config)
     dry = snakemake(workdir, "-n", "--profile", "profiles/local")
@@ -267,7 +267,7 @@ def test_pruned_sweep_trains_by_rungs_and_its_survivor_equals_the_run_alone(tmp_
     assert "(pruned" not in rows[survivor]
     # The survivor's settings trained alone, to the end: the same model, bitwise.
     lr = float(survivor[1:])
-    config["runs"] = [{"name": "alone", "tasks_per_node": 1, "lr": lr}]
+    config["runs"] = [{"name": "alone", "tasks_per_node": 1, "lr": lr, "weight_decay": 1e-4}]
     write_config(workdir, config)
     snakemake(workdir, "--profile", "profiles/local", "results/runs/alone/model.pt")
     swept = torch.load(w / f"runs/{survivor}/model.pt", weights_only=True)["model"]
@@ -276,4 +276,26 @@ def test_pruned_sweep_trains_by_rungs_and_its_survivor_equals_the_run_alone(tmp_
     assert all(torch.equal(swept[k], alone[k]) for k in swept)
     del config["runs"]
     write_config(workdir, config)
+    assert planned_jobs(workdir, "--profile", "profiles/local") == {}
+
+    # One run's setting changed (a zip value outside the name): that run's stages train again
+    # from its first rung, the decisions are made again, and no stage of another run that
+    # existed trains again.
+    def stages():
+        return {p: p.stat().st_mtime_ns for p in w.glob("runs/*/rungs/*/model.pt")}
+
+    before, decided = stages(), (w / "sweeps/0/rung-1.json").stat().st_mtime_ns
+    changed = first["pruned"][0]
+    config["sweep"][0]["zip"]["weight_decay"][[f"r{x}" for x in config["sweep"][0]["zip"]["lr"]]
+                                              .index(changed)] = 2e-4  # fmt: skip
+    write_config(workdir, config)
+    snakemake(workdir, "--profile", "profiles/local")
+    after = stages()
+    assert (
+        after[w / f"runs/{changed}/rungs/1/model.pt"]
+        != before[w / f"runs/{changed}/rungs/1/model.pt"]
+    )
+    assert (w / "sweeps/0/rung-1.json").stat().st_mtime_ns != decided
+    others = {p: t for p, t in before.items() if p.parts[-4] != changed}
+    assert {p: after[p] for p in others} == others
     assert planned_jobs(workdir, "--profile", "profiles/local") == {}

@@ -383,6 +383,10 @@ HALVINGS, _problems = halvings(config, _WRITTEN, RUNS)
 if _problems:
     refuse(_problems)
 HALVING_OF = by_run(HALVINGS)
+# Every rung's decision, asked for by `all`: only a target's input is decided again when the
+# rung's figures are newer (an input function's checkpoints.prune.get() alone reads the file).
+PRUNE_DECISIONS = [f"results/sweeps/{h.index}/rung-{epoch}.json"
+                   for h in HALVINGS.values() for epoch in h.rungs]  # fmt: skip
 _names = lambda names: "|".join(re.escape(n) for n in names) or "(?!)"
 PRUNED_RUNS = _names(HALVING_OF)
 UNPRUNED_RUNS = _names([n for n in RUNS if n not in HALVING_OF])
