@@ -86,7 +86,9 @@ def make_job(kind: str = "train", run: dict | None = None, root="/nowhere", **gi
                                   given.pop("device", "cpu"))  # fmt: skip
         job = J.EvalJob(Geometry.of(run), settings, paths, execution)
     elif kind == "preflight":
-        job = J.PreflightJob(run, paths, execution, given.pop("train_runtime_minutes", None))
+        job = J.PreflightJob(
+            run, paths, execution, train_runtime_minutes=given.pop("train_runtime_minutes", None)
+        )
     else:
         job = J.TrainJob(run, paths, execution)
     assert not given, f"make_job: unknown {sorted(given)}"

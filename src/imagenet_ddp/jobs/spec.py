@@ -112,7 +112,8 @@ class TrainJob:
     execution: Execution
     # A rung of a pruned sweep (settings.halving): the run's schedule, stopped after this many
     # epochs with the outputs of that epoch (its holdout evaluated); None: to the end.
-    stop_epoch: int | None = None
+    # Keyword-only: a subclass's own fields keep their positions.
+    stop_epoch: int | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if self.execution.stage is None:
