@@ -286,9 +286,11 @@ def test_every_way_of_stopping_a_job_checkpoints_and_the_run_finishes_in_one_inv
     stage = slurm_cluster.node_scratch_config()  # the nodes' own tmpfs, as a site user sets it
     workdir = copy_workflow(tmp_path / "wf", runs=[RUN], stage=stage).resolve()
     target = "results/prepared/train.json"  # names the copy in prepare.dir
-    snakemake(
-        workdir, "--profile", "profiles/local", target, "results/split/train.csv"
-    )  # fmt: skip  (the data steps are not what is tested)
+    # Every data stage, data_content included: the two invocations below share the workdir
+    # (--nolock), and each would otherwise run the missing ones too, one rewriting the records
+    # the other's rerun key is made of (its key job then ran with the placeholder).
+    data = (target, "results/split/train.csv", "results/data/content.json")
+    snakemake(workdir, "--profile", "profiles/local", *data)  # (the data steps are not tested)
     prepared = resolve_prepared(workdir / target)
     # with the profile's rerun triggers, as the run below (without them, Snakemake's `input`
     # trigger replans index: its verify gate is an input only until verify has run)
