@@ -69,6 +69,28 @@ def test_dali_batches_are_the_pytorch_paths_within_resampling_tolerance():
         assert (a.float() - b.float()).abs().mean() < 3.0
 
 
+def test_trivialaugment_through_dali_is_the_pytorch_paths_within_tolerance():
+    """The policy after the crop and flip, as torchvision's order: a policy applied before the
+    flip, or another draw, moves the geometric ops' samples by tens of levels. Equalize and
+    AutoContrast apart: on these small smooth crops their pixels differ more (EXTREMES)."""
+    from imagenet_ddp.training.dali_augment import OP_NAMES
+
+    ours = _batches("pytorch", auto_augment="trivialaugment", hflip=1.0)
+    dali = _batches("dali", auto_augment="trivialaugment", hflip=1.0)
+    cfg = _cfg(loader="dali", auto_augment="trivialaugment", hflip=1.0)
+    dataset = SeededAugmentation(Encoded(), recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
+    sampler = EpochSampler(len(dataset), 1, 0, cfg.seed, 2)
+    sampler.set_epoch(1, 0)
+    loader = train_loader(dataset, sampler, 2, 0, False, cfg=cfg, device=torch.device("cpu"))
+    ops = [OP_NAMES[int(op)] for op in loader.batch_inputs(list(sampler))[8]]
+    images = [(a[i], b[i]) for (a, _), (b, _) in zip(ours, dali, strict=True) for i in range(2)]
+    assert all(torch.equal(ta, tb) for (_, ta), (_, tb) in zip(ours, dali, strict=True))
+    compared = [(op, float((a.float() - b.float()).abs().mean()))
+                for op, (a, b) in zip(ops, images, strict=True)
+                if op not in ("Equalize", "AutoContrast")]  # fmt: skip
+    assert len(compared) >= 6 and all(diff < 3.0 for _, diff in compared), compared
+
+
 def test_flip_agreement_at_probability_one_and_zero():
     for hflip in (0.0, 1.0):
         (a, _), *_ = _batches("pytorch", hflip=hflip)
@@ -89,23 +111,129 @@ def test_random_erasing_erases_the_same_boxes():
     assert 0 < erased < 12  # some samples erased, not all
 
 
-def test_a_resume_and_another_rank_count_see_the_same_samples():
-    whole = _batches("dali")
-    resumed = _batches("dali", skip=2)  # from optimizer step 2 on
+@pytest.mark.parametrize("policy", ["none", "trivialaugment"])
+def test_a_resume_and_another_rank_count_see_the_same_samples(policy):
+    whole = _batches("dali", auto_augment=policy)
+    resumed = _batches("dali", skip=2, auto_augment=policy)  # from optimizer step 2 on
     assert all(torch.equal(a[0], b[0]) for a, b in zip(whole[2:], resumed, strict=True))
-    two = [_batches("dali", world=2, rank=r, batch=1) for r in (0, 1)]
+    two = [_batches("dali", world=2, rank=r, batch=1, auto_augment=policy) for r in (0, 1)]
     for step, (images, targets) in enumerate(whole):  # ranks 0 and 1 share each global batch
         assert torch.equal(torch.cat([two[0][step][0], two[1][step][0]]), images)
         assert torch.equal(torch.cat([two[0][step][1], two[1][step][1]]), targets)
 
 
-def test_dali_refuses_the_augmentations_it_cannot_seed_per_sample():
+def test_dali_refuses_timms_rand_augment_only():
     from imagenet_ddp.settings.run_checks import _recipe_problems
 
     run = {**declarations().rank_defaults(), "crop_size": 224, "model": "resnet18"}
-    assert not [p for p in _recipe_problems({**run, "loader": "dali"}) if "loader" in p]
-    found = _recipe_problems({**run, "loader": "dali", "auto_augment": "trivialaugment"})
-    assert any(p.startswith("runs[].loader 'dali' with auto_augment:") for p in found), found
+    for policy in ("none", "trivialaugment", "randaugment", "autoaugment"):
+        found = _recipe_problems({**run, "loader": "dali", "auto_augment": policy})
+        assert not [p for p in found if "loader" in p], (policy, found)
+    found = _recipe_problems({**run, "loader": "dali", "auto_augment": "rand-m9-mstd0.5-inc1"})
+    assert any(p.startswith("runs[].loader 'dali' with auto_augment 'rand-m9") for p in found)
+
+
+def _scene(size: int = 48) -> np.ndarray:
+    """HWC uint8 with ramps, a bright block and a dark corner: every op changes it visibly."""
+    y, x = np.mgrid[0:size, 0:size]
+    pixels = np.stack([x * 5, y * 5, (x + y) * 3 % 255], axis=-1).astype(np.uint8)
+    pixels[12:30, 8:26] = 210
+    pixels[:8, -8:] = 10
+    return pixels
+
+
+def _through_dali(images: list, draws: list) -> list[np.ndarray]:
+    """``images`` (HWC) through dali_augment.apply with each image's (op, parameter) slots."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    from imagenet_ddp.training import dali_augment
+
+    slots = len(draws[0])
+    columns = [[np.int32(d[k][0]) if j == 0 else np.float32(d[k][1]) for d in draws]
+               for k in range(slots) for j in (0, 1)]  # fmt: skip
+
+    @pipeline_def(batch_size=len(images), num_threads=1, device_id=None,
+                  enable_conditionals=True)  # fmt: skip
+    def pipe():
+        layout = ["HWC"] + [""] * 2 * slots
+        data, *flat = fn.external_source(source=lambda: [images, *columns], batch=True,
+                                         num_outputs=1 + 2 * slots, layout=layout)  # fmt: skip
+        return dali_augment.apply(data, flat, types.INTERP_LINEAR)
+
+    built = pipe()
+    built.build()
+    (out,) = built.run()
+    return [out.at(i) for i in range(len(images))]
+
+
+# Every op of torchvision's policies at its extremes (largest magnitude, both signs, TrivialAugment
+# Wide's ranges, the wider): DALI's within two levels of torchvision's on average, Equalize within
+# 15 (DALI's follows OpenCV's lookup table: ~11 on this scene).
+EXTREMES = [("Identity", 0.0), ("ShearX", 0.99), ("ShearX", -0.99), ("ShearY", 0.99),
+            ("ShearY", -0.3), ("TranslateX", 32.0), ("TranslateX", -10.7), ("TranslateY", 32.0),
+            ("TranslateY", -150.0 / 331 * 48), ("Rotate", 135.0), ("Rotate", -30.0),
+            ("Brightness", 0.99), ("Brightness", -0.99), ("Color", 0.99), ("Color", -0.99),
+            ("Contrast", 0.99), ("Contrast", -0.99), ("Sharpness", 0.99), ("Sharpness", -0.99),
+            ("Posterize", 2.0), ("Posterize", 8.0), ("Solarize", 0.0), ("Solarize", 1.0),
+            ("Solarize", 0.5), ("AutoContrast", 0.0), ("Equalize", 0.0),
+            ("Invert", 0.0)]  # fmt: skip
+UNCHANGED = {("Identity", 0.0), ("Posterize", 8.0), ("Solarize", 1.0)}  # all bits, threshold 255
+
+
+def test_every_policy_op_at_its_extremes_is_torchvisions_within_a_level():
+    from torchvision.transforms import v2
+
+    from imagenet_ddp.training import dali_augment
+
+    policy = v2.TrivialAugmentWide(interpolation=v2.InterpolationMode.BILINEAR)
+    scene = _scene()
+    index, parameter = dali_augment.OP_NAMES.index, dali_augment.dali_parameter
+    draws = [[(index(n), parameter(n, m))] for n, m in EXTREMES]
+    dali = _through_dali([scene] * len(EXTREMES), draws)
+    for (name, magnitude), b in zip(EXTREMES, dali, strict=True):
+        image = torch.from_numpy(scene).permute(2, 0, 1).contiguous()
+        a = policy._apply_image_or_video_transform(
+            image, name, magnitude, interpolation=policy.interpolation, fill=policy._fill
+        )
+        diff = np.abs(a.permute(1, 2, 0).numpy().astype(float) - b.astype(float))
+        changed = np.abs(a.permute(1, 2, 0).numpy().astype(float) - scene).mean()
+        assert diff.mean() < (15.0 if name == "Equalize" else 2.0), (name, magnitude, diff.mean())
+        assert (name, magnitude) in UNCHANGED or changed > 1.0, (name, magnitude)  # it acted
+
+
+@pytest.mark.parametrize("name", ["trivialaugment", "randaugment", "autoaugment"])
+def test_each_policys_draws_are_torchvisions_own_for_the_same_seed(name):
+    """Under one seed, the recorded draws are the ops and magnitudes torchvision's policy applies
+    to the same crop, exactly; DALI applying them gives its image (samples that drew Equalize
+    apart: its pixels differ, see EXTREMES)."""
+    from torchvision.transforms import v2
+
+    from imagenet_ddp.training import dali_augment
+
+    mode, scene, names = v2.InterpolationMode.BILINEAR, _scene(), dali_augment.OP_NAMES
+    expected, draws = [], []
+    for seed in range(40):
+        policy, applied = recipe.POLICIES[name](mode), []
+        apply_op = policy._apply_image_or_video_transform
+
+        def spy(image, op, magnitude, apply_op=apply_op, applied=applied, **kwargs):
+            applied.append((names.index(op), dali_augment.dali_parameter(op, magnitude)))
+            return apply_op(image, op, magnitude, **kwargs)
+
+        policy._apply_image_or_video_transform = spy
+        torch.manual_seed(seed)
+        image = policy(torch.from_numpy(scene).permute(2, 0, 1)).permute(1, 2, 0).numpy()
+        torch.manual_seed(seed)
+        count = dali_augment.slots(name)
+        drawn = dali_augment.recorded_draws(recipe.POLICIES[name](mode), 48, count)
+        assert [d for d in drawn if d[0]] == [a for a in applied if a[0]], (name, seed)
+        expected.append(image)
+        draws.append(drawn)
+    assert len({tuple(op for op, _ in d) for d in draws}) > 5  # the draws vary with the seed
+    dali = _through_dali([scene] * len(draws), draws)
+    for a, b, drawn in zip(expected, dali, draws, strict=True):
+        if names.index("Equalize") not in [op for op, _ in drawn]:
+            assert np.abs(a.astype(float) - b.astype(float)).mean() < 2.0, (name, drawn)
 
 
 def test_a_dali_run_where_the_jobs_lack_dali_is_refused_in_one_line():
@@ -146,7 +274,7 @@ def test_the_worker_trains_through_dali_and_resumes_bitwise(prepared_demo, demo_
 def test_the_check_job_refuses_dali_where_it_does_not_import(monkeypatch):
     import sys
 
-    from imagenet_ddp.training.dali_loader import dali_problem
+    from imagenet_ddp.training.recipe import dali_problem
 
     assert dali_problem(_cfg(loader="dali")) is None and dali_problem(_cfg()) is None
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # as if not installed

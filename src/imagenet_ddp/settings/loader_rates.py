@@ -32,7 +32,7 @@ GPU_STEP_RATES = {
 }
 
 WAYS_OUT = (
-    "loader: dali (GPU decoding, runs without auto_augment), more cpus_per_task, or a "
+    "loader: dali (GPU decoding and augmentation, not timm's RandAugment), more cpus_per_task, or a "
     "smaller prepare.short_side"
 )
 

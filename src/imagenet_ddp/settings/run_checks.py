@@ -197,15 +197,15 @@ def _recipe_problems(run: Mapping) -> list[str]:
 
 
 def _dali_problem(run: Mapping) -> str | None:
-    """``loader: dali`` with a draw DALI cannot seed per sample (training.dali_loader)."""
-    if run.get("loader") != "dali":
-        return None
-    if run.get("auto_augment", "none") == "none":
+    """``loader: dali`` with timm's RandAugment: its ops are Pillow's, which DALI's differ from
+    (torchvision's policies run through it: training.dali_augment)."""
+    if run.get("loader") != "dali" or not run.get("auto_augment", "none").startswith("rand-"):
         return None
     return (
-        "runs[].loader 'dali' with auto_augment: DALI's augmentation draws cannot be seeded per "
-        "sample, so a resume or another rank count would change them; set loader: pytorch, or "
-        "auto_augment: none (docs/configuration.md)"
+        f"runs[].loader 'dali' with auto_augment {run['auto_augment']!r}: timm's RandAugment runs "
+        "Pillow's ops (its magnitude noise and increasing ops included), which DALI does not "
+        "reproduce; set loader: pytorch, or a torchvision policy (trivialaugment, randaugment, "
+        "autoaugment) that loader: dali applies (docs/configuration.md)"
     )
 
 

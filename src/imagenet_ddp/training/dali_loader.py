@@ -8,9 +8,10 @@ rank or worker count and after a resume (the sampler's skip). DALI decodes the w
 (``fn.decoders.image_slice``: ``mixed``, the GPU's decoder, on CUDA; ``cpu`` otherwise), resizes
 it with the run's interpolation, flips it and hands uint8 CHW batches on, normalized on the
 device as the pytorch path's. Pixels differ from that path by resampling only (it decodes at a
-reduced DCT scale first). DALI's own random ops are seeded per operator, not per sample, so the
-recipes' auto_augment is refused with it (settings.run_checks); random erasing is drawn here
-and erased by DALI (``fn.erase``).
+reduced DCT scale first). DALI's own random ops are seeded per operator, not per sample, so every
+draw is made here: torchvision's auto_augment policies' ops and magnitudes (training.dali_augment,
+applied by DALI), random erasing's boxes (erased by ``fn.erase``). timm's RandAugment is refused
+with it (settings.run_checks).
 """
 
 from __future__ import annotations
@@ -21,39 +22,30 @@ import torch
 from torchvision.transforms import v2
 
 from imagenet_ddp.models import input_normalization
+from imagenet_ddp.training import dali_augment, recipe
 
 INTERPOLATION = {"bilinear": "INTERP_LINEAR", "bicubic": "INTERP_CUBIC"}
 
 
-def dali_problem(cfg) -> str | None:
-    """The check job's line where this environment cannot run ``loader: dali``."""
-    if getattr(cfg, "loader", "pytorch") != "dali":
-        return None
-    try:
-        import nvidia.dali  # noqa: F401
-    except ImportError as error:
-        return (
-            f"runs[].loader 'dali': nvidia.dali does not import in the jobs' environment "
-            f"({error}); install imagenet-ddp[dali] there, or set loader: pytorch"
-        )
-    return None
-
-
-def sample_window(seed: int, height: int, width: int, crop, hflip: float, erasing=None):
-    """(top, left, height, width, flip, erased) of one sample: the draws of the pytorch path's
-    RandomResizedCrop box (on the image's size), its flip and then its RandomErasing
-    (``erasing``; erased: the (top, left, height, width) on the output, zeros for none), from
-    ``seed``, in the order that path's transform draws them (recipe.sample_transform)."""
+def sample_window(seed: int, height: int, width: int, crop, hflip: float, erasing=None,
+                  policy=None, slots: int = 0):  # fmt: skip
+    """(top, left, height, width, flip, erased, draws) of one sample: the draws of the pytorch
+    path's RandomResizedCrop box (on the image's size), its flip, its auto_augment ``policy``'s
+    ops (``slots`` (op, parameter) pairs: dali_augment.recorded_draws) and then its
+    RandomErasing (``erasing``; erased: the (top, left, height, width) on the output, zeros for
+    none), from ``seed``, in the order that path's transform draws them
+    (recipe.sample_transform)."""
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
         box = crop.make_params([torch.empty((1, 1, 1)).expand(1, height, width)])
         flip = bool(torch.rand(1) < hflip)
+        draws = dali_augment.recorded_draws(policy, crop.size[0], slots) if slots else []
         erased = (0, 0, 0, 0)
         if erasing is not None and torch.rand(1) < erasing.p:
             size = crop.size
             drawn = erasing.make_params([torch.empty((3, 1, 1)).expand(3, *size)])
             erased = (0, 0, 0, 0) if drawn["v"] is None else tuple(drawn[k] for k in "ijhw")
-    return box["top"], box["left"], box["height"], box["width"], flip, erased
+    return box["top"], box["left"], box["height"], box["width"], flip, erased, draws
 
 
 class DaliLoader:
@@ -63,6 +55,7 @@ class DaliLoader:
     def __init__(self, dataset, sampler, cfg, batch_size: int, workers: int, device):
         self.dataset, self.base, self.sampler, self.cfg = dataset, dataset.base, sampler, cfg
         self.batch_size, self.threads, self.device = batch_size, max(1, workers), device
+        self.slots = dali_augment.slots(cfg.auto_augment)
 
     def __len__(self) -> int:
         return len(self.sampler) // self.batch_size
@@ -81,22 +74,32 @@ class DaliLoader:
         mean = input_normalization(self.cfg.model, self.cfg.normalization)[0]
         return tuple(round(255 * m) for m in mean)
 
+    def _policy(self):
+        """The run's torchvision auto_augment policy (its draws only: DALI applies them)."""
+        if not self.slots:
+            return None
+        return recipe.POLICIES[self.cfg.auto_augment](v2.InterpolationMode(self.cfg.interpolation))
+
     def batch_inputs(self, keys: list) -> tuple:
         """The external source's batch: encoded JPEGs, window anchors (x, y) and shapes (w, h),
-        flips, output sizes, erased anchors (y, x) and shapes (h, w), labels, one per key."""
+        flips, output sizes, erased anchors (y, x) and shapes (h, w), labels, then each policy
+        slot's op indices and parameters, one per key."""
         size = self.cfg.crop_for_epoch(keys[0][0])
-        crop, erasing, columns = self._crop(size), self._erasing(), tuple([] for _ in range(8))
+        crop, erasing, policy = self._crop(size), self._erasing(), self._policy()
+        columns = tuple([] for _ in range(8 + 2 * self.slots))
         for key in keys:
             index = key[1]
             data = self.base.read_bytes(index)
             height, width, _, _ = simplejpeg.decode_jpeg_header(data)
             seed = self.dataset.key_seed(key)
-            top, left, h, w, flip, erased = sample_window(
-                seed, height, width, crop, self.cfg.hflip, erasing)  # fmt: skip
-            row = (data, np.array([left, top], np.float32), np.array([w, h], np.float32),
+            top, left, h, w, flip, erased, draws = sample_window(
+                seed, height, width, crop, self.cfg.hflip, erasing, policy, self.slots)  # fmt: skip
+            row = [data, np.array([left, top], np.float32), np.array([w, h], np.float32),
                    np.array(flip, np.int32), np.array([size, size], np.float32),
                    np.array(erased[:2], np.float32), np.array(erased[2:], np.float32),
-                   np.array(int(self.base.targets[index]), np.int64))  # fmt: skip
+                   np.array(int(self.base.targets[index]), np.int64)]  # fmt: skip
+            for op, parameter in draws:
+                row += [np.array(op, np.int32), np.array(parameter, np.float32)]
             for column, value in zip(columns, row, strict=True):
                 column.append(value)
         return columns
@@ -115,15 +118,19 @@ class DaliLoader:
         device_id = (self.device.index or 0) if gpu else None
 
         @pipeline_def(batch_size=self.batch_size, num_threads=self.threads,
-                      device_id=device_id, seed=self.cfg.seed)  # fmt: skip
+                      device_id=device_id, seed=self.cfg.seed,
+                      enable_conditionals=self.slots > 0)  # fmt: skip
         def crops():
-            jpegs, anchor, shape, flip, size, erase_at, erase, label = fn.external_source(
-                source=self._batches(), num_outputs=8, cycle=False)  # fmt: skip
+            jpegs, anchor, shape, flip, size, erase_at, erase, label, *draws = fn.external_source(
+                source=self._batches(), num_outputs=8 + 2 * self.slots, cycle=False)  # fmt: skip
             images = fn.decoders.image_slice(
                 jpegs, anchor, shape, axis_names="WH", normalized_anchor=False,
                 normalized_shape=False, device="mixed" if gpu else "cpu",
                 output_type=types.RGB)  # fmt: skip
             images = fn.resize(images, size=size, interp_type=interp, antialias=True)
+            if draws:  # torchvision's order: the policy after the flip
+                images = fn.flip(images, horizontal=flip)
+                images, flip = dali_augment.apply(images, draws, interp), 0
             images = fn.crop_mirror_normalize(images, mirror=flip, dtype=types.UINT8,
                                               output_layout="CHW")  # fmt: skip
             images = fn.erase(images, anchor=erase_at, shape=erase, axis_names="HW",

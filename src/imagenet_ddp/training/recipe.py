@@ -267,13 +267,25 @@ def transform_problems(cfg: TrainConfig) -> list[str]:
     return problems
 
 
+def dali_problem(cfg) -> str | None:
+    """The check job's line where this environment cannot run ``loader: dali``."""
+    if getattr(cfg, "loader", "pytorch") != "dali":
+        return None
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError as error:
+        return (
+            f"runs[].loader 'dali': nvidia.dali does not import in the jobs' environment "
+            f"({error}); install imagenet-ddp[dali] there, or set loader: pytorch"
+        )
+    return None
+
+
 def write_check(run_json: str, num_classes: int, run_dir, out) -> None:
     """The ``check`` stage: settings.run_checks.write_check, the run's transforms too."""
     from imagenet_ddp.settings import run_checks
 
     def transforms(run: dict) -> list[str]:
-        from imagenet_ddp.training.dali_loader import dali_problem
-
         cfg = TrainConfig.from_dict(run)
         return [p for p in [dali_problem(cfg)] if p] + transform_problems(cfg)
 
