@@ -18,9 +18,10 @@ median over repetitions is reported; the candidates' order rotates every repetit
 * **TorchCodec** (info, when ``torchcodec`` is installed): ``torchcodec.decoders.decode_jpeg``
   in place of torchvision's in the path before.
 * **DALI CPU** (when DALI, the ``dali`` extra, is installed): ``loader: dali`` on DALI's CPU
-  backend, one thread (``training.dali_loader.DaliLoader``, batches of 8): the same seeded crop
-  windows and flips drawn in Python, the window alone decoded by ``fn.decoders.image_slice``,
-  resized, flipped, uint8 CHW; each pass builds its pipeline (counted).
+  backend, one thread, ``workers`` 0 (``training.dali_loader.DaliLoader``, batches of 8, the
+  draws in this process): the same seeded crop windows and flips drawn in Python, the window
+  alone decoded by ``fn.decoders.image_slice``, resized, flipped, uint8 CHW; each pass builds its
+  pipeline (counted).
 * **baseline**: ``torchvision.datasets.ImageFolder`` with its default PIL loader on the
   extracted original JPEGs + ``transforms.RandomResizedCrop`` / ``RandomHorizontalFlip`` /
   ``ToTensor`` / ``Normalize`` (the PyTorch ImageNet example's training pipeline).
@@ -102,6 +103,15 @@ def _has_dali() -> bool:
     return importlib.util.find_spec("nvidia.dali") is not None
 
 
+class _Keys(list):
+    """A fixed order as the loader's sampler: epoch 0, nothing skipped."""
+
+    epoch, skip = 0, 0
+
+    def set_epoch(self, epoch: int, skip_steps: int = 0) -> None:
+        pass
+
+
 class DaliCPU:
     """``loader: dali`` on DALI's CPU backend over the prepared copy, as training reads it."""
 
@@ -117,7 +127,7 @@ class DaliCPU:
         self.cfg = SimpleNamespace(
             loader="dali", crop_scale=(0.08, 1.0), crop_ratio=(3 / 4, 4 / 3),
             hflip=0.5, interpolation="bilinear", seed=0, crop_for_epoch=lambda epoch: crop,
-            model="resnet50", normalization="imagenet",
+            model="resnet50", normalization="imagenet", auto_augment="none",
         )  # fmt: skip
 
     def _loader(self, order: list[int]):
@@ -125,8 +135,8 @@ class DaliCPU:
 
         from imagenet_ddp.training.dali_loader import DaliLoader
 
-        keys = [(0, i) for i in order][: len(order) // self.BATCH * self.BATCH]
-        return DaliLoader(self.seeded, keys, self.cfg, self.BATCH, 1, torch.device("cpu"))
+        keys = _Keys([(0, i) for i in order][: len(order) // self.BATCH * self.BATCH])
+        return DaliLoader(self.seeded, keys, self.cfg, self.BATCH, 0, torch.device("cpu"))
 
     def batched_pass(self, order: list[int]) -> None:
         for _ in self._loader(order):

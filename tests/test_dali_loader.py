@@ -5,6 +5,9 @@ pixels within resampling tolerance (DALI decodes the full-scale window, ours a D
 from __future__ import annotations
 
 import io
+import os
+import signal
+import subprocess
 
 import numpy as np
 import pytest
@@ -50,11 +53,11 @@ def _cfg(**changes) -> TrainConfig:
     return TrainConfig.from_dict(run)
 
 
-def _batches(loader_name, world=1, rank=0, skip=0, batch=2, **changes):
+def _batches(loader_name, world=1, rank=0, skip=0, batch=2, epoch=1, **changes):
     cfg = _cfg(loader=loader_name, **changes)
     dataset = SeededAugmentation(Encoded(), recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
     sampler = EpochSampler(len(dataset), world, rank, cfg.seed, batch)
-    sampler.set_epoch(1, skip)
+    sampler.set_epoch(epoch, skip)
     loader = train_loader(dataset, sampler, batch, 0, False, cfg=cfg, device=torch.device("cpu"))
     return list(loader)
 
@@ -120,6 +123,31 @@ def test_a_resume_and_another_rank_count_see_the_same_samples(policy):
     for step, (images, targets) in enumerate(whole):  # ranks 0 and 1 share each global batch
         assert torch.equal(torch.cat([two[0][step][0], two[1][step][0]]), images)
         assert torch.equal(torch.cat([two[0][step][1], two[1][step][1]]), targets)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_one_pipeline_serves_the_passes_that_follow(workers):
+    """Built once, the loader's pipeline gives epoch 1 from step 1 (a resume) and then epoch 2
+    whole as fresh loaders give them, its draws in the rank's thread (workers 0) or in 2 DALI
+    worker processes; a sampler set back to epoch 1 builds anew, and right."""
+    cfg = _cfg(loader="dali", auto_augment="trivialaugment")
+    dataset = SeededAugmentation(Encoded(), recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
+    sampler = EpochSampler(len(dataset), 1, 0, cfg.seed, 2)
+    loader = train_loader(dataset, sampler, 2, workers, False, cfg=cfg, device=torch.device("cpu"))
+    for epoch, skip in ((1, 1), (2, 0), (1, 0)):
+        sampler.set_epoch(epoch, skip)
+        got = list(loader)
+        expected = _batches("dali", skip=skip, epoch=epoch, auto_augment="trivialaugment")
+        assert len(got) == len(expected) == 6 - skip, (epoch, skip)
+        for (a, ta), (b, tb) in zip(got, expected, strict=True):
+            assert torch.equal(a, b) and torch.equal(ta, tb), (epoch, skip)
+    first = loader._pipe
+    sampler.set_epoch(2, 0)
+    assert next(iter(loader))[0].shape == (2, 3, 32, 32) and loader._pipe is None  # mid-pass
+    sampler.set_epoch(2, 0)
+    again = _batches("dali", epoch=2, auto_augment="trivialaugment")
+    assert torch.equal(list(loader)[0][0], again[0][0])
+    assert first is not None and loader._pipe is not first  # the unfinished pass: built anew
 
 
 def test_dali_refuses_timms_rand_augment_only():
@@ -248,22 +276,52 @@ def test_a_dali_run_where_the_jobs_lack_dali_is_refused_in_one_line():
     assert optional_component_problems(runs, deployment="") == []  # installed here
 
 
-def test_the_worker_trains_through_dali_and_resumes_bitwise(prepared_demo, demo_split, tmp_path):
-    """The product's worker (one gloo rank) with ``loader: dali``: stopped after 2 steps and
-    resumed, its weights are the unbroken run's bitwise (DALI's CPU pixels are deterministic),
-    and not the pytorch path's (other pixels: DALI read them)."""
-    from tests.test_resume import CONFIG, torchrun, weights
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts its ranks in sessions of their own)."""
+    table = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    pairs = [tuple(map(int, line.split())) for line in table.splitlines() if line.strip()]
+    for child, parent in pairs:
+        children.setdefault(parent, []).append(child)
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
 
-    config = {**CONFIG, "loader": "dali", "auto_augment": "none", "epochs": 1, "run": "dali"}
+
+def test_the_worker_trains_through_dali_and_resumes_bitwise(prepared_demo, demo_split, tmp_path):
+    """The product's worker (one gloo rank) with ``loader: dali``: SIGTERM to every process of
+    the run (the launcher, the rank, its DALI worker process: what SLURM sends at a time limit)
+    checkpoints it, and resumed its weights are the unbroken run's bitwise (DALI's CPU pixels
+    are deterministic; the draws in the rank's thread there, in a DALI worker here), and not
+    the pytorch path's (other pixels: DALI read them)."""
+    from tests.test_resume import CONFIG, output_within, torchrun, weights
+
+    config = {**CONFIG, "loader": "dali", "auto_augment": "trivialaugment", "epochs": 2,
+              "run": "dali"}  # fmt: skip
     train, runs = prepared_demo["train"], {}
-    for name, stops in (("whole", ()), ("resumed", ("--stop-after-steps", "2")), ("torch", ())):
+    for name in ("whole", "resumed", "torch"):
         out, ckpt = tmp_path / name / "out", tmp_path / name / "ckpt"
         if name == "torch":
-            config = {**config, "loader": "pytorch"}
-        first = torchrun(train, demo_split, out, ckpt, *stops, config=config, nproc=1)
-        if stops:
-            assert first.returncode != 0 and "interrupted at epoch 0 step 2" in first.stdout
-            first = torchrun(train, demo_split, out, ckpt, config=config, nproc=1)
+            config = {**config, "loader": "pytorch", "auto_augment": "none"}
+        if name == "resumed":
+            signalled = {**config, "workers": 1}
+            proc = torchrun(train, demo_split, out, ckpt, config=signalled, nproc=1, popen=True)
+            lines = []
+            for line in proc.stdout:
+                lines.append(line)
+                if "epoch 0 step 2/" in line:
+                    break
+            tree = _descendants(proc.pid)
+            assert len(tree) >= 2, lines  # the rank, a DALI worker at least
+            for pid in [proc.pid, *tree]:
+                os.kill(pid, signal.SIGTERM)
+            output = output_within(proc, 180, head="".join(lines))
+            assert "interrupted" in output and proc.returncode != 0, output[-3000:]
+            config = signalled
+        first = torchrun(train, demo_split, out, ckpt, config=config, nproc=1)
         assert first.returncode == 0, first.stdout + first.stderr
         runs[name] = weights(out)
     assert runs["whole"].keys() == runs["resumed"].keys()

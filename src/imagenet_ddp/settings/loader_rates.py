@@ -32,8 +32,8 @@ GPU_STEP_RATES = {
 }
 
 WAYS_OUT = (
-    "loader: dali (GPU decoding and augmentation, not timm's RandAugment), more cpus_per_task, or a "
-    "smaller prepare.short_side"
+    "loader: dali (GPU decoding and augmentation, not timm's RandAugment), more cpus_per_task, "
+    "or a smaller prepare.short_side"
 )
 
 

@@ -16,11 +16,16 @@ with it (settings.run_checks).
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import multiprocessing
+
 import numpy as np
 import simplejpeg
 import torch
 from torchvision.transforms import v2
 
+from imagenet_ddp.jobs.signals import ignore_stop_signals, stop_signals_blocked
 from imagenet_ddp.models import input_normalization
 from imagenet_ddp.training import dali_augment, recipe
 
@@ -55,7 +60,8 @@ class DaliLoader:
     def __init__(self, dataset, sampler, cfg, batch_size: int, workers: int, device):
         self.dataset, self.base, self.sampler, self.cfg = dataset, dataset.base, sampler, cfg
         self.batch_size, self.threads, self.device = batch_size, max(1, workers), device
-        self.slots = dali_augment.slots(cfg.auto_augment)
+        self.workers, self.slots = workers, dali_augment.slots(cfg.auto_augment)
+        self._pipe, self._passes, self._first, self._keys = None, 0, (0, 0), (-1, [])
 
     def __len__(self) -> int:
         return len(self.sampler) // self.batch_size
@@ -104,25 +110,50 @@ class DaliLoader:
                 column.append(value)
         return columns
 
-    def _batches(self):
-        keys = list(iter(self.sampler))
-        for first in range(0, len(self) * self.batch_size, self.batch_size):
-            yield self.batch_inputs(keys[first : first + self.batch_size])
+    def pass_start(self, number: int) -> tuple[int, int]:
+        """(epoch, skipped steps) of the pipeline's pass ``number``: its first is the sampler's
+        when it was built, each next the following epoch from its start (train_epoch's order;
+        :meth:`__iter__` builds again where the sampler says otherwise)."""
+        epoch, skip = self._first
+        return (epoch, skip) if number == 0 else (epoch + number, 0)
+
+    def source(self, info) -> tuple:
+        """The external source (in DALI's worker processes with ``workers`` > 0): the batch
+        ``info.iteration`` of pass ``info.epoch_idx``; StopIteration after its last."""
+        if self._keys[0] != info.epoch_idx:
+            sampler = copy.copy(self.sampler)  # in-process: the loader's own is left alone
+            sampler.set_epoch(*self.pass_start(info.epoch_idx))
+            self._keys = (info.epoch_idx, list(iter(sampler)))
+            if multiprocessing.parent_process() is not None:
+                ignore_stop_signals()  # a DALI worker: the rank decides when to stop
+        keys, first = self._keys[1], info.iteration * self.batch_size
+        if first + self.batch_size > len(keys):
+            raise StopIteration
+        return self.batch_inputs(keys[first : first + self.batch_size])
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_pipe": None}  # DALI's workers get the loader, not its pipeline
 
     def pipeline(self):
-        """The DALI pipeline of one pass (built per pass: its source is that pass's keys)."""
+        """The DALI pipeline, built once for the passes that follow (:meth:`pass_start`). With
+        ``workers`` > 0 the per-sample draws run in as many spawned worker processes (DALI's
+        parallel external source), batches ahead of the decode: in the rank's own thread they
+        would cap it at a few thousand img/s, below a GPU's step."""
         from nvidia.dali import fn, pipeline_def, types
 
         gpu = self.device.type == "cuda"
         interp = getattr(types, INTERPOLATION[self.cfg.interpolation])
         device_id = (self.device.index or 0) if gpu else None
+        workers = self.workers
+        parallel = {"parallel": True, "prefetch_queue_depth": max(2, workers)} if workers else {}
 
         @pipeline_def(batch_size=self.batch_size, num_threads=self.threads,
-                      device_id=device_id, seed=self.cfg.seed,
-                      enable_conditionals=self.slots > 0)  # fmt: skip
+                      device_id=device_id, seed=self.cfg.seed, py_num_workers=workers,
+                      py_start_method="spawn", enable_conditionals=self.slots > 0)  # fmt: skip
         def crops():
             jpegs, anchor, shape, flip, size, erase_at, erase, label, *draws = fn.external_source(
-                source=self._batches(), num_outputs=8 + 2 * self.slots, cycle=False)  # fmt: skip
+                source=self.source, num_outputs=8 + 2 * self.slots, batch=True, batch_info=True,
+                **parallel)  # fmt: skip
             images = fn.decoders.image_slice(
                 jpegs, anchor, shape, axis_names="WH", normalized_anchor=False,
                 normalized_shape=False, device="mixed" if gpu else "cpu",
@@ -137,15 +168,31 @@ class DaliLoader:
                               fill_value=list(self.fill()))  # fmt: skip
             return images, label
 
+        self._first, self._passes, self._keys = (self.sampler.epoch, self.sampler.skip), 0, (-1, [])
         pipe = crops()
-        pipe.build()
+        with stop_signals_blocked():  # a worker inherits the mask until it ignores them
+            pipe.build()
         return pipe
 
     def __iter__(self):
-        pipe = self.pipeline()
-        for _ in range(len(self)):
+        """One pass: the sampler's epoch from its skip. Builds the pipeline (here, not at the
+        first batch: inside the caller's stop_signals_blocked) where none is built, where the
+        last pass was left unfinished, or where the sampler is not at the pass that follows."""
+        following = self._pipe is not None and self.pass_start(self._passes) == (
+            self.sampler.epoch, self.sampler.skip)  # fmt: skip
+        if not following:
+            self._pipe = self.pipeline()
+        return self._pass(self._pipe, len(self))
+
+    def _pass(self, pipe, count: int):
+        self._pipe = None  # until the pass ends: one left unfinished is not resumed
+        for _ in range(count):
             images, labels = pipe.run()
             yield _to_torch(images, self.device), torch.from_numpy(labels.as_array())
+        with contextlib.suppress(StopIteration):
+            pipe.run()  # the source's StopIteration ends DALI's epoch
+        pipe.reset()
+        self._pipe, self._passes = pipe, self._passes + 1
 
 
 def _to_torch(images, device) -> torch.Tensor:
