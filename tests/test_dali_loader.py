@@ -123,7 +123,10 @@ def test_a_dali_run_where_the_jobs_lack_dali_is_refused_in_one_line():
 def test_the_worker_trains_through_dali_and_resumes_bitwise(prepared_demo, demo_split, tmp_path):
     """The product's worker (one gloo rank) with ``loader: dali``: stopped after 2 steps and
     resumed, its weights are the unbroken run's bitwise (DALI's CPU pixels are deterministic),
-    and not the pytorch path's (other pixels: DALI read them)."""
+    and not the pytorch path's (other pixels: DALI read them); its holdout, evaluated through
+    DALI by the resumed job's own pipeline, scores as the unbroken run's."""
+    import pandas as pd
+
     from tests.test_resume import CONFIG, torchrun, weights
 
     config = {**CONFIG, "loader": "dali", "auto_augment": "none", "epochs": 1, "run": "dali"}
@@ -138,6 +141,8 @@ def test_the_worker_trains_through_dali_and_resumes_bitwise(prepared_demo, demo_
             first = torchrun(train, demo_split, out, ckpt, config=config, nproc=1)
         assert first.returncode == 0, first.stdout + first.stderr
         runs[name] = weights(out)
+        runs[f"{name} holdout"] = pd.read_csv(out / "history.csv")["holdout_loss"].tolist()
+    assert runs["whole holdout"] == runs["resumed holdout"] and runs["whole holdout"][-1] > 0
     assert runs["whole"].keys() == runs["resumed"].keys()
     assert all(torch.equal(runs["whole"][k], runs["resumed"][k]) for k in runs["whole"])
     assert not all(torch.equal(runs["whole"][k], runs["torch"][k]) for k in runs["whole"])
@@ -202,3 +207,90 @@ def test_dali_evaluation_batches_are_the_pytorch_paths_within_resampling_toleran
             assert tb.dtype == torch.int64 and torch.equal(ta, tb)
             difference = (a.float() - b.float()).abs()
             assert difference.mean() < 0.5 and difference.max() <= 2, (world, rank)
+
+
+class MeanColour(torch.nn.Module):
+    """Logits from each image's mean colour (fixed weights): a decision that resampling noise,
+    which averages out over the crop, does not flip, unlike a random conv net's near ties."""
+
+    def __init__(self, classes: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, classes)
+        with torch.no_grad():
+            self.linear.weight.copy_(torch.tensor([[3.0, -2, 1], [-1, 3, -2], [1, -1, 3],
+                                                   [-2, 1, -1]])[:classes])  # fmt: skip
+            self.linear.bias.zero_()
+
+    def forward(self, images):
+        return self.linear(images.mean(dim=(2, 3)))
+
+
+def test_the_holdout_through_dali_scores_as_through_pytorch(prepared_demo, demo_split):
+    """The product's dataset (data.reader.create_dataset over the prepared demo's holdout, 12
+    images of 4 classes, batches of 5: the last partial) through evaluate_dataset: the same
+    samples and predictions through either loader; and a persistent
+    DALI loader gives the same batches on every pass, one left unfinished too."""
+    from imagenet_ddp.data.reader import create_dataset
+    from imagenet_ddp.settings.evaluation import EvalInput
+    from imagenet_ddp.training.accuracy import evaluate_dataset, shard_loader
+    from imagenet_ddp.training.data import read_ids
+
+    run = {"eval_resize": 20, "crop_size": 16, "interpolation": "bilinear"}
+    data = create_dataset(prepared_demo["train"], read_ids(demo_split / "holdout.csv"),
+                          eval_size=(20, 16))  # fmt: skip
+    model, cpu = MeanColour(data.num_classes), torch.device("cpu")
+    results = {}
+    for loader in ("pytorch", "dali"):
+        inputs = EvalInput.of({**run, "loader": loader})
+        results[loader] = evaluate_dataset(model, data, num_classes=data.num_classes,
+                                           device=cpu, batch_size=5, cfg=inputs)  # fmt: skip
+        assert results[loader]["samples"] == len(data) == 12
+    ours, dali = results["pytorch"], results["dali"]
+    assert 0 < ours["top1"] < 1 and ours["top1"] == dali["top1"] and ours["top5"] == dali["top5"]
+    assert ours["per_class_correct"] == dali["per_class_correct"]
+    assert ours["per_class_total"] == dali["per_class_total"]
+    assert ours["loss"] == pytest.approx(dali["loss"], rel=1e-3)
+    inputs = EvalInput.of({**run, "loader": "dali"})
+    loader = shard_loader(data, device=cpu, batch_size=5, persistent=True, cfg=inputs)
+    first = list(loader)
+    next(iter(loader))  # a pass left unfinished: the next pass starts at the first batch
+    assert [len(t) for _, t in first] == [5, 5, 2]
+    for (a, ta), (b, tb) in zip(first, list(loader), strict=True):
+        assert torch.equal(a, b) and torch.equal(ta, tb)
+
+
+def test_the_evaluate_stage_reads_through_the_runs_loader(
+    prepared_demo, demo_split, demo_index, tmp_path
+):
+    """`imagenet-ddp evaluate` of a model.pt whose run has ``loader: dali`` (one rank, one DALI
+    thread; sharding: the tests above): eval.json names the loader and counts every holdout and
+    test image once, with the top-1 of the same weights read through the pytorch path."""
+    from imagenet_ddp.evaluation.evaluate import _datasets
+    from imagenet_ddp.io import write_csv_atomic
+    from imagenet_ddp.settings.evaluation import EvalInput
+    from imagenet_ddp.training.accuracy import evaluate_dataset
+    from imagenet_ddp.training.model import build_model, save_model
+    from tests.test_evaluate import evaluate_cli
+
+    write_csv_atomic(tmp_path / "classes.csv", demo_index[0])
+    torch.manual_seed(0)
+    net = build_model("resnet18", 4)
+    with torch.no_grad():  # non-trivial running statistics, so logits differ per image
+        for _ in range(3):
+            net(torch.rand(8, 3, 16, 16))
+    net.eval()
+    config = {"run": "e", "crop_size": 16, "eval_resize": 20, "precision": "fp32"}
+    save_model(tmp_path / "model.pt", net, arch="resnet18", num_classes=4,
+               config={**config, "loader": "dali"})  # fmt: skip
+    inputs = {"model": tmp_path / "model.pt", "classes": tmp_path / "classes.csv"}
+    dali = evaluate_cli(inputs, prepared_demo, demo_split, tmp_path, workers=1)
+    assert dali["evaluation"]["loader"] == "dali" and dali["evaluation"]["loader_workers"] == 1
+    pytorch = EvalInput.of({**config, "loader": "pytorch"})
+    sets = _datasets(pytorch, prepared_demo["train"], prepared_demo["val"],
+                     demo_split / "holdout.csv")  # fmt: skip
+    for split, data in sets.items():
+        ours = evaluate_dataset(net, data, num_classes=4, device=torch.device("cpu"),
+                                batch_size=128, cfg=pytorch)  # fmt: skip
+        assert ours["samples"] == dali[split]["samples"] == len(data) > 0
+        assert ours["top1"] == dali[split]["top1"], split
+        assert ours["loss"] == pytest.approx(dali[split]["loss"], rel=1e-3)

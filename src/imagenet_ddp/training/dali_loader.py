@@ -11,6 +11,13 @@ device as the pytorch path's. Pixels differ from that path by resampling only (i
 reduced DCT scale first). DALI's own random ops are seeded per operator, not per sample, so the
 recipes' auto_augment is refused with it (settings.run_checks); random erasing is drawn here
 and erased by DALI (``fn.erase``).
+
+Evaluation (:class:`DaliEvalLoader`: the holdout in training, the evaluate stage, the
+preflight's evaluation rate; chosen in training.data.train_loader) reads each rank's shard in
+order, the last batch partial, as accuracy.shard_loader's DataLoader; DALI decodes the whole
+image (``fn.decoders.image``, ``mixed`` on CUDA) and resamples the center crop of the pytorch
+path's eval_transform, its window computed here (:func:`eval_window`), through ``fn.resize``'s
+ROI at the resize's scale. Pixels differ from that path's by resampling only.
 """
 
 from __future__ import annotations
