@@ -294,3 +294,40 @@ def test_the_evaluate_stage_reads_through_the_runs_loader(
         assert ours["samples"] == dali[split]["samples"] == len(data) > 0
         assert ours["top1"] == dali[split]["top1"], split
         assert ours["loss"] == pytest.approx(dali[split]["loss"], rel=1e-3)
+
+
+def test_resampling_the_crops_region_is_resizing_the_whole_image_then_cropping():
+    """DALI's own two ways, on noise (sharp edges at every pixel): fn.resize of the eval
+    window's ROI is bitwise fn.resize of the whole image to Resize's size, then the center crop
+    at CenterCrop's offsets (the filter reads past the ROI; on the CPU backend)."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    from imagenet_ddp.training.dali_loader import eval_window
+
+    rng, shapes = np.random.default_rng(0), [(96, 128), (128, 96), (77, 131), (300, 200)]
+    jpegs = []
+    for shape in shapes:
+        out = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (*shape, 3), dtype=np.uint8)).save(out, "JPEG")
+        jpegs.append(np.frombuffer(out.getvalue(), np.uint8).copy())
+    windows = [eval_window(h, w, 40, 32) for h, w in shapes]
+    resized = [(40, w * 40 // h) if h <= w else (h * 40 // w, 40) for h, w in shapes]
+
+    @pipeline_def(batch_size=4, num_threads=1, device_id=None)
+    def both():
+        encoded = fn.external_source(lambda: jpegs, batch=True)
+        images = fn.decoders.image(encoded, output_type=types.RGB)
+        starts = fn.external_source(lambda: [s for s, _ in windows], batch=True)
+        ends = fn.external_source(lambda: [e for _, e in windows], batch=True)
+        sizes = fn.external_source(lambda: [np.float32(r) for r in resized], batch=True)
+        roi = fn.resize(images, size=[32, 32], roi_start=starts, roi_end=ends,
+                        roi_relative=False, antialias=True)  # fmt: skip
+        return roi, fn.resize(images, size=sizes, antialias=True)
+
+    pipe = both()
+    pipe.build()
+    roi, whole = pipe.run()
+    for k, (h, w) in enumerate(resized):
+        top, left = int(round((h - 32) / 2.0)), int(round((w - 32) / 2.0))
+        assert whole.at(k).shape[:2] == (h, w)
+        assert np.array_equal(roi.at(k), whole.at(k)[top : top + 32, left : left + 32]), k
