@@ -331,3 +331,25 @@ def test_resampling_the_crops_region_is_resizing_the_whole_image_then_cropping()
         top, left = int(round((h - 32) / 2.0)), int(round((w - 32) / 2.0))
         assert whole.at(k).shape[:2] == (h, w)
         assert np.array_equal(roi.at(k), whole.at(k)[top : top + 32, left : left + 32]), k
+
+
+def test_the_preflights_evaluation_rate_times_the_dali_path(prepared_demo, demo_split, monkeypatch):
+    """preflight.rank.eval_rate of a ``loader: dali`` run times DaliEvalLoader (the pipeline
+    built once, at the warm-up pass; the timed pass reuses it)."""
+    from types import SimpleNamespace
+
+    from imagenet_ddp.data.reader import create_dataset
+    from imagenet_ddp.jobs.distributed import DistInfo
+    from imagenet_ddp.preflight.rank import eval_rate
+    from imagenet_ddp.training import dali_loader
+    from imagenet_ddp.training.data import read_ids
+
+    built, pipeline = [], dali_loader.DaliEvalLoader.pipeline
+    monkeypatch.setattr(dali_loader.DaliEvalLoader, "pipeline",
+                        lambda self: built.append(1) or pipeline(self))  # fmt: skip
+    cfg = _cfg(loader="dali", crop_size=16, eval_resize=20, batch_size=5)
+    holdout = create_dataset(prepared_demo["train"], read_ids(demo_split / "holdout.csv"),
+                             eval_size=(20, 16))  # fmt: skip
+    job, info = SimpleNamespace(model=MeanColour(4)), DistInfo(0, 1, 0, 1, "here")
+    rate = eval_rate(cfg, job, holdout, info, 0, torch.device("cpu"))["eval_images_per_s"]
+    assert rate > 0 and built == [1]

@@ -213,6 +213,7 @@ class DaliEvalLoader:
             yield self.batch_inputs(self.indices[first : first + self.batch_size])
 
     def pipeline(self):
+        """The DALI pipeline of the passes (no random op: its seed draws nothing)."""
         from nvidia.dali import fn, pipeline_def, types
 
         gpu = self.device.type == "cuda"
@@ -239,7 +240,8 @@ class DaliEvalLoader:
     def __iter__(self):
         if not self.indices:  # a rank past the set's end: no batch, no pipeline
             return
-        pipe, self._pipe = self._pipe or self.pipeline(), None  # a pass left unfinished: a new one
+        # None at the first pass, and after a pass left unfinished (its source mid-way): build
+        pipe, self._pipe = self._pipe or self.pipeline(), None
         while True:
             try:
                 images, labels = pipe.run()
