@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 from imagenet_ddp.models import input_normalization
-from imagenet_ddp.settings.evaluation import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS, eval_crop
+from imagenet_ddp.settings.evaluation import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS, EvalInput
 from imagenet_ddp.settings.geometry import Geometry, loader_workers
 from imagenet_ddp.settings.presets import REPORTED_MODEL
 from imagenet_ddp.training.accuracy import evaluate_dataset
@@ -63,10 +63,11 @@ def evaluate_run(
             "precision": cfg.get("precision", "fp32"),
             "channels_last": bool(cfg.get("channels_last")),
             "rank": info.rank, "world_size": info.world_size,
+            "cfg": EvalInput.of(cfg),  # the run's loader reads the sets (pytorch or dali)
             # a model.pt from before the setting: ImageNet's, as it trained with
             "mean_std": input_normalization(state["arch"], cfg.get("normalization", "imagenet")),
         }  # fmt: skip
-        sets = _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv)
+        sets = _datasets(settings["cfg"], prepared_train, prepared_val, holdout_ids_csv)
         D.barrier()
         started = time.perf_counter()
         results = {
@@ -88,15 +89,14 @@ def evaluate_run(
     }
 
 
-def _datasets(cfg, prepared_train, prepared_val, holdout_ids_csv) -> dict[str, Dataset]:
+def _datasets(inputs: EvalInput, prepared_train, prepared_val, holdout_ids) -> dict[str, Dataset]:
     # Read from the shared prepared copy directly (no node-local staging): evaluation reads
     # every image exactly once, so staging a copy first would only double the reads.
     from imagenet_ddp.data.reader import create_dataset
     from imagenet_ddp.training.data import read_ids
 
-    size = (cfg["eval_resize"], eval_crop(cfg))
-    holdout_ids = read_ids(holdout_ids_csv)
-    mode = cfg.get("interpolation", "bilinear")  # a model.pt from before it: bilinear
+    size, mode = (inputs.eval_resize, inputs.eval_crop), inputs.interpolation
+    holdout_ids = read_ids(holdout_ids)  # the split's holdout.csv
     return {  # uint8 crops: see training.accuracy
         "holdout": create_dataset(Path(prepared_train), holdout_ids, eval_size=size,
                                   interpolation=mode),
@@ -113,6 +113,7 @@ def _evaluation_block(geometry, settings, ranks, results, seconds) -> dict[str, 
         **{k: getattr(geometry, k) for k in ("cpus_per_task", "gpus_per_node")},
         "loader_workers": settings["workers"],
         "device": settings["device"].type,
+        "loader": settings["cfg"].loader,
         **{k: settings[k] for k in ("backend", "precision", "channels_last", "batch_size")},
         "models": list(results),
         "hosts": sorted({r["host"] for r in ranks}),

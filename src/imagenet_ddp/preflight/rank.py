@@ -238,6 +238,7 @@ def eval_rate(cfg: TrainConfig, job, holdout, info: D.DistInfo, workers: int, de
         rank=info.rank,
         world_size=info.world_size,
         persistent=True,
+        cfg=cfg,  # loader: dali evaluates through DALI: time that
     )
     settings = {
         "num_classes": holdout.num_classes,

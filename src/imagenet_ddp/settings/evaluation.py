@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_BATCH_SIZE = 128
@@ -13,6 +14,24 @@ def eval_crop(settings: Mapping[str, Any]) -> int:
     """The evaluation's center crop: ``eval_crop_size``, else (0, or a model.pt from before it
     existed) the training crop."""
     return settings.get("eval_crop_size") or settings["crop_size"]
+
+
+@dataclass(frozen=True)
+class EvalInput:
+    """How a model's evaluation reads its center crops: a TrainConfig's fields of the same
+    names (training.accuracy.shard_loader takes either)."""
+
+    loader: str
+    eval_resize: int
+    eval_crop: int
+    interpolation: str
+
+    @classmethod
+    def of(cls, settings: Mapping[str, Any]) -> EvalInput:
+        """A model.pt's ``config``; one from before ``loader`` or ``interpolation``: the
+        values it trained with (pytorch, bilinear)."""
+        return cls(settings.get("loader", "pytorch"), settings["eval_resize"],
+                   eval_crop(settings), settings.get("interpolation", "bilinear"))  # fmt: skip
 
 
 def eval_settings(evaluate: dict[str, Any] | None, run: dict[str, Any]) -> dict[str, Any]:

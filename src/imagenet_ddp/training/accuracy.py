@@ -31,13 +31,17 @@ def shard_loader(
     rank: int = 0,
     world_size: int = 1,
     persistent: bool = False,
+    cfg=None,
 ) -> DataLoader:
-    """This rank's share of ``dataset`` (indices rank, rank + W, ...), in order. ``persistent``:
-    a loader made once serves every evaluation of a training run (no fork and warm-up per pass);
-    its own generator (data.train_loader) keeps the training's random streams independent of
-    how often the holdout is evaluated."""
+    """This rank's share of ``dataset`` (indices rank, rank + W, ...), in order, the last batch
+    partial. ``persistent``: a loader made once serves every evaluation of a training run (no
+    fork and warm-up per pass); its own generator (data.train_loader) keeps the training's
+    random streams independent of how often the holdout is evaluated. ``cfg`` (a TrainConfig,
+    or settings.evaluation.EvalInput) with ``loader: dali``: DALI decodes and crops
+    (data.train_loader chooses; ``dataset`` is then read through its ``read_bytes``)."""
     shard = Subset(dataset, range(rank, len(dataset), world_size))
-    return train_loader(shard, None, batch_size, workers, device.type == "cuda", persistent)
+    pin = device.type == "cuda"
+    return train_loader(shard, None, batch_size, workers, pin, persistent, cfg=cfg, device=device)
 
 
 def evaluate_dataset(
@@ -49,10 +53,12 @@ def evaluate_dataset(
     workers: int = 0,
     rank: int = 0,
     world_size: int = 1,
+    cfg=None,
     **options,
 ) -> dict[str, Any]:
     """Evaluate ``dataset`` split across ranks; every rank returns the global result.
-    ``options``: :func:`evaluate_loader`'s (num_classes, precision, ...)."""
+    ``cfg``: :func:`shard_loader`'s; ``options``: :func:`evaluate_loader`'s (num_classes,
+    precision, ...)."""
     loader = shard_loader(
         dataset,
         device=device,
@@ -60,6 +66,7 @@ def evaluate_dataset(
         workers=workers,
         rank=rank,
         world_size=world_size,
+        cfg=cfg,
     )
     return evaluate_loader(model, loader, device=device, **options)
 

@@ -12,6 +12,13 @@ reduced DCT scale first). DALI's own random ops are seeded per operator, not per
 draw is made here: torchvision's auto_augment policies' ops and magnitudes (training.dali_augment,
 applied by DALI), random erasing's boxes (erased by ``fn.erase``). timm's RandAugment is refused
 with it (settings.run_checks).
+
+Evaluation (:class:`DaliEvalLoader`: the holdout in training, the evaluate stage, the
+preflight's evaluation rate; chosen in training.data.train_loader) reads each rank's shard in
+order, the last batch partial, as accuracy.shard_loader's DataLoader; DALI decodes the whole
+image (``fn.decoders.image``, ``mixed`` on CUDA) and resamples the center crop of the pytorch
+path's eval_transform, its window computed here (:func:`eval_window`), through ``fn.resize``'s
+ROI at the resize's scale. Pixels differ from that path's by resampling only.
 """
 
 from __future__ import annotations
@@ -205,3 +212,96 @@ def _to_torch(images, device) -> torch.Tensor:
     out = torch.empty(tensor.shape(), dtype=torch.uint8, device=device)
     feed_ndarray(tensor, out, cuda_stream=torch.cuda.current_stream(device))
     return out
+
+
+def eval_window(height: int, width: int, resize: int, crop: int) -> tuple[np.ndarray, ...]:
+    """(start, end), (y, x) in the image's pixels, of the center crop the pytorch path's
+    eval_transform takes: torchvision's Resize of the shorter side to ``resize`` (the longer
+    side truncated, as Resize computes it), then CenterCrop ``crop`` (its offsets rounded)."""
+    if height <= width:
+        new_h, new_w = resize, int(resize * width / height)
+    else:
+        new_h, new_w = int(resize * height / width), resize
+    top, left = int(round((new_h - crop) / 2.0)), int(round((new_w - crop) / 2.0))
+    sy, sx = height / new_h, width / new_w
+    start = np.array([top * sy, left * sx], np.float32)
+    end = np.array([(top + crop) * sy, (left + crop) * sx], np.float32)
+    return start, end
+
+
+class DaliEvalLoader:
+    """A rank's evaluation batches through DALI, as accuracy.shard_loader's DataLoader: the
+    shard's samples in order, the last batch partial, (uint8 NCHW center crops, int64
+    targets). ``shard``: a Subset of a dataset with ``read_bytes`` and ``targets``; ``cfg``:
+    its ``eval_resize``, ``eval_crop``, ``interpolation``. DALI decodes the whole image and
+    resamples only the crop's region, at the resize's scale (``fn.resize``'s ROI: its filter
+    reads the pixels around the ROI, so the pixels of resizing the whole image, then
+    cropping). ``persistent``: one pipeline serves every pass (held between them)."""
+
+    def __init__(self, shard, cfg, batch_size: int, workers: int, device, persistent=False):
+        self.base, self.indices = shard.dataset, list(shard.indices)
+        self.resize, self.crop = cfg.eval_resize, cfg.eval_crop
+        self.interpolation = cfg.interpolation
+        self.batch_size, self.threads, self.device = batch_size, max(1, workers), device
+        self.persistent, self._pipe = persistent, None
+
+    def __len__(self) -> int:
+        return -(-len(self.indices) // self.batch_size)  # the last batch too, as DataLoader's
+
+    def batch_inputs(self, indices: list[int]) -> tuple:
+        """The external source's batch: encoded JPEGs, the crop's ROI start and end (y, x) in
+        each image's pixels, labels."""
+        columns = ([], [], [], [])
+        for index in indices:
+            data = self.base.read_bytes(index)
+            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+            start, end = eval_window(height, width, self.resize, self.crop)
+            row = (data, start, end, np.array(int(self.base.targets[index]), np.int64))
+            for column, value in zip(columns, row, strict=True):
+                column.append(value)
+        return columns
+
+    def _batches(self):
+        """One pass (a generator function: after ``reset`` DALI calls it again)."""
+        for first in range(0, len(self.indices), self.batch_size):
+            yield self.batch_inputs(self.indices[first : first + self.batch_size])
+
+    def pipeline(self):
+        """The DALI pipeline of the passes (no random op: its seed draws nothing)."""
+        from nvidia.dali import fn, pipeline_def, types
+
+        gpu = self.device.type == "cuda"
+        interp = getattr(types, INTERPOLATION[self.interpolation])
+        device_id = (self.device.index or 0) if gpu else None
+
+        @pipeline_def(batch_size=self.batch_size, num_threads=self.threads,
+                      device_id=device_id, seed=0)  # fmt: skip
+        def center_crops():
+            jpegs, start, end, label = fn.external_source(
+                source=self._batches, num_outputs=4, cycle="raise")  # fmt: skip
+            # simplejpeg, the pytorch path's decoder, reads no EXIF orientation
+            images = fn.decoders.image(jpegs, device="mixed" if gpu else "cpu",
+                                       output_type=types.RGB, adjust_orientation=False)  # fmt: skip
+            images = fn.resize(images, size=[self.crop, self.crop], roi_start=start,
+                               roi_end=end, roi_relative=False, interp_type=interp,
+                               antialias=True)  # fmt: skip
+            return fn.transpose(images, perm=[2, 0, 1]), label
+
+        pipe = center_crops()
+        pipe.build()
+        return pipe
+
+    def __iter__(self):
+        if not self.indices:  # a rank past the set's end: no batch, no pipeline
+            return
+        # None at the first pass, and after a pass left unfinished (its source mid-way): build
+        pipe, self._pipe = self._pipe or self.pipeline(), None
+        while True:
+            try:
+                images, labels = pipe.run()
+            except StopIteration:  # the source's end: cycle="raise"
+                break
+            yield _to_torch(images, self.device), torch.from_numpy(labels.as_array())
+        pipe.reset()
+        if self.persistent:
+            self._pipe = pipe

@@ -162,11 +162,15 @@ def train_loader(
     evaluated: a model that draws while it trains (dropout, stochastic depth) would differ.
     Augmentation seeds itself per sample. ``persistent``: workers outlive a pass. A run's
     ``cfg`` with ``loader: dali``: the same batches through DALI on ``device``
-    (training.dali_loader), ``workers`` its threads."""
+    (training.dali_loader; the holdout's: its ``eval_resize``, ``eval_crop`` and
+    ``interpolation``), ``workers`` its threads."""
     if cfg is not None and cfg.loader == "dali":
-        from imagenet_ddp.training.dali_loader import DaliLoader
+        from imagenet_ddp.training import dali_loader
 
-        return DaliLoader(dataset, sampler, cfg, batch_size, workers, device)
+        if sampler is None:
+            return dali_loader.DaliEvalLoader(
+                dataset, cfg, batch_size, workers, device, persistent)  # fmt: skip
+        return dali_loader.DaliLoader(dataset, sampler, cfg, batch_size, workers, device)
     forks = workers > 0
     return DataLoader(
         dataset,

@@ -203,7 +203,7 @@ def _holdout(cfg, info, device, geometry, train_data, split_dir) -> Holdout:
     )  # fmt: skip
     loader = shard_loader(
         data, device=device, batch_size=cfg.batch_size, workers=geometry.workers, rank=info.rank,
-        world_size=info.world_size, persistent=True,
+        world_size=info.world_size, persistent=True, cfg=cfg,
     )  # fmt: skip
     return Holdout(data.num_classes, loader)
 
