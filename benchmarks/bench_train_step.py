@@ -1,24 +1,32 @@
-"""DDP training throughput: our worker (imagenet_ddp.training.worker) vs a minimal loop.
+"""DDP training throughput: our worker (imagenet_ddp.training.worker) vs two baselines.
 
-    .venv/bin/python benchmarks/bench_train_step.py [--quick] [--repeats 3] [--ablations]
+    .venv/bin/python benchmarks/bench_train_step.py [--quick] [--repeats 3] [--workers 1]
+        [--only-reference] [--ablations]
 
-Both run 2 gloo ranks on this machine with ``torch.distributed.run --standalone
---nproc-per-node 2`` and ``OMP_NUM_THREADS=1`` (one core per rank), the same model (ResNet-18),
-the same prepared data and transform (PreparedImageDataset + train_transform, crop 64 from
+All run 2 gloo ranks on this machine with ``torch.distributed.run --standalone
+--nproc-per-node 2``, the same model (ResNet-18), the same prepared data (crop 64 from
 short_side 72 by default: ImageNet-size crops are too slow on 2 CPU cores to repeat), the same
-per-rank batch (16), ``num_workers=0`` (no spare cores for loader workers).
+per-rank batch (16).
 
 * **ours**: the real worker, ``python -m imagenet_ddp.training.worker`` (SeededAugmentation,
-  EpochSampler, DDP, LambdaLR, GradScaler, the asynchronous ``StopFlag.poll`` every 2 steps,
-  on-device step metrics, progress), its end-to-end epoch throughput read from
+  EpochSampler, DDP, LambdaLR, GradScaler, the divergence guard, the asynchronous
+  ``StopFlag.poll`` every 2 steps, on-device step metrics, progress), in the environment the
+  product's launcher gives a rank (``launchers.worker_env``: every thread count set to the
+  task's CPUs, here 1 + its loader workers); its epoch and steady throughput read from
   ``train_metrics.json`` (epoch time excludes holdout evaluation and checkpointing).
-* **baseline**: ``benchmarks/_ddp_baseline.py``: DistributedSampler + plain loop.
+* **reference w1**: ``benchmarks/_reference_loop.py``: torchvision's
+  ``references/classification/train.py`` loop (per-step ``.item()``s of loss and top-1/top-5,
+  MetricLogger-like meters) and DataLoader (DistributedSampler, ``--workers`` per rank, fork
+  context, default prefetch, workers started again each epoch), over our data path, under
+  torchrun's own ``OMP_NUM_THREADS=1``. Against ours at the same ``--workers`` (default 1).
+* **baseline w0**: ``benchmarks/_ddp_baseline.py``: DistributedSampler + plain loop,
+  ``num_workers=0``, against ours at workers 0 (skipped with ``--only-reference``).
 
-Images/s = images of all ranks / slowest rank's epoch time; the first epoch (warm-up) is
-dropped, the median over the remaining epochs and repetitions is reported.
-``--ablations`` also runs the baseline with our per-sample ``fork_rng`` and with a synchronous
-per-step all-reduce (the stop check before ``StopFlag.poll``) added, to attribute
-a gap. Target: ours >= 1.0x baseline.
+Images/s = images of all ranks / slowest rank's epoch time; steady: after the first 5 steps of
+each epoch. The first epoch (warm-up) is dropped, the median over the remaining epochs and
+repetitions is reported; the variants' order rotates per repetition. ``--ablations`` also runs
+the plain baseline with our per-sample ``fork_rng`` and with a synchronous per-step all-reduce
+(the stop check before ``StopFlag.poll``) added, to attribute a gap. Target: ours >= 1.0x.
 """
 
 from __future__ import annotations
@@ -221,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                 rates[name].extend(epoch_rates[1:])  # drop the warm-up epoch
                 steady[name].extend(x for x in (steady_rates or [])[1:] if x)
     C.report(
-        "bench_train_step: DDP training throughput (2 gloo ranks, 1 thread each)",
+        "bench_train_step: DDP training throughput (2 gloo ranks on this machine)",
         _rows(rates, steady, crop, args.workers),
         notes=[
             f"{count} train images, per-rank batch 16, {epochs} epochs per run (first dropped), "
