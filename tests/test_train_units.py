@@ -479,4 +479,27 @@ def test_the_guards_gradient_norm_needs_no_torch_api_newer_than_the_packages_flo
     assert gradient_norm(model).item() == 7.5
     model[1].weight.grad[0, 1] = math.inf
     assert not math.isfinite(gradient_norm(model).item())
+    model[1].weight.grad[0, 1] = -math.inf
+    assert not math.isfinite(gradient_norm(model).item())
+    model[1].weight.grad[0, 1] = 0.0
+    model[0].weight.grad[1, 1] = math.nan  # NaN beside larger finite elements: still seen
+    assert math.isnan(gradient_norm(model).item())
     assert gradient_norm(torch.nn.Linear(2, 2)).item() == 0.0  # no gradients yet
+
+
+def test_a_cpu_rank_runs_its_tasks_cpus_less_its_loader_workers_as_threads():
+    """2 ranks with 1 worker each on a 2-CPU task: 1 intra-op thread, not the exported 2
+    (oversubscribed: benchmarks/README.md "Train step"); never raised above the environment."""
+    from imagenet_ddp.settings.geometry import Geometry
+    from imagenet_ddp.training.worker import rank_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert rank_threads(Geometry(1, 2, 2, workers=1)) == 1
+        assert rank_threads(Geometry(1, 2, 8, workers=0)) == 1  # kept: not raised
+        torch.set_num_threads(2)
+        assert rank_threads(Geometry(1, 2, 2, workers=0)) == 2
+        assert rank_threads(Geometry(1, 2, 2, workers=5)) == 1  # at least one
+    finally:
+        torch.set_num_threads(before)

@@ -116,10 +116,24 @@ def _set_determinism(cfg: TrainConfig, device: torch.device) -> None:
     seed_everything(cfg.seed)
 
 
+def rank_threads(geometry: Geometry) -> int:
+    """Lower the rank's intra-op threads to its task's CPUs less its loader workers (each
+    runs one: torch sets it in a DataLoader worker; DALI's threads likewise), at least one.
+    The launcher exports the task's CPUs as every thread count; a CPU rank that ran that many
+    beside its workers would oversubscribe its cores, and its threads wait at each parallel
+    region for one the scheduler has put aside (measured: benchmarks/README.md "Train
+    step"). Never raised above what the environment set."""
+    threads = max(1, geometry.cpus_per_task - geometry.workers)
+    if threads < torch.get_num_threads():
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
 def _train(cfg, info, device, stop, paths, train_data, stops, attempt_key) -> int:
     split_dir, out_dir, checkpoint_root = paths.split_dir, paths.run_dir, paths.checkpoint_root
     _set_determinism(cfg, device)
     geometry = D.resolve_geometry(cfg, info, device)
+    rank_threads(geometry)
     # decode=False: the transform decodes, after drawing its crop box (imagenet_ddp.data.jpeg)
     base = create_dataset(train_data, read_ids(split_dir / "train.csv"), train=True)
     holdout = _holdout(cfg, info, device, geometry, train_data, split_dir)
