@@ -282,13 +282,23 @@ def loader_lines(**run) -> list[str]:
     config["prepare"]["short_side"] = 256  # the rates' own
     notices = run_checks.training_warnings(resolved(config), config)
     return [str(n) for n in notices if n.kind in (run_checks.LOADER_SLOWER,
-                                                  run_checks.NO_STEP_RATE)]  # fmt: skip
+                                                  run_checks.NO_STEP_RATE,
+                                                  run_checks.NO_DALI_RATE)]  # fmt: skip
 
 
 H200 = {"gpus_per_node": 1, "tasks_per_node": 1, "gpu_type": "h200", "model": "resnet50",
         "crop_size": 224, "eval_resize": 256}  # fmt: skip
 # The policies of the v1 and DeiT presets (the helper `resolved` applies no preset)
 V1, DEIT = {"auto_augment": "none"}, {"auto_augment": "rand-m9-mstd0.5-inc1"}
+
+
+def test_a_dali_gpu_run_is_not_judged_by_the_pytorch_paths_rates():
+    """The same run, input-bound by the pytorch path's figure, through DALI: a note that its
+    GPU-side rate is not known, never the pytorch path's share lost."""
+    [slower] = loader_lines(**V1, cpus_per_task=5, **H200)
+    [note] = loader_lines(**V1, cpus_per_task=5, **H200, loader="dali")
+    assert "GPU time lost" in slower and "GPU time lost" not in note
+    assert "loader dali on GPUs: its decode and augmentation run on the GPU" in note, note
 
 
 def test_a_gpu_run_whose_loader_is_slower_than_its_step_is_warned_with_the_share_lost():

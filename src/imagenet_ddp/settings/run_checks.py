@@ -301,6 +301,12 @@ NO_STEP_RATE = (
 )
 
 
+NO_DALI_RATE = (
+    "loader dali on GPUs: its decode and augmentation run on the GPU, at a rate not measured "
+    "here (the per-worker rates are the pytorch path's): not judged at the dry-run"
+)
+
+
 def loader_notice(name: str, run: Mapping, short_side: int) -> Notice | None:
     """A GPU run whose loader (workers x the measured rate of its augmentation) is estimated
     slower than its GPU's step, with the share of GPU time lost; a note where the model's
@@ -308,6 +314,8 @@ def loader_notice(name: str, run: Mapping, short_side: int) -> Notice | None:
     workers = loader_workers(run["workers"], run["cpus_per_task"])
     if run["gpus_per_node"] == 0 or run["device"] == "cpu" or workers == 0:
         return None
+    if run.get("loader") == "dali":
+        return Notice(NO_DALI_RATE, name, f"{workers} workers for its per-sample draws")
     per_worker = loader_rates.per_worker_rate(run, short_side)
     loader = workers * per_worker
     policy = loader_rates.policy(run.get("auto_augment", "none"))
