@@ -20,6 +20,22 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO))
 
 
+def baseline_parser(workers: int):
+    """The command line both DDP baselines (_ddp_baseline.py, _reference_loop.py) share."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--train-data", type=Path, required=True)
+    parser.add_argument("--split-dir", type=Path, required=True)
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--crop-size", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=workers)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 

@@ -10,7 +10,6 @@ Prints one JSON line from rank 0: per-epoch global images/s (slowest rank's epoc
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -18,18 +17,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--train-data", type=Path, required=True)
-    parser.add_argument("--split-dir", type=Path, required=True)
-    parser.add_argument("--model", default="resnet18")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--crop-size", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = C.baseline_parser(workers=0)
     parser.add_argument("--fork-rng", action="store_true", help="add train.py's per-sample RNG")
     parser.add_argument("--agreed", action="store_true", help="add train.py's per-step all_reduce")
     args = parser.parse_args()

@@ -16,7 +16,6 @@ steady images/s (after ``--warmup-steps``, as ``steady_images_per_s`` of train_m
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -25,6 +24,8 @@ from collections import deque
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
 
 
 class SmoothedValue:
@@ -70,18 +71,10 @@ def log_every(iterable, meters: dict, print_freq: int, header: str, main: bool):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--train-data", type=Path, required=True)
-    parser.add_argument("--split-dir", type=Path, required=True)
-    parser.add_argument("--model", default="resnet18")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--crop-size", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=1)
+    parser = C.baseline_parser(workers=1)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--print-freq", type=int, default=10)
     parser.add_argument("--warmup-steps", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
     import pandas as pd

@@ -161,10 +161,11 @@ class DaliLoader:
             jpegs, anchor, shape, flip, size, erase_at, erase, label, *draws = fn.external_source(
                 source=self.source, num_outputs=8 + 2 * self.slots, batch=True, batch_info=True,
                 **parallel)  # fmt: skip
+            # no EXIF orientation, as simplejpeg (the pytorch path's decoder) reads none
             images = fn.decoders.image_slice(
                 jpegs, anchor, shape, axis_names="WH", normalized_anchor=False,
                 normalized_shape=False, device="mixed" if gpu else "cpu",
-                output_type=types.RGB)  # fmt: skip
+                output_type=types.RGB, adjust_orientation=False)  # fmt: skip
             images = fn.resize(images, size=size, interp_type=interp, antialias=True)
             if draws:  # torchvision's order: the policy after the flip
                 images = fn.flip(images, horizontal=flip)
