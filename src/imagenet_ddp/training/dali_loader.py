@@ -23,7 +23,6 @@ ROI at the resize's scale. Pixels differ from that path's by resampling only.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import multiprocessing
 
@@ -148,9 +147,7 @@ class DaliLoader:
         would cap it at a few thousand img/s, below a GPU's step."""
         from nvidia.dali import fn, pipeline_def, types
 
-        gpu = self.device.type == "cuda"
-        interp = getattr(types, INTERPOLATION[self.cfg.interpolation])
-        device_id = (self.device.index or 0) if gpu else None
+        gpu, interp, device_id = _placement(self.device, self.cfg.interpolation)
         workers = self.workers
         parallel = {"parallel": True, "prefetch_queue_depth": max(2, workers)} if workers else {}
 
@@ -190,17 +187,32 @@ class DaliLoader:
             self.sampler.epoch, self.sampler.skip)  # fmt: skip
         if not following:
             self._pipe = self.pipeline()
-        return self._pass(self._pipe, len(self))
+        return self._pass(self._pipe)
 
-    def _pass(self, pipe, count: int):
+    def _pass(self, pipe):
         self._pipe = None  # until the pass ends: one left unfinished is not resumed
-        for _ in range(count):
-            images, labels = pipe.run()
-            yield _to_torch(images, self.device), torch.from_numpy(labels.as_array())
-        with contextlib.suppress(StopIteration):
-            pipe.run()  # the source's StopIteration ends DALI's epoch
-        pipe.reset()
+        yield from _drain(pipe, self.device)
         self._pipe, self._passes = pipe, self._passes + 1
+
+
+def _placement(device, interpolation: str) -> tuple:
+    """(on CUDA, DALI's interpolation type, its device_id) of a pipeline on ``device``."""
+    from nvidia.dali import types
+
+    gpu = device.type == "cuda"
+    return gpu, getattr(types, INTERPOLATION[interpolation]), (device.index or 0) if gpu else None
+
+
+def _drain(pipe, device):
+    """One pass of ``pipe``: its batches, as torch tensors on ``device``, until its source's
+    StopIteration ends DALI's epoch; then reset for the next pass."""
+    while True:
+        try:
+            images, labels = pipe.run()
+        except StopIteration:
+            break
+        yield _to_torch(images, device), torch.from_numpy(labels.as_array())
+    pipe.reset()
 
 
 def _to_torch(images, device) -> torch.Tensor:
@@ -271,9 +283,7 @@ class DaliEvalLoader:
         """The DALI pipeline of the passes (no random op: its seed draws nothing)."""
         from nvidia.dali import fn, pipeline_def, types
 
-        gpu = self.device.type == "cuda"
-        interp = getattr(types, INTERPOLATION[self.interpolation])
-        device_id = (self.device.index or 0) if gpu else None
+        gpu, interp, device_id = _placement(self.device, self.interpolation)
 
         @pipeline_def(batch_size=self.batch_size, num_threads=self.threads,
                       device_id=device_id, seed=0)  # fmt: skip
@@ -297,12 +307,6 @@ class DaliEvalLoader:
             return
         # None at the first pass, and after a pass left unfinished (its source mid-way): build
         pipe, self._pipe = self._pipe or self.pipeline(), None
-        while True:
-            try:
-                images, labels = pipe.run()
-            except StopIteration:  # the source's end: cycle="raise"
-                break
-            yield _to_torch(images, self.device), torch.from_numpy(labels.as_array())
-        pipe.reset()
+        yield from _drain(pipe, self.device)  # to the source's end: cycle="raise"
         if self.persistent:
             self._pipe = pipe
