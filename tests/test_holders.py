@@ -43,11 +43,11 @@ def fake_squeue(tmp_path, monkeypatch):
     return tmp_path
 
 
-def open_entry(root, job_id: str, alive: float) -> None:
-    """An attempt of job ``job_id`` that its launcher has not closed (it is training), whose
-    job's heartbeat last beat at ``alive``."""
-    entry = {"attempt": 1, "key": attempts.settings_key(RUN), "slurm_job_id": job_id,
-             "host": "node1", "started": alive - 600, "beat": job_id, "ended": None,
+def open_entry(root, job_id: str, alive: float, beat: str = "") -> None:
+    """An attempt of job ``job_id`` ("": outside SLURM) that its launcher has not closed (it is
+    training), whose job's heartbeat (``beat``, else the job id) last beat at ``alive``."""
+    entry = {"attempt": 1, "key": attempts.settings_key(RUN), "slurm_job_id": job_id or None,
+             "host": "node1", "started": alive - 600, "beat": beat or job_id, "ended": None,
              "outcome": "running"}  # fmt: skip
     attempts._save(root, [entry])
     beat = root / attempts.ALIVE_DIR / entry["beat"]
@@ -101,6 +101,27 @@ def test_without_squeue_a_fresh_heartbeat_holds_the_run_and_a_stale_one_does_not
     # a purged job id: ended, whatever its heartbeat says
     (fake_squeue / "squeue.err").write_text("slurm_load_jobs error: Invalid job id specified")
     assert holders.live_holder(root, RUN) is None
+
+
+def test_a_job_outside_slurm_killed_with_its_launcher_holds_nothing_though_its_heartbeat_is_fresh(
+    fake_squeue,
+):
+    """A local job SIGKILLed with Snakemake (no cleanup: its entry open, its heartbeat fresh):
+    the job a restarted Snakemake starts at once trains, as this host shows its launcher's pid
+    gone; a live launcher's, or another host's (this host cannot say), holds the run."""
+    import socket
+    import subprocess
+    import sys
+
+    root = fake_squeue / "ckpt"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    host = socket.gethostname()
+    for beat, held in ((f"local-{host}-{gone}", False), (f"local-{host}-{os.getpid()}", True),
+                       (f"local-othernode-{gone}", True)):  # fmt: skip
+        open_entry(root, "", time.time(), beat=beat)
+        holder = holders.live_holder(root, RUN)
+        assert (holder is not None) == held and (not held or holder["state"] == "heartbeat"), beat
 
 
 def test_two_jobs_that_start_at_once_never_train_together(tmp_path, monkeypatch):

@@ -224,11 +224,12 @@ def test_a_restarted_controller_waits_for_the_runs_live_train_job_and_adopts_its
     x = first_jobs[f"rule_train_wildcards_{GPU_RUN}"]
     y = slurm_run.jobs[f"rule_train_wildcards_{GPU_RUN}"]
     assert x["id"] == held and x["state"] == "COMPLETED" and y["id"] != held, (x, y)
-    # No job of the restarted invocation ran beside one of the killed one of the same rule
-    # and wildcards (ISO times: one after the other); no other run trained again.
+    # No train job of the restarted invocation ran beside the killed one's of its run (ISO
+    # times: one after the other); no other run trained again. The other rules' jobs hold
+    # nothing back (docs/reliability.md): an evaluate in flight at the kill may run twice.
     second_jobs = _jobs_of(slurm_run.cluster, slurm_run.uuids[1])
     for comment, job in second_jobs.items():
-        if comment in first_jobs:
+        if comment in first_jobs and comment.startswith("rule_train"):
             assert job["start"] >= first_jobs[comment]["end"], (comment, first_jobs, job)
     assert y["start"] >= x["end"], (x, y)
     assert [c for c in second_jobs if c.startswith("rule_train")] == [

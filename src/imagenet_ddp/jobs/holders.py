@@ -17,7 +17,15 @@ from typing import Any
 import psutil
 
 from imagenet_ddp.io import SILENT_S, exclusive_lock, lock_path_for
-from imagenet_ddp.jobs.attempts import EXIT_REQUEUE, RECORD, last_sign, load, of_run, run_keys
+from imagenet_ddp.jobs.attempts import (
+    ALIVE_DIR,
+    EXIT_REQUEUE,
+    RECORD,
+    last_sign,
+    load,
+    of_run,
+    run_keys,
+)
 from imagenet_ddp.jobs.launchers import slurm
 
 # States of a job that has ended (squeue shows them for MinJobAge); any other is live. A job an
@@ -51,18 +59,27 @@ def beat_owner_ended(beat: str | os.PathLike) -> bool:
 
 def live_holder(checkpoint_root, run: dict[str, Any]) -> dict | None:
     """The open entry of another job that still runs the run (squeue; where squeue cannot say,
-    its heartbeat within ``io.SILENT_S``), with its ``state``; None if none."""
+    its heartbeat within ``io.SILENT_S`` unless its launcher's pid on this host is gone), with
+    its ``state``; None if none."""
     now, own = time.time(), os.environ.get("SLURM_JOB_ID")
     for entry in of_run(load(checkpoint_root), run_keys(run)):
         if entry.get("ended") is not None or (own and entry.get("slurm_job_id") == own):
             continue
         state = job_state(entry["slurm_job_id"]) if entry.get("slurm_job_id") else None
         if state is None:
+            # a job outside SLURM SIGKILLed with its launcher: its heartbeat stays fresh
+            if not entry.get("slurm_job_id") and _local_beat_ended(checkpoint_root, entry):
+                continue
             if now - last_sign(checkpoint_root, entry) < SILENT_S:
                 return {**entry, "state": "heartbeat"}
         elif state and state != "PENDING":
             return {**entry, "state": state}
     return None
+
+
+def _local_beat_ended(checkpoint_root, entry: dict[str, Any]) -> bool:
+    beat = entry.get("beat")
+    return bool(beat) and beat_owner_ended(Path(checkpoint_root) / ALIVE_DIR / beat)
 
 
 def begin_unless_held(checkpoint_root, run: dict[str, Any], begin: Callable[[], Any]) -> tuple:
