@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/bench_gpu.py --compile        # + torch.compile
     .venv/bin/python benchmarks/bench_gpu.py --prepared results/prepared/train   # real data
     .venv/bin/python benchmarks/bench_gpu.py --quick          # CPU smoke: tiny model/batch
+    .venv/bin/python benchmarks/bench_gpu.py --loader dali    # training's DALI pipeline instead
 
 Two modes, as NVIDIA's DeepLearningExamples report them:
 
@@ -16,11 +17,13 @@ Two modes, as NVIDIA's DeepLearningExamples report them:
   decode, the recipe's transform and augmentations (``--recipe``: ``none`` is the v1 recipe's,
   or a preset such as ``torchvision-resnet50-v2``, ``deit-small``), uint8 crops, the seeded
   sampler, ``--workers`` forkserver workers (default: the CPUs this process may use), pinned
-  copies to the device; no model. Each of ``--repeats`` fresh loaders is timed in whole rounds
-  of its workers for at least ``--seconds`` (30 on a GPU) after one warm-up round. The loader
-  must deliver at least what the model consumes (ratio >= 1.0). (Before 2026-12-01 this mode
-  decoded whole images and normalized to float32 on the CPU over 10 batches: not the path
-  training runs; its 2026-11-27 figure is withdrawn.)
+  copies to the device; no model. ``--loader dali``: training's DALI pipeline
+  (``training.dali_loader.DaliLoader``: crop decoded on the GPU, the policy applied there,
+  ``--workers`` its threads and draw processes), through the same code. Each of ``--repeats``
+  fresh loaders is timed in whole rounds of its workers for at least ``--seconds`` (30 on a GPU)
+  after one warm-up round. The loader must deliver at least what the model consumes (ratio >=
+  1.0). (Before 2026-12-01 this mode decoded whole images and normalized to float32 on the CPU
+  over 10 batches: not the path training runs; its 2026-11-27 figure is withdrawn.)
 
 Anchor printed beside: NVIDIA DeepLearningExamples ResNet-50 v1.5, 2,470 img/s per A100 80GB
 with AMP (training, batch 256, DALI), the published number our synthetic mode should approach
@@ -83,13 +86,14 @@ def synthetic(args, device) -> list[float]:
     return rates
 
 
-def recipe_config(recipe: str, crop: int, batch: int, workers: int):
+def recipe_config(recipe: str, crop: int, batch: int, workers: int, loader: str = "pytorch"):
     """The worker's TrainConfig of ``recipe`` (a preset, or ``none``: the schema's defaults) at
-    this crop and batch, resolved as the workflow resolves a run."""
+    this crop and batch with ``loader``, resolved as the workflow resolves a run."""
     from imagenet_ddp.settings.kinds import SCHEMA, TrainConfig, declarations, load_schema
     from imagenet_ddp.settings.runs import resolve_run, run_defaults
 
-    run = {"name": "bench", "crop_size": crop, "batch_size": batch, "workers": workers}
+    run = {"name": "bench", "crop_size": crop, "batch_size": batch, "workers": workers,
+           "loader": loader}  # fmt: skip
     if recipe != "none":
         run["recipe"] = recipe
     resolved = resolve_run(run_defaults(load_schema(SCHEMA)), {}, run)
@@ -106,7 +110,7 @@ def loader_only(args, device, prepared: Path) -> tuple[list[float], float]:
     from imagenet_ddp.jobs.distributed import DistInfo
     from imagenet_ddp.preflight.rank import loader_rate
 
-    cfg = recipe_config(args.recipe, args.crop, args.batch, args.workers)
+    cfg = recipe_config(args.recipe, args.crop, args.batch, args.workers, args.loader)
     base = create_dataset(prepared, None, train=True)  # every sample of the copy
     info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, host="bench")
     rates, seconds = [], 0.0
@@ -166,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         "--recipe", default="none", help="the loader's recipe: none (v1's), a preset's name"
     )
     parser.add_argument("--seconds", type=float, default=None, help="loader window (GPU: 30)")
+    parser.add_argument("--loader", default="pytorch", choices=["pytorch", "dali"])
     args = parser.parse_args(argv)
 
     import torch
@@ -207,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             "met": model_img_s >= ANCHOR_IMG_S if on_gpu else None,
         },
         {
-            "metric": f"training's loader ({args.workers} workers, {args.recipe}), img/s",
+            "metric": f"training's loader ({args.loader}, {args.workers} workers, {args.recipe}),"
+            " img/s",
             "ours": loader_img_s,
             "baseline": model_img_s,
             "unit": "img/s",
@@ -227,10 +233,10 @@ def main(argv: list[str] | None = None) -> int:
             " row 2 = our synthetic model img/s (loader must keep up)",
             "loader data: "
             + (str(args.prepared) if args.prepared else "synthetic ImageNet-size JPEGs prepared")
-            + f"; training's loader with recipe {args.recipe}: crop-first decode, uint8 crops,"
-            f" seeded sampler, pin_memory {cuda}; median of {args.repeats} fresh loaders,"
-            f" each timed {loader_seconds:.1f} s in whole rounds of its workers after a warm-up"
-            " round",
+            + f"; training's loader ({args.loader}) with recipe {args.recipe}: crop-first"
+            f" decode, uint8 crops, seeded sampler, on {device.type}; median of {args.repeats}"
+            f" fresh loaders, each timed {loader_seconds:.1f} s in whole rounds of its workers"
+            " after a warm-up round",
         ],
         json_out=args.json,
     )

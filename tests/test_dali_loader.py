@@ -539,3 +539,27 @@ def test_the_preflights_evaluation_rate_times_the_dali_path(prepared_demo, demo_
     job, info = SimpleNamespace(model=MeanColour(4)), DistInfo(0, 1, 0, 1, "here")
     rate = eval_rate(cfg, job, holdout, info, 0, torch.device("cpu"))["eval_images_per_s"]
     assert rate > 0 and built == [1]
+
+
+def test_the_preflights_loader_figure_times_trainings_dali_pipeline_across_epochs():
+    """A loader: dali run's preflight (and bench_gpu.py) times DaliLoader, not the DataLoader:
+    its one pass over the timing's epochs gives the batches training's passes give, epoch after
+    epoch (no pipeline reset in the timing), and the figure comes from it."""
+    from imagenet_ddp.jobs.distributed import DistInfo
+    from imagenet_ddp.preflight.rank import loader_rate, preflight_loader
+    from imagenet_ddp.training.dali_loader import DaliLoader
+
+    cfg = _cfg(loader="dali", auto_augment="trivialaugment", batch_size=2)
+    cpu, info = torch.device("cpu"), DistInfo(0, 1, 0, 1, "h")
+    dataset = SeededAugmentation(Encoded(), recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
+    loader = preflight_loader(dataset, info, cfg, 0, cpu, endless=True)
+    assert isinstance(loader, DaliLoader)
+    batches = iter(loader)
+    got = [next(batches) for _ in range(9)]  # epoch 0's 6 batches, then 3 of epoch 1's
+    del batches
+    expected = [*_batches("dali", epoch=0, auto_augment="trivialaugment"),
+                *_batches("dali", epoch=1, auto_augment="trivialaugment")[:3]]  # fmt: skip
+    for (a, ta), (b, tb) in zip(got, expected, strict=True):
+        assert torch.equal(a, b) and torch.equal(ta, tb)
+    figure = loader_rate(cfg, Encoded(), info, 0, cpu)
+    assert figure["workers"] == 0 and figure["loader_images_per_s"] > 0, figure

@@ -4,6 +4,7 @@ no ranks. The real preflight runs in the end-to-end tests (test_workflow_local, 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -237,8 +238,9 @@ def test_the_loader_figure_is_its_steady_rate_not_the_prefetched_queue(workers):
 
     seconds, batch = 0.02, 4  # 80 ms per batch and worker
     dataset = SleepyImages(200, seconds)
-    loader = preflight_loader(dataset, DistInfo(0, 1, 0, 1, "h"), 0, batch, workers, pin=False)
-    figure = steady_loader_rate(loader, workers, batch, torch.device("cpu"))
+    cpu, cfg = torch.device("cpu"), SimpleNamespace(batch_size=batch, seed=0, loader="pytorch")
+    loader = preflight_loader(dataset, DistInfo(0, 1, 0, 1, "h"), cfg, workers, cpu)
+    figure = steady_loader_rate(loader, workers, batch, cpu)
     true_rate = workers / seconds
     assert figure["loader_images_per_s"] == pytest.approx(true_rate, rel=0.15), figure
 
@@ -254,9 +256,9 @@ def test_a_benchmark_window_times_whole_rounds_for_its_duration_past_the_dataset
 
     seconds, batch, workers = 0.02, 4, 2
     dataset = SleepyImages(40, seconds)  # 10 batches an epoch: the window needs ~13
-    loader = preflight_loader(dataset, DistInfo(0, 1, 0, 1, "h"), 0, batch, workers, pin=False,
-                              endless=True)  # fmt: skip
-    figure = steady_loader_rate(loader, workers, batch, torch.device("cpu"), min_seconds=0.5)
+    cpu, cfg = torch.device("cpu"), SimpleNamespace(batch_size=batch, seed=0, loader="pytorch")
+    loader = preflight_loader(dataset, DistInfo(0, 1, 0, 1, "h"), cfg, workers, cpu, endless=True)
+    figure = steady_loader_rate(loader, workers, batch, cpu, min_seconds=0.5)
     assert figure["loader_timed_seconds"] >= 0.5, figure
     timed_batches = figure["loader_images_per_s"] * figure["loader_timed_seconds"] / batch
     assert round(timed_batches) % workers == 0 and timed_batches > loader_batches(workers)["timed"]

@@ -158,14 +158,19 @@ def collectives(gradient_bytes: int, device: torch.device, hosts: list[str], ran
 
 
 class _Epochs(Sampler):
-    """``epochs`` epochs of ``sampler`` in one iter() of the loader: no epoch boundary (where
-    workers run out of work) falls in the timing."""
+    """``epochs`` epochs of ``sampler`` in one iter() of the loader (one pass of DaliLoader's,
+    which sets its first epoch as training sets its sampler's): no epoch boundary (where
+    workers run out of work, or DALI's pipeline resets) falls in the timing."""
 
     def __init__(self, sampler: EpochSampler, epochs: int):
         self.sampler, self.epochs = sampler, epochs
+        self.epoch, self.skip = 0, 0
+
+    def set_epoch(self, epoch: int, skip_steps: int = 0) -> None:
+        self.epoch, self.skip = epoch, skip_steps
 
     def __iter__(self):
-        for epoch in range(self.epochs):
+        for epoch in range(self.epoch, self.epoch + self.epochs):
             self.sampler.set_epoch(epoch)
             yield from self.sampler
 
@@ -179,12 +184,12 @@ def loader_batches(workers: int) -> dict[str, int]:
     return {key: rounds * per_round for key, rounds in LOADER_ROUNDS.items()}
 
 
-def preflight_loader(
-    dataset, info: D.DistInfo, seed: int, batch_size: int, workers: int, pin, endless=False
-):
-    """The run's DataLoader over as many epochs of this rank's share as the timing takes
-    (``endless``: as many as a timing by duration takes; the sampler is lazy)."""
-    sampler = EpochSampler(len(dataset), info.world_size, info.rank, seed, batch_size)
+def preflight_loader(dataset, info: D.DistInfo, cfg, workers: int, device, endless=False):
+    """The run's loader (data.train_loader: its DataLoader, or DaliLoader for ``loader: dali``)
+    over as many epochs of this rank's share as the timing takes (``endless``: as many as a
+    timing by duration takes; the sampler is lazy)."""
+    batch_size = cfg.batch_size
+    sampler = EpochSampler(len(dataset), info.world_size, info.rank, cfg.seed, batch_size)
     if len(sampler) < batch_size:
         raise ValueError(
             f"batch_size {batch_size} x {info.world_size} ranks exceeds the {len(dataset)} "
@@ -192,7 +197,8 @@ def preflight_loader(
         )
     needed = sum(loader_batches(workers).values()) * batch_size
     epochs = 10**6 if endless else -(-needed // (len(sampler) // batch_size * batch_size))
-    return train_loader(dataset, _Epochs(sampler, epochs), batch_size, workers, pin=pin)
+    return train_loader(dataset, _Epochs(sampler, epochs), batch_size, workers,
+                        pin=device.type == "cuda", cfg=cfg, device=device)  # fmt: skip
 
 
 def steady_loader_rate(loader, workers: int, batch_size: int, device, min_seconds=0.0) -> dict:
@@ -288,12 +294,12 @@ def checkpoint_cost(job, directory: Path) -> dict:
 def loader_rate(
     cfg: TrainConfig, base, info: D.DistInfo, workers: int, device, min_seconds=0.0
 ) -> dict:
-    """img/s of this rank's DataLoader with the run's augmentation and workers: training's own
-    dataset, transform (uint8 crops) and sampler (benchmarks/bench_gpu.py times this too)."""
+    """img/s of this rank's loader with the run's augmentation and workers: training's own
+    dataset, transform (uint8 crops), sampler and ``loader`` (DALI's pipeline for ``dali``;
+    benchmarks/bench_gpu.py times this too)."""
     dataset = SeededAugmentation(base, recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
     try:
-        loader = preflight_loader(dataset, info, cfg.seed, cfg.batch_size, workers,
-                                  pin=device.type == "cuda", endless=min_seconds > 0)  # fmt: skip
+        loader = preflight_loader(dataset, info, cfg, workers, device, endless=min_seconds > 0)
     except ValueError as error:
         raise ValueError(f"run {cfg.run!r}: {error}") from None
     return steady_loader_rate(loader, workers, cfg.batch_size, device, min_seconds)

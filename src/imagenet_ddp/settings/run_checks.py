@@ -303,7 +303,8 @@ NO_STEP_RATE = (
 
 NO_DALI_RATE = (
     "loader dali on GPUs: its decode and augmentation run on the GPU, at a rate not measured "
-    "here (the per-worker rates are the pytorch path's): not judged at the dry-run"
+    "here (the per-worker rates are the pytorch path's): not judged at the dry-run; the "
+    "preflight (preflight: true) times its pipeline"
 )
 
 
