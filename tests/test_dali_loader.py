@@ -563,3 +563,29 @@ def test_the_preflights_loader_figure_times_trainings_dali_pipeline_across_epoch
         assert torch.equal(a, b) and torch.equal(ta, tb)
     figure = loader_rate(cfg, Encoded(), info, 0, cpu)
     assert figure["workers"] == 0 and figure["loader_images_per_s"] > 0, figure
+
+
+def test_evaluating_a_dali_model_where_dali_does_not_import_names_the_file_and_the_way_out(
+    prepared_demo, demo_split, tmp_path, monkeypatch
+):
+    """A loader: dali run's model.pt evaluated where nvidia.dali does not import (by hand on
+    another machine; the workflow's check job refuses it first): one line naming the file and
+    the install, before any image is read."""
+    import sys
+
+    from imagenet_ddp.errors import InputError
+    from imagenet_ddp.evaluation.evaluate import evaluate_run
+    from imagenet_ddp.settings.geometry import Geometry
+    from imagenet_ddp.training.model import build_model, save_model
+
+    model = tmp_path / "model.pt"
+    config = {"run": "e", "crop_size": 16, "eval_resize": 20, "precision": "fp32"}
+    save_model(model, build_model("resnet18", 4), arch="resnet18", num_classes=4,
+               config={**config, "loader": "dali"})  # fmt: skip
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # import nvidia.dali: ImportError
+    with pytest.raises(InputError, match=r"model\.pt: its run trained with loader: dali; .*"
+                                         r"install imagenet-ddp\[dali\]"):  # fmt: skip
+        evaluate_run(model_path=model, prepared_train=prepared_demo["train"],
+                     prepared_val=prepared_demo["val"], holdout_ids_csv=demo_split / "holdout.csv",
+                     geometry=Geometry(nodes=1, tasks_per_node=1, cpus_per_task=1,
+                                       gpus_per_node=0))  # fmt: skip

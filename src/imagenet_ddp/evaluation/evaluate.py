@@ -14,12 +14,14 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from imagenet_ddp.errors import InputError
 from imagenet_ddp.models import input_normalization
 from imagenet_ddp.settings.evaluation import DEFAULT_BATCH_SIZE, DEFAULT_WORKERS, EvalInput
 from imagenet_ddp.settings.geometry import Geometry, loader_workers
 from imagenet_ddp.settings.presets import REPORTED_MODEL
 from imagenet_ddp.training.accuracy import evaluate_dataset
 from imagenet_ddp.training.model import model_from_state, read_model_file
+from imagenet_ddp.training.recipe import dali_problem
 
 TIMING_NOTE = (
     "wall_seconds: rank 0's time from all ranks ready (model loaded, process group up) to the "
@@ -54,6 +56,9 @@ def evaluate_run(
         if dev.type == "cuda":
             torch.backends.cudnn.benchmark = True  # one input shape throughout
         state = read_model_file(Path(model_path))
+        problem = dali_problem(EvalInput.of(state["config"]))  # it evaluates as it trained
+        if problem:
+            raise InputError(f"{model_path}: its run trained with loader: dali; {problem}")
         weights = ["model"] + (["ema"] if state.get("ema") is not None else [])  # the EMA's, kept
         models = {w: model_from_state(state, dev, weights=w, path=model_path) for w in weights}
         cfg = state["config"]
