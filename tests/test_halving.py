@@ -84,3 +84,44 @@ def test_start_afresh_resumes_an_earlier_rungs_delivery(tmp_path, epoch):
     (root / DELIVERED).write_text(json.dumps({"delivered_at": 1.0, "epoch": 2}))
     moved = start_afresh_if_delivered(root, {"IMAGENET_DDP_INVOCATION_STARTED": "5"}, epoch)
     assert (moved is None) == (epoch > 2)
+
+
+def test_every_job_whose_inputs_a_decision_chose_lists_that_decision(tmp_path, monkeypatch):
+    """jobs.plan.SweepStages: prune's runs at a later rung are the survivors of the rung before,
+    rung_final's stage is where its run was pruned (else the end), and each lists the decisions
+    it read (ancient): Snakemake re-evaluates a checkpoint's dependents when it is made again
+    in the same invocation only through such an input (tests/test_sweeps.py, end to end)."""
+    from types import SimpleNamespace
+
+    from snakemake.io import is_flagged
+
+    from imagenet_ddp.jobs.plan import SweepStages
+
+    monkeypatch.chdir(tmp_path)
+    halving = Halving(0, ("a", "b", "c", "d"), 2, (1, 2), 3)
+    kept = {1: ["a", "b"], 2: ["b"]}
+    for epoch, survivors in kept.items():
+        path = tmp_path / f"results/sweeps/0/rung-{epoch}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"survivors": survivors}))
+    prune = SimpleNamespace(get=lambda sweep, epoch: SimpleNamespace(
+        output=[f"results/sweeps/{sweep}/rung-{epoch}.json"]))  # fmt: skip
+    stages = SweepStages(SimpleNamespace(prune=prune), {0: halving})
+    assert stages.decisions == ["results/sweeps/0/rung-1.json", "results/sweeps/0/rung-2.json"]
+    first, second = SimpleNamespace(sweep="0", epoch="1"), SimpleNamespace(sweep="0", epoch="2")
+    assert stages.runs(first) == ["a", "b", "c", "d"] and stages.decided(first) == []
+    assert stages.runs(second) == ["a", "b"]
+    assert stages.metrics(second) == [f"results/runs/{n}/rungs/2/train_metrics.json" for n in "ab"]
+    (decided,) = stages.decided(second)
+    assert decided == "results/sweeps/0/rung-1.json" and is_flagged(decided, "ancient")
+    for run, stage, read in (("c", 1, 1), ("a", 2, 2), ("b", 3, 2)):
+        inputs = stages.final_input(SimpleNamespace(run=run))
+        assert inputs["stage"][0] == f"results/runs/{run}/rungs/{stage}/model.pt", run
+        assert inputs["decided"] == stages.decisions[:read], run
+        assert all(is_flagged(d, "ancient") for d in inputs["decided"])
+    with pytest.raises(Exception, match="5 is none of its rungs"):
+        stages.previous(SimpleNamespace(run="a", epoch="5"))
+    assert stages.previous(SimpleNamespace(run="a", epoch="1")) == []
+    assert stages.previous(SimpleNamespace(run="a", epoch="3")).endswith(
+        "rungs/2/train_metrics.json"
+    )

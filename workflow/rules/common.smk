@@ -373,72 +373,19 @@ if MAIN_PARSE:
 
 
 # Successive halving (sweep[i].prune; imagenet_ddp.settings.halving): a pruned sweep's runs
-# train in stages (train_rung, results/runs/<run>/rungs/<epoch>/), each rung's `prune`
-# checkpoint keeps the best, and rung_final copies a run's last stage into its run folder,
-# which evaluate and aggregate read as any run's. Every run's stages resume one checkpoint.
-from imagenet_ddp.settings.halving import RUNG_OUTPUTS, by_run, halvings, plan_lines
-from imagenet_ddp.settings.halving import previous_stage, survivors
+# train in stages (train_rung), each rung's `prune` checkpoint keeps the best, and rung_final
+# copies a run's last stage into its run folder (imagenet_ddp.jobs.plan.SweepStages).
+from imagenet_ddp.settings.halving import halvings, plan_lines
+from imagenet_ddp.jobs.plan import SweepStages
 
 HALVINGS, _problems = halvings(config, _WRITTEN, RUNS)
 if _problems:
     refuse(_problems)
-HALVING_OF = by_run(HALVINGS)
-# Every rung's decision, asked for by `all`: only a target's input is decided again when the
-# rung's figures are newer (an input function's checkpoints.prune.get() alone reads the file).
-PRUNE_DECISIONS = [f"results/sweeps/{h.index}/rung-{epoch}.json"
-                   for h in HALVINGS.values() for epoch in h.rungs]  # fmt: skip
+STAGES = SweepStages(checkpoints, HALVINGS)
+HALVING_OF, PRUNE_DECISIONS = STAGES.of_run, STAGES.decisions
 _names = lambda names: "|".join(re.escape(n) for n in names) or "(?!)"
 PRUNED_RUNS = _names(HALVING_OF)
 UNPRUNED_RUNS = _names([n for n in RUNS if n not in HALVING_OF])
 if MAIN_PARSE:
     for _line in plan_lines(HALVINGS, RUNS):
         print(_line, file=sys.stderr)
-
-
-def _decision(halving, epoch):
-    """The survivors of the decision at rung `epoch` (IncompleteCheckpointException until it
-    is made: Snakemake plans it, and asks again once it is)."""
-    path = checkpoints.prune.get(sweep=halving.index, epoch=epoch).output[0]
-    return survivors(path)
-
-
-def rung_previous(wildcards):
-    """train_rung's: the run's stage before this one, ancient (it orders the stages on one
-    checkpoint; a rerun of it with the same settings makes the same bytes, no reason here).
-    """
-    halving, epoch = HALVING_OF[wildcards.run], int(wildcards.epoch)
-    if epoch not in halving.stages:
-        raise WorkflowError(
-            f"run {wildcards.run!r}: {epoch} is none of its rungs {halving.stages}"
-        )
-    before = previous_stage(halving, epoch)
-    if before is None:
-        return []
-    return ancient(f"results/runs/{wildcards.run}/rungs/{before}/train_metrics.json")
-
-
-def prune_runs(wildcards):
-    """The runs that reached rung `epoch` of sweep `sweep`: all at the first, else the
-    survivors of the rung before."""
-    halving, epoch = HALVINGS[int(wildcards.sweep)], int(wildcards.epoch)
-    before = previous_stage(halving, epoch)
-    return list(halving.runs) if before is None else _decision(halving, before)
-
-
-def prune_metrics(wildcards):
-    return [f"results/runs/{n}/rungs/{wildcards.epoch}/train_metrics.json"
-            for n in prune_runs(wildcards)]  # fmt: skip
-
-
-def last_stage(name):
-    """The epoch the run's training ends at: the rung where it was pruned, else the end."""
-    halving = HALVING_OF[name]
-    for epoch in halving.rungs:
-        if name not in _decision(halving, epoch):
-            return epoch
-    return halving.epochs
-
-
-def rung_final_input(wildcards):
-    stage = last_stage(wildcards.run)
-    return [f"results/runs/{wildcards.run}/rungs/{stage}/{o}" for o in RUNG_OUTPUTS]

@@ -133,7 +133,7 @@ use rule train as train_rung with:
     input:
         key=key_file("train"),
         preflight=preflight_input,
-        previous=rung_previous,
+        previous=STAGES.previous,
     output:
         model="results/runs/{run}/rungs/{epoch}/model.pt",
         metrics="results/runs/{run}/rungs/{epoch}/train_metrics.json",
@@ -153,7 +153,8 @@ use rule train as train_rung with:
 checkpoint prune:
     """Rank a pruned sweep's runs at one rung; keep the best 1/eta."""
     input:
-        prune_metrics,
+        metrics=STAGES.metrics,
+        decided=STAGES.decided,
     output:
         "results/sweeps/{sweep}/rung-{epoch}.json",
     log:
@@ -167,14 +168,14 @@ checkpoint prune:
     container:
         CONTAINER
     params:
-        runs=prune_runs,
+        runs=STAGES.runs,
         eta=lambda wildcards: HALVINGS[int(wildcards.sweep)].eta,
         metric=lambda wildcards: HALVINGS[int(wildcards.sweep)].metric,
         version=STAGE_VERSIONS["prune"],
     shell:
         "imagenet-ddp prune --sweep {wildcards.sweep} --epoch {wildcards.epoch}"
         " --eta {params.eta} --metric {params.metric} --runs {params.runs:q}"
-        " --metrics {input:q} --out {output:q} > {log:q} 2>&1"
+        " --metrics {input.metrics:q} --out {output:q} > {log:q} 2>&1"
 
 
 # A pruned sweep's run: its last stage's outputs (the rung it was pruned at, else the end)
@@ -182,7 +183,7 @@ checkpoint prune:
 rule rung_final:
     """A pruned sweep's run: its last stage's outputs in its run folder."""
     input:
-        rung_final_input,
+        unpack(STAGES.final_input),
     output:
         model="results/runs/{run}/model.pt",
         metrics="results/runs/{run}/train_metrics.json",
@@ -199,8 +200,10 @@ rule rung_final:
     container:
         CONTAINER
     params:
-        rung_dir=lambda wildcards, input: os.path.dirname(input[0]),
-        epoch=lambda wildcards, input: os.path.basename(os.path.dirname(input[0])),
+        rung_dir=STAGES.final_dir,
+        epoch=lambda wildcards, input: os.path.basename(
+            STAGES.final_dir(wildcards, input)
+        ),
         epochs=lambda wildcards: HALVING_OF[wildcards.run].epochs,
         version=STAGE_VERSIONS["rung_final"],
     shell:

@@ -1,7 +1,8 @@
 """What the workflow's parse reads of Snakemake's own objects, through their public attributes,
 passed in by workflow/rules/common.smk: the rerun keys' input functions (jobs.rerun_keys: what a
-key is), the resources set-resources gives a rule under a `module`'s prefix, the rerun triggers
-that cannot be served. Torch-free: it runs while Snakemake parses the rules.
+key is), the pruned sweeps' (settings.halving), the resources set-resources gives a rule under a
+`module`'s prefix, the rerun triggers that cannot be served. Torch-free: it runs while
+Snakemake parses the rules.
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ from snakemake.settings.types import RerunTrigger
 from imagenet_ddp.jobs.rerun_keys import changes, key_path, key_text
 from imagenet_ddp.jobs.stage_versions import STAGE_VERSIONS
 from imagenet_ddp.settings.evaluation import eval_settings
+from imagenet_ddp.settings.halving import (
+    RUNG_OUTPUTS,
+    Halving,
+    by_run,
+    previous_stage,
+    survivors,
+)
 
 DATA_CONTENT = "results/data/content.json"  # the data_content checkpoint's record
 
@@ -196,3 +204,84 @@ class RerunKeys:
             line = changes(name, recorded, now)
             lines += [line] if line else []
         return lines
+
+
+class SweepStages:
+    """The pruned sweeps' input functions and params (settings.halving): a run trains in stages
+    (train_rung, results/runs/<run>/rungs/<epoch>/), each rung's `prune` checkpoint keeps the
+    best, and rung_final copies a run's last stage into its run folder. A decision is read
+    through Snakemake's ``checkpoints.prune.get()``, and every job whose inputs it chose also
+    lists it (ancient: its time is no reason): Snakemake re-evaluates a finished checkpoint's
+    dependents, so a decision made again in this invocation (a run's setting changed) chooses
+    their inputs anew, where one read when the DAG was built would stand otherwise (the keys'
+    own checkpoints make it a second-order one, snakemake/snakemake#3862)."""
+
+    def __init__(self, checkpoints, found: Mapping[int, Halving]):
+        self._checkpoints, self.halvings = checkpoints, found
+        self.of_run = by_run(found)
+        # every rung's decision, asked for by `all`: only a target's input is decided again
+        # when the rung's figures are newer (an input function's get() alone reads the file)
+        self.decisions = [f"results/sweeps/{h.index}/rung-{epoch}.json"
+                          for h in found.values() for epoch in h.rungs]  # fmt: skip
+
+    def _decision(self, halving: Halving, epoch: int) -> str:
+        return self._checkpoints.prune.get(sweep=halving.index, epoch=epoch).output[0]
+
+    def previous(self, wildcards):
+        """train_rung's: the run's stage before this one, ancient (it orders the stages on one
+        checkpoint; a rerun of it with the same settings makes the same bytes, no reason)."""
+        halving, epoch = self.of_run[wildcards.run], int(wildcards.epoch)
+        if epoch not in halving.stages:
+            raise WorkflowError(
+                f"run {wildcards.run!r}: {epoch} is none of its rungs {halving.stages}"
+            )
+        before = previous_stage(halving, epoch)
+        if before is None:
+            return []
+        return ancient(f"results/runs/{wildcards.run}/rungs/{before}/train_metrics.json")
+
+    def _reached(self, wildcards) -> tuple[list[str], list[str]]:
+        """(the runs that reached rung `epoch` of sweep `sweep`: all at the first, else the
+        survivors of the rung before; the decision that chose them)."""
+        halving, epoch = self.halvings[int(wildcards.sweep)], int(wildcards.epoch)
+        before = previous_stage(halving, epoch)
+        if before is None:
+            return list(halving.runs), []
+        decision = self._decision(halving, before)
+        return survivors(decision), [ancient(decision)]
+
+    def runs(self, wildcards) -> list[str]:
+        """prune's param: the runs it ranks."""
+        return self._reached(wildcards)[0]
+
+    def metrics(self, wildcards) -> list[str]:
+        """prune's input: the figures of the runs that reached the rung."""
+        return [f"results/runs/{n}/rungs/{wildcards.epoch}/train_metrics.json"
+                for n in self._reached(wildcards)[0]]  # fmt: skip
+
+    def decided(self, wildcards) -> list[str]:
+        """prune's input: the decision that chose its runs."""
+        return self._reached(wildcards)[1]
+
+    def _last_stage(self, name: str) -> tuple[int, list[str]]:
+        """(the epoch the run's training ends at: the rung where it was pruned, else the end;
+        the decisions read to know it)."""
+        halving, read = self.of_run[name], []
+        for epoch in halving.rungs:
+            decision = self._decision(halving, epoch)
+            read.append(ancient(decision))
+            if name not in survivors(decision):
+                return epoch, read
+        return halving.epochs, read
+
+    def final_input(self, wildcards) -> dict[str, list[str]]:
+        """rung_final's inputs: the outputs of the run's last stage, the decisions read."""
+        stage, read = self._last_stage(wildcards.run)
+        outputs = [f"results/runs/{wildcards.run}/rungs/{stage}/{o}" for o in RUNG_OUTPUTS]
+        return {"stage": outputs, "decided": read}
+
+    @staticmethod
+    def final_dir(wildcards, input) -> str:
+        """rung_final's param: its stage's folder (while a decision is yet to be made, the
+        folder of the checkpoint's target, which Snakemake makes its input meanwhile)."""
+        return os.path.dirname(getattr(input, "stage", input)[0])
