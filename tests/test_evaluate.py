@@ -110,12 +110,12 @@ def eval_inputs(demo_archives, demo_index, tmp_path_factory) -> dict[str, Path]:
     return {"model": root / "model.pt", "classes": root / "classes.csv"}
 
 
-def evaluate_cli(inputs, prepared, split_dir, out: Path, tasks: int = 1, **given):
+def evaluate_cli(inputs, prepared, split_dir, out: Path, tasks: int = 1, cpus: int = 1, **given):
     """`imagenet-ddp evaluate --job FILE`: a spec file written as a user would (by hand)."""
     from imagenet_ddp.jobs.spec import write_spec
     from tests.workflow_helpers import make_job
 
-    geometry = {"nodes": 1, "tasks_per_node": tasks, "cpus_per_task": 1, "gpus_per_node": 0}
+    geometry = {"nodes": 1, "tasks_per_node": tasks, "cpus_per_task": cpus, "gpus_per_node": 0}
     job = make_job(
         "evaluate", geometry, model=inputs["model"], classes=inputs["classes"],
         prepared_train=prepared["train"], prepared_val=prepared["val"], split_dir=split_dir,
@@ -198,6 +198,20 @@ def test_a_run_with_ema_is_evaluated_with_both_weights_and_names_the_published_o
     only = pd.read_csv(tmp_path / "ema-alone" / "per_class.csv")
     assert list(per_class["test_ema_top1"]) == list(only["test_top1"])
     assert list(per_class["holdout_ema_top1"]) == list(only["holdout_top1"])
+
+
+def test_an_evaluation_rank_runs_its_tasks_cpus_less_its_loader_workers_as_threads(
+    eval_inputs, prepared_demo, demo_split, tmp_path
+):
+    """As a training rank (training.worker.rank_threads): 2 CPUs and 1 loader worker, one
+    intra-op thread (the launcher exports 2); without workers, both."""
+    threads = {}
+    for workers in (1, 0):
+        (tmp_path / str(workers)).mkdir()
+        result = evaluate_cli(eval_inputs, prepared_demo, demo_split, tmp_path / str(workers),
+                              cpus=2, workers=workers)  # fmt: skip
+        threads[workers] = [r["intra_op_threads"] for r in result["evaluation"]["ranks"]]
+    assert threads == {1: [1], 0: [2]}
 
 
 def test_a_rank_count_that_disagrees_with_the_geometry_is_refused(

@@ -157,6 +157,9 @@ def test_preflight_ran_first_and_its_figures_follow_their_definitions(local_run)
     projection = report["projection"]
     assert projection["allocations"] == 1 and projection["train_runtime_minutes"] is None
     trained = json.loads((local_run / "results/runs/resnet18-1x2/train_metrics.json").read_text())
+    # its step timed at training's intra-op threads (training.worker.rank_threads)
+    threads = {r["rank"]: r["intra_op_threads"] for r in trained["ranks"]}
+    assert {r["rank"]: r["intra_op_threads"] for r in report["ranks"]} == threads
     ratio = trained["mean_epoch_seconds"] / projection["epoch_seconds"]
     assert 1 / PROJECTION_FACTOR < ratio < PROJECTION_FACTOR, ratio
     assert "problems: none" in (local_run / "logs/preflight/resnet18-1x2.log").read_text()

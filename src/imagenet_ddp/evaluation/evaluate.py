@@ -7,6 +7,7 @@ eval.json's ``reported_model`` names the one its preset's published figure is of
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from imagenet_ddp.settings.presets import REPORTED_MODEL
 from imagenet_ddp.training.accuracy import evaluate_dataset
 from imagenet_ddp.training.model import model_from_state, read_model_file
 from imagenet_ddp.training.recipe import dali_problem
+from imagenet_ddp.training.worker import rank_threads
 
 TIMING_NOTE = (
     "wall_seconds: rank 0's time from all ranks ready (model loaded, process group up) to the "
@@ -62,9 +64,11 @@ def evaluate_run(
         weights = ["model"] + (["ema"] if state.get("ema") is not None else [])  # the EMA's, kept
         models = {w: model_from_state(state, dev, weights=w, path=model_path) for w in weights}
         cfg = state["config"]
+        workers = loader_workers(workers, geometry.cpus_per_task)
+        rank_threads(dataclasses.replace(geometry, workers=workers))  # as training's ranks
         settings = {
             "num_classes": state["num_classes"], "device": dev, "batch_size": batch_size,
-            "workers": loader_workers(workers, geometry.cpus_per_task),
+            "workers": workers,
             "precision": cfg.get("precision", "fp32"),
             "channels_last": bool(cfg.get("channels_last")),
             "rank": info.rank, "world_size": info.world_size,

@@ -179,6 +179,7 @@ def placement(info: DistInfo, device: torch.device) -> dict[str, object]:
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         **({"would_select": WOULD_SELECT[0]} if WOULD_SELECT else {}),
         "gloo_socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+        "intra_op_threads": torch.get_num_threads(),  # training.worker.rank_threads
         "pid": os.getpid(),
     }
 

@@ -42,7 +42,7 @@ from imagenet_ddp.training.data import (
 )
 from imagenet_ddp.training.loop import train_step
 from imagenet_ddp.training.metrics import synchronize
-from imagenet_ddp.training.worker import build_job, seed_everything
+from imagenet_ddp.training.worker import build_job, rank_threads, seed_everything
 
 # The first warm-up step holds torch.compile; "timed" steps with DDP, then as many without
 # its all-reduce (a rank's own speed).
@@ -316,6 +316,7 @@ def measure(spec: PreflightJob, cfg: TrainConfig, info: D.DistInfo, device: torc
     """Every figure of this rank; the sizes of the run's data for the projection."""
     seed_everything(cfg.seed)
     geometry = D.resolve_geometry(cfg, info, device)
+    record_threads = rank_threads(geometry)  # training's: its step is timed at its threads
     paths = spec.paths
     split = paths.split_dir
     train_ids = read_ids(split / "train.csv")
@@ -323,7 +324,7 @@ def measure(spec: PreflightJob, cfg: TrainConfig, info: D.DistInfo, device: torc
     wanted = info.world_size * cfg.batch_size * batches
     copy = staged_copy(paths.run_dir, info.host)
     base = create_dataset(copy, seeded_sample(train_ids, wanted, cfg.seed), train=True)
-    record = placement(cfg, info, device)
+    record = {**placement(cfg, info, device), "intra_op_threads": record_threads}
     hosts = [r["host"] for r in D.all_gather_objects({"host": info.host})]
     steps_per_epoch = max(1, len(train_ids) // info.world_size // cfg.batch_size)
     job = build_job(cfg, info, device, geometry, base.num_classes, steps_per_epoch)
