@@ -161,6 +161,18 @@ else
     say "bench_compile: SKIPPED (no CUDA or no simplejpeg)"
 fi
 
+section "2c. bench_gpu.py --loader dali: training's DALI pipeline (v1; v2's TrivialAugmentWide)"
+# The same code as the preflight's loader figure of a loader: dali run (DaliLoader, mixed decode).
+if gpu_ready && "$PY" -c "import nvidia.dali" 2>/dev/null; then
+    for recipe in none torchvision-resnet50-v2; do
+        run_step "bench_dali_$recipe" "$T_BENCH" "$PY" benchmarks/bench_gpu.py $BENCH_EAGER \
+            --loader dali --recipe "$recipe" --json "$LOGS/bench_dali_$recipe.json"
+        grep -E "training.s loader" "$LOGS/bench_dali_$recipe.log" | head -1 | sed "s/^/bench dali $recipe: /" >>"$SUMMARY"
+    done
+else
+    say "bench_dali: SKIPPED (no CUDA or no nvidia.dali)"
+fi
+
 section "3. training worker: demo data, uninterrupted run, stopped + resumed run"
 DATA_OK=1
 if [ "$JPEG_OK" = 1 ] && gpu_ready; then
