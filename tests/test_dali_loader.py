@@ -397,6 +397,20 @@ def test_every_timm_op_at_its_extremes_is_pillows_within_a_level(interpolation):
     assert len(cases) > 50, len(cases)
 
 
+def test_timm_draws_refuse_what_dali_cannot_replay():
+    """A RandAugment without an interpolation hparam resamples at random inside the op, a draw
+    the recorder would skip; an op of timm's other sets (3-Augment's blur) has no DALI op."""
+    from timm.data.auto_augment import rand_augment_transform
+
+    from imagenet_ddp.training import dali_augment
+
+    assert len(dali_augment.timm_draws(_timm("rand-m9-p1.0", 32), 32, 2)) == 2
+    with pytest.raises(ValueError, match="resamples at random"):
+        dali_augment.timm_draws(rand_augment_transform("rand-m9-p1.0", {}), 32, 2)
+    with pytest.raises(ValueError, match="op GaussianBlur has no DALI counterpart"):
+        dali_augment.timm_parameter("GaussianBlur", (1.0,), 32)
+
+
 def _pass_draws(**changes) -> list[tuple[int, float]]:
     """The recorded (op, parameter) slots of each sample of one DaliLoader pass (epoch 1)."""
     cfg = _cfg(loader="dali", **changes)

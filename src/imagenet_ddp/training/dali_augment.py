@@ -11,9 +11,12 @@ draws are the pytorch path's, the same on any rank or worker count and after a r
 torchvision or timm release that changes them changes both paths alike. DALI then applies the
 recorded ops to the decoded crop (on the GPU on CUDA), one ``select`` per op slot (DALI's
 conditional split; timm's: its ``n`` layers), timm's geometric ops filling with the mean
-(its ``img_mean``) and resampling with the run's interpolation, as the pytorch path passes them.
-Pixels match torchvision's and Pillow's within a level or two on every op but Equalize: DALI's
-follows OpenCV's lookup table, ~10 levels off on average (tests/test_dali_loader.py).
+(its ``img_mean``) and resampling with the run's interpolation, as the pytorch path passes
+them (bilinear for bicubic, below).
+Pixels match torchvision's and Pillow's within a level or two on every op but Equalize (DALI's
+follows OpenCV's lookup table: ~5-11 levels off on average) and, with ``interpolation:
+bicubic``, the warps: DALI's take no cubic filter, so they resample bilinearly (Rotate 2.4 levels
+off Pillow's bicubic at 30 degrees; tests/test_dali_loader.py).
 """
 
 from __future__ import annotations
@@ -109,8 +112,8 @@ def timm_draws(augment, size: int, count: int) -> list[tuple[int, float]]:
 def _record_timm_op(drawn: list, name: str, size: int, image, *args, resample=None, **_):
     if isinstance(resample, (list, tuple)):  # timm's random choice, in the aug_fn not drawn here
         raise ValueError(
-            f"timm's {name} resamples at random among {resample}: give RandAugment an "
-            "interpolation (recipe.timm_rand_augment does) to draw it as the pytorch path does"
+            f"timm's RandAugment resamples at random among {resample} (its {name} drew): give "
+            "it an interpolation hparam, as recipe.timm_rand_augment does, whose draw is timm's"
         )
     drawn.append(timm_parameter(name, args, size))
     return image
