@@ -449,6 +449,21 @@ def test_a_presets_rand_augment_through_dali_is_the_pytorch_paths_within_toleran
     assert all(diff < 3.0 for _, diff in compared), compared
 
 
+def test_timms_draws_in_dali_worker_processes_are_the_ranks_thread_s():
+    """DeiT's policy with its draws in 2 spawned DALI worker processes (Python's and NumPy's
+    RNGs seeded there per sample, as in the rank's thread): bitwise the batches of workers 0."""
+    changes = {"auto_augment": "rand-m9-mstd0.5-inc1", "interpolation": "bicubic"}
+    cfg = _cfg(loader="dali", **changes)
+    dataset = SeededAugmentation(Encoded(), recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
+    sampler = EpochSampler(len(dataset), 1, 0, cfg.seed, 2)
+    sampler.set_epoch(1, 0)
+    loader = train_loader(dataset, sampler, 2, 2, False, cfg=cfg, device=torch.device("cpu"))
+    got, expected = list(loader), _batches("dali", **changes)
+    assert len(got) == len(expected) == 6
+    for (a, ta), (b, tb) in zip(got, expected, strict=True):
+        assert torch.equal(a, b) and torch.equal(ta, tb)
+
+
 def test_a_dali_run_where_the_jobs_lack_dali_is_refused_in_one_line():
     from imagenet_ddp.settings.run_checks import optional_component_problems
 

@@ -59,8 +59,8 @@ def is_timm(policy) -> bool:
 
 def recorded_draws(policy, size: int, count: int) -> list[tuple[int, float]]:
     """(op index, DALI parameter) of each of ``count`` slots: ``policy`` (a torchvision v2 policy,
-    or timm's RandAugment: :func:`timm_draws`) drawing on a ``size`` x ``size`` crop from the
-    current torch RNG, as it would transform it; unused slots are Identity."""
+    or timm's RandAugment: :func:`timm_draws`) drawing on a ``size`` x ``size`` crop, from the
+    current torch RNG (torchvision's), as it would transform it; unused slots are Identity."""
     if is_timm(policy):
         return timm_draws(policy, size, count)
     drawn: list[tuple[str, float]] = []
