@@ -182,12 +182,18 @@ def dali_ops(interp, fill=(0, 0, 0)):
         centre = fn.reductions.sum(mean * grey, axis_names="C", keep_dims=True)
         return fn.cast_like(centre + (data - centre) * on(data, factor), data)
 
-    def sharpness(data, amount):  # torchvision's: blend with its 3x3 smoothing, borders kept
+    def sharpness(data, amount):  # Pillow's and torchvision's: blend with a 3x3 smoothing
         blur = np.array([[1, 1, 1], [1, 5, 1], [1, 1, 1]], np.float32) / 13
         ident = np.zeros((3, 3), np.float32)
         ident[1, 1] = 1
         kernel = types.Constant(ident) + types.Constant(ident - blur) * amount
-        return fn.filter(data, on(data, kernel))
+        sharpened = fn.filter(data, on(data, kernel))
+        # both keep the border pixels as they are; DALI's filter reflects there: the pixels
+        # whose 3x3 window lies inside the image (a mean of 1 over ones, 0 outside) take it
+        ones = fn.cast(data, dtype=types.FLOAT) * 0.0 + 1.0
+        window = on(data, types.Constant(np.full((3, 3), 1 / 9, np.float32)))
+        inside = fn.filter(ones, window, border="constant") > 0.99
+        return inside * sharpened + (inside ^ True) * data
 
     def solarize(data, threshold):
         kept = data < on(data, threshold)
