@@ -150,15 +150,18 @@ def test_one_pipeline_serves_the_passes_that_follow(workers):
     assert first is not None and loader._pipe is not first  # the unfinished pass: built anew
 
 
-def test_dali_refuses_timms_rand_augment_only():
+def test_dali_takes_every_auto_augment_policy():
+    """The dry-run refuses no auto_augment with loader dali: torchvision's and timm's rand-*
+    (the presets' specs; the schema admits no other timm sets) all run through DALI."""
+    from imagenet_ddp.settings.presets import PRESETS
     from imagenet_ddp.settings.run_checks import _recipe_problems
 
     run = {**declarations().rank_defaults(), "crop_size": 224, "model": "resnet18"}
-    for policy in ("none", "trivialaugment", "randaugment", "autoaugment"):
+    specs = {p.get("auto_augment") for p in PRESETS.values()} - {None}
+    assert any(s.startswith("rand-") for s in specs), specs
+    for policy in ("none", "trivialaugment", "randaugment", "autoaugment", *sorted(specs)):
         found = _recipe_problems({**run, "loader": "dali", "auto_augment": policy})
         assert not [p for p in found if "loader" in p], (policy, found)
-    found = _recipe_problems({**run, "loader": "dali", "auto_augment": "rand-m9-mstd0.5-inc1"})
-    assert any(p.startswith("runs[].loader 'dali' with auto_augment 'rand-m9") for p in found)
 
 
 def _scene(size: int = 48) -> np.ndarray:
@@ -170,8 +173,9 @@ def _scene(size: int = 48) -> np.ndarray:
     return pixels
 
 
-def _through_dali(images: list, draws: list) -> list[np.ndarray]:
-    """``images`` (HWC) through dali_augment.apply with each image's (op, parameter) slots."""
+def _through_dali(images: list, draws: list, fill=(0, 0, 0), interp="INTERP_LINEAR"):
+    """``images`` (HWC) through dali_augment.apply with each image's (op, parameter) slots,
+    geometric ops filling with ``fill``: the output images (HWC)."""
     from nvidia.dali import fn, pipeline_def, types
 
     from imagenet_ddp.training import dali_augment
@@ -186,7 +190,7 @@ def _through_dali(images: list, draws: list) -> list[np.ndarray]:
         layout = ["HWC"] + [""] * 2 * slots
         data, *flat = fn.external_source(source=lambda: [images, *columns], batch=True,
                                          num_outputs=1 + 2 * slots, layout=layout)  # fmt: skip
-        return dali_augment.apply(data, flat, types.INTERP_LINEAR)
+        return dali_augment.apply(data, flat, getattr(types, interp), fill)
 
     built = pipe()
     built.build()
@@ -262,6 +266,206 @@ def test_each_policys_draws_are_torchvisions_own_for_the_same_seed(name):
     for a, b, drawn in zip(expected, dali, draws, strict=True):
         if names.index("Equalize") not in [op for op, _ in drawn]:
             assert np.abs(a.astype(float) - b.astype(float)).mean() < 2.0, (name, drawn)
+
+
+# --------------------------------------------------------------------------- timm's RandAugment
+
+MEAN_FILL = (124, 116, 104)  # the ImageNet mean, timm's img_mean (DeiT's fill) as we pass it
+# The presets' (DeiT's m9, ResNet strikes back's m7 and m6) and a plain set of 3 layers
+PRESET_SPECS = ["rand-m9-mstd0.5-inc1", "rand-m7-mstd0.5-inc1", "rand-m6-mstd0.5-inc1",
+                "rand-m9-n3-mstd0.5"]  # fmt: skip
+
+
+def _photo(size: int = 64) -> np.ndarray:
+    """HWC uint8, photo-like: smooth shading (bicubic-upsampled noise), hard-edged objects, fine
+    grain, through JPEG; a full range of levels, so no op is a no-op by accident."""
+    rng = np.random.default_rng(0)
+    coarse = Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8))
+    pixels = np.asarray(coarse.resize((size, size), Image.BICUBIC)).astype(float)
+    pixels[10:30, 14:40] = (230, 200, 40)
+    pixels[40:58, 6:22] = (20, 30, 90)
+    pixels += rng.normal(0, 6, pixels.shape)
+    out = io.BytesIO()
+    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(out, "JPEG", quality=90)
+    return np.asarray(Image.open(out).convert("RGB")).copy()
+
+
+def _timm(spec: str, size: int, interpolation: str = "bilinear"):
+    """The pytorch path's timm RandAugment (recipe.timm_rand_augment), without its PIL wrap."""
+    mean = tuple(m / 255 for m in MEAN_FILL)
+    return recipe.timm_rand_augment(spec, size, mean, interpolation).transforms[1]
+
+
+@pytest.mark.parametrize("spec", PRESET_SPECS)
+def test_timms_rand_augment_draws_are_timms_own_for_the_same_seed(spec):
+    """For 40 samples, each sample's seed (SeededAugmentation's key_seed), the ops and level
+    arguments DaliLoader records (dali_loader.sample_window) are exactly those timm's ops apply
+    on the pytorch path (SeededAugmentation over recipe.timm_rand_augment); DALI applying them
+    gives its image within two levels (samples that drew Equalize apart: EXTREMES)."""
+    from torchvision.transforms import v2
+
+    from imagenet_ddp.training import dali_augment
+    from imagenet_ddp.training.dali_loader import sample_window
+
+    photo, size = _photo(48), 48
+    augment, applied = _timm(spec, size), []
+    for op in augment.ops:  # a spy on the ops the pytorch path applies, their own aug_fn after
+        op.aug_fn = lambda img, *args, _fn=op.aug_fn, _name=op.name, **kw: (
+            applied.append(dali_augment.timm_parameter(_name, args, size)) or _fn(img, *args, **kw)
+        )
+    base = [(torch.from_numpy(photo).permute(2, 0, 1).contiguous(), 0)] * 40
+    ours = SeededAugmentation(base, v2.Compose([v2.ToPILImage(), augment, v2.PILToTensor()]), 7)
+    crop, count = v2.RandomResizedCrop(size), dali_augment.slots(spec)
+    assert count == (3 if "-n3" in spec else 2)
+    expected, draws, policy = [], [], _timm(spec, size)
+    for index in range(40):
+        applied.clear()
+        expected.append(ours[(0, index)][0].permute(1, 2, 0).numpy())
+        drawn = sample_window(ours.key_seed((0, index)), 60, 80, crop, 0.5, None, policy, count)[-1]
+        assert [d for d in drawn if d[0]] == applied, (spec, index)
+        draws.append(drawn)
+    assert len({tuple(d) for d in draws}) > 20  # the draws vary with the seed
+    assert len({p for d in draws for _, p in d}) > 15  # the magnitudes too (mstd 0.5)
+    assert sum(op == 0 for d in draws for op, _ in d) > 10  # some ops skipped (p 0.5)
+    dali = _through_dali([photo] * len(draws), draws, fill=MEAN_FILL)
+    equalize, compared = dali_augment.OP_NAMES.index("Equalize"), 0
+    for a, b, drawn in zip(expected, dali, draws, strict=True):
+        if equalize not in [op for op, _ in drawn]:
+            compared += 1
+            assert np.abs(a.astype(float) - b.astype(float)).mean() < 2.0, (spec, drawn)
+    assert compared > 25
+
+
+def _timm_extremes(interpolation: str) -> list:
+    """(timm op, its level arguments) of every op of timm's two rand-* op sets (the increasing
+    set of the DeiT presets, the plain one) at magnitude 0 and 10, each sign of the signed."""
+    import random
+
+    cases = []
+    for spec in ("rand-m9-inc1", "rand-m9"):
+        for op in _timm(spec, 48, interpolation).ops:
+            for magnitude in (0.0, 10.0):
+                for coin in (0.0, 1.0):  # timm's _randomly_negate: negative above 0.5
+                    draw, random.random = random.random, lambda coin=coin: coin
+                    try:
+                        args = op.level_fn(magnitude, op.hparams) if op.level_fn else ()
+                    finally:
+                        random.random = draw
+                    if (op, args) not in cases:
+                        cases.append((op, args))
+    return cases
+
+
+# Ops timm's levels leave the image as it is: magnitude 0 of the signed geometric ops, of
+# SolarizeAdd and of the increasing enhancements (factor 1), threshold 256 (SolarizeIncreasing
+# at 0, Solarize at 10).
+TIMM_UNCHANGED = {"Rotate", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel", "SolarizeAdd",
+                  "ColorIncreasing", "ContrastIncreasing", "BrightnessIncreasing",
+                  "SharpnessIncreasing", "Solarize", "SolarizeIncreasing"}  # fmt: skip
+
+
+# Measured, the worst case of each op (mean |difference|, levels; bilinear / bicubic): Equalize
+# 5.4 (DALI's follows OpenCV's lookup table); at bicubic the warps resample bilinearly (DALI's
+# take no cubic), Pillow bicubically: Rotate 2.4 (bilinear 0.9), ShearX/Y 1.5-1.6 (0.7-0.8),
+# TranslateX/YRel 1.4-1.5 (0.7-0.9); the others pixel by pixel within 2 levels (rounding):
+# Color, Contrast, Brightness 0.5, Sharpness 0.4, AutoContrast 0.2, Invert, Posterize,
+# Solarize and SolarizeAdd exact.
+GEOMETRIC = {"Rotate", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel"}
+TIMM_TOLERANCE = {("Equalize", "bilinear"): 15.0, ("Equalize", "bicubic"): 15.0,
+                  ("Rotate", "bicubic"): 3.0}  # fmt: skip
+
+
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])
+def test_every_timm_op_at_its_extremes_is_pillows_within_a_level(interpolation):
+    """Each op of timm's rand-* sets, at the ends of its levels and both signs, through DALI
+    (filling with the mean, as timm's img_mean) against timm's own op (Pillow, our posterize)
+    on a photo-like image: within two levels on average but TIMM_TOLERANCE's; the geometric
+    ops' edge, where Pillow fills hard and DALI blends, within that."""
+    from imagenet_ddp.training import dali_augment
+
+    photo, cases = _photo(48), _timm_extremes(interpolation)
+    draws = [[dali_augment.timm_parameter(op.name, args, 48)] for op, args in cases]
+    interp = {"bilinear": "INTERP_LINEAR", "bicubic": "INTERP_CUBIC"}[interpolation]
+    dali = _through_dali([photo] * len(cases), draws, fill=MEAN_FILL, interp=interp)
+    unchanged, report = set(), []
+    for (op, args), b in zip(cases, dali, strict=True):
+        a = np.asarray(op.aug_fn(Image.fromarray(photo), *args, **op.kwargs)).astype(float)
+        diff = np.abs(a - b.astype(float)).mean()
+        report.append((op.name, args, round(diff, 2)))
+        assert diff < TIMM_TOLERANCE.get((op.name, interpolation), 2.0), report[-1]
+        if op.name not in GEOMETRIC and op.name != "Equalize":  # rounding only, borders too
+            assert np.abs(a - b).max() <= 2, (op.name, args, np.abs(a - b).max())
+        if np.array_equal(a, photo):
+            unchanged.add(op.name)
+    assert unchanged == TIMM_UNCHANGED, unchanged
+    assert len(cases) > 50, len(cases)
+
+
+def test_timm_draws_refuse_what_dali_cannot_replay():
+    """A RandAugment without an interpolation hparam resamples at random inside the op, a draw
+    the recorder would skip; an op of timm's other sets (3-Augment's blur) has no DALI op."""
+    from timm.data.auto_augment import rand_augment_transform
+
+    from imagenet_ddp.training import dali_augment
+
+    assert len(dali_augment.timm_draws(_timm("rand-m9-p1.0", 32), 32, 2)) == 2
+    with pytest.raises(ValueError, match="resamples at random"):
+        dali_augment.timm_draws(rand_augment_transform("rand-m9-p1.0", {}), 32, 2)
+    with pytest.raises(ValueError, match="op GaussianBlur has no DALI counterpart"):
+        dali_augment.timm_parameter("GaussianBlur", (1.0,), 32)
+
+
+def _pass_draws(**changes) -> list[tuple[int, float]]:
+    """The recorded (op, parameter) slots of each sample of one DaliLoader pass (epoch 1)."""
+    cfg = _cfg(loader="dali", **changes)
+    dataset = SeededAugmentation(Encoded(), recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
+    sampler = EpochSampler(len(dataset), 1, 0, cfg.seed, 2)
+    sampler.set_epoch(1, 0)
+    loader = train_loader(dataset, sampler, 2, 0, False, cfg=cfg, device=torch.device("cpu"))
+    columns = loader.batch_inputs(list(sampler))[8:]
+    pairs = [list(zip(columns[k], columns[k + 1], strict=True)) for k in range(0, len(columns), 2)]
+    return [[(int(o), float(p)) for o, p in slots] for slots in zip(*pairs, strict=True)]
+
+
+@pytest.mark.parametrize("preset", ["deit-small", "timm-resnet50-a3"])
+def test_a_presets_rand_augment_through_dali_is_the_pytorch_paths_within_tolerance(preset):
+    """A preset's timm RandAugment (with its interpolation and random erasing) through
+    DaliLoader on DALI's CPU backend, against the pytorch path's batches: the same samples, and
+    each sample's pixels within resampling tolerance where its draws hold no Equalize or
+    AutoContrast (on these small smooth crops their pixels differ more: EXTREMES); a policy
+    applied before the flip, another draw or a fill of 0 moves them by tens of levels."""
+    from imagenet_ddp.settings.presets import PRESETS
+    from imagenet_ddp.training.dali_augment import OP_NAMES
+
+    keys = ("auto_augment", "interpolation", "random_erasing")
+    changes = {k: PRESETS[preset][k] for k in keys if k in PRESETS[preset]} | {"hflip": 1.0}
+    assert changes["auto_augment"].startswith("rand-")
+    ours, dali = _batches("pytorch", **changes), _batches("dali", **changes)
+    draws = _pass_draws(**changes)
+    images = [(a[i], b[i]) for (a, _), (b, _) in zip(ours, dali, strict=True) for i in range(2)]
+    assert all(torch.equal(ta, tb) for (_, ta), (_, tb) in zip(ours, dali, strict=True))
+    skip = {OP_NAMES.index("Equalize"), OP_NAMES.index("AutoContrast")}
+    compared = [([OP_NAMES[op] for op, _ in slots], float((a.float() - b.float()).abs().mean()))
+                for slots, (a, b) in zip(draws, images, strict=True)
+                if not skip & {op for op, _ in slots}]  # fmt: skip
+    applied = [ops for ops, _ in compared if set(ops) != {"Identity"}]
+    assert len(compared) >= 6 and len(applied) >= 4, compared
+    assert all(diff < 3.0 for _, diff in compared), compared
+
+
+def test_timms_draws_in_dali_worker_processes_are_the_ranks_thread_s():
+    """DeiT's policy with its draws in 2 spawned DALI worker processes (Python's and NumPy's
+    RNGs seeded there per sample, as in the rank's thread): bitwise the batches of workers 0."""
+    changes = {"auto_augment": "rand-m9-mstd0.5-inc1", "interpolation": "bicubic"}
+    cfg = _cfg(loader="dali", **changes)
+    dataset = SeededAugmentation(Encoded(), recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
+    sampler = EpochSampler(len(dataset), 1, 0, cfg.seed, 2)
+    sampler.set_epoch(1, 0)
+    loader = train_loader(dataset, sampler, 2, 2, False, cfg=cfg, device=torch.device("cpu"))
+    got, expected = list(loader), _batches("dali", **changes)
+    assert len(got) == len(expected) == 6
+    for (a, ta), (b, tb) in zip(got, expected, strict=True):
+        assert torch.equal(a, b) and torch.equal(ta, tb)
 
 
 def test_a_dali_run_where_the_jobs_lack_dali_is_refused_in_one_line():

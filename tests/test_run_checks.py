@@ -421,10 +421,6 @@ def test_expected_split_sizes_are_exact(fraction):
         ),
         ({"gpus_per_node": 2, "tasks_per_node": 1}, "tasks_per_node 1 with gpus_per_node 2"),
         ({"batch_size": 400}, "global batch 800 is larger than the 324 training images"),
-        (
-            {"loader": "dali", "auto_augment": "rand-m9-mstd0.5-inc1"},
-            "runs[].loader 'dali' with auto_augment 'rand-m9-mstd0.5-inc1': timm's RandAugment",
-        ),
         ({"gpus_per_node": 2}, "workers 0 with cpus_per_task 1 on a GPU run (gpus_per_node 2)"),
     ],
     ids=[
@@ -433,7 +429,6 @@ def test_expected_split_sizes_are_exact(fraction):
         "device",
         "gpus-vs-tasks",
         "global-batch",
-        "dali-augmentation",
         "loader-workers",
     ],
 )

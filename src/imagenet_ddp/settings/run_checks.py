@@ -184,7 +184,6 @@ def _recipe_problems(run: Mapping) -> list[str]:
             "set sync_bn: false or train on GPUs (gpus_per_node > 0)"
         )
     problems += _timm_recipe_problems(run)
-    problems += [p for p in [_dali_problem(run)] if p]
     # timm's, and any model with model_kwargs: the check rule's (deep_problems)
     torchvision = _name_listed(family(run["model"])[0]) and not run.get("model_kwargs")
     residual = run["model"].startswith(RESIDUAL_BN)
@@ -194,19 +193,6 @@ def _recipe_problems(run: Mapping) -> list[str]:
             "family (resnet*, resnext*, wide_resnet*) has it; set zero_init_residual: false"
         )
     return problems
-
-
-def _dali_problem(run: Mapping) -> str | None:
-    """``loader: dali`` with timm's RandAugment: its ops are Pillow's, which DALI's differ from
-    (torchvision's policies run through it: training.dali_augment)."""
-    if run.get("loader") != "dali" or not run.get("auto_augment", "none").startswith("rand-"):
-        return None
-    return (
-        f"runs[].loader 'dali' with auto_augment {run['auto_augment']!r}: timm's RandAugment runs "
-        "Pillow's ops (its magnitude noise and increasing ops included), which DALI does not "
-        "reproduce; set loader: pytorch, or a torchvision policy (trivialaugment, randaugment, "
-        "autoaugment) that loader: dali applies (docs/configuration.md)"
-    )
 
 
 def _timm_recipe_problems(run: Mapping) -> list[str]:

@@ -9,9 +9,9 @@ rank or worker count and after a resume (the sampler's skip). DALI decodes the w
 it with the run's interpolation, flips it and hands uint8 CHW batches on, normalized on the
 device as the pytorch path's. Pixels differ from that path by resampling only (it decodes at a
 reduced DCT scale first). DALI's own random ops are seeded per operator, not per sample, so every
-draw is made here: torchvision's auto_augment policies' ops and magnitudes (training.dali_augment,
-applied by DALI), random erasing's boxes (erased by ``fn.erase``). timm's RandAugment is refused
-with it (settings.run_checks).
+draw is made here: the auto_augment policy's ops and magnitudes, torchvision's or timm's
+RandAugment (training.dali_augment, applied by DALI), random erasing's boxes (erased by
+``fn.erase``).
 
 Evaluation (:class:`DaliEvalLoader`: the holdout in training, the evaluate stage, the
 preflight's evaluation rate; chosen in training.data.train_loader) reads each rank's shard in
@@ -23,8 +23,10 @@ ROI at the resize's scale. Pixels differ from that path's by resampling only.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import multiprocessing
+import random
 
 import numpy as np
 import simplejpeg
@@ -45,8 +47,13 @@ def sample_window(seed: int, height: int, width: int, crop, hflip: float, erasin
     ops (``slots`` (op, parameter) pairs: dali_augment.recorded_draws) and then its
     RandomErasing (``erasing``; erased: the (top, left, height, width) on the output, zeros for
     none), from ``seed``, in the order that path's transform draws them
-    (recipe.sample_transform)."""
-    with torch.random.fork_rng(devices=[]):
+    (recipe.sample_transform). Python's and NumPy's RNGs too where the policy is timm's, seeded
+    as training.data.SeededAugmentation seeds them."""
+    timm = slots and dali_augment.is_timm(policy)
+    with (
+        torch.random.fork_rng(devices=[]),
+        _python_numpy_seeded(seed) if timm else contextlib.nullcontext(),
+    ):
         torch.default_generator.manual_seed(seed)
         box = crop.make_params([torch.empty((1, 1, 1)).expand(1, height, width)])
         flip = bool(torch.rand(1) < hflip)
@@ -57,6 +64,20 @@ def sample_window(seed: int, height: int, width: int, crop, hflip: float, erasin
             drawn = erasing.make_params([torch.empty((3, 1, 1)).expand(3, *size)])
             erased = (0, 0, 0, 0) if drawn["v"] is None else tuple(drawn[k] for k in "ijhw")
     return box["top"], box["left"], box["height"], box["width"], flip, erased, draws
+
+
+@contextlib.contextmanager
+def _python_numpy_seeded(seed: int):
+    """Python's and NumPy's global RNGs seeded by ``seed`` as SeededAugmentation seeds them;
+    restored after."""
+    python, numpy = random.getstate(), np.random.get_state()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
 
 
 class DaliLoader:
@@ -86,18 +107,28 @@ class DaliLoader:
         mean = input_normalization(self.cfg.model, self.cfg.normalization)[0]
         return tuple(round(255 * m) for m in mean)
 
-    def _policy(self):
-        """The run's torchvision auto_augment policy (its draws only: DALI applies them)."""
+    def policy_fill(self) -> tuple[int, ...]:
+        """The policy's geometric ops' fill: timm's the mean (its img_mean), torchvision's 0."""
+        return self.fill() if self.cfg.auto_augment.startswith("rand-") else (0, 0, 0)
+
+    def _policy(self, size: int):
+        """The run's auto_augment policy at crop ``size`` (its draws only: DALI applies them):
+        torchvision's, or timm's RandAugment as the pytorch path builds it."""
         if not self.slots:
             return None
-        return recipe.POLICIES[self.cfg.auto_augment](v2.InterpolationMode(self.cfg.interpolation))
+        spec = self.cfg.auto_augment
+        if spec.startswith("rand-"):
+            mean = input_normalization(self.cfg.model, self.cfg.normalization)[0]
+            composed = recipe.timm_rand_augment(spec, size, mean, self.cfg.interpolation)
+            return composed.transforms[1]  # between ToPILImage and PILToTensor
+        return recipe.POLICIES[spec](v2.InterpolationMode(self.cfg.interpolation))
 
     def batch_inputs(self, keys: list) -> tuple:
         """The external source's batch: encoded JPEGs, window anchors (x, y) and shapes (w, h),
         flips, output sizes, erased anchors (y, x) and shapes (h, w), labels, then each policy
         slot's op indices and parameters, one per key."""
         size = self.cfg.crop_for_epoch(keys[0][0])
-        crop, erasing, policy = self._crop(size), self._erasing(), self._policy()
+        crop, erasing, policy = self._crop(size), self._erasing(), self._policy(size)
         columns = tuple([] for _ in range(8 + 2 * self.slots))
         for key in keys:
             index = key[1]
@@ -166,7 +197,7 @@ class DaliLoader:
             images = fn.resize(images, size=size, interp_type=interp, antialias=True)
             if draws:  # torchvision's order: the policy after the flip
                 images = fn.flip(images, horizontal=flip)
-                images, flip = dali_augment.apply(images, draws, interp), 0
+                images, flip = dali_augment.apply(images, draws, interp, self.policy_fill()), 0
             images = fn.crop_mirror_normalize(images, mirror=flip, dtype=types.UINT8,
                                               output_layout="CHW")  # fmt: skip
             images = fn.erase(images, anchor=erase_at, shape=erase, axis_names="HW",
