@@ -238,7 +238,7 @@ def loader_warnings(report: dict[str, Any], run: dict[str, Any]) -> list[str]:
     if per_rank and needed > per_rank:
         way_out = (
             f"cpus_per_task {needed} would be needed, more than the node's {per_rank} CPUs per "
-            "rank: loader: dali (GPU decoding and augmentation, not timm's RandAugment), a smaller "
+            "rank: loader: dali (GPU decoding and augmentation), a smaller "
             "prepare.short_side, or cheaper augmentations"
         )
     else:

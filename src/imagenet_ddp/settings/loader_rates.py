@@ -32,7 +32,7 @@ GPU_STEP_RATES = {
 }
 
 WAYS_OUT = (
-    "loader: dali (GPU decoding and augmentation, not timm's RandAugment), more cpus_per_task, "
+    "loader: dali (GPU decoding and augmentation), more cpus_per_task, "
     "or a smaller prepare.short_side"
 )
 
