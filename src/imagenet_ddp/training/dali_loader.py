@@ -23,10 +23,8 @@ ROI at the resize's scale. Pixels differ from that path's by resampling only.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import multiprocessing
-import random
 
 import numpy as np
 import simplejpeg
@@ -49,12 +47,7 @@ def sample_window(seed: int, height: int, width: int, crop, hflip: float, erasin
     none), from ``seed``, in the order that path's transform draws them
     (recipe.sample_transform). Python's and NumPy's RNGs too where the policy is timm's, seeded
     as training.data.SeededAugmentation seeds them."""
-    timm = slots and dali_augment.is_timm(policy)
-    with (
-        torch.random.fork_rng(devices=[]),
-        _python_numpy_seeded(seed) if timm else contextlib.nullcontext(),
-    ):
-        torch.default_generator.manual_seed(seed)
+    with recipe.seeded_draws(seed, python_numpy=bool(slots) and dali_augment.is_timm(policy)):
         box = crop.make_params([torch.empty((1, 1, 1)).expand(1, height, width)])
         flip = bool(torch.rand(1) < hflip)
         draws = dali_augment.recorded_draws(policy, crop.size[0], slots) if slots else []
@@ -64,20 +57,6 @@ def sample_window(seed: int, height: int, width: int, crop, hflip: float, erasin
             drawn = erasing.make_params([torch.empty((3, 1, 1)).expand(3, *size)])
             erased = (0, 0, 0, 0) if drawn["v"] is None else tuple(drawn[k] for k in "ijhw")
     return box["top"], box["left"], box["height"], box["width"], flip, erased, draws
-
-
-@contextlib.contextmanager
-def _python_numpy_seeded(seed: int):
-    """Python's and NumPy's global RNGs seeded by ``seed`` as SeededAugmentation seeds them;
-    restored after."""
-    python, numpy = random.getstate(), np.random.get_state()
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    try:
-        yield
-    finally:
-        random.setstate(python)
-        np.random.set_state(numpy)
 
 
 class DaliLoader:

@@ -9,16 +9,15 @@ the same batches (docs/reliability.md, "Elastic resume").
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from imagenet_ddp.jobs.signals import ignore_stop_signals, loader_context
 from imagenet_ddp.settings.geometry import global_batch
+from imagenet_ddp.training.recipe import seeded_draws
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -52,20 +51,8 @@ class SeededAugmentation(Dataset):
         epoch, index, *_ = key
         image, label = self.base[index]
         transform = self.transform(epoch) if self.per_epoch else self.transform
-        seed = self.key_seed(key)
-        python, numpy = random.getstate(), np.random.get_state()
-        with torch.random.fork_rng(devices=[]):
-            # Not torch.manual_seed: on CUDA builds it also queues lazy seeding of every device
-            # type and costs ~10x more per call; only the CPU generator drives torchvision's
-            # transforms. timm's RandAugment draws from Python's and NumPy's: seeded too.
-            torch.default_generator.manual_seed(seed)
-            random.seed(seed)
-            np.random.seed(seed % 2**32)
-            try:
-                image = transform(image)
-            finally:
-                random.setstate(python)
-                np.random.set_state(numpy)
+        with seeded_draws(self.key_seed(key)):
+            image = transform(image)
         return image, label
 
     def key_seed(self, key: tuple[int, ...]) -> int:

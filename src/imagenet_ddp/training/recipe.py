@@ -7,10 +7,13 @@ of an uninterrupted one.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copy
 import math
+import random
 from functools import partial
 
+import numpy as np
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchvision.transforms import v2
@@ -117,6 +120,27 @@ def posterize(img, bits_to_keep, **_):
     if bits_to_keep <= 0:
         return img.point([0] * 256 * len(img.getbands()))
     return ImageOps.posterize(img, bits_to_keep)
+
+
+@contextlib.contextmanager
+def seeded_draws(seed: int, python_numpy: bool = True):
+    """One sample's draws: torch's CPU generator seeded by ``seed`` for the block, and Python's
+    and NumPy's (timm's RandAugment draws from them) unless ``python_numpy`` is false, each
+    restored after (training.data.SeededAugmentation, dali_loader.sample_window). Not
+    torch.manual_seed: on CUDA builds it also queues lazy seeding of every device type and costs
+    ~10x more per call; only the CPU generator drives torchvision's transforms."""
+    saved = (random.getstate(), np.random.get_state()) if python_numpy else None
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        if saved:
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+        try:
+            yield
+        finally:
+            if saved:
+                random.setstate(saved[0])
+                np.random.set_state(saved[1])
 
 
 def sample_transform(cfg: TrainConfig, crop_size: int):
