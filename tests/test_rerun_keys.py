@@ -37,6 +37,10 @@ def test_the_change_is_named_in_one_line():
     assert K.changes("r", KEY, dict(KEY)) is None
     data = K.changes("r", KEY, {**KEY, "data": "cd" * 32})
     assert data == f"run 'r': data {'ab' * 8}... -> {'cd' * 8}..." and "\n" not in data
+    # a setting a key leaves out at its earlier value shows as that value, not null
+    loader = {**KEY, "settings": {**KEY["settings"], "loader": "dali"}}
+    named = K.changes("r", KEY, loader, {"loader": "pytorch", "hflip": 0.5})
+    assert named == "run 'r': loader pytorch -> dali"
 
 
 def test_the_key_command_writes_a_key_only_where_its_digest_names_it(tmp_path, capsys):

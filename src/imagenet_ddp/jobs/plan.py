@@ -201,7 +201,7 @@ class RerunKeys:
                     }
             except (OSError, ValueError, KeyError):
                 continue
-            line = changes(name, recorded, now)
+            line = changes(name, recorded, now, self._settings.earlier_values())
             lines += [line] if line else []
         return lines
 

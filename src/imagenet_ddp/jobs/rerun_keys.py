@@ -54,13 +54,16 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:16] + "..."
 
 
-def changes(run: str, recorded: Mapping[str, Any], now: Mapping[str, Any]) -> str | None:
+def changes(run: str, recorded: Mapping[str, Any], now: Mapping[str, Any],
+            omitted: Mapping[str, Any] | None = None) -> str | None:  # fmt: skip
     """One line naming what differs between the key the run's last delivered job recorded and
-    the one it has now (``run 'x': lr 0.2 -> 0.4``); None when nothing does."""
+    the one it has now (``run 'x': lr 0.2 -> 0.4``); None when nothing does. ``omitted``: the
+    value of a setting a key leaves out (its earlier value, not null)."""
     flat = [
-        {**dict(key.get("settings", {})), **{k: v for k, v in key.items() if k != "settings"}}
+        {**(omitted or {}), **dict(key.get("settings", {})),
+         **{k: v for k, v in key.items() if k != "settings"}}
         for key in (recorded, now)
-    ]
+    ]  # fmt: skip
     differ = [
         f"{k} {_short(flat[0].get(k))} -> {_short(flat[1].get(k))}"
         for k in sorted(set(flat[0]) | set(flat[1]))

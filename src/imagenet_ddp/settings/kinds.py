@@ -122,6 +122,10 @@ class Declarations:
             or v != spec["x-earlier"]  # Python's ==: 1 and 1.0, [0.08, 1] and [0.08, 1.0]
         }
 
+    def earlier_values(self) -> dict[str, Any]:
+        """Each ``x-earlier`` setting's value where a key leaves it out (without_earlier_values)."""
+        return {k: v["x-earlier"] for k, v in self.properties.items() if "x-earlier" in v}
+
     def weight_settings(self, settings: Mapping[str, Any]) -> dict[str, Any]:
         """What the checkpoint fingerprint hashes of ``settings``: those that change the weights."""
         return self.without_earlier_values(self._select(settings, "fingerprint"))
