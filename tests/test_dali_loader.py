@@ -550,6 +550,76 @@ def test_the_check_job_refuses_dali_where_it_does_not_import(monkeypatch):
     assert problem.endswith("install imagenet-ddp[dali] there, or set loader: pytorch")
 
 
+@pytest.mark.parametrize("name", ["torchvision-resnet50-v2", "deit-small", "ffcv-resnet50"])
+def test_a_presets_dali_pipeline_takes_its_extreme_draws(name):
+    """The check job's DALI cases (dali_loader.extreme_problems) of a preset through DALI:
+    every window at the ends of crop_scale x crop_ratio, flip and erasing always, each op of its
+    policy at both ends of its magnitudes in every slot, at each of its crops (FFCV's
+    progressive ones), and the evaluation crop, run without a problem; the cases are the
+    pytorch path's (recipe.extreme_transforms), each on two images."""
+    from imagenet_ddp.settings.presets import PRESETS
+    from imagenet_ddp.training import dali_loader
+
+    cfg = _cfg(**{**PRESETS[name], "loader": "dali"})
+    assert dali_loader.extreme_problems(cfg) == []
+    for size in recipe.run_crops(cfg):
+        names = [n for n, _ in dali_loader._extreme_cases(cfg, size, 2)]
+        boxes, ops = recipe.extreme_transforms(cfg, size)
+        forced = [f"training {n} at crop {size}" for n in (*boxes, *ops)]
+        assert sorted(set(names)) == sorted(forced) and len(names) == 2 * len(forced)
+    assert (len(recipe.run_crops(cfg)) > 1) == (name == "ffcv-resnet50")  # progressive
+
+
+def test_the_check_job_refuses_a_dali_op_that_raises_naming_it(tmp_path, monkeypatch):
+    """A `dali` run whose pipeline raises at one extreme draw (the rotation resampling bicubic,
+    which DALI's CPU warp refuses: every bicubic run with a policy before the fallback) is
+    refused by the check job in one line naming the run, the case and the way out; the
+    pytorch path's transforms of the same run pass."""
+    import json
+
+    from nvidia.dali import fn, types
+
+    from imagenet_ddp.errors import InputError
+    from imagenet_ddp.settings.kinds import declarations
+    from imagenet_ddp.training import dali_augment
+    from imagenet_ddp.training.data import write_check
+    from tests.workflow_helpers import run_settings
+
+    run = run_settings(
+        run="tv",
+        model="resnet18",
+        model_kwargs={},
+        crop_size=32,
+        eval_resize=36,
+        eval_crop_size=32,
+        epochs=1,
+        auto_augment="trivialaugment",
+        loader="dali",
+    )
+    settings = json.dumps(declarations().changed_from_default(run))
+    write_check(settings, 10, tmp_path / "run", tmp_path / "ok.json")
+    assert (tmp_path / "ok.json").is_file()
+    ops = dali_augment.dali_ops
+    rotate = dali_augment.OP_NAMES.index("Rotate")
+
+    def cubic_rotate(interp, fill=(0, 0, 0)):
+        def cubic(data, angle):
+            return fn.rotate(data, angle=angle, interp_type=types.INTERP_CUBIC, keep_size=True)
+
+        return tuple(cubic if i == rotate else op for i, op in enumerate(ops(interp, fill)))
+
+    monkeypatch.setattr(dali_augment, "dali_ops", cubic_rotate)
+    with pytest.raises(InputError) as refused:
+        write_check(settings, 10, tmp_path / "run", tmp_path / "check.json")
+    message = str(refused.value)
+    assert "\n" not in message and not (tmp_path / "check.json").exists()
+    assert message.startswith(
+        "config.yaml: run 'tv': loader 'dali': its training Rotate at bin 0 at crop 32 raises "
+    ), message
+    assert "on DALI's CPU backend: nvidia.dali.fn.rotate: Only nearest and linear " in message
+    assert message.endswith("crop_scale, crop_ratio or the crops, or set loader: pytorch")
+
+
 # --------------------------------------------------------------------------- evaluation
 
 

@@ -561,17 +561,18 @@ def test_the_check_stage_refuses_a_transform_that_raises_in_one_line(tmp_path, m
 
     from imagenet_ddp.errors import InputError
     from imagenet_ddp.settings.kinds import declarations
+    from imagenet_ddp.training.data import write_check
     from tests.workflow_helpers import run_settings
 
     small = {"model": "resnet18", "model_kwargs": {}, "crop_size": 32, "eval_resize": 36,
              "eval_crop_size": 32, "epochs": 1}  # fmt: skip
     run = run_settings(**{**PRESETS["deit-small"], **small, "run": "deit"})
     settings = json.dumps(declarations().changed_from_default(run))
-    recipe.write_check(settings, 10, tmp_path / "run", tmp_path / "ok.json")
+    write_check(settings, 10, tmp_path / "run", tmp_path / "ok.json")
     assert (tmp_path / "ok.json").is_file()
     monkeypatch.setattr(recipe, "posterize", auto_augment.posterize)
     with pytest.raises(InputError) as refused:
-        recipe.write_check(settings, 10, tmp_path / "run", tmp_path / "check.json")
+        write_check(settings, 10, tmp_path / "run", tmp_path / "check.json")
     assert str(refused.value) == (
         "config.yaml: run 'deit': auto_augment 'rand-m9-mstd0.5-inc1': its training "
         "PosterizeIncreasing at magnitude 10 at crop 32 raises ValueError: bits must be between "

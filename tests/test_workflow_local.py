@@ -269,10 +269,12 @@ def test_nothing_to_do_on_rerun_under_any_trigger_and_a_dry_run_writes_nothing(
         shutil.rmtree(local_run / "src")
 
 
-@pytest.mark.parametrize(("key", "value"), [("lr", 0.02), ("nodes", 2)])
+@pytest.mark.parametrize(("key", "value"), [("lr", 0.02), ("nodes", 2), ("loader", "dali")])
 def test_changing_one_runs_weights_or_geometry_reruns_only_that_run(local_run, key, value):
     """A weights setting (`lr`) and a geometry one (`nodes`): that run's train and what reads
-    it, nothing of the other run (docs/configuration.md "Reruns")."""
+    it, nothing of the other run (docs/configuration.md "Reruns"). A setting its check judges
+    (`loader`: DALI's import and pipeline): that run's check, a checkpoint after which its
+    train is judged, and the reason line naming the setting."""
     config = read_config(local_run)
     original = copy.deepcopy(config)
     config["runs"][1][key] = value
@@ -284,15 +286,18 @@ def test_changing_one_runs_weights_or_geometry_reruns_only_that_run(local_run, k
         shown = snakemake(local_run, "-n", "-p", "--profile", "profiles/slurm").stdout
     finally:
         write_config(local_run, original)
+    assert "wildcards: run=resnet18-1x1" in result.stdout
+    assert "wildcards: run=resnet18-1x2" not in result.stdout
+    # The reason, one line per run: the one setting that changed (issue 50)
+    old = {"lr": config["train_defaults"].get(key, 1), "loader": "pytorch"}.get(key, 1)
+    assert f"run 'resnet18-1x1': {key} {old} -> {value}" in result.stderr.splitlines()
+    if key == "loader":
+        assert plan == {"check": 1}, plan
+        return
     assert plan == {
         "key": 1, "preflight_run": 1, "train": 1, "evaluate": 1, "accounting": 1,
         "aggregate": 1, "plots": 1, "all": 1,
     }, plan  # fmt: skip
-    assert "wildcards: run=resnet18-1x1" in result.stdout
-    assert "wildcards: run=resnet18-1x2" not in result.stdout
-    # The reason, one line per run: the one setting that changed (issue 50)
-    old = config["train_defaults"].get(key, 1) if key == "lr" else 1
-    assert f"run 'resnet18-1x1': {key} {old} -> {value}" in result.stderr.splitlines()
     # Each train job in a few lines: its SLURM shape, a compact hyperparameter line, a spec
     # file's path (not the spec twice), and a reason that names the one setting that changed.
     blocks = shown.split("\n\n")
@@ -630,6 +635,20 @@ RECIPE_RUNS = [
         "hflip": 1.0,
         "random_erasing": 1.0,
     },
+    {  # the same at full strength through loader: dali (DALI's CPU backend) under Snakemake:
+        # its check job's DALI cases, its preflight's DALI loader and evaluation rates, its
+        # training and holdout, and its evaluate stage
+        "name": "recipe-dali",
+        "recipe": "deit-small",
+        **SHORT,
+        "model_kwargs": {},
+        "tasks_per_node": 2,
+        "loader": "dali",
+        "auto_augment": "rand-m10-mstd0-inc1-p1",
+        "crop_scale": [0.08, 0.08],
+        "hflip": 1.0,
+        "random_erasing": 1.0,
+    },
     {  # ResNet strikes back's (timm's LAMB, BCE, repeated augmentation) on 2 ranks
         "name": "recipe-rsb",
         "recipe": "timm-resnet50-a1",
@@ -690,7 +709,7 @@ def test_each_recipe_preset_and_all_components_train(local_run):
     config["runs"] = RECIPE_RUNS + MODEL_RUNS
     write_config(local_run, config)
     targets = [f"results/runs/{run['name']}/model.pt" for run in RECIPE_RUNS]
-    targets.append("results/runs/recipe-tv-v2/eval.json")
+    targets += ["results/runs/recipe-tv-v2/eval.json", "results/runs/recipe-dali/eval.json"]
     targets += [f"results/runs/{run['name']}/eval.json" for run in MODEL_RUNS]
     try:
         dry = snakemake(local_run, "--profile", "profiles/local", "-n", *targets)
@@ -717,6 +736,7 @@ def test_each_recipe_preset_and_all_components_train(local_run):
     deit = json.loads((runs / "recipe-deit/train_metrics.json").read_text())
     assert deit["config"]["auto_augment"] == "rand-m10-mstd0-inc1-p1" and deit["world_size"] == 2
     assert json.loads((runs / "recipe-rsb/train_metrics.json").read_text())["world_size"] == 2
+    _assert_trained_and_evaluated_through_dali(local_run)
     v2 = json.loads((runs / "recipe-tv-v2/train_metrics.json").read_text())
     assert v2["config"]["recipe"] == "torchvision-resnet50-v2"
     assert (v2["config"]["mixup_alpha"], v2["config"]["auto_augment"]) == (0.2, "trivialaugment")
@@ -747,6 +767,21 @@ def test_each_recipe_preset_and_all_components_train(local_run):
     plain.load_state_dict(state["ema"])  # the EMA loads into plain torchvision too
 
     _assert_models_beyond_the_presets(runs)
+
+
+def _assert_trained_and_evaluated_through_dali(workdir: Path) -> None:
+    """recipe-dali's check ran DALI's cases, its preflight timed DALI's loaders, and it trained
+    on 2 ranks and was evaluated through DALI."""
+    runs = workdir / "results/runs"
+    trained = json.loads((runs / "recipe-dali/train_metrics.json").read_text())
+    assert trained["config"]["loader"] == "dali" and trained["world_size"] == 2
+    assert all(0 <= e["holdout_top1"] <= 1 for e in trained["epochs"])
+    evaluation = json.loads((runs / "recipe-dali/eval.json").read_text())
+    assert evaluation["evaluation"]["loader"] == "dali" and evaluation["test"]["samples"] > 0
+    assert (workdir / "results/checks/recipe-dali.json").is_file()
+    report = json.loads((workdir / "results/preflight/recipe-dali/preflight.json").read_text())
+    assert report["problems"] == [] and report["loader"]["images_per_s"] > 0
+    assert all(rank["eval_images_per_s"] > 0 for rank in report["ranks"][:1])
 
 
 def _assert_models_beyond_the_presets(runs: Path) -> None:

@@ -192,7 +192,7 @@ STAGES = {
     ),
     "check": (
         "check a run's model, optimizer, weights and transforms with torch",
-        "training.recipe:write_check",
+        "training.data:write_check",
         "num-classes:int run-dir out",  # and --run
     ),
     "aggregate": (

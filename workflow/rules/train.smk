@@ -2,7 +2,8 @@
 # any of its GPU jobs: its model built on the meta device at its crops (constructor options,
 # training-mode outputs, CUDA determinism, residual zero-init), its optimizer, its init_weights
 # file's keys and shapes against the data's class count, that file's sha256 (train's param), and
-# its training transform at every extreme draw and evaluation transform on synthetic images.
+# its training transform at every extreme draw and evaluation transform on synthetic images
+# (with loader: dali, through its DALI pipeline on DALI's CPU backend too).
 # Local: a few seconds on the machine that runs Snakemake. A checkpoint, so a check that reruns
 # (a setting changed) leaves train to its own params, which say whether it retrains.
 checkpoint check:

@@ -81,6 +81,7 @@ CHECKED_SETTINGS = (
     "auto_augment", "crop_scale", "crop_ratio", "random_erasing", "interpolation", "hflip",
     "eval_resize", "progressive_start_epoch", "progressive_end_epoch", "progressive_multiple",
     "epochs", "normalization",
+    "loader",  # with dali: its import and its DALI pipeline at the same extremes
 )  # fmt: skip
 
 

@@ -21,6 +21,7 @@ off Pillow's bicubic at 30 degrees; tests/test_dali_loader.py).
 
 from __future__ import annotations
 
+import copy
 from functools import partial
 
 import torch
@@ -107,6 +108,22 @@ def timm_draws(augment, size: int, count: int) -> list[tuple[int, float]]:
     if len(drawn) > count:
         raise RuntimeError(f"timm's RandAugment applied {len(drawn)} ops, more than {count}")
     return drawn + [(0, 0.0)] * (count - len(drawn))
+
+
+def forced_draw(forced, size: int) -> tuple[int, float]:
+    """(op index, DALI parameter) of one of recipe.policy_extremes's forced ops on a ``size``
+    crop: torchvision's (policy, name, magnitude) converted, or timm's op called (its sign
+    drawn from the current Python RNG) with its ``aug_fn`` recording."""
+    if isinstance(forced, tuple):
+        _, name, magnitude = forced
+        return OP_NAMES.index(name), dali_parameter(name, magnitude)
+    from PIL import Image
+
+    drawn: list[tuple[int, float]] = []
+    op = copy.copy(forced)
+    op.aug_fn = partial(_record_timm_op, drawn, forced.name, size)
+    op(Image.new("RGB", (size, size)))
+    return drawn[0]
 
 
 def _record_timm_op(drawn: list, name: str, size: int, image, *args, resample=None, **_):

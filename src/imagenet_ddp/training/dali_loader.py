@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import multiprocessing
+import re
 
 import numpy as np
 import simplejpeg
@@ -32,7 +33,6 @@ import torch
 from torchvision.transforms import v2
 
 from imagenet_ddp.jobs.signals import ignore_stop_signals, stop_signals_blocked
-from imagenet_ddp.models import input_normalization
 from imagenet_ddp.training import dali_augment, recipe
 
 INTERPOLATION = {"bilinear": "INTERP_LINEAR", "bicubic": "INTERP_CUBIC"}
@@ -59,6 +59,19 @@ def sample_window(seed: int, height: int, width: int, crop, hflip: float, erasin
     return box["top"], box["left"], box["height"], box["width"], flip, erased, draws
 
 
+def source_row(data: bytes, size: int, window: tuple, label: int) -> list:
+    """One sample's columns of :meth:`DaliLoader.batch_inputs`: ``data`` (a JPEG) cropped to
+    ``window`` (:func:`sample_window`'s) and resized to ``size``, its ``label``."""
+    top, left, height, width, flip, erased, draws = window
+    row = [data, np.array([left, top], np.float32), np.array([width, height], np.float32),
+           np.array(flip, np.int32), np.array([size, size], np.float32),
+           np.array(erased[:2], np.float32), np.array(erased[2:], np.float32),
+           np.array(label, np.int64)]  # fmt: skip
+    for op, parameter in draws:
+        row += [np.array(op, np.int32), np.array(parameter, np.float32)]
+    return row
+
+
 class DaliLoader:
     """A rank's training batches, (uint8 NCHW images, int64 targets), as the DataLoader's: one
     pass per ``iter`` over the sampler's keys from its epoch and skip, ``len`` batches."""
@@ -79,16 +92,7 @@ class DaliLoader:
     def _erasing(self):
         """The recipe's RandomErasing (its draws only: DALI erases), or None."""
         p = getattr(self.cfg, "random_erasing", 0)
-        return v2.RandomErasing(p=p, value=list(self.fill())) if p > 0 else None
-
-    def fill(self) -> tuple[int, ...]:
-        """Erased pixels' colour: the mean, as recipe.sample_transform's."""
-        mean = input_normalization(self.cfg.model, self.cfg.normalization)[0]
-        return tuple(round(255 * m) for m in mean)
-
-    def policy_fill(self) -> tuple[int, ...]:
-        """The policy's geometric ops' fill: timm's the mean (its img_mean), torchvision's 0."""
-        return self.fill() if self.cfg.auto_augment.startswith("rand-") else (0, 0, 0)
+        return v2.RandomErasing(p=p, value=list(fill(self.cfg))) if p > 0 else None
 
     def _policy(self, size: int):
         """The run's auto_augment policy at crop ``size`` (its draws only: DALI applies them):
@@ -97,7 +101,7 @@ class DaliLoader:
             return None
         spec = self.cfg.auto_augment
         if spec.startswith("rand-"):
-            mean = input_normalization(self.cfg.model, self.cfg.normalization)[0]
+            mean = recipe.mean_std(self.cfg)[0]
             composed = recipe.timm_rand_augment(spec, size, mean, self.cfg.interpolation)
             return composed.transforms[1]  # between ToPILImage and PILToTensor
         return recipe.POLICIES[spec](v2.InterpolationMode(self.cfg.interpolation))
@@ -114,14 +118,9 @@ class DaliLoader:
             data = self.base.read_bytes(index)
             height, width, _, _ = simplejpeg.decode_jpeg_header(data)
             seed = self.dataset.key_seed(key)
-            top, left, h, w, flip, erased, draws = sample_window(
+            window = sample_window(
                 seed, height, width, crop, self.cfg.hflip, erasing, policy, self.slots)  # fmt: skip
-            row = [data, np.array([left, top], np.float32), np.array([w, h], np.float32),
-                   np.array(flip, np.int32), np.array([size, size], np.float32),
-                   np.array(erased[:2], np.float32), np.array(erased[2:], np.float32),
-                   np.array(int(self.base.targets[index]), np.int64)]  # fmt: skip
-            for op, parameter in draws:
-                row += [np.array(op, np.int32), np.array(parameter, np.float32)]
+            row = source_row(data, size, window, int(self.base.targets[index]))
             for column, value in zip(columns, row, strict=True):
                 column.append(value)
         return columns
@@ -155,7 +154,7 @@ class DaliLoader:
         ``workers`` > 0 the per-sample draws run in as many spawned worker processes (DALI's
         parallel external source), batches ahead of the decode: in the rank's own thread they
         would cap it at a few thousand img/s, below a GPU's step."""
-        from nvidia.dali import fn, pipeline_def, types
+        from nvidia.dali import pipeline_def
 
         gpu, interp, device_id = _placement(self.device, self.cfg.interpolation)
         workers = self.workers
@@ -165,23 +164,7 @@ class DaliLoader:
                       device_id=device_id, seed=self.cfg.seed, py_num_workers=workers,
                       py_start_method="spawn", enable_conditionals=self.slots > 0)  # fmt: skip
         def crops():
-            jpegs, anchor, shape, flip, size, erase_at, erase, label, *draws = fn.external_source(
-                source=self.source, num_outputs=8 + 2 * self.slots, batch=True, batch_info=True,
-                **parallel)  # fmt: skip
-            # no EXIF orientation, as simplejpeg (the pytorch path's decoder) reads none
-            images = fn.decoders.image_slice(
-                jpegs, anchor, shape, axis_names="WH", normalized_anchor=False,
-                normalized_shape=False, device="mixed" if gpu else "cpu",
-                output_type=types.RGB, adjust_orientation=False)  # fmt: skip
-            images = fn.resize(images, size=size, interp_type=interp, antialias=True)
-            if draws:  # torchvision's order: the policy after the flip
-                images = fn.flip(images, horizontal=flip)
-                images, flip = dali_augment.apply(images, draws, interp, self.policy_fill()), 0
-            images = fn.crop_mirror_normalize(images, mirror=flip, dtype=types.UINT8,
-                                              output_layout="CHW")  # fmt: skip
-            images = fn.erase(images, anchor=erase_at, shape=erase, axis_names="HW",
-                              fill_value=list(self.fill()))  # fmt: skip
-            return images, label
+            return crop_graph(self.source, self.cfg, self.slots, gpu, interp, parallel)
 
         self._first, self._passes, self._keys = (self.sampler.epoch, self.sampler.skip), 0, (-1, [])
         pipe = crops()
@@ -203,6 +186,136 @@ class DaliLoader:
         self._pipe = None  # until the pass ends: one left unfinished is not resumed
         yield from _drain(pipe, self.device)
         self._pipe, self._passes = pipe, self._passes + 1
+
+
+def fill(cfg) -> tuple[int, ...]:
+    """Erased pixels' colour: the mean, as recipe.sample_transform's."""
+    return tuple(round(255 * m) for m in recipe.mean_std(cfg)[0])
+
+
+def crop_graph(source, cfg, slots: int, gpu: bool, interp, parallel: dict):
+    """The training batch's DALI graph, (images, labels), from ``source``'s columns
+    (:meth:`DaliLoader.batch_inputs`): the window decoded, resized, flipped, the policy's
+    drawn ops (after the flip, torchvision's order), uint8 CHW, erased. timm's geometric ops
+    fill with the mean (its img_mean), torchvision's with 0."""
+    from nvidia.dali import fn, types
+
+    jpegs, anchor, shape, flip, size, erase_at, erase, label, *draws = fn.external_source(
+        source=source, num_outputs=8 + 2 * slots, batch=True, batch_info=True, **parallel
+    )
+    # no EXIF orientation, as simplejpeg (the pytorch path's decoder) reads none
+    images = fn.decoders.image_slice(
+        jpegs, anchor, shape, axis_names="WH", normalized_anchor=False,
+        normalized_shape=False, device="mixed" if gpu else "cpu",
+        output_type=types.RGB, adjust_orientation=False)  # fmt: skip
+    images = fn.resize(images, size=size, interp_type=interp, antialias=True)
+    if draws:
+        images = fn.flip(images, horizontal=flip)
+        policy_fill = fill(cfg) if cfg.auto_augment.startswith("rand-") else (0, 0, 0)
+        images, flip = dali_augment.apply(images, draws, interp, policy_fill), 0
+    images = fn.crop_mirror_normalize(images, mirror=flip, dtype=types.UINT8,
+                                      output_layout="CHW")  # fmt: skip
+    images = fn.erase(images, anchor=erase_at, shape=erase, axis_names="HW",
+                      fill_value=list(fill(cfg)))  # fmt: skip
+    return images, label
+
+
+def extreme_problems(cfg) -> list[str]:
+    """The run's training batch through DALI (:func:`crop_graph`, on DALI's CPU backend: the
+    GPU node's graph, other kernels) at each extreme draw recipe.extreme_transforms forces on
+    the pytorch path: the window at each end of crop_scale x crop_ratio with flip and erasing
+    always, then each op of the policy at each end of its magnitudes in every slot (on the
+    smallest window), at each of the run's crops, on a noise and a flat JPEG (landscape,
+    portrait); and its evaluation crop of both. One line for the first case that raises."""
+    from nvidia.dali import pipeline_def
+
+    slots = dali_augment.slots(cfg.auto_augment)
+    interp = _placement(torch.device("cpu"), cfg.interpolation)[1]
+    cases = [case for size in recipe.run_crops(cfg) for case in _extreme_cases(cfg, size, slots)]
+
+    def source(info):
+        if info.iteration >= len(cases):
+            raise StopIteration
+        return tuple([value] for value in cases[info.iteration][1])
+
+    # one case a batch, run as it is fed (nothing prefetched): the error is that case's
+    @pipeline_def(batch_size=1, num_threads=1, device_id=None, seed=cfg.seed,
+                  enable_conditionals=slots > 0, exec_pipelined=False, exec_async=False,
+                  prefetch_queue_depth=1)  # fmt: skip
+    def forced():
+        return crop_graph(source, cfg, slots, False, interp, {})
+
+    label = "pipeline build"
+    try:
+        pipe = forced()
+        pipe.build()
+        for case in cases:
+            label = case[0]  # the case pipe.run() takes (nothing fed ahead)
+            pipe.run()
+        label = f"evaluation resize {cfg.eval_resize} crop {cfg.eval_crop}"
+        jpegs = _synthetic_jpegs(cfg)
+        shard = torch.utils.data.Subset(_Encoded(jpegs), range(len(jpegs)))
+        list(DaliEvalLoader(shard, cfg, 1, 1, torch.device("cpu")))
+    except Exception as error:  # noqa: BLE001 - any of them would stop the run on its node
+        first = _error_line(str(error))
+        return [
+            f"loader 'dali': its {label} raises {type(error).__name__} on DALI's CPU backend: "
+            f"{first}; the run would fail on its node (the same pipeline): change auto_augment, "
+            "crop_scale, crop_ratio or the crops, or set loader: pytorch"
+        ]
+    return []
+
+
+def _error_line(text: str) -> str:
+    """A DALI error's operator and message in one line (the rest is the graph's traceback)."""
+    operator = re.search(r"Error in \w+ operator `([^`]+)`", text)
+    cause = (text.split("encountered:", 1)[-1].strip().splitlines() or [""])[0]
+    cause = re.sub(r'^Assert on ".*" failed: ', "", cause)
+    return f"{operator.group(1)}: {cause}" if operator else cause
+
+
+def _synthetic_jpegs(cfg) -> list[np.ndarray]:
+    """recipe.synthetic_images's noise (landscape) and flat (portrait) images as JPEGs."""
+    size = max(*recipe.run_crops(cfg), cfg.eval_resize)
+    noise, flat = (image for image in recipe.synthetic_images(size) if torch.is_tensor(image))
+    encoded = [simplejpeg.encode_jpeg(np.ascontiguousarray(i.permute(1, 2, 0).numpy()))
+               for i in (noise, flat)]  # fmt: skip
+    return [np.frombuffer(data, np.uint8) for data in encoded]  # as the reader's read_bytes
+
+
+def _extreme_cases(cfg, size: int, slots: int):
+    """(name, :func:`source_row`) of each case :func:`extreme_problems` runs at crop ``size``."""
+    erasing = v2.RandomErasing(p=1.0) if cfg.random_erasing > 0 else None
+    identity = [(0, 0.0)] * slots
+    smallest = []
+    for data in _synthetic_jpegs(cfg):
+        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+        for scale in sorted(set(cfg.crop_scale)):
+            for ratio in sorted(set(cfg.crop_ratio)):
+                crop = v2.RandomResizedCrop(size, scale=(scale, scale), ratio=(ratio, ratio))
+                window = sample_window(0, height, width, crop, 1.0, erasing)[:-1]
+                if not smallest or smallest[-1][0] is not data:  # the smallest box comes first
+                    smallest.append((data, window))
+                name = f"training crop scale {scale:g} ratio {ratio:.3g} at crop {size}"
+                yield name, source_row(data, size, (*window, identity), 0)
+    for name, forced in recipe.policy_extremes(cfg, size):
+        for seed, (data, window) in enumerate(smallest):  # timm's sign: as the pytorch path's
+            with recipe.seeded_draws(seed):
+                draws = [dali_augment.forced_draw(forced, size)] * slots
+            yield f"training {name} at crop {size}", source_row(data, size, (*window, draws), 0)
+
+
+class _Encoded(torch.utils.data.Dataset):
+    """JPEGs as a dataset DaliEvalLoader reads (``read_bytes``, ``targets``)."""
+
+    def __init__(self, jpegs: list[np.ndarray]):
+        self.jpegs, self.targets = jpegs, [0] * len(jpegs)
+
+    def __len__(self) -> int:
+        return len(self.jpegs)
+
+    def read_bytes(self, index: int) -> np.ndarray:
+        return self.jpegs[index]
 
 
 def _placement(device, interpolation: str) -> tuple:

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from imagenet_ddp.jobs.signals import ignore_stop_signals, loader_context
 from imagenet_ddp.settings.geometry import global_batch
-from imagenet_ddp.training.recipe import seeded_draws
+from imagenet_ddp.training.recipe import dali_problem, seeded_draws, transform_problems
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -172,6 +172,26 @@ def train_loader(
         multiprocessing_context=loader_context() if forks else None,
         generator=torch.Generator().manual_seed(0),
     )
+
+
+def write_check(run_json: str, num_classes: int, run_dir, out) -> None:
+    """The ``check`` stage: settings.run_checks.write_check, and the run's loader at its extreme
+    draws: its transforms (training.recipe.transform_problems) and, with ``loader: dali``,
+    DALI's pipeline (training.dali_loader.extreme_problems) where it imports."""
+    from imagenet_ddp.settings import run_checks
+    from imagenet_ddp.settings.kinds import TrainConfig
+
+    def loader_problems(run: dict) -> list[str]:
+        cfg = TrainConfig.from_dict(run)
+        problems = transform_problems(cfg)
+        missing = dali_problem(cfg)
+        if missing or cfg.loader != "dali":
+            return [p for p in [missing] if p] + problems
+        from imagenet_ddp.training import dali_loader
+
+        return problems + dali_loader.extreme_problems(cfg)
+
+    run_checks.write_check(run_json, num_classes, run_dir, out, more=loader_problems)
 
 
 def shutdown_loader_workers(loader: DataLoader) -> None:

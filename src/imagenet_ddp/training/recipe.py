@@ -193,42 +193,55 @@ def extreme_transforms(cfg: TrainConfig, crop_size: int) -> tuple[dict, dict]:
                 interpolation=cfg.interpolation,
             )
             crops[f"crop scale {scale:g} ratio {ratio:.3g}"] = v2.Compose([crop, *erase])
-    ops = {name: v2.Compose([op, *erase]) for name, op in _policy_extremes(cfg, crop_size, mean)}
+    ops = {name: v2.Compose([_forced_transform(forced), *erase])
+           for name, forced in policy_extremes(cfg, crop_size)}  # fmt: skip
     return crops, ops
 
 
-def _policy_extremes(cfg: TrainConfig, crop_size: int, mean):
-    """(name, op at one extreme) for each op of the run's policy: timm's at magnitude 0 and its
-    upper bound; torchvision's at the ends of the magnitude bins they draw from, each sign (their
-    per-op call, ``_apply_image_or_video_transform``, is the only way to force one op)."""
+def policy_extremes(cfg: TrainConfig, crop_size: int):
+    """(name, forced op) for each op of the run's policy at each extreme, on a ``crop_size``
+    square: timm's op (a copy at probability 1, magnitude 0 or its upper bound, no noise; its
+    sign still drawn), or torchvision's (policy, op name, magnitude) at the ends of the bins
+    it draws from, each sign. The pytorch path applies them (:func:`extreme_transforms`), the
+    DALI path records them (dali_loader.extreme_problems)."""
     if cfg.auto_augment.startswith("rand-"):
-        timm = timm_rand_augment(cfg.auto_augment, crop_size, mean, cfg.interpolation)
+        timm = timm_rand_augment(cfg.auto_augment, crop_size, mean_std(cfg)[0], cfg.interpolation)
         for op in timm.transforms[1].ops:
             for magnitude in (0.0, float(op.magnitude_max or 10)):
                 forced = copy.copy(op)
                 forced.prob, forced.magnitude_std, forced.magnitude = 1.0, 0, magnitude
-                steps = [v2.ToPILImage(), forced, v2.PILToTensor()]
-                yield f"{op.name} at magnitude {magnitude:g}", v2.Compose(steps)
+                yield f"{op.name} at magnitude {magnitude:g}", forced
     elif cfg.auto_augment != "none":
         policy = POLICIES[cfg.auto_augment](v2.InterpolationMode(cfg.interpolation))
         bins = {"randaugment": [getattr(policy, "magnitude", 0)], "autoaugment": [0, 9]}
         ends = bins.get(cfg.auto_augment, [0, getattr(policy, "num_magnitude_bins", 31) - 1])
+        count = 10 if isinstance(policy, v2.AutoAugment) else policy.num_magnitude_bins
+        # their per-op table and call are the only way to force one op
         for op_name, (magnitudes_fn, signed) in policy._AUGMENTATION_SPACE.items():
+            magnitudes = magnitudes_fn(count, crop_size, crop_size)
             for end in ends:
                 for sign in (1, -1) if signed else (1,):
-                    yield (
-                        f"{op_name} at bin {end}{' negated' if sign < 0 else ''}",
-                        partial(_torchvision_op, policy, op_name, magnitudes_fn, end, sign),
-                    )
+                    magnitude = 0.0 if magnitudes is None else sign * float(magnitudes[end])
+                    name = f"{op_name} at bin {end}{' negated' if sign < 0 else ''}"
+                    yield name, (policy, op_name, magnitude)
 
 
-def _torchvision_op(policy, op_name, magnitudes_fn, end, sign, image):
-    magnitudes = magnitudes_fn(10 if isinstance(policy, v2.AutoAugment) else
-                               policy.num_magnitude_bins, *image.shape[-2:])  # fmt: skip
-    magnitude = 0.0 if magnitudes is None else sign * float(magnitudes[end])
+def _forced_transform(forced):
+    """A transform of :func:`policy_extremes`'s forced op."""
+    if not isinstance(forced, tuple):  # timm's, on PIL images
+        return v2.Compose([v2.ToPILImage(), forced, v2.PILToTensor()])
+    return partial(_torchvision_op, *forced)
+
+
+def _torchvision_op(policy, op_name, magnitude, image):
     return policy._apply_image_or_video_transform(
         image, op_name, magnitude, interpolation=policy.interpolation, fill=policy._fill
     )
+
+
+def run_crops(cfg: TrainConfig) -> list[int]:
+    """The training crops a run reaches (progressive resizing's too), smallest first."""
+    return sorted({cfg.crop_for_epoch(e) for e in range(cfg.epochs)} | {cfg.crop_size})
 
 
 def synthetic_images(size: int) -> list:
@@ -256,7 +269,7 @@ def transform_problems(cfg: TrainConfig) -> list[str]:
 
     from imagenet_ddp.data.dataset import eval_transform
 
-    crops = sorted({cfg.crop_for_epoch(e) for e in range(cfg.epochs)} | {cfg.crop_size})
+    crops = run_crops(cfg)
     images = synthetic_images(max(*crops, cfg.eval_resize))
     decoded = [i for i in images if torch.is_tensor(i)]
     problems = []
@@ -303,17 +316,6 @@ def dali_problem(cfg) -> str | None:
             f"({error}); install imagenet-ddp[dali] there, or set loader: pytorch"
         )
     return None
-
-
-def write_check(run_json: str, num_classes: int, run_dir, out) -> None:
-    """The ``check`` stage: settings.run_checks.write_check, the run's transforms too."""
-    from imagenet_ddp.settings import run_checks
-
-    def transforms(run: dict) -> list[str]:
-        cfg = TrainConfig.from_dict(run)
-        return [p for p in [dali_problem(cfg)] if p] + transform_problems(cfg)
-
-    run_checks.write_check(run_json, num_classes, run_dir, out, more=transforms)
 
 
 class EpochTransforms:
