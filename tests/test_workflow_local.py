@@ -148,6 +148,7 @@ PROJECTION_FACTOR = 4
 def test_preflight_ran_first_and_its_figures_follow_their_definitions(local_run):
     report = json.loads((local_run / "results/preflight/resnet18-1x2/preflight.json").read_text())
     assert report["problems"] == [] and report["world_size"] == 2
+    assert report["loader"]["name"] == "pytorch"
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
     allreduce = report["allreduce"]
     assert allreduce["busbw_gbps"] == pytest.approx(allreduce["algbw_gbps"] * 2 * 1 / 2)
@@ -781,6 +782,9 @@ def _assert_trained_and_evaluated_through_dali(workdir: Path) -> None:
     assert (workdir / "results/checks/recipe-dali.json").is_file()
     report = json.loads((workdir / "results/preflight/recipe-dali/preflight.json").read_text())
     assert report["problems"] == [] and report["loader"]["images_per_s"] > 0
+    assert report["loader"]["name"] == "dali"  # the figure is DALI's pipeline's
+    log = (workdir / "logs/preflight/recipe-dali.log").read_text()
+    assert re.search(r"; loader \(dali\) [\d.]+ img/s per rank", log), log[-2000:]
     assert all(rank["eval_images_per_s"] > 0 for rank in report["ranks"][:1])
 
 

@@ -358,7 +358,7 @@ def run(job: PreflightJob) -> int:
         mine = measure(job, cfg, info, device)
         ranks = D.all_gather_objects(mine["record"])
         if info.is_main:
-            run_settings = {**job.run, "name": job.name}
+            run_settings = {**job.run, "name": job.name, "loader": cfg.loader}
             limits = {"train_runtime_minutes": job.train_runtime_minutes,
                       "max_allocations": job.run["max_allocations"]}  # fmt: skip
             report = build_report(

@@ -282,8 +282,9 @@ def table(report: dict[str, Any]) -> str:
     p = report["projection"]
     lines += [
         f"model step: {report['model']['images_per_s']:.1f} img/s per rank (median), compile "
-        f"{report['model']['compile_seconds']:.1f} s; loader {report['loader']['images_per_s']:.1f}"
-        f" img/s per rank; loader/model {report['loader_over_model']:.2f}",
+        f"{report['model']['compile_seconds']:.1f} s; loader ({report['loader']['name']}) "
+        f"{report['loader']['images_per_s']:.1f} img/s per rank; loader/model "
+        f"{report['loader_over_model']:.2f}",
         _epoch_end_line(p["epoch_end"]),
         f"projection: epoch {p['epoch_seconds']:.1f} s, total {p['total_seconds'] / 3600:.3f} h, "
         f"{p['gpu_hours']:.2f} GPU-h, {p['allocations']} allocation(s) of "
@@ -343,6 +344,7 @@ def build_report(
             "compute_spread": spread({r["rank"]: r["compute_images_per_s"] for r in ranks}, hosts),
         },
         "loader": {
+            "name": run.get("loader", "pytorch"),  # the run's own: DALI's pipeline for dali
             "images_per_s": loader_rate,
             "workers": workers,
             "cpus_per_task_needed": loader_rates.cpus_for_loader(
