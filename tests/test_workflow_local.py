@@ -19,6 +19,7 @@ import pandas as pd
 import pytest
 
 from imagenet_ddp.data.prepared_layout import resolve_prepared
+from imagenet_ddp.jobs.plan import CHECK_FIRST
 from tests.workflow_helpers import (
     REPO,
     planned_jobs,
@@ -291,7 +292,8 @@ def test_changing_one_runs_weights_or_geometry_reruns_only_that_run(local_run, k
     assert "wildcards: run=resnet18-1x2" not in result.stdout
     # The reason, one line per run: the one setting that changed (issue 50)
     old = {"lr": config["train_defaults"].get(key, 1), "loader": "pytorch"}.get(key, 1)
-    assert f"run 'resnet18-1x1': {key} {old} -> {value}" in result.stderr.splitlines()
+    then = f" ({CHECK_FIRST})" if key == "loader" else ""  # a setting its check judges
+    assert f"run 'resnet18-1x1': {key} {old} -> {value}{then}" in result.stderr.splitlines()
     if key == "loader":
         assert plan == {"check": 1}, plan
         return

@@ -29,6 +29,7 @@ from imagenet_ddp.settings.halving import (
     previous_stage,
     survivors,
 )
+from imagenet_ddp.settings.run_checks import CHECKED_SETTINGS
 
 DATA_CONTENT = "results/data/content.json"  # the data_content checkpoint's record
 
@@ -202,8 +203,20 @@ class RerunKeys:
             except (OSError, ValueError, KeyError):
                 continue
             line = changes(name, recorded, now, self._settings.earlier_values())
+            if line and _judged_by_check(recorded, now):  # the dry-run plans only its check
+                line += f" ({CHECK_FIRST})"
             lines += [line] if line else []
         return lines
+
+
+CHECK_FIRST = "its check runs first: train is planned after it"
+
+
+def _judged_by_check(recorded: Mapping, now: Mapping) -> bool:
+    """Whether a setting the run's check judges differs between two train keys: the check (a
+    checkpoint) reruns, and its train is planned only once it has."""
+    before, after = recorded.get("settings", {}), now.get("settings", {})
+    return any(before.get(k) != after.get(k) for k in CHECKED_SETTINGS)
 
 
 class SweepStages:
