@@ -562,8 +562,9 @@ def test_a_presets_dali_pipeline_takes_its_extreme_draws(name):
 
     cfg = _cfg(**{**PRESETS[name], "loader": "dali"})
     assert dali_loader.extreme_problems(cfg) == []
+    jpegs = dali_loader._synthetic_jpegs(cfg)
     for size in recipe.run_crops(cfg):
-        names = [n for n, _ in dali_loader._extreme_cases(cfg, size, 2)]
+        names = [n for n, _ in dali_loader._extreme_cases(cfg, size, 2, jpegs)]
         boxes, ops = recipe.extreme_transforms(cfg, size)
         forced = [f"training {n} at crop {size}" for n in (*boxes, *ops)]
         assert sorted(set(names)) == sorted(forced) and len(names) == 2 * len(forced)

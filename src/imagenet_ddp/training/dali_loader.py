@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import multiprocessing
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import simplejpeg
@@ -92,7 +93,7 @@ class DaliLoader:
     def _erasing(self):
         """The recipe's RandomErasing (its draws only: DALI erases), or None."""
         p = getattr(self.cfg, "random_erasing", 0)
-        return v2.RandomErasing(p=p, value=list(fill(self.cfg))) if p > 0 else None
+        return v2.RandomErasing(p=p, value=list(recipe.mean_colour(self.cfg))) if p > 0 else None
 
     def _policy(self, size: int):
         """The run's auto_augment policy at crop ``size`` (its draws only: DALI applies them):
@@ -188,11 +189,6 @@ class DaliLoader:
         self._pipe, self._passes = pipe, self._passes + 1
 
 
-def fill(cfg) -> tuple[int, ...]:
-    """Erased pixels' colour: the mean, as recipe.sample_transform's."""
-    return tuple(round(255 * m) for m in recipe.mean_std(cfg)[0])
-
-
 def crop_graph(source, cfg, slots: int, gpu: bool, interp, parallel: dict):
     """The training batch's DALI graph, (images, labels), from ``source``'s columns
     (:meth:`DaliLoader.batch_inputs`): the window decoded, resized, flipped, the policy's
@@ -211,12 +207,12 @@ def crop_graph(source, cfg, slots: int, gpu: bool, interp, parallel: dict):
     images = fn.resize(images, size=size, interp_type=interp, antialias=True)
     if draws:
         images = fn.flip(images, horizontal=flip)
-        policy_fill = fill(cfg) if cfg.auto_augment.startswith("rand-") else (0, 0, 0)
+        policy_fill = recipe.mean_colour(cfg) if cfg.auto_augment.startswith("rand-") else (0, 0, 0)
         images, flip = dali_augment.apply(images, draws, interp, policy_fill), 0
     images = fn.crop_mirror_normalize(images, mirror=flip, dtype=types.UINT8,
                                       output_layout="CHW")  # fmt: skip
     images = fn.erase(images, anchor=erase_at, shape=erase, axis_names="HW",
-                      fill_value=list(fill(cfg)))  # fmt: skip
+                      fill_value=list(recipe.mean_colour(cfg)))  # fmt: skip
     return images, label
 
 
@@ -231,7 +227,8 @@ def extreme_problems(cfg) -> list[str]:
 
     slots = dali_augment.slots(cfg.auto_augment)
     interp = _placement(torch.device("cpu"), cfg.interpolation)[1]
-    cases = [case for size in recipe.run_crops(cfg) for case in _extreme_cases(cfg, size, slots)]
+    jpegs = _synthetic_jpegs(cfg)
+    cases = [c for size in recipe.run_crops(cfg) for c in _extreme_cases(cfg, size, slots, jpegs)]
 
     def source(info):
         if info.iteration >= len(cases):
@@ -253,8 +250,8 @@ def extreme_problems(cfg) -> list[str]:
             label = case[0]  # the case pipe.run() takes (nothing fed ahead)
             pipe.run()
         label = f"evaluation resize {cfg.eval_resize} crop {cfg.eval_crop}"
-        jpegs = _synthetic_jpegs(cfg)
-        shard = torch.utils.data.Subset(_Encoded(jpegs), range(len(jpegs)))
+        images = SimpleNamespace(read_bytes=jpegs.__getitem__, targets=[0] * len(jpegs))
+        shard = SimpleNamespace(dataset=images, indices=range(len(jpegs)))  # as a Subset
         list(DaliEvalLoader(shard, cfg, 1, 1, torch.device("cpu")))
     except Exception as error:  # noqa: BLE001 - any of them would stop the run on its node
         first = _error_line(str(error))
@@ -283,39 +280,25 @@ def _synthetic_jpegs(cfg) -> list[np.ndarray]:
     return [np.frombuffer(data, np.uint8) for data in encoded]  # as the reader's read_bytes
 
 
-def _extreme_cases(cfg, size: int, slots: int):
-    """(name, :func:`source_row`) of each case :func:`extreme_problems` runs at crop ``size``."""
+def _extreme_cases(cfg, size: int, slots: int, jpegs: list):
+    """(name, :func:`source_row`) of each case :func:`extreme_problems` runs at crop ``size``
+    on ``jpegs``."""
     erasing = v2.RandomErasing(p=1.0) if cfg.random_erasing > 0 else None
-    identity = [(0, 0.0)] * slots
-    smallest = []
-    for data in _synthetic_jpegs(cfg):
+    boxes = [(s, r) for s in sorted(set(cfg.crop_scale)) for r in sorted(set(cfg.crop_ratio))]
+    smallest = []  # each image's window of the first box: the smallest
+    for data in jpegs:
         height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-        for scale in sorted(set(cfg.crop_scale)):
-            for ratio in sorted(set(cfg.crop_ratio)):
-                crop = v2.RandomResizedCrop(size, scale=(scale, scale), ratio=(ratio, ratio))
-                window = sample_window(0, height, width, crop, 1.0, erasing)[:-1]
-                if not smallest or smallest[-1][0] is not data:  # the smallest box comes first
-                    smallest.append((data, window))
-                name = f"training crop scale {scale:g} ratio {ratio:.3g} at crop {size}"
-                yield name, source_row(data, size, (*window, identity), 0)
+        for scale, ratio in boxes:
+            crop = v2.RandomResizedCrop(size, scale=(scale, scale), ratio=(ratio, ratio))
+            window = sample_window(0, height, width, crop, 1.0, erasing)[:-1]
+            smallest += [(data, window)] if (scale, ratio) == boxes[0] else []
+            name = f"training crop scale {scale:g} ratio {ratio:.3g} at crop {size}"
+            yield name, source_row(data, size, (*window, [(0, 0.0)] * slots), 0)
     for name, forced in recipe.policy_extremes(cfg, size):
         for seed, (data, window) in enumerate(smallest):  # timm's sign: as the pytorch path's
             with recipe.seeded_draws(seed):
                 draws = [dali_augment.forced_draw(forced, size)] * slots
             yield f"training {name} at crop {size}", source_row(data, size, (*window, draws), 0)
-
-
-class _Encoded(torch.utils.data.Dataset):
-    """JPEGs as a dataset DaliEvalLoader reads (``read_bytes``, ``targets``)."""
-
-    def __init__(self, jpegs: list[np.ndarray]):
-        self.jpegs, self.targets = jpegs, [0] * len(jpegs)
-
-    def __len__(self) -> int:
-        return len(self.jpegs)
-
-    def read_bytes(self, index: int) -> np.ndarray:
-        return self.jpegs[index]
 
 
 def _placement(device, interpolation: str) -> tuple:

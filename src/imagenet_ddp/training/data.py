@@ -184,9 +184,11 @@ def write_check(run_json: str, num_classes: int, run_dir, out) -> None:
     def loader_problems(run: dict) -> list[str]:
         cfg = TrainConfig.from_dict(run)
         problems = transform_problems(cfg)
+        if cfg.loader != "dali":
+            return problems
         missing = dali_problem(cfg)
-        if missing or cfg.loader != "dali":
-            return [p for p in [missing] if p] + problems
+        if missing:
+            return [missing, *problems]
         from imagenet_ddp.training import dali_loader
 
         return problems + dali_loader.extreme_problems(cfg)

@@ -86,6 +86,12 @@ def mean_std(cfg: TrainConfig) -> tuple[tuple, tuple]:
     return models.input_normalization(cfg.model, cfg.normalization)
 
 
+def mean_colour(cfg: TrainConfig) -> tuple[int, ...]:
+    """The run's normalization mean as uint8 pixels: erased pixels' colour (zero after
+    normalization, as torchvision's reference erases) and timm's geometric ops' fill."""
+    return tuple(round(255 * m) for m in mean_std(cfg)[0])
+
+
 def timm_rand_augment(spec: str, crop_size: int, mean, interpolation: str):
     """timm's RandAugment of a ``rand-...`` spec with ``create_transform``'s hyperparameters, on
     PIL images as timm runs it (its Python and NumPy draws seeded per sample by
@@ -165,7 +171,7 @@ def sample_transform(cfg: TrainConfig, crop_size: int):
     if cfg.random_erasing > 0:
         # Erased pixels get the mean colour: zero after normalization, as torchvision's
         # reference (which erases after normalizing) gives them.
-        steps.append(v2.RandomErasing(p=cfg.random_erasing, value=[round(255 * m) for m in mean]))
+        steps.append(v2.RandomErasing(p=cfg.random_erasing, value=list(mean_colour(cfg))))
     return v2.Compose(steps)
 
 
@@ -178,8 +184,7 @@ def extreme_transforms(cfg: TrainConfig, crop_size: int) -> tuple[dict, dict]:
     at probability 1. Ops: each op of its ``auto_augment`` policy alone at probability 1, at
     both ends of its magnitudes, then erasing: applied to the smallest crop's output. A draw
     that raises once in 500 samples (1 per step at 2,048 images a step) raises here always."""
-    mean = mean_std(cfg)[0]
-    erase = [v2.RandomErasing(p=1.0, value=[round(255 * m) for m in mean])]
+    erase = [v2.RandomErasing(p=1.0, value=list(mean_colour(cfg)))]
     erase = erase if cfg.random_erasing > 0 else []
     crops = {}
     for scale in sorted(set(cfg.crop_scale)):  # the smallest first
