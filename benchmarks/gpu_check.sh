@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# One-shot GPU check for a lent single-GPU machine (no network): environment, bench_gpu.py
-# (ResNet-50 model-only eager and compiled, loader-only), the real training worker on CUDA/NCCL
-# (uninterrupted, then stopped and resumed, compared), and the preflight. Every step is bounded
-# by `timeout` and by an overall budget; every log and a summary go to $OUT.
+# One-shot GPU check for a lent single-GPU machine (no network), most wanted first:
+# environment, bench_gpu.py (ResNet-50 model alone, eager, with training's loader beside it),
+# the training worker at ResNet-50 224 with loader pytorch and dali for the v1 and v2 recipes
+# (issue 52: its steady img/s against the model alone), the model compiled, DALI's pipeline
+# alone, the worker on CUDA/NCCL uninterrupted, then stopped and resumed (compared), and the
+# preflight. Every step is bounded by `timeout` and by an overall budget (what does not fit is
+# skipped, in that order); every log and a summary go to $OUT.
 #
 #   bash benchmarks/gpu_check.sh                      # on the GPU machine (wheels in .whl/)
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh  # dry run
@@ -36,14 +39,22 @@ if [ "$DEVICE" = cuda ]; then
     BACKEND=nccl; PRECISION=bf16; TRAIN_COMPILE=${GPU_CHECK_TRAIN_COMPILE:-1}
     CLASSES=10; PER_CLASS=150; SIDE=64; CROP=56; BATCH=16; EPOCHS=2; STOP=100; TWORKERS=4
     BENCH_COMMON="--steps 10 --repeats 3 --images 1024"
-    BENCH_EAGER="$BENCH_COMMON --warmup 5"
-    BENCH_COMPILE="$BENCH_COMMON --warmup 3 --compile"
+    # the loader's windows: 10 s beside the eager model (the worker's runs below are the loader's
+    # figure), 2 s beside the compiled one, 30 s for DALI's pipeline alone
+    BENCH_EAGER="$BENCH_COMMON --warmup 5 --seconds 10"
+    BENCH_COMPILE="$BENCH_COMMON --warmup 3 --compile --seconds 2"
+    BENCH_DALI="$BENCH_COMMON --warmup 5 --repeats 2 --seconds 30"
     T_BENCH=120; T_BENCH_COMPILE=200; T_TRAIN=150; T_PREFLIGHT=150
+    W_MODEL=resnet50; W_BATCH=256; W_CROP=224; W_SIDE=256; W_IMAGES=12288; W_HOLDOUT=512
+    W_EPOCHS=3; W_WARMUP=6; W_WORKERS=8; T_W=120; T_DATA_W=120
 else  # CPU dry run: the same code paths at tiny sizes
     BACKEND=gloo; PRECISION=fp32; TRAIN_COMPILE=${GPU_CHECK_TRAIN_COMPILE:-0}
     CLASSES=4; PER_CLASS=12; SIDE=32; CROP=24; BATCH=4; EPOCHS=2; STOP=5; TWORKERS=1
     BENCH_EAGER="--quick --warmup 1"; BENCH_COMPILE="--quick --warmup 1 --compile"
+    BENCH_DALI=$BENCH_EAGER
     T_BENCH=120; T_BENCH_COMPILE=300; T_TRAIN=150; T_PREFLIGHT=150
+    W_MODEL=resnet18; W_BATCH=4; W_CROP=32; W_SIDE=36; W_IMAGES=96; W_HOLDOUT=8
+    W_EPOCHS=2; W_WARMUP=2; W_WORKERS=1; T_W=150; T_DATA_W=60
 fi
 MODEL=${GPU_CHECK_MODEL:-resnet18}
 PRECISION=${GPU_CHECK_PRECISION:-$PRECISION}  # the CPU dry run: fp32 (bf16 is emulated, slow)
@@ -142,6 +153,54 @@ grep -q "^simplejpeg .*MISSING" "$LOGS/env.log" || JPEG_OK=1
 [ "$ENV_OK" = 0 ] || say "env step exit $ENV_OK"
 gpu_ready() { [ "$DEVICE" = cpu ] || [ "$CUDA_OK" = 1 ]; }
 
+# make_spec KIND RUN_NAME DIR [extra settings JSON [DATA]]: a job spec as
+# tests/workflow_helpers.py make_job/run_settings build it (no Snakemake), written to
+# DIR/spec.json; DATA (default $WORK) holds split/ and prepared/; a "recipe" in the extra
+# settings is its preset's settings, the rest of the extra replacing them
+make_spec() {
+    timeout -k 5 60 "$PY" - "$1" "$2" "$3" "${4:-"{}"}" "${5:-$WORK}" <<EOF
+import json, sys
+from pathlib import Path
+from imagenet_ddp.jobs.spec import write_spec
+from imagenet_ddp.settings.presets import preset
+from tests.workflow_helpers import make_job, run_settings
+
+kind, name, folder, data = sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path(sys.argv[5])
+extra = json.loads(sys.argv[4])
+recipe = preset(extra.pop("recipe")) if "recipe" in extra else {}
+settings = {
+    "run": name, "model": "$MODEL", "epochs": $EPOCHS, "batch_size": $BATCH, "lr": 0.05,
+    "lr_scaling": "none", "crop_size": $CROP, "eval_resize": $SIDE, "workers": $TWORKERS,
+    "seed": 0, "device": "$DEVICE", "backend": "$BACKEND", "precision": "$PRECISION",
+    "channels_last": True, "compile": bool($TRAIN_COMPILE), "log_interval": 20,
+    "throughput_warmup_steps": 5, "warmup_epochs": 0.5,
+    "deterministic": bool(${GPU_CHECK_DETERMINISTIC:-0}), **recipe, **extra,
+}
+folder.mkdir(parents=True, exist_ok=True)
+paths = dict(split_dir=data / "split", checkpoint_root=folder / "ckpt", prepared_train=data / "prepared")
+if kind == "train":
+    job = make_job("train", run_settings(**settings), run_dir=folder / "out", **paths)
+else:
+    job = make_job("preflight", run_settings(**settings), out=folder / "preflight.json",
+                   scratch_dir=str(folder / "scratch"), **paths)
+print(write_spec(folder / "spec.json", job))
+EOF
+}
+# train_run NAME DIR [worker args]: one rank under torchrun, as tests/test_resume.py starts it,
+# on $TRAIN_DATA (default $WORK/prepared)
+train_run() {
+    local name=$1 dir=$2
+    shift 2
+    gpu_sampler_start "$name"
+    run_step "$name" "$T_TRAIN" "$PY" -m torch.distributed.run --standalone --nproc-per-node=1 \
+        -m imagenet_ddp.training.worker --spec "$dir/spec.json" --train-data "${TRAIN_DATA:-$WORK/prepared}" "$@"
+    local code=$?
+    say "$name: exit $code; $(gpu_sampler_stop "$name")"
+    # torchrun's ChildFailedError after the expected stop (exit 75) is left out
+    grep -hiE "diverg|Error:|error\b" "$LOGS/$name.log" | grep -vE "ChildFailedError|errors.html" | head -3 | sed "s/^/$name: /" | tee -a "$SUMMARY"
+    return $code
+}
+
 section "2a. bench_gpu.py: ResNet-50 synthetic (eager) + training's loader (v1 recipe, 30 s windows)"
 # bench_gpu times training's loader after the model in every call: it needs simplejpeg.
 if gpu_ready && [ "$JPEG_OK" = 1 ]; then
@@ -150,6 +209,73 @@ if gpu_ready && [ "$JPEG_OK" = 1 ]; then
     grep -E "bench_gpu:|img/s|resnet|loader" "$LOGS/bench_eager.log" | head -8 | sed 's/^/bench eager: /' >>"$SUMMARY"
 else
     say "bench_eager: SKIPPED (no CUDA or no simplejpeg)"
+fi
+
+section "2w. the training worker at $W_MODEL $W_CROP: loader pytorch and dali, v1 and v2 recipes"
+# Issue 52's proof: the product's own worker (one rank, torchrun), eager, as bench_eager's model
+# alone above; $W_WORKERS loader workers (pytorch: DataLoader workers; dali: its threads and
+# draw processes) on realistic JPEGs (bench_gpu.make_prepared, 1,000 classes, short side
+# $W_SIDE). Its steady img/s (each epoch past its first $W_WARMUP steps; the median of its
+# epochs) against the model alone: the target with dali is >= 0.95.
+W_OK=0
+if gpu_ready && [ "$JPEG_OK" = 1 ]; then
+    run_step data_w "$T_DATA_W" "$PY" - "$WORK/w" "$W_IMAGES" "$W_HOLDOUT" "$W_SIDE" <<'EOF' && W_OK=1
+import sys, time
+from pathlib import Path
+import pandas as pd
+sys.path.insert(0, "benchmarks")
+from bench_gpu import make_prepared
+
+root, images, holdout, side = Path(sys.argv[1]), *map(int, sys.argv[2:5])
+t0 = time.time()
+make_prepared(root, images, side)
+(root / "split").mkdir(parents=True)
+ids = list(range(images))  # labels i % 1000 (make_prepared); the holdout: the last ids
+pd.DataFrame({"sample_id": ids[:-holdout]}).to_csv(root / "split/train.csv", index=False)
+pd.DataFrame({"sample_id": ids[-holdout:]}).to_csv(root / "split/holdout.csv", index=False)
+print(f"data_w: {images - holdout} train / {holdout} holdout realistic JPEGs at short side {side}, {time.time() - t0:.1f} s")
+EOF
+    grep "^data_w:" "$LOGS/data_w.log" | tee -a "$SUMMARY"
+else
+    say "data_w: SKIPPED (no CUDA or no simplejpeg)"
+fi
+W_LOADERS=pytorch
+if "$PY" -c "import nvidia.dali" 2>/dev/null; then W_LOADERS="dali pytorch"; else say "worker dali: SKIPPED (no nvidia.dali)"; fi
+if [ "$W_OK" = 1 ]; then
+    for recipe in torchvision-resnet50-v1 torchvision-resnet50-v2; do
+        for loader in $W_LOADERS; do
+            name="w_${recipe#torchvision-resnet50-}_$loader"
+            extra="{\"recipe\": \"$recipe\", \"model\": \"$W_MODEL\", \"batch_size\": $W_BATCH,
+                \"crop_size\": $W_CROP, \"eval_resize\": $W_SIDE, \"eval_crop_size\": $W_CROP,
+                \"workers\": $W_WORKERS, \"epochs\": $W_EPOCHS, \"loader\": \"$loader\",
+                \"compile\": false, \"throughput_warmup_steps\": $W_WARMUP, \"log_interval\": 10}"
+            if make_spec train "$name" "$WORK/$name" "$extra" "$WORK/w" >"$LOGS/spec_$name.log" 2>&1; then
+                TRAIN_DATA=$WORK/w/prepared T_TRAIN=$T_W train_run "$name" "$WORK/$name"
+                cp "$WORK/$name/out/train_metrics.json" "$LOGS/train_metrics_$name.json" 2>/dev/null
+            else
+                say "$name: spec FAILED"; cat "$LOGS/spec_$name.log"; keep "$LOGS/spec_$name.log"
+            fi
+        done
+    done
+    timeout -k 5 60 "$PY" - "$LOGS" <<'EOF' 2>&1 | tee "$LOGS/worker_compare.log" | tee -a "$SUMMARY"
+import json, sys
+from pathlib import Path
+
+logs = Path(sys.argv[1])
+bench = logs / "bench_eager.json"
+alone = json.loads(bench.read_text())["rows"][0]["ours"] if bench.exists() else None
+print(f"model alone (bench_eager): {alone:,.0f} img/s" if alone else "model alone: not measured")
+for path in sorted(logs.glob("train_metrics_w_*.json")):
+    m = json.loads(path.read_text())
+    steady, epoch = m.get("steady_images_per_s"), m.get("images_per_s")
+    c = m["config"]  # what the run trained with, not its name
+    ratio = f"{steady / alone:.2f}x the model alone" if steady and alone else "no ratio"
+    print(f"{path.stem[len('train_metrics_'):]} ({c['model']}, {c['recipe']}, loader {c['loader']}, "
+          f"crop {c['crop_size']}, batch {c['batch_size']}, workers {c['workers']}, {c['precision']}): "
+          f"steady {steady or 0:,.0f} img/s, {ratio}; end to end {epoch or 0:,.0f} img/s "
+          "(start-up included; evaluation excluded from both)")
+EOF
+    keep "$LOGS/worker_compare.log"
 fi
 
 section "2b. bench_gpu.py: ResNet-50 synthetic with --compile"
@@ -165,7 +291,7 @@ section "2c. bench_gpu.py --loader dali: training's DALI pipeline (v1; v2's Triv
 # The same code as the preflight's loader figure of a loader: dali run (DaliLoader, mixed decode).
 if gpu_ready && "$PY" -c "import nvidia.dali" 2>/dev/null; then
     for recipe in none torchvision-resnet50-v2; do
-        run_step "bench_dali_$recipe" "$T_BENCH" "$PY" benchmarks/bench_gpu.py $BENCH_EAGER \
+        run_step "bench_dali_$recipe" "$T_BENCH" "$PY" benchmarks/bench_gpu.py $BENCH_DALI \
             --loader dali --recipe "$recipe" --json "$LOGS/bench_dali_$recipe.json"
         grep -E "training.s loader" "$LOGS/bench_dali_$recipe.log" | head -1 | sed "s/^/bench dali $recipe: /" >>"$SUMMARY"
     done
@@ -203,47 +329,6 @@ else
     DATA_OK=0; say "data: SKIPPED (no CUDA or no simplejpeg)"
 fi
 
-# make_spec KIND RUN_NAME DIR [extra settings JSON]: a job spec as tests/workflow_helpers.py
-# make_job/run_settings build it (no Snakemake), written to DIR/spec.json
-make_spec() {
-    timeout -k 5 60 "$PY" - "$@" "$WORK" <<EOF
-import json, sys
-from pathlib import Path
-from imagenet_ddp.jobs.spec import write_spec
-from tests.workflow_helpers import make_job, run_settings
-
-kind, name, folder, extra, work = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4], Path(sys.argv[5])
-settings = {
-    "run": name, "model": "$MODEL", "epochs": $EPOCHS, "batch_size": $BATCH, "lr": 0.05,
-    "lr_scaling": "none", "crop_size": $CROP, "eval_resize": $SIDE, "workers": $TWORKERS,
-    "seed": 0, "device": "$DEVICE", "backend": "$BACKEND", "precision": "$PRECISION",
-    "channels_last": True, "compile": bool($TRAIN_COMPILE), "log_interval": 20,
-    "throughput_warmup_steps": 5, "warmup_epochs": 0.5,
-    "deterministic": bool(${GPU_CHECK_DETERMINISTIC:-0}), **json.loads(extra),
-}
-folder.mkdir(parents=True, exist_ok=True)
-paths = dict(split_dir=work / "split", checkpoint_root=folder / "ckpt", prepared_train=work / "prepared")
-if kind == "train":
-    job = make_job("train", run_settings(**settings), run_dir=folder / "out", **paths)
-else:
-    job = make_job("preflight", run_settings(**settings), out=folder / "preflight.json",
-                   scratch_dir=str(folder / "scratch"), **paths)
-print(write_spec(folder / "spec.json", job))
-EOF
-}
-# train_run NAME DIR [worker args]: one rank under torchrun, as tests/test_resume.py starts it
-train_run() {
-    local name=$1 dir=$2
-    shift 2
-    gpu_sampler_start "$name"
-    run_step "$name" "$T_TRAIN" "$PY" -m torch.distributed.run --standalone --nproc-per-node=1 \
-        -m imagenet_ddp.training.worker --spec "$dir/spec.json" --train-data "$WORK/prepared" "$@"
-    local code=$?
-    say "$name: exit $code; $(gpu_sampler_stop "$name")"
-    # torchrun's ChildFailedError after the expected stop (exit 75) is left out
-    grep -hiE "diverg|Error:|error\b" "$LOGS/$name.log" | grep -vE "ChildFailedError|errors.html" | head -3 | sed "s/^/$name: /" | tee -a "$SUMMARY"
-    return $code
-}
 TRAIN_OK=0
 if [ "$DATA_OK" = 1 ]; then
     say "train settings: $MODEL, batch $BATCH, lr 0.05 (0.5 epoch warm-up), crop $CROP, $EPOCHS epochs, $PRECISION, channels_last, compile $TRAIN_COMPILE, $DEVICE/$BACKEND, workers $TWORKERS, 1 rank"
