@@ -236,7 +236,8 @@ def test_the_loader_figure_is_its_steady_rate_not_the_prefetched_queue(workers):
     from imagenet_ddp.jobs.distributed import DistInfo
     from imagenet_ddp.preflight.rank import preflight_loader, steady_loader_rate
 
-    seconds, batch = 0.02, 4  # 80 ms per batch and worker
+    # 200 ms per batch and worker: a busy machine's wake-up latencies (a few ms) stay small
+    seconds, batch = 0.05, 4
     dataset = SleepyImages(200, seconds)
     cpu, cfg = torch.device("cpu"), SimpleNamespace(batch_size=batch, seed=0, loader="pytorch")
     loader = preflight_loader(dataset, DistInfo(0, 1, 0, 1, "h"), cfg, workers, cpu)
@@ -254,12 +255,14 @@ def test_a_benchmark_window_times_whole_rounds_for_its_duration_past_the_dataset
     from imagenet_ddp.jobs.distributed import DistInfo
     from imagenet_ddp.preflight.rank import loader_batches, preflight_loader, steady_loader_rate
 
-    seconds, batch, workers = 0.02, 4, 2
-    dataset = SleepyImages(40, seconds)  # 10 batches an epoch: the window needs ~13
+    # 10 batches an epoch; the rounds' 8 batches take 0.8 s, the window (2 s) ~20: a machine
+    # 2.5x slower than the sleeps would still time more than the rounds
+    seconds, batch, workers = 0.05, 4, 2
+    dataset = SleepyImages(40, seconds)
     cpu, cfg = torch.device("cpu"), SimpleNamespace(batch_size=batch, seed=0, loader="pytorch")
     loader = preflight_loader(dataset, DistInfo(0, 1, 0, 1, "h"), cfg, workers, cpu, endless=True)
-    figure = steady_loader_rate(loader, workers, batch, cpu, min_seconds=0.5)
-    assert figure["loader_timed_seconds"] >= 0.5, figure
+    figure = steady_loader_rate(loader, workers, batch, cpu, min_seconds=2.0)
+    assert figure["loader_timed_seconds"] >= 2.0, figure
     timed_batches = figure["loader_images_per_s"] * figure["loader_timed_seconds"] / batch
     assert round(timed_batches) % workers == 0 and timed_batches > loader_batches(workers)["timed"]
     assert figure["loader_images_per_s"] == pytest.approx(workers / seconds, rel=0.15), figure
