@@ -10,6 +10,7 @@ counted: the hand-off of the columns into DALI's shared memory.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 import tempfile
@@ -26,20 +27,22 @@ def main() -> int:
     from bench_gpu import make_prepared, recipe_config
 
     from imagenet_ddp.data.reader import create_dataset
+    from imagenet_ddp.jobs.distributed import DistInfo
+    from imagenet_ddp.preflight.rank import preflight_loader
     from imagenet_ddp.training import recipe
-    from imagenet_ddp.training.dali_loader import DaliLoader
-    from imagenet_ddp.training.data import EpochSampler, SeededAugmentation
+    from imagenet_ddp.training.data import SeededAugmentation
 
     torch.set_num_threads(1)
     batch, images = 64, 512
+    rank = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, host="bench")
     with tempfile.TemporaryDirectory(prefix="dali-draws-") as tmp:
         base = create_dataset(make_prepared(Path(tmp), images, 256), None, train=True)
         for name in RECIPES:
             cfg = recipe_config(name, 224, batch, 1, "dali")
             seeded = SeededAugmentation(base, recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
-            sampler = EpochSampler(len(base), 1, 0, cfg.seed, batch)
-            loader = DaliLoader(seeded, sampler, cfg, batch, 1, torch.device("cpu"))
-            keys = list(iter(sampler))[:images]
+            # the run's DaliLoader and sampler as the preflight builds them (nothing started)
+            loader = preflight_loader(seeded, rank, cfg, 1, torch.device("cpu"), endless=True)
+            keys = list(itertools.islice(loader.sampler, images))
             rates = []
             for _ in range(5):
                 started = time.perf_counter()
