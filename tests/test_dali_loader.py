@@ -840,6 +840,51 @@ def test_the_preflights_loader_figure_times_trainings_dali_pipeline_across_epoch
     assert figure["workers"] == 0 and figure["loader_images_per_s"] > 0, figure
 
 
+class _Counted(torch.utils.data.Sampler):
+    """A sampler's keys, counted as they are read (``read``: shared with its copies)."""
+
+    def __init__(self, sampler, read: list):
+        self.sampler, self.read = sampler, read
+
+    def set_epoch(self, epoch: int, skip_steps: int = 0) -> None:
+        self.sampler.set_epoch(epoch, skip_steps)
+
+    def __iter__(self):
+        for key in self.sampler:
+            self.read[0] += 1
+            yield key
+
+
+def test_dalis_source_reads_a_pass_as_its_batches_ask_not_the_whole_pass_first():
+    """A preflight's (and bench_gpu.py's) timing pass spans 10**6 epochs: the source listed the
+    whole pass before its first batch, which never ended with DALI's workers. Each batch is
+    read from the sampler as asked, the keys before it skipped; one asked out of order reads
+    the pass afresh. Either way the batch holds the sampler's keys at its place."""
+    from types import SimpleNamespace
+
+    from imagenet_ddp.jobs.distributed import DistInfo
+    from imagenet_ddp.preflight.rank import preflight_loader
+
+    cfg = _cfg(loader="dali", batch_size=2)
+    cpu, info = torch.device("cpu"), DistInfo(0, 1, 0, 1, "h")
+    dataset = SeededAugmentation(Encoded(), recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
+    loader = preflight_loader(dataset, info, cfg, 0, cpu, endless=True)
+    keys = [key for _, key in zip(range(40), loader.sampler, strict=False)]  # 3+ epochs
+    read = [0]
+    loader.sampler = _Counted(loader.sampler, read)
+
+    def images(iteration: int) -> list[bytes]:
+        jpegs = loader.source(SimpleNamespace(epoch_idx=0, iteration=iteration))[0]
+        return [bytes(j) for j in jpegs]
+
+    def expected(iteration: int) -> list[bytes]:
+        return [bytes(Encoded().images[k[1]]) for k in keys[2 * iteration : 2 * iteration + 2]]
+
+    assert images(3) == expected(3) and read[0] == 8  # batches 0-2 skipped, nothing beyond
+    assert images(16) == expected(16) and read[0] == 34  # past two epochs, in one pass
+    assert images(1) == expected(1) and read[0] == 34 + 4  # behind: the pass read afresh
+
+
 def test_evaluating_a_dali_model_where_dali_does_not_import_names_the_file_and_the_way_out(
     prepared_demo, demo_split, tmp_path, monkeypatch
 ):

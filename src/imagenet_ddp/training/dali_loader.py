@@ -24,6 +24,7 @@ ROI at the resize's scale. Pixels differ from that path's by resampling only.
 from __future__ import annotations
 
 import copy
+import itertools
 import multiprocessing
 import re
 from types import SimpleNamespace
@@ -36,6 +37,7 @@ from torchvision.transforms import v2
 from imagenet_ddp.jobs.signals import ignore_stop_signals, stop_signals_blocked
 from imagenet_ddp.training import dali_augment, recipe
 
+_NO_PASS = (-1, iter(()), 0)  # DaliLoader._keys before a pass: (pass, its keys, position)
 INTERPOLATION = {"bilinear": "INTERP_LINEAR", "bicubic": "INTERP_CUBIC"}
 
 
@@ -81,7 +83,7 @@ class DaliLoader:
         self.dataset, self.base, self.sampler, self.cfg = dataset, dataset.base, sampler, cfg
         self.batch_size, self.threads, self.device = batch_size, max(1, workers), device
         self.workers, self.slots = workers, dali_augment.slots(cfg.auto_augment)
-        self._pipe, self._passes, self._first, self._keys = None, 0, (0, 0), (-1, [])
+        self._pipe, self._passes, self._first, self._keys = None, 0, (0, 0), _NO_PASS
 
     def __len__(self) -> int:
         return len(self.sampler) // self.batch_size
@@ -135,20 +137,26 @@ class DaliLoader:
 
     def source(self, info) -> tuple:
         """The external source (in DALI's worker processes with ``workers`` > 0): the batch
-        ``info.iteration`` of pass ``info.epoch_idx``; StopIteration after its last."""
-        if self._keys[0] != info.epoch_idx:
+        ``info.iteration`` of pass ``info.epoch_idx``; StopIteration after its last. The
+        pass's keys are read from the sampler as the batches ask for them (each process asks
+        in order), not listed: a preflight's timing pass spans 10**6 epochs (preflight.rank)."""
+        first = info.iteration * self.batch_size
+        epoch_idx, keys, position = self._keys
+        if epoch_idx != info.epoch_idx or first < position:
             sampler = copy.copy(self.sampler)  # in-process: the loader's own is left alone
             sampler.set_epoch(*self.pass_start(info.epoch_idx))
-            self._keys = (info.epoch_idx, list(iter(sampler)))
+            keys, position = iter(sampler), 0
             if multiprocessing.parent_process() is not None:
                 ignore_stop_signals()  # a DALI worker: the rank decides when to stop
-        keys, first = self._keys[1], info.iteration * self.batch_size
-        if first + self.batch_size > len(keys):
+        batch = list(itertools.islice(keys, first - position, first - position + self.batch_size))
+        self._keys = (info.epoch_idx, keys, first + len(batch))
+        if len(batch) < self.batch_size:  # the pass's tail (drop_last)
             raise StopIteration
-        return self.batch_inputs(keys[first : first + self.batch_size])
+        return self.batch_inputs(batch)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_pipe": None}  # DALI's workers get the loader, not its pipeline
+        # DALI's workers get the loader, not its pipeline nor a pass under way
+        return {**self.__dict__, "_pipe": None, "_keys": _NO_PASS}
 
     def pipeline(self):
         """The DALI pipeline, built once for the passes that follow (:meth:`pass_start`). With
@@ -167,7 +175,7 @@ class DaliLoader:
         def crops():
             return crop_graph(self.source, self.cfg, self.slots, gpu, interp, parallel)
 
-        self._first, self._passes, self._keys = (self.sampler.epoch, self.sampler.skip), 0, (-1, [])
+        self._first, self._passes, self._keys = (self.sampler.epoch, self.sampler.skip), 0, _NO_PASS
         pipe = crops()
         with stop_signals_blocked():  # a worker inherits the mask until it ignores them
             pipe.build()
