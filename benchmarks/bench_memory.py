@@ -2,6 +2,7 @@
 (imagenet_ddp.settings.node_memory).
 
     .venv/bin/python benchmarks/bench_memory.py [--batch 256 --crop 224 --workers 2] [--compile]
+    .venv/bin/python benchmarks/bench_memory.py --loader dali [--recipe deit-small]
 
 Memory, not time: one measurement, no repeats, no ratio (not in run_all.py or the smoke test).
 
@@ -14,6 +15,14 @@ charged once. So this reports, after a few batches:
 * **loader worker**: USS of one DataLoader worker of the run's loader (forkserver with torch
   preloaded, :func:`imagenet_ddp.training.data.train_loader`) producing uint8 crops, and the
   shared memory its in-flight batches hold (prefetch_factor x batch bytes; arithmetic).
+* **DALI** (``--loader dali``): the same for a ``loader: dali`` run (training.dali_loader),
+  whose loader is DALI's pipeline in the rank and its external source's spawned worker processes
+  (no forkserver: each imports what it needs itself), on 512 realistic JPEGs at short side 256
+  (bench_gpu.make_prepared) with the run's recipe (``--recipe``): the rank (RSS, USS; with its
+  training loader, then with the holdout's persistent DALI loader too, 2 batches read), each
+  DALI worker (USS), and the shared memory the workers hand their batches through (the
+  ``memfd``/``/dev/shm`` mappings of the rank, RSS: charged once). DALI's CPU backend: on a GPU
+  node the decoded batches are on the device, so the rank's figure is an upper bound there.
 * **compile worker**: RSS and USS of one inductor compile worker (``torch.compile`` of a small
   model on the CPU with ``TORCHINDUCTOR_COMPILE_THREADS=2``), its pool still alive.
 """
@@ -90,6 +99,64 @@ def loader_figures(batch: int, crop: int, workers: int) -> dict:
     return figures
 
 
+def _shared_mb(pid: int) -> float:
+    """RSS of ``pid``'s shared-memory mappings (memfd and /dev/shm): the pages DALI's workers
+    hand batches through, charged to the node once."""
+    total, counting = 0.0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+            counting = "memfd:" in line or "/dev/shm/" in line
+        elif counting and head[:1] == ["Rss:"]:
+            total += int(head[1]) / 1024
+    return round(total, 1)
+
+
+def dali_figures(batch: int, crop: int, workers: int, recipe_name: str) -> dict:
+    """A ``loader: dali`` run's loader (the preflight's: preflight.rank.preflight_loader) after
+    ``workers`` x 2 batches: the rank, its DALI workers and their shared memory."""
+    import tempfile
+
+    import torch
+    from bench_gpu import make_prepared, recipe_config
+
+    from imagenet_ddp.data.reader import create_dataset
+    from imagenet_ddp.jobs.distributed import DistInfo
+    from imagenet_ddp.preflight.rank import preflight_loader
+    from imagenet_ddp.training import recipe
+    from imagenet_ddp.training.accuracy import shard_loader
+    from imagenet_ddp.training.data import SeededAugmentation
+
+    rank = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, host="bench")
+    with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
+        base = create_dataset(make_prepared(Path(tmp), 512, 256), None, train=True)
+        cfg = recipe_config(recipe_name, crop, batch, workers, "dali")
+        seeded = SeededAugmentation(base, recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
+        cpu = torch.device("cpu")
+        loader = preflight_loader(seeded, rank, cfg, workers, cpu, endless=True)
+        batches = iter(loader)
+        for _ in range(max(1, workers) * 2):
+            next(batches)
+        training_only = memory_mb(os.getpid())
+        # the holdout's loader beside it, as training holds it (persistent, the same threads)
+        holdout = shard_loader(
+            base, device=cpu, batch_size=batch, workers=workers, persistent=True, cfg=cfg
+        )
+        for _ in zip(range(2), holdout, strict=False):
+            pass
+        figures = {
+            "recipe": recipe_name,
+            "rank_training_loader_only": training_only,
+            "rank": memory_mb(os.getpid()),
+            "dali_workers": [memory_mb(w) for w in children(os.getpid())],
+            "shared_mb": _shared_mb(os.getpid()),
+            "batch_mb": batch * 3 * crop * crop / 2**20,
+            "torch": torch.__version__,
+        }
+        del batches, loader, holdout
+    return figures
+
+
 def _tree(pid: int) -> list[int]:
     out = []
     for child in children(pid):
@@ -141,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--crop", type=int, default=224)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="the compile workers instead")
+    parser.add_argument("--loader", choices=("pytorch", "dali"), default="pytorch")
+    parser.add_argument("--recipe", default="none", help="with --loader dali: a preset, or none")
     parser.add_argument("--quick", action="store_true", help="batch 16, crop 64")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
@@ -148,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         args.batch, args.crop = 16, 64
     if args.compile:
         figures = compile_figures()
+    elif args.loader == "dali":
+        figures = dali_figures(args.batch, args.crop, args.workers, args.recipe)
     else:
         figures = loader_figures(args.batch, args.crop, args.workers)
     print(json.dumps(figures, indent=1))

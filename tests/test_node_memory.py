@@ -11,6 +11,9 @@ import pytest
 from imagenet_ddp.settings.node_memory import (
     COMPILE_WORKER_MB,
     CUDA_RANK_EXTRA_MB,
+    DALI_RANK_MB,
+    DALI_SAMPLE_KB,
+    DALI_WORKER_MB,
     FORKSERVER_MB,
     LOADER_WORKER_MB,
     RANK_MB,
@@ -37,6 +40,31 @@ def test_the_estimate_adds_up_what_each_process_holds():
     assert compiled == pytest.approx(8 * (CUDA_RANK_EXTRA_MB + 4 * COMPILE_WORKER_MB))
     cpu = estimate_mb({**NODE, "gpus_per_node": 0, "tasks_per_node": 2, "cpus_per_task": 1})
     assert cpu == {"measured": 2 * RANK_MB, "estimated": 0, "workers": 0}  # no forkserver
+
+
+def test_a_dali_run_is_charged_its_spawned_workers_not_a_forkserver_nor_holdout_workers():
+    """loader: dali: DALI's rank, its external source's spawned workers (each importing torch
+    itself: ~10x a forked DataLoader worker's own memory), the shared memory of their batches'
+    JPEGs, and no holdout workers (its DALI pipeline has none). The issue's node, 8 x 15
+    workers: ~73 GB, above the pytorch path's charge for the same run."""
+    from imagenet_ddp.settings.node_memory import DataSizes
+
+    dali = {**NODE, "loader": "dali"}
+    shared = (15 + 2) * 256 * DALI_SAMPLE_KB / 1024
+    figures = estimate_mb(dali)
+    assert figures["measured"] == pytest.approx(8 * (DALI_RANK_MB + 15 * DALI_WORKER_MB + shared))
+    assert figures["estimated"] == pytest.approx(8 * CUDA_RANK_EXTRA_MB)
+    assert 72_000 < figures["measured"] < 75_000  # the pytorch path: 57 GB
+    assert figures["measured"] > estimate_mb(NODE)["measured"]  # what it used to be charged
+    # the dataset's arrays: in the rank (both sets) and each worker (the training set's only)
+    data = DataSizes(train_images=1_000_000, holdout_images=50_000)
+    arrays = estimate_mb(dali, data)["measured"] - figures["measured"]
+    assert arrays == pytest.approx(8 * (16 * 1_000_000 + 50_000) * 40 / 2**20)
+    # workers 0 (cpus_per_task 1): the rank's own thread draws, no worker, no shared memory
+    alone = estimate_mb({**dali, "cpus_per_task": 1, "gpus_per_node": 0})
+    assert alone == {"measured": 8 * DALI_RANK_MB, "estimated": 0, "workers": 0}
+    refusal, _ = memory_problem("d", dali, 57_000)  # what fitted a pytorch run's charge
+    assert "is below the" in refusal and "15 loader worker(s) each hold" in refusal
 
 
 def test_measured_too_much_is_refused_estimated_too_much_warned():

@@ -3,7 +3,8 @@
 SLURM's ``--mem`` is per node; a node runs ``tasks_per_node`` ranks, each with its loader's
 processes. Figures are per process, in MiB: MEASURED ones by ``benchmarks/bench_memory.py``
 (benchmarks/README.md "Memory"), ESTIMATED ones could not be without a GPU. The measured sum
-(ranks, loader fork servers and workers with their in-flight batches, the holdout's loader)
+(ranks, loader fork servers and workers with their in-flight batches, the holdout's loader;
+with ``loader: dali`` DALI's rank and its spawned workers)
 above ``mem_mb`` is refused; with the estimated part (CUDA, compile workers) a warning
 (docs/configuration.md "the dry-run checks"). Sized by the data (:class:`DataSizes`): each
 loader worker holds the dataset's per-sample arrays, and a train copy staged on a tmpfs is
@@ -30,6 +31,15 @@ MIB = 2**20
 RANK_MB = 550
 FORKSERVER_MB = 700
 LOADER_WORKER_MB = 50
+# Measured (bench_memory.py --loader dali, DALI's CPU backend, batch 256 at 224): a
+# ``loader: dali`` rank, its training and holdout pipelines built (RSS): 1,251-1,402 (v1),
+# 1,490 (v2), 1,513-1,630 (DeiT-S); USS of one of its external source's spawned workers (each
+# imports torch, torchvision and timm itself: no forkserver to share them): 435-442 (v1, v2),
+# 488 (DeiT-S); the shared memory they hand batches through: (prefetch depth + 2) chunks of a
+# batch's JPEGs, 42 KiB a sample at short side 256.
+DALI_RANK_MB = 1650
+DALI_WORKER_MB = 490
+DALI_SAMPLE_KB = 42
 # Batches a loader worker holds in flight (DataLoader prefetch_factor, training.data and
 # accuracy.shard_loader): shared memory, or pinned once the main process takes them.
 PREFETCH_BATCHES = 4
@@ -75,6 +85,16 @@ def _batch_mb(batch_size: int, crop: int) -> float:
     return batch_size * 3 * crop * crop / MIB
 
 
+def _dali_rank_mb(workers: int, batch_size: int) -> float:
+    """A ``loader: dali`` rank (training.dali_loader): DALI's pipelines in it, its external
+    source's ``workers`` spawned processes and their shared memory (none without workers: the
+    rank's thread draws). The holdout's pipeline has no worker processes."""
+    if not workers:
+        return DALI_RANK_MB
+    shared = (max(2, workers) + 2) * batch_size * DALI_SAMPLE_KB / 1024
+    return DALI_RANK_MB + workers * DALI_WORKER_MB + shared
+
+
 def estimate_mb(run: Mapping[str, Any], data: DataSizes = DataSizes()) -> dict[str, float]:
     """Per node: ``measured`` and ``estimated`` MiB of a run's training job (see module)."""
     workers = loader_workers(run["workers"], run["cpus_per_task"])
@@ -84,10 +104,14 @@ def estimate_mb(run: Mapping[str, Any], data: DataSizes = DataSizes()) -> dict[s
     batch = run["batch_size"]
     train_arrays = data.train_images * DATASET_BYTES_PER_SAMPLE / MIB
     holdout_arrays = data.holdout_images * DATASET_BYTES_PER_SAMPLE / MIB
-    train_worker = LOADER_WORKER_MB + PREFETCH_BATCHES * _batch_mb(batch, run["crop_size"])
-    holdout_worker = LOADER_WORKER_MB + PREFETCH_BATCHES * _batch_mb(batch, crop)
-    per_rank = RANK_MB + (FORKSERVER_MB if workers else 0) + train_arrays + holdout_arrays
-    per_rank += workers * (train_worker + train_arrays + holdout_worker + holdout_arrays)
+    if run.get("loader") == "dali":
+        per_rank = _dali_rank_mb(workers, batch) + train_arrays + holdout_arrays
+        per_rank += workers * train_arrays  # its workers unpickle the training set's arrays
+    else:
+        train_worker = LOADER_WORKER_MB + PREFETCH_BATCHES * _batch_mb(batch, run["crop_size"])
+        holdout_worker = LOADER_WORKER_MB + PREFETCH_BATCHES * _batch_mb(batch, crop)
+        per_rank = RANK_MB + (FORKSERVER_MB if workers else 0) + train_arrays + holdout_arrays
+        per_rank += workers * (train_worker + train_arrays + holdout_worker + holdout_arrays)
     extra = CUDA_RANK_EXTRA_MB if run["gpus_per_node"] > 0 else 0
     if run.get("compile"):
         extra += compile_threads(run["cpus_per_task"]) * COMPILE_WORKER_MB
