@@ -24,24 +24,17 @@ RECIPES = ("none", "torchvision-resnet50-v2", "deit-small")
 
 def main() -> int:
     import torch
-    from bench_gpu import make_prepared, recipe_config
+    from bench_gpu import make_prepared, training_loader
 
     from imagenet_ddp.data.reader import create_dataset
-    from imagenet_ddp.jobs.distributed import DistInfo
-    from imagenet_ddp.preflight.rank import preflight_loader
-    from imagenet_ddp.training import recipe
-    from imagenet_ddp.training.data import SeededAugmentation
 
     torch.set_num_threads(1)
     batch, images = 64, 512
-    rank = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, host="bench")
     with tempfile.TemporaryDirectory(prefix="dali-draws-") as tmp:
         base = create_dataset(make_prepared(Path(tmp), images, 256), None, train=True)
         for name in RECIPES:
-            cfg = recipe_config(name, 224, batch, 1, "dali")
-            seeded = SeededAugmentation(base, recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
             # the run's DaliLoader and sampler as the preflight builds them (nothing started)
-            loader = preflight_loader(seeded, rank, cfg, 1, torch.device("cpu"), endless=True)
+            loader = training_loader(base, name, 224, batch, 1, "dali")
             keys = list(itertools.islice(loader.sampler, images))
             rates = []
             for _ in range(5):

@@ -100,6 +100,23 @@ def recipe_config(recipe: str, crop: int, batch: int, workers: int, loader: str 
     return TrainConfig.from_dict(declarations(SCHEMA).rank_settings(resolved))
 
 
+def training_loader(base, recipe: str, crop: int, batch: int, workers: int, loader: str):
+    """Training's loader of rank 0 of 1 over ``base`` (a create_dataset(train=True)), on the
+    CPU, as the preflight builds it: the run's seeded dataset and transform through
+    preflight.rank.preflight_loader, endless (a DaliLoader or DataLoader, nothing started)."""
+    import torch
+
+    from imagenet_ddp.jobs.distributed import DistInfo
+    from imagenet_ddp.preflight.rank import preflight_loader
+    from imagenet_ddp.training import recipe as recipes
+    from imagenet_ddp.training.data import SeededAugmentation
+
+    cfg = recipe_config(recipe, crop, batch, workers, loader)
+    rank = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, host="bench")
+    seeded = SeededAugmentation(base, recipes.EpochTransforms(cfg), cfg.seed, per_epoch=True)
+    return preflight_loader(seeded, rank, cfg, workers, torch.device("cpu"), endless=True)
+
+
 def loader_only(args, device, prepared: Path) -> tuple[list[float], float]:
     """Training's own loader, timed by the preflight's code (imagenet_ddp.preflight.rank
     loader_rate): the run's dataset (crop-first decode), its recipe's transform and

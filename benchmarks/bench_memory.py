@@ -118,30 +118,21 @@ def dali_figures(batch: int, crop: int, workers: int, recipe_name: str) -> dict:
     import tempfile
 
     import torch
-    from bench_gpu import make_prepared, recipe_config
+    from bench_gpu import make_prepared, training_loader
 
     from imagenet_ddp.data.reader import create_dataset
-    from imagenet_ddp.jobs.distributed import DistInfo
-    from imagenet_ddp.preflight.rank import preflight_loader
-    from imagenet_ddp.training import recipe
     from imagenet_ddp.training.accuracy import shard_loader
-    from imagenet_ddp.training.data import SeededAugmentation
 
-    rank = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, host="bench")
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
         base = create_dataset(make_prepared(Path(tmp), 512, 256), None, train=True)
-        cfg = recipe_config(recipe_name, crop, batch, workers, "dali")
-        seeded = SeededAugmentation(base, recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
-        cpu = torch.device("cpu")
-        loader = preflight_loader(seeded, rank, cfg, workers, cpu, endless=True)
+        loader = training_loader(base, recipe_name, crop, batch, workers, "dali")
         batches = iter(loader)
         for _ in range(max(1, workers) * 2):
             next(batches)
         training_only = memory_mb(os.getpid())
         # the holdout's loader beside it, as training holds it (persistent, the same threads)
-        holdout = shard_loader(
-            base, device=cpu, batch_size=batch, workers=workers, persistent=True, cfg=cfg
-        )
+        holdout = shard_loader(base, device=torch.device("cpu"), batch_size=batch,
+                               workers=workers, persistent=True, cfg=loader.cfg)  # fmt: skip
         for _ in zip(range(2), holdout, strict=False):
             pass
         figures = {
@@ -150,7 +141,6 @@ def dali_figures(batch: int, crop: int, workers: int, recipe_name: str) -> dict:
             "rank": memory_mb(os.getpid()),
             "dali_workers": [memory_mb(w) for w in children(os.getpid())],
             "shared_mb": _shared_mb(os.getpid()),
-            "batch_mb": batch * 3 * crop * crop / 2**20,
             "torch": torch.__version__,
         }
         del batches, loader, holdout
