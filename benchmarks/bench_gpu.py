@@ -108,12 +108,11 @@ def training_loader(base, recipe: str, crop: int, batch: int, workers: int, load
 
     from imagenet_ddp.jobs.distributed import DistInfo
     from imagenet_ddp.preflight.rank import preflight_loader
-    from imagenet_ddp.training import recipe as recipes
     from imagenet_ddp.training.data import SeededAugmentation
 
     cfg = recipe_config(recipe, crop, batch, workers, loader)
     rank = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, host="bench")
-    seeded = SeededAugmentation(base, recipes.EpochTransforms(cfg), cfg.seed, per_epoch=True)
+    seeded = SeededAugmentation.of_run(base, cfg)
     return preflight_loader(seeded, rank, cfg, workers, torch.device("cpu"), endless=True)
 
 

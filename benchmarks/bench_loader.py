@@ -7,8 +7,8 @@ process (``time.process_time``), the number that decides how many CPU cores a GP
 pass reads every image once in a random order and applies the training augmentation; the
 median over repetitions is reported; the candidates' order rotates every repetition.
 
-* **ours**: what training runs per image: ``train.SeededAugmentation`` over
-  ``PreparedImageDataset(decode=False)`` + ``dataset.train_transform(crop, normalize=False)``:
+* **ours**: what training runs per image for the v1 recipe: ``SeededAugmentation.of_run``
+  over ``PreparedImageDataset(decode=False)`` (``dataset.train_transform(crop, normalize=False)``):
   memmap slice -> crop box drawn from the JPEG header -> ``jpeg.decode_jpeg`` (simplejpeg /
   libjpeg-turbo; at a reduced DCT scale when the box is >= 2x the output) -> resized crop of
   the channels-last view -> flip, uint8; scaling/normalization run per batch on the device.
@@ -45,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+from bench_gpu import recipe_config  # noqa: E402
 
 
 def make_data(root: Path, count: int, short_sides: list[int]) -> dict:
@@ -274,18 +275,20 @@ def candidates_for(data: dict, crop: int, side: int, torchcodec_decode) -> dict:
 
     root = data["prepared"][side]["dir"]
     candidates = {
-        # The training path: encoded JPEG -> crop box drawn -> decode (simplejpeg, at a reduced
-        # DCT scale when the box allows) -> resized crop -> flip, uint8; scaling and
-        # normalization run per batch on the device (train.py).
+        # The training path, as the worker builds it for the v1 recipe: encoded JPEG -> crop box
+        # drawn -> decode (simplejpeg, at a reduced DCT scale when the box allows) -> resized
+        # crop -> flip, uint8; scaling and normalization run per batch on the device.
         "ours": keyed(
-            SeededAugmentation(
-                PreparedImageDataset(root, decode=False), train_transform(crop, normalize=False), 0
+            SeededAugmentation.of_run(
+                PreparedImageDataset(root, decode=False), recipe_config("none", crop, 8, 0)
             )
         ),
         # The path before: torchvision.io.decode_jpeg of the whole image, then
-        # v2.RandomResizedCrop + flip on the tensor, same seeding.
+        # v2.RandomResizedCrop + flip on the tensor, seeded as ours (torch's RNG alone).
         "current": keyed(
-            SeededAugmentation(TorchvisionDecoded(root), previous_transform(crop, v2), 0)
+            SeededAugmentation(
+                TorchvisionDecoded(root), previous_transform(crop, v2), 0, python_numpy=False
+            )
         ),
         "baseline": datasets.ImageFolder(
             data["imagefolder"],
@@ -305,7 +308,10 @@ def candidates_for(data: dict, crop: int, side: int, torchcodec_decode) -> dict:
     if torchcodec_decode is not None:
         candidates["torchcodec"] = keyed(
             SeededAugmentation(
-                TorchvisionDecoded(root, torchcodec_decode), previous_transform(crop, v2), 0
+                TorchvisionDecoded(root, torchcodec_decode),
+                previous_transform(crop, v2),
+                0,
+                python_numpy=False,
             )
         )
     return candidates

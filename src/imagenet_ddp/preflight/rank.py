@@ -297,7 +297,7 @@ def loader_rate(
     """img/s of this rank's loader with the run's augmentation and workers: training's own
     dataset, transform (uint8 crops), sampler and ``loader`` (DALI's pipeline for ``dali``;
     benchmarks/bench_gpu.py times this too)."""
-    dataset = SeededAugmentation(base, recipe.EpochTransforms(cfg), cfg.seed, per_epoch=True)
+    dataset = SeededAugmentation.of_run(base, cfg)
     try:
         loader = preflight_loader(dataset, info, cfg, workers, device, endless=min_seconds > 0)
     except ValueError as error:

@@ -17,7 +17,13 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from imagenet_ddp.jobs.signals import ignore_stop_signals, loader_context
 from imagenet_ddp.settings.geometry import global_batch
-from imagenet_ddp.training.recipe import dali_problem, seeded_draws, transform_problems
+from imagenet_ddp.training.recipe import (
+    EpochTransforms,
+    dali_problem,
+    draws_python_numpy,
+    seeded_draws,
+    transform_problems,
+)
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -35,11 +41,21 @@ class SeededAugmentation(Dataset):
     """Apply ``transform`` with an RNG seeded by (seed, epoch, index) given by the sampler.
 
     ``transform`` is one transform, or a function of the epoch returning that epoch's transform
-    (progressive resizing changes the crop size per epoch): pass ``per_epoch=True``."""
+    (progressive resizing changes the crop size per epoch): pass ``per_epoch=True``. Python's and
+    NumPy's RNGs are seeded too unless ``python_numpy`` is false (recipe.seeded_draws)."""
 
-    def __init__(self, base: Dataset, transform, seed: int, *, per_epoch: bool = False):
+    def __init__(self, base: Dataset, transform, seed: int, *, per_epoch: bool = False,
+                 python_numpy: bool = True):  # fmt: skip
         self.base, self.transform, self.seed = base, transform, seed
-        self.per_epoch = per_epoch
+        self.per_epoch, self.python_numpy = per_epoch, python_numpy
+
+    @classmethod
+    def of_run(cls, base: Dataset, cfg) -> SeededAugmentation:
+        """A run's training samples (training, the preflight, bench_gpu.py): its transform of
+        each epoch seeded by its seed, Python's and NumPy's RNGs only where its recipe draws
+        from them (saving and restoring NumPy's state is ~70 us of a ~900 us sample)."""
+        return cls(base, EpochTransforms(cfg), cfg.seed, per_epoch=True,
+                   python_numpy=draws_python_numpy(cfg))  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.base)
@@ -51,7 +67,7 @@ class SeededAugmentation(Dataset):
         epoch, index, *_ = key
         image, label = self.base[index]
         transform = self.transform(epoch) if self.per_epoch else self.transform
-        with seeded_draws(self.key_seed(key)):
+        with seeded_draws(self.key_seed(key), self.python_numpy):
             image = transform(image)
         return image, label
 

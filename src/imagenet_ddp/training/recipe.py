@@ -92,10 +92,17 @@ def mean_colour(cfg: TrainConfig) -> tuple[int, ...]:
     return tuple(round(255 * m) for m in mean_std(cfg)[0])
 
 
+def draws_python_numpy(cfg: TrainConfig) -> bool:
+    """Whether the run's sample transform draws from Python's and NumPy's RNGs: timm's
+    RandAugment alone does; torchvision's transforms and policies draw from torch's
+    (tests/test_recipes.py checks every policy)."""
+    return cfg.auto_augment.startswith("rand-")
+
+
 def timm_rand_augment(spec: str, crop_size: int, mean, interpolation: str):
     """timm's RandAugment of a ``rand-...`` spec with ``create_transform``'s hyperparameters, on
     PIL images as timm runs it (its Python and NumPy draws seeded per sample by
-    training.data.SeededAugmentation)."""
+    training.data.SeededAugmentation: :func:`draws_python_numpy`)."""
     from timm.data import auto_augment
     from timm.data.auto_augment import rand_augment_transform
     from timm.data.transforms import str_to_pil_interp

@@ -225,8 +225,7 @@ def _holdout(cfg, info, device, geometry, train_data, split_dir) -> Holdout:
 def _train_loader(cfg, info, device, geometry, base):
     """The seeded, resumable sampler over ``base`` and its DataLoader; a global batch larger
     than the training set is refused."""
-    transforms = recipe.EpochTransforms(cfg)  # the crop size may change per epoch
-    dataset = SeededAugmentation(base, transforms, cfg.seed, per_epoch=True)
+    dataset = SeededAugmentation.of_run(base, cfg)
     shape = (len(dataset), info.world_size, info.rank, cfg.seed, cfg.batch_size, cfg.accumulation)
     if cfg.repeated_augmentation > 1:
         sampler = RepeatedAugmentationSampler(*shape, repeats=cfg.repeated_augmentation)
