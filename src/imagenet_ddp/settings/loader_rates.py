@@ -15,7 +15,8 @@ from collections.abc import Mapping
 # >= 25 s (loaders: 531-548, 283-330, 218-246 img/s). Measured 2026-12-02 on a 2-core AMD
 # EPYC VM loaded by 3 other jobs: an under-estimate of an idle server core, the safe side for
 # a warning (more warnings, never fewer). Since 2026-12-04 v1's and v2's samples no longer save
-# and restore NumPy's RNG (SeededAugmentation.of_run): ~1.15x these two (benchmarks/README.md).
+# and restore NumPy's RNG (SeededAugmentation.of_run), ~80 us a sample: v1's 1.14-1.17x in
+# bench_loader.py (benchmarks/README.md), v2's ~1.05x by that arithmetic (not re-measured).
 PER_WORKER_RATES = {
     "none": 540.0,  # torchvision-resnet50-v1 (RandomResizedCrop, flip)
     "trivialaugment": 309.0,  # torchvision-resnet50-v2 (TrivialAugmentWide, erasing 0.1)

@@ -25,6 +25,10 @@ from imagenet_ddp.training.recipe import (
     transform_problems,
 )
 
+# Batches a DataLoader worker is handed ahead (settings.node_memory.PREFETCH_BATCHES charges them;
+# the preflight's loader timing drains them first).
+PREFETCH_FACTOR = 4
+
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     return ((seed * 1_000_003 + epoch) * 10_000_019 + index) % (2**63 - 1)
@@ -182,7 +186,7 @@ def train_loader(
         num_workers=workers,
         pin_memory=pin,
         persistent_workers=persistent and forks,
-        prefetch_factor=4 if forks else None,
+        prefetch_factor=PREFETCH_FACTOR if forks else None,
         drop_last=sampler is not None,
         worker_init_fn=ignore_stop_signals,
         multiprocessing_context=loader_context() if forks else None,
