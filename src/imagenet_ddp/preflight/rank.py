@@ -30,11 +30,11 @@ from imagenet_ddp.jobs.signals import stop_signals_blocked
 from imagenet_ddp.jobs.spec import PreflightJob, read_spec, staged_copy, staging_reports
 from imagenet_ddp.preflight.report import build_report, collective_figures, table
 from imagenet_ddp.settings.kinds import TrainConfig
+from imagenet_ddp.settings.node_memory import PREFETCH_BATCHES
 from imagenet_ddp.training import recipe
 from imagenet_ddp.training.accuracy import evaluate_loader, shard_loader
 from imagenet_ddp.training.checkpoint import cpu_copy, job_state
 from imagenet_ddp.training.data import (
-    PREFETCH_FACTOR,
     EpochSampler,
     SeededAugmentation,
     read_ids,
@@ -48,12 +48,12 @@ from imagenet_ddp.training.worker import build_job, rank_threads, seed_everythin
 # The first warm-up step holds torch.compile; "timed" steps with DDP, then as many without
 # its all-reduce (a rank's own speed).
 MODEL_STEPS = {"warmup": 3, "timed": 10}
-# The loader in rounds of one batch per worker. iter() hands each worker PREFETCH_FACTOR batches
+# The loader in rounds of one batch per worker. iter() hands each worker PREFETCH_BATCHES batches
 # at once, and a rank that is busy while they start (a loaded node, CUDA's start) finds them all
 # decoded: the warm-up is the slowest worker's first batch and the rounds those queues hold,
 # and the timing twice the queues (a stall just before it reads at most 2x, not from the queues
 # alone: 2.4x the workers' true rate was read after 1 round warm-up and 4 timed).
-LOADER_ROUNDS = {"warmup": 1 + PREFETCH_FACTOR, "timed": 2 * PREFETCH_FACTOR}
+LOADER_ROUNDS = {"warmup": 1 + PREFETCH_BATCHES, "timed": 2 * PREFETCH_BATCHES}
 ALLREDUCE_OPS = {"warmup": 2, "timed": 5}
 EVAL_BATCHES = 8  # per rank: the holdout sample each evaluation pass reads
 SIZE_FACTORS = (1 / 16, 1 / 4, 1, 2)  # all-reduce sizes around the run's gradient size

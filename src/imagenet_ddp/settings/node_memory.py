@@ -40,8 +40,9 @@ LOADER_WORKER_MB = 50
 DALI_RANK_MB = 1650
 DALI_WORKER_MB = 490
 DALI_SAMPLE_KB = 42
-# Batches a loader worker holds in flight (DataLoader prefetch_factor, training.data and
-# accuracy.shard_loader): shared memory, or pinned once the main process takes them.
+# Batches a loader worker holds in flight: the DataLoader's prefetch_factor (training.data's
+# train_loader, which accuracy.shard_loader uses too), shared memory or pinned once the main
+# process takes them; the preflight's loader timing drains them first (preflight.rank).
 PREFETCH_BATCHES = 4
 # ESTIMATED, not measured (no GPU here): a CUDA rank's host memory beyond a CPU rank's
 # (the CUDA context, cuDNN/cuBLAS host allocations, pinned staging buffers); 2-3 GiB is

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from imagenet_ddp.jobs.signals import ignore_stop_signals, loader_context
 from imagenet_ddp.settings.geometry import global_batch
+from imagenet_ddp.settings.node_memory import PREFETCH_BATCHES
 from imagenet_ddp.training.recipe import (
     EpochTransforms,
     dali_problem,
@@ -24,10 +25,6 @@ from imagenet_ddp.training.recipe import (
     seeded_draws,
     transform_problems,
 )
-
-# Batches a DataLoader worker is handed ahead (settings.node_memory.PREFETCH_BATCHES charges them;
-# the preflight's loader timing drains them first).
-PREFETCH_FACTOR = 4
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -186,7 +183,7 @@ def train_loader(
         num_workers=workers,
         pin_memory=pin,
         persistent_workers=persistent and forks,
-        prefetch_factor=PREFETCH_FACTOR if forks else None,
+        prefetch_factor=PREFETCH_BATCHES if forks else None,
         drop_last=sampler is not None,
         worker_init_fn=ignore_stop_signals,
         multiprocessing_context=loader_context() if forks else None,
