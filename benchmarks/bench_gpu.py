@@ -21,9 +21,13 @@ Two modes, as NVIDIA's DeepLearningExamples report them:
   (``training.dali_loader.DaliLoader``: crop decoded on the GPU, the policy applied there,
   ``--workers`` its threads and draw processes), through the same code. Each of ``--repeats``
   fresh loaders is timed in whole rounds of its workers for at least ``--seconds`` (30 on a GPU)
-  after one warm-up round. The loader must deliver at least what the model consumes (ratio >=
-  1.0). (Before 2026-12-01 this mode decoded whole images and normalized to float32 on the CPU
-  over 10 batches: not the path training runs; its 2026-11-27 figure is withdrawn.)
+  after the warm-up rounds that fill its prefetch queues (preflight.rank.LOADER_ROUNDS). The
+  loader must deliver at least what the model consumes (ratio >= 1.0). ``--auto-augment``
+  replaces the recipe's policy; ``--short-side`` is the synthetic copy's (256; 36 on a CPU
+  without ``--short-side``). The per-worker rates of ``settings/loader_rates.py`` are this
+  mode's at one worker (its comment has the command). (Before 2026-12-01 this mode decoded whole
+  images and normalized to float32 on the CPU over 10 batches: not the path training runs; its
+  2026-11-27 figure is withdrawn.)
 
 Anchor printed beside: NVIDIA DeepLearningExamples ResNet-50 v1.5, 2,470 img/s per A100 80GB
 with AMP (training, batch 256, DALI), the published number our synthetic mode should approach
@@ -86,14 +90,16 @@ def synthetic(args, device) -> list[float]:
     return rates
 
 
-def recipe_config(recipe: str, crop: int, batch: int, workers: int, loader: str = "pytorch"):
+def recipe_config(recipe: str, crop: int, batch: int, workers: int, loader: str = "pytorch",
+                  **settings):  # fmt: skip
     """The worker's TrainConfig of ``recipe`` (a preset, or ``none``: the schema's defaults) at
-    this crop and batch with ``loader``, resolved as the workflow resolves a run."""
+    this crop and batch with ``loader`` and any other run ``settings`` (``auto_augment``),
+    resolved as the workflow resolves a run."""
     from imagenet_ddp.settings.kinds import SCHEMA, TrainConfig, declarations, load_schema
     from imagenet_ddp.settings.runs import resolve_run, run_defaults
 
     run = {"name": "bench", "crop_size": crop, "batch_size": batch, "workers": workers,
-           "loader": loader}  # fmt: skip
+           "loader": loader, **settings}  # fmt: skip
     if recipe != "none":
         run["recipe"] = recipe
     resolved = resolve_run(run_defaults(load_schema(SCHEMA)), {}, run)
@@ -121,12 +127,13 @@ def loader_only(args, device, prepared: Path) -> tuple[list[float], float]:
     loader_rate): the run's dataset (crop-first decode), its recipe's transform and
     augmentations, uint8 crops, the seeded sampler, ``workers`` forkserver workers, pinned
     copies to the device; each repeat a fresh loader timed in whole rounds of its workers for at
-    least ``--seconds`` after one warm-up round. Returns the rates and the seconds timed."""
+    least ``--seconds`` after its warm-up rounds. Returns the rates and the seconds timed."""
     from imagenet_ddp.data.reader import create_dataset
     from imagenet_ddp.jobs.distributed import DistInfo
     from imagenet_ddp.preflight.rank import loader_rate
 
-    cfg = recipe_config(args.recipe, args.crop, args.batch, args.workers, args.loader)
+    overrides = {"auto_augment": args.auto_augment} if args.auto_augment else {}
+    cfg = recipe_config(args.recipe, args.crop, args.batch, args.workers, args.loader, **overrides)
     base = create_dataset(prepared, None, train=True)  # every sample of the copy
     info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, host="bench")
     rates, seconds = [], 0.0
@@ -185,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--recipe", default="none", help="the loader's recipe: none (v1's), a preset's name"
     )
+    parser.add_argument("--auto-augment", default=None, help="the recipe's policy replaced")
+    parser.add_argument("--short-side", type=int, default=None, help="synthetic (GPU: 256)")
     parser.add_argument("--seconds", type=float, default=None, help="loader window (GPU: 30)")
     parser.add_argument("--loader", default="pytorch", choices=["pytorch", "dali"])
     args = parser.parse_args(argv)
@@ -200,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or (3 if small else 30)
     args.warmup = args.warmup or (1 if small else 10)
     args.repeats = args.repeats or (2 if small else 5)
+    args.short_side = args.short_side or (36 if small else 256)
     args.seconds = args.seconds if args.seconds is not None else (0.0 if small else 30.0)
     args.precision = args.precision or ("bf16" if cuda else "fp32")  # CPU bf16: emulated, slow
     if args.quick:
@@ -210,13 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     model_rates = synthetic(args, device)
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
         prepared = args.prepared or make_prepared(
-            Path(tmp), args.images or (16 if args.quick else 2048), 36 if small else 256
+            Path(tmp), args.images or (16 if args.quick else 2048), args.short_side
         )
         loader_rates, loader_seconds = loader_only(args, device, prepared)
 
     model_img_s, loader_img_s = C.median(model_rates), C.median(loader_rates)
     name = torch.cuda.get_device_name(device) if cuda else f"CPU ({C.cpu_model()})"
     on_gpu = cuda and args.model == "resnet50" and args.crop == 224
+    recipe = args.recipe + (f", auto_augment {args.auto_augment}" if args.auto_augment else "")
     rows = [
         {
             "metric": f"{args.model} synthetic, img/s/GPU",
@@ -228,8 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             "met": model_img_s >= ANCHOR_IMG_S if on_gpu else None,
         },
         {
-            "metric": f"training's loader ({args.loader}, {args.workers} workers, {args.recipe}),"
-            " img/s",
+            "metric": f"training's loader ({args.loader}, {args.workers} workers, {recipe}), img/s",
             "ours": loader_img_s,
             "baseline": model_img_s,
             "unit": "img/s",
@@ -248,11 +258,15 @@ def main(argv: list[str] | None = None) -> int:
             "baseline column: row 1 = NVIDIA DLE ResNet-50 v1.5 AMP, 2,470 img/s per A100 80GB;"
             " row 2 = our synthetic model img/s (loader must keep up)",
             "loader data: "
-            + (str(args.prepared) if args.prepared else "synthetic ImageNet-size JPEGs prepared")
-            + f"; training's loader ({args.loader}) with recipe {args.recipe}: crop-first"
+            + (
+                str(args.prepared)
+                if args.prepared
+                else f"synthetic ImageNet-size JPEGs prepared at short side {args.short_side}"
+            )
+            + f"; training's loader ({args.loader}) with recipe {recipe}: crop-first"
             f" decode, uint8 crops, seeded sampler, on {device.type}; median of {args.repeats}"
             f" fresh loaders, each timed {loader_seconds:.1f} s in whole rounds of its workers"
-            " after a warm-up round",
+            " after the warm-up rounds that fill its prefetch queues",
         ],
         json_out=args.json,
     )

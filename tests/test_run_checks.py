@@ -18,6 +18,7 @@ import yaml  #                   .snakemake/pip-deployments (the checkout guard 
 
 from imagenet_ddp.data.split import stratified_split
 from imagenet_ddp.settings import run_checks
+from imagenet_ddp.settings.kinds import SCHEMA, load_schema
 from imagenet_ddp.settings.run_checks import ILSVRC2012_TRAIN_IMAGES, check_runs, split_sizes
 from tests.workflow_helpers import (
     REPO,
@@ -302,15 +303,17 @@ def test_a_dali_gpu_run_is_not_judged_by_the_pytorch_paths_rates():
 
 
 def test_a_gpu_run_whose_loader_is_slower_than_its_step_is_warned_with_the_share_lost():
-    """workers x the measured per-worker rate of the run's augmentation against the GPU's
-    step: DeiT's RandAugment loses more GPU time than v1's plain crop at the same workers."""
-    rates = run_checks.loader_rates.PER_WORKER_RATES
-    v1, deit = rates["none"], rates["randaugment"]
+    """workers x the measured per-worker rate of the run's augmentation (an idle core's, at the
+    share of a core a SLURM CPU is taken to give) against the GPU's step: DeiT's RandAugment
+    loses more GPU time than v1's plain crop at the same workers."""
+    rates = run_checks.loader_rates
+    v1, deit = (rates.per_worker_rate(policy, 256) for policy in (V1, DEIT))
+    assert v1 == pytest.approx(rates.IDLE_CORE_RATES["none"] * rates.CPU_SHARE) and deit < v1
     [plain] = loader_lines(**V1, cpus_per_task=5, **H200)
     [dear] = loader_lines(**DEIT, cpus_per_task=5, **H200)
     assert plain.startswith("config.yaml: run 'r' (4 workers x ") and "loader slower" in plain
     assert f"4 workers x {v1:,.0f} img/s (none) = {4 * v1:,.0f} img/s a rank" in plain
-    assert f"4 workers x {deit:,.0f} img/s (randaugment) = {4 * deit:,.0f} img/s a rank" in dear
+    assert f"4 workers x {deit:,.0f} img/s (timm rand-*) = {4 * deit:,.0f} img/s a rank" in dear
     assert f"resnet50 on h200 4,689: {1 - 4 * v1 / 4689:.0%} of GPU time lost" in plain
     assert f"resnet50 on h200 4,689: {1 - 4 * deit / 4689:.0%} of GPU time lost" in dear
     assert "loader: dali" in plain and "prepare.short_side" in plain and "\n" not in plain
@@ -322,8 +325,24 @@ def test_a_gpu_run_whose_loader_is_slower_than_its_step_is_warned_with_the_share
     assert "resnet50 on a100 (gpu_type any: the slowest GPU listed) 2,470" in any_gpu
 
 
+AUTO_AUGMENT = load_schema(SCHEMA)["definitions"]["run_settings"]["properties"]["auto_augment"]
+
+
+@pytest.mark.parametrize(
+    "auto_augment", [*AUTO_AUGMENT["anyOf"][0]["enum"], "rand-m9-mstd0.5-inc1", "rand-n3-m15"]
+)
+def test_every_auto_augment_policy_has_its_own_measured_rate(auto_augment):
+    """Each policy the schema accepts is judged by its own measurement (timm's specs by DeiT's),
+    its decode scaled by the prepared image's pixels."""
+    rates = run_checks.loader_rates
+    measured = rates.IDLE_CORE_RATES[rates.policy(auto_augment)] * rates.CPU_SHARE
+    assert rates.per_worker_rate({"auto_augment": auto_augment}, 256) == measured
+    assert rates.per_worker_rate({"auto_augment": auto_augment}, 512) == measured / 4
+    assert rates.policy(auto_augment) == ("timm rand-*" if "-" in auto_augment else auto_augment)
+
+
 def test_no_loader_warning_when_it_feeds_the_step_or_on_the_cpu():
-    workers = math.ceil(4689 / run_checks.loader_rates.PER_WORKER_RATES["none"])
+    workers = math.ceil(4689 / run_checks.loader_rates.per_worker_rate(V1, 256))
     assert loader_lines(cpus_per_task=workers + 1, **H200) == []
     assert loader_lines(cpus_per_task=workers, **H200) != []  # one fewer cannot
     assert loader_lines(model="resnet50", cpus_per_task=2) == []  # a CPU run

@@ -7,21 +7,30 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-# img/s one DataLoader worker delivers, by the run's auto_augment policy: training's loader
-# (preflight.rank.loader_rate through benchmarks/bench_gpu.py's loader_only: the preset's
-# dataset with the crop-first decode, its transform and augmentations, random erasing included,
-# uint8 crops, the seeded sampler), 1 worker, batch 32, crop 224 from prepare.short_side 256,
-# 512 synthetic ImageNet-size JPEGs (~110 KB originals), the median of 3 loaders each timed
-# >= 25 s (loaders: 531-548, 283-330, 218-246 img/s). Measured 2026-12-02 on a 2-core AMD
-# EPYC VM loaded by 3 other jobs: an under-estimate of an idle server core, the safe side for
-# a warning (more warnings, never fewer). Since 2026-12-04 v1's and v2's samples no longer save
-# and restore NumPy's RNG (SeededAugmentation.of_run), ~80 us a sample: v1's 1.14-1.17x in
-# bench_loader.py (benchmarks/README.md), v2's ~1.05x by that arithmetic (not re-measured).
-PER_WORKER_RATES = {
-    "none": 540.0,  # torchvision-resnet50-v1 (RandomResizedCrop, flip)
-    "trivialaugment": 309.0,  # torchvision-resnet50-v2 (TrivialAugmentWide, erasing 0.1)
-    "randaugment": 246.0,  # deit-small (timm rand-m9-mstd0.5-inc1, erasing 0.25)
+# img/s one DataLoader worker delivers on an idle core, by the run's auto_augment policy:
+# training's loader (preflight.rank.loader_rate: the recipe's dataset with the crop-first
+# decode, its transform and augmentations, random erasing included, uint8 crops, the seeded
+# sampler), 1 worker, batch 32, crop 224 from short side 256, 512 synthetic ImageNet-size JPEGs
+# (~110 KB originals), the median of 3 loaders each timed 25 s after its prefetch queues filled:
+#   benchmarks/bench_gpu.py --workers 1 --batch 32 --crop 224 --short-side 256 --images 512 \
+#       --seconds 25 --repeats 3 --recipe <the recipe> [--auto-augment <the policy>]
+# 2026-12-05 on an otherwise idle 2-core AMD EPYC VM (no SMT); an interleaved run the day
+# before, another VM, read 1.07-1.11x these. Not shown: a server core's rate, and whether the
+# rates add up over 8-16 workers sharing a node's memory bandwidth.
+IDLE_CORE_RATES = {
+    "none": 981.0,  # --recipe none: v1's RandomResizedCrop and flip
+    "trivialaugment": 552.0,  # --recipe torchvision-resnet50-v2 (erasing 0.1)
+    "randaugment": 398.0,  # torchvision's: --recipe none --auto-augment randaugment
+    "autoaugment": 583.0,  # torchvision's ImageNet policy: --recipe none --auto-augment autoaugment
+    "timm rand-*": 360.0,  # --recipe deit-small: rand-m9-mstd0.5-inc1, erasing 0.25
 }
+# The share of such a core that one SLURM CPU of a GPU node is taken to give a worker: where a
+# site's CPUs are hardware threads (a DGX H100's 224 on 112 cores, docs/cluster.md#cpus-per-gpu),
+# two busy workers share each core, about 0.6 of it each (two SMT threads do ~1.1-1.3x one;
+# assumed, not measured: this VM has no SMT). The safe side for a warning: more warnings where
+# CPUs are cores, never fewer. (The 2026-12-02 figures, this VM loaded by 3 other jobs, read
+# 0.55-0.68x these.)
+CPU_SHARE = 0.6
 MEASURED_SHORT_SIDE, MEASURED_CROP = 256, 224
 
 # img/s of one GPU stepping the model alone (eager, compiled), bf16 autocast, channels_last,
@@ -52,18 +61,15 @@ def cpus_for_loader(per_worker: float, gpu: float) -> int:
 
 
 def policy(auto_augment: str) -> str:
-    """The PER_WORKER_RATES entry of an auto_augment setting: timm's rand-* specs and
-    torchvision's randaugment as RandAugment; autoaugment (not measured) as RandAugment, the
-    dearest measured."""
-    if auto_augment in ("none", "trivialaugment"):
-        return auto_augment
-    return "randaugment"
+    """The IDLE_CORE_RATES entry of an auto_augment setting (any timm rand-* spec as DeiT's)."""
+    return "timm rand-*" if auto_augment.startswith("rand-") else auto_augment
 
 
 def per_worker_rate(run: Mapping, short_side: int) -> float:
-    """A worker's img/s for ``run`` at ``short_side``: the measured figure, its decode taken to
-    cost as the prepared image's pixels (an approximation; the preflight measures)."""
-    rate = PER_WORKER_RATES[policy(run.get("auto_augment", "none"))]
+    """A worker's img/s for ``run`` at ``short_side`` on one SLURM CPU: the measured figure at
+    CPU_SHARE, its decode taken to cost as the prepared image's pixels (an approximation; the
+    preflight measures)."""
+    rate = IDLE_CORE_RATES[policy(run.get("auto_augment", "none"))] * CPU_SHARE
     return rate * (MEASURED_SHORT_SIDE / short_side) ** 2
 
 
