@@ -108,20 +108,29 @@ def test_a_job_outside_slurm_killed_with_its_launcher_holds_nothing_though_its_h
 ):
     """A local job SIGKILLed with Snakemake (no cleanup: its entry open, its heartbeat fresh):
     the job a restarted Snakemake starts at once trains, as this host shows its launcher's pid
-    gone; a live launcher's, or another host's (this host cannot say), holds the run."""
+    gone or a zombie (CI's init reaps no orphan); a live launcher's, or another host's (this
+    host cannot say), holds the run."""
     import socket
     import subprocess
     import sys
+
+    import psutil
 
     root = fake_squeue / "ckpt"
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     host = socket.gethostname()
+    # killed, never reaped (its parent dead too, an init that does not wait): a zombie, ended
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    while psutil.Process(zombie.pid).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.05)
     for beat, held in ((f"local-{host}-{gone}", False), (f"local-{host}-{os.getpid()}", True),
+                       (f"local-{host}-{zombie.pid}", False),
                        (f"local-othernode-{gone}", True)):  # fmt: skip
         open_entry(root, "", time.time(), beat=beat)
         holder = holders.live_holder(root, RUN)
         assert (holder is not None) == held and (not held or holder["state"] == "heartbeat"), beat
+    zombie.wait()
 
 
 def test_two_jobs_that_start_at_once_never_train_together(tmp_path, monkeypatch):

@@ -54,7 +54,17 @@ def beat_owner_ended(beat: str | os.PathLike) -> bool:
         return name != os.environ.get("SLURM_JOB_ID") and job_state(name) == ""
     local = f"local-{socket.gethostname()}-"
     pid = name[len(local) :]
-    return name.startswith(local) and pid.isdigit() and not psutil.pid_exists(int(pid))
+    return name.startswith(local) and pid.isdigit() and not _pid_runs(int(pid))
+
+
+def _pid_runs(pid: int) -> bool:
+    """Whether process ``pid`` runs: a zombie has ended. A launcher SIGKILLed with Snakemake is
+    orphaned, and where no one reaps orphans (an init that does not wait, as in some containers
+    and VMs: CI's) it stays a zombie, its pid taken for a live job's until SILENT_S."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def live_holder(checkpoint_root, run: dict[str, Any]) -> dict | None:
