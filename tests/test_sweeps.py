@@ -226,6 +226,16 @@ def open_second_rung_entries(results: Path) -> list[dict]:
     return found
 
 
+def _status(pid: int) -> str:
+    """psutil's status; "gone" where it reads none: also, for a moment, a dying process's (its
+    /proc files go before it is a zombie, psutil issue 2418: seen here once, a pid that only the
+    keeper, which reaps none, could have reaped)."""
+    try:
+        return psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return "gone"
+
+
 @pytest.mark.e2e
 def test_pruned_sweep_trains_by_rungs_and_its_survivor_equals_the_run_alone(tmp_path):
     """4 runs, eta 2, min_epochs 1, epochs 3 (the tiny demo): 4 train to epoch 1, 2 to epoch
@@ -280,8 +290,9 @@ def test_pruned_sweep_trains_by_rungs_and_its_survivor_equals_the_run_alone(tmp_
         assert len(stamps) == 4 and (w / "sweeps/0/rung-1.json").is_file()
         pids = [int(entry["beat"].rsplit("-", 1)[1]) for entry in open_second_rung_entries(w)]
         assert pids and len(pids) >= len(held)
-        while not all(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE for pid in pids):
-            assert time.monotonic() < deadline, "SIGKILLed, yet running"  # dying: a moment
+        settle = time.monotonic() + 60  # dying: a moment
+        while not all(_status(pid) == psutil.STATUS_ZOMBIE for pid in pids):
+            assert time.monotonic() < settle, f"SIGKILLed, not a zombie: {list(map(_status, pids))}"
             time.sleep(0.1)
         snakemake(workdir, "--unlock")
         snakemake(workdir, "--profile", "profiles/local")
