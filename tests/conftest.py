@@ -91,39 +91,42 @@ def _checkout_outputs_untouched(tmp_path):
         )
 
 
-# CI runs the suite on 2 workers (pytest-xdist, the README's `-n 2`): these files run one after
-# another on one worker, the SLURM ones last, alone; the other tests are spread over both
-# workers meanwhile. Serial: each builds a pipeline in a module fixture (built once, not once per
-# worker), and the SLURM tests' time limits and signals want the CPUs.
+# CI runs the suite on 2 workers (pytest-xdist, the README's `-n 2`) as two chains, one per
+# worker, both from the start: the files that build a pipeline in a module fixture (built once,
+# not once per worker), in order, and the SLURM tests, in order (one cluster per worker). The
+# other tests go to whichever worker is free. The SLURM tests left both cores idle about a third
+# of their ~19 min (waiting for slurmctld's checks and the plugin's status polls, which back off
+# to 3 min), which they spent alone at the end until 2026-12-07.
 SERIAL_FILES = ("test_report.py", "test_resume.py", "test_workflow_local.py")
 
 
-def _serial(path_or_nodeid: str) -> bool:
+def _chain(path_or_nodeid: str) -> str | None:
+    """'slurm' or 'serial' for a test of one of the two chains, else None."""
     name = str(path_or_nodeid).split("::", 1)[0].rsplit("/", 1)[-1]
-    return name in SERIAL_FILES or name.startswith("test_slurm_")
+    if name.startswith("test_slurm_"):
+        return "slurm"
+    return "serial" if name in SERIAL_FILES else None
 
 
 def pytest_collection_modifyitems(config, items):
-    """The serial tests first (the scheduler below hands them to one worker at once), the SLURM
-    ones at their end."""
-    serial = [item for item in items if _serial(item.nodeid)]
-    slurm = [item for item in serial if item.get_closest_marker("slurm")]
-    serial = [item for item in serial if item not in slurm]
-    items[:] = serial + slurm + [item for item in items if not _serial(item.nodeid)]
+    """The chains first, in order (the scheduler below hands each to one worker at once)."""
+    chains = [item for item in items if _chain(item.nodeid)]
+    items[:] = chains + [item for item in items if not _chain(item.nodeid)]
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; without it, not called
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scope scheduling with one scope for the serial tests (in collection order, on one
-    worker) and one per test for the others. Not `--dist loadgroup`: pytest-xdist 3.8.0 marks a
-    group in the test id by setting ``item._nodeid``, which pytest 9 no longer reads."""
+    """xdist's scope scheduling with one scope per chain and one per test for the others: the
+    two largest scopes, the chains, go first, one to each worker (xdist orders scopes by their
+    number of tests). Not `--dist loadgroup`: pytest-xdist 3.8.0 marks a group in the test id by
+    setting ``item._nodeid``, which pytest 9 no longer reads."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class SerialHeavyFirst(LoadScopeScheduling):
+    class TwoChains(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "serial" if _serial(nodeid) else nodeid
+            return _chain(nodeid) or nodeid
 
-    return SerialHeavyFirst(config, log)
+    return TwoChains(config, log)
 
 
 # The prepare settings the fixtures and tests use where they do not test them.
