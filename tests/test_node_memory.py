@@ -12,13 +12,15 @@ from imagenet_ddp.settings.node_memory import (
     COMPILE_WORKER_MB,
     CUDA_RANK_EXTRA_MB,
     DALI_RANK_MB,
-    DALI_SAMPLE_KB,
     DALI_WORKER_MB,
     FORKSERVER_MB,
     LOADER_WORKER_MB,
+    PREPARED_SAMPLE_BYTES_AT_256,
     RANK_MB,
+    DataSizes,
     estimate_mb,
     memory_problem,
+    prepared_sample_bytes,
 )
 from tests.workflow_helpers import copy_workflow, snakemake
 
@@ -50,7 +52,7 @@ def test_a_dali_run_is_charged_its_spawned_workers_not_a_forkserver_nor_holdout_
     from imagenet_ddp.settings.node_memory import DataSizes
 
     dali = {**NODE, "loader": "dali"}
-    shared = (15 + 2) * 256 * DALI_SAMPLE_KB / 1024
+    shared = (15 + 2) * 256 * PREPARED_SAMPLE_BYTES_AT_256 / 2**20
     figures = estimate_mb(dali)
     assert figures["measured"] == pytest.approx(8 * (DALI_RANK_MB + 15 * DALI_WORKER_MB + shared))
     assert figures["estimated"] == pytest.approx(8 * CUDA_RANK_EXTRA_MB)
@@ -65,6 +67,35 @@ def test_a_dali_run_is_charged_its_spawned_workers_not_a_forkserver_nor_holdout_
     assert alone == {"measured": 8 * DALI_RANK_MB, "estimated": 0, "workers": 0}
     refusal, _ = memory_problem("d", dali, 57_000)  # what fitted a pytorch run's charge
     assert "is below the" in refusal and "15 loader worker(s) each hold" in refusal
+
+
+def test_a_dali_runs_shared_memory_holds_its_jpegs_at_the_prepared_short_side(tmp_path):
+    """DALI's workers hand over a batch's JPEGs: charged at a prepared sample's bytes, by pixels
+    at prepare.short_side at the dry-run (jobs.site) and the staged copy's own bytes per sample on
+    the node (data.stage.ram_copy_problem); nothing changes for the pytorch path."""
+    from imagenet_ddp.jobs.site import memory_problems
+    from imagenet_ddp.settings.run_checks import split_sizes
+
+    dali = {**NODE, "loader": "dali"}
+
+    def measured(sample_bytes, run=dali):
+        return estimate_mb(run, DataSizes(sample_bytes=sample_bytes))["measured"]
+
+    assert prepared_sample_bytes(256) == PREPARED_SAMPLE_BYTES_AT_256
+    assert prepared_sample_bytes(512) == 4 * PREPARED_SAMPLE_BYTES_AT_256
+    more = measured(prepared_sample_bytes(512)) - measured(prepared_sample_bytes(256))
+    assert more == pytest.approx(8 * (15 + 2) * 256 * 3 * PREPARED_SAMPLE_BYTES_AT_256 / 2**20)
+    assert measured(10**6, NODE) == measured(1, NODE)
+    # the dry-run's check: a node that holds the run at short side 256 but not at 512
+    config = {"split": {"holdout_fraction": 0.02}, "demo": {"enabled": False},
+              "stage": {"scratch_dir": str(tmp_path)},
+              "prepare": {"dir": str(tmp_path), "short_side": 256}}  # fmt: skip
+    train, holdout, _ = split_sizes(config)  # the full train set's
+    fits = estimate_mb(dali, DataSizes(train, holdout))["measured"] + 100
+    assert memory_problems({"d": dali}, config, fits)[0] == []
+    config["prepare"]["short_side"] = 512
+    refused = memory_problems({"d": dali}, config, fits)[0]
+    assert len(refused) == 1 and "run 'd'" in refused[0], refused
 
 
 def test_measured_too_much_is_refused_estimated_too_much_warned():

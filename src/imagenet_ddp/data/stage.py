@@ -36,7 +36,12 @@ from imagenet_ddp.io import (
     write_json_atomic,
 )
 from imagenet_ddp.mounts import existing_ancestor, is_network, mount_of
-from imagenet_ddp.settings.node_memory import DataSizes, estimate_mb
+from imagenet_ddp.settings.node_memory import (
+    PREPARED_SAMPLE_BYTES_AT_256,
+    DataSizes,
+    estimate_mb,
+    prepared_sample_bytes,
+)
 
 STAGE_DIR = "imagenet_ddp"  # <scratch>/imagenet_ddp-<uid>: this user's part (user_stage_dir)
 MARKER = ".staged.json"
@@ -110,9 +115,6 @@ def configured_scratch_problem(scratch_dir: str) -> str | None:
 
 # Filesystems in RAM: a copy staged there is charged to the job's memory cgroup (--mem).
 RAM_FS_TYPES = frozenset({"tmpfs", "ramfs"})
-# Bytes per image of a prepared train set at short_side 256 (benchmarks/README.md, prepare
-# rehearsal: 854 MB for 20,000 images, tar framing included); scaled by pixels for others.
-PREPARED_BYTES_PER_IMAGE_AT_256 = 42_700
 
 
 def _ram_fs(path: Path) -> str | None:
@@ -135,7 +137,7 @@ def scratch_in_ram(
         info = json.loads((Path(prepared_train) / PREPARED_JSON).read_text())
         return info["total_bytes"] / 2**20, True, f"{where}; the prepared copy's size"
     except (OSError, ValueError, KeyError, TypeError):
-        per_image = PREPARED_BYTES_PER_IMAGE_AT_256 * (short_side / 256) ** 2
+        per_image = prepared_sample_bytes(short_side)
         estimate = f"estimated as {images} images x {per_image / 1000:.1f} kB at prepare.short_side"
         return images * per_image / 2**20, False, f"{where}; {estimate} {short_side}"
 
@@ -191,7 +193,10 @@ def ram_copy_problem(
         return None
     copy = sum(size for _, size in _files(src))
     samples = json.loads((Path(src) / PREPARED_JSON).read_text()).get("num_samples", 0)
-    figures = estimate_mb(run, DataSizes(train_images=samples))
+    # DALI's workers hand over JPEGs: this copy's own bytes per sample
+    per_sample = copy / samples if samples else PREPARED_SAMPLE_BYTES_AT_256
+    data = DataSizes(train_images=samples, sample_bytes=per_sample)
+    figures = estimate_mb(run, data)
     nvidia = NVIDIA_GPUS if nvidia is None else nvidia
     cuda = nvidia.is_dir() and any(nvidia.iterdir())  # not a fake GPU: CUDA's host memory
     ranks = (figures["measured"] + cuda * figures["estimated"]) * 2**20

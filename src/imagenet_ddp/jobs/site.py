@@ -12,7 +12,11 @@ from imagenet_ddp.data.stage import configured_scratch_problem, scratch_in_ram
 from imagenet_ddp.jobs.attempts import nodes_ahead, refusal_ahead
 from imagenet_ddp.jobs.launchers import launcher_problem
 from imagenet_ddp.settings.geometry import on_nodes, slurm_resources
-from imagenet_ddp.settings.node_memory import DataSizes, node_memory_problems
+from imagenet_ddp.settings.node_memory import (
+    DataSizes,
+    node_memory_problems,
+    prepared_sample_bytes,
+)
 from imagenet_ddp.settings.run_checks import (
     container_problem,
     optional_component_problems,
@@ -68,7 +72,8 @@ def memory_problems(
         train + holdout,
         config["prepare"]["short_side"],
     )
-    data = DataSizes(train, holdout) if in_ram is None else DataSizes(train, holdout, *in_ram)
+    sample_bytes = prepared_sample_bytes(config["prepare"]["short_side"])
+    data = DataSizes(train, holdout, *(in_ram or ()), sample_bytes=sample_bytes)
     return node_memory_problems(runs, mem_mb, data)
 
 

@@ -36,10 +36,13 @@ LOADER_WORKER_MB = 50
 # 1,490 (v2), 1,513-1,630 (DeiT-S); USS of one of its external source's spawned workers (each
 # imports torch, torchvision and timm itself: no forkserver to share them): 435-442 (v1, v2),
 # 488 (DeiT-S); the shared memory they hand batches through: (prefetch depth + 2) chunks of a
-# batch's JPEGs, 42 KiB a sample at short side 256.
+# batch's JPEGs (43 KiB a sample there at short side 256, within 4 % of a prepared sample's).
 DALI_RANK_MB = 1650
 DALI_WORKER_MB = 490
-DALI_SAMPLE_KB = 42
+# A prepared sample's bytes at short side 256 (benchmarks/README.md, prepare rehearsal: 854 MB
+# for 20,000 images, tar framing included); by its pixels at another short side (assumed: at one
+# quality a JPEG's bytes grow about as its pixels). The staged copy and DALI's shared memory.
+PREPARED_SAMPLE_BYTES_AT_256 = 42_700
 # Batches a loader worker holds in flight: the DataLoader's prefetch_factor (training.data's
 # train_loader, which accuracy.shard_loader uses too), shared memory or pinned once the main
 # process takes them; the preflight's loader timing drains them first (preflight.rank).
@@ -66,14 +69,21 @@ DATASET_BYTES_PER_SAMPLE = 5 * 8
 
 @dataclass(frozen=True)
 class DataSizes:
-    """A run's memory beyond its settings: the split's images and the train copy each node
-    stages in RAM (``scratch_mb``: 0 unless on a tmpfs; measured or not; what says so)."""
+    """A run's memory beyond its settings: the split's images, the train copy each node
+    stages in RAM (``scratch_mb``: 0 unless on a tmpfs; measured or not; what says so) and a
+    prepared sample's bytes (``sample_bytes``: what DALI's workers hand over as JPEG)."""
 
     train_images: int = 0
     holdout_images: int = 0
     scratch_mb: float = 0.0
     scratch_measured: bool = False
     scratch_where: str = ""
+    sample_bytes: float = PREPARED_SAMPLE_BYTES_AT_256
+
+
+def prepared_sample_bytes(short_side: int) -> float:
+    """A prepared sample's bytes at ``short_side`` (:data:`PREPARED_SAMPLE_BYTES_AT_256`)."""
+    return PREPARED_SAMPLE_BYTES_AT_256 * (short_side / 256) ** 2
 
 
 def compile_threads(cpus_per_task: int) -> int:
@@ -86,13 +96,13 @@ def _batch_mb(batch_size: int, crop: int) -> float:
     return batch_size * 3 * crop * crop / MIB
 
 
-def _dali_rank_mb(workers: int, batch_size: int) -> float:
+def _dali_rank_mb(workers: int, batch_size: int, sample_bytes: float) -> float:
     """A ``loader: dali`` rank (training.dali_loader): DALI's pipelines in it, its external
     source's ``workers`` spawned processes and their shared memory (none without workers: the
     rank's thread draws). The holdout's pipeline has no worker processes."""
     if not workers:
         return DALI_RANK_MB
-    shared = (max(2, workers) + 2) * batch_size * DALI_SAMPLE_KB / 1024
+    shared = (max(2, workers) + 2) * batch_size * sample_bytes / MIB
     return DALI_RANK_MB + workers * DALI_WORKER_MB + shared
 
 
@@ -106,7 +116,7 @@ def estimate_mb(run: Mapping[str, Any], data: DataSizes = DataSizes()) -> dict[s
     train_arrays = data.train_images * DATASET_BYTES_PER_SAMPLE / MIB
     holdout_arrays = data.holdout_images * DATASET_BYTES_PER_SAMPLE / MIB
     if run.get("loader") == "dali":
-        per_rank = _dali_rank_mb(workers, batch) + train_arrays + holdout_arrays
+        per_rank = _dali_rank_mb(workers, batch, data.sample_bytes) + train_arrays + holdout_arrays
         per_rank += workers * train_arrays  # its workers unpickle the training set's arrays
     else:
         train_worker = LOADER_WORKER_MB + PREFETCH_BATCHES * _batch_mb(batch, run["crop_size"])
