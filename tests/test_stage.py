@@ -157,6 +157,16 @@ def test_a_copy_into_ram_above_the_jobs_memory_limit_is_refused_before_it_is_mad
         # a complete copy is there (charged when it was made): not refused again
         assert ram_copy_problem(src, tmpdir, "$TMPDIR", run, (1, "memory.max")) is None
         unstage_this_node(job)
+        # a dali run: its workers' shared memory at this copy's own bytes per sample, not
+        # the dry-run's figure at short side 256 (the demo's samples are far smaller)
+        dali = {**run, "loader": "dali"}
+        own = estimate_mb(dali, DataSizes(train_images=samples, sample_bytes=copy / samples))
+        dali_need = copy + (own["measured"] + own["estimated"]) * 2**20
+        at_256 = estimate_mb(dali, DataSizes(train_images=samples))
+        assert at_256["measured"] - own["measured"] > 100, "the two figures must differ here"
+        other = tmpdir / "other"
+        assert ram_copy_problem(src, other, "$TMPDIR", dali, (int(dali_need) - 1, "x"))
+        assert ram_copy_problem(src, other, "$TMPDIR", dali, (int(dali_need) + 1, "x")) is None
         # no driver (fake GPUs, the local cluster): the CUDA estimate is left out
         without = (int(need - figures["estimated"] * 2**20) + 1, "x")
         assert ram_copy_problem(src, tmpdir / "other", "$TMPDIR", run, without) is not None
