@@ -109,9 +109,12 @@ def _chain(path_or_nodeid: str) -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The chains first, in order (the scheduler below hands each to one worker at once)."""
+    """The chains first, in order (the scheduler below hands each to one worker at once), then
+    the other pipeline runs (``e2e``): the last of them, started late, was the suite's tail."""
     chains = [item for item in items if _chain(item.nodeid)]
-    items[:] = chains + [item for item in items if not _chain(item.nodeid)]
+    rest = [item for item in items if not _chain(item.nodeid)]
+    rest.sort(key=lambda item: item.get_closest_marker("e2e") is None)  # stable
+    items[:] = chains + rest
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; without it, not called
