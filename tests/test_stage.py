@@ -169,9 +169,9 @@ def test_a_copy_into_ram_above_the_jobs_memory_limit_is_refused_before_it_is_mad
         assert ram_copy_problem(src, other, "$TMPDIR", dali, (int(dali_need) + 1, "x")) is None
         # no driver (fake GPUs, the local cluster): the CUDA estimate is left out
         without = (int(need - figures["estimated"] * 2**20) + 1, "x")
-        assert ram_copy_problem(src, tmpdir / "other", "$TMPDIR", run, without) is not None
+        assert ram_copy_problem(src, other, "$TMPDIR", run, without) is not None
         nodriver = tmp_path / "no-driver"
-        assert ram_copy_problem(src, tmpdir / "other", "$TMPDIR", run, without, nodriver) is None
+        assert ram_copy_problem(src, other, "$TMPDIR", run, without, nodriver) is None
         fake_mounts(monkeypatch, [], base=[MOUNTS[0]])  # on a disk: never a RAM problem
         assert ram_copy_problem(src, tmpdir, "$TMPDIR", run, (1, "x")) is None
     finally:
