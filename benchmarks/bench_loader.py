@@ -17,6 +17,9 @@ median over repetitions is reported; the candidates' order rotates every repetit
   image, then ``transforms.v2`` RandomResizedCrop / flip on the uint8 tensor.
 * **TorchCodec** (info, when ``torchcodec`` is installed): ``torchcodec.decoders.decode_jpeg``
   in place of torchvision's in the path before.
+* **DeiT's recipe** (crop 224, info): ``deit-small``'s training path (timm's RandAugment on the
+  PIL image of ``recipe.pil_image``, erasing) beside the same path with torchvision's
+  ``v2.ToPILImage()`` as the hand-off (the path before 2026-12-07): the same pixels.
 * **DALI CPU** (when DALI, the ``dali`` extra, is installed): ``loader: dali`` on DALI's CPU
   backend, one thread, ``workers`` 0 (``training.dali_loader.DaliLoader``, batches of 8, the
   draws in this process): the same seeded crop windows and flips drawn in Python, the window
@@ -158,6 +161,24 @@ def keyed(seeded):
     return Keyed()
 
 
+def deit_path(root: Path, crop: int, hand_off=None):
+    """Training's sample path for DeiT's recipe (``deit-small``: timm's RandAugment on PIL,
+    erasing), seeded as training seeds it; ``hand_off``: what turns the crop into the PIL image
+    timm's ops take in place of ``recipe.pil_image`` (the path before: ``v2.ToPILImage()``)."""
+    from imagenet_ddp.data.dataset import PreparedImageDataset
+    from imagenet_ddp.training import recipe
+    from imagenet_ddp.training.data import SeededAugmentation
+
+    seeded = SeededAugmentation.of_run(
+        PreparedImageDataset(root, decode=False), recipe_config("deit-small", crop, 8, 0)
+    )
+    if hand_off is not None:
+        steps = seeded.transform(0).transforms[1].transforms  # crop, [pil_image, timm's, tensor]
+        assert steps[0] is recipe.pil_image
+        steps[0] = hand_off
+    return keyed(seeded)
+
+
 def previous_transform(crop: int, v2):
     """train_transform(crop, normalize=False) before the crop-first decode."""
     return v2.Compose([v2.RandomResizedCrop(crop, antialias=True), v2.RandomHorizontalFlip()])
@@ -221,6 +242,18 @@ def loader_rows(crop: int, rate: dict) -> list[dict]:
             "met": None,
         },
     ]
+    if "deit" in rate:
+        rows.append(
+            {
+                "metric": f"  DeiT's recipe vs its ToPILImage hand-off {crop}",
+                "ours": rate["deit"],
+                "baseline": rate["deit_topil"],
+                "unit": "img/s",
+                "ratio": rate["deit"] / rate["deit_topil"],
+                "target": "(info)",
+                "met": None,
+            }
+        )
     if "torchcodec" in rate:
         rows.append(
             {
@@ -303,6 +336,9 @@ def candidates_for(data: dict, crop: int, side: int, torchcodec_decode) -> dict:
         ),
         "cpu_norm": PreparedImageDataset(root, transform=train_transform(crop), decode=False),
     }
+    if crop == 224:  # DeiT's crop
+        candidates["deit"] = deit_path(root, crop)
+        candidates["deit_topil"] = deit_path(root, crop, v2.ToPILImage())
     if _has_dali():
         candidates["dali_cpu"] = DaliCPU(root, crop)
     if torchcodec_decode is not None:

@@ -488,6 +488,24 @@ def test_timm_presets_transforms_are_timms_create_transform(preset):
     assert resize.interpolation.value == ours.transforms[0].interpolation.value == "bicubic"
 
 
+def test_pil_image_is_to_pil_images_image_pixel_for_pixel():
+    """recipe.pil_image (before timm's RandAugment, in the pytorch path and the check's forced
+    ops) gives the bytes, mode and size of torchvision's ToPILImage: the reader's crops,
+    a flipped or transposed (strided) one, a tv_tensors.Image, an odd size; a one-channel
+    image goes through to_pil_image itself."""
+    from torchvision import tv_tensors
+    from torchvision.transforms import v2
+
+    generator = torch.Generator().manual_seed(3)
+    for shape in [(3, 224, 224), (3, 17, 31), (3, 1, 1), (1, 9, 5)]:
+        crop = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+        for image in (crop, crop.flip(-1), crop.transpose(1, 2), tv_tensors.Image(crop)):
+            ours, theirs = recipe.pil_image(image), v2.ToPILImage()(image)
+            assert (ours.mode, ours.size) == (theirs.mode, theirs.size), shape
+            assert ours.tobytes() == theirs.tobytes(), shape
+    assert recipe.pil_image(crop).mode == "L"
+
+
 def test_bce_is_timms_with_its_target_threshold():
     criterion = recipe.build_criterion(train_config(loss="bce", bce_target_threshold=0.2))
     logits, mixed = torch.randn(4, 5), torch.softmax(torch.randn(4, 5), 1)

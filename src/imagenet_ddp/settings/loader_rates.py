@@ -24,6 +24,8 @@ IDLE_CORE_RATES = {
     "autoaugment": 583.0,  # torchvision's ImageNet policy: --recipe none --auto-augment autoaugment
     "timm rand-*": 360.0,  # --recipe deit-small: rand-m9-mstd0.5-inc1, erasing 0.25
 }
+# DeiT's was measured before its crop reached timm's ops through recipe.pil_image (2026-12-07),
+# which bench_loader.py reads 1.07-1.14x faster a core: low by that much, the warning's safe side.
 # The share of such a core that one SLURM CPU of a GPU node is taken to give a worker: where a
 # site's CPUs are hardware threads (a DGX H100's 224 on 112 cores, docs/cluster.md#cpus-per-gpu),
 # two busy workers share each core, about 0.6 of it each (two SMT threads do ~1.1-1.3x one;
