@@ -314,7 +314,7 @@ def test_timms_rand_augment_draws_are_timms_own_for_the_same_seed(spec):
             applied.append(dali_augment.timm_parameter(_name, args, size)) or _fn(img, *args, **kw)
         )
     base = [(torch.from_numpy(photo).permute(2, 0, 1).contiguous(), 0)] * 40
-    ours = SeededAugmentation(base, v2.Compose([v2.ToPILImage(), augment, v2.PILToTensor()]), 7)
+    ours = SeededAugmentation(base, recipe.through_pil(augment), 7)
     crop, count = v2.RandomResizedCrop(size), dali_augment.slots(spec)
     assert count == (3 if "-n3" in spec else 2)
     expected, draws, policy = [], [], _timm(spec, size)

@@ -106,7 +106,7 @@ class DaliLoader:
         if spec.startswith("rand-"):
             mean = recipe.mean_std(self.cfg)[0]
             composed = recipe.timm_rand_augment(spec, size, mean, self.cfg.interpolation)
-            return composed.transforms[1]  # between pil_image and PILToTensor
+            return composed.transforms[1]  # the op of recipe.through_pil
         return recipe.POLICIES[spec](v2.InterpolationMode(self.cfg.interpolation))
 
     def batch_inputs(self, keys: list) -> tuple:

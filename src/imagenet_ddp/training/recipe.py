@@ -116,7 +116,13 @@ def timm_rand_augment(spec: str, crop_size: int, mean, interpolation: str):
     for op in augment.ops:
         if op.aug_fn is auto_augment.posterize:
             op.aug_fn = posterize
-    return v2.Compose([pil_image, augment, v2.PILToTensor()])
+    return through_pil(augment)
+
+
+def through_pil(op):
+    """``op`` (timm's, on PIL images) on a uint8 crop tensor, back to one: the hand-off of the
+    pytorch path and of the check's forced ops; DALI's draws read ``op`` (``transforms[1]``)."""
+    return v2.Compose([pil_image, op, v2.PILToTensor()])
 
 
 def pil_image(image):
@@ -254,7 +260,7 @@ def policy_extremes(cfg: TrainConfig, crop_size: int):
 def _forced_transform(forced):
     """A transform of :func:`policy_extremes`'s forced op."""
     if not isinstance(forced, tuple):  # timm's, on PIL images
-        return v2.Compose([pil_image, forced, v2.PILToTensor()])
+        return through_pil(forced)
     return partial(_torchvision_op, *forced)
 
 
