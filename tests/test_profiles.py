@@ -189,3 +189,34 @@ def test_the_dry_run_refuses_a_train_time_limit_within_its_stop_warning(tmp_path
     code, out = dry_run("--set-resources", "train:runtime=7",
                         "train:slurm_extra='--signal=USR1@400 --exclusive'")  # fmt: skip
     assert code != 0 and "(--signal ...@400: sent up to 460 s before" in out, out[-2000:]
+
+
+def test_a_requeued_controller_job_runs_snakemake_without_the_forces_its_first_run_had(tmp_path):
+    """SLURM runs a requeued batch job's script again as submitted (SLURM_RESTART_COUNT 1 and
+    up): profiles/slurm/controller.sbatch then leaves Snakemake's forces out (-R and its
+    targets, -F, --force, --forcerun=...; the first run forced already), and says so in one
+    line; the other arguments stay, in order. Its first run keeps them. The successor it
+    submits at its time limit leaves them out on the test cluster (tests/test_slurm_e2e.py)."""
+    import os
+    import subprocess
+
+    fake = tmp_path / "snakemake"
+    fake.write_text('#!/bin/bash\necho "snakemake $*"\n')
+    fake.chmod(0o755)
+    args = ["--config", "a=b c", "-R", "results/a.pt", "results/b.pt", "-n", "--force",
+            "-F", "--forcerun=x.pt", "all", "-Ry", "z", "--until", "train"]  # fmt: skip
+    kept = "--config a=b c -n all z --until train"
+    for restart, shown in (("0", " ".join(args)), ("2", kept)):
+        env = {**os.environ, "IMAGENET_DDP_SNAKEMAKE": str(fake), "SLURM_RESTART_COUNT": restart}
+        ran = subprocess.run(
+            ["bash", str(ROOT / "profiles/slurm/controller.sbatch"), *args], cwd=tmp_path,
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        lines = ran.stdout.splitlines()
+        assert f"snakemake --profile profiles/slurm {shown}" in lines, lines
+        requeued = [line for line in lines if line.startswith("== requeued")]
+        forces = "-R results/a.pt results/b.pt --force -F --forcerun=x.pt -Ry"
+        assert requeued == ([] if restart == "0" else [
+            f"== requeued (restart 2): without {forces} (a force applies once)"
+        ]), lines  # fmt: skip

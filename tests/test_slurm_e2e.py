@@ -133,7 +133,8 @@ def _restarting_controller(cluster, tmp: Path) -> int:
         "-p", cluster.service_partition, "-J", "ci_restart", "-c", "1", "--mem=100", "--time=1",
         "--signal=B:USR1@50", f"--chdir={tmp}",
         f"--export=ALL,IMAGENET_DDP_SNAKEMAKE={tmp}/snakemake",
-        "profiles/slurm/controller.sbatch", "--config", "a=b c", cwd=tmp,
+        "profiles/slurm/controller.sbatch", "--config", "a=b c", "-R", "results/a.pt",
+        "results/b.pt", "-F", cwd=tmp,
     )  # fmt: skip
 
 
@@ -190,8 +191,10 @@ def slurm_run(slurm_cluster, module_tmp):
 
 def test_the_controller_job_submits_its_successor_near_its_time_limit(slurm_run):
     """At its warning (USR1 to the batch shell) the controller job submits the next one with
-    its own name, resources and arguments, and kills Snakemake (SIGKILL: no job cancelled);
-    the successor (--dependency=singleton) starts once it has ended and runs Snakemake again."""
+    its own name, resources and arguments less Snakemake's forces (each would force a run that
+    finished meanwhile again: a delivered run trains from scratch), and kills Snakemake
+    (SIGKILL: no job cancelled); the successor (--dependency=singleton) starts once it has
+    ended and runs Snakemake again."""
     first = slurm_run.restarting
     jobs = slurm_run.restarted
     assert [j[0] for j in jobs][:1] == [str(first)] and len(jobs) == 2, jobs
@@ -201,7 +204,10 @@ def test_the_controller_job_submits_its_successor_near_its_time_limit(slurm_run)
     log = (slurm_run.restart_dir / f"ci_restart-{first}.log").read_text()
     assert f"submitted controller job {successor} (-J ci_restart -p service" in log, log
     assert "-c 1 --mem 100M -t 1:00)" in log and "(killed: its successor goes on)" in log, log
-    # the same arguments, unlocked first (only one controller of a name runs)
+    forces = "-R results/a.pt results/b.pt -F"
+    assert f"snakemake --profile profiles/slurm --config a=b c {forces} (job {first})" in log, log
+    assert f"without {forces} (a force applies once)" in log, log
+    # the same arguments less the forces, unlocked first (only one controller of a name runs)
     later = (slurm_run.restart_dir / f"ci_restart-{successor}.log").read_text()
     args = "--profile profiles/slurm --config a=b c"
     assert f"snakemake {args} --unlock (job {successor})" in later, later
