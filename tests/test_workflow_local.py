@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -22,6 +23,7 @@ from imagenet_ddp.data.prepared_layout import resolve_prepared
 from imagenet_ddp.jobs.plan import CHECK_FIRST
 from tests.workflow_helpers import (
     REPO,
+    SNAKEMAKE,
     planned_jobs,
     read_config,
     shown_specs,
@@ -892,12 +894,41 @@ def test_rerun_matrix_under_each_trigger_set(local_run):
         assert planned_jobs(local_run, "-c2", *triggers) == {}, name
 
 
+def _delivered_while_no_snakemake_watched(workdir: Path, root: Path, run: str, *args: str):
+    """`snakemake --profile profiles/local *args`, SIGKILLed alone (a login node that dies: no
+    cleanup) once the run's train job has started; the job trains on and delivers unwatched."""
+    from imagenet_ddp.jobs import attempts
+
+    log, began = workdir / f"logs/train/{run}.log", time.time()
+    output = workdir.parent / "killed-snakemake.log"
+    with open(output, "w") as out:
+        proc = subprocess.Popen([*SNAKEMAKE, "--profile", "profiles/local", *args], cwd=workdir,
+                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = began + 600
+    try:
+        while not (log.is_file() and log.stat().st_mtime >= began and "epoch 0 step" in
+                   log.read_text(errors="replace")):  # fmt: skip
+            assert proc.poll() is None and time.time() < deadline, output.read_text()[-3000:]
+            time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.wait()
+    while not (attempts.load(root) and attempts.load(root)[-1].get("outcome") == "completed"):
+        assert time.time() < deadline, log.read_text(errors="replace")[-3000:]
+        time.sleep(0.5)
+    assert json.loads((root / "delivered.json").read_text())["delivered_at"] > began
+
+
 def test_a_forced_or_cleaned_run_trains_again_from_scratch(local_run):
     """Issue 50: `--forcerun` of a finished run's model trains it from step 0 (never its final
     checkpoint resumed into the same model), its earlier checkpoints and attempt record moved to
     `<root>.previous`, the log saying so in one line; `--delete-all-output` then a run does the
-    same (docs/configuration.md "Reruns" lists what the cleanup leaves). Last in this file: it
-    leaves the run retrained."""
+    same (docs/configuration.md "Reruns" lists what the cleanup leaves). The forced run's
+    Snakemake is SIGKILLed while it trains: its job delivers unwatched, the next invocation
+    plans it again (`rerun-incomplete`: it would train from scratch once more), and
+    `snakemake --cleanup-metadata` of its outputs, as docs/configuration.md says, keeps the
+    delivery: nothing to do, `model.pt` untouched. Last in this file: it leaves the run
+    retrained."""
     from imagenet_ddp.jobs import attempts
 
     run = "resnet18-1x1"
@@ -905,12 +936,29 @@ def test_a_forced_or_cleaned_run_trains_again_from_scratch(local_run):
     root = local_run / "results/checkpoints" / run
     before = len(attempts.load(root))
     epochs = json.loads((local_run / f"results/runs/{run}/train_metrics.json").read_text())
+    names = (
+        "model.pt",
+        "train_metrics.json",
+        "history.csv",
+        "job.json",
+        "model.pt.provenance.json",
+    )
+    train_outputs = [f"results/runs/{run}/{name}" for name in names]  # the train rule's
     trained = []
     for cleanup in (("--forcerun", target), None):
         if cleanup is None:  # the cleanup of the run's model and what it is made of
             snakemake(local_run, "--profile", "profiles/local", "--delete-all-output", target)
             assert not (local_run / target).exists() and (root / "delivered.json").is_file()
-        snakemake(local_run, "--profile", "profiles/local", *(cleanup or ()), target)
+            snakemake(local_run, "--profile", "profiles/local", target)
+        else:
+            _delivered_while_no_snakemake_watched(local_run, root, run, *cleanup, target)
+            snakemake(local_run, "--unlock")
+            assert planned_jobs(local_run, "--profile", "profiles/local", target) == {"train": 1}
+            snakemake(local_run, "--cleanup-metadata", *train_outputs)
+            delivered = (local_run / target).stat().st_mtime_ns
+            assert planned_jobs(local_run, "--profile", "profiles/local", target) == {}
+            snakemake(local_run, "--profile", "profiles/local", target)
+            assert (local_run / target).stat().st_mtime_ns == delivered
         afresh = attempts.load(root)
         assert len(afresh) == 1 and afresh[0]["outcome"] == "completed", afresh
         assert (afresh[0]["start"]["epoch"], afresh[0]["start"]["step"]) == (0, 0), afresh[0]
