@@ -55,6 +55,21 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/report.smk"
 
 
+# This Snakemake's heartbeat, for its train jobs to record whether it still ran when they
+# delivered: a run delivered after it died is resumed, not trained again, when the next
+# invocation reruns it as incomplete (jobs.holders; docs/reliability.md "A controller that dies").
+onstart:
+    watch_invocation(CHECKPOINT_DIR)
+
+
+onsuccess:
+    stop_watching()
+
+
+onerror:
+    stop_watching()
+
+
 rule all:
     """Every run trained, evaluated, tabulated and plotted."""
     input:

@@ -234,3 +234,49 @@ def test_a_staging_lease_of_an_ended_job_is_reclaimed_before_its_heartbeat_goes_
         Path(report["dest"])
     ]  # fmt: skip
     assert not Path(report["dest"]).exists()
+
+
+def test_a_job_knows_whether_the_snakemake_that_submitted_it_still_runs(tmp_path, monkeypatch):
+    """The main Snakemake's heartbeat (the Snakefile's onstart, holders.watch_invocation) in
+    <checkpoint_dir>/.controllers, its name given to its jobs in $IMAGENET_DDP_CONTROLLER_BEAT:
+    a job's Snakemake runs while its file beats and its pid (on this host) runs; it has ended
+    where the pid is gone, the file is silent for STALE_S (another host's, where only the beat
+    can say) or removed (onsuccess, onerror: stop_watching). Where none is named (a module's
+    consumer: Snakemake runs only the main Snakefile's handlers; --no-hooks) nothing is known,
+    and a job delivers as before. Stale files of earlier invocations go at the next start."""
+    import socket
+    import subprocess
+    import sys
+
+    from imagenet_ddp.io import STALE_S
+
+    checkpoints = tmp_path / "ckpt"
+    monkeypatch.setenv(holders.CONTROLLER_BEAT, "")  # restored (unset) after the test
+    assert holders.invocation_watched(checkpoints) is True  # unknown
+    folder = checkpoints / holders.CONTROLLERS_DIR
+    folder.mkdir(parents=True)
+    stale = folder / "local-elsewhere-1"
+    stale.touch()
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    holders.watch_invocation(checkpoints)
+    try:
+        name = os.environ[holders.CONTROLLER_BEAT]
+        assert name == f"local-{socket.gethostname()}-{os.getpid()}"
+        path = folder / name
+        assert path.is_file() and not stale.exists()
+        assert holders.invocation_watched(checkpoints) is True  # this process: alive, beating
+        old = time.time() - STALE_S - 5
+        os.utime(path, (old, old))
+        assert holders.invocation_watched(checkpoints) is False  # silent
+    finally:
+        holders.stop_watching()
+    assert not path.exists() and holders.invocation_watched(checkpoints) is False  # it ended
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    gone = f"local-{socket.gethostname()}-{dead}"
+    (folder / gone).touch()  # beating a second ago, but its process has ended on this host
+    assert holders.invocation_watched(checkpoints, {holders.CONTROLLER_BEAT: gone}) is False
+    elsewhere = folder / "local-node7-123"
+    elsewhere.touch()  # another host's: its beat decides, silent 5 minutes is not ended
+    os.utime(elsewhere, (time.time() - 300, time.time() - 300))
+    assert holders.invocation_watched(checkpoints, {holders.CONTROLLER_BEAT: elsewhere.name})

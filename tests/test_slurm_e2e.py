@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -157,6 +158,7 @@ def slurm_run(slurm_cluster, module_tmp):
                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         try:
             held = _held_train_job(slurm_cluster, workdir, proc)
+            first_pid = proc.pid
         finally:
             os.killpg(proc.pid, signal.SIGKILL)  # the login node dies: no cleanup, no scancel
             proc.wait()
@@ -186,6 +188,7 @@ def slurm_run(slurm_cluster, module_tmp):
         cluster=slurm_cluster, held=held, controller=controller,
         restart_seconds=time.monotonic() - killed_at, restart_dir=restart_dir,
         restarting=restarting, restarted=[line.split("|") for line in restarted.split()],
+        first_pid=first_pid,
     )  # fmt: skip
 
 
@@ -256,6 +259,14 @@ def test_a_restarted_controller_waits_for_the_runs_live_train_job_and_adopts_its
     assert all(torch.equal(model[k], checkpoint[k]) for k in model)
     log = (slurm_run.dir / f"logs/train/{GPU_RUN}.log").read_text()
     assert "still trains it" not in log  # it started once the other had ended
+    # Each job knew the Snakemake that submitted it, by its heartbeat (jobs.holders: whether
+    # it still runs when the job finishes), through sbatch and the job's own Snakemake: the
+    # GPU run's, the restarted controller's (on the service node); another's, the first's.
+    submitters = {run["name"]: json.loads((slurm_run.dir / f"results/runs/{run['name']}/job.json")
+                  .read_text())["submitted_by"] for run in RUNS}  # fmt: skip
+    assert submitters[GPU_RUN].startswith("local-slurmctl-"), submitters
+    others = {v for k, v in submitters.items() if k != GPU_RUN}
+    assert others == {f"local-{socket.gethostname()}-{slurm_run.first_pid}"}, submitters
 
 
 def test_every_job_went_through_sbatch_and_completed(slurm_run):

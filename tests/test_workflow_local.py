@@ -894,9 +894,9 @@ def test_rerun_matrix_under_each_trigger_set(local_run):
         assert planned_jobs(local_run, "-c2", *triggers) == {}, name
 
 
-def _delivered_while_no_snakemake_watched(workdir: Path, root: Path, run: str, *args: str):
+def _trained_while_no_snakemake_watched(workdir: Path, root: Path, run: str, *args: str):
     """`snakemake --profile profiles/local *args`, SIGKILLed alone (a login node that dies: no
-    cleanup) once the run's train job has started; the job trains on and delivers unwatched."""
+    cleanup) once the run's train job has started; the job trains on, unwatched, to its end."""
     from imagenet_ddp.jobs import attempts
 
     log, began = workdir / f"logs/train/{run}.log", time.time()
@@ -913,10 +913,16 @@ def _delivered_while_no_snakemake_watched(workdir: Path, root: Path, run: str, *
     finally:
         proc.kill()
         proc.wait()
-    while not (attempts.load(root) and attempts.load(root)[-1].get("outcome") == "completed"):
+    while not (attempts.load(root) and attempts.load(root)[-1].get("ended") is not None):
         assert time.time() < deadline, log.read_text(errors="replace")[-3000:]
         time.sleep(0.5)
-    assert json.loads((root / "delivered.json").read_text())["delivered_at"] > began
+    time.sleep(1)  # the launcher's last lines, after its attempt entry
+
+
+def _weights(path: Path) -> dict:
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=False)["model"]
 
 
 def test_a_forced_or_cleaned_run_trains_again_from_scratch(local_run):
@@ -924,50 +930,55 @@ def test_a_forced_or_cleaned_run_trains_again_from_scratch(local_run):
     checkpoint resumed into the same model), its earlier checkpoints and attempt record moved to
     `<root>.previous`, the log saying so in one line; `--delete-all-output` then a run does the
     same (docs/configuration.md "Reruns" lists what the cleanup leaves). The forced run's
-    Snakemake is SIGKILLed while it trains: its job delivers unwatched, the next invocation
-    plans it again (`rerun-incomplete`: it would train from scratch once more), and
-    `snakemake --cleanup-metadata` of its outputs, as docs/configuration.md says, keeps the
-    delivery: nothing to do, `model.pt` untouched. Last in this file: it leaves the run
-    retrained."""
+    Snakemake is SIGKILLed while it trains (a login node that dies): its job trains to the end
+    but delivers nothing, so the next invocation's rerun of it (`rerun-incomplete`) is no run
+    asked for again: it resumes the final checkpoint and writes the outputs without training,
+    the same weights. Last in this file: it leaves the run retrained."""
+    import torch
+
     from imagenet_ddp.jobs import attempts
 
     run = "resnet18-1x1"
     target = f"results/runs/{run}/model.pt"
     root = local_run / "results/checkpoints" / run
+    log = local_run / f"logs/train/{run}.log"
     before = len(attempts.load(root))
     epochs = json.loads((local_run / f"results/runs/{run}/train_metrics.json").read_text())
-    names = (
-        "model.pt",
-        "train_metrics.json",
-        "history.csv",
-        "job.json",
-        "model.pt.provenance.json",
-    )
-    train_outputs = [f"results/runs/{run}/{name}" for name in names]  # the train rule's
     trained = []
-    for cleanup in (("--forcerun", target), None):
-        if cleanup is None:  # the cleanup of the run's model and what it is made of
+    for cleanup in ("--forcerun", "--delete-all-output"):
+        if cleanup == "--forcerun":
+            _trained_while_no_snakemake_watched(local_run, root, run, cleanup, target, target)
+            text = log.read_text()
+            assert "is trained, but the Snakemake that submitted this job has ended" in text
+            assert not (root / "delivered.json").exists(), text[-2000:]
+            weights = _weights(local_run / target)  # the ranks wrote it: nothing recorded
+        else:  # the cleanup of the run's model and what it is made of
             snakemake(local_run, "--profile", "profiles/local", "--delete-all-output", target)
             assert not (local_run / target).exists() and (root / "delivered.json").is_file()
             snakemake(local_run, "--profile", "profiles/local", target)
-        else:
-            _delivered_while_no_snakemake_watched(local_run, root, run, *cleanup, target)
-            snakemake(local_run, "--unlock")
-            assert planned_jobs(local_run, "--profile", "profiles/local", target) == {"train": 1}
-            snakemake(local_run, "--cleanup-metadata", *train_outputs)
-            delivered = (local_run / target).stat().st_mtime_ns
-            assert planned_jobs(local_run, "--profile", "profiles/local", target) == {}
-            snakemake(local_run, "--profile", "profiles/local", target)
-            assert (local_run / target).stat().st_mtime_ns == delivered
+            text = log.read_text()
         afresh = attempts.load(root)
         assert len(afresh) == 1 and afresh[0]["outcome"] == "completed", afresh
         assert (afresh[0]["start"]["epoch"], afresh[0]["start"]["step"]) == (0, 0), afresh[0]
-        log = (local_run / f"logs/train/{run}.log").read_text()
-        assert f"{root.name} held a delivered run; training from scratch" in log, log[-2000:]
+        assert f"{root.name} held a delivered run; training from scratch" in text, text[-2000:]
+        if cleanup == "--forcerun":  # the next invocation: the same command again
+            snakemake(local_run, "--unlock")
+            assert planned_jobs(local_run, "--profile", "profiles/local", target) == {"train": 1}
+            snakemake(local_run, "--profile", "profiles/local", target)
+            resumed = attempts.load(root)
+            assert [a["outcome"] for a in resumed] == ["completed"] * 2, resumed
+            final = epochs["epochs"][-1]["epoch"] + 1
+            assert (resumed[1]["start"]["epoch"], resumed[1]["start"]["step"]) == (final, 0)
+            again = _weights(local_run / target)
+            assert again.keys() == weights.keys()
+            assert all(torch.equal(again[k], weights[k]) for k in weights)
+            assert "training from scratch" not in log.read_text()
+            assert (root / "delivered.json").is_file()
+            assert planned_jobs(local_run, "--profile", "profiles/local", target) == {}
         trained.append(
             json.loads((local_run / f"results/runs/{run}/train_metrics.json").read_text())
         )
-    assert len(attempts.load(root.with_name(f"{run}.previous"))) == 1  # the forced one's
+    assert len(attempts.load(root.with_name(f"{run}.previous"))) == 2  # the forced run's
     assert before >= 1
     for retrained in trained:
         runs = [[e["epoch"] for e in m["epochs"]] for m in (epochs, retrained)]

@@ -22,6 +22,7 @@ from imagenet_ddp import __version__ as PACKAGE_VERSION  # report.smk's param
 from imagenet_ddp.data.layouts import LAYOUTS, dry_run_layout
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.jobs.container import host_args_env, host_runtime_env
+from imagenet_ddp.jobs.holders import stop_watching, watch_invocation
 from imagenet_ddp.jobs.site import (
     launch_prefix,
     memory_problems,

@@ -6,9 +6,11 @@ once (:func:`give_back`), never waiting while holding GPUs. Torch-free.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +18,14 @@ from typing import Any
 
 import psutil
 
-from imagenet_ddp.io import SILENT_S, exclusive_lock, lock_path_for
+from imagenet_ddp.io import (
+    SILENT_S,
+    STALE_S,
+    Heartbeat,
+    exclusive_lock,
+    last_beat,
+    lock_path_for,
+)
 from imagenet_ddp.jobs.attempts import (
     ALIVE_DIR,
     EXIT_REQUEUE,
@@ -127,3 +136,57 @@ def _requeue_behind(own: str, holder: str) -> bool:
                 slurm("scontrol", "release", own)
             return False
     return True
+
+
+# The main Snakemake's own heartbeat (the Snakefile's onstart), which its jobs inherit by name:
+# whether it still ran when a job finished tells a rerun of that job by `rerun-incomplete`
+# (the Snakemake died before it could record the outputs) from one asked for (jobs.launch).
+CONTROLLER_BEAT = "IMAGENET_DDP_CONTROLLER_BEAT"  # the file's name, in CONTROLLERS_DIR
+CONTROLLERS_DIR = ".controllers"  # in execution.checkpoint_dir, where every node sees it
+_watching: list[Heartbeat] = []
+
+
+def watch_invocation(checkpoint_dir) -> None:
+    """Beat for as long as this Snakemake runs (Snakemake's onstart: the main Snakefile's
+    only, not under --no-hooks, nor in a workflow that uses this one as a module), named in
+    ``$IMAGENET_DDP_CONTROLLER_BEAT`` for the jobs it submits; files of invocations silent for
+    STALE_S are removed."""
+    folder = Path(checkpoint_dir) / CONTROLLERS_DIR
+    for old in folder.glob("*"):
+        if time.time() - (last_beat(old) or 0.0) > STALE_S:
+            with contextlib.suppress(OSError):  # another invocation removed it first
+                old.unlink()
+    name = f"local-{socket.gethostname()}-{os.getpid()}"
+    try:
+        beat = Heartbeat(folder / name).__enter__()
+    except OSError as error:  # its jobs then deliver whatever becomes of this Snakemake
+        print(f"warning: {folder}: {error}; train jobs cannot tell whether this Snakemake "
+              "still runs when they finish (docs/reliability.md)", file=sys.stderr)  # fmt: skip
+        return
+    _watching.append(beat)
+    os.environ[CONTROLLER_BEAT] = name
+
+
+def stop_watching() -> None:
+    """Snakemake's onsuccess and onerror: this Snakemake ends, its jobs with it."""
+    while _watching:
+        _watching.pop().__exit__(None, None, None)
+
+
+def invocation_watched(checkpoint_dir, environ=None) -> bool:
+    """Whether the Snakemake that submitted this job still runs, and will record what it
+    delivers: False where its heartbeat file names a process gone on this host, is silent for
+    STALE_S (another host's: far beyond a shared filesystem's attribute cache and the hosts'
+    clock skew, since a live one taken for ended would deliver nothing) or is gone (it ended);
+    True where none is named (unknown: a job of a module's consumer, or run by hand)."""
+    environ = os.environ if environ is None else environ
+    name = environ.get(CONTROLLER_BEAT)
+    if not name:
+        return True
+    path = Path(checkpoint_dir) / CONTROLLERS_DIR / name
+    try:  # opened: NFS revalidates a file's attributes on open (close-to-open)
+        with open(path, "rb") as handle:
+            beat = os.fstat(handle.fileno()).st_mtime
+    except OSError:
+        return False
+    return time.time() - beat < STALE_S and not beat_owner_ended(path)

@@ -34,7 +34,14 @@ from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import EXIT_INPUT, Heartbeat, write_json_atomic
 from imagenet_ddp.jobs import attempts, rerun_keys
 from imagenet_ddp.jobs.early_signals import EXIT_REQUEUE, STOP_SIGNALS
-from imagenet_ddp.jobs.holders import beat_owner_ended, begin_unless_held, give_back, live_holder
+from imagenet_ddp.jobs.holders import (
+    CONTROLLER_BEAT,
+    beat_owner_ended,
+    begin_unless_held,
+    give_back,
+    invocation_watched,
+    live_holder,
+)
 from imagenet_ddp.jobs.launchers import get_launcher, resolve_launcher
 from imagenet_ddp.jobs.spec import (
     EVAL_SPEC,
@@ -89,7 +96,8 @@ def start_afresh_if_delivered(checkpoint_root: Path, environ=None, epoch=None) -
 def train_job(job: TrainJob, key: str | None = None) -> int:
     """Train one run on ``job.run``'s geometry of ranks; on success write ``job.json`` (with
     its rerun ``key``'s content) and the provenance beside ``model.pt``, then remove the run's
-    other keys (jobs.rerun_keys)."""
+    other keys (jobs.rerun_keys). Not where the Snakemake that submitted the job has ended
+    (jobs.holders.invocation_watched): the next one's job delivers from the final checkpoint."""
     _ = job.geometry  # a run without its geometry is refused before anything is written
     # Another job of the run still training (its controller died, a new one submitted this
     # one): give the allocation back before writing anything of the run (jobs.holders).
@@ -105,12 +113,23 @@ def train_job(job: TrainJob, key: str | None = None) -> int:
     code = run_attempt(job, spec_path)
     if code != 0:
         return code
+    if not invocation_watched(job.paths.checkpoint_root.parent):
+        # Delivered now, its outputs would stay unrecorded (incomplete), and the next
+        # invocation's rerun of them could not be told from a run asked for again (trained
+        # from scratch); its final checkpoint left, that job delivers it without training.
+        print(f"train: run {job.name!r} is trained, but the Snakemake that submitted this job "
+              "has ended (its heartbeat: jobs.holders): nothing delivered; the next "
+              "invocation's train job writes the outputs from the final checkpoint, without "
+              "training", flush=True)  # fmt: skip
+        return 0
     record = {
         "launcher": job.execution.launcher,
         **{key: job.run[key] for key in LAUNCH_KEYS},
         "wall_seconds": time.time() - started,
         "spec": str(spec_path),
         "key": rerun_keys.read_key(key) if key else None,  # the parse names what changed
+        # the Snakemake that submitted it, by its heartbeat's name (jobs.holders; None: unknown)
+        "submitted_by": os.environ.get(CONTROLLER_BEAT) or None,
     }
     write_json_atomic(run_dir / "job.json", record)
     # The worker's resolved settings (every default filled in), beside the model.
