@@ -253,6 +253,8 @@ def test_a_job_knows_whether_the_snakemake_that_submitted_it_still_runs(tmp_path
     checkpoints = tmp_path / "ckpt"
     monkeypatch.setenv(holders.CONTROLLER_BEAT, "")  # restored (unset) after the test
     assert holders.invocation_watched(checkpoints) is True  # unknown
+    named = {holders.CONTROLLER_BEAT: "local-login1-7"}  # no folder here: another filesystem
+    assert holders.invocation_watched(checkpoints, named) is True
     folder = checkpoints / holders.CONTROLLERS_DIR
     folder.mkdir(parents=True)
     stale = folder / "local-elsewhere-1"

@@ -178,12 +178,14 @@ def invocation_watched(checkpoint_dir, environ=None) -> bool:
     delivers: False where its heartbeat file names a process gone on this host, is silent for
     STALE_S (another host's: far beyond a shared filesystem's attribute cache and the hosts'
     clock skew, since a live one taken for ended would deliver nothing) or is gone (it ended);
-    True where none is named (unknown: a job of a module's consumer, or run by hand)."""
+    True where none is named (unknown: a job of a module's consumer, or run by hand) or this
+    host sees no heartbeat folder at all (not the filesystem the Snakemake wrote it on)."""
     environ = os.environ if environ is None else environ
     name = environ.get(CONTROLLER_BEAT)
-    if not name:
+    folder = Path(checkpoint_dir) / CONTROLLERS_DIR
+    if not name or not folder.is_dir():
         return True
-    path = Path(checkpoint_dir) / CONTROLLERS_DIR / name
+    path = folder / name
     try:  # opened: NFS revalidates a file's attributes on open (close-to-open)
         with open(path, "rb") as handle:
             beat = os.fstat(handle.fileno()).st_mtime
