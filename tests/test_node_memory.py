@@ -4,10 +4,12 @@ copy."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
+from imagenet_ddp.data.prepared_layout import MANIFEST_FORMAT
 from imagenet_ddp.settings.node_memory import (
     COMPILE_WORKER_MB,
     CUDA_RANK_EXTRA_MB,
@@ -69,9 +71,10 @@ def test_a_dali_run_is_charged_its_spawned_workers_not_a_forkserver_nor_holdout_
     assert "is below the" in refusal and "15 loader worker(s) each hold" in refusal
 
 
-def test_a_dali_runs_shared_memory_holds_its_jpegs_at_the_prepared_short_side():
+def test_a_dali_runs_shared_memory_holds_its_jpegs_at_the_prepared_short_side(tmp_path):
     """DALI's workers hand over a batch's JPEGs: charged at a prepared sample's bytes, by pixels
-    at prepare.short_side at the dry-run (jobs.site) and the staged copy's own bytes per sample on
+    at prepare.short_side at the dry-run (jobs.site) until the copy the prepare rule's manifest
+    names exists at that short side, then at its own bytes per sample, as the staged copy's on
     the node (data.stage.ram_copy_problem); nothing changes for the pytorch path."""
     from imagenet_ddp.jobs.site import memory_problems
     from imagenet_ddp.settings.run_checks import split_sizes
@@ -98,6 +101,17 @@ def test_a_dali_runs_shared_memory_holds_its_jpegs_at_the_prepared_short_side():
     config["prepare"]["short_side"] = 512
     refused = memory_problems({"d": dali}, config, fits)[0]
     assert len(refused) == 1 and "run 'd'" in refused[0], refused
+    # the prepared copy at 512, its JPEGs as small as the formula's at 256: it fits again
+    copy = tmp_path / "prepared/train-abc"
+    copy.mkdir(parents=True)
+    info = {"short_side": 512, "num_samples": 1000, "total_bytes": 1000 * 42_700}
+    (copy / "prepared.json").write_text(json.dumps(info))
+    manifest = tmp_path / "train.json"
+    manifest.write_text(json.dumps({"format": MANIFEST_FORMAT, "dir": str(copy)}))
+    assert memory_problems({"d": dali}, config, fits, manifest)[0] == []
+    config["prepare"]["short_side"] = 448  # another short side: prepare makes a new copy
+    assert memory_problems({"d": dali}, config, fits, manifest)[0] != []
+    assert memory_problems({"d": dali}, config, fits, tmp_path / "none.json")[0] != []
 
 
 def test_measured_too_much_is_refused_estimated_too_much_warned():
@@ -133,7 +147,6 @@ def test_a_2x8_v2_preset_run_staging_to_dev_shm_at_128_gb_is_warned_with_its_num
 ):
     """Issue 36: the tmpfs copy (~52 GB at short_side 256) and each loader worker's dataset
     arrays (46 MB at the full train split, 120 workers per node) count against mem_mb."""
-    import json
 
     from imagenet_ddp.data.stage import scratch_in_ram
     from imagenet_ddp.settings.node_memory import DATASET_BYTES_PER_SAMPLE, DataSizes
@@ -145,15 +158,14 @@ def test_a_2x8_v2_preset_run_staging_to_dev_shm_at_128_gb_is_warned_with_its_num
     holdout = 128_117
     train = ILSVRC2012_TRAIN_IMAGES - holdout
     assert train * DATASET_BYTES_PER_SAMPLE == pytest.approx(46e6, rel=0.01)  # per worker
-    prepared = tmp_path / "prepared/train"  # not prepared yet: estimated from the images
-    size, measured, where = scratch_in_ram("/dev/shm", prepared, train + holdout, 256)
+    # not prepared yet: estimated from the images
+    size, measured, where = scratch_in_ram("/dev/shm", None, train + holdout, 256)
     assert not measured and size == pytest.approx(train_set_mib := 1_281_167 * 42_700 / 2**20)
     assert where.startswith("stage.scratch_dir '/dev/shm' is tmpfs; estimated as 1281167 images")
-    assert scratch_in_ram("/local/scratch/me", prepared, 10, 256) is None  # a disk
-    assert scratch_in_ram("", prepared, 10, 256) is None  # the job's $TMPDIR: unknown
-    prepared.mkdir(parents=True)
-    (prepared / "prepared.json").write_text(json.dumps({"total_bytes": 54_700 * 2**20}))
-    assert scratch_in_ram("/dev/shm/x", prepared, 10, 256)[:2] == (54_700, True)
+    assert scratch_in_ram("/local/scratch/me", None, 10, 256) is None  # a disk
+    assert scratch_in_ram("", None, 10, 256) is None  # the job's $TMPDIR: unknown
+    info = {"total_bytes": 54_700 * 2**20}
+    assert scratch_in_ram("/dev/shm/x", info, 10, 256)[:2] == (54_700, True)
 
     run = {**NODE, "cpus_per_task": 16, **preset("torchvision-resnet50-v2")}
     on_disk = DataSizes(train, holdout)

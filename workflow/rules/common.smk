@@ -175,7 +175,7 @@ TRAIN_RUNTIME = RESOURCES.number("train", "runtime")  # minutes per allocation, 
 # refused above the measured per-process figures, a warning above measured + estimated. The
 # node checks again before it stages, with its real limit.
 _mem_mb = RESOURCES.number("train", "mem_mb")
-_refusals, _warnings = memory_problems(RUNS, config, _mem_mb)
+_refusals, _warnings = memory_problems(RUNS, config, _mem_mb, PREPARED.format("train"))
 if _refusals:
     refuse(_refusals)
 for _line in summarised(

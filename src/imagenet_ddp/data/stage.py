@@ -22,7 +22,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from imagenet_ddp.data.prepared_layout import PREPARED_JSON, SHARD_DIR, content_digest
+from imagenet_ddp.data.prepared_layout import (
+    PREPARED_JSON,
+    SHARD_DIR,
+    content_digest,
+    resolve_prepared,
+)
 from imagenet_ddp.errors import InputError
 from imagenet_ddp.io import (
     STALE_S,
@@ -123,23 +128,32 @@ def _ram_fs(path: Path) -> str | None:
     return mount.fstype if mount is not None and mount.fstype in RAM_FS_TYPES else None
 
 
+def prepared_info(manifest, short_side: int) -> dict | None:
+    """The prepared.json of the copy that the prepare rule's ``manifest`` names, where it is
+    there and made at ``short_side`` (at another, prepare makes a new one); None otherwise."""
+    try:
+        info = json.loads((resolve_prepared(manifest) / PREPARED_JSON).read_text())
+    except (InputError, OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and info.get("short_side") == short_side else None
+
+
 def scratch_in_ram(
-    scratch_dir: str, prepared_train: Path, images: int, short_side: int
+    scratch_dir: str, info: dict | None, images: int, short_side: int
 ) -> tuple[float, bool, str] | None:
     """(MiB, measured, what) of the train copy each node stages where ``stage.scratch_dir`` is
-    a tmpfs here (/dev/shm): the prepared copy's size, else ``images`` at ``short_side``; None
-    where not in RAM or unknown at the dry-run (empty: seen only on the node)."""
+    a tmpfs here (/dev/shm): the prepared copy's size (``info``: :func:`prepared_info`), else
+    ``images`` at ``short_side``; None where not in RAM or unknown at the dry-run (empty: seen
+    only on the node)."""
     fs_type = os.path.isabs(scratch_dir or "") and _ram_fs(Path(scratch_dir))
     if not fs_type:
         return None
     where = f"{SCRATCH_KEY} {scratch_dir!r} is {fs_type}"
-    try:
-        info = json.loads((Path(prepared_train) / PREPARED_JSON).read_text())
+    if info and isinstance(info.get("total_bytes"), int):
         return info["total_bytes"] / 2**20, True, f"{where}; the prepared copy's size"
-    except (OSError, ValueError, KeyError, TypeError):
-        per_image = prepared_sample_bytes(short_side)
-        estimate = f"estimated as {images} images x {per_image / 1000:.1f} kB at prepare.short_side"
-        return images * per_image / 2**20, False, f"{where}; {estimate} {short_side}"
+    per_image = prepared_sample_bytes(short_side)
+    estimate = f"estimated as {images} images x {per_image / 1000:.1f} kB at prepare.short_side"
+    return images * per_image / 2**20, False, f"{where}; {estimate} {short_side}"
 
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")

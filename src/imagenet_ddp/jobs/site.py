@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from imagenet_ddp.data.stage import configured_scratch_problem, scratch_in_ram
+from imagenet_ddp.data.stage import configured_scratch_problem, prepared_info, scratch_in_ram
 from imagenet_ddp.jobs.attempts import nodes_ahead, refusal_ahead
 from imagenet_ddp.jobs.launchers import launcher_problem
 from imagenet_ddp.settings.geometry import on_nodes, slurm_resources
@@ -60,19 +60,19 @@ def stop_warning_problem(runtime_minutes: float | None, slurm_extra: str) -> str
 
 
 def memory_problems(
-    runs: Mapping[str, Mapping], config: Mapping, mem_mb: float | None
+    runs: Mapping[str, Mapping], config: Mapping, mem_mb: float | None, manifest=None
 ) -> tuple[list[str], list[str]]:
     """(refusals, warnings) of each run's training job against train's ``mem_mb`` per node
     (settings.node_memory), with the split's sizes from the config and the train copy staged
-    in RAM where stage.scratch_dir is a tmpfs here (data.stage.scratch_in_ram)."""
+    in RAM where stage.scratch_dir is a tmpfs here (data.stage.scratch_in_ram): the prepared
+    copy's own sizes where the prepare rule's ``manifest`` names one at prepare.short_side."""
     train, holdout, _ = split_sizes(config)
-    in_ram = scratch_in_ram(
-        config["stage"]["scratch_dir"],
-        f"{config['prepare']['dir']}/train",
-        train + holdout,
-        config["prepare"]["short_side"],
-    )
-    sample_bytes = prepared_sample_bytes(config["prepare"]["short_side"])
+    short_side = config["prepare"]["short_side"]
+    info = prepared_info(manifest, short_side) if manifest else None
+    in_ram = scratch_in_ram(config["stage"]["scratch_dir"], info, train + holdout, short_side)
+    sample_bytes = prepared_sample_bytes(short_side)
+    if info and info.get("num_samples"):  # what DALI's workers hand over: its JPEGs
+        sample_bytes = info["total_bytes"] / info["num_samples"]
     data = DataSizes(train, holdout, *(in_ram or ()), sample_bytes=sample_bytes)
     return node_memory_problems(runs, mem_mb, data)
 
