@@ -55,9 +55,9 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/report.smk"
 
 
-# This Snakemake's heartbeat, for its train jobs to record whether it still ran when they
-# delivered: a run delivered after it died is resumed, not trained again, when the next
-# invocation reruns it as incomplete (jobs.holders; docs/reliability.md "A controller that dies").
+# This Snakemake's heartbeat, for its train jobs to see whether it still runs when they finish:
+# one that finishes after it died delivers nothing, and the next invocation's rerun of it writes
+# the outputs from its final checkpoint, not trained again (jobs.holders; docs/reliability.md).
 onstart:
     watch_invocation(CHECKPOINT_DIR)
 

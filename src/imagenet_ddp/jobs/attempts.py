@@ -63,11 +63,16 @@ def run_keys(run: dict[str, Any]) -> tuple[str, str]:
     return settings_key(run), _earlier_key(run)
 
 
+def local_beat_name() -> str:
+    """This process's heartbeat name outside SLURM, its host and pid, which
+    jobs.holders.beat_owner_ended reads back."""
+    return f"local-{socket.gethostname()}-{os.getpid()}"
+
+
 def beat_path(checkpoint_root) -> Path:
     """This job's heartbeat file: named by its SLURM job id (every srun task sees it alike),
     else the host and launcher's pid."""
-    job = os.environ.get("SLURM_JOB_ID")
-    name = job or f"local-{socket.gethostname()}-{os.getpid()}"
+    name = os.environ.get("SLURM_JOB_ID") or local_beat_name()
     return Path(checkpoint_root) / ALIVE_DIR / name
 
 

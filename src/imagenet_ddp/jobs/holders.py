@@ -32,6 +32,7 @@ from imagenet_ddp.jobs.attempts import (
     RECORD,
     last_sign,
     load,
+    local_beat_name,
     of_run,
     run_keys,
 )
@@ -156,7 +157,7 @@ def watch_invocation(checkpoint_dir) -> None:
         if time.time() - (last_beat(old) or 0.0) > STALE_S:
             with contextlib.suppress(OSError):  # another invocation removed it first
                 old.unlink()
-    name = f"local-{socket.gethostname()}-{os.getpid()}"
+    name = local_beat_name()
     try:
         beat = Heartbeat(folder / name).__enter__()
     except OSError as error:  # its jobs then deliver whatever becomes of this Snakemake
